@@ -1,0 +1,1 @@
+"""Topologies, meshes, ahead-of-time lowering and compilation, and artifacts."""

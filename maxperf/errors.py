@@ -1,0 +1,33 @@
+"""Errors that maxperf reports to the user as one line, with exit code 2 (bad input) or 3 (does not fit)."""
+
+import difflib
+from collections.abc import Iterable
+
+
+class MaxperfError(Exception):
+    """Bad input: the message says what was wrong and what would be right. Exit code 2."""
+
+    exit_code = 2
+
+
+class DoesNotFit(MaxperfError):
+    """The step compiled (or was estimated) but needs more memory than the device has. Exit code 3."""
+
+    exit_code = 3
+
+
+def closest(word: str, choices: Iterable[str], n: int = 3) -> list[str]:
+    """The valid names nearest to `word`, best first, for 'did you mean' hints."""
+    choices = list(choices)
+    hits = difflib.get_close_matches(word, choices, n=n, cutoff=0.5)
+    if not hits:
+        hits = [c for c in choices if word.lower() in c.lower() or c.lower() in word.lower()][:n]
+    return hits
+
+
+def unknown(kind: str, word: str, choices: Iterable[str]) -> MaxperfError:
+    """An error for an unknown name that suggests the closest valid ones."""
+    choices = list(choices)
+    hits = closest(word, choices)
+    hint = f"did you mean {', '.join(hits)}?" if hits else f"valid: {', '.join(sorted(choices)[:12])}"
+    return MaxperfError(f"unknown {kind} {word!r}; {hint}")

@@ -1,0 +1,235 @@
+"""Typed, frozen configs: the model, the training step, and the parallelism over a mesh.
+
+One letter per dimension: V vocabulary, D model width, N layers, H query heads, K kv heads, Dh head dim,
+F feed-forward width, B per-device batch, L sequence, W attention window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+
+from maxperf.errors import MaxperfError
+
+
+class Activation(enum.StrEnum):
+    SWIGLU = "swiglu"
+    GEGLU = "geglu"
+    GELU = "gelu"
+
+    @property
+    def gated(self) -> bool:
+        return self is not Activation.GELU
+
+
+class Norm(enum.StrEnum):
+    RMSNORM = "rmsnorm"
+    LAYERNORM = "layernorm"
+
+
+class Positions(enum.StrEnum):
+    ROPE = "rope"
+    LEARNED = "learned"
+
+
+class AttentionPattern(enum.StrEnum):
+    FULL = "full"  # every layer full causal
+    SLIDING = "sliding"  # every layer sees the last W tokens
+    LOCAL_GLOBAL = "local_global"  # `local_per_global` sliding-window layers, then one full layer, repeated
+
+
+class RematPolicy(enum.StrEnum):
+    NONE = "none"  # keep every activation the backward pass needs
+    MINIMAL = "minimal"  # keep the outputs of weight matmuls, recompute the rest
+    FULL = "full"  # keep only each layer's input, recompute the whole layer
+
+
+class LayerKind(enum.StrEnum):
+    """The decoder layer family; mixture-of-experts and latent-attention layers join this registry."""
+
+    DENSE = "dense"
+
+
+MESH_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
+DCN_AXES = ("data", "fsdp")
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise MaxperfError(message)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's frequency-dependent RoPE scaling (Meta's reference implementation)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int  # V
+    d_model: int  # D
+    num_layers: int  # N
+    num_heads: int  # H
+    num_kv_heads: int  # K
+    head_dim: int  # Dh
+    d_ff: int  # F
+    activation: Activation = Activation.SWIGLU
+    norm: Norm = Norm.RMSNORM
+    norm_eps: float = 1e-5
+    positions: Positions = Positions.ROPE
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    max_position: int = 8192  # size of the learned position table
+    tie_embeddings: bool = False
+    scale_embeddings: bool = False  # multiply embeddings by sqrt(D), as Gemma does
+    attention: AttentionPattern = AttentionPattern.FULL
+    window: int | None = None  # W, for sliding and for the local layers of local_global
+    local_per_global: int = 1
+    qk_norm: bool = False
+    query_scale: float | None = None  # None: 1/sqrt(Dh)
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    post_norms: bool = False  # norms after attention and MLP too, as in Gemma 2
+    layer_kind: LayerKind = LayerKind.DENSE
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff"):
+            value = getattr(self, field)
+            _require(isinstance(value, int) and value >= 1, f"{field} must be a positive integer, got {value!r}")
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",
+        )
+        if self.attention is not AttentionPattern.FULL:
+            _require(
+                self.window is not None and self.window >= 1,
+                f"attention={self.attention} needs window=W with W >= 1, got window={self.window}",
+            )
+        _require(self.local_per_global >= 1, f"local_per_global must be >= 1, got {self.local_per_global}")
+        _require(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
+
+    @property
+    def kv_groups(self) -> int:
+        """Query heads per kv head (H / K)."""
+        return self.num_heads // self.num_kv_heads
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """The attention window of each layer, None where the layer attends to the whole causal prefix."""
+        if self.attention is AttentionPattern.FULL:
+            return (None,) * self.num_layers
+        if self.attention is AttentionPattern.SLIDING:
+            return (self.window,) * self.num_layers
+        period = self.local_per_global + 1
+        return tuple(None if (i + 1) % period == 0 else self.window for i in range(self.num_layers))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    per_device_batch_size: int = 1  # B
+    seq_len: int = 2048  # L
+    compute_dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    learning_rate: float = 3e-4
+    warmup_steps: int = 100
+    decay_steps: int = 10_000  # cosine decay to min_lr_ratio * learning_rate after warm-up
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip_norm: float | None = 1.0
+    grad_accum_steps: int = 1
+    remat_policy: RematPolicy = RematPolicy.FULL
+    scan_layers: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.per_device_batch_size >= 1, f"per_device_batch_size must be >= 1, got {self.per_device_batch_size}")
+        _require(self.seq_len >= 1, f"seq_len must be >= 1, got {self.seq_len}")
+        for field in ("compute_dtype", "param_dtype"):
+            value = getattr(self, field)
+            _require(value in _DTYPES, f"{field} must be one of {', '.join(_DTYPES)}, got {value!r}")
+        _require(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}")
+        _require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        _require(self.decay_steps >= 1, f"decay_steps must be >= 1, got {self.decay_steps}")
+        _require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        _require(
+            self.grad_clip_norm is None or self.grad_clip_norm > 0,
+            f"grad_clip_norm must be > 0 or none, got {self.grad_clip_norm}",
+        )
+        _require(self.grad_accum_steps >= 1, f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
+        _require(
+            self.per_device_batch_size % self.grad_accum_steps == 0,
+            f"grad_accum_steps ({self.grad_accum_steps}) must divide per_device_batch_size "
+            f"({self.per_device_batch_size})",
+        )
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Resolved mesh sizes: within a slice (ICI) and across slices (DCN); each mesh axis is their product."""
+
+    ici: dict[str, int]
+    dcn: dict[str, int]
+
+    @property
+    def axes(self) -> dict[str, int]:
+        return {a: self.ici[a] * self.dcn.get(a, 1) for a in MESH_AXES}
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.axes.values())
+
+
+@dataclass(frozen=True)
+class ParallelismConfig:
+    """Mesh axis sizes; -1 on one axis fills what the others leave."""
+
+    ici_data: int = 1
+    ici_fsdp: int = -1
+    ici_sequence: int = 1
+    ici_tensor: int = 1
+    ici_expert: int = 1
+    dcn_data: int = -1
+    dcn_fsdp: int = 1
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _require(value == -1 or value >= 1, f"{f.name} must be a positive integer or -1, got {value}")
+
+    def resolve(self, devices_per_slice: int, num_slices: int = 1) -> MeshShape:
+        ici = _fill({a: getattr(self, f"ici_{a}") for a in MESH_AXES}, devices_per_slice, "ici", "devices per slice")
+        dcn = _fill({a: getattr(self, f"dcn_{a}") for a in DCN_AXES}, num_slices, "dcn", "slices")
+        return MeshShape(ici=ici, dcn=dcn)
+
+
+def _fill(sizes: dict[str, int], total: int, prefix: str, what: str) -> dict[str, int]:
+    free = [a for a, s in sizes.items() if s == -1]
+    _require(len(free) <= 1, f"at most one {prefix}_* axis may be -1, got {', '.join(f'{prefix}_{a}' for a in free)}")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    shown = " x ".join(f"{prefix}_{a}={s}" for a, s in sizes.items() if s != 1)
+    if free:
+        _require(
+            total % fixed == 0,
+            f"{shown} cannot fill {total} {what}: the fixed axes multiply to {fixed}, which does not divide {total}",
+        )
+        sizes = {**sizes, free[0]: total // fixed}
+    else:
+        _require(
+            fixed == total,
+            f"{shown or prefix + ' axes all 1'} multiply to {fixed} but there are {total} {what}; "
+            f"make the product {total} or set one {prefix}_* axis to -1",
+        )
+    return sizes

@@ -1,0 +1,1 @@
+"""Generic transformer layers: embeddings, norms, attention, MLP, and the decoder layers built from them."""

@@ -1,0 +1,37 @@
+"""Token embeddings (shared with the unembedding when tied) and learned position tables."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxperf.models.layers.params import param
+
+
+class Embed(nnx.Module):
+    def __init__(self, V: int, D: int, dtype, rngs: nnx.Rngs):
+        self.table_VxD = param(rngs, (V, D), ("vocab", "embed"), dtype, fan_in=D)
+
+    def __call__(self, tokens_BxL: jax.Array, compute_dtype) -> jax.Array:
+        return jnp.take(self.table_VxD[...], tokens_BxL, axis=0).astype(compute_dtype)
+
+    def attend(self, x_BxLxD: jax.Array) -> jax.Array:
+        """Logits against the embedding table (tied unembedding)."""
+        return jnp.einsum("BLD,VD->BLV", x_BxLxD, self.table_VxD[...].astype(x_BxLxD.dtype))
+
+
+class LearnedPositions(nnx.Module):
+    def __init__(self, max_position: int, D: int, dtype, rngs: nnx.Rngs):
+        self.table_PxD = param(rngs, (max_position, D), ("position", "embed"), dtype, fan_in=D)
+
+    def __call__(self, positions_BxL: jax.Array, compute_dtype) -> jax.Array:
+        return jnp.take(self.table_PxD[...], positions_BxL, axis=0).astype(compute_dtype)
+
+
+class Unembed(nnx.Module):
+    def __init__(self, D: int, V: int, dtype, rngs: nnx.Rngs):
+        self.w_DxV = param(rngs, (D, V), ("embed", "vocab"), dtype)
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        return jnp.einsum("BLD,DV->BLV", x_BxLxD, self.w_DxV[...].astype(x_BxLxD.dtype))

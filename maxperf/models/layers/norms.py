@@ -1,0 +1,39 @@
+"""RMSNorm (Zhang & Sennrich 2019) and LayerNorm (Ba et al. 2016), computed in float32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxperf.models.config import Norm
+from maxperf.models.layers.params import param
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, width: int, eps: float, dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = param(rngs, (width,), ("norm",), dtype, init="ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, width: int, eps: float, dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = param(rngs, (width,), ("norm",), dtype, init="ones")
+        self.bias = param(rngs, (width,), ("norm",), dtype, init="zeros")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def make_norm(kind: Norm, width: int, eps: float, dtype, rngs: nnx.Rngs) -> nnx.Module:
+    return {Norm.RMSNORM: RMSNorm, Norm.LAYERNORM: LayerNorm}[kind](width, eps, dtype, rngs)

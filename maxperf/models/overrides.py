@@ -1,0 +1,123 @@
+"""`key=value` overrides of the model, training and parallelism configs, with MaxText's spellings as aliases."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from dataclasses import dataclass
+
+from maxperf.errors import MaxperfError, closest
+from maxperf.models.config import ModelConfig, ParallelismConfig, TrainConfig
+
+# MaxText's names (MaxText/configs/base.yml) for the same settings.
+ALIASES = {
+    "max_target_length": "seq_len",
+    "dtype": "compute_dtype",
+    "weight_dtype": "param_dtype",
+    "gradient_accumulation_steps": "grad_accum_steps",
+    "gradient_clipping_threshold": "grad_clip_norm",
+    "adam_weight_decay": "weight_decay",
+    "learning_rate_schedule_steps": "decay_steps",
+    "cosine_learning_rate_final_fraction": "min_lr_ratio",
+    "init_weights_seed": "seed",
+    "ici_data_parallelism": "ici_data",
+    "ici_fsdp_parallelism": "ici_fsdp",
+    "ici_sequence_parallelism": "ici_sequence",
+    "ici_context_parallelism": "ici_sequence",
+    "ici_tensor_parallelism": "ici_tensor",
+    "ici_expert_parallelism": "ici_expert",
+    "dcn_data_parallelism": "dcn_data",
+    "dcn_fsdp_parallelism": "dcn_fsdp",
+    "base_emb_dim": "d_model",
+    "base_num_query_heads": "num_heads",
+    "base_num_kv_heads": "num_kv_heads",
+    "base_mlp_dim": "d_ff",
+    "base_num_decoder_layers": "num_layers",
+    "mlp_activations": "activation",
+    "sliding_window_size": "window",
+    "logits_via_embedding": "tie_embeddings",
+    "rope_max_timescale": "rope_theta",
+    "final_logits_soft_cap": "final_logit_softcap",
+    "attn_logits_soft_cap": "attn_logit_softcap",
+    "use_qk_norm": "qk_norm",
+    "normalization_layer_epsilon": "norm_eps",
+}
+
+_CONFIGS = {"model": ModelConfig, "train": TrainConfig, "parallelism": ParallelismConfig}
+_FIXED = {"name", "rope_scaling"}  # not settable from the command line
+
+
+def _fields() -> dict[str, tuple[str, type]]:
+    out = {}
+    for part, cls in _CONFIGS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name not in _FIXED:
+                out[f.name] = (part, hints[f.name])
+    return out
+
+
+def valid_keys() -> list[str]:
+    return sorted(_fields())
+
+
+def _parse(key: str, text: str, kind: type):
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        if text.lower() in ("none", "null"):
+            if type(None) in args:
+                return None
+        kind = next(a for a in args if a is not type(None))
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        choices = [m.value for m in kind]
+        if text.lower() not in choices:
+            hits = closest(text, choices)
+            hint = f"did you mean {hits[0]}? " if hits else ""
+            raise MaxperfError(f"{key}={text} is not valid; {hint}valid values: {', '.join(choices)}")
+        return kind(text.lower())
+    if kind is bool:
+        if text.lower() in ("true", "1", "yes", "on"):
+            return True
+        if text.lower() in ("false", "0", "no", "off"):
+            return False
+        raise MaxperfError(f"{key}={text} is not valid; use true or false")
+    try:
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+    except ValueError:
+        raise MaxperfError(f"{key}={text} is not valid; {key} takes a{'n integer' if kind is int else ' number'}")
+    return text
+
+
+@dataclass(frozen=True)
+class Configs:
+    model: ModelConfig
+    train: TrainConfig
+    parallelism: ParallelismConfig
+
+
+def apply(model: ModelConfig, words: list[str], train: TrainConfig | None = None,
+          parallelism: ParallelismConfig | None = None) -> Configs:
+    """Applies `key=value` words; an unknown key or a bad value raises MaxperfError naming what is valid."""
+    fields = _fields()
+    changes: dict[str, dict] = {part: {} for part in _CONFIGS}
+    for word in words:
+        key, sep, text = word.partition("=")
+        if not sep or not key:
+            raise MaxperfError(f"override {word!r} is not key=value (e.g. per_device_batch_size=4)")
+        name = ALIASES.get(key, key)
+        if name not in fields:
+            hits = closest(key, [*fields, *ALIASES])
+            hint = f"did you mean {', '.join(hits)}?" if hits else "`maxperf keys` lists the valid keys"
+            raise MaxperfError(f"unknown override key {key!r}; {hint}")
+        part, kind = fields[name]
+        changes[part][name] = _parse(key, text, kind)
+    return Configs(
+        model=dataclasses.replace(model, **changes["model"]),
+        train=dataclasses.replace(train or TrainConfig(), **changes["train"]),
+        parallelism=dataclasses.replace(parallelism or ParallelismConfig(), **changes["parallelism"]),
+    )

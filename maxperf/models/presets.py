@@ -1,0 +1,158 @@
+"""Named model presets: the published shapes, a tiny test model, and the synthetic `scaled-S` family.
+
+Shapes are taken from each model's published config (the Hugging Face `config.json` of the released weights, or the
+paper where no weights were released); `PUBLISHED_PARAMS` holds the publisher's total for the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from maxperf.errors import unknown
+from maxperf.models.config import (
+    Activation,
+    AttentionPattern,
+    ModelConfig,
+    Norm,
+    Positions,
+    RopeScaling,
+)
+
+_REGISTRY: dict[str, Callable[[], ModelConfig]] = {}
+
+DEFAULT_MODEL = "scaled-1"
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get(name: str) -> ModelConfig:
+    if name not in _REGISTRY:
+        raise unknown("model", name, _REGISTRY)
+    return _REGISTRY[name]()
+
+
+def _llama(name: str, V: int, D: int, N: int, H: int, K: int, F: int, theta: float, **kw) -> ModelConfig:
+    return ModelConfig(
+        name=name, vocab_size=V, d_model=D, num_layers=N, num_heads=H, num_kv_heads=K, head_dim=D // H, d_ff=F,
+        rope_theta=theta, **kw,
+    )
+
+
+def register(name: str, make: Callable[[], ModelConfig]) -> None:
+    """Adds a named preset; `make` builds its config."""
+    _REGISTRY[name] = make
+
+
+# Llama 2 (Touvron et al. 2023, table 1; meta-llama/Llama-2-*-hf config.json)
+register("llama2-7b", lambda: _llama("llama2-7b", 32000, 4096, 32, 32, 32, 11008, 1e4))
+register("llama2-13b", lambda: _llama("llama2-13b", 32000, 5120, 40, 40, 40, 13824, 1e4))
+register("llama2-70b", lambda: _llama("llama2-70b", 32000, 8192, 80, 64, 8, 28672, 1e4))
+# Llama 3 and 3.1 (meta-llama/Meta-Llama-3-*, Llama-3.1-405B config.json)
+register("llama3-8b", lambda: _llama("llama3-8b", 128256, 4096, 32, 32, 8, 14336, 5e5))
+register("llama3-70b", lambda: _llama("llama3-70b", 128256, 8192, 80, 64, 8, 28672, 5e5))
+register(
+    "llama3.1-405b",
+    lambda: _llama("llama3.1-405b", 128256, 16384, 126, 128, 8, 53248, 5e5, rope_scaling=RopeScaling()),
+)
+# Mistral 7B v0.1 (Jiang et al. 2023, table 1): sliding window of 4096
+register(
+    "mistral-7b",
+    lambda: _llama("mistral-7b", 32000, 4096, 32, 32, 8, 14336, 1e4, attention=AttentionPattern.SLIDING, window=4096),
+)
+
+
+# Gemma (google/gemma-2b, gemma-7b config.json): GeGLU, tied, embeddings scaled by sqrt(D)
+def _gemma(name: str, D: int, N: int, H: int, K: int, Dh: int, F: int, **kw) -> ModelConfig:
+    return ModelConfig(
+        name=name, vocab_size=256000, d_model=D, num_layers=N, num_heads=H, num_kv_heads=K, head_dim=Dh, d_ff=F,
+        activation=Activation.GEGLU, norm_eps=1e-6, tie_embeddings=True, scale_embeddings=True, **kw,
+    )
+
+
+register("gemma-2b", lambda: _gemma("gemma-2b", 2048, 18, 8, 1, 256, 16384))
+register("gemma-7b", lambda: _gemma("gemma-7b", 3072, 28, 16, 16, 256, 24576))
+
+
+# Gemma 2 (Gemma Team 2024, table 1; google/gemma-2-* config.json): local (4096) and global layers alternate,
+# logits soft-capped (attention 50, final 30), norms before and after each block; query scaled by
+# query_pre_attn_scalar^-1/2.
+def _gemma2(name: str, D: int, N: int, H: int, K: int, Dh: int, F: int, query_pre_attn: int) -> ModelConfig:
+    return _gemma(
+        name, D, N, H, K, Dh, F, attention=AttentionPattern.LOCAL_GLOBAL, window=4096, local_per_global=1,
+        attn_logit_softcap=50.0, final_logit_softcap=30.0, post_norms=True, query_scale=query_pre_attn**-0.5,
+    )
+
+
+register("gemma2-2b", lambda: _gemma2("gemma2-2b", 2304, 26, 8, 4, 256, 9216, 256))
+register("gemma2-9b", lambda: _gemma2("gemma2-9b", 3584, 42, 16, 8, 256, 14336, 256))
+register("gemma2-27b", lambda: _gemma2("gemma2-27b", 4608, 46, 32, 16, 128, 36864, 144))
+
+
+# Qwen3 (Qwen/Qwen3-* config.json): QK-norm, RoPE theta 1e6, head dim 128 throughout
+def _qwen3(name: str, D: int, N: int, H: int, K: int, F: int, tied: bool) -> ModelConfig:
+    return ModelConfig(
+        name=name, vocab_size=151936, d_model=D, num_layers=N, num_heads=H, num_kv_heads=K, head_dim=128, d_ff=F,
+        norm_eps=1e-6, rope_theta=1e6, qk_norm=True, tie_embeddings=tied,
+    )
+
+
+register("qwen3-0.6b", lambda: _qwen3("qwen3-0.6b", 1024, 28, 16, 8, 3072, tied=True))
+register("qwen3-8b", lambda: _qwen3("qwen3-8b", 4096, 36, 32, 8, 12288, tied=False))
+register("qwen3-32b", lambda: _qwen3("qwen3-32b", 5120, 64, 64, 8, 25600, tied=False))
+
+# GPT-3 175B (Brown et al. 2020, table 2.1): learned positions over 2048 tokens, LayerNorm, GELU, F = 4D, tied
+register(
+    "gpt3-175b",
+    lambda: ModelConfig(
+        name="gpt3-175b", vocab_size=50257, d_model=12288, num_layers=96, num_heads=96, num_kv_heads=96, head_dim=128,
+        d_ff=49152, activation=Activation.GELU, norm=Norm.LAYERNORM, positions=Positions.LEARNED, max_position=2048,
+        tie_embeddings=True,
+    ),
+)
+
+# A model small enough for tests to train on CPU in seconds.
+register(
+    "tiny",
+    lambda: ModelConfig(
+        name="tiny", vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=128,
+        max_position=512,
+    ),
+)
+
+
+def scaled(size: int) -> ModelConfig:
+    """`scaled-S`: with log2(S) = 3b + r, heads and F grow by 2^(b+[r>0]), D by 2^(b+[r>1]), N by 2^b."""
+    log2 = size.bit_length() - 1
+    b, r = divmod(log2, 3)
+    heads = 16 * 2 ** (b + (r > 0))
+    return ModelConfig(
+        name=f"scaled-{size}", vocab_size=32000, d_model=2048 * 2 ** (b + (r > 1)), num_layers=16 * 2**b,
+        num_heads=heads, num_kv_heads=heads, head_dim=128, d_ff=7168 * 2 ** (b + (r > 0)),
+    )
+
+
+for _log2 in range(11):
+    register(f"scaled-{2**_log2}", lambda s=2**_log2: scaled(s))
+
+
+# The publisher's total parameter count of each published preset (their model cards and papers).
+PUBLISHED_PARAMS = {
+    "llama2-7b": 6.74e9,
+    "llama2-13b": 13.0e9,
+    "llama2-70b": 69.0e9,  # released checkpoint: 68.98e9 (the paper rounds to 70B)
+    "llama3-8b": 8.03e9,
+    "llama3-70b": 70.6e9,
+    "llama3.1-405b": 405.8e9,
+    "mistral-7b": 7.24e9,
+    "gemma-2b": 2.51e9,
+    "gemma-7b": 8.54e9,
+    "gemma2-2b": 2.61e9,
+    "gemma2-9b": 9.24e9,
+    "gemma2-27b": 27.2e9,
+    "qwen3-0.6b": 0.6e9,
+    "qwen3-8b": 8.2e9,
+    "qwen3-32b": 32.8e9,
+    "gpt3-175b": 175.0e9,
+}

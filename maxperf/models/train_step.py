@@ -1,0 +1,223 @@
+"""The train step, its abstract shapes and shardings over a mesh, and concrete initialization for running.
+
+The state is a plain pytree: {"step", "params" (nested dicts of arrays), "opt_state" (optax's)}. The batch follows
+MaxText's convention: the global batch is B x (all devices), so each device sees B x L tokens per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from maxperf.models.config import ModelConfig, TrainConfig
+from maxperf.models.sharding import partition_spec
+from maxperf.models.transformer import Transformer
+
+BATCH_AXES = ("activation_batch", "activation_length")
+_NO_DECAY = ("scale", "bias")  # norm parameters are not decayed
+
+
+def build_model(model: ModelConfig, train: TrainConfig, rngs: nnx.Rngs) -> Transformer:
+    return Transformer(
+        model, param_dtype=jnp.dtype(train.param_dtype), compute_dtype=jnp.dtype(train.compute_dtype),
+        scan_layers=train.scan_layers, remat=train.remat_policy, rngs=rngs,
+    )
+
+
+def _nested(pairs) -> dict:
+    out: dict = {}
+    for path, value in pairs:
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+@dataclass(frozen=True)
+class ModelDef:
+    """The model's structure without values: its graph, parameter shapes and logical axes."""
+
+    graphdef: Any
+    params: dict  # ShapeDtypeStructs, nested like the parameters
+    logical_axes: dict  # tuples of logical names, nested like the parameters
+
+    @property
+    def param_count(self) -> int:
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(self.params))
+
+
+def model_def(model: ModelConfig, train: TrainConfig) -> ModelDef:
+    """Builds the model abstractly (jax.eval_shape through nnx): nothing is allocated."""
+    abstract = nnx.eval_shape(lambda: build_model(model, train, nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    shapes, logical = [], []
+    for path, var in nnx.to_flat_state(state):
+        axes = tuple(var.get_metadata()["logical_axes"])
+        value = var.get_value() if hasattr(var, "get_value") else var.value
+        if len(value.shape) == len(axes) + 1:  # a scanned stack carries a leading layer axis
+            axes = ("layers", *axes)
+        shapes.append((path, jax.ShapeDtypeStruct(value.shape, value.dtype)))
+        logical.append((path, axes))
+    return ModelDef(graphdef, _nested(shapes), _nested(logical))
+
+
+def param_count(model: ModelConfig) -> int:
+    """Total parameters, counted from the abstract parameter shapes."""
+    return model_def(model, TrainConfig()).param_count
+
+
+def make_optimizer(train: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW (Loshchilov & Hutter 2019) with linear warm-up and cosine decay, after global-norm clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=train.learning_rate, warmup_steps=train.warmup_steps,
+        decay_steps=train.warmup_steps + train.decay_steps, end_value=train.learning_rate * train.min_lr_ratio,
+    )
+
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key not in _NO_DECAY, params)
+
+    adamw = optax.adamw(schedule, b1=train.adam_b1, b2=train.adam_b2, eps=train.adam_eps,
+                        weight_decay=train.weight_decay, mask=decay_mask)
+    if train.grad_clip_norm is None:
+        return adamw, schedule
+    return optax.chain(optax.clip_by_global_norm(train.grad_clip_norm), adamw), schedule
+
+
+def init_fn(model: ModelConfig, train: TrainConfig) -> Callable[[jax.Array], dict]:
+    """key -> the initial train state."""
+    optimizer, _ = make_optimizer(train)
+
+    def init(key: jax.Array) -> dict:
+        params = nnx.state(build_model(model, train, nnx.Rngs(params=key))).to_pure_dict()
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+
+    return init
+
+
+def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, dict], tuple[dict, dict]]:
+    """(state, batch) -> (state, metrics): loss in float32, gradient norm before clipping, tokens counted."""
+    graphdef = model_def(model, train).graphdef
+    optimizer, schedule = make_optimizer(train)
+    A = train.grad_accum_steps
+
+    def loss_sum(params, batch):
+        net = nnx.merge(graphdef, nnx.State(params))
+        inputs_BxL = batch["inputs"]
+        positions_BxL = jnp.broadcast_to(jnp.arange(inputs_BxL.shape[1], dtype=jnp.int32), inputs_BxL.shape)
+        logits_BxLxV = net(inputs_BxL, positions_BxL)
+        nll_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
+        mask_BxL = batch["mask"].astype(jnp.float32)
+        return jnp.sum(nll_BxL * mask_BxL), jnp.sum(mask_BxL)
+
+    grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+    def step(state: dict, batch: dict) -> tuple[dict, dict]:
+        params = state["params"]
+        if A == 1:
+            (total, tokens), grads = grad_fn(params, batch)
+        else:
+            # microbatch a takes rows a, a+A, ...: every device keeps 1/A of its own rows in each
+            micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // A, A, *x.shape[1:]), 0, 1), batch)
+
+            def accumulate(carry, mb):
+                (t, n), g = grad_fn(params, mb)
+                c_total, c_tokens, c_grads = carry
+                return (c_total + t, c_tokens + n, jax.tree.map(jnp.add, c_grads, g)), None
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            (total, tokens, grads), _ = jax.lax.scan(accumulate, (0.0, 0.0, zeros), micro)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        denom = jnp.maximum(tokens, 1.0)
+        grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt_state": opt_state}
+        metrics = {
+            "loss": total / denom,
+            "grad_norm": optax.global_norm(grads),
+            "tokens": tokens.astype(jnp.int32),
+            "learning_rate": schedule(state["step"]),
+        }
+        return new_state, metrics
+
+    return step
+
+
+@dataclass(frozen=True)
+class AbstractStep:
+    """Shapes and shardings of everything the step takes, over one mesh; nothing allocated."""
+
+    model: ModelConfig
+    train: TrainConfig
+    mesh: Mesh
+    state: Any
+    state_shardings: Any
+    batch: dict
+    batch_shardings: dict
+    param_count: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch["inputs"].shape[0]
+
+
+def abstract_step(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> AbstractStep:
+    sizes = dict(mesh.shape)
+    md = model_def(model, train)
+    state = jax.eval_shape(init_fn(model, train), jax.ShapeDtypeStruct((2,), jnp.uint32))
+    param_shardings = jax.tree.map(
+        lambda x, axes: NamedSharding(mesh, partition_spec(x.shape, axes, sizes)),
+        md.params, md.logical_axes, is_leaf=lambda x: isinstance(x, tuple),
+    )
+    replicated = NamedSharding(mesh, PartitionSpec())
+    optimizer, _ = make_optimizer(train)
+    opt_shardings = optax.tree_map_params(
+        optimizer, lambda _, s: s, state["opt_state"], param_shardings, transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
+    shape = (train.per_device_batch_size * mesh.size, train.seq_len)
+    batch = {
+        "inputs": jax.ShapeDtypeStruct(shape, jnp.int32),
+        "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
+        "mask": jax.ShapeDtypeStruct(shape, jnp.bool_),
+    }
+    batch_sharding = NamedSharding(mesh, partition_spec(shape, BATCH_AXES, sizes))
+    return AbstractStep(
+        model=model, train=train, mesh=mesh, state=state, state_shardings=state_shardings, batch=batch,
+        batch_shardings={k: batch_sharding for k in batch}, param_count=md.param_count,
+    )
+
+
+def jit_step(spec: AbstractStep):
+    """The train step jitted with its in and out shardings and the state donated; lower under `jax.set_mesh`."""
+    metrics_sharding = NamedSharding(spec.mesh, PartitionSpec())
+    return jax.jit(
+        make_train_step(spec.model, spec.train),
+        in_shardings=(spec.state_shardings, spec.batch_shardings),
+        out_shardings=(spec.state_shardings, metrics_sharding),
+        donate_argnums=(0,),
+    )
+
+
+def init_state(spec: AbstractStep, seed: int) -> dict:
+    """Real, sharded initial state from a seed (for running)."""
+    init = jax.jit(init_fn(spec.model, spec.train), out_shardings=spec.state_shardings)
+    with jax.set_mesh(spec.mesh):
+        return init(jax.random.PRNGKey(seed))
+
+
+def synthetic_batch(spec: AbstractStep, seed: int) -> dict:
+    """Uniform random tokens, targets shifted by one, every position counted, placed with the batch sharding."""
+    Bg, L = spec.batch["inputs"].shape
+    tokens = jax.random.randint(jax.random.PRNGKey(seed), (Bg, L + 1), 0, spec.model.vocab_size, jnp.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((Bg, L), jnp.bool_)}
+    return jax.device_put(batch, spec.batch_shardings)

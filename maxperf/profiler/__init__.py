@@ -1,0 +1,1 @@
+"""Loading compiled steps on real devices, timing them, and summarizing xprof traces."""
