@@ -97,7 +97,7 @@ def init_fn(model: ModelConfig, train: TrainConfig) -> Callable[[jax.Array], dic
     optimizer, _ = make_optimizer(train)
 
     def init(key: jax.Array) -> dict:
-        params = nnx.state(build_model(model, train, nnx.Rngs(params=key))).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(build_model(model, train, nnx.Rngs(params=key))))
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
 
     return init
@@ -110,7 +110,7 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
     A = train.grad_accum_steps
 
     def loss_sum(params, batch):
-        net = nnx.merge(graphdef, nnx.State(params))
+        net = nnx.merge(graphdef, params)
         inputs_BxL = batch["inputs"]
         positions_BxL = jnp.broadcast_to(jnp.arange(inputs_BxL.shape[1], dtype=jnp.int32), inputs_BxL.shape)
         logits_BxLxV = net(inputs_BxL, positions_BxL)
@@ -142,7 +142,7 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt_state": opt_state}
         metrics = {
             "loss": total / denom,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "tokens": tokens.astype(jnp.int32),
             "learning_rate": schedule(state["step"]),
         }

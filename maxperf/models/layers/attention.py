@@ -57,7 +57,7 @@ class Attention(nnx.Module):
         )
         if cfg.attn_logit_softcap is not None:
             s_BxKxGxLxS = cfg.attn_logit_softcap * jnp.tanh(s_BxKxGxLxS / cfg.attn_logit_softcap)
-        s_BxKxGxLxS = jnp.where(causal_mask(L, window), s_BxKxGxLxS, _MASKED)
+        s_BxKxGxLxS = jnp.where(causal_mask(L, window)[None, None, None], s_BxKxGxLxS, _MASKED)
         p_BxKxGxLxS = jax.nn.softmax(s_BxKxGxLxS, axis=-1).astype(dtype)
         o_BxLxKxGxDh = jnp.einsum("BKGLS,BSKd->BLKGd", p_BxKxGxLxS, v_BxLxKxDh)
         o_BxLxHxDh = o_BxLxKxGxDh.reshape(B, L, cfg.num_heads, Dh)

@@ -10,6 +10,11 @@ from maxperf.models.config import Norm
 from maxperf.models.layers.params import param
 
 
+def _last_axis(v: jax.Array, ndim: int) -> jax.Array:
+    """A [D] vector shaped to broadcast against an ndim-rank array along its last axis."""
+    return v.astype(jnp.float32).reshape((1,) * (ndim - 1) + (-1,))
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, width: int, eps: float, dtype, rngs: nnx.Rngs):
         self.eps = eps
@@ -18,7 +23,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return (x32 * _last_axis(self.scale[...], x.ndim)).astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -32,7 +37,7 @@ class LayerNorm(nnx.Module):
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+        return (y * _last_axis(self.scale[...], x.ndim) + _last_axis(self.bias[...], x.ndim)).astype(x.dtype)
 
 
 def make_norm(kind: Norm, width: int, eps: float, dtype, rngs: nnx.Rngs) -> nnx.Module:

@@ -27,7 +27,7 @@ def inverse_frequencies(Dh: int, theta: float, scaling: RopeScaling | None) -> j
 
 def apply_rope(x_BxLxNxDh: jax.Array, positions_BxL: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotates the two halves of each head's features by position-dependent angles."""
-    angles_BxLxR = positions_BxL[..., None].astype(jnp.float32) * inv_freq
+    angles_BxLxR = positions_BxL[..., None].astype(jnp.float32) * inv_freq[None, None, :]
     cos, sin = jnp.cos(angles_BxLxR)[:, :, None, :], jnp.sin(angles_BxLxR)[:, :, None, :]
     x1, x2 = jnp.split(x_BxLxNxDh.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -1,0 +1,239 @@
+"""Properties of the model family and its train step, on CPU with tiny configs."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from maxperf.errors import MaxperfError
+from maxperf.models import overrides, presets, train_step
+from maxperf.models.config import ModelConfig, ParallelismConfig
+from maxperf.models.sharding import RULES, make_mesh, mesh_axes_for
+from models_util import tiny
+
+
+@pytest.fixture(autouse=True)
+def strict_ranks():
+    with jax.numpy_rank_promotion("raise"):
+        yield
+
+
+@pytest.mark.parametrize("name", sorted(presets.PUBLISHED_PARAMS))
+def test_published_parameter_counts(name):
+    count = train_step.param_count(presets.get(name))
+    assert count == pytest.approx(presets.PUBLISHED_PARAMS[name], rel=0.01)
+
+
+def test_every_preset_builds_abstractly():
+    for name in presets.names():
+        assert train_step.param_count(presets.get(name)) > 0
+
+
+@pytest.mark.parametrize(
+    "size, D, H, F, N",
+    [(1, 2048, 16, 7168, 16), (2, 2048, 32, 14336, 16), (4, 4096, 32, 14336, 16), (8, 4096, 32, 14336, 32),
+     (16, 4096, 64, 28672, 32), (1024, 16384, 256, 114688, 128)],
+)
+def test_scaled_family_follows_its_rule(size, D, H, F, N):
+    m = presets.get(f"scaled-{size}")
+    assert (m.d_model, m.num_heads, m.num_kv_heads, m.d_ff, m.num_layers) == (D, H, H, F, N)
+    assert (m.vocab_size, m.head_dim) == (32000, 128)
+
+
+def test_scaled_family_roughly_doubles():
+    counts = [train_step.param_count(presets.get(f"scaled-{2**i}")) for i in range(6)]
+    ratios = np.array(counts[1:]) / np.array(counts[:-1])
+    assert np.all((ratios > 1.5) & (ratios < 2.6)), ratios
+
+
+def test_unknown_model_suggests_close_names():
+    with pytest.raises(MaxperfError, match="llama2-7b"):
+        presets.get("llama2-7")
+
+
+@pytest.mark.slow
+def test_loss_falls_on_a_fixed_batch():
+    _, spec = tiny("learning_rate=1e-2")
+    step = train_step.jit_step(spec)
+    state = train_step.init_state(spec, seed=0)
+    batch = train_step.synthetic_batch(spec, seed=1)
+    losses = []
+    with jax.set_mesh(spec.mesh):
+        for _ in range(30):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert int(metrics["tokens"]) == spec.batch["inputs"].size
+
+
+def _one_step_loss(spec, batch_np):
+    step = train_step.jit_step(spec)
+    state = train_step.init_state(spec, seed=0)
+    batch = jax.device_put({k: jnp.asarray(v) for k, v in batch_np.items()}, spec.batch_shardings)
+    with jax.set_mesh(spec.mesh):
+        state, m1 = step(state, batch)
+        _, m2 = step(state, batch)
+    return float(m1["loss"]), float(m2["loss"])
+
+
+@pytest.mark.slow
+def test_sharded_step_matches_one_device():
+    _, sharded = tiny("ici_data=2", "ici_fsdp=2", "ici_tensor=2")
+    _, single = tiny("per_device_batch_size=16", devices=1)
+    assert sharded.batch["inputs"].shape == single.batch["inputs"].shape
+    batch = jax.device_get(train_step.synthetic_batch(single, seed=3))
+    a, b = _one_step_loss(sharded, batch), _one_step_loss(single, batch)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+def _logits(cfg, tokens):
+    net = train_step.build_model(cfg.model, cfg.train, nnx.Rngs(params=0))
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return net(tokens, positions)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("words", [(), ("attention=sliding", "window=4"), ("positions=learned",)])
+def test_causality(words):
+    cfg, _ = tiny(*words)
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 16), 0, 256, jnp.int32)
+    t = 9
+    changed = tokens.at[:, t + 1].set((tokens[:, t + 1] + 1) % 256)
+    a, b = _logits(cfg, tokens), _logits(cfg, changed)
+    np.testing.assert_array_equal(a[:, : t + 1], b[:, : t + 1])
+    assert not np.allclose(a[:, t + 1 :], b[:, t + 1 :])
+
+
+def test_sliding_window_forgets_tokens_outside_it():
+    cfg, _ = tiny("attention=sliding", "window=3", "num_layers=1")
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (1, 16), 0, 256, jnp.int32)
+    changed = tokens.at[:, 2].set((tokens[:, 2] + 1) % 256)
+    a, b = _logits(cfg, tokens), _logits(cfg, changed)
+    # with one layer of window 3, position 2 reaches positions 2, 3 and 4 only
+    np.testing.assert_array_equal(a[:, 5:], b[:, 5:])
+    assert not np.allclose(a[:, 2:5], b[:, 2:5])
+
+
+def _grads(*words):
+    """Gradients of the mean loss, from the same initial values whether layers are scanned or not."""
+    cfg, spec = tiny(*words, devices=1)
+    scanned = cfg.train.scan_layers
+    _, stacked_spec = tiny(*words, "scan_layers=true", devices=1)
+    params = train_step.init_state(stacked_spec, seed=0)["params"]
+    if not scanned:
+        layers = params["layers"]
+        params = {**params, "layers": {i: jax.tree.map(lambda x: x[i], layers) for i in range(cfg.model.num_layers)}}
+    batch = jax.device_get(train_step.synthetic_batch(spec, seed=1))
+    graphdef = train_step.model_def(cfg.model, cfg.train).graphdef
+
+    def loss(params):
+        net = nnx.merge(graphdef, params)
+        positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), batch["inputs"].shape)
+        logits = net(batch["inputs"], positions)
+        return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1))
+
+    grads = jax.jit(jax.grad(loss))(params)
+    if not scanned:  # stack the unrolled layers' gradients like the scanned ones
+        layers = grads["layers"]
+        grads = {**grads, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in sorted(layers)])}
+    return grads
+
+
+@pytest.mark.slow
+def test_remat_and_scan_do_not_change_gradients():
+    reference = _grads("remat_policy=none")
+    for words in [("remat_policy=minimal",), ("remat_policy=full",), ("remat_policy=full", "scan_layers=false")]:
+        other = _grads(*words)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), reference, other)
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_matches_one_big_batch():
+    _, whole = tiny(devices=2)
+    _, accumulated = tiny("grad_accum_steps=2", devices=2)
+    batch = jax.device_get(train_step.synthetic_batch(whole, seed=5))
+    np.testing.assert_allclose(_one_step_loss(whole, batch), _one_step_loss(accumulated, batch), rtol=1e-5)
+
+
+def test_405b_abstract_state_builds_fast_and_allocates_nothing():
+    model = presets.get("llama3.1-405b")
+    cfg = overrides.apply(model, [])
+    devices = np.array(jax.devices() * 64)  # 512 stand-ins: shapes only, never placed
+    mesh = make_mesh(devices, cfg.parallelism.resolve(512).axes)
+    before = len(jax.live_arrays())
+    start = time.perf_counter()
+    spec = train_step.abstract_step(cfg.model, cfg.train, mesh)
+    assert time.perf_counter() - start < 10
+    assert len(jax.live_arrays()) == before
+    leaves = jax.tree.leaves(spec.state)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert spec.param_count == pytest.approx(405.8e9, rel=0.01)
+    # AdamW keeps two moments per parameter
+    assert sum(x.size for x in leaves) == pytest.approx(3 * spec.param_count, rel=1e-6)
+
+
+def test_logical_rules_are_pinned():
+    assert RULES["embed"] == ("fsdp", "sequence", "expert")
+    assert RULES["heads"] == RULES["kv_heads"] == RULES["mlp"] == RULES["vocab"] == ("tensor",)
+    assert RULES["activation_batch"] == ("data", "fsdp", "expert")
+    assert RULES["activation_length"] == ("sequence",)
+    sizes = {"data": 2, "fsdp": 4, "sequence": 1, "tensor": 8, "expert": 1}
+    assert mesh_axes_for((4096, 32, 128), ("embed", "heads", "head_dim"), sizes) == ("fsdp", "tensor", None)
+    # 4 kv heads cannot be split 8 ways: replicated along `tensor`
+    assert mesh_axes_for((4096, 4, 128), ("embed", "kv_heads", "head_dim"), sizes) == ("fsdp", None, None)
+    assert mesh_axes_for((16, 2048), ("activation_batch", "activation_length"), sizes) == (("data", "fsdp"), None)
+    assert mesh_axes_for((2, 2048), ("activation_batch", "activation_length"), sizes) == ("data", None)
+
+
+def test_parameters_are_sharded_by_their_logical_axes():
+    _, spec = tiny("ici_fsdp=2", "ici_tensor=4")
+    shardings = spec.state_shardings["params"]
+    assert shardings["layers"]["mlp"]["up_DxF"].spec == P(None, "fsdp", "tensor")
+    assert shardings["embed"]["table_VxD"].spec == P("tensor", "fsdp")
+    mu = spec.state_shardings["opt_state"][1][0].mu
+    assert mu["layers"]["mlp"]["up_DxF"].spec == P(None, "fsdp", "tensor")
+
+
+@pytest.mark.parametrize(
+    "word, message",
+    [
+        ("per_device_batch_size=-1", "per_device_batch_size must be >= 1"),
+        ("remat_policy=fulll", "did you mean full"),
+        ("per_device_bach_size=2", "did you mean per_device_batch_size"),
+        ("scan_layers=maybe", "true or false"),
+        ("seq_len=many", "integer"),
+        ("grad_accum_steps=3", "must divide per_device_batch_size"),
+        ("noequals", "key=value"),
+    ],
+)
+def test_bad_overrides_say_what_is_valid(word, message):
+    with pytest.raises(MaxperfError, match=message):
+        overrides.apply(presets.get("tiny"), [word])
+
+
+def test_maxtext_aliases():
+    cfg = overrides.apply(
+        presets.get("tiny"),
+        ["max_target_length=64", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "dcn_data_parallelism=2",
+         "gradient_accumulation_steps=1", "base_num_decoder_layers=3"],
+    )
+    assert cfg.train.seq_len == 64 and cfg.model.num_layers == 3
+    assert cfg.parallelism == ParallelismConfig(ici_fsdp=4, ici_tensor=2, dcn_data=2)
+
+
+def test_mesh_must_cover_the_devices():
+    with pytest.raises(MaxperfError, match="does not divide 8"):
+        ParallelismConfig(ici_tensor=3).resolve(8)
+    with pytest.raises(MaxperfError, match="multiply to 4 but there are 8"):
+        ParallelismConfig(ici_fsdp=2, ici_tensor=2).resolve(8)
+    shape = ParallelismConfig(ici_tensor=2).resolve(8, num_slices=2)
+    assert shape.axes == {"data": 2, "fsdp": 4, "sequence": 1, "tensor": 2, "expert": 1}
+
+
+def test_model_config_rejects_inconsistent_heads():
+    with pytest.raises(MaxperfError, match="multiple of num_kv_heads"):
+        ModelConfig(name="x", vocab_size=8, d_model=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4, d_ff=8)
