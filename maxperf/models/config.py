@@ -233,3 +233,25 @@ def _fill(sizes: dict[str, int], total: int, prefix: str, what: str) -> dict[str
             f"make the product {total} or set one {prefix}_* axis to -1",
         )
     return sizes
+
+
+def from_dict(cls, data: dict):
+    """Rebuilds a config dataclass from its JSON form (enums from their values, nested configs recursively)."""
+    import types
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        kind, value = hints[f.name], data[f.name]
+        options = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, types.UnionType) else (kind,)
+        if value is not None:
+            for option in options:
+                if isinstance(option, type) and issubclass(option, enum.Enum):
+                    value = option(value)
+                elif dataclasses.is_dataclass(option):
+                    value = from_dict(option, value)
+        values[f.name] = value
+    return cls(**values)

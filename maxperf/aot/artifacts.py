@@ -1,0 +1,190 @@
+"""Artifact directories: written atomically, hashed, and read back without trusting their contents.
+
+`compiled.pkl` is a pickle of plain Python values only (dict, str, bytes, int, ...): reading it goes through an
+unpickler that refuses every class. The executable inside is jax's own serialized form; before jax unpickles it,
+every class it names is checked against the modules that jax's executables are made of, so a crafted file cannot
+reach os, subprocess, builtins.eval and the like.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import importlib
+import io
+import json
+import os
+import pickle
+import pickletools
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from maxperf.errors import MaxperfError
+
+MANIFEST_SCHEMA = "maxperf.manifest/1"
+COMPILED_SCHEMA = "maxperf.compiled/1"
+
+
+class ArtifactError(MaxperfError):
+    """An artifact that is missing, truncated, altered, crafted, or from other library versions."""
+
+
+def to_json(value: Any) -> Any:
+    """Configs and results as JSON-ready values: dataclasses as dicts, enums as their values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    return value
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class ArtifactWriter:
+    """Collects files in a temporary directory beside `out` and moves them into place in one rename."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".partial", dir=self.out.parent))
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        path = self.tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+    def write_text(self, name: str, text: str) -> None:
+        self.write_bytes(name, text.encode())
+
+    def write_json(self, name: str, value: Any) -> None:
+        self.write_text(name, json.dumps(to_json(value), indent=2, sort_keys=False) + "\n")
+
+    def hashes(self) -> dict[str, str]:
+        return {
+            str(p.relative_to(self.tmp)): sha256(p) for p in sorted(self.tmp.rglob("*")) if p.is_file()
+        }
+
+    def commit(self) -> Path:
+        """Replaces `out` (if any) with the finished directory."""
+        if self.out.exists():
+            old = self.out.with_name(f".{self.out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(self.out, old)
+            os.replace(self.tmp, self.out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(self.tmp, self.out)
+        return self.out
+
+    def abandon(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Reading back
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds only plain values: any class or function reference is refused."""
+
+    def find_class(self, module: str, name: str):
+        raise ArtifactError(f"compiled.pkl names {module}.{name}; maxperf artifacts hold plain values only")
+
+
+def read_plain_pickle(data: bytes) -> Any:
+    try:
+        return _PlainUnpickler(io.BytesIO(data)).load()
+    except ArtifactError:
+        raise
+    except Exception as e:
+        raise ArtifactError(f"compiled.pkl is not a readable maxperf artifact ({type(e).__name__}: {e})")
+
+
+# jax's executable pickle names classes from these modules only (checked on CPU, TPU and GPU compiles).
+_ALLOWED_PREFIXES = ("jax.", "jaxlib.", "numpy", "ml_dtypes")
+_ALLOWED_EXACT = {
+    ("builtins", n) for n in ("tuple", "list", "dict", "set", "frozenset", "slice", "int", "float", "complex",
+                              "str", "bytes", "bytearray", "bool", "object", "range", "NoneType", "type")
+} | {("copyreg", "_reconstructor"), ("copyreg", "__newobj__"), ("collections", "OrderedDict"),
+     ("functools", "partial"), ("_functools", "partial")}
+_FORBIDDEN_PREFIXES = ("jax.experimental.compilation_cache", "jax._src.compilation_cache", "jax._src.path",
+                       "numpy.f2py", "numpy.distutils", "numpy.testing", "jax._src.clusters", "jax.tools")
+
+
+def _globals_named(data: bytes) -> set[tuple[str, str]]:
+    """Every (module, name) a pickle refers to, following memoized strings for STACK_GLOBAL."""
+    found, memo, strings = set(), {}, []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "GLOBAL":
+            module, name = arg.split(" ", 1)
+            found.add((module, name))
+        elif op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+            strings.append(arg)
+        elif op.name == "MEMOIZE":
+            memo[len(memo)] = strings[-1] if strings else None
+        elif op.name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            memo[arg] = strings[-1] if strings else None
+        elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+            strings.append(memo.get(arg))
+        elif op.name == "STACK_GLOBAL":
+            module, name = (strings[-2], strings[-1]) if len(strings) >= 2 else (None, None)
+            if not isinstance(module, str) or not isinstance(name, str):
+                raise ArtifactError("the executable's pickle refers to a class it does not name plainly")
+            found.add((module, name))
+    return found
+
+
+def check_executable_pickle(data: bytes) -> None:
+    """Refuses a serialized executable that names anything but jax's own data types."""
+    try:
+        named = _globals_named(data)
+    except ArtifactError:
+        raise
+    except Exception as e:
+        raise ArtifactError(f"the serialized executable is corrupt ({type(e).__name__}: {e})")
+    for module, name in sorted(named):
+        if (module, name) in _ALLOWED_EXACT:
+            continue
+        if not module.startswith(_ALLOWED_PREFIXES) or module.startswith(_FORBIDDEN_PREFIXES):
+            raise ArtifactError(f"the serialized executable names {module}.{name}, which maxperf never writes")
+        try:
+            obj = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            obj = None
+        if not isinstance(obj, type):
+            raise ArtifactError(f"the serialized executable names {module}.{name}, which is not a jax data type")
+
+
+def read_manifest(directory: Path) -> dict:
+    path = directory / "manifest.json"
+    if not path.is_file():
+        raise ArtifactError(f"{directory} has no manifest.json; is it a `maxperf compile` output directory?")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path} is not valid JSON ({e})")
+    if manifest.get("schema") != MANIFEST_SCHEMA:
+        raise ArtifactError(f"{path} has schema {manifest.get('schema')!r}; this maxperf reads {MANIFEST_SCHEMA}")
+    return manifest
+
+
+def verify_hashes(directory: Path, manifest: dict) -> None:
+    for name, expected in manifest.get("files", {}).items():
+        path = directory / name
+        if not path.is_file():
+            raise ArtifactError(f"{path} is missing; the manifest lists it")
+        if sha256(path) != expected:
+            raise ArtifactError(f"{path} does not match the sha256 in manifest.json: the file was altered or truncated")

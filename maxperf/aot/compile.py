@@ -1,0 +1,316 @@
+"""`maxperf compile`: lower and compile the train step for a (possibly virtual) topology, and write the artifact."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import pickle
+import platform
+import re
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from maxperf import __version__
+from maxperf.aot import artifacts, topologies
+from maxperf.aot.topologies import Topology
+from maxperf.errors import DoesNotFit, MaxperfError
+from maxperf.models import overrides as overrides_mod
+from maxperf.models import presets
+from maxperf.models.config import MESH_AXES, MeshShape, ModelConfig
+from maxperf.models.overrides import Configs
+from maxperf.perfmodel.calibration import cache_dir
+
+Progress = Callable[[str], None]
+
+_VERSIONED = ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin",
+              "jax-cuda13-pjrt", "flax", "optax")
+
+
+def library_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": platform.python_version(), "maxperf": __version__}
+    for name in _VERSIONED:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def versions_that_must_match(platform_name: str) -> tuple[str, ...]:
+    """Library versions an executable is bound to: jax's runtime, and the compiler plugin of its platform."""
+    plugin = {"tpu": ("libtpu",), "gpu": ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin",
+                                          "jax-cuda13-pjrt")}.get(platform_name, ())
+    return ("jax", "jaxlib", *plugin)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to compile: the configs, the topology and the resolved mesh."""
+
+    topology: Topology
+    configs: Configs
+    mesh_shape: MeshShape
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.configs.model
+
+    def default_dir(self) -> Path:
+        slices = f"_x{self.topology.num_slices}" if self.topology.num_slices > 1 else ""
+        return Path("artifacts") / f"{self.model.name}_{self.topology.name}{slices}"
+
+
+def plan(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT_MODEL, overrides: Sequence[str] = (),
+         *, num_slices: int = 1, target_config: str | os.PathLike | None = None) -> Plan:
+    """Resolves names and overrides into configs and a mesh; every mistake is a MaxperfError naming what is valid."""
+    topo = topology if isinstance(topology, Topology) else topologies.get(
+        topology, num_slices=num_slices, target_config_path=None if target_config is None else str(target_config))
+    model_cfg = model if isinstance(model, ModelConfig) else presets.get(model)
+    configs = overrides_mod.apply(model_cfg, list(overrides))
+    mesh_shape = configs.parallelism.resolve(topo.devices_per_ici_domain, topo.ici_domains)
+    return Plan(topo, configs, mesh_shape)
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    out_dir: Path
+    plan: Plan
+    param_count: int
+    global_batch: int
+    fits: bool
+    memory: dict[str, Any]
+    cost: dict[str, Any]
+    estimate: dict[str, Any] | None
+    compile_seconds: float
+    lower_seconds: float
+    total_seconds: float
+    peak_rss_bytes: int
+    limitations: list[str]
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is KiB on Linux
+
+
+def enable_compilation_cache() -> Path:
+    """Persistent compilation cache in the user's cache directory, so a repeated compile is fast."""
+    import jax
+
+    directory = cache_dir() / "xla"
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory
+
+
+def build_mesh(p: Plan, device_list: Sequence[Any] | None = None):
+    """The mesh in automatic-sharding mode over the plan's devices (compile-only ones for TPU and GPU)."""
+    from jax.sharding import AxisType, Mesh
+
+    mesh = topologies.device_mesh(p.topology, p.mesh_shape.ici, p.mesh_shape.dcn, MESH_AXES, device_list)
+    return Mesh(mesh.devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _bytes(text: str) -> int:
+    m = re.fullmatch(r"([\d.]+)\s*([KMGT]?)i?B?", text.strip())
+    return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else 0
+
+
+def out_of_memory_figures(message: str) -> dict[str, int] | None:
+    """(used, capacity) from XLA's 'Ran out of memory ... Used 103.53G of 95.74G hbm' compile error."""
+    if "RESOURCE_EXHAUSTED" not in message and "out of memory" not in message.lower():
+        return None
+    m = re.search(r"Used\s+([\d.]+\s*[KMGT]?i?B?)\s+of\s+([\d.]+\s*[KMGT]?i?B?)\s+(\w+)", message)
+    if not m:
+        return {}
+    return {"per_device_total_bytes": _bytes(m.group(1)), "hbm_bytes": _bytes(m.group(2))}
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_memory_bytes(topology: Topology) -> int:
+    """What one device may hold: its HBM, or for CPU devices this host's RAM shared among them."""
+    per_device = topology.hbm_bytes_per_device if topology.platform != "cpu" else None
+    return int(per_device) if per_device else host_memory_bytes() // topology.num_devices
+
+
+def memory_report(analysis, capacity: int) -> dict[str, Any]:
+    """Per-device figures from XLA's memory analysis; the total is what the device must hold at once."""
+    fields = {
+        "argument_bytes": analysis.argument_size_in_bytes,
+        "output_bytes": analysis.output_size_in_bytes,
+        "alias_bytes": analysis.alias_size_in_bytes,
+        "temp_bytes": analysis.temp_size_in_bytes,
+        "generated_code_bytes": analysis.generated_code_size_in_bytes,
+    }
+    # donated state is both argument and output: count it once (as MaxText's memory report does)
+    total = (fields["argument_bytes"] + fields["output_bytes"] - fields["alias_bytes"] + fields["temp_bytes"]
+             + fields["generated_code_bytes"])
+    return {"schema": "maxperf.memory/1", "source": "xla memory_analysis", **fields,
+            "per_device_total_bytes": int(total), "hbm_bytes": int(capacity),
+            "headroom_bytes": int(capacity - total), "fits": bool(total <= capacity)}
+
+
+def cost_report(compiled, hlo_text: str, topology: Topology) -> dict[str, Any]:
+    """The compiler's FLOPs and bytes per device, each with where it came from."""
+    from maxperf.aot import hlo_cost
+
+    raw = compiled.cost_analysis()
+    if isinstance(raw, (list, tuple)):
+        raw = raw[0] if raw else None
+    counted = hlo_cost.hlo_flops(hlo_text)
+    report: dict[str, Any] = {"schema": "maxperf.cost/1"}
+    report["flops_per_device"] = counted.flops
+    report["flops_source"] = ("optimized HLO: dot and convolution FLOPs counted by maxperf, loop bodies multiplied "
+                              "by their trip counts")
+    report["hlo"] = dataclasses.asdict(counted) if dataclasses.is_dataclass(counted) else dict(counted)
+    if raw:
+        report["xla_flops_per_device"] = float(raw.get("flops", 0.0))
+        report["bytes_accessed_per_device"] = float(raw.get("bytes accessed", 0.0))
+        report["bytes_accessed_source"] = "xla cost_analysis (a while loop's body counted once)"
+        report["xla_source"] = "xla cost_analysis: counts each while loop's body once, so scanned layers count once"
+    else:
+        report["xla_flops_per_device"] = None
+        report["bytes_accessed_per_device"] = None
+        report["bytes_accessed_source"] = (f"unavailable: the {topology.platform.upper()} compiler gave no cost "
+                                           "analysis for this target")
+    return report
+
+
+def estimate_for(p: Plan) -> dict[str, Any] | None:
+    """The analytical prediction for the same configuration (perfmodel), as JSON."""
+    from maxperf import perfmodel
+
+    result = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+    return result.as_dict()
+
+
+def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT_MODEL,
+            overrides: Sequence[str] = (), *, num_slices: int = 1, out: str | os.PathLike | None = None,
+            target_config: str | os.PathLike | None = None, progress: Progress | None = None,
+            argv: Sequence[str] | None = None) -> CompileResult:
+    """Lowers and compiles the train step for `topology` and writes the artifact directory.
+
+    Raises MaxperfError for bad input and DoesNotFit (after writing the verdict) when the step needs more
+    memory than a device has.
+    """
+    say = progress or (lambda _: None)
+    start = time.perf_counter()
+    p = plan(topology, model, overrides, num_slices=num_slices, target_config=target_config)
+    topo = p.topology
+    out_dir = Path(out) if out is not None else p.default_dir()
+    say(f"devices: {topo.name} ({topo.num_devices} devices, mesh "
+        + " x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1) + ")")
+    if topo.platform == "tpu":
+        topologies.quiet_libtpu()
+    import jax
+    from jax.experimental import serialize_executable
+
+    from maxperf.models import train_step
+
+    enable_compilation_cache()
+    mesh = build_mesh(p)
+    say("abstract state and shardings")
+    spec = train_step.abstract_step(p.configs.model, p.configs.train, mesh)
+    say("lowering")
+    t = time.perf_counter()
+    with jax.set_mesh(mesh):
+        lowered = train_step.jit_step(spec).lower(spec.state, spec.batch)
+    lower_seconds = time.perf_counter() - t
+    capacity = device_memory_bytes(topo)
+    writer = artifacts.ArtifactWriter(out_dir)
+    try:
+        writer.write_text("hlo/lowered.stablehlo.mlir", lowered.as_text())
+        say("compiling")
+        t = time.perf_counter()
+        try:
+            compiled = lowered.compile(topologies.compiler_options(topo) or None)
+        except Exception as e:  # XLA reports out-of-memory as a compile error on TPU
+            figures = out_of_memory_figures(str(e))
+            if figures is None:
+                raise MaxperfError(f"XLA could not compile the step: {str(e).splitlines()[0][:300]}") from e
+            compile_seconds = time.perf_counter() - t
+            memory = {"schema": "maxperf.memory/1", "source": "xla compile error (out of memory)",
+                      "per_device_total_bytes": figures.get("per_device_total_bytes"),
+                      "hbm_bytes": figures.get("hbm_bytes") or capacity, "fits": False,
+                      "compiler_message": str(e).splitlines()[0][:500]}
+            if memory["per_device_total_bytes"]:
+                memory["headroom_bytes"] = memory["hbm_bytes"] - memory["per_device_total_bytes"]
+            writer.write_json("memory.json", memory)
+            _write_manifest(writer, p, spec, argv, compile_seconds, lower_seconds, start, compiled=False)
+            writer.commit()
+            raise DoesNotFit(_verdict_line(memory)) from None
+        compile_seconds = time.perf_counter() - t
+        say("writing artifacts")
+        hlo_text = compiled.as_text()
+        writer.write_text("hlo/optimized.hlo.txt", hlo_text)
+        memory = memory_report(compiled.memory_analysis(), capacity)
+        writer.write_json("memory.json", memory)
+        cost = cost_report(compiled, hlo_text, topo)
+        writer.write_json("cost.json", cost)
+        estimate = estimate_for(p)
+        if estimate is not None:
+            writer.write_json("estimate.json", estimate)
+        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        artifacts.check_executable_pickle(payload)
+        blob = {"schema": artifacts.COMPILED_SCHEMA, "platform": topo.platform, "executable": payload,
+                "in_tree": str(in_tree), "out_tree": str(out_tree)}
+        writer.write_bytes("compiled.pkl", pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL))
+        _write_manifest(writer, p, spec, argv, compile_seconds, lower_seconds, start, compiled=True)
+        writer.commit()
+    except BaseException:
+        writer.abandon()
+        raise
+    return CompileResult(
+        out_dir=out_dir, plan=p, param_count=spec.param_count, global_batch=spec.global_batch, fits=memory["fits"],
+        memory=memory, cost=cost, estimate=estimate, compile_seconds=compile_seconds, lower_seconds=lower_seconds,
+        total_seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes(),
+        limitations=topologies.limitations(topo),
+    )
+
+
+def _verdict_line(memory: dict[str, Any]) -> str:
+    gib = 1 << 30
+    used, hbm = memory.get("per_device_total_bytes"), memory["hbm_bytes"]
+    if used:
+        return (f"does not fit: needs {used / gib:.2f} GiB per device, {hbm / gib:.2f} GiB available "
+                f"(over by {(used - hbm) / gib:.2f} GiB)")
+    return f"does not fit in {hbm / gib:.2f} GiB per device ({memory.get('compiler_message', '')})"
+
+
+def _write_manifest(writer: artifacts.ArtifactWriter, p: Plan, spec, argv, compile_seconds: float,
+                    lower_seconds: float, start: float, *, compiled: bool) -> None:
+    manifest = {
+        "schema": artifacts.MANIFEST_SCHEMA,
+        "created_unix": time.time(),
+        "command": list(argv) if argv is not None else sys.argv,
+        "compiled": compiled,
+        "model": p.configs.model,
+        "train": p.configs.train,
+        "parallelism": p.configs.parallelism,
+        "mesh": {"axes": p.mesh_shape.axes, "ici": p.mesh_shape.ici, "dcn": p.mesh_shape.dcn},
+        "topology": p.topology.as_dict(),
+        "param_count": spec.param_count,
+        "global_batch": spec.global_batch,
+        "tokens_per_step": spec.global_batch * p.configs.train.seq_len,
+        "versions": library_versions(),
+        "compile_seconds": round(compile_seconds, 3),
+        "lower_seconds": round(lower_seconds, 3),
+        "wall_seconds": round(time.perf_counter() - start, 3),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "limitations": topologies.limitations(p.topology),
+        "files": writer.hashes(),
+    }
+    writer.write_json("manifest.json", manifest)

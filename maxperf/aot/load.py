@@ -1,0 +1,100 @@
+"""`maxperf.aot.load`: read an artifact directory back, checking hashes, versions and what it may unpickle."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from maxperf.aot import artifacts
+from maxperf.aot.artifacts import ArtifactError
+from maxperf.aot.compile import Plan, library_versions, versions_that_must_match
+from maxperf.aot import topologies
+from maxperf.models.config import MeshShape, ModelConfig, ParallelismConfig, TrainConfig, from_dict
+from maxperf.models.overrides import Configs
+
+
+@dataclass(frozen=True)
+class Artifact:
+    directory: Path
+    manifest: dict
+    plan: Plan
+    payload: bytes  # jax's serialized executable, already checked
+    in_tree: str
+    out_tree: str
+
+    def json(self, name: str) -> dict | None:
+        """Another JSON file of the artifact (memory.json, cost.json, estimate.json), if it was written."""
+        import json
+
+        path = self.directory / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def step(self, device_list=None):
+        """(AbstractStep over `device_list`, the loaded executable) on this process's devices."""
+        import jax
+        from jax.experimental import serialize_executable
+
+        from maxperf.aot.compile import build_mesh
+        from maxperf.models import train_step
+
+        device_list = list(device_list) if device_list is not None else jax.devices()
+        mesh = build_mesh(self.plan, device_list)
+        spec = train_step.abstract_step(self.plan.configs.model, self.plan.configs.train, mesh)
+        in_tree = jax.tree.structure(((spec.state, spec.batch), {}))
+        with jax.set_mesh(mesh):
+            out_shapes = jax.eval_shape(train_step.make_train_step(spec.model, spec.train), spec.state, spec.batch)
+        out_tree = jax.tree.structure(out_shapes)
+        if str(in_tree) != self.in_tree or str(out_tree) != self.out_tree:
+            raise ArtifactError(
+                f"{self.directory}: the train state's structure differs from the one compiled (flax or optax "
+                "changed?); compile again with this installation"
+            )
+        compiled = serialize_executable.deserialize_and_load(
+            self.payload, in_tree, out_tree, backend=device_list[0].client, execution_devices=device_list
+        )
+        return spec, compiled
+
+
+def load(path: str | os.PathLike) -> Artifact:
+    """Reads `DIR` or `DIR/compiled.pkl`; refuses altered, truncated or crafted files and other library versions."""
+    path = Path(path)
+    directory = path if path.is_dir() else path.parent
+    if not directory.exists() or (path != directory and not path.exists()):
+        raise ArtifactError(f"{path} does not exist; give a `maxperf compile` output directory or its compiled.pkl")
+    manifest = artifacts.read_manifest(directory)
+    if not manifest.get("compiled"):
+        raise ArtifactError(f"{directory} holds no executable: its step did not compile (see memory.json)")
+    artifacts.verify_hashes(directory, manifest)
+    _check_versions(directory, manifest)
+    blob = artifacts.read_plain_pickle((directory / "compiled.pkl").read_bytes())
+    if not isinstance(blob, dict) or blob.get("schema") != artifacts.COMPILED_SCHEMA:
+        raise ArtifactError(f"{directory}/compiled.pkl is not a {artifacts.COMPILED_SCHEMA} artifact")
+    payload = blob.get("executable")
+    if not isinstance(payload, bytes):
+        raise ArtifactError(f"{directory}/compiled.pkl holds no executable")
+    artifacts.check_executable_pickle(payload)
+    return Artifact(directory, manifest, plan_from_manifest(manifest), payload, blob.get("in_tree", ""),
+                    blob.get("out_tree", ""))
+
+
+def _check_versions(directory: Path, manifest: dict) -> None:
+    have = library_versions()
+    wrote = manifest.get("versions", {})
+    platform = manifest.get("topology", {}).get("platform", "")
+    differ = [f"{name} {wrote.get(name)} (here {have.get(name)})" for name in versions_that_must_match(platform)
+              if wrote.get(name) != have.get(name)]
+    if differ:
+        raise ArtifactError(f"{directory} was compiled with other library versions: {', '.join(differ)}; an "
+                            "executable loads only with the versions that compiled it")
+
+
+def plan_from_manifest(manifest: dict[str, Any]) -> Plan:
+    topo = manifest["topology"]
+    topology = topologies.get(topo["name"], num_slices=topo.get("num_slices", 1),
+                              target_config_path=topo.get("target_config_path"))
+    configs = Configs(model=from_dict(ModelConfig, manifest["model"]), train=from_dict(TrainConfig, manifest["train"]),
+                      parallelism=from_dict(ParallelismConfig, manifest["parallelism"]))
+    mesh = manifest["mesh"]
+    return Plan(topology, configs, MeshShape(ici=mesh["ici"], dcn=mesh["dcn"]))

@@ -1,0 +1,174 @@
+"""The `maxperf` command: parse, call the Python API, print. Exit codes: 0 ok, 1 failure, 2 bad input, 3 no fit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from maxperf.errors import MaxperfError
+
+GIB = 1 << 30
+
+
+def _print_json(value) -> None:
+    from maxperf.aot.artifacts import to_json
+
+    print(json.dumps(to_json(value), indent=2))
+
+
+def _progress():
+    start = time.perf_counter()
+
+    def say(phase: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f}s] {phase}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def _compile_only_environment() -> None:
+    """Compiling never needs the local accelerator: keep jax on the CPU so TPU and GPU targets are virtual."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def cmd_models(args) -> int:
+    from maxperf.models import presets, train_step
+
+    rows = []
+    for name in presets.names():
+        m = presets.get(name)
+        rows.append({"name": name, "params": train_step.param_count(m), "V": m.vocab_size, "D": m.d_model,
+                     "N": m.num_layers, "H": m.num_heads, "K": m.num_kv_heads, "Dh": m.head_dim, "F": m.d_ff,
+                     "activation": m.activation.value, "attention": m.attention.value})
+    if args.json:
+        _print_json(rows)
+        return 0
+    print(f"{'model':<15} {'params':>9} {'V':>7} {'D':>6} {'N':>4} {'H':>4} {'K':>4} {'Dh':>4} {'F':>7}  attention")
+    for r in rows:
+        print(f"{r['name']:<15} {r['params'] / 1e9:>8.2f}B {r['V']:>7} {r['D']:>6} {r['N']:>4} {r['H']:>4} "
+              f"{r['K']:>4} {r['Dh']:>4} {r['F']:>7}  {r['attention']}")
+    return 0
+
+
+def cmd_topologies(args) -> int:
+    from maxperf.aot import topologies
+
+    rows = [t for t in topologies.catalog() if args.platform in (None, t.platform)]
+    if args.json:
+        _print_json([t.as_dict() for t in rows])
+        return 0
+    print(f"{'topology':<16} {'platform':<8} {'chips':>6} {'hosts':>6} {'HBM/chip':>9} {'bf16 TFLOP/s':>13}  layout")
+    for t in rows:
+        hbm = f"{t.hbm_bytes_per_chip / GIB:.0f} GiB" if t.hbm_bytes_per_chip else "-"
+        peak = f"{t.peak_bf16_flops_per_chip / 1e12:.0f}" if t.peak_bf16_flops_per_chip else "-"
+        layout = t.libtpu_topology or t.gpu_target or ""
+        print(f"{t.name:<16} {t.platform:<8} {t.chips:>6} {t.hosts:>6} {hbm:>9} {peak:>13}  {layout}")
+    print("cpu-N: N devices of this process (any N)")
+    return 0
+
+
+def cmd_keys(args) -> int:
+    from maxperf.models import overrides
+
+    aliases: dict[str, list[str]] = {}
+    for alias, key in overrides.ALIASES.items():
+        aliases.setdefault(key, []).append(alias)
+    for key in overrides.valid_keys():
+        extra = f"  (MaxText: {', '.join(aliases[key])})" if key in aliases else ""
+        print(f"{key}{extra}")
+    return 0
+
+
+def cmd_compile(args) -> int:
+    _compile_only_environment()
+    from maxperf import aot
+
+    result = aot.compile(args.topology, args.model, args.overrides, num_slices=args.num_slices, out=args.out,
+                         target_config=args.target_config, progress=_progress(), argv=sys.argv)
+    p, mem, cost = result.plan, result.memory, result.cost
+    print(f"compiled {p.model.name} for {p.topology.name}"
+          + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1 else "") + f" -> {result.out_dir}")
+    print(f"  parameters       {result.param_count / 1e9:.3f}B; global batch {result.global_batch} x "
+          f"{p.configs.train.seq_len} tokens")
+    print(f"  mesh             " + " x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1))
+    print(f"  memory/device    {mem['per_device_total_bytes'] / GIB:.2f} GiB of {mem['hbm_bytes'] / GIB:.2f} GiB "
+          f"({'fits' if mem['fits'] else 'DOES NOT FIT'}, headroom {mem['headroom_bytes'] / GIB:.2f} GiB)")
+    print(f"  FLOPs/device     {cost['flops_per_device'] / 1e12:.2f} TFLOP per step ({cost['flops_source']})")
+    if result.estimate:
+        e = result.estimate
+        print(f"  predicted        {e['step_time_s']:.3f} s/step, {e['tflops_per_chip']:.0f} TFLOP/s per chip, "
+              f"MFU {e['mfu']:.1%}, bound by {e['bottleneck']}")
+    print(f"  compile time     {result.compile_seconds:.1f} s (lowering {result.lower_seconds:.1f} s, whole "
+          f"{result.total_seconds:.1f} s); host peak RSS {result.peak_rss_bytes / GIB:.2f} GiB")
+    for note in result.limitations:
+        print(f"  note: {note}")
+    return 0 if result.fits else 3
+
+
+def _add_plan_arguments(parser: argparse.ArgumentParser, *, model_default: str | None) -> None:
+    parser.add_argument("--topology", required=True, help="e.g. v5p-1024, v5e-256, h100-8x16, cpu-8")
+    parser.add_argument("--model", default=model_default, required=model_default is None,
+                        help="a preset name (see `maxperf models`)")
+    parser.add_argument("--num-slices", type=int, default=1, help="slices side by side over DCN")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides, e.g. per_device_batch_size=4 ici_tensor=4 (see `maxperf keys`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from maxperf.models.presets import DEFAULT_MODEL
+
+    parser = argparse.ArgumentParser(prog="maxperf", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("models", help="list the model presets")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("topologies", help="list the topologies maxperf compiles for")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--platform", choices=["tpu", "gpu", "cpu"])
+    p.set_defaults(func=cmd_topologies)
+
+    p = sub.add_parser("keys", help="list the key=value override keys and their MaxText aliases")
+    p.set_defaults(func=cmd_keys)
+
+    p = sub.add_parser("compile", help="compile the train step for a topology and write its artifacts")
+    _add_plan_arguments(p, model_default=DEFAULT_MODEL)
+    p.add_argument("--out", help="output directory (default: artifacts/MODEL_TOPOLOGY)")
+    p.add_argument("--target-config", help="GPU: a GpuTargetConfigProto text file instead of the built-in spec")
+    p.set_defaults(func=cmd_compile)
+
+    for extra in _extra_commands():
+        extra(sub)
+    return parser
+
+
+def _extra_commands():
+    from maxperf import cli_estimate
+
+    return cli_estimate.COMMANDS
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except MaxperfError as e:
+        print(f"maxperf: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("maxperf: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # anything unexpected: one line, not a traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"maxperf: error: {type(e).__name__}: {first[:400]}", file=sys.stderr)
+        if os.environ.get("MAXPERF_DEBUG"):
+            raise
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""`maxperf compile` and `maxperf.aot.load`: artifacts for each platform, loading, and every kind of refusal."""
+
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from maxperf import aot
+from maxperf.aot import artifacts
+from maxperf.aot.artifacts import ArtifactError
+from maxperf.errors import MaxperfError
+
+TINY = ["seq_len=64", "per_device_batch_size=2"]
+ARTIFACT_FILES = {"compiled.pkl", "manifest.json", "memory.json", "cost.json", "estimate.json",
+                  "hlo/lowered.stablehlo.mlir", "hlo/optimized.hlo.txt"}
+
+
+def maxperf(*args, cwd=None, env=None):
+    environment = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "maxperf.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env=environment, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def cpu8(tmp_path_factory):
+    return aot.compile("cpu-8", "tiny", TINY, out=tmp_path_factory.mktemp("c") / "cpu8")
+
+
+def test_cpu_artifact_has_every_file_and_field(cpu8):
+    d = cpu8.out_dir
+    assert {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()} == ARTIFACT_FILES
+    manifest = json.loads((d / "manifest.json").read_text())
+    assert set(manifest["files"]) == ARTIFACT_FILES - {"manifest.json"}
+    for key in ("model", "train", "parallelism", "topology", "versions", "compile_seconds", "peak_rss_bytes"):
+        assert key in manifest
+    assert manifest["versions"]["jax"] == jax.__version__
+    memory = json.loads((d / "memory.json").read_text())
+    parts = memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"] + memory["temp_bytes"]
+    assert memory["per_device_total_bytes"] == parts + memory["generated_code_bytes"]
+    assert memory["fits"] is True and memory["headroom_bytes"] > 0
+    cost = json.loads((d / "cost.json").read_text())
+    assert cost["flops_per_device"] > 0 and "flops_source" in cost
+    assert "module @" in (d / "hlo/lowered.stablehlo.mlir").read_text()
+    assert "HloModule" in (d / "hlo/optimized.hlo.txt").read_text()
+
+
+def test_cpu_artifact_loads_and_runs_one_step(cpu8):
+    from maxperf.models import train_step
+
+    artifact = aot.load(cpu8.out_dir / "compiled.pkl")
+    spec, step = artifact.step(jax.devices()[:8])
+    state = train_step.init_state(spec, seed=0)
+    batch = train_step.synthetic_batch(spec, seed=0)
+    _, metrics = step(state, batch)
+    assert math.isfinite(float(metrics["loss"]))
+    assert int(metrics["tokens"]) == 8 * 2 * 64
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_altered_compiled_pkl_is_refused(cpu8, tmp_path):
+    d = _copy(cpu8.out_dir, tmp_path / "altered")
+    data = bytearray((d / "compiled.pkl").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (d / "compiled.pkl").write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="sha256"):
+        aot.load(d)
+
+
+def test_truncated_compiled_pkl_is_refused(cpu8, tmp_path):
+    d = _copy(cpu8.out_dir, tmp_path / "truncated")
+    data = (d / "compiled.pkl").read_bytes()
+    (d / "compiled.pkl").write_bytes(data[: len(data) // 3])
+    with pytest.raises(ArtifactError, match="altered or truncated"):
+        aot.load(d)
+
+
+def _rehash(d: Path) -> None:
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["files"] = {name: artifacts.sha256(d / name) for name in manifest["files"]}
+    (d / "manifest.json").write_text(json.dumps(manifest))
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_crafted_pickle_is_refused_without_running_anything(cpu8, tmp_path):
+    d = _copy(cpu8.out_dir, tmp_path / "crafted")
+    (d / "compiled.pkl").write_bytes(pickle.dumps({"schema": artifacts.COMPILED_SCHEMA, "executable": _RunsCode()}))
+    _rehash(d)  # even with matching hashes
+    with pytest.raises(ArtifactError, match="posix.system|os.system"):
+        aot.load(d)
+    assert not Path("pwned").exists()
+
+
+def test_crafted_executable_payload_is_refused(cpu8, tmp_path):
+    d = _copy(cpu8.out_dir, tmp_path / "payload")
+    blob = artifacts.read_plain_pickle((d / "compiled.pkl").read_bytes())
+    blob["executable"] = pickle.dumps(_RunsCode())
+    (d / "compiled.pkl").write_bytes(pickle.dumps(blob))
+    _rehash(d)
+    with pytest.raises(ArtifactError, match="never writes"):
+        aot.load(d)
+
+
+def test_other_library_versions_are_refused(cpu8, tmp_path):
+    d = _copy(cpu8.out_dir, tmp_path / "versions")
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["versions"]["jaxlib"] = "0.0.1"
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="jaxlib 0.0.1"):
+        aot.load(d)
+
+
+def test_missing_artifact_is_a_clear_error(tmp_path):
+    with pytest.raises(ArtifactError, match="does not exist"):
+        aot.load(tmp_path / "nothing" / "compiled.pkl")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "topology, slices, devices",
+    [("v5p-8", 1, 4), ("v5e-4", 1, 4), ("v5p-8", 2, 8), ("h100-8", 1, 8)],
+)
+def test_compiles_for_virtual_topologies(tmp_path, topology, slices, devices):
+    result = aot.compile(topology, "tiny", TINY, num_slices=slices, out=tmp_path / "out")
+    assert result.fits
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["topology"]["devices"] == devices
+    assert math.prod(manifest["mesh"]["axes"].values()) == devices
+    assert result.global_batch == 2 * devices
+    cost = json.loads((tmp_path / "out" / "cost.json").read_text())
+    assert cost["flops_per_device"] > 0
+    if topology.startswith("h100"):
+        assert cost["xla_flops_per_device"] is None  # the GPU compiler gives none without a GPU
+        assert any("cost analysis" in note for note in result.limitations)
+    else:
+        assert cost["xla_flops_per_device"] > 0
+    if slices > 1:
+        assert manifest["mesh"]["dcn"]["data"] == slices
+
+
+def test_bad_plans_are_errors_before_compiling():
+    with pytest.raises(MaxperfError, match="v5p-1024"):
+        aot.plan("v5p-1023", "tiny")
+    with pytest.raises(MaxperfError, match="llama3-8b"):
+        aot.plan("v5p-8", "llama3-8")
+    with pytest.raises(MaxperfError, match="does not divide 4"):
+        aot.plan("v5p-8", "tiny", ["ici_tensor=3"])
+
+
+@pytest.mark.slow
+def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
+    for args, needle in [
+        (["compile", "--topology", "v5p-1023"], "did you mean"),
+        (["compile", "--topology", "v5p-8", "--model", "lama2-7b"], "llama2-7b"),
+        (["compile", "--topology", "cpu-8", "--model", "tiny", "ici_tensor=3"], "ici_tensor=3"),
+        (["compile", "--topology", "cpu-8", "--model", "tiny", "remat_policy=fulll"], "did you mean full"),
+        (["compile", "--topology", "cpu-8", "--model", "tiny", "per_device_batch_size=-1"], ">= 1"),
+    ]:
+        proc = maxperf(*args, cwd=tmp_path)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert needle in proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith("maxperf: error:")
+    assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+@pytest.mark.slow
+def test_out_of_memory_is_a_verdict_with_exit_code_3(tmp_path):
+    proc = maxperf("compile", "--topology", "v5e-1", "--model", "tiny", "--out", str(tmp_path / "oom"),
+                   "d_model=8192", "d_ff=32768", "num_heads=64", "num_kv_heads=64", "head_dim=128",
+                   "vocab_size=256000", "num_layers=4", "seq_len=128", cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    assert "does not fit" in proc.stderr and "Traceback" not in proc.stderr
+    memory = json.loads((tmp_path / "oom" / "memory.json").read_text())
+    assert memory["fits"] is False
+    assert memory["per_device_total_bytes"] > memory["hbm_bytes"]
+    assert not (tmp_path / "oom" / "compiled.pkl").exists()
+    with pytest.raises(ArtifactError, match="did not compile"):
+        aot.load(tmp_path / "oom")

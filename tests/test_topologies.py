@@ -1,0 +1,313 @@
+"""The topology catalog, its compile-only devices and meshes (tests/conftest.py gives jax 8 CPU devices)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from maxperf.aot import gpu_targets
+from maxperf.aot import topologies as T
+from maxperf.errors import MaxperfError
+
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
+HAVE_CUDA_PLUGIN = gpu_targets.plugin_library() is not None
+HAVE_CHIPS = importlib.util.find_spec("maxperf.perfmodel.chips") is not None
+needs_libtpu = pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu not installed (maxperf[tpu])")
+needs_cuda_plugin = pytest.mark.skipif(not HAVE_CUDA_PLUGIN, reason="CUDA plugin not installed (maxperf[gpu])")
+
+# cloud.google.com/tpu/docs/v5p, "Configurations": accelerator type -> (topology, chips, hosts)
+CLOUD_V5P_TABLE = {
+    "v5p-8": ("2x2x1", 4, 1), "v5p-16": ("2x2x2", 8, 2), "v5p-64": ("2x4x4", 32, 8), "v5p-128": ("4x4x4", 64, 16),
+    "v5p-256": ("4x4x8", 128, 32), "v5p-512": ("4x8x8", 256, 64), "v5p-1024": ("8x8x8", 512, 128),
+    "v5p-2048": ("8x8x16", 1024, 256), "v5p-4096": ("8x16x16", 2048, 512), "v5p-8192": ("16x16x16", 4096, 1024),
+    "v5p-12288": ("16x16x24", 6144, 1536),
+}
+
+
+# --- catalog facts ------------------------------------------------------------------------------------------------
+
+
+def test_v5p_1024_is_512_chips_on_128_hosts():
+    t = T.get("v5p-1024")
+    assert (t.platform, t.chip, t.chips, t.hosts, t.chips_per_host) == ("tpu", "tpu-v5p", 512, 128, 4)
+    assert t.libtpu_topology == "v5p:8x8x8" and t.torus == (8, 8, 8)
+
+
+@pytest.mark.parametrize("name", sorted(CLOUD_V5P_TABLE))
+def test_v5p_matches_cloud_table(name):
+    shape, chips, hosts = CLOUD_V5P_TABLE[name]
+    t = T.get(name)
+    assert (t.libtpu_topology, t.chips, t.hosts) == (f"v5p:{shape}", chips, hosts)
+
+
+def test_largest_slice_per_family():
+    largest = {}
+    for t in T.catalog():
+        if t.platform == "tpu":
+            family = t.name.split("-")[0]
+            largest[family] = max(largest.get(family, 0), t.chips)
+    assert largest == {"v4": 2048, "v5e": 256, "v5p": 6144, "v6e": 256, "tpu7x": 9216}
+
+
+def test_names_count_tensorcores_for_v4_v5p_tpu7x_and_chips_for_v5e_v6e():
+    assert T.get("v4-8").chips == 4
+    assert T.get("tpu7x-8").chips == 4
+    assert T.get("v5e-256").chips == 256 and T.get("v5e-256").hosts == 64
+    assert T.get("v6e-8").chips == 8
+
+
+def test_v5e_and_v6e_up_to_8_chips_are_one_host():
+    for name in ("v5e-1", "v5e-4", "v5e-8", "v6e-8"):
+        assert T.get(name).hosts == 1, name
+    assert T.get("v5e-16").hosts == 4
+
+
+def test_whole_cube_slices_take_the_most_cubic_shape():
+    assert T.get("v5p-768").libtpu_topology == "v5p:4x8x12"  # 6 cubes
+    assert T.get("v5p-9216").libtpu_topology == "v5p:12x16x24"  # 72 cubes
+    assert T.get("v4-384").libtpu_topology == "v4:4x4x12"
+
+
+def test_v5litepod_is_an_alias_of_v5e():
+    assert T.get("v5litepod-16") == T.get("v5e-16")
+    assert T.get("V5P-8") == T.get("v5p-8")
+
+
+def test_unknown_topology_suggests_close_names():
+    with pytest.raises(MaxperfError, match="did you mean.*v5p-1024"):
+        T.get("v5p-1023")
+    with pytest.raises(MaxperfError, match="unknown topology"):
+        T.get("v9-8")
+
+
+def test_num_slices_multiplies_chips_and_hosts():
+    t = T.get("v5e-256", num_slices=32)
+    assert (t.chips, t.hosts, t.num_slices, t.ici_domains) == (8192, 2048, 32, 32)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(MaxperfError, match="num_slices"):
+            T.get("v5p-8", num_slices=bad)
+
+
+def test_gpu_and_cpu_names():
+    h = T.get("h100-8x16")
+    assert (h.platform, h.chip, h.chips, h.hosts, h.torus) == ("gpu", "h100-sxm", 128, 16, (16, 8))
+    assert h.ici_domains == 16  # NVLink inside a host, InfiniBand across
+    assert T.get("a100-8").chip == "a100-80gb" and T.get("a100-40gb-8x2").chip == "a100-40gb"
+    g = T.get("gb200-72x2")
+    assert (g.chips, g.hosts, g.chips_per_host, g.ici_domains) == (144, 36, 4, 2)
+    c = T.get("cpu-3")
+    assert (c.platform, c.chip, c.chips) == ("cpu", "cpu", 3)
+
+
+def test_as_dict_has_the_listed_fields():
+    d = T.get("h200-8x4").as_dict()
+    for key in ("name", "platform", "chips", "hosts", "hbm_bytes_per_chip", "peak_bf16_flops_per_chip"):
+        assert key in d
+    assert (d["name"], d["chips"], d["hosts"]) == ("h200-8x4", 32, 4)
+
+
+@pytest.mark.skipif(not HAVE_CHIPS, reason="maxperf.perfmodel.chips not written yet")
+def test_chip_specs_come_from_the_perfmodel():
+    from maxperf.perfmodel import chips
+
+    for t in (T.get("v5p-8"), T.get("h100-8"), T.get("tpu7x-8"), T.get("cpu-1")):
+        assert t.hbm_bytes_per_chip == chips.get(t.chip).hbm_bytes
+        assert t.peak_bf16_flops_per_chip == chips.get(t.chip).peak_bf16_flops
+    tpu7x = T.get("tpu7x-8")
+    assert tpu7x.hbm_bytes_per_device * 2 == tpu7x.hbm_bytes_per_chip
+
+
+# --- GPU target specs ---------------------------------------------------------------------------------------------
+
+
+@needs_cuda_plugin
+def test_embedded_gpu_specs_are_found_for_every_catalog_gpu():
+    start = time.perf_counter()
+    gpu_targets.embedded_targets.cache_clear()
+    gpu_targets.embedded_targets()
+    assert time.perf_counter() - start < 2.0
+    for chip, device in gpu_targets.CHIP_TO_DEVICE.items():
+        text = gpu_targets.gpu_target_config(chip)
+        assert text.startswith("# proto-message: stream_executor.GpuTargetConfigProto")
+        assert f'device_description_str: "{device}"' in text
+    assert gpu_targets.device_memory_bytes(gpu_targets.gpu_target_config("h100-sxm")) == 84942979072
+
+
+@needs_cuda_plugin
+def test_unknown_gpu_target_suggests_names():
+    with pytest.raises(MaxperfError, match="unknown GPU target 'h100-sxn'; did you mean h100-sxm"):
+        gpu_targets.gpu_target_config("h100-sxn")
+
+
+def test_target_config_file_is_validated(tmp_path):
+    bad = tmp_path / "bad.txtpb"
+    bad.write_text("name: 'not a gpu'\n")
+    with pytest.raises(MaxperfError, match="not a stream_executor.GpuTargetConfigProto"):
+        T.get("h100-8", target_config_path=str(bad))
+    with pytest.raises(MaxperfError, match="cannot read target config"):
+        T.get("h100-8", target_config_path=str(tmp_path / "missing.txtpb"))
+    with pytest.raises(MaxperfError, match="GPU topologies only"):
+        T.get("v5p-8", target_config_path=str(bad))
+
+
+@needs_cuda_plugin
+def test_target_config_file_sets_the_device(tmp_path):
+    spec = tmp_path / "h200.txtpb"
+    spec.write_text(gpu_targets.gpu_target_config("h200"))
+    t = T.get("h100-8x2", target_config_path=str(spec))
+    assert t.gpu_target == "NVIDIA H200 141GB HBM3e"
+    assert t.hbm_bytes_per_chip == 151397597184
+    assert T.devices(t)[0].device_kind == "NVIDIA H200 141GB HBM3e"
+
+
+def test_missing_plugins_say_what_to_install(monkeypatch):
+    monkeypatch.setattr(gpu_targets, "plugin_library", lambda: None)
+    with pytest.raises(MaxperfError, match=r"pip install 'maxperf\[gpu\]'"):
+        T._gpu_devices.__wrapped__("1x1x8", "h100-sxm", None)
+    monkeypatch.setattr(T.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+    with pytest.raises(MaxperfError, match=r"pip install 'maxperf\[tpu\]'"):
+        T._tpu_devices.__wrapped__("v5p:2x2x1", None, None, 1, "v5p-8")
+
+
+# --- devices ------------------------------------------------------------------------------------------------------
+
+
+@needs_libtpu
+@pytest.mark.parametrize("name, count, hosts, kind", [
+    ("v5p-8", 4, 1, "TPU v5"), ("v4-8", 4, 1, "TPU v4"), ("v5e-8", 8, 1, "TPU v5 lite"),
+    ("v6e-16", 16, 4, "TPU v6 lite"), ("tpu7x-8", 8, 1, "TPU7x"), ("v5p-1024", 512, 128, "TPU v5"),
+])
+def test_tpu_device_counts(name, count, hosts, kind):
+    found = T.devices(T.get(name))
+    assert len(found) == count and found[0].device_kind == kind
+    assert len({d.process_index for d in found}) == hosts
+
+
+@needs_libtpu
+def test_two_slices_carry_their_slice_index():
+    found = T.devices(T.get("v5p-8", num_slices=2))
+    assert len(found) == 8
+    assert sorted(d.slice_index for d in found) == [0] * 4 + [1] * 4
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("name, hosts", [("h100-8", 1), ("h100-8x16", 16), ("b200-8x2", 2), ("gb200-72", 18)])
+def test_gpu_devices_span_hosts(name, hosts):
+    t = T.get(name)
+    found = T.devices(t)
+    assert len(found) == t.chips and found[0].device_kind == t.gpu_target
+    assert len({d.process_index for d in found}) == hosts
+
+
+def test_cpu_devices_are_this_process():
+    found = T.devices(T.get("cpu-8"))
+    assert len(found) == 8 and all(d.platform == "cpu" for d in found)
+    assert T.devices(T.get("cpu-4")) == found[:4]
+
+
+def test_cpu_devices_beyond_the_started_count_are_refused():
+    T.devices(T.get("cpu-1"))  # jax is started by now
+    with pytest.raises(MaxperfError, match="xla_force_host_platform_device_count=64"):
+        T.devices(T.get("cpu-64"))
+
+
+def test_ensure_cpu_devices_before_jax_starts():
+    code = (
+        "from maxperf.aot import topologies as T\n"
+        "T.ensure_cpu_devices(3)\n"
+        "import jax; print(len(jax.devices()))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "3"
+
+
+@needs_libtpu
+def test_libtpu_startup_warnings_are_hidden():
+    code = (
+        "from maxperf.aot import topologies as T\n"
+        "print(len(T.devices(T.get('v5p-8'))))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")} | {"JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "4"
+    assert "TPU_ACCELERATOR_TYPE" not in out.stderr and "TPU_WORKER_HOSTNAMES" not in out.stderr
+
+
+# --- meshes -------------------------------------------------------------------------------------------------------
+
+
+@needs_libtpu
+def test_hybrid_mesh_puts_slices_on_the_dcn_axis():
+    t = T.get("v5p-8", num_slices=2)
+    mesh = T.device_mesh(t, ici={"fsdp": 4}, dcn={"data": 2}, axis_names=("data", "fsdp"))
+    assert mesh.shape == {"data": 2, "fsdp": 4}
+    assert [{d.slice_index for d in row} for row in mesh.devices] == [{0}, {1}]
+
+
+@needs_cuda_plugin
+def test_gpu_mesh_keeps_each_host_on_the_ici_axes():
+    mesh = T.device_mesh(T.get("h100-8x4"), ici={"fsdp": 8}, dcn={"fsdp": 4})
+    assert mesh.shape == {"fsdp": 32}
+    hosts = [d.process_index for d in mesh.devices]
+    assert hosts == sorted(hosts) and len(set(hosts)) == 4
+
+
+def test_mesh_that_does_not_divide_the_devices_is_refused():
+    with pytest.raises(MaxperfError, match="1 domain\\(s\\) of 8 devices"):
+        T.device_mesh(T.get("cpu-8"), ici={"data": 3})
+    with pytest.raises(MaxperfError, match="not mesh axes"):
+        T.device_mesh(T.get("cpu-8"), ici={"data": 8}, axis_names=("fsdp",))
+
+
+# --- what a compile needs -----------------------------------------------------------------------------------------
+
+
+def test_compiler_options_and_limitations():
+    assert T.compiler_options(T.get("h100-8x16")) == {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}
+    assert T.compiler_options(T.get("h100-8")) == {}
+    assert T.compiler_options(T.get("v5p-1024")) == {}
+    notes = " ".join(T.limitations(T.get("h100-8x16")))
+    assert "cost analysis" in notes and "autotuning" in notes and "cuDNN" in notes
+    assert any("2 JAX devices" in n for n in T.limitations(T.get("tpu7x-8")))
+
+
+def _toy_compile(topology, mesh):
+    """A sharded matmul step with donation, compiled for the topology; returns the compiled executable."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def step(w_DxF, x_BxD):
+        y_BxF = x_BxD @ w_DxF
+        return w_DxF - 1e-3 * jnp.mean(y_BxF) * w_DxF, jnp.sum(y_BxF)
+
+    n = len(mesh.devices.flat)
+    w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("data", "model")))
+    x = jax.ShapeDtypeStruct((4 * n, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P(("data", "model"), None)))
+    lowered = jax.jit(step, donate_argnums=0).lower(w, x)
+    return lowered.compile(compiler_options=T.compiler_options(topology) or None)
+
+
+@pytest.mark.parametrize("name, num_slices, ici, dcn", [
+    pytest.param("v5p-8", 2, {"model": 4}, {"data": 2}, marks=needs_libtpu),
+    pytest.param("h100-8x2", 1, {"model": 8}, {"data": 2}, marks=needs_cuda_plugin),
+    pytest.param("cpu-8", 1, {"data": 2, "model": 4}, {}, marks=()),
+])
+def test_toy_step_compiles_and_serializes(name, num_slices, ici, dcn):
+    from jax.experimental.serialize_executable import serialize
+
+    t = T.get(name, num_slices=num_slices)
+    mesh = T.device_mesh(t, ici=ici, dcn=dcn, axis_names=("data", "model"))
+    compiled = _toy_compile(t, mesh)
+    memory = compiled.memory_analysis()
+    assert memory.argument_size_in_bytes > 0 and memory.alias_size_in_bytes > 0  # w is donated into the output
+    payload, _, _ = serialize(compiled)
+    assert len(payload) > 1000
