@@ -1,0 +1,119 @@
+"""The analytical estimate of one training step on one topology: FLOPs, memory, step time, MFU, and why."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+
+from maxperf.perfmodel import chips
+from maxperf.perfmodel.flops import FlopCounts, ParamCounts, count_flops, count_params
+from maxperf.perfmodel.memory import MemoryBreakdown, estimate_memory, params_per_device
+from maxperf.perfmodel.shapes import (
+    ModelShape,
+    TopologyShape,
+    TrainShape,
+    check,
+    check_model,
+    check_train,
+    devices_per_chip,
+    make_mesh,
+)
+from maxperf.perfmodel.steptime import Overlap, Row, StepTime, step_time
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Estimate:
+    model: str
+    chip: str
+    chips: int
+    step_time_s: float
+    tokens_per_s: float  # all devices together
+    tflops_per_chip: float  # model FLOP/s of a chip / 1e12 (MaxText's TFLOP/s per device, x devices per chip)
+    mfu: float  # model FLOPs / (step time x peak)
+    model_flops_per_device: float  # per JAX device (a tpu7x chip has two)
+    hardware_flops_per_device: float
+    memory: MemoryBreakdown
+    fits: bool
+    bottleneck: str  # "compute", "hbm", "ici", "dcn"
+    breakdown: tuple[Row, ...]
+    params: ParamCounts
+    flops: FlopCounts
+    time: StepTime
+    peak_flops: float  # per JAX device, in the compute dtype
+    peaks_calibrated: bool  # for "cpu": measured by `maxperf calibrate`; False: published figures or defaults
+    chip_note: str
+    overlap: Overlap
+
+    @property
+    def memory_per_device_bytes(self) -> float:
+        return self.memory.per_device_total_bytes
+
+    def as_dict(self) -> dict:
+        """A JSON-ready dict (schema-versioned)."""
+        return {
+            "schema": SCHEMA_VERSION, "model": self.model, "chip": self.chip, "chips": self.chips,
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "tflops_per_chip": self.tflops_per_chip, "mfu": self.mfu,
+            "model_flops_per_device": self.model_flops_per_device,
+            "hardware_flops_per_device": self.hardware_flops_per_device,
+            "memory_per_device_bytes": self.memory_per_device_bytes, "fits": self.fits,
+            "bottleneck": self.bottleneck, "peak_flops": self.peak_flops, "peaks_calibrated": self.peaks_calibrated,
+            "chip_note": self.chip_note,
+            "memory": self.memory.as_dict(),
+            "params": {**asdict(self.params), "non_embedding": self.params.non_embedding},
+            "flops": asdict(self.flops),
+            "time": {k: v for k, v in asdict(self.time).items() if k != "rows"},
+            "breakdown": [asdict(r) for r in self.breakdown],
+            "overlap": asdict(self.overlap),
+        }
+
+
+def device_for(topology: TopologyShape) -> chips.Chip:
+    """What one JAX device has: the chip, or its share where devices share a chip (tpu7x's two chiplets) or a
+    machine (CPU devices of one host share its cores, memory and bandwidth)."""
+    chip = chips.get(topology.chip)
+    n = devices_per_chip(topology) * (topology.chips_per_host if chip.kind == "cpu" else 1)
+    if n <= 1:
+        return chip
+    return replace(
+        chip, peak_bf16_flops=chip.peak_bf16_flops / n,
+        peak_fp32_flops=chip.peak_fp32_flops / n if chip.peak_fp32_flops else None,
+        peak_fp8_flops=chip.peak_fp8_flops / n if chip.peak_fp8_flops else None,
+        peak_int8_ops=chip.peak_int8_ops / n if chip.peak_int8_ops else None,
+        hbm_bandwidth=chip.hbm_bandwidth / n, hbm_bytes=chip.hbm_bytes / n,
+        link_bandwidth=chip.link_bandwidth / n, host_network_bandwidth=chip.host_network_bandwidth / n,
+    )
+
+
+def estimate(model: ModelShape, train: TrainShape, mesh_axes: Mapping[str, int],
+             dcn_axes: Mapping[str, int] | None, topology: TopologyShape, *,
+             overlap: Overlap | float = Overlap()) -> Estimate:
+    """Predicts one step of `train` for `model` over a mesh on `topology`.
+
+    mesh_axes: sizes of ("data", "fsdp", "sequence", "tensor", "expert"), each the whole axis (ICI x DCN parts);
+    dcn_axes: the part of "data" and "fsdp" that crosses slices; overlap: an Overlap, or one fraction for all."""
+    check_model(model)
+    check_train(train)
+    check(topology.chips >= 1, f"topology must have at least one chip, got {topology.chips}")
+    if not isinstance(overlap, Overlap):
+        overlap = Overlap.uniform(float(overlap))
+    mesh = make_mesh(mesh_axes, dcn_axes, topology)
+    chip = device_for(topology)
+    per_chip = devices_per_chip(topology)
+    params = count_params(model)
+    flops = count_flops(model, train, params_per_device(model, mesh))
+    memory = estimate_memory(model, train, mesh, chip.hbm_bytes)
+    time = step_time(model, train, mesh, chip, topology, overlap)
+    peak = chip.peak_flops(train.compute_dtype)
+    step = time.step_time_s
+    return Estimate(
+        model=str(getattr(model, "name", "model")), chip=chip.name, chips=topology.chips, step_time_s=step,
+        tokens_per_s=flops.tokens * mesh.devices / step,
+        tflops_per_chip=per_chip * flops.model_flops / step / 1e12,
+        mfu=flops.model_flops / (step * peak), model_flops_per_device=flops.model_flops,
+        hardware_flops_per_device=flops.hardware_flops, memory=memory, fits=memory.fits,
+        bottleneck=time.bottleneck, breakdown=time.rows, params=params, flops=flops, time=time, peak_flops=peak,
+        peaks_calibrated=chip.calibrated, chip_note=chip.note, overlap=overlap,
+    )

@@ -1,0 +1,175 @@
+"""Memory per device: state (params, AdamW, grads), saved activations per remat policy, logits, temporaries.
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec. 4):
+count, per layer and token, every tensor the backward pass reads, then divide by the mesh axes that shard it. The
+family here differs from their GPT: grouped-query attention (K kv heads), gated MLPs (three F-wide tensors), norms
+computed in float32, no dropout (so no masks), and scores kept in float32 (models/layers/attention.py).
+Every assumption is a named constant; the figures are to be checked against XLA's memory_analysis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from maxperf.perfmodel.flops import gated
+from maxperf.perfmodel.shapes import (
+    Mesh,
+    ModelShape,
+    TrainShape,
+    check_model,
+    check_train,
+    dtype_bytes,
+)
+from maxperf.perfmodel.sharding import activation_split, local_size, param_arrays
+
+# optax.adamw keeps mu and nu with the parameters' dtype (optax scale_by_adam: mu_dtype=None, nu like params).
+OPTIMIZER_STATES_PER_PARAM = 2
+# Gradient accumulation sums microbatch gradients in a float32 buffer (models/train_step.py).
+GRAD_ACCUMULATOR_BYTES = 4
+# The train step donates the state, so the updated params and optimizer state reuse the input buffers.
+STATE_DONATED = True
+# Norms upcast to float32; the backward reads the float32 input and the normalized float32 value (8 bytes/elem).
+NORM_SAVED_BYTES = 8
+# Gated MLP (SwiGLU/GeGLU) keeps gate, up, activation internals (sigmoid or tanh), activation and product: 5 x F;
+# the plain GELU MLP keeps its input, the tanh internals and the output: 3 x F.
+GATED_MLP_SAVED_F = 5
+PLAIN_MLP_SAVED_F = 3
+# Per attention score: the float32 softmax output and its compute-dtype copy (for P V); soft-capping adds the
+# float32 tanh output. The mask is one shared [L, L] boolean, negligible.
+SCORE_SAVED_FLOAT32 = 1
+SOFTCAP_SAVED_FLOAT32 = 1
+# Logits: the compute-dtype unembedding output, its float32 upcast kept for the loss's backward, and the float32
+# gradient of the logits (optax softmax cross-entropy).
+LOGITS_FLOAT32_BUFFERS = 2
+# FSDP all-gathers one layer's weights in compute dtype while the next one is prefetched: two layers' worth.
+GATHERED_LAYERS = 2
+# Gradients of one layer's weights exist unsharded (param dtype) before their reduce-scatter.
+UNSHARDED_GRAD_LAYERS = 1
+# Backward of one layer with remat none: float32 gradients of the scores plus two float32 B x L x D buffers.
+BACKWARD_SCORE_FLOAT32 = 1
+BACKWARD_D_FLOAT32 = 2
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per device."""
+
+    params: float
+    optimizer: float
+    gradients: float
+    grad_accumulator: float  # only with grad_accum_steps > 1
+    activations: float  # saved for the backward pass, all layers
+    logits: float
+    temporaries: float  # one layer's gathered weights, unsharded grads and backward working set
+    hbm_bytes: float
+
+    @property
+    def peak_phase(self) -> str:
+        """Where the step peaks: "loss" (logits buffers atop all saved activations) or "backward" (gradients
+        filling while a layer is differentiated). The two phases do not overlap, so the peak is the larger."""
+        return "loss" if self.logits >= self.gradients + self.temporaries else "backward"
+
+    @property
+    def per_device_total_bytes(self) -> float:
+        # state and saved activations live through both phases; gradients exist only from the backward on
+        # (a scanned backward allocates the stacked gradients when it starts)
+        peak = max(self.logits, self.gradients + self.temporaries)
+        return self.params + self.optimizer + self.grad_accumulator + self.activations + peak
+
+    @property
+    def headroom_bytes(self) -> float:
+        return self.hbm_bytes - self.per_device_total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes >= 0
+
+    def as_dict(self) -> dict:
+        return {
+            "params": self.params, "optimizer": self.optimizer, "gradients": self.gradients,
+            "grad_accumulator": self.grad_accumulator, "activations": self.activations, "logits": self.logits,
+            "temporaries": self.temporaries, "peak_phase": self.peak_phase,
+            "per_device_total_bytes": self.per_device_total_bytes,
+            "hbm_bytes": self.hbm_bytes, "headroom_bytes": self.headroom_bytes, "fits": self.fits,
+        }
+
+
+def params_per_device(model: ModelShape, mesh: Mesh) -> float:
+    """Parameters held by one device after sharding (the optimizer and gradients are sharded alike)."""
+    return sum(a.count * local_size(a.shape, a.logical, mesh) for a in param_arrays(model))
+
+
+def layer_saved_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat: str) -> float:
+    """Bytes one layer keeps per local token for its backward, beyond the layer input, under a remat policy."""
+    c = dtype_bytes(train.compute_dtype, "compute_dtype")
+    D, Dh = model.d_model, model.head_dim
+    a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
+    mlp_f = (GATED_MLP_SAVED_F if gated(model) else PLAIN_MLP_SAVED_F) * a.F
+    if remat == "full":  # nothing but the layer input (the scan carry)
+        return 0.0
+    if remat == "minimal":  # outputs of weight matmuls: q, k, v, o-projection, gate/up, down
+        return c * ((a.H + 2 * a.K) * Dh + D + (2 if gated(model) else 1) * a.F + D)
+    norms = (4 if model.post_norms else 2) * (NORM_SAVED_BYTES + c) * D
+    residual = c * D  # the sum after attention, input of the MLP block
+    qkv = c * (a.H + 2 * a.K) * Dh
+    qk_norm = (NORM_SAVED_BYTES + c) * (a.H + a.K) * Dh if model.qk_norm else 0.0
+    rope = c * (a.H + a.K) * Dh if str(model.positions) == "rope" else 0.0
+    scaled_q_and_context = 2 * c * a.H * Dh
+    score_bytes = 4 * SCORE_SAVED_FLOAT32 + c + (4 * SOFTCAP_SAVED_FLOAT32 if _softcapped(model) else 0)
+    scores = a.H * train.seq_len * score_bytes  # each local query attends over all L keys (full matrix, masked)
+    return norms + residual + qkv + qk_norm + rope + scaled_q_and_context + scores + c * mlp_f
+
+
+def _softcapped(model: ModelShape) -> bool:
+    return getattr(model, "attn_logit_softcap", None) is not None
+
+
+def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes: float) -> MemoryBreakdown:
+    check_model(model)
+    check_train(train)
+    c = dtype_bytes(train.compute_dtype, "compute_dtype")
+    p = dtype_bytes(train.param_dtype, "param_dtype")
+    remat = str(train.remat_policy)
+    D, N = model.d_model, model.num_layers
+    micro = train.grad_accum_steps
+    a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
+    T = a.T / micro  # tokens of one microbatch on this device
+
+    local_params = params_per_device(model, mesh)
+    params = local_params * p
+    optimizer = OPTIMIZER_STATES_PER_PARAM * local_params * p
+    gradients = local_params * p
+    # models/train_step.py accumulates microbatch gradients in float32 whatever the param dtype
+    accumulator = local_params * GRAD_ACCUMULATOR_BYTES if micro > 1 else 0.0
+    if not STATE_DONATED:
+        params, optimizer = 2 * params, 2 * optimizer
+
+    # scanned or not, the backward reads every layer's input: N x T x D (Korthikanti's 2sbh per layer for "full")
+    carry = N * T * D * c
+    activations = carry + N * T * layer_saved_per_token(model, train, mesh, remat=remat)
+    logits = T * a.V * (c + 4 * (LOGITS_FLOAT32_BUFFERS + _final_softcap(model)))
+
+    arrays = param_arrays(model)
+    layer_full = sum(local_size(x.shape, x.logical, _no_fsdp(mesh)) for x in arrays if x.count == N and x.matmul)
+    gathered = GATHERED_LAYERS * layer_full * c
+    grads_unsharded = UNSHARDED_GRAD_LAYERS * layer_full * p
+    table = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
+    vocab_table = local_size(table.shape, table.logical, _no_fsdp(mesh)) * c  # gathered for the logits
+    gradient_buffers = T * (BACKWARD_SCORE_FLOAT32 * 4 * a.H * train.seq_len + BACKWARD_D_FLOAT32 * 4 * D)
+    working = gradient_buffers
+    if remat != "none":  # the layer being differentiated is rematerialized: one layer's full set of saved tensors
+        working += T * (D * c + layer_saved_per_token(model, train, mesh, remat="none"))
+    temporaries = gathered + grads_unsharded + vocab_table + working
+    return MemoryBreakdown(
+        params=params, optimizer=optimizer, gradients=gradients, grad_accumulator=accumulator,
+        activations=activations, logits=logits, temporaries=temporaries, hbm_bytes=hbm_bytes,
+    )
+
+
+def _final_softcap(model: ModelShape) -> int:
+    return 1 if getattr(model, "final_logit_softcap", None) is not None else 0
+
+
+def _no_fsdp(mesh: Mesh) -> Mesh:
+    """The mesh as seen by gathered weights: the axes that shard the model width, gathered away."""
+    return Mesh(axes={**mesh.axes, "fsdp": 1, "sequence": 1, "expert": 1}, dcn=mesh.dcn)

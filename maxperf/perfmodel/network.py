@@ -1,0 +1,118 @@
+"""Bandwidth models of collectives over ICI tori, NVLink domains and host networks (DCN, InfiniBand).
+
+A ring collective over n members moves (n-1)/n of the full buffer through each member for an all-gather or a
+reduce-scatter and 2(n-1)/n for an all-reduce (Patarasuk & Yuan 2009; the NCCL "bus bandwidth" convention).
+Over several networks the collective is hierarchical: the part inside the fast network moves the full buffer, the
+part across the slow one moves 1/a of it, a being the members inside the fast network (as XLA and NCCL do).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from maxperf.perfmodel.chips import Chip
+from maxperf.perfmodel.shapes import MESH_AXES, Mesh, TopologyShape
+
+# Mesh axes are laid out innermost first (the one needing the most bandwidth takes the fastest, nearest chips),
+# as jax's mesh_utils.create_device_mesh and MaxText's default ordering do for tensor parallelism.
+INNERMOST_FIRST = ("tensor", "sequence", "expert", "fsdp", "data")
+# A torus ring runs both ways round each dimension it spans: 2 links per dimension, one direction each.
+LINKS_PER_TORUS_DIM = 2
+# Fixed cost per collective (launch and synchronisation), an assumption: a few hops of ICI/NVLink latency, tens of
+# microseconds across hosts.
+LATENCY_S = {"ici": 5e-6, "dcn": 30e-6}
+
+FACTOR = {
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+}
+
+
+@dataclass(frozen=True)
+class AxisNetwork:
+    """How one mesh axis is spread: `inner` members on the chip-to-chip network, `outer` across hosts/slices."""
+
+    axis: str
+    inner: int
+    outer: int
+    inner_bandwidth: float  # bytes/s per chip, one direction, on the chip-to-chip network
+    outer_bandwidth: float  # bytes/s per chip on the host network
+    torus: bool = False  # on a torus, axes on different dimensions use different links, so bandwidths add
+
+
+def _torus_dims_spanned(torus: tuple[int, ...], sizes: dict[str, int]) -> dict[str, int]:
+    """How many torus dimensions each ICI mesh axis spans, filling dimensions innermost axis first."""
+    free = list(torus)
+    out = {}
+    for axis in INNERMOST_FIRST:
+        rest, spanned = sizes[axis], 0
+        for i, cap in enumerate(free):
+            if rest == 1:
+                break
+            take = math.gcd(rest, cap)
+            if take > 1:
+                free[i] //= take
+                rest //= take
+                spanned += 1
+        out[axis] = max(spanned, 1)
+    return out
+
+
+def axis_networks(mesh: Mesh, chip: Chip, topology: TopologyShape) -> dict[str, AxisNetwork]:
+    host_bw = chip.host_network_per_chip
+    if chip.kind == "tpu":
+        ici = {a: mesh.ici(a) for a in MESH_AXES}
+        torus = tuple(topology.torus or ()) or (max(1, topology.chips // max(topology.num_slices, 1)),)
+        spanned = _torus_dims_spanned(torus, ici)
+        return {
+            a: AxisNetwork(a, ici[a], mesh.dcn.get(a, 1), LINKS_PER_TORUS_DIM * spanned[a] * chip.link_bandwidth,
+                           host_bw, torus=True)
+            for a in MESH_AXES
+        }
+    if chip.kind == "gpu":
+        # NVSwitch: every GPU reaches any peer in its domain with all its links; beyond the domain, its own NIC
+        domain = min(chip.nvlink_domain or 1, topology.chips)
+        nvlink = chip.link_bandwidth * chip.link_count
+        out, inner_product = {}, 1
+        for a in INNERMOST_FIRST:
+            n = mesh.axes[a]
+            inside = max(1, min(n, domain // inner_product)) if inner_product <= domain else 1
+            inside = math.gcd(n, inside)
+            out[a] = AxisNetwork(a, inside, n // inside, nvlink, host_bw)
+            inner_product *= n
+        return out
+    # CPU devices of one host share memory; hosts talk over the network
+    per_host = max(1, topology.chips_per_host)
+    out, inner_product = {}, 1
+    for a in INNERMOST_FIRST:
+        n = mesh.axes[a]
+        inside = math.gcd(n, max(1, per_host // inner_product)) if inner_product <= per_host else 1
+        out[a] = AxisNetwork(a, inside, n // inside, chip.link_bandwidth, host_bw)
+        inner_product *= n
+    return out
+
+
+@dataclass(frozen=True)
+class CollectiveTime:
+    ici_s: float
+    dcn_s: float
+
+
+def collective_time(kind: str, nbytes: float, axes: tuple[str, ...], nets: dict[str, AxisNetwork]) -> CollectiveTime:
+    """One collective of a `nbytes` buffer (the full, unsharded size) over the product of `axes`."""
+    inner = math.prod(nets[a].inner for a in axes)
+    outer = math.prod(nets[a].outer for a in axes)
+    f = FACTOR[kind]
+    ici = dcn = 0.0
+    if inner > 1:
+        # on a torus each axis has its own dimensions' links and a multi-axis collective uses them all; through a
+        # switch (NVLink, memory) the axes share one set of links
+        bws = [nets[a].inner_bandwidth for a in axes if nets[a].inner > 1]
+        bw = sum(bws) if all(nets[a].torus for a in axes) else min(bws)
+        ici = f(inner) * nbytes / bw + LATENCY_S["ici"]
+    if outer > 1:
+        bw = min(nets[a].outer_bandwidth for a in axes if nets[a].outer > 1)
+        dcn = f(outer) * nbytes / inner / bw + LATENCY_S["dcn"]
+    return CollectiveTime(ici, dcn)

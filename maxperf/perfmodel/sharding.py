@@ -1,0 +1,125 @@
+"""How far each array is split across the mesh, from the logical-axis rules, without jax.
+
+RULES mirrors `maxperf.models.sharding.RULES` (perfmodel may not import models); tests/test_perfmodel_sharding.py
+pins the two together. As there, a mesh axis shards a dimension only where the sizes so far divide it, and is used
+at most once per array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from maxperf.perfmodel.flops import gated
+from maxperf.perfmodel.shapes import Mesh, ModelShape
+
+RULES: dict[str, tuple[str, ...]] = {
+    "embed": ("fsdp", "sequence", "expert"),
+    "vocab": ("tensor",),
+    "mlp": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "norm": (),
+    "position": (),
+    "layers": (),
+    "activation_batch": ("data", "fsdp", "expert"),
+    "activation_length": ("sequence",),
+    "activation_embed": (),
+    "activation_heads": ("tensor",),
+    "activation_kv_heads": ("tensor",),
+    "activation_mlp": ("tensor",),
+    "activation_vocab": ("tensor",),
+}
+
+
+def split(shape: Iterable[int], logical: Iterable[str | None], mesh: Mesh) -> tuple[int, ...]:
+    """The number of shards along each dimension of an array with these logical axis names."""
+    used: set[str] = set()
+    out = []
+    for size, name in zip(shape, logical):
+        n = 1
+        for axis in RULES.get(name, ()) if name else ():
+            k = mesh.axes[axis]
+            if k == 1 or axis in used:
+                continue
+            if size % (n * k) == 0:
+                n *= k
+                used.add(axis)
+        out.append(n)
+    return tuple(out)
+
+
+def local_size(shape: tuple[int, ...], logical: tuple[str | None, ...], mesh: Mesh) -> float:
+    size = 1.0
+    for s, n in zip(shape, split(shape, logical, mesh)):
+        size *= s / n
+    return size
+
+
+@dataclass(frozen=True)
+class ParamArray:
+    name: str
+    shape: tuple[int, ...]
+    logical: tuple[str | None, ...]
+    count: int  # how many such arrays (the layer count for per-layer weights)
+    matmul: bool  # enters a matmul (gathered for FSDP in compute dtype)
+
+
+def param_arrays(model: ModelShape) -> list[ParamArray]:
+    """Every parameter array of the Flax model with its logical axes (models/layers/*.py)."""
+    V, D, N, H, K, Dh, F = (model.vocab_size, model.d_model, model.num_layers, model.num_heads, model.num_kv_heads,
+                            model.head_dim, model.d_ff)
+    norm_arrays = 2 if str(model.norm) == "layernorm" else 1  # scale (+ bias)
+    layer_norms = (4 if model.post_norms else 2) * norm_arrays
+    arrays = [
+        ParamArray("q", (D, H, Dh), ("embed", "heads", "head_dim"), N, True),
+        ParamArray("k", (D, K, Dh), ("embed", "kv_heads", "head_dim"), N, True),
+        ParamArray("v", (D, K, Dh), ("embed", "kv_heads", "head_dim"), N, True),
+        ParamArray("o", (H, Dh, D), ("heads", "head_dim", "embed"), N, True),
+        ParamArray("up", (D, F), ("embed", "mlp"), N, True),
+        ParamArray("down", (F, D), ("mlp", "embed"), N, True),
+        ParamArray("layer_norms", (D,), ("norm",), N * layer_norms, False),
+        ParamArray("final_norm", (D,), ("norm",), norm_arrays, False),
+        ParamArray("embedding", (V, D), ("vocab", "embed"), 1, True),
+    ]
+    if gated(model):
+        arrays.append(ParamArray("gate", (D, F), ("embed", "mlp"), N, True))
+    if model.qk_norm:
+        arrays.append(ParamArray("qk_norms", (Dh,), ("norm",), 2 * N, False))
+    if not model.tie_embeddings:
+        arrays.append(ParamArray("unembedding", (D, V), ("embed", "vocab"), 1, True))
+    if str(model.positions) == "learned":
+        arrays.append(ParamArray("positions", (model.max_position, D), ("position", "embed"), 1, False))
+    return arrays
+
+
+@dataclass(frozen=True)
+class ActivationSplit:
+    """Local sizes of the activation dimensions on one device."""
+
+    B: float  # examples: global batch (B x devices, MaxText's convention) over data x fsdp x expert
+    L: float  # sequence over `sequence`
+    H: float  # query heads over tensor
+    K: float  # kv heads over tensor
+    F: float  # MLP width over tensor
+    V: float  # vocabulary over tensor
+
+    @property
+    def T(self) -> float:
+        """Tokens on this device."""
+        return self.B * self.L
+
+
+def activation_split(model: ModelShape, B: int, L: int, mesh: Mesh) -> ActivationSplit:
+    global_batch = B * mesh.devices
+    (nb, nl) = split((global_batch, L), ("activation_batch", "activation_length"), mesh)
+
+    def one(size: int, name: str) -> float:
+        return size / split((size,), (name,), mesh)[0]
+
+    return ActivationSplit(
+        B=global_batch / nb, L=L / nl, H=one(model.num_heads, "activation_heads"),
+        K=one(model.num_kv_heads, "activation_kv_heads"), F=one(model.d_ff, "activation_mlp"),
+        V=one(model.vocab_size, "activation_vocab"),
+    )

@@ -1,0 +1,256 @@
+"""Step time per device: matmuls at peak x a shape-dependent efficiency, memory-bound work at HBM bandwidth, and
+the collectives the sharding implies, with a stated overlap of communication and compute.
+
+Each matmul is a roofline (Williams et al. 2009): max(FLOPs / (peak x efficiency), bytes / HBM bandwidth). Work is
+summed per step over all layers and microbatches, by kind, into a breakdown table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from maxperf.perfmodel.chips import Chip
+from maxperf.perfmodel.flops import ATTENTION_SKIPS_MASKED, TRAIN_FACTOR, attention_pairs, gated
+from maxperf.perfmodel.memory import params_per_device
+from maxperf.perfmodel.network import axis_networks, collective_time
+from maxperf.perfmodel.shapes import Mesh, ModelShape, TopologyShape, TrainShape, check, dtype_bytes
+from maxperf.perfmodel.sharding import activation_split, local_size, param_arrays, split
+
+# Matmul efficiency = MAX x m / (m + HALF), m the smallest of the matmul's dimensions: a matmul whose smallest
+# side is HALF reaches half of MAX. An assumption, chosen so that wide matmuls approach MAX while head-dim-sized
+# (128) attention einsums fill the 128/256-wide systolic arrays and tensor cores about half as well.
+MATMUL_EFFICIENCY = {  # kind: (MAX, HALF)
+    "tpu": (0.90, 128),
+    "gpu": (0.85, 128),
+    "cpu": (1.00, 32),  # calibrated CPU peaks are already achieved rates of large matmuls
+}
+# Memory-bound elementwise passes per token per layer over D-wide vectors (reads + writes, forward): two norms
+# with float32 internals (~3 passes each of 4-byte data, counted as 6 compute-dtype passes each) and two residual
+# adds (3 passes each); over F-wide vectors: the activation and gating product (read gate and up, write product).
+ELEMENTWISE_D_PASSES = 18
+ELEMENTWISE_F_PASSES = 3
+# Backward elementwise work reads saved values and gradients and writes gradients: about twice the forward.
+ELEMENTWISE_BACKWARD_FACTOR = 2
+# Softmax per score: forward reads the float32 scores and writes float32 and compute-dtype probabilities; backward
+# reads probabilities and their gradient and writes the score gradient, all float32.
+SOFTMAX_FWD_FLOAT32 = 2
+SOFTMAX_BWD_FLOAT32 = 3
+# AdamW update per parameter: reads param, grad, mu, nu and writes param, mu, nu (optax.adamw).
+OPTIMIZER_PASSES = 7
+# Loss over the vocabulary: read logits, log-softmax, gradient, in float32.
+LOSS_FLOAT32_PASSES = 4
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Fraction of each family of collectives that runs hidden behind compute (0: fully exposed, 1: fully hidden).
+
+    Defaults: FSDP gathers and reduce-scatters are prefetched a layer ahead by XLA's latency-hiding scheduler;
+    tensor-parallel all-reduces sit between dependent matmuls, so they are exposed; sequence-parallel and
+    data-parallel collectives half hidden. Hidden time never exceeds the compute it hides behind."""
+
+    fsdp: float = 0.8
+    tensor: float = 0.0
+    sequence: float = 0.5
+    data: float = 0.5
+
+    @classmethod
+    def uniform(cls, fraction: float) -> Overlap:
+        return cls(fraction, fraction, fraction, fraction)
+
+    def __post_init__(self) -> None:
+        for name in ("fsdp", "tensor", "sequence", "data"):
+            value = getattr(self, name)
+            check(0.0 <= value <= 1.0, f"overlap {name} must be between 0 and 1, got {value}")
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    kind: str  # "compute", "hbm", "ici", "dcn"
+    seconds: float
+    exposed_seconds: float
+    flops: float
+    bytes: float
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_time_s: float
+    compute_s: float
+    hbm_s: float
+    ici_s: float  # total, before overlap
+    dcn_s: float
+    exposed_ici_s: float
+    exposed_dcn_s: float
+    bottleneck: str  # "compute", "hbm", "ici", "dcn"
+    rows: tuple[Row, ...]
+
+
+def matmul_efficiency(kind: str, m: float) -> float:
+    top, half = MATMUL_EFFICIENCY[kind]
+    return top * m / (m + half)
+
+
+class _Table:
+    """Accumulates work by row name: seconds split into compute-bound, memory-bound and network parts."""
+
+    def __init__(self, chip: Chip, dtype: str):
+        self.chip, self.peak = chip, chip.peak_flops(dtype)
+        self.rows: dict[str, dict[str, float]] = {}
+        self.overlap: dict[str, float] = {}
+
+    def add(self, name: str, kind: str, seconds: float, flops: float = 0.0, nbytes: float = 0.0,
+            overlap: float = 0.0) -> None:
+        row = self.rows.setdefault(name, {"compute": 0.0, "hbm": 0.0, "ici": 0.0, "dcn": 0.0, "flops": 0.0,
+                                          "bytes": 0.0})
+        row[kind] += seconds
+        row["flops"] += flops
+        row["bytes"] += nbytes
+        self.overlap[name] = overlap
+
+    def matmul(self, name: str, M: float, K: float, N: float, count: float, c: int) -> None:
+        """`count` matmuls of M x K by K x N in compute dtype (c bytes): a roofline of FLOPs and HBM traffic."""
+        flops = 2 * M * K * N * count
+        nbytes = c * (M * K + K * N + M * N) * count
+        t_flops = flops / (self.peak * matmul_efficiency(self.chip.kind, min(M, K, N)))
+        t_bytes = nbytes / self.chip.hbm_bandwidth
+        self.add(name, "compute" if t_flops >= t_bytes else "hbm", max(t_flops, t_bytes), flops, nbytes)
+
+    def memory(self, name: str, nbytes: float) -> None:
+        self.add(name, "hbm", nbytes / self.chip.hbm_bandwidth, 0.0, nbytes)
+
+
+def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topology: TopologyShape,
+              overlap: Overlap) -> StepTime:
+    c = dtype_bytes(train.compute_dtype, "compute_dtype")
+    p = dtype_bytes(train.param_dtype, "param_dtype")
+    D, N, Dh, L = model.d_model, model.num_layers, model.head_dim, train.seq_len
+    micro = train.grad_accum_steps
+    a = activation_split(model, train.per_device_batch_size, L, mesh)
+    T, Bm = a.T / micro, a.B / micro  # tokens and examples of one microbatch on this device
+    remat = str(train.remat_policy)
+    table = _Table(chip, train.compute_dtype)
+
+    # matmuls: forward, backward (2 x forward), and the forward again where remat recomputes it
+    weight_passes = TRAIN_FACTOR + (1 if remat == "full" else 0)
+    attn_passes = TRAIN_FACTOR + (1 if remat in ("full", "minimal") else 0)
+    n = N * micro * weight_passes
+    table.matmul("q projection", T, D, a.H * Dh, n, c)
+    table.matmul("k, v projections", T, D, a.K * Dh, 2 * n, c)
+    table.matmul("attention output projection", T, a.H * Dh, D, n, c)
+    table.matmul("mlp up" + (" and gate" if gated(model) else ""), T, D, a.F, (2 if gated(model) else 1) * n, c)
+    table.matmul("mlp down", T, a.F, D, n, c)
+    table.matmul("unembedding", T, D, a.V, micro * TRAIN_FACTOR, c)
+    # attention einsums per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh; the model computes all
+    # L x L scores (ATTENTION_SKIPS_MASKED); a kernel that skipped masked blocks would do the windowed share only
+    for W in model.layer_windows():
+        share = 1.0 if not ATTENTION_SKIPS_MASKED else attention_pairs(L, W) / (L * L)
+        count = Bm * a.H * micro * attn_passes * share
+        table.matmul("attention scores", a.L, Dh, L, count, c)
+        table.matmul("attention context", a.L, L, Dh, count, c)
+
+    # memory-bound work
+    elementwise_layers = N * micro * (1 + ELEMENTWISE_BACKWARD_FACTOR + (1 if remat != "none" else 0))
+    per_token = c * (ELEMENTWISE_D_PASSES * D + ELEMENTWISE_F_PASSES * a.F)
+    if str(model.positions) == "rope":
+        per_token += 2 * c * (a.H + a.K) * Dh  # rotate q and k: read and write
+    table.memory("norms, residuals, activations", elementwise_layers * T * per_token)
+    scores = Bm * a.H * a.L * L * N * micro
+    softmax_fwd = (4 * SOFTMAX_FWD_FLOAT32 + c) * (1 + (1 if remat != "none" else 0))
+    table.memory("softmax", scores * (softmax_fwd + 4 * SOFTMAX_BWD_FLOAT32))
+    table.memory("loss", micro * T * a.V * 4 * LOSS_FLOAT32_PASSES)
+    local_params = params_per_device(model, mesh)
+    table.memory("optimizer update", OPTIMIZER_PASSES * p * local_params)
+
+    # collectives
+    nets = axis_networks(mesh, chip, topology)
+    arrays = param_arrays(model)
+    layer_arrays = [x for x in arrays if x.count == N and x.matmul]
+    table_array = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
+    fsdp_axes = tuple(ax for ax, k in zip(("fsdp", "sequence", "expert"), _embed_split_axes(D, mesh)) if k > 1)
+    if fsdp_axes:
+        gathered = sum(_gathered_size(x, mesh) for x in layer_arrays)
+        vocab = _gathered_size(table_array, mesh)
+        # forward gather, backward gather again, gradient reduce-scatter: per layer and microbatch
+        for kind, nbytes, count in (("all-gather", gathered * c, 2 * N * micro),
+                                    ("all-gather", vocab * c, 2 * micro),
+                                    ("reduce-scatter", gathered * p, N * micro),
+                                    ("reduce-scatter", vocab * p, micro)):
+            _collective(table, "fsdp " + kind, kind, nbytes, fsdp_axes, nets, count, overlap.fsdp)
+    if mesh.axes["tensor"] > 1:
+        # Megatron-style: 2 all-reduces of T x D in the forward, 2 in the backward (Shoeybi et al. 2019, sec. 3)
+        count = N * micro * (2 + 2 + (2 if remat == "full" else 0))
+        _collective(table, "tensor all-reduce", "all-reduce", T * D * c, ("tensor",), nets, count, overlap.tensor)
+    if mesh.axes["sequence"] > 1:
+        # keys and values gathered along the sequence in the forward, their gradients reduce-scattered back
+        kv = T * mesh.axes["sequence"] * 2 * a.K * Dh * c
+        count = N * micro * (1 + (1 if remat != "none" else 0))
+        _collective(table, "sequence all-gather", "all-gather", kv, ("sequence",), nets, count, overlap.sequence)
+        _collective(table, "sequence reduce-scatter", "reduce-scatter", kv, ("sequence",), nets, N * micro,
+                    overlap.sequence)
+    if mesh.axes["data"] > 1:
+        # gradients are replicated across `data`: one all-reduce of this device's gradient shard per step
+        _collective(table, "data all-reduce", "all-reduce", local_params * p, ("data",), nets, 1, overlap.data)
+    return _settle(table)
+
+
+def _embed_split_axes(D: int, mesh: Mesh) -> tuple[int, ...]:
+    """Shards of the model width over (fsdp, sequence, expert), as the "embed" rule splits it."""
+    out, used = [], 1
+    for ax in ("fsdp", "sequence", "expert"):
+        k = mesh.axes[ax]
+        ok = k > 1 and D % (used * k) == 0
+        out.append(k if ok else 1)
+        used *= k if ok else 1
+    return tuple(out)
+
+
+def _gathered_size(array, mesh: Mesh) -> float:
+    """Elements of one copy of the array after the FSDP gather (still split over tensor)."""
+    shards = split(array.shape, array.logical, mesh)
+    size = local_size(array.shape, array.logical, mesh)
+    embed = [k for k, name in zip(shards, array.logical) if name == "embed"]
+    return size * (embed[0] if embed else 1)
+
+
+def _collective(table: _Table, name: str, kind: str, nbytes: float, axes: tuple[str, ...], nets, count: float,
+                overlap: float) -> None:
+    t = collective_time(kind, nbytes, axes, nets)
+    if t.ici_s:
+        table.add(name + " (ici)", "ici", count * t.ici_s, 0.0, count * nbytes, overlap)
+    if t.dcn_s:
+        table.add(name + " (dcn)", "dcn", count * t.dcn_s, 0.0, count * nbytes, overlap)
+
+
+def _settle(table: _Table) -> StepTime:
+    compute_s = sum(r["compute"] for r in table.rows.values())
+    hbm_s = sum(r["hbm"] for r in table.rows.values())
+    busy = compute_s + hbm_s
+    comm = {n: r["ici"] + r["dcn"] for n, r in table.rows.items() if r["ici"] + r["dcn"] > 0}
+    hidden = {n: t * table.overlap[n] for n, t in comm.items()}
+    total_hidden = sum(hidden.values())
+    # what cannot hide (more hidden time than compute to hide behind) comes back, in proportion
+    spill = max(0.0, total_hidden - busy) / total_hidden if total_hidden else 0.0
+    rows, exposed = [], {"ici": 0.0, "dcn": 0.0}
+    for n, r in table.rows.items():
+        kind = max(("compute", "hbm", "ici", "dcn"), key=lambda k: r[k])
+        seconds = r["compute"] + r["hbm"] + r["ici"] + r["dcn"]
+        ex = seconds - hidden[n] * (1 - spill) if n in hidden else seconds
+        if kind in exposed:
+            exposed[kind] += ex
+        rows.append(Row(n, kind, seconds, ex, r["flops"], r["bytes"]))
+    ici_s = sum(r["ici"] for r in table.rows.values())
+    dcn_s = sum(r["dcn"] for r in table.rows.values())
+    step = busy + exposed["ici"] + exposed["dcn"]
+    # a network whose traffic alone outlasts all the compute bounds the step however well it overlaps
+    totals = {"ici": ici_s, "dcn": dcn_s}
+    slow = max(totals, key=totals.get)
+    if totals[slow] > busy:
+        bottleneck = slow
+    else:
+        shares = {"compute": compute_s, "hbm": hbm_s, **exposed}
+        bottleneck = max(shares, key=shares.get)
+    return StepTime(step_time_s=step, compute_s=compute_s, hbm_s=hbm_s, ici_s=ici_s, dcn_s=dcn_s,
+                    exposed_ici_s=exposed["ici"], exposed_dcn_s=exposed["dcn"], bottleneck=bottleneck,
+                    rows=tuple(sorted(rows, key=lambda r: -r.seconds)))

@@ -1,0 +1,28 @@
+"""`maxperf calibrate` measures this machine and perfmodel's CPU estimate then says it used measured peaks."""
+
+from dataclasses import dataclass
+
+from maxperf.models import presets
+from maxperf.models.config import TrainConfig
+from maxperf.perfmodel import calibration, estimate
+from maxperf.profiler.calibrate import calibrate
+
+
+@dataclass(frozen=True)
+class Topo:
+    chip: str = "cpu"
+    chips: int = 1
+    chips_per_host: int = 1
+    num_slices: int = 1
+    hosts: int = 1
+    torus: tuple = (1,)
+
+
+def test_calibrate_stores_measurements_that_estimates_use(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path))
+    cal = calibrate(sizes=(64, 128), dtypes=("float32",), bandwidth_bytes=4 * 2**20, repeats=2)
+    assert [s.size for s in cal.matmul] == [64, 128]
+    assert all(s.flops_per_s > 1e6 for s in cal.matmul) and cal.memory_bandwidth > 1e6
+    assert calibration.load() == cal
+    est = estimate(presets.get("tiny"), TrainConfig(compute_dtype="float32", seq_len=64), {}, {}, Topo())
+    assert est.peaks_calibrated and est.peak_flops == cal.peak_flops("float32")

@@ -1,0 +1,216 @@
+"""perfmodel.estimate: memory sharding, step-time monotonicity, bottlenecks, errors, speed, JSON, no jax."""
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+
+import pytest
+
+from maxperf.errors import MaxperfError
+from maxperf.models import presets
+from maxperf.models.config import TrainConfig
+from maxperf.perfmodel import Overlap, estimate
+from maxperf.perfmodel.memory import layer_saved_per_token
+from maxperf.perfmodel.shapes import make_mesh
+
+
+@dataclass(frozen=True)
+class Topo:
+    chip: str
+    chips: int
+    chips_per_host: int = 4
+    num_slices: int = 1
+    hosts: int = 1
+    torus: tuple = ()
+
+
+def v5p(chips, torus=(4, 4, 4)):
+    return Topo("tpu-v5p", chips, hosts=chips // 4, torus=torus)
+
+
+LLAMA = presets.get("llama2-7b")
+TRAIN = TrainConfig(per_device_batch_size=2, seq_len=2048)
+
+
+def test_as_dict_is_json_with_the_documented_keys():
+    d = json.loads(json.dumps(estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, v5p(64)).as_dict()))
+    for key in ("step_time_s", "tokens_per_s", "tflops_per_chip", "mfu", "model_flops_per_device",
+                "hardware_flops_per_device", "memory_per_device_bytes", "fits", "bottleneck", "breakdown", "memory"):
+        assert key in d, key
+    assert d["memory"]["per_device_total_bytes"] == d["memory_per_device_bytes"]
+    assert {"name", "kind", "seconds", "exposed_seconds", "flops", "bytes"} <= set(d["breakdown"][0])
+
+
+def test_mfu_and_throughput_follow_from_step_time():
+    e = estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, v5p(64))
+    assert e.mfu == pytest.approx(e.model_flops_per_device / (e.step_time_s * 459e12))
+    assert e.tokens_per_s == pytest.approx(2 * 2048 * 64 / e.step_time_s)
+    assert e.tflops_per_chip == pytest.approx(e.mfu * 459)
+    assert 0 < e.mfu < 1 and e.hardware_flops_per_device > e.model_flops_per_device
+
+
+def test_the_largest_preset_on_a_full_pod_is_fast():
+    m = presets.get("llama3.1-405b")
+    t0 = time.perf_counter()
+    e = estimate(m, TrainConfig(seq_len=8192), {"fsdp": 1120, "tensor": 8}, {}, v5p(8960, (16, 20, 28)))
+    assert time.perf_counter() - t0 < 0.1
+    assert e.step_time_s > 0
+
+
+def test_every_preset_estimates_quickly():
+    t0 = time.perf_counter()
+    for name in presets.names():
+        estimate(presets.get(name), TRAIN, {"fsdp": 256}, {}, v5p(256, (4, 8, 8)))
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_state_divides_by_fsdp_and_activations_by_the_batch_shards():
+    small = estimate(LLAMA, TrainConfig(per_device_batch_size=4), {"fsdp": 8}, {}, v5p(8, (2, 2, 2))).memory
+    large = estimate(LLAMA, TrainConfig(per_device_batch_size=1), {"fsdp": 32}, {}, v5p(32, (2, 4, 4))).memory
+    # the same global batch (32 sequences): 4x the shards, 1/4 of everything but the replicated norms
+    for field in ("params", "optimizer", "gradients", "activations"):
+        assert getattr(large, field) == pytest.approx(getattr(small, field) / 4, rel=1e-3), field
+
+
+def test_tensor_parallelism_splits_per_token_activations():
+    train = TrainConfig(remat_policy="minimal")
+    topo = v5p(8, (2, 2, 2))
+    fsdp = layer_saved_per_token(LLAMA, train, make_mesh({"fsdp": 8}, {}, topo), remat="minimal")
+    tensor = layer_saved_per_token(LLAMA, train, make_mesh({"fsdp": 2, "tensor": 4}, {}, topo), remat="minimal")
+    assert tensor < fsdp
+
+
+def test_remat_trades_memory_for_time():
+    e = {r: estimate(LLAMA, replace(TRAIN, remat_policy=r), {"fsdp": 64}, {}, v5p(64)) for r in
+         ("none", "minimal", "full")}
+    assert e["none"].memory.activations > e["minimal"].memory.activations > e["full"].memory.activations
+    assert e["none"].step_time_s < e["minimal"].step_time_s < e["full"].step_time_s
+
+
+def test_fit_verdict_and_headroom():
+    fits = estimate(presets.get("tiny"), TRAIN, {"fsdp": 8}, {}, v5p(8, (2, 2, 2)))
+    assert fits.fits and fits.memory.headroom_bytes > 0
+    big = estimate(presets.get("llama3.1-405b"), TRAIN, {"fsdp": 8}, {}, Topo("tpu-v5e", 8, 8, torus=(2, 4)))
+    assert not big.fits and big.memory.headroom_bytes < 0
+
+
+def test_more_chips_at_fixed_per_device_batch_do_not_add_compute():
+    times = [estimate(LLAMA, TRAIN, {"fsdp": n}, {}, v5p(n, t)).time.compute_s
+             for n, t in ((16, (2, 2, 4)), (64, (4, 4, 4)), (256, (4, 8, 8)))]
+    assert times[0] >= times[1] >= times[2]
+
+
+def test_tensor_parallelism_adds_collectives():
+    fsdp = estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, v5p(64))
+    tensor = estimate(LLAMA, TRAIN, {"fsdp": 16, "tensor": 4}, {}, v5p(64))
+    assert not any("tensor" in r.name for r in fsdp.breakdown)
+    assert any(r.name.startswith("tensor all-reduce") and r.seconds > 0 for r in tensor.breakdown)
+    more = estimate(LLAMA, TRAIN, {"fsdp": 8, "tensor": 8}, {}, v5p(64))
+    tp = [sum(r.seconds for r in e.breakdown if r.name.startswith("tensor")) for e in (tensor, more)]
+    assert tp[1] > tp[0]
+
+
+def test_overlap_never_lengthens_the_step():
+    steps = [estimate(LLAMA, TRAIN, {"fsdp": 16, "tensor": 4}, {}, v5p(64), overlap=f).step_time_s
+             for f in (0.0, 0.5, 1.0)]
+    assert steps[0] > steps[1] > steps[2]
+    assert estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, v5p(64), overlap=Overlap(fsdp=0.3)).overlap.fsdp == 0.3
+
+
+def test_bottleneck_compute_for_a_big_model_on_big_batches():
+    e = estimate(presets.get("gpt3-175b"), TrainConfig(seq_len=2048), {"fsdp": 1024}, {}, v5p(1024, (8, 8, 16)))
+    assert e.bottleneck == "compute"
+
+
+def test_bottleneck_hbm_for_a_tiny_model():
+    e = estimate(presets.get("tiny"), TrainConfig(per_device_batch_size=1, seq_len=64), {}, {}, v5p(1, (1, 1, 1)))
+    assert e.bottleneck == "hbm"
+
+
+def test_bottleneck_ici_for_heavy_tensor_parallelism_on_short_sequences():
+    e = estimate(LLAMA, TrainConfig(per_device_batch_size=1, seq_len=128), {"data": 4, "fsdp": 256},
+                 {"data": 4}, Topo("tpu-v5e", 1024, 8, num_slices=4, hosts=128, torus=(16, 16)))
+    assert e.bottleneck == "ici"
+
+
+def test_bottleneck_dcn_when_gradients_cross_slices():
+    e = estimate(LLAMA, TrainConfig(per_device_batch_size=1, seq_len=128), {"data": 4, "fsdp": 4}, {"data": 4},
+                 Topo("tpu-v5e", 16, 4, num_slices=4, hosts=4, torus=(2, 2)))
+    assert e.bottleneck == "dcn"
+    assert any(r.kind == "dcn" and r.name.startswith("data all-reduce") for r in e.breakdown)
+
+
+def test_gpu_collectives_cross_infiniband_beyond_the_nvlink_domain():
+    hgx = Topo("h100-sxm", 128, 8, hosts=16, torus=(16, 8))
+    inside = estimate(LLAMA, TRAIN, {"fsdp": 16, "tensor": 8}, {}, hgx)
+    assert all(r.kind != "dcn" for r in inside.breakdown if r.name.startswith("tensor"))
+    assert any(r.kind == "dcn" for r in inside.breakdown if r.name.startswith("fsdp"))
+    nvl72 = estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, Topo("gb200", 64, 4, hosts=16))
+    assert not any(r.kind == "dcn" for r in nvl72.breakdown)
+
+
+def test_tpu7x_two_devices_per_chip():
+    @dataclass(frozen=True)
+    class Ironwood(Topo):
+        devices_per_chip: int = 2
+
+    topo = Ironwood("tpu7x", 64, 4, hosts=16, torus=(4, 4, 4))
+    e = estimate(LLAMA, TRAIN, {"fsdp": 128}, {}, topo)
+    assert e.peak_flops == pytest.approx(2307e12 / 2)
+    with pytest.raises(MaxperfError, match="128 devices"):
+        estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, topo)
+
+
+@pytest.mark.parametrize("mesh, dcn, match", [
+    ({"fsdp": 60}, {}, "multiply to 60 but the topology has 64"),
+    ({"fsdp": 64, "pipeline": 2}, {}, "unknown mesh axes pipeline"),
+    ({"fsdp": 64}, {"fsdp": 3}, "dcn fsdp=3 must be >= 1 and divide"),
+    ({"fsdp": 64}, {"fsdp": 2}, "multiply to 2 but there are 1 slices"),
+    ({"fsdp": 0, "data": 64}, {}, "must be >= 1"),
+])
+def test_bad_meshes_are_one_line_errors(mesh, dcn, match):
+    with pytest.raises(MaxperfError, match=match) as err:
+        estimate(LLAMA, TRAIN, mesh, dcn, v5p(64))
+    assert "\n" not in str(err.value)
+
+
+def test_zero_batch_is_an_error():
+    @dataclass(frozen=True)
+    class Train:
+        per_device_batch_size: int = 0
+        seq_len: int = 128
+        compute_dtype: str = "bfloat16"
+        param_dtype: str = "float32"
+        remat_policy: str = "full"
+        grad_accum_steps: int = 1
+        scan_layers: bool = True
+
+    with pytest.raises(MaxperfError, match="per_device_batch_size must be a positive integer, got 0"):
+        estimate(LLAMA, Train(), {"fsdp": 64}, {}, v5p(64))
+
+
+def test_unknown_chip_is_an_error_naming_close_matches():
+    with pytest.raises(MaxperfError, match="unknown chip 'tpu-v5pp'; did you mean tpu-v5p"):
+        estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, Topo("tpu-v5pp", 64))
+
+
+def test_bad_overlap_is_an_error():
+    with pytest.raises(MaxperfError, match="overlap fsdp must be between 0 and 1"):
+        Overlap(fsdp=1.5)
+
+
+def test_sharding_rules_mirror_the_models_rules():
+    from maxperf.models.sharding import RULES as MODEL_RULES
+    from maxperf.perfmodel.sharding import RULES
+
+    assert RULES == MODEL_RULES
+
+
+def test_importing_perfmodel_imports_neither_jax_nor_models():
+    code = ("import sys, maxperf.perfmodel, maxperf.perfmodel.estimate; "
+            "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'maxperf.models', 'maxperf.aot'))]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
