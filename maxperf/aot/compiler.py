@@ -17,14 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from maxperf import __version__
-from maxperf.aot import artifacts, topologies
+from maxperf.aot import artifacts, cache, topologies
 from maxperf.aot.topologies import Topology
 from maxperf.errors import DoesNotFit, MaxperfError
 from maxperf.models import overrides as overrides_mod
 from maxperf.models import presets
 from maxperf.models.config import MESH_AXES, MeshShape, ModelConfig
 from maxperf.models.overrides import Configs
-from maxperf.perfmodel.calibration import cache_dir
 
 Progress = Callable[[str], None]
 
@@ -98,18 +97,6 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is KiB on Linux
 
 
-def enable_compilation_cache() -> Path:
-    """Persistent compilation cache in the user's cache directory, so a repeated compile is fast."""
-    import jax
-
-    directory = cache_dir() / "xla"
-    directory.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return directory
-
-
 def build_mesh(p: Plan, device_list: Sequence[Any] | None = None):
     """The mesh in automatic-sharding mode over the plan's devices (compile-only ones for TPU and GPU)."""
     from jax.sharding import AxisType, Mesh
@@ -146,15 +133,25 @@ def device_memory_bytes(topology: Topology) -> int:
     return int(per_device) if per_device else host_memory_bytes() // topology.num_devices
 
 
-def memory_report(analysis, capacity: int) -> dict[str, Any]:
-    """Per-device figures from XLA's memory analysis; the total is what the device must hold at once."""
-    fields = {
-        "argument_bytes": analysis.argument_size_in_bytes,
-        "output_bytes": analysis.output_size_in_bytes,
-        "alias_bytes": analysis.alias_size_in_bytes,
-        "temp_bytes": analysis.temp_size_in_bytes,
-        "generated_code_bytes": analysis.generated_code_size_in_bytes,
+def memory_fields(analysis) -> dict[str, int]:
+    return {
+        "argument_bytes": int(analysis.argument_size_in_bytes),
+        "output_bytes": int(analysis.output_size_in_bytes),
+        "alias_bytes": int(analysis.alias_size_in_bytes),
+        "temp_bytes": int(analysis.temp_size_in_bytes),
+        "generated_code_bytes": int(analysis.generated_code_size_in_bytes),
     }
+
+
+def xla_cost(compiled) -> dict[str, float] | None:
+    raw = compiled.cost_analysis()
+    if isinstance(raw, (list, tuple)):
+        raw = raw[0] if raw else None
+    return {k: float(v) for k, v in raw.items()} if raw else None
+
+
+def memory_report(fields: dict[str, int], capacity: int) -> dict[str, Any]:
+    """Per-device figures from XLA's memory analysis; the total is what the device must hold at once."""
     # donated state is both argument and output: count it once (as MaxText's memory report does)
     total = (fields["argument_bytes"] + fields["output_bytes"] - fields["alias_bytes"] + fields["temp_bytes"]
              + fields["generated_code_bytes"])
@@ -163,18 +160,16 @@ def memory_report(analysis, capacity: int) -> dict[str, Any]:
             "headroom_bytes": int(capacity - total), "fits": bool(total <= capacity)}
 
 
-def cost_report(compiled, hlo_text: str, topology: Topology) -> dict[str, Any]:
+def cost_report(raw: dict[str, float] | None, hlo_text: str, topology: Topology) -> dict[str, Any]:
     """The compiler's FLOPs and bytes per device, each with where it came from."""
     from maxperf.aot import hlo_cost
 
-    raw = compiled.cost_analysis()
-    if isinstance(raw, (list, tuple)):
-        raw = raw[0] if raw else None
     counted = hlo_cost.hlo_flops(hlo_text)
     report: dict[str, Any] = {"schema": "maxperf.cost/1"}
     report["flops_per_device"] = counted.flops
-    report["flops_source"] = ("optimized HLO: dot and convolution FLOPs counted by maxperf, loop bodies multiplied "
-                              "by their trip counts")
+    report["flops_source"] = ("optimized HLO: dot, convolution and GEMM custom-call FLOPs counted by maxperf, "
+                              "while-loop bodies multiplied by their trip counts")
+    report["xla_style_flops_per_device"] = counted.xla_style_flops  # the same count XLA makes, loops corrected
     report["hlo"] = dataclasses.asdict(counted) if dataclasses.is_dataclass(counted) else dict(counted)
     if raw:
         report["xla_flops_per_device"] = float(raw.get("flops", 0.0))
@@ -220,7 +215,6 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
 
     from maxperf.models import train_step
 
-    enable_compilation_cache()
     mesh = build_mesh(p)
     say("abstract state and shardings")
     spec = train_step.abstract_step(p.configs.model, p.configs.train, mesh)
@@ -233,42 +227,53 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     writer = artifacts.ArtifactWriter(out_dir)
     try:
         writer.write_text("hlo/lowered.stablehlo.mlir", lowered.as_text())
-        say("compiling")
+        options = topologies.compiler_options(topo)
+        key = cache.key(lowered.as_text(), _target_identity(topo), options, library_versions())
+        entry = cache.get(key)
+        cache_hit = entry is not None
         t = time.perf_counter()
-        try:
-            compiled = lowered.compile(topologies.compiler_options(topo) or None)
-        except Exception as e:  # XLA reports out-of-memory as a compile error on TPU
-            figures = out_of_memory_figures(str(e))
-            if figures is None:
-                raise MaxperfError(f"XLA could not compile the step: {str(e).splitlines()[0][:300]}") from e
-            compile_seconds = time.perf_counter() - t
-            memory = {"schema": "maxperf.memory/1", "source": "xla compile error (out of memory)",
-                      "per_device_total_bytes": figures.get("per_device_total_bytes"),
-                      "hbm_bytes": figures.get("hbm_bytes") or capacity, "fits": False,
-                      "compiler_message": str(e).splitlines()[0][:500]}
-            if memory["per_device_total_bytes"]:
-                memory["headroom_bytes"] = memory["hbm_bytes"] - memory["per_device_total_bytes"]
-            writer.write_json("memory.json", memory)
-            _write_manifest(writer, p, spec, argv, compile_seconds, lower_seconds, start, compiled=False)
-            writer.commit()
-            raise DoesNotFit(_verdict_line(memory)) from None
+        if cache_hit:
+            say("compiling: found in the compilation cache")
+        else:
+            say("compiling")
+            try:
+                compiled = lowered.compile(options or None)
+            except Exception as e:  # XLA reports out-of-memory as a compile error on TPU
+                figures = out_of_memory_figures(str(e))
+                if figures is None:
+                    raise MaxperfError(f"XLA could not compile the step: {str(e).splitlines()[0][:300]}") from e
+                memory = {"schema": "maxperf.memory/1", "source": "xla compile error (out of memory)",
+                          "per_device_total_bytes": figures.get("per_device_total_bytes"),
+                          "hbm_bytes": figures.get("hbm_bytes") or capacity, "fits": False,
+                          "compiler_message": str(e).splitlines()[0][:500]}
+                if memory["per_device_total_bytes"]:
+                    memory["headroom_bytes"] = memory["hbm_bytes"] - memory["per_device_total_bytes"]
+                writer.write_json("memory.json", memory)
+                _write_manifest(writer, p, spec, argv, time.perf_counter() - t, lower_seconds, start,
+                                compiled=False, cache_hit=False)
+                writer.commit()
+                raise DoesNotFit(_verdict_line(memory)) from None
+            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+            entry = cache.Entry(payload=payload, in_tree=str(in_tree), out_tree=str(out_tree),
+                                memory=memory_fields(compiled.memory_analysis()), xla_cost=xla_cost(compiled),
+                                optimized_hlo=compiled.as_text(), compile_seconds=time.perf_counter() - t)
+            cache.put(key, entry)
         compile_seconds = time.perf_counter() - t
         say("writing artifacts")
-        hlo_text = compiled.as_text()
-        writer.write_text("hlo/optimized.hlo.txt", hlo_text)
-        memory = memory_report(compiled.memory_analysis(), capacity)
+        writer.write_text("hlo/optimized.hlo.txt", entry.optimized_hlo)
+        memory = memory_report(entry.memory, capacity)
         writer.write_json("memory.json", memory)
-        cost = cost_report(compiled, hlo_text, topo)
+        cost = cost_report(entry.xla_cost, entry.optimized_hlo, topo)
         writer.write_json("cost.json", cost)
         estimate = estimate_for(p)
         if estimate is not None:
             writer.write_json("estimate.json", estimate)
-        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-        artifacts.check_executable_pickle(payload)
-        blob = {"schema": artifacts.COMPILED_SCHEMA, "platform": topo.platform, "executable": payload,
-                "in_tree": str(in_tree), "out_tree": str(out_tree)}
+        artifacts.check_executable_pickle(entry.payload)
+        blob = {"schema": artifacts.COMPILED_SCHEMA, "platform": topo.platform, "executable": entry.payload,
+                "in_tree": entry.in_tree, "out_tree": entry.out_tree}
         writer.write_bytes("compiled.pkl", pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL))
-        _write_manifest(writer, p, spec, argv, compile_seconds, lower_seconds, start, compiled=True)
+        _write_manifest(writer, p, spec, argv, compile_seconds, lower_seconds, start, compiled=True,
+                        cache_hit=cache_hit)
         writer.commit()
     except BaseException:
         writer.abandon()
@@ -290,8 +295,16 @@ def _verdict_line(memory: dict[str, Any]) -> str:
     return f"does not fit in {hbm / gib:.2f} GiB per device ({memory.get('compiler_message', '')})"
 
 
+def _target_identity(topology: Topology) -> dict[str, Any]:
+    """What the compiled code depends on besides the module: the target, and a user's GPU spec by content."""
+    target = topology.as_dict()
+    if topology.target_config_path:
+        target["target_config_text"] = Path(topology.target_config_path).read_text()
+    return target
+
+
 def _write_manifest(writer: artifacts.ArtifactWriter, p: Plan, spec, argv, compile_seconds: float,
-                    lower_seconds: float, start: float, *, compiled: bool) -> None:
+                    lower_seconds: float, start: float, *, compiled: bool, cache_hit: bool) -> None:
     manifest = {
         "schema": artifacts.MANIFEST_SCHEMA,
         "created_unix": time.time(),
@@ -307,6 +320,7 @@ def _write_manifest(writer: artifacts.ArtifactWriter, p: Plan, spec, argv, compi
         "tokens_per_step": spec.global_batch * p.configs.train.seq_len,
         "versions": library_versions(),
         "compile_seconds": round(compile_seconds, 3),
+        "compile_cache_hit": cache_hit,
         "lower_seconds": round(lower_seconds, 3),
         "wall_seconds": round(time.perf_counter() - start, 3),
         "peak_rss_bytes": peak_rss_bytes(),

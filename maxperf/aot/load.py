@@ -9,7 +9,7 @@ from typing import Any
 
 from maxperf.aot import artifacts
 from maxperf.aot.artifacts import ArtifactError
-from maxperf.aot.compile import Plan, library_versions, versions_that_must_match
+from maxperf.aot.compiler import Plan, library_versions, versions_that_must_match
 from maxperf.aot import topologies
 from maxperf.models.config import MeshShape, ModelConfig, ParallelismConfig, TrainConfig, from_dict
 from maxperf.models.overrides import Configs
@@ -36,7 +36,7 @@ class Artifact:
         import jax
         from jax.experimental import serialize_executable
 
-        from maxperf.aot.compile import build_mesh
+        from maxperf.aot.compiler import build_mesh
         from maxperf.models import train_step
 
         device_list = list(device_list) if device_list is not None else jax.devices()

@@ -1,0 +1,271 @@
+"""`maxperf estimate-memory`: the analytical memory breakdown beside the compiler's figures, and the largest
+per-device batch that fits, found by few compiles.
+
+    from maxperf.aot import memory_fit
+    cmp = memory_fit.compare("v5p-8", "llama2-7b", ["remat_policy=full"])
+    cmp.analytical.per_device_total_bytes, cmp.compiler["per_device_total_bytes"], cmp.fits, cmp.difference
+    best = memory_fit.max_batch("v5p-8", "llama2-7b", [])
+    best.per_device_batch_size, best.compiles
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from maxperf.aot.compiler import Plan, plan
+from maxperf.errors import DoesNotFit, MaxperfError
+from maxperf.perfmodel import MemoryBreakdown, estimate_memory, make_mesh
+from maxperf.perfmodel.estimate import device_for
+
+SCHEMA = "maxperf.estimate_memory/1"
+# No per-device batch beyond this is tried: the search stops there and says so (a bound, not a measurement).
+MAX_BATCH_LIMIT = 1 << 16
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class MemoryComparison:
+    """One configuration's memory per device: the analytical breakdown and, unless skipped, XLA's figures."""
+
+    plan: Plan
+    analytical: MemoryBreakdown
+    compiler: dict[str, Any] | None  # memory.json of the compile (None: analytical only)
+    compile_seconds: float | None
+    out_dir: Path | None  # where the artifact was kept (None: a temporary directory, removed)
+
+    @property
+    def source(self) -> str:
+        """Whose verdict counts: the compiler's when there was a compile."""
+        return "compiler" if self.compiler is not None else "analytical"
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.compiler["fits"]) if self.compiler is not None else self.analytical.fits
+
+    @property
+    def per_device_total_bytes(self) -> float:
+        if self.compiler is not None and self.compiler.get("per_device_total_bytes"):
+            return float(self.compiler["per_device_total_bytes"])
+        return self.analytical.per_device_total_bytes
+
+    @property
+    def hbm_bytes(self) -> float:
+        if self.compiler is not None and self.compiler.get("hbm_bytes"):
+            return float(self.compiler["hbm_bytes"])
+        return self.analytical.hbm_bytes
+
+    @property
+    def headroom_bytes(self) -> float:
+        return self.hbm_bytes - self.per_device_total_bytes
+
+    @property
+    def difference(self) -> float | None:
+        """(analytical - compiler) / compiler, signed; None without compiler figures."""
+        total = (self.compiler or {}).get("per_device_total_bytes")
+        return (self.analytical.per_device_total_bytes - total) / total if total else None
+
+    def as_dict(self) -> dict[str, Any]:
+        p = self.plan
+        return {
+            "schema": SCHEMA, "model": p.model.name, "topology": p.topology.name,
+            "num_slices": p.topology.num_slices, "mesh": {a: n for a, n in p.mesh_shape.axes.items() if n > 1},
+            "per_device_batch_size": p.configs.train.per_device_batch_size, "seq_len": p.configs.train.seq_len,
+            "remat_policy": str(p.configs.train.remat_policy.value),
+            "analytical": self.analytical.as_dict(),
+            "compiler": self.compiler,
+            "fits": self.fits, "verdict_source": self.source,
+            "per_device_total_bytes": self.per_device_total_bytes, "hbm_bytes": self.hbm_bytes,
+            "headroom_bytes": self.headroom_bytes, "difference": self.difference,
+            "compile_seconds": self.compile_seconds, "out_dir": None if self.out_dir is None else str(self.out_dir),
+        }
+
+
+def analytical(p: Plan) -> MemoryBreakdown:
+    """perfmodel's breakdown for a plan, against the per-device memory perfmodel's chip table gives."""
+    mesh = make_mesh(p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+    return estimate_memory(p.configs.model, p.configs.train, mesh, device_for(p.topology).hbm_bytes)
+
+
+def compare(topology: str, model: str, overrides: Sequence[str] = (), *, num_slices: int = 1,
+            analytical_only: bool = False, out: str | os.PathLike | None = None,
+            progress: Progress | None = None) -> MemoryComparison:
+    """The analytical breakdown, and (unless `analytical_only`) the compiler's figures for the same step; with
+    `out`, the whole artifact is written there and kept, else nothing is written."""
+    p = plan(topology, model, overrides, num_slices=num_slices)
+    mine = analytical(p)
+    if analytical_only:
+        return MemoryComparison(p, mine, None, None, None)
+    memory, seconds = _compile_memory(p, model, overrides, num_slices, out, progress)
+    return MemoryComparison(p, mine, memory, seconds, None if out is None else Path(out))
+
+
+def _compile_memory(p: Plan, model: str, overrides: Sequence[str], num_slices: int, out: str | os.PathLike | None,
+                    progress: Progress | None) -> tuple[dict[str, Any], float]:
+    """memory.json figures of a compile of the plan, whether or not the step fits: with `out`, through
+    `aot.compile` (the whole artifact, kept); without, the executable's memory analysis only, nothing written."""
+    if out is None:
+        return compile_memory(p, progress)
+    from maxperf import aot
+
+    target = Path(out)
+    try:
+        result = aot.compile(p.topology.name, model, overrides, num_slices=num_slices, out=target,
+                             progress=progress)
+        return dict(result.memory), result.compile_seconds
+    except DoesNotFit:  # the verdict and XLA's figures were written before the error
+        manifest = json.loads((target / "manifest.json").read_text())
+        return json.loads((target / "memory.json").read_text()), float(manifest.get("compile_seconds", 0.0))
+
+
+def compile_memory(p: Plan, progress: Progress | None = None) -> tuple[dict[str, Any], float]:
+    """Lowers and compiles the plan's train step as `aot.compile` does (same mesh, shardings, compiler options and
+    persistent cache) and returns XLA's memory figures and the compile seconds; no artifact, no serialization, no
+    HLO costing, so that a fit question costs the compile alone."""
+    from maxperf.aot import compiler, topologies
+
+    say = progress or (lambda _: None)
+    if p.topology.platform == "tpu":
+        topologies.quiet_libtpu()
+    import jax
+
+    from maxperf.models import train_step
+
+    compiler.enable_compilation_cache()
+    mesh = compiler.build_mesh(p)
+    spec = train_step.abstract_step(p.configs.model, p.configs.train, mesh)
+    say("lowering")
+    with jax.set_mesh(mesh):
+        lowered = train_step.jit_step(spec).lower(spec.state, spec.batch)
+    capacity = compiler.device_memory_bytes(p.topology)
+    say("compiling")
+    t = time.perf_counter()
+    try:
+        compiled = lowered.compile(topologies.compiler_options(p.topology) or None)
+    except Exception as e:  # XLA reports out-of-memory as a compile error on TPU
+        figures = compiler.out_of_memory_figures(str(e))
+        if figures is None:
+            raise MaxperfError(f"XLA could not compile the step: {str(e).splitlines()[0][:300]}") from e
+        used, hbm = figures.get("per_device_total_bytes"), figures.get("hbm_bytes") or capacity
+        memory = {"schema": "maxperf.memory/1", "source": "xla compile error (out of memory)",
+                  "per_device_total_bytes": used, "hbm_bytes": hbm, "fits": False,
+                  "headroom_bytes": hbm - used if used else None, "compiler_message": str(e).splitlines()[0][:500]}
+        return memory, time.perf_counter() - t
+    seconds = time.perf_counter() - t
+    return compiler.memory_report(compiled.memory_analysis(), capacity), seconds
+
+
+@dataclass(frozen=True)
+class Trial:
+    per_device_batch_size: int
+    fits: bool
+    per_device_total_bytes: float | None  # the compiler's (None where XLA gave no figure)
+    compile_seconds: float
+
+
+@dataclass(frozen=True)
+class MaxBatch:
+    """The largest per-device batch that fits (0: not even one), how it was found, and its comparison."""
+
+    per_device_batch_size: int
+    analytical_guess: int  # the largest B that fits by perfmodel alone: where the search started
+    compiles: int
+    trials: tuple[Trial, ...]
+    best: MemoryComparison | None  # the comparison at the largest fitting batch
+    hit_limit: bool  # the search stopped at MAX_BATCH_LIMIT
+
+    @property
+    def fits(self) -> bool:
+        return self.per_device_batch_size >= 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA, "max_per_device_batch_size": self.per_device_batch_size,
+            "analytical_guess": self.analytical_guess, "compiles": self.compiles, "hit_limit": self.hit_limit,
+            "trials": [t.__dict__ for t in self.trials], "fits": self.fits,
+            **({"best": self.best.as_dict()} if self.best is not None else {}),
+        }
+
+
+def analytical_max_batch(p: Plan, overrides: Sequence[str], num_slices: int, limit: int = MAX_BATCH_LIMIT) -> int:
+    """The largest B that fits by perfmodel (0 when B=1 does not): bisection on the analytical total, which grows
+    with B."""
+    def fits(b: int) -> bool:
+        return analytical(_with_batch(p, overrides, num_slices, b)).fits
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > limit:
+        return limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _with_batch(p: Plan, overrides: Sequence[str], num_slices: int, b: int) -> Plan:
+    return plan(p.topology.name, p.model, [*overrides, f"per_device_batch_size={b}"], num_slices=num_slices)
+
+
+def max_batch(topology: str, model: str, overrides: Sequence[str] = (), *, num_slices: int = 1,
+              analytical_only: bool = False, out: str | os.PathLike | None = None,
+              progress: Progress | None = None, limit: int = MAX_BATCH_LIMIT) -> MaxBatch:
+    """The largest per_device_batch_size whose step fits, by compiles: start at perfmodel's answer, then aim each
+    next compile where a line through the compiler's figures (or perfmodel's slope, with one figure) crosses the
+    device memory, always strictly inside the bracket (largest fitting, smallest failing), so it ends; with
+    `out`, every trial's artifact is kept under out/batch-B."""
+    p = plan(topology, model, overrides, num_slices=num_slices)
+    guess = analytical_max_batch(p, overrides, num_slices, limit)
+    if analytical_only:
+        best = compare(topology, model, [*overrides, f"per_device_batch_size={guess}"], num_slices=num_slices,
+                       analytical_only=True) if guess else None
+        return MaxBatch(guess, guess, 0, (), best, guess >= limit)
+    say = progress or (lambda _: None)
+    slope = (analytical(_with_batch(p, overrides, num_slices, 2)).per_device_total_bytes
+             - analytical(_with_batch(p, overrides, num_slices, 1)).per_device_total_bytes)
+    lo, hi = 0, limit + 1  # lo fits (0: none known), hi does not (limit + 1: none known)
+    trials: list[Trial] = []
+    results: dict[int, MemoryComparison] = {}
+    b = max(1, guess)
+    while True:
+        say(f"compile {len(trials) + 1}: per_device_batch_size={b}")
+        cmp = compare(topology, model, [*overrides, f"per_device_batch_size={b}"], num_slices=num_slices,
+                      out=None if out is None else Path(out) / f"batch-{b}", progress=progress)
+        total = (cmp.compiler or {}).get("per_device_total_bytes")
+        trials.append(Trial(b, cmp.fits, float(total) if total else None, cmp.compile_seconds or 0.0))
+        results[b] = cmp
+        if cmp.fits:
+            lo = b
+        else:
+            hi = b
+        if hi - lo <= 1:
+            break
+        b = _next_batch(trials, lo, hi, slope, cmp.hbm_bytes)
+    return MaxBatch(lo, guess, len(trials), tuple(trials), results.get(lo), lo >= limit)
+
+
+def _next_batch(trials: Sequence[Trial], lo: int, hi: int, slope: float, hbm: float) -> int:
+    """Where the compiler's memory, as a line in B, crosses `hbm`, kept strictly inside (lo, hi): the line through
+    the bracket's two figures when both are known, else through the last two, else perfmodel's slope through one."""
+    points = {t.per_device_batch_size: t.per_device_total_bytes for t in trials if t.per_device_total_bytes}
+    pair = [b for b in (lo, hi) if b in points]
+    if len(pair) < 2:
+        pair = [t.per_device_batch_size for t in trials if t.per_device_batch_size in points][-2:]
+    if len(pair) == 2 and pair[0] != pair[1]:
+        secant = (points[pair[1]] - points[pair[0]]) / (pair[1] - pair[0])
+        slope = secant if secant > 0 else slope
+    anchor = lo if lo in points else trials[-1].per_device_batch_size
+    if anchor not in points or slope <= 0:  # no figure to aim with: bisect, or double while unbounded
+        return (lo + hi) // 2 if hi <= MAX_BATCH_LIMIT else max(2 * lo, lo + 1)
+    b = math.floor(anchor + (hbm - points[anchor]) / slope)
+    return min(max(b, lo + 1), hi - 1)

@@ -1,0 +1,379 @@
+"""`hlo_cost.hlo_flops`: hand-written HLO with known answers, and real compiles checked against XLA's cost_analysis."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from maxperf.aot.hlo_cost import hlo_flops
+
+DOT = """HloModule m, entry_computation_layout={(f32[16,256]{1,0}, f32[256,512]{1,0})->f32[16,512]{1,0}}
+
+ENTRY %main (x: f32[16,256], w: f32[256,512]) -> f32[16,512] {
+  %x = f32[16,256]{1,0} parameter(0), metadata={op_name="x"}
+  %w = f32[256,512]{1,0} parameter(1)
+  ROOT %dot.1 = f32[16,512]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/dot_general"}
+}
+"""
+
+# A scan of 32 steps as XLA's CPU and GPU backends print it: the trip count sits in the while's backend_config,
+# the condition compares through a wrapping fusion, and the body's matmul sits in a fusion.
+WHILE_KNOWN = """HloModule m
+
+%fused_dot (p0: f32[8,64], p1: f32[64,64]) -> f32[8,64] {
+  %p0 = f32[8,64]{1,0} parameter(0)
+  %p1 = f32[64,64]{1,0} parameter(1)
+  ROOT %dot.2 = f32[8,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%wrapped_add_computation (a: s32[], b: s32[]) -> s32[] {
+  %a = s32[] parameter(0)
+  %b = s32[] parameter(1)
+  ROOT %add.3 = s32[] add(%a, %b)
+}
+
+%body (param: (s32[], f32[8,64], f32[64,64])) -> (s32[], f32[8,64], f32[64,64]) {
+  %param = (s32[], f32[8,64]{1,0}, f32[64,64]{1,0}) parameter(0)
+  %one = s32[] constant(1)
+  %i = s32[] get-tuple-element(%param), index=0
+  %h = f32[8,64]{1,0} get-tuple-element(%param), index=1
+  %w = f32[64,64]{1,0} get-tuple-element(%param), index=2
+  %next = s32[] fusion(%i, %one), kind=kLoop, calls=%wrapped_add_computation
+  %ynn_fusion = f32[8,64]{1,0} fusion(%h, %w), kind=kCustom, calls=%fused_dot
+  %t = f32[8,64]{1,0} tanh(%ynn_fusion)
+  ROOT %tuple.6 = (s32[], f32[8,64]{1,0}, f32[64,64]{1,0}) tuple(%next, %t, %w)
+}
+
+%wrapped_compare_computation (x: s32[], y: s32[]) -> pred[] {
+  %x = s32[] parameter(0)
+  %y = s32[] parameter(1)
+  ROOT %lt = pred[] compare(%x, %y), direction=LT
+}
+
+%cond (param.1: (s32[], f32[8,64], f32[64,64])) -> pred[] {
+  %param.1 = (s32[], f32[8,64]{1,0}, f32[64,64]{1,0}) parameter(0)
+  %limit = s32[] constant(32), metadata={op_name="jit(f)/while/cond/lt"}
+  %i.1 = s32[] get-tuple-element(%param.1), index=0
+  ROOT %wrapped_compare = pred[] fusion(%i.1, %limit), kind=kLoop, calls=%wrapped_compare_computation
+}
+
+ENTRY %main (h0: f32[8,64], w0: f32[64,64]) -> f32[8,64] {
+  %h0 = f32[8,64]{1,0} parameter(0)
+  %w0 = f32[64,64]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,64]{1,0}, f32[64,64]{1,0}) tuple(%zero, %h0, %w0)
+  %while.8 = (s32[], f32[8,64]{1,0}, f32[64,64]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"32"},"known_init_step":{"init":"0","step":"1"}}
+  ROOT %out = f32[8,64]{1,0} get-tuple-element(%while.8), index=1
+}
+"""
+
+LOOP_DOT_FLOPS = 2 * 8 * 64 * 64
+KNOWN_TRIP_COUNT = ', backend_config={"known_trip_count":{"n":"32"},"known_init_step":{"init":"0","step":"1"}}'
+
+
+def test_dot_resolves_operand_shapes_from_parameters():
+    cost = hlo_flops(DOT)
+    assert cost.dot_flops == cost.flops == 2 * 16 * 512 * 256
+    assert cost.convolution_flops == 0 and cost.loops == () and cost.unresolved_operands == 0
+
+
+def test_known_trip_count_multiplies_the_body_and_its_fusions():
+    cost = hlo_flops(WHILE_KNOWN)
+    assert cost.dot_flops == 32 * LOOP_DOT_FLOPS
+    assert cost.transcendentals == 32 * 8 * 64
+    assert [(loop.name, loop.body, loop.trip_count, loop.trip_count_source) for loop in cost.loops] == [
+        ("while.8", "body", 32, "backend_config")]
+    # The counter add runs 32 times and the condition's compare 33 times: elementwise, not matmul work.
+    assert cost.elementwise_flops == 32 + 33
+    assert cost.xla_style_flops == cost.flops + cost.elementwise_flops
+
+
+def test_trip_count_from_the_condition_when_the_backend_config_has_none():
+    # TPU's optimized HLO prints no known_trip_count: the count comes from init 0, step 1 and `i < 32`.
+    text = WHILE_KNOWN.replace(KNOWN_TRIP_COUNT, "")
+    cost = hlo_flops(text)
+    assert [(loop.trip_count, loop.trip_count_source) for loop in cost.loops] == [(32, "condition")]
+    assert cost.dot_flops == 32 * LOOP_DOT_FLOPS and cost.unknown_trip_counts == 0
+
+
+def test_trip_count_from_a_condition_with_other_start_step_and_direction():
+    text = WHILE_KNOWN.replace(KNOWN_TRIP_COUNT, "")
+    text = text.replace("%zero = s32[] constant(0)", "%zero = s32[] constant(2)")  # i = 2, 5, 8, ..., 29
+    text = text.replace("%one = s32[] constant(1)", "%one = s32[] constant(3)")
+    text = text.replace("direction=LT", "direction=LE")  # i <= 32: 2 .. 32 in steps of 3 is 11 iterations
+    assert [loop.trip_count for loop in hlo_flops(text).loops] == [11]
+
+
+def test_unknown_trip_count_is_reported_and_counted_once():
+    text = WHILE_KNOWN.replace(KNOWN_TRIP_COUNT, "")
+    text = text.replace("%limit = s32[] constant(32)", "%limit = s32[] get-tuple-element(%param.1), index=0")
+    cost = hlo_flops(text)
+    assert cost.unknown_trip_counts == 1 and cost.loops[0].trip_count is None
+    assert cost.dot_flops == LOOP_DOT_FLOPS
+
+
+def test_nested_loops_multiply_and_report_executions():
+    outer = WHILE_KNOWN.replace("ENTRY %main (h0", "%inner_main (h0").replace("ROOT %out", "%out")
+    outer = outer.replace("index=1\n}", "index=1\n  ROOT %res = (f32[8,64]{1,0}, f32[64,64]{1,0}) tuple(%out, %w0)\n}")
+    outer += """
+%outer_body (op: (f32[8,64], f32[64,64])) -> (f32[8,64], f32[64,64]) {
+  %op = (f32[8,64]{1,0}, f32[64,64]{1,0}) parameter(0)
+  %oh = f32[8,64]{1,0} get-tuple-element(%op), index=0
+  %ow = f32[64,64]{1,0} get-tuple-element(%op), index=1
+  ROOT %called = (f32[8,64]{1,0}, f32[64,64]{1,0}) call(%oh, %ow), to_apply=%inner_main
+}
+
+%outer_cond (oc: (f32[8,64], f32[64,64])) -> pred[] {
+  %oc = (f32[8,64]{1,0}, f32[64,64]{1,0}) parameter(0)
+  ROOT %t = pred[] constant(true)
+}
+
+ENTRY %main (a: (f32[8,64], f32[64,64])) -> (f32[8,64], f32[64,64]) {
+  %a = (f32[8,64]{1,0}, f32[64,64]{1,0}) parameter(0)
+  ROOT %outer = (f32[8,64]{1,0}, f32[64,64]{1,0}) while(%a), condition=%outer_cond, body=%outer_body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+    cost = hlo_flops(outer)
+    assert cost.dot_flops == 4 * 32 * LOOP_DOT_FLOPS
+    assert {(loop.name, loop.trip_count, loop.executions) for loop in cost.loops} == {("outer", 4, 1.0),
+                                                                                  ("while.8", 32, 4.0)}
+
+
+NESTED_FUSION_CONV = """HloModule m
+
+%inner (p: f32[4,16,16,8], k: f32[3,3,8,32]) -> f32[4,16,16,32] {
+  %p = f32[4,16,16,8]{3,2,1,0} parameter(0)
+  %k = f32[3,3,8,32]{3,2,1,0} parameter(1)
+  ROOT %convolution.1 = f32[4,16,16,32]{3,2,1,0} convolution(%p, %k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
+}
+
+%outer (q: f32[4,16,16,8], r: f32[3,3,8,32]) -> f32[4,16,16,32] {
+  %q = f32[4,16,16,8]{3,2,1,0} parameter(0)
+  %r = f32[3,3,8,32]{3,2,1,0} parameter(1)
+  %fusion.1 = f32[4,16,16,32]{3,2,1,0} fusion(%q, %r), kind=kOutput, calls=%inner
+  ROOT %multiply.1 = f32[4,16,16,32]{3,2,1,0} multiply(%fusion.1, %fusion.1)
+}
+
+%add_f32 (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+ENTRY %main (a: f32[4,16,16,8], b: f32[3,3,8,32]) -> f32[4] {
+  %a = f32[4,16,16,8]{3,2,1,0} parameter(0)
+  %b = f32[3,3,8,32]{3,2,1,0} parameter(1)
+  %fusion.2 = f32[4,16,16,32]{3,2,1,0} fusion(%a, %b), kind=kOutput, calls=%outer
+  %zero = f32[] constant(0)
+  ROOT %reduce.1 = f32[4]{0} reduce(%fusion.2, %zero), dimensions={1,2,3}, to_apply=%add_f32
+}
+"""
+
+
+def test_nested_fusion_convolution_and_reduction_kept_apart():
+    cost = hlo_flops(NESTED_FUSION_CONV)
+    out = 4 * 16 * 16 * 32
+    # A 3x3 window with padding 1: on each spatial dim the border positions miss one of their 3 taps.
+    assert cost.convolution_flops == cost.flops == 2 * (4 * 32) * 8 * (16 * 3 - 2) ** 2
+    assert cost.elementwise_flops == out  # the multiply
+    assert cost.reduction_flops == out - 4  # the scalar add, applied input minus output elements times
+    assert cost.by_opcode == {"convolution": cost.convolution_flops, "multiply": out, "reduce": out - 4}
+
+
+def test_tpu_matmul_as_convolution_without_spatial_dims():
+    text = DOT.replace("dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+                       "convolution(%x, %w), dim_labels=bf_io->bf")
+    assert hlo_flops(text).convolution_flops == 2 * 16 * 512 * 256
+
+
+@pytest.mark.parametrize("lhs, window, labels, out", [
+    # Batched matmul over 32 heads (TPU, llama2-7b): base dilation meets one input element per output position.
+    ("bf16[2048,128,32]", "size=32 stride=31 lhs_dilate=32", "b0f_0io->bf0", "bf16[2048,4096,32]"),
+    # The same batch made by padding a single input position: one real element per output position.
+    ("bf16[2048,128,1]", "size=32 pad=31_31 rhs_reversal=1", "bf0_0io->bf0", "bf16[2048,4096,32]"),
+], ids=["base-dilated", "padded"])
+def test_convolution_counts_only_window_positions_on_real_input(lhs, window, labels, out):
+    text = f"""HloModule m
+
+ENTRY %main (a: {lhs}, k: bf16[32,128,4096]) -> {out} {{
+  %a = {lhs}{{2,1,0}} parameter(0)
+  %k = bf16[32,128,4096]{{2,1,0}} parameter(1)
+  ROOT %c = {out}{{2,1,0}} convolution(%a, %k), window={{{window}}}, dim_labels={labels}
+}}
+"""
+    assert hlo_flops(text).convolution_flops == 2 * 2048 * 4096 * 32 * 128  # 32 matmuls, not 32 x 32
+
+
+def test_cublas_gemm_custom_call_uses_its_dot_dimensions():
+    text = DOT.replace(
+        "ROOT %dot.1 = f32[16,512]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+        '%gemm = (f32[16,512]{1,0}, s8[4194304]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", '
+        'backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"beta":0,'
+        '"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],'
+        '"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}}\n'
+        "  ROOT %gte = f32[16,512]{1,0} get-tuple-element(%gemm), index=0")
+    cost = hlo_flops(text)
+    assert cost.custom_call_flops == cost.flops == 2 * 16 * 512 * 256
+    assert cost.by_opcode == {"custom-call:__cublas$gemm": cost.flops} and cost.unhandled_custom_calls == {}
+
+
+def test_unknown_custom_call_is_listed_not_guessed():
+    text = DOT.replace("dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+                       'custom-call(%x, %w), custom_call_target="__cudnn$fmhaSoftmax"')
+    cost = hlo_flops(text)
+    assert cost.flops == 0 and cost.unhandled_custom_calls == {"__cudnn$fmhaSoftmax": 1}
+
+
+def test_conditional_costs_its_costliest_branch():
+    text = """HloModule m
+
+%cheap (c: f32[16,256]) -> f32[16,256] {
+  ROOT %c = f32[16,256]{1,0} parameter(0)
+}
+
+%costly (e: f32[16,256]) -> f32[16,256] {
+  %e = f32[16,256]{1,0} parameter(0)
+  %sq = f32[256,256]{1,0} constant({...})
+  ROOT %d = f32[16,256]{1,0} dot(%e, %sq), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (p: pred[], x: f32[16,256]) -> f32[16,256] {
+  %p = pred[] parameter(0)
+  %x = f32[16,256]{1,0} parameter(1)
+  ROOT %cond = f32[16,256]{1,0} conditional(%p, %x, %x), true_computation=%cheap, false_computation=%costly
+}
+"""
+    cost = hlo_flops(text)
+    assert cost.dot_flops == 2 * 16 * 256 * 256 and cost.conditionals == 1
+    branches = text.replace("true_computation=%cheap, false_computation=%costly",
+                            "branch_computations={%costly, %cheap}")
+    assert hlo_flops(branches).dot_flops == cost.dot_flops
+
+
+def test_async_wrapped_computation_counts_once():
+    # The async pair names its computation on start and done; GPU's fusion-start names it on the start only.
+    text = """HloModule m
+
+%wrapped (x: f32[16,256], w: f32[256,512]) -> f32[16,512] {
+  %x = f32[16,256]{1,0} parameter(0)
+  %w = f32[256,512]{1,0} parameter(1)
+  ROOT %d = f32[16,512]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[16,256], b: f32[256,512]) -> f32[16,512] {
+  %a = f32[16,256]{1,0} parameter(0)
+  %b = f32[256,512]{1,0} parameter(1)
+  %start = ((f32[16,256]{1,0}, f32[256,512]{1,0}), f32[16,512]{1,0}, u32[]) async-start(%a, %b), calls=%wrapped
+  %done = f32[16,512]{1,0} async-done(%start), calls=%wrapped
+  %fstart = ((f32[16,256]{1,0}, f32[256,512]{1,0}), f32[16,512]{1,0}, u32[]) fusion-start(%a, %b), kind=kCustom, calls=%wrapped
+  %fdone = f32[16,512]{1,0} fusion-done(%fstart)
+  ROOT %sum = f32[16,512]{1,0} add(%done, %fdone)
+}
+"""
+    cost = hlo_flops(text)
+    assert cost.dot_flops == 2 * (2 * 16 * 512 * 256) and cost.elementwise_flops == 16 * 512
+
+
+def test_text_without_computations_is_an_error():
+    with pytest.raises(ValueError, match="no HLO computation"):
+        hlo_flops("HloModule empty\n")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real compiles on the 8 host CPU devices (and compile-only TPU devices when libtpu is installed).
+
+B, D, F, N = 64, 256, 512, 8
+
+
+def _cpu_mesh():
+    return Mesh(np.array(jax.devices()[:4]), ("x",))
+
+
+def _specs(mesh, *shapes_and_specs):
+    return [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, p)) for s, p in shapes_and_specs]
+
+
+def _scanned(x, ws):
+    return lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0].sum()
+
+
+def _unrolled(x, ws):
+    h = x
+    for i in range(N):
+        h = jnp.tanh(h @ ws[i])
+    return h.sum()
+
+
+def _compile(f, args):
+    compiled = jax.jit(f).lower(*args).compile()
+    raw = compiled.cost_analysis()
+    raw = raw[0] if isinstance(raw, (list, tuple)) else raw
+    return hlo_flops(compiled.as_text()), raw
+
+
+def test_cpu_mlp_matches_cost_analysis():
+    mesh = _cpu_mesh()
+    args = _specs(mesh, ((B, D), P("x", None)), ((D, F), P()), ((F, D), P()))
+    cost, raw = _compile(lambda x, w1, w2: jnp.tanh(x @ w1) @ w2, args)
+    assert cost.dot_flops == 2 * 2 * (B // 4) * D * F  # per device: the batch is split 4 ways
+    assert cost.xla_style_flops == pytest.approx(raw["flops"], rel=1e-3)
+    assert cost.transcendentals == raw["transcendentals"]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "grad"])
+def test_cpu_scan_counts_every_layer_where_cost_analysis_counts_one(grad):
+    mesh = _cpu_mesh()
+    args = _specs(mesh, ((B, D), P("x", None)), ((N, D, D), P()))
+    wrap = (lambda f: jax.grad(f, argnums=(0, 1))) if grad else (lambda f: f)
+    scanned, scanned_raw = _compile(wrap(_scanned), args)
+    unrolled, unrolled_raw = _compile(wrap(_unrolled), args)
+    layer = 2 * (B // 4) * D * D
+    assert unrolled.dot_flops == scanned.dot_flops == (3 if grad else 1) * N * layer
+    # Unrolled, XLA's count and ours agree, tuple all-reduces of the gradients included.
+    assert unrolled.xla_style_flops == pytest.approx(unrolled_raw["flops"], rel=1e-3)
+    assert all(loop.trip_count == N for loop in scanned.loops) and len(scanned.loops) == (2 if grad else 1)
+    assert scanned_raw["flops"] < scanned.flops / (N / 2)  # XLA's own count sees one layer per loop
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_tpu_scan_trip_count_from_the_condition_and_unrolled_matches_cost_analysis():
+    from maxperf.aot import topologies
+
+    topologies.quiet_libtpu()
+    from jax.experimental.topologies import get_topology_desc
+
+    devices = get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices
+    mesh = Mesh(np.array(devices), ("x",))
+    args = _specs(mesh, ((B, D), P("x", None)), ((N, D, D), P()))
+    grad = jax.grad(_scanned, argnums=(0, 1)), jax.grad(_unrolled, argnums=(0, 1))
+    scanned, _ = _compile(grad[0], args)
+    unrolled, unrolled_raw = _compile(grad[1], args)
+    assert scanned.convolution_flops == unrolled.convolution_flops == 3 * N * 2 * (B // 4) * D * D
+    assert {(loop.trip_count, loop.trip_count_source) for loop in scanned.loops} == {(N, "condition")}
+    assert unrolled.xla_style_flops == pytest.approx(unrolled_raw["flops"], rel=0.01)
+
+
+@pytest.mark.slow
+def test_tiny_train_step_scanned_and_unscanned_agree():
+    from maxperf.models import overrides, presets, sharding, train_step
+
+    totals = {}
+    for scan in ("true", "false"):
+        cfg = overrides.apply(presets.get("tiny"), ["seq_len=64", "per_device_batch_size=2", f"scan_layers={scan}"])
+        devices = jax.devices()[:8]
+        mesh = sharding.make_mesh(devices, cfg.parallelism.resolve(len(devices)).axes)
+        spec = train_step.abstract_step(cfg.model, cfg.train, mesh)
+        with jax.set_mesh(mesh):
+            compiled = train_step.jit_step(spec).lower(spec.state, spec.batch).compile()
+        totals[scan] = hlo_flops(compiled.as_text()), compiled.cost_analysis()["flops"]
+    (scanned, scanned_raw), (unscanned, unscanned_raw) = totals["true"], totals["false"]
+    assert scanned.loops and all(loop.trip_count for loop in scanned.loops)
+    assert scanned.flops == pytest.approx(unscanned.flops, rel=1e-3)  # measured here: equal
+    assert unscanned.xla_style_flops == pytest.approx(unscanned_raw, rel=1e-3)
+    assert scanned_raw < 0.8 * scanned.xla_style_flops  # XLA counts the layer loop's body once
