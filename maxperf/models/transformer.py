@@ -70,23 +70,27 @@ class Transformer(nnx.Module):
         return logits_BxLxV
 
     def _layers(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> jax.Array:
-        windows = jnp.asarray([w or 0 for w in self.cfg.layer_windows()], jnp.int32)
+        windows = [w or 0 for w in self.cfg.layer_windows()]
+        # one window for every layer stays a Python constant, so the mask is static; only interleaved
+        # local and global layers pass each layer's window through the scan
+        static = len(set(windows)) == 1
 
         def layer_fn(graphdef):
             def apply(x_BxLxD, state, window):
-                return nnx.merge(graphdef, state)(x_BxLxD, positions_BxL, window)
+                return nnx.merge(graphdef, state)(x_BxLxD, positions_BxL, windows[0] if static else window)
 
             if self.remat is RematPolicy.NONE:
                 return apply
             # inside scan, CSE cannot merge the recomputation into the forward pass, so it need not be prevented
             return jax.checkpoint(apply, policy=remat_policy(self.remat), prevent_cse=not self.scan_layers)
 
+        per_layer = jnp.asarray(windows, jnp.int32)
         if self.scan_layers:
             graphdef, state = nnx.split(self.layers)
             apply = layer_fn(graphdef)
-            x_BxLxD, _ = jax.lax.scan(lambda x, sw: (apply(x, *sw), None), x_BxLxD, (state, windows))
+            x_BxLxD, _ = jax.lax.scan(lambda x, sw: (apply(x, *sw), None), x_BxLxD, (state, per_layer))
             return x_BxLxD
         for i, layer in enumerate(self.layers):
             graphdef, state = nnx.split(layer)
-            x_BxLxD = layer_fn(graphdef)(x_BxLxD, state, windows[i])
+            x_BxLxD = layer_fn(graphdef)(x_BxLxD, state, per_layer[i])
         return x_BxLxD

@@ -15,10 +15,14 @@ from maxperf.models.sharding import constrain
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def causal_mask(L: int, window: jax.Array) -> jax.Array:
-    """[L, L] boolean: query i sees key j when j <= i and, for a window W > 0, i - j < W (W = 0: no window)."""
+def causal_mask(L: int, window: int | jax.Array) -> jax.Array:
+    """[L, L] boolean: query i sees key j when j <= i and, for a window W > 0, i - j < W (W = 0: no window).
+
+    A Python int window gives XLA a static mask; a traced one (interleaved local and global layers) is computed."""
     i = jnp.arange(L)[:, None]
     j = jnp.arange(L)[None, :]
+    if isinstance(window, int):
+        return (j <= i) & (i - j < window) if window > 0 else j <= i
     return (j <= i) & ((window <= 0) | (i - j < window))
 
 
@@ -34,7 +38,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(Dh, cfg.norm_eps, dtype, rngs)
             self.k_norm = RMSNorm(Dh, cfg.norm_eps, dtype, rngs)
 
-    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, window: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, window: int | jax.Array) -> jax.Array:
         cfg, dtype = self.cfg, x_BxLxD.dtype
         B, L, _ = x_BxLxD.shape
         K, G, Dh = cfg.num_kv_heads, cfg.kv_groups, cfg.head_dim
