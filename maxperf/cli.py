@@ -95,10 +95,10 @@ def cmd_compile(args) -> int:
     print(f"  mesh             " + " x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1))
     print(f"  memory/device    {mem['per_device_total_bytes'] / GIB:.2f} GiB of {mem['hbm_bytes'] / GIB:.2f} GiB "
           f"({'fits' if mem['fits'] else 'DOES NOT FIT'}, headroom {mem['headroom_bytes'] / GIB:.2f} GiB)")
-    print(f"  FLOPs/device     {cost['flops_per_device'] / 1e12:.2f} TFLOP per step ({cost['flops_source']})")
+    print(f"  FLOPs/device     {cost['flops_per_device'] / 1e12:.4g} TFLOP per step ({cost['flops_source']})")
     if result.estimate:
         e = result.estimate
-        print(f"  predicted        {e['step_time_s']:.3f} s/step, {e['tflops_per_chip']:.0f} TFLOP/s per chip, "
+        print(f"  predicted        {e['step_time_s']:.4g} s/step, {e['tflops_per_chip']:.4g} TFLOP/s per chip, "
               f"MFU {e['mfu']:.1%}, bound by {e['bottleneck']}")
     print(f"  compile time     {result.compile_seconds:.1f} s (lowering {result.lower_seconds:.1f} s, whole "
           f"{result.total_seconds:.1f} s); host peak RSS {result.peak_rss_bytes / GIB:.2f} GiB")
@@ -146,9 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands():
-    from maxperf import cli_estimate
+    """Each command module adds its subcommands to the parser."""
+    import importlib
 
-    return cli_estimate.COMMANDS
+    for module in ("maxperf.cli_estimate", "maxperf.cli_run", "maxperf.cli_reports"):
+        yield from importlib.import_module(module).COMMANDS
 
 
 def main(argv: list[str] | None = None) -> int:

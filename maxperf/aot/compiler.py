@@ -295,6 +295,13 @@ def _verdict_line(memory: dict[str, Any]) -> str:
     return f"does not fit in {hbm / gib:.2f} GiB per device ({memory.get('compiler_message', '')})"
 
 
+def device_summary(mesh) -> dict[str, Any]:
+    """What a machine must have to run the executable: the device kind, and how many devices and processes."""
+    devices = list(mesh.devices.flat)
+    return {"platform": devices[0].platform, "kind": devices[0].device_kind, "count": len(devices),
+            "processes": len({d.process_index for d in devices})}
+
+
 def _target_identity(topology: Topology) -> dict[str, Any]:
     """What the compiled code depends on besides the module: the target, and a user's GPU spec by content."""
     target = topology.as_dict()
@@ -315,6 +322,7 @@ def _write_manifest(writer: artifacts.ArtifactWriter, p: Plan, spec, argv, compi
         "parallelism": p.configs.parallelism,
         "mesh": {"axes": p.mesh_shape.axes, "ici": p.mesh_shape.ici, "dcn": p.mesh_shape.dcn},
         "topology": p.topology.as_dict(),
+        "devices": device_summary(spec.mesh),
         "param_count": spec.param_count,
         "global_batch": spec.global_batch,
         "tokens_per_step": spec.global_batch * p.configs.train.seq_len,

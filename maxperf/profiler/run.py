@@ -1,0 +1,230 @@
+"""`maxperf run`: load a compiled step, check the machine matches it, run and time it, and write run.json."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from maxperf.aot import artifacts
+from maxperf.aot.load import Artifact, load
+from maxperf.errors import MaxperfError
+
+RUN_SCHEMA = "maxperf.run/1"
+PROFILED_STEPS = 3
+
+
+@dataclass(frozen=True)
+class RunResult:
+    out_dir: Path
+    steps: int
+    warmup: int
+    step_times_s: list[float]
+    step_time_s: float  # median
+    step_time_p10_s: float
+    step_time_p90_s: float
+    step_time_min_s: float
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+    peak_flops_per_device: float
+    peak_source: str
+    losses: list[float]
+    platform: str
+    device_kind: str
+    devices: int
+    processes: int
+    predicted_step_time_s: float | None
+    measured_over_predicted: float | None
+    memory: dict[str, Any]
+    profile: dict[str, Any] | None = None
+    checkpoint: dict[str, Any] | None = None
+    restored_from: str | None = None
+    data: str = "synthetic uniform tokens"
+    artifact: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["out_dir"] = str(self.out_dir)
+        return {"schema": RUN_SCHEMA, **out}
+
+
+def check_devices(artifact: Artifact, devices) -> list:
+    """The local devices the executable runs on; a mismatch names what was compiled for and what is here."""
+    import jax
+
+    want = artifact.manifest.get("devices", {})
+    platform, kind = want.get("platform"), want.get("kind")
+    count, processes = want.get("count"), want.get("processes", 1)
+    have_platform = devices[0].platform if devices else "none"
+    found = (f"found {len(devices)} {have_platform} device(s) ({devices[0].device_kind if devices else '-'}) in "
+             f"{jax.process_count()} process(es)")
+    expected = f"compiled for {count} {platform} device(s) ({kind}) in {processes} process(es)"
+    if have_platform != platform or jax.process_count() != processes or len(devices) < count:
+        raise MaxperfError(f"this machine does not match the artifact: {expected}; {found}")
+    if platform != "cpu" and devices[0].device_kind != kind:
+        raise MaxperfError(f"this machine does not match the artifact: {expected}; {found}")
+    return list(devices)[:count] if platform == "cpu" else list(devices)
+
+
+def batches(spec, data: Path | None, first_step: int, seed: int):
+    """Batch i of the run: seeded synthetic tokens, or consecutive rows of a token file."""
+    import numpy as np
+
+    from maxperf.models import train_step
+
+    Bg, L = spec.batch["inputs"].shape
+    if data is None:
+        def synthetic(i: int):
+            return train_step.synthetic_batch(spec, seed + 1 + first_step + i)
+        return synthetic
+    tokens = _token_rows(data, L, spec.model.vocab_size)
+
+    def from_file(i: int):
+        import jax
+
+        index = (np.arange(Bg) + (first_step + i) * Bg) % tokens.shape[0]
+        rows = np.asarray(tokens[np.sort(index)], np.int32)
+        batch = {"inputs": rows[:, :-1], "targets": rows[:, 1:], "mask": np.ones((Bg, L), bool)}
+        return jax.device_put(batch, spec.batch_shardings)
+
+    return from_file
+
+
+def _token_rows(path: Path, L: int, V: int):
+    import numpy as np
+
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise MaxperfError(f"--data {path}: not a readable .npy file ({e})")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise MaxperfError(f"--data {path}: tokens must be integers, got {tokens.dtype}")
+    if tokens.ndim == 1:
+        n = tokens.shape[0] // (L + 1)
+        tokens = tokens[: n * (L + 1)].reshape(n, L + 1)
+    if tokens.ndim != 2 or tokens.shape[1] < L + 1 or tokens.shape[0] == 0:
+        raise MaxperfError(f"--data {path}: need rows of at least L+1 = {L + 1} tokens (or a 1-D stream), got "
+                           f"shape {tokens.shape}")
+    tokens = tokens[:, : L + 1]
+    if int(tokens.max()) >= V or int(tokens.min()) < 0:
+        raise MaxperfError(f"--data {path}: token ids must lie in [0, {V}), found {int(tokens.min())}.."
+                           f"{int(tokens.max())}")
+    return tokens
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def device_memory(devices) -> dict[str, Any]:
+    """In-use and peak bytes per device where the backend reports them (TPU and GPU do; CPU does not)."""
+    stats = [d.memory_stats() for d in devices]
+    if not stats or any(s is None for s in stats):
+        return {"measured_in_use_bytes": None, "measured_peak_bytes": None,
+                "measured_note": f"missing: the {devices[0].platform} backend reports no device memory statistics"}
+    return {"measured_in_use_bytes": max(s.get("bytes_in_use", 0) for s in stats),
+            "measured_peak_bytes": max(s.get("peak_bytes_in_use", 0) for s in stats),
+            "measured_note": "largest over the local devices"}
+
+
+def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = False, data: str | Path | None = None,
+        checkpoint: str | Path | None = None, restore: str | Path | None = None, out: str | Path | None = None,
+        progress: Callable[[str], None] | None = None) -> RunResult:
+    """Runs the compiled step `steps` times after `warmup` steps and measures it."""
+    if steps < 1 or warmup < 0:
+        raise MaxperfError(f"--steps must be >= 1 and --warmup >= 0, got steps={steps}, warmup={warmup}")
+    say = progress or (lambda _: None)
+    import jax
+
+    from maxperf import perfmodel
+    from maxperf.models import train_step
+    from maxperf.perfmodel.estimate import device_for
+    from maxperf.profiler import checkpoints
+
+    artifact = load(path)
+    devices = check_devices(artifact, jax.devices())
+    say(f"loading the executable onto {len(devices)} {devices[0].platform} device(s)")
+    spec, step = artifact.step(devices)
+    p = artifact.plan
+    if restore is not None:
+        say(f"restoring the state from {restore}")
+        state = checkpoints.restore(Path(restore), spec)
+    else:
+        state = train_step.init_state(spec, seed=p.configs.train.seed)
+    first = int(jax.device_get(state["step"]))
+    batch_for = batches(spec, Path(data) if data else None, first, p.configs.train.seed)
+    losses, times = [], []
+    for i in range(warmup + steps):
+        batch = batch_for(i)
+        jax.block_until_ready(batch)
+        t = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready((state, metrics))
+        elapsed = time.perf_counter() - t
+        loss = float(metrics["loss"])
+        if i >= warmup:
+            times.append(elapsed)
+            losses.append(loss)
+        say(f"{'warm-up' if i < warmup else 'step'} {i + 1 - (0 if i < warmup else warmup)}: {elapsed:.4f} s, "
+            f"loss {loss:.4f}")
+    out_dir = Path(out) if out is not None else artifact.directory / "run"
+    writer = artifacts.ArtifactWriter(out_dir)
+    try:
+        profile_summary = None
+        if profile:
+            from maxperf.profiler.trace_summary import summarize
+
+            say(f"profiling {PROFILED_STEPS} steps")
+            with jax.profiler.trace(str(writer.tmp / "trace")):
+                for i in range(PROFILED_STEPS):
+                    state, metrics = step(state, batch_for(warmup + steps + i))
+                    jax.block_until_ready((state, metrics))
+            profile_summary = summarize(writer.tmp / "trace").as_dict()
+            profile_summary["open_command"] = (f"tensorboard --logdir {out_dir / 'trace'} --host 127.0.0.1 "
+                                               "(or: xprof --logdir ... --port 8791, which binds all addresses)")
+        saved = checkpoints.save(Path(checkpoint), state) if checkpoint is not None else None
+        chip = device_for(p.topology)
+        peak = chip.peak_flops(p.configs.train.compute_dtype)
+        flops = perfmodel.count_flops(p.configs.model, p.configs.train).model_flops
+        median = statistics.median(times)
+        estimate = artifact.json("estimate.json")
+        predicted = estimate.get("step_time_s") if estimate else None
+        memory = {"compiler_per_device_bytes": (artifact.json("memory.json") or {}).get("per_device_total_bytes"),
+                  **device_memory(devices)}
+        result = RunResult(
+            out_dir=out_dir, steps=steps, warmup=warmup, step_times_s=times, step_time_s=median,
+            step_time_p10_s=_percentile(times, 0.1), step_time_p90_s=_percentile(times, 0.9),
+            step_time_min_s=min(times), tokens_per_s=spec.global_batch * p.configs.train.seq_len / median,
+            tflops_per_device=flops / median / 1e12, mfu=flops / (median * peak), peak_flops_per_device=peak,
+            peak_source=("calibrated by `maxperf calibrate`" if chip.calibrated else chip.note or "published"),
+            losses=losses, platform=devices[0].platform, device_kind=devices[0].device_kind, devices=len(devices),
+            processes=jax.process_count(), predicted_step_time_s=predicted,
+            measured_over_predicted=median / predicted if predicted else None, memory=memory,
+            profile=profile_summary, checkpoint=saved, restored_from=str(restore) if restore else None,
+            data=str(data) if data else "synthetic uniform tokens", artifact=str(artifact.directory),
+        )
+        writer.write_json("run.json", result.as_dict())
+        writer.commit()
+    except BaseException:
+        writer.abandon()
+        raise
+    return result
+
+
+def read(path: str | Path) -> dict[str, Any]:
+    """A run.json, by its file or directory."""
+    path = Path(path)
+    path = path / "run.json" if path.is_dir() else path
+    data = json.loads(path.read_text())
+    if data.get("schema") != RUN_SCHEMA:
+        raise MaxperfError(f"{path} is not a {RUN_SCHEMA} file")
+    return data

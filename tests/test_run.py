@@ -1,0 +1,112 @@
+"""`maxperf run`: the compiled tiny step on this machine's CPU devices, its measurements and its refusals."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from maxperf import aot
+from maxperf.errors import MaxperfError
+from maxperf.profiler import run as runner
+
+LEARNS = ["seq_len=64", "per_device_batch_size=2", "learning_rate=1e-2", "warmup_steps=0"]
+
+
+def maxperf(*args, cwd=None, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the run sets its own device count
+    return subprocess.run([sys.executable, "-m", "maxperf.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return aot.compile("cpu-8", "tiny", LEARNS, out=tmp_path_factory.mktemp("run") / "tiny").out_dir
+
+
+def test_run_measures_and_the_loss_falls(artifact, tmp_path):
+    result = runner.run(artifact, steps=5, warmup=1, out=tmp_path / "r")
+    data = json.loads((tmp_path / "r" / "run.json").read_text())
+    for key in ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "losses", "predicted_step_time_s",
+                "measured_over_predicted", "memory"):
+        assert key in data, key
+    assert data["schema"] == runner.RUN_SCHEMA
+    assert len(data["losses"]) == 5 and len(data["step_times_s"]) == 5
+    assert data["losses"][-1] < data["losses"][0]
+    assert data["step_time_min_s"] <= data["step_time_s"] <= data["step_time_p90_s"]
+    assert data["tokens_per_s"] == pytest.approx(8 * 2 * 64 / data["step_time_s"])
+    assert 0 < data["mfu"] < 1.5
+    assert data["measured_over_predicted"] == pytest.approx(data["step_time_s"] / data["predicted_step_time_s"])
+    assert data["memory"]["compiler_per_device_bytes"] > 0
+    assert data["memory"]["measured_peak_bytes"] is None and "missing" in data["memory"]["measured_note"]
+    assert result.step_time_s == data["step_time_s"]
+
+
+def test_profile_writes_a_trace_and_summarizes_it(artifact, tmp_path):
+    result = runner.run(artifact, steps=2, warmup=1, profile=True, out=tmp_path / "p")
+    assert list((tmp_path / "p" / "trace").rglob("*.xplane.pb"))
+    prof = result.profile
+    assert prof["top_ops"] and all(op["self_seconds"] >= 0 for op in prof["top_ops"])
+    assert sum(prof["seconds_by_category"].values()) > 0
+    assert prof["step_time_s"] and prof["steps_traced"] >= 3
+    assert prof["device_planes"] == [] and any("device planes" in m for m in prof["missing"])
+    assert "127.0.0.1" in prof["open_command"]
+
+
+def test_restored_run_continues_the_loss(artifact, tmp_path):
+    straight = runner.run(artifact, steps=6, warmup=0, out=tmp_path / "a")
+    first = runner.run(artifact, steps=3, warmup=0, out=tmp_path / "b", checkpoint=tmp_path / "ckpt")
+    assert first.checkpoint["bytes"] > 0 and first.checkpoint["total_seconds"] >= first.checkpoint["blocking_seconds"]
+    resumed = runner.run(artifact, steps=3, warmup=0, out=tmp_path / "c", restore=tmp_path / "ckpt")
+    assert first.losses == pytest.approx(straight.losses[:3], rel=1e-6)
+    assert resumed.losses == pytest.approx(straight.losses[3:], rel=1e-6)
+
+
+def test_token_file_feeds_the_step(artifact, tmp_path):
+    import numpy as np
+
+    np.save(tmp_path / "tokens.npy", np.arange(40 * 65, dtype=np.int32) % 256)
+    result = runner.run(artifact, steps=2, warmup=0, data=tmp_path / "tokens.npy", out=tmp_path / "d")
+    assert result.data.endswith("tokens.npy") and len(result.losses) == 2
+    np.save(tmp_path / "bad.npy", np.full((4, 65), 999, dtype=np.int32))
+    with pytest.raises(MaxperfError, match=r"\[0, 256\)"):
+        runner.run(artifact, steps=1, warmup=0, data=tmp_path / "bad.npy", out=tmp_path / "e")
+
+
+def test_bad_step_counts_are_refused(artifact):
+    with pytest.raises(MaxperfError, match="--steps must be >= 1"):
+        runner.run(artifact, steps=0)
+
+
+@pytest.mark.slow
+def test_cli_run_prints_and_writes_json(artifact, tmp_path):
+    proc = maxperf("run", str(artifact / "compiled.pkl"), "--steps", "3", "--warmup", "1", "--out",
+                   str(tmp_path / "cli"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["steps"] == 3
+    assert (tmp_path / "cli" / "run.json").is_file()
+
+
+@pytest.mark.slow
+def test_altered_artifact_is_refused_and_runs_nothing(artifact, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(artifact, bad)
+    data = bytearray((bad / "compiled.pkl").read_bytes())
+    data[-100] ^= 0x01
+    (bad / "compiled.pkl").write_bytes(bytes(data))
+    proc = maxperf("run", str(bad), "--steps", "1")
+    assert proc.returncode == 2 and "sha256" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (bad / "run").exists()
+
+
+@pytest.mark.slow
+def test_mismatched_topology_is_refused(tmp_path):
+    tpu = aot.compile("v5p-8", "tiny", ["seq_len=64"], out=tmp_path / "tpu").out_dir
+    proc = maxperf("run", str(tpu), "--steps", "1")
+    assert proc.returncode == 2, proc.stderr
+    assert "compiled for 4 tpu device(s)" in proc.stderr and "found" in proc.stderr
+    assert not (Path(tpu) / "run").exists()
