@@ -19,6 +19,14 @@ def _print_json(value) -> None:
     print(json.dumps(to_json(value), indent=2))
 
 
+def _count(n: float) -> str:
+    """12345678 -> '12.3M': parameter counts at a glance."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(int(n))
+
+
 def _progress():
     start = time.perf_counter()
 
@@ -84,13 +92,17 @@ def cmd_keys(args) -> int:
 def cmd_compile(args) -> int:
     _compile_only_environment()
     from maxperf import aot
+    from maxperf.aot import distributed
+
+    if args.num_processes:
+        distributed.initialize(args, "cpu")
 
     result = aot.compile(args.topology, args.model, args.overrides, num_slices=args.num_slices, out=args.out,
                          target_config=args.target_config, progress=_progress(), argv=sys.argv)
     p, mem, cost = result.plan, result.memory, result.cost
     print(f"compiled {p.model.name} for {p.topology.name}"
           + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1 else "") + f" -> {result.out_dir}")
-    print(f"  parameters       {result.param_count / 1e9:.3f}B; global batch {result.global_batch} x "
+    print(f"  parameters       {_count(result.param_count)}; global batch {result.global_batch} x "
           f"{p.configs.train.seq_len} tokens")
     print(f"  mesh             " + " x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1))
     print(f"  memory/device    {mem['per_device_total_bytes'] / GIB:.2f} GiB of {mem['hbm_bytes'] / GIB:.2f} GiB "
@@ -138,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_arguments(p, model_default=DEFAULT_MODEL)
     p.add_argument("--out", help="output directory (default: artifacts/MODEL_TOPOLOGY)")
     p.add_argument("--target-config", help="GPU: a GpuTargetConfigProto text file instead of the built-in spec")
+    from maxperf.aot import distributed
+
+    distributed.add_arguments(p)  # cpu-NxP compiles as P processes, like the run it is for
     p.set_defaults(func=cmd_compile)
 
     for extra in _extra_commands():

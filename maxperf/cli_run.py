@@ -8,24 +8,7 @@ import sys
 GIB = 1 << 30
 
 
-def _initialize_distributed(args) -> None:
-    """Joins a multi-process run: flags first, else the environment cluster schedulers set (jax detects it)."""
-    import jax
-
-    if args.num_processes and args.num_processes > 1:
-        if not args.coordinator:
-            from maxperf.errors import MaxperfError
-
-            raise MaxperfError("--num-processes > 1 needs --coordinator HOST:PORT (and --process-id)")
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
-                                   process_id=args.process_id, initialization_timeout=args.timeout,
-                                   heartbeat_timeout_seconds=args.timeout)
-    elif os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("SLURM_JOB_ID"):
-        jax.distributed.initialize()
-
-
-def _prepare_cpu(path: str) -> None:
+def _prepare_cpu(path: str) -> str | None:
     """A CPU artifact runs on this process's CPU devices: make as many as it was compiled for, before jax starts."""
     from pathlib import Path
 
@@ -34,22 +17,25 @@ def _prepare_cpu(path: str) -> None:
 
     directory = Path(path) if Path(path).is_dir() else Path(path).parent
     if not (directory / "manifest.json").is_file():
-        return  # load() explains what is missing
+        return None  # load() explains what is missing
     devices = artifacts.read_manifest(directory).get("devices", {})
     if devices.get("platform") == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         ensure_cpu_devices(devices["count"] // max(devices.get("processes", 1), 1))
+    return devices.get("platform")
 
 
 def cmd_run(args) -> int:
     from maxperf.cli import _print_json, _progress
     from maxperf.profiler.run import run
 
-    _prepare_cpu(args.artifact)
-    _initialize_distributed(args)
+    from maxperf.aot import distributed
+
+    distributed.initialize(args, _prepare_cpu(args.artifact))
     say = _progress()
     result = run(args.artifact, steps=args.steps, warmup=args.warmup, profile=args.profile, data=args.data,
-                 checkpoint=args.checkpoint, restore=args.restore, out=args.out, progress=say)
+                 checkpoint=args.checkpoint, restore=args.restore, out=args.out, progress=say,
+                 peer_timeout=args.timeout)
     if args.json:
         _print_json(result.as_dict())
         return 0
@@ -92,10 +78,9 @@ def _run_parser(sub) -> None:
     p.add_argument("--restore", help="start from the state saved here")
     p.add_argument("--out", help="where run.json (and trace/) go (default: DIR/run)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--coordinator", help="HOST:PORT of process 0, for a multi-process run")
-    p.add_argument("--num-processes", type=int, default=None)
-    p.add_argument("--process-id", type=int, default=None)
-    p.add_argument("--timeout", type=int, default=60, help="seconds to wait for peers before giving up")
+    from maxperf.aot import distributed
+
+    distributed.add_arguments(p)
     p.set_defaults(func=cmd_run)
 
 

@@ -251,7 +251,7 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
                 writer.write_json("memory.json", memory)
                 _write_manifest(writer, p, spec, argv, time.perf_counter() - t, lower_seconds, start,
                                 compiled=False, cache_hit=False)
-                writer.commit()
+                _finish(writer)
                 raise DoesNotFit(_verdict_line(memory)) from None
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
             entry = cache.Entry(payload=payload, in_tree=str(in_tree), out_tree=str(out_tree),
@@ -274,7 +274,7 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
         writer.write_bytes("compiled.pkl", pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL))
         _write_manifest(writer, p, spec, argv, compile_seconds, lower_seconds, start, compiled=True,
                         cache_hit=cache_hit)
-        writer.commit()
+        _finish(writer)
     except BaseException:
         writer.abandon()
         raise
@@ -284,6 +284,16 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
         total_seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes(),
         limitations=topologies.limitations(topo),
     )
+
+
+def _finish(writer: artifacts.ArtifactWriter) -> None:
+    """Process 0 writes the artifact; the other processes of a multi-process compile discard their copy."""
+    import jax
+
+    if jax.process_index() == 0:
+        writer.commit()
+    else:
+        writer.abandon()
 
 
 def _verdict_line(memory: dict[str, Any]) -> str:

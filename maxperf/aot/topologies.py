@@ -41,7 +41,6 @@ TPU_INSTALL_HINT = "install libtpu to compile for TPUs: pip install 'maxperf[tpu
 _CUBE = 4  # chips per side of a TPU cube (v4, v5p, tpu7x)
 _MAX_SIDE = 256
 
-
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """One machine: `num_slices` slices, each `hosts_per_slice` hosts of `chips_per_host` chips."""
@@ -125,7 +124,6 @@ class Topology:
             "peak_bf16_flops_per_chip": self.peak_bf16_flops_per_chip,
         }
 
-
 def _chip_spec(chip: str):
     """The perfmodel's spec for `chip`, or None while maxperf.perfmodel.chips does not exist yet."""
     try:
@@ -134,10 +132,8 @@ def _chip_spec(chip: str):
         return None
     return chips.get(chip)
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # The catalog
-
 
 @dataclasses.dataclass(frozen=True)
 class _TpuFamily:
@@ -152,7 +148,6 @@ class _TpuFamily:
     extra_cubes: tuple[int, ...]  # larger whole-cube slices offered one by one
     single_host_chips: int  # largest slice that is one host
     source: str
-
 
 _TPU_FAMILIES = (
     _TpuFamily("v4", "tpu-v4", "v4", 2, 1, "megacore", ((2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4)), 32, (), 4,
@@ -181,7 +176,6 @@ _GPU_SYSTEMS = (
 _CPU_SIZES = (1, 2, 4, 8)
 _ALIASES = {"v5litepod": "v5e"}
 
-
 def _cube_shape(cubes: int) -> tuple[int, int, int] | None:
     """The most cube-like AxBxC (sides multiples of 4, A<=B<=C) holding `cubes` 4x4x4 cubes."""
     best = None
@@ -196,7 +190,6 @@ def _cube_shape(cubes: int) -> tuple[int, int, int] | None:
     if best is None or best[1][2] * _CUBE > _MAX_SIDE:
         return None
     return tuple(side * _CUBE for side in best[1])
-
 
 def _tpu_topology(family: _TpuFamily, shape: tuple[int, ...]) -> Topology:
     chips = math.prod(shape)
@@ -219,7 +212,6 @@ def _tpu_topology(family: _TpuFamily, shape: tuple[int, ...]) -> Topology:
         chips_per_host_bounds=bounds,
     )
 
-
 def _gpu_topology(prefix: str, chip: str, per_host: int, nvlink_hosts: int, units: int) -> Topology:
     domain = per_host * nvlink_hosts  # GPUs in one NVLink domain
     hosts = units * nvlink_hosts
@@ -235,11 +227,11 @@ def _gpu_topology(prefix: str, chip: str, per_host: int, nvlink_hosts: int, unit
         hosts_per_nvlink_domain=nvlink_hosts,
     )
 
-
-def _cpu_topology(n: int) -> Topology:
-    return Topology(name=f"cpu-{n}", platform="cpu", chip="cpu", chips_per_slice=n, hosts_per_slice=1,
-                    chips_per_host=n, torus=(n,))
-
+def _cpu_topology(n: int, processes: int = 1) -> Topology:
+    """`cpu-N`: N devices of this process; `cpu-NxP`: P processes (jax.distributed, gloo) of N devices each."""
+    name = f"cpu-{n}" if processes == 1 else f"cpu-{n}x{processes}"
+    return Topology(name=name, platform="cpu", chip="cpu", chips_per_slice=n * processes, hosts_per_slice=processes,
+                    chips_per_host=n, torus=(n * processes,))
 
 @functools.cache
 def _catalog() -> dict[str, Topology]:
@@ -254,11 +246,9 @@ def _catalog() -> dict[str, Topology]:
     entries += [_cpu_topology(n) for n in _CPU_SIZES]
     return {t.name: t for t in entries}
 
-
 def catalog() -> list[Topology]:
     """Every named topology, TPU families first (in chip order), then GPU systems, then CPU."""
     return list(_catalog().values())
-
 
 def get(name: str, num_slices: int = 1, target_config_path: str | None = None) -> Topology:
     """The topology called `name` (a Cloud TPU accelerator type, `h100-8x16`, `cpu-8`), over `num_slices` slices.
@@ -273,8 +263,8 @@ def get(name: str, num_slices: int = 1, target_config_path: str | None = None) -
     table = _catalog()
     if key in table:
         topology = table[key]
-    elif (m := re.fullmatch(r"cpu-(\d+)", key)) and int(m.group(1)) >= 1:
-        topology = _cpu_topology(int(m.group(1)))
+    elif (m := re.fullmatch(r"cpu-(\d+)(?:x(\d+))?", key)) and int(m.group(1)) >= 1 and int(m.group(2) or 1) >= 1:
+        topology = _cpu_topology(int(m.group(1)), int(m.group(2) or 1))
     else:
         raise unknown("topology", name, list(table))
     if num_slices > 1:
@@ -293,10 +283,8 @@ def get(name: str, num_slices: int = 1, target_config_path: str | None = None) -
         )
     return topology
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Devices
-
 
 def quiet_libtpu(accelerator_type: str = "v5p-8") -> None:
     """Silences libtpu's start-up warnings about TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES on a machine with no TPU.
@@ -321,7 +309,6 @@ def quiet_libtpu(accelerator_type: str = "v5p-8") -> None:
     os.environ.setdefault("TPU_WORKER_ID", "0")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-
 def ensure_cpu_devices(n: int) -> None:
     """Makes this process have at least `n` CPU devices, or says why it cannot (jax started with fewer)."""
     flag = "--xla_force_host_platform_device_count"
@@ -342,11 +329,10 @@ def ensure_cpu_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"{flag}={count}"])
     jax.config.update("jax_num_cpu_devices", count)
 
-
 def devices(topology: Topology) -> list[jax.Device]:
     """The topology's devices over all slices: compile-only ones for TPU and GPU, this process's own for CPU."""
     if topology.platform == "cpu":
-        return _cpu_devices(topology.chips)
+        return _cpu_devices(topology.chips_per_host, topology.hosts)
     if topology.platform == "tpu":
         found = _tpu_devices(topology.libtpu_topology, topology.chip_config, topology.chips_per_host_bounds,
                              topology.num_slices, topology.name)
@@ -356,13 +342,18 @@ def devices(topology: Topology) -> list[jax.Device]:
         raise MaxperfError(f"{topology.name}: the compiler made {len(found)} devices, {topology.num_devices} expected")
     return list(found)
 
-
-def _cpu_devices(n: int) -> list:
+def _cpu_devices(n: int, processes: int = 1) -> list:
     ensure_cpu_devices(n)
     import jax
 
-    return jax.devices("cpu")[:n]
+    if processes > 1:
+        if jax.process_count() != processes:
+            raise MaxperfError(f"cpu-{n}x{processes} needs {processes} processes joined by jax.distributed "
+                               f"(--coordinator, --num-processes {processes}, --process-id); this run has "
+                               f"{jax.process_count()}")
+        return sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
 
+    return jax.devices("cpu")[:n]
 
 @functools.cache
 def _tpu_devices(libtpu_topology: str, chip_config: str | None, bounds: tuple | None, num_slices: int,
@@ -384,18 +375,15 @@ def _tpu_devices(libtpu_topology: str, chip_config: str | None, bounds: tuple | 
     except Exception as e:
         raise MaxperfError(f"libtpu cannot make topology {libtpu_topology}: {str(e).splitlines()[0]}") from e
 
-
 def _gpu_topology_string(topology: Topology) -> str:
     """The CUDA plugin's 'PARTITIONSxHOSTSxGPUS': one partition per NVLink domain, over all slices."""
     return f"{topology.ici_domains}x{topology.hosts_per_nvlink_domain}x{topology.chips_per_host}"
-
 
 def gpu_target_config_text(topology: Topology) -> str:
     """The GpuTargetConfigProto text the topology compiles for: the user's file, or the plugin's embedded spec."""
     if topology.target_config_path is not None:
         return gpu_targets.read_target_config(topology.target_config_path)
     return gpu_targets.gpu_target_config(topology.chip)
-
 
 @functools.cache
 def _gpu_devices(topology_string: str, chip: str, target_config_path: str | None) -> tuple:
@@ -412,10 +400,8 @@ def _gpu_devices(topology_string: str, chip: str, target_config_path: str | None
     except Exception as e:
         raise MaxperfError(f"the CUDA plugin cannot make topology {topology_string}: {str(e).splitlines()[0]}") from e
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Meshes
-
 
 def device_mesh(
     topology: Topology,
@@ -459,7 +445,6 @@ def device_mesh(
     mesh_devices = interleaved.reshape([d * i for d, i in zip(dcn_shape, ici_shape)])
     return jax.sharding.Mesh(mesh_devices, names)
 
-
 def _ici_domains(topology: Topology, all_devices: list) -> list[list]:
     """Devices grouped by fast-interconnect domain, in domain order."""
     if topology.ici_domains == 1:
@@ -475,7 +460,6 @@ def _ici_domains(topology: Topology, all_devices: list) -> list[list]:
         raise MaxperfError(f"{topology.name}: devices fall into {len(groups)} domains, {topology.ici_domains} expected")
     return list(groups.values())
 
-
 def _domain_mesh(shape: list[int], group: list):
     """One domain's devices in `shape`, laid out along the physical links where jax knows how (TPU), else by id."""
     import numpy as np
@@ -486,10 +470,8 @@ def _domain_mesh(shape: list[int], group: list):
     except (ValueError, NotImplementedError, AssertionError):
         return np.array(sorted(group, key=lambda d: d.id), dtype=object).reshape(shape)
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # What compiling for a topology needs and cannot give
-
 
 def compiler_options(topology: Topology) -> dict[str, Any]:
     """XLA options to pass as `.compile(compiler_options=...)` for this topology.
@@ -501,7 +483,6 @@ def compiler_options(topology: Topology) -> dict[str, Any]:
     if topology.platform == "gpu" and topology.ici_domains > 1:
         return {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}
     return {}
-
 
 def limitations(topology: Topology) -> list[str]:
     """What compiling for this topology on this machine cannot give, in words the CLI prints."""

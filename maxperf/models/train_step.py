@@ -216,8 +216,12 @@ def init_state(spec: AbstractStep, seed: int) -> dict:
 
 
 def synthetic_batch(spec: AbstractStep, seed: int) -> dict:
-    """Uniform random tokens, targets shifted by one, every position counted, placed with the batch sharding."""
+    """Uniform random tokens, targets shifted by one, every position counted, placed with the batch sharding.
+
+    Made with numpy on the host, so every process of a multi-process run builds the same global batch."""
+    import numpy as np
+
     Bg, L = spec.batch["inputs"].shape
-    tokens = jax.random.randint(jax.random.PRNGKey(seed), (Bg, L + 1), 0, spec.model.vocab_size, jnp.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((Bg, L), jnp.bool_)}
+    tokens = np.random.default_rng(seed).integers(0, spec.model.vocab_size, (Bg, L + 1), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((Bg, L), np.bool_)}
     return jax.device_put(batch, spec.batch_shardings)

@@ -125,9 +125,44 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+class Watchdog:
+    """Ends a multi-process run whose steps stop finishing (a peer died or hangs) with one clear line.
+
+    It allows half the peer timeout, or five times the slowest step so far if that is longer, so it speaks before
+    jax's coordination service aborts the process (after the whole timeout) with a stack trace."""
+
+    def __init__(self, peer_timeout: float):
+        import threading
+
+        self.base = peer_timeout / 2
+        self.seconds = self.base
+        self.last = time.monotonic()
+        self.done = threading.Event()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def beat(self, step_seconds: float) -> None:
+        self.seconds = max(self.seconds, self.base, 5 * step_seconds)
+        self.last = time.monotonic()
+
+    def stop(self) -> None:
+        self.done.set()
+
+    def _watch(self) -> None:
+        import os
+        import sys
+
+        while not self.done.wait(1.0):
+            if time.monotonic() - self.last > self.seconds:
+                print(f"maxperf: error: no step finished for {self.seconds:.0f} s; a peer process has stopped or "
+                      "hangs, so this one gives up", file=sys.stderr, flush=True)
+                os._exit(1)
+
+
 def device_memory(devices) -> dict[str, Any]:
-    """In-use and peak bytes per device where the backend reports them (TPU and GPU do; CPU does not)."""
-    stats = [d.memory_stats() for d in devices]
+    """In-use and peak bytes per local device where the backend reports them (TPU and GPU do; CPU does not)."""
+    import jax
+
+    stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
     if not stats or any(s is None for s in stats):
         return {"measured_in_use_bytes": None, "measured_peak_bytes": None,
                 "measured_note": f"missing: the {devices[0].platform} backend reports no device memory statistics"}
@@ -138,7 +173,7 @@ def device_memory(devices) -> dict[str, Any]:
 
 def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = False, data: str | Path | None = None,
         checkpoint: str | Path | None = None, restore: str | Path | None = None, out: str | Path | None = None,
-        progress: Callable[[str], None] | None = None) -> RunResult:
+        progress: Callable[[str], None] | None = None, peer_timeout: float = 60.0) -> RunResult:
     """Runs the compiled step `steps` times after `warmup` steps and measures it."""
     if steps < 1 or warmup < 0:
         raise MaxperfError(f"--steps must be >= 1 and --warmup >= 0, got steps={steps}, warmup={warmup}")
@@ -163,6 +198,7 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
     first = int(jax.device_get(state["step"]))
     batch_for = batches(spec, Path(data) if data else None, first, p.configs.train.seed)
     losses, times = [], []
+    watchdog = Watchdog(peer_timeout) if jax.process_count() > 1 else None
     for i in range(warmup + steps):
         batch = batch_for(i)
         jax.block_until_ready(batch)
@@ -170,6 +206,8 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         state, metrics = step(state, batch)
         jax.block_until_ready((state, metrics))
         elapsed = time.perf_counter() - t
+        if watchdog:
+            watchdog.beat(elapsed)
         loss = float(metrics["loss"])
         if i >= warmup:
             times.append(elapsed)
@@ -188,9 +226,13 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
                 for i in range(PROFILED_STEPS):
                     state, metrics = step(state, batch_for(warmup + steps + i))
                     jax.block_until_ready((state, metrics))
+                    if watchdog:
+                        watchdog.beat(0.0)
             profile_summary = summarize(writer.tmp / "trace").as_dict()
             profile_summary["open_command"] = (f"tensorboard --logdir {out_dir / 'trace'} --host 127.0.0.1 "
                                                "(or: xprof --logdir ... --port 8791, which binds all addresses)")
+        if watchdog:
+            watchdog.stop()  # orbax bounds its own waits for peers
         saved = checkpoints.save(Path(checkpoint), state) if checkpoint is not None else None
         chip = device_for(p.topology)
         peak = chip.peak_flops(p.configs.train.compute_dtype)
@@ -213,10 +255,16 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
             data=str(data) if data else "synthetic uniform tokens", artifact=str(artifact.directory),
         )
         writer.write_json("run.json", result.as_dict())
-        writer.commit()
+        if jax.process_index() == 0:
+            writer.commit()
+        else:
+            writer.abandon()
     except BaseException:
         writer.abandon()
         raise
+    finally:
+        if watchdog:
+            watchdog.stop()
     return result
 
 
