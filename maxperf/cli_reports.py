@@ -1,0 +1,3 @@
+"""`maxperf sweep` and `maxperf report`."""
+
+COMMANDS: list = []
