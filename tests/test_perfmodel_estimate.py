@@ -201,11 +201,20 @@ def test_bad_overlap_is_an_error():
         Overlap(fsdp=1.5)
 
 
-def test_sharding_rules_mirror_the_models_rules():
-    from maxperf.models.sharding import RULES as MODEL_RULES
-    from maxperf.perfmodel.sharding import RULES
+def test_shard_counts_follow_the_models_partition_specs():
+    from maxperf.models.sharding import mesh_axes_for
+    from maxperf.perfmodel.shapes import make_mesh
+    from maxperf.perfmodel.sharding import split
 
-    assert RULES == MODEL_RULES
+    sizes = {"data": 2, "fsdp": 4, "sequence": 1, "tensor": 8, "expert": 1}
+    mesh = make_mesh(sizes, {}, Topo("tpu-v5p", 64))
+    for shape, logical in [((4096, 32, 128), ("embed", "heads", "head_dim")), ((4096, 4, 128), ("embed", "kv_heads",
+                           "head_dim")), ((16, 2048), ("activation_batch", "activation_length"))]:
+        entries = mesh_axes_for(shape, logical, sizes)
+        expected = tuple(1 if e is None else sizes[e] if isinstance(e, str) else sizes[e[0]] * sizes[e[1]]
+                         for e in entries)
+        assert split(shape, logical, mesh) == expected
+    assert split((4096, 4, 128), ("embed", "kv_heads", "head_dim"), mesh) == (4, 1, 1)
 
 
 def test_importing_perfmodel_imports_neither_jax_nor_models():

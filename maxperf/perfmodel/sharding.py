@@ -1,53 +1,23 @@
 """How far each array is split across the mesh, from the logical-axis rules, without jax.
 
-RULES mirrors `maxperf.models.sharding.RULES` (perfmodel may not import models); tests/test_perfmodel_sharding.py
-pins the two together. As there, a mesh axis shards a dimension only where the sizes so far divide it, and is used
-at most once per array.
+The rules are `maxperf.logical_axes`, the same table the models part shards its arrays by.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from maxperf.logical_axes import mesh_axes_for
 from maxperf.perfmodel.flops import gated
 from maxperf.perfmodel.shapes import Mesh, ModelShape
 
-RULES: dict[str, tuple[str, ...]] = {
-    "embed": ("fsdp", "sequence", "expert"),
-    "vocab": ("tensor",),
-    "mlp": ("tensor",),
-    "heads": ("tensor",),
-    "kv_heads": ("tensor",),
-    "head_dim": (),
-    "norm": (),
-    "position": (),
-    "layers": (),
-    "activation_batch": ("data", "fsdp", "expert"),
-    "activation_length": ("sequence",),
-    "activation_embed": (),
-    "activation_heads": ("tensor",),
-    "activation_kv_heads": ("tensor",),
-    "activation_mlp": ("tensor",),
-    "activation_vocab": ("tensor",),
-}
-
-
 def split(shape: Iterable[int], logical: Iterable[str | None], mesh: Mesh) -> tuple[int, ...]:
     """The number of shards along each dimension of an array with these logical axis names."""
-    used: set[str] = set()
-    out = []
-    for size, name in zip(shape, logical):
-        n = 1
-        for axis in RULES.get(name, ()) if name else ():
-            k = mesh.axes[axis]
-            if k == 1 or axis in used:
-                continue
-            if size % (n * k) == 0:
-                n *= k
-                used.add(axis)
-        out.append(n)
-    return tuple(out)
+    shape = tuple(shape)
+    entries = mesh_axes_for(shape, tuple(logical), mesh.axes)
+    return tuple(math.prod(mesh.axes[a] for a in ((e,) if isinstance(e, str) else e or ())) for e in entries)
 
 
 def local_size(shape: tuple[int, ...], logical: tuple[str | None, ...], mesh: Mesh) -> float:
