@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import math
 import os
 import pickle
 import platform
@@ -114,13 +115,30 @@ def _bytes(text: str) -> int:
 
 
 def out_of_memory_figures(message: str) -> dict[str, int] | None:
-    """(used, capacity) from XLA's 'Ran out of memory ... Used 103.53G of 95.74G hbm' compile error."""
+    """What XLA's out-of-memory compile error says, in bytes; None when the error is not about memory.
+
+    Two forms seen from libtpu: 'Used 103.53G of 95.74G hbm' (the total) and 'the total memory required for HLO
+    temporaries (122.60G) exceeds available HBM (15.75G)' (temporaries only)."""
     if "RESOURCE_EXHAUSTED" not in message and "out of memory" not in message.lower():
         return None
-    m = re.search(r"Used\s+([\d.]+\s*[KMGT]?i?B?)\s+of\s+([\d.]+\s*[KMGT]?i?B?)\s+(\w+)", message)
-    if not m:
-        return {}
-    return {"per_device_total_bytes": _bytes(m.group(1)), "hbm_bytes": _bytes(m.group(2))}
+    size = r"([\d.]+\s*[KMGT]?i?B?)"
+    if m := re.search(rf"Used\s+{size}\s+of\s+{size}\s+\w+", message):
+        return {"per_device_total_bytes": _bytes(m.group(1)), "compiler_available_bytes": _bytes(m.group(2))}
+    if m := re.search(rf"temporaries \({size}\) exceeds available \w+ \({size}\)", message):
+        return {"temp_bytes": _bytes(m.group(1)), "compiler_available_bytes": _bytes(m.group(2))}
+    return {}
+
+
+def argument_bytes(spec) -> int:
+    """Bytes of the state and batch one device holds, from their shardings."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for tree, shardings in ((spec.state, spec.state_shardings), (spec.batch, spec.batch_shardings)):
+        for x, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+            total += math.prod(sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+    return total
 
 
 def host_memory_bytes() -> int:
@@ -242,12 +260,14 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
                 figures = out_of_memory_figures(str(e))
                 if figures is None:
                     raise MaxperfError(f"XLA could not compile the step: {str(e).splitlines()[0][:300]}") from e
-                memory = {"schema": "maxperf.memory/1", "source": "xla compile error (out of memory)",
-                          "per_device_total_bytes": figures.get("per_device_total_bytes"),
-                          "hbm_bytes": figures.get("hbm_bytes") or capacity, "fits": False,
-                          "compiler_message": str(e).splitlines()[0][:500]}
-                if memory["per_device_total_bytes"]:
-                    memory["headroom_bytes"] = memory["hbm_bytes"] - memory["per_device_total_bytes"]
+                memory = {"schema": "maxperf.memory/1", "source": "xla compile error (out of memory)", **figures,
+                          "hbm_bytes": capacity, "fits": False, "compiler_message": str(e).splitlines()[0][:500]}
+                if "temp_bytes" in figures:  # the compiler named its temporaries only: add what the state takes
+                    memory["argument_bytes"] = argument_bytes(spec)
+                    memory["per_device_total_bytes"] = memory["argument_bytes"] + figures["temp_bytes"]
+                    memory["source"] += "; arguments from the state's shardings"
+                if memory.get("per_device_total_bytes"):
+                    memory["headroom_bytes"] = capacity - memory["per_device_total_bytes"]
                 writer.write_json("memory.json", memory)
                 _write_manifest(writer, p, spec, argv, time.perf_counter() - t, lower_seconds, start,
                                 compiled=False, cache_hit=False)
