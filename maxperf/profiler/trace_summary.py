@@ -53,8 +53,12 @@ class TraceSummary:
 
 
 def _stats(event) -> dict:
+    import warnings
+
     try:
-        return dict(event.stats)
+        with warnings.catch_warnings():  # jaxlib's stats type lacks __module__, which Python warns about
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return dict(event.stats)
     except Exception:  # a stat value of a type the reader cannot convert
         return {}
 
@@ -71,8 +75,8 @@ def summarize(trace_dir: Path, module: str = "jit_step", top: int = 20) -> Trace
     device_planes: set[str] = set()
     for path in files:
         for plane in ProfileData.from_file(path).planes:
-            if plane.name.startswith("/device:"):
-                device_planes.add(plane.name)
+            if plane.name.startswith("/device:") and not plane.name.startswith("/device:CUSTOM"):
+                device_planes.add(plane.name)  # CUSTOM planes (libtpu's Megascale trace) hold no device ops
             for line in plane.lines:
                 _add_line(line, module, self_time, counts, spans, plane.name)
     by_category: dict[str, float] = defaultdict(float)
