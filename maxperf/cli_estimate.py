@@ -9,7 +9,7 @@ GIB = 1 << 30
 
 def cmd_estimate(args) -> int:
     from maxperf import perfmodel
-    from maxperf.aot.compile import plan
+    from maxperf.aot.compiler import plan
     from maxperf.cli import _print_json
 
     p = plan(args.topology, args.model, args.overrides, num_slices=args.num_slices)
@@ -33,6 +33,82 @@ def cmd_estimate(args) -> int:
     return 0 if est.fits else 3
 
 
+def cmd_estimate_memory(args) -> int:
+    from maxperf.cli import _compile_only_environment, _print_json, _progress
+
+    _compile_only_environment()
+    from maxperf.aot import memory_fit
+
+    say = _progress()
+    if args.max_batch:
+        found = memory_fit.max_batch(args.topology, args.model, args.overrides, num_slices=args.num_slices,
+                                     analytical_only=args.analytical_only, out=args.out, progress=say)
+        if args.json:
+            _print_json(found.as_dict())
+        else:
+            _print_max_batch(found, args.analytical_only)
+        return 0 if found.fits else 3
+    cmp = memory_fit.compare(args.topology, args.model, args.overrides, num_slices=args.num_slices,
+                             analytical_only=args.analytical_only, out=args.out, progress=say)
+    if args.json:
+        _print_json(cmp.as_dict())
+    else:
+        _print_comparison(cmp)
+    return 0 if cmp.fits else 3
+
+
+_ANALYTICAL_ROWS = ("params", "optimizer", "gradients", "grad_accumulator", "activations", "logits", "temporaries")
+_COMPILER_ROWS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes")
+
+
+def _print_comparison(cmp) -> None:
+    p, a, c = cmp.plan, cmp.analytical, cmp.compiler
+    t = p.configs.train
+    print(f"{p.model.name} on {p.topology.name}" + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1
+                                                   else "")
+          + ", mesh " + (" x ".join(f"{k}={n}" for k, n in p.mesh_shape.axes.items() if n > 1) or "1")
+          + f"; B={t.per_device_batch_size}, L={t.seq_len}, remat {t.remat_policy.value}")
+    print(f"  {'analytical (perfmodel)':<28} {'GiB':>9}    {'compiler (XLA memory_analysis)':<30} {'GiB':>9}")
+    left = [(name, getattr(a, name)) for name in _ANALYTICAL_ROWS] + [(f"peak phase: {a.peak_phase}", None)]
+    right = [(name.removesuffix("_bytes"), c.get(name)) for name in _COMPILER_ROWS] if c else []
+    for i in range(max(len(left), len(right))):
+        ln, lv = left[i] if i < len(left) else ("", None)
+        rn, rv = right[i] if i < len(right) else ("", None)
+        print(f"  {ln:<28} {_gib(lv):>9}    {rn:<30} {_gib(rv):>9}")
+    total_c = c.get("per_device_total_bytes") if c else None
+    print(f"  {'per-device total':<28} {_gib(a.per_device_total_bytes):>9}    {'per-device total':<30} "
+          f"{_gib(total_c) if c else 'not compiled':>9}")
+    if cmp.difference is not None:
+        print(f"  analytical vs compiler     {cmp.difference:+.1%}")
+    if c and c.get("compiler_message"):
+        print(f"  compiler: {c['compiler_message']}")
+    verdict = "fits" if cmp.fits else "DOES NOT FIT"
+    print(f"  verdict ({cmp.source}): {verdict} in {cmp.hbm_bytes / GIB:.2f} GiB per device, headroom "
+          f"{cmp.headroom_bytes / GIB:.2f} GiB" + (f"; compiled in {cmp.compile_seconds:.1f} s"
+                                                  if cmp.compile_seconds is not None else ""))
+    if cmp.out_dir is not None:
+        print(f"  artifact kept in {cmp.out_dir}")
+
+
+def _print_max_batch(found, analytical_only: bool) -> None:
+    if analytical_only:
+        print(f"largest per_device_batch_size that fits (analytical, no compile): {found.per_device_batch_size}")
+    else:
+        print(f"largest per_device_batch_size that fits: {found.per_device_batch_size} ({found.compiles} compiles; "
+              f"perfmodel's guess was {found.analytical_guess})")
+        for trial in found.trials:
+            print(f"  B={trial.per_device_batch_size:<6} {'fits' if trial.fits else 'does not fit':<13} "
+                  f"{_gib(trial.per_device_total_bytes):>9} GiB  ({trial.compile_seconds:.1f} s)")
+    if found.hit_limit:
+        print(f"  (the search stops at per_device_batch_size={found.per_device_batch_size})")
+    if found.best is not None:
+        _print_comparison(found.best)
+
+
+def _gib(value) -> str:
+    return "" if value is None else f"{value / GIB:.2f}"
+
+
 def cmd_calibrate(args) -> int:
     from maxperf.profiler.calibrate import calibrate
 
@@ -53,9 +129,23 @@ def _estimate_parser(sub) -> None:
     p.set_defaults(func=cmd_estimate)
 
 
+def _estimate_memory_parser(sub) -> None:
+    from maxperf.cli import _add_plan_arguments
+
+    p = sub.add_parser("estimate-memory", help="analytical memory per device beside the compiler's, fit, max batch")
+    _add_plan_arguments(p, model_default=None)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--analytical-only", action="store_true", help="perfmodel's figures only, no compile")
+    p.add_argument("--max-batch", action="store_true",
+                   help="find the largest per_device_batch_size that fits, by compiles started at perfmodel's guess")
+    p.add_argument("--out", help="keep the compiled artifact here (with --max-batch: one per trial, DIR/batch-B); "
+                                 "default: a temporary directory, removed")
+    p.set_defaults(func=cmd_estimate_memory)
+
+
 def _calibrate_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="measure this machine's devices for CPU predictions")
     p.set_defaults(func=cmd_calibrate)
 
 
-COMMANDS = [_estimate_parser, _calibrate_parser]
+COMMANDS = [_estimate_parser, _estimate_memory_parser, _calibrate_parser]

@@ -103,9 +103,11 @@ def test_remat_adds_hardware_flops_not_model_flops():
     assert f["none"].recompute_flops == 0
     assert 0 < f["minimal"].recompute_flops < f["full"].recompute_flops
     assert f["none"].hardware_flops < f["minimal"].hardware_flops < f["full"].hardware_flops
-    # full remat redoes the layers' forward: about a third of the layers' training FLOPs
+    # full remat redoes the layers' forward (a third of their training FLOPs) but for the MLP down projection,
+    # whose output the backward never reads (XLA drops it: tests/test_perfmodel_xla_flops.py)
     layers_fwd = (f["full"].weight_flops - 6 * 4096 * m.d_model * m.vocab_size) / 3
-    assert f["full"].recompute_flops == pytest.approx(layers_fwd + f["full"].attention_executed_flops / 3)
+    down_fwd = 2 * 4096 * m.num_layers * m.d_model * m.d_ff
+    assert f["full"].recompute_flops == pytest.approx(layers_fwd - down_fwd + f["full"].attention_executed_flops / 3)
 
 
 def test_optimizer_flops_scale_with_the_shard():

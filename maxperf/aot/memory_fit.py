@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from maxperf.aot.compiler import Plan, plan
-from maxperf.errors import DoesNotFit, MaxperfError
+from maxperf.errors import DoesNotFit
 from maxperf.perfmodel import MemoryBreakdown, estimate_memory, make_mesh
 from maxperf.perfmodel.estimate import device_for
 
@@ -97,8 +97,8 @@ def analytical(p: Plan) -> MemoryBreakdown:
 def compare(topology: str, model: str, overrides: Sequence[str] = (), *, num_slices: int = 1,
             analytical_only: bool = False, out: str | os.PathLike | None = None,
             progress: Progress | None = None) -> MemoryComparison:
-    """The analytical breakdown, and (unless `analytical_only`) the compiler's figures for the same step; with
-    `out`, the whole artifact is written there and kept, else nothing is written."""
+    """The analytical breakdown, and (unless `analytical_only`) the compiler's figures for the same step, compiled
+    into `out` when given (kept), else into a temporary directory (removed)."""
     p = plan(topology, model, overrides, num_slices=num_slices)
     mine = analytical(p)
     if analytical_only:
@@ -109,57 +109,19 @@ def compare(topology: str, model: str, overrides: Sequence[str] = (), *, num_sli
 
 def _compile_memory(p: Plan, model: str, overrides: Sequence[str], num_slices: int, out: str | os.PathLike | None,
                     progress: Progress | None) -> tuple[dict[str, Any], float]:
-    """memory.json figures of a compile of the plan, whether or not the step fits: with `out`, through
-    `aot.compile` (the whole artifact, kept); without, the executable's memory analysis only, nothing written."""
-    if out is None:
-        return compile_memory(p, progress)
+    """memory.json of a compile of the plan through `aot.compile` (and its compile cache), whether or not the step
+    fits: into `out` when given (kept), else into a temporary directory (removed)."""
     from maxperf import aot
 
-    target = Path(out)
-    try:
-        result = aot.compile(p.topology.name, model, overrides, num_slices=num_slices, out=target,
-                             progress=progress)
-        return dict(result.memory), result.compile_seconds
-    except DoesNotFit:  # the verdict and XLA's figures were written before the error
-        manifest = json.loads((target / "manifest.json").read_text())
-        return json.loads((target / "memory.json").read_text()), float(manifest.get("compile_seconds", 0.0))
-
-
-def compile_memory(p: Plan, progress: Progress | None = None) -> tuple[dict[str, Any], float]:
-    """Lowers and compiles the plan's train step as `aot.compile` does (same mesh, shardings, compiler options and
-    persistent cache) and returns XLA's memory figures and the compile seconds; no artifact, no serialization, no
-    HLO costing, so that a fit question costs the compile alone."""
-    from maxperf.aot import compiler, topologies
-
-    say = progress or (lambda _: None)
-    if p.topology.platform == "tpu":
-        topologies.quiet_libtpu()
-    import jax
-
-    from maxperf.models import train_step
-
-    compiler.enable_compilation_cache()
-    mesh = compiler.build_mesh(p)
-    spec = train_step.abstract_step(p.configs.model, p.configs.train, mesh)
-    say("lowering")
-    with jax.set_mesh(mesh):
-        lowered = train_step.jit_step(spec).lower(spec.state, spec.batch)
-    capacity = compiler.device_memory_bytes(p.topology)
-    say("compiling")
-    t = time.perf_counter()
-    try:
-        compiled = lowered.compile(topologies.compiler_options(p.topology) or None)
-    except Exception as e:  # XLA reports out-of-memory as a compile error on TPU
-        figures = compiler.out_of_memory_figures(str(e))
-        if figures is None:
-            raise MaxperfError(f"XLA could not compile the step: {str(e).splitlines()[0][:300]}") from e
-        used, hbm = figures.get("per_device_total_bytes"), figures.get("hbm_bytes") or capacity
-        memory = {"schema": "maxperf.memory/1", "source": "xla compile error (out of memory)",
-                  "per_device_total_bytes": used, "hbm_bytes": hbm, "fits": False,
-                  "headroom_bytes": hbm - used if used else None, "compiler_message": str(e).splitlines()[0][:500]}
-        return memory, time.perf_counter() - t
-    seconds = time.perf_counter() - t
-    return compiler.memory_report(compiled.memory_analysis(), capacity), seconds
+    with tempfile.TemporaryDirectory(prefix="maxperf-memory-") as tmp:
+        target = Path(out) if out is not None else Path(tmp) / "artifact"
+        try:
+            result = aot.compile(p.topology.name, model, overrides, num_slices=num_slices, out=target,
+                                 progress=progress)
+            return dict(result.memory), result.compile_seconds
+        except DoesNotFit:  # the verdict and XLA's figures were written before the error
+            manifest = json.loads((target / "manifest.json").read_text())
+            return json.loads((target / "memory.json").read_text()), float(manifest.get("compile_seconds", 0.0))
 
 
 @dataclass(frozen=True)

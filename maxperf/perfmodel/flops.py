@@ -115,8 +115,11 @@ def count_flops(model: ModelShape, train: TrainShape, params_per_device: float |
     attn_model_fwd = attention_fwd_flops(model, B, L, executed=False)
     attn_exec_fwd = attention_fwd_flops(model, B, L, executed=True)
     remat = str(train.remat_policy)
-    if remat == "full":  # nothing saved: the whole layer's forward again
-        recompute = N * layer_weight_fwd + attn_exec_fwd
+    if remat == "full":  # nothing saved: the layer's forward again, but for its last matmul (the MLP down
+        # projection), whose output the backward never reads: XLA removes it as dead code. Measured here: tiny
+        # shape on v5p-8, scan_layers=false: XLA's extra FLOPs of full over none = 0.813e9 = this count
+        # (tests/test_perfmodel_xla_flops.py)
+        recompute = N * (layer_weight_fwd - 2 * tokens * model.d_model * model.d_ff) + attn_exec_fwd
     elif remat == "minimal":  # weight-matmul outputs saved (dots without batch dims); attention einsums redone
         recompute = attn_exec_fwd
     else:

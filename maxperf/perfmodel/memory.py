@@ -38,9 +38,21 @@ PLAIN_MLP_SAVED_F = 3
 # float32 tanh output. The mask is one shared [L, L] boolean, negligible.
 SCORE_SAVED_FLOAT32 = 1
 SOFTCAP_SAVED_FLOAT32 = 1
-# Logits: the compute-dtype unembedding output, its float32 upcast kept for the loss's backward, and the float32
-# gradient of the logits (optax softmax cross-entropy).
-LOGITS_FLOAT32_BUFFERS = 2
+# Logits: the compute-dtype unembedding output and one float32 [T, V] buffer (the softmax / gradient of the
+# cross-entropy); XLA fuses the float32 upcast into the log-softmax reductions, so the upcast is not a second
+# buffer. Measured here: qwen3-0.6b (V = 151936) and gemma-2b (V = 256000) on v5p-8, where the loss phase is the
+# peak, fit c + 4 bytes per logit with the gradients and the gathered vocabulary table alive beside them.
+LOGITS_FLOAT32_BUFFERS = 1
+# The optimizer phase: the gradients are divided by the token count and clipped by their global norm, which needs
+# every gradient reduced before any update, so XLA materializes one more float32 gradient-sized buffer (the scaled
+# gradients) beside the gradients themselves. Measured here: llama2-7b v5p-8, B=1, L=2048, full remat: temp
+# 12.77 GiB = 2 x 6.28 GiB of gradients + 0.2 GiB.
+OPTIMIZER_GRADIENT_COPIES = 1
+# Under "minimal", the saved outputs of weight matmuls are written per layer into stacked [N, ...] buffers by the
+# forward scan and read back by the backward scan in another layout; XLA keeps about 1.8 copies of them. Measured
+# here: (temp(minimal) - temp(full)) / saved dot outputs on v5p-8, B=1, L=2048: llama2-7b 9.40 / 5.19 GiB = 1.81,
+# qwen3-0.6b 2.40 / 1.31 GiB = 1.83.
+MINIMAL_SAVED_COPIES = 1.8
 # FSDP all-gathers one layer's weights in compute dtype while the next one is prefetched: two layers' worth.
 GATHERED_LAYERS = 2
 # Gradients of one layer's weights exist unsharded (param dtype) before their reduce-scatter.
@@ -61,20 +73,29 @@ class MemoryBreakdown:
     activations: float  # saved for the backward pass, all layers
     logits: float
     temporaries: float  # one layer's gathered weights, unsharded grads and backward working set
+    optimizer_temporaries: float  # the scaled gradients of the clipped update
     hbm_bytes: float
+
+    def phases(self) -> dict[str, float]:
+        """What is live beside the state (params, optimizer, accumulator) in each phase of the step: "loss" (the
+        logits and the gathered vocabulary table atop the saved activations), "backward" (a layer being
+        differentiated atop the saved activations) and "optimizer" (the activations freed, a scaled copy of the
+        gradients). XLA allocates the gradient buffers before the loss (they are outputs of the whole backward),
+        so they count in every phase; the phases do not overlap, so the peak is the largest."""
+        return {
+            "loss": self.gradients + self.activations + self.logits,
+            "backward": self.gradients + self.activations + self.temporaries,
+            "optimizer": self.gradients + self.optimizer_temporaries,
+        }
 
     @property
     def peak_phase(self) -> str:
-        """Where the step peaks: "loss" (logits buffers atop all saved activations) or "backward" (gradients
-        filling while a layer is differentiated). The two phases do not overlap, so the peak is the larger."""
-        return "loss" if self.logits >= self.gradients + self.temporaries else "backward"
+        phases = self.phases()
+        return max(phases, key=phases.get)
 
     @property
     def per_device_total_bytes(self) -> float:
-        # state and saved activations live through both phases; gradients exist only from the backward on
-        # (a scanned backward allocates the stacked gradients when it starts)
-        peak = max(self.logits, self.gradients + self.temporaries)
-        return self.params + self.optimizer + self.grad_accumulator + self.activations + peak
+        return self.params + self.optimizer + self.grad_accumulator + max(self.phases().values())
 
     @property
     def headroom_bytes(self) -> float:
@@ -88,7 +109,8 @@ class MemoryBreakdown:
         return {
             "params": self.params, "optimizer": self.optimizer, "gradients": self.gradients,
             "grad_accumulator": self.grad_accumulator, "activations": self.activations, "logits": self.logits,
-            "temporaries": self.temporaries, "peak_phase": self.peak_phase,
+            "temporaries": self.temporaries, "optimizer_temporaries": self.optimizer_temporaries,
+            "peak_phase": self.peak_phase, "phases": self.phases(),
             "per_device_total_bytes": self.per_device_total_bytes,
             "hbm_bytes": self.hbm_bytes, "headroom_bytes": self.headroom_bytes, "fits": self.fits,
         }
@@ -108,7 +130,7 @@ def layer_saved_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, *, r
     if remat == "full":  # nothing but the layer input (the scan carry)
         return 0.0
     if remat == "minimal":  # outputs of weight matmuls: q, k, v, o-projection, gate/up, down
-        return c * ((a.H + 2 * a.K) * Dh + D + (2 if gated(model) else 1) * a.F + D)
+        return MINIMAL_SAVED_COPIES * c * ((a.H + 2 * a.K) * Dh + D + (2 if gated(model) else 1) * a.F + D)
     norms = (4 if model.post_norms else 2) * (NORM_SAVED_BYTES + c) * D
     residual = c * D  # the sum after attention, input of the MLP block
     qkv = c * (a.H + 2 * a.K) * Dh
@@ -159,10 +181,11 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     working = gradient_buffers
     if remat != "none":  # the layer being differentiated is rematerialized: one layer's full set of saved tensors
         working += T * (D * c + layer_saved_per_token(model, train, mesh, remat="none"))
-    temporaries = gathered + grads_unsharded + vocab_table + working
+    temporaries = gathered + grads_unsharded + working
     return MemoryBreakdown(
         params=params, optimizer=optimizer, gradients=gradients, grad_accumulator=accumulator,
-        activations=activations, logits=logits, temporaries=temporaries, hbm_bytes=hbm_bytes,
+        activations=activations, logits=logits + vocab_table, temporaries=temporaries,
+        optimizer_temporaries=OPTIMIZER_GRADIENT_COPIES * gradients, hbm_bytes=hbm_bytes,
     )
 
 

@@ -140,7 +140,7 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     table.matmul("k, v projections", T, D, a.K * Dh, 2 * n, c)
     table.matmul("attention output projection", T, a.H * Dh, D, n, c)
     table.matmul("mlp up" + (" and gate" if gated(model) else ""), T, D, a.F, (2 if gated(model) else 1) * n, c)
-    table.matmul("mlp down", T, a.F, D, n, c)
+    table.matmul("mlp down", T, a.F, D, N * micro * TRAIN_FACTOR, c)  # never recomputed (flops.count_flops)
     table.matmul("unembedding", T, D, a.V, micro * TRAIN_FACTOR, c)
     # attention einsums per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh; the model computes all
     # L x L scores (ATTENTION_SKIPS_MASKED); a kernel that skipped masked blocks would do the windowed share only

@@ -1,0 +1,104 @@
+"""Measured step time on this machine's CPU devices against perfmodel's prediction, after `maxperf calibrate`.
+
+    .venv/bin/python bench/cpu_steptime.py [--devices N] [--steps S] [--no-calibrate]
+
+Calibrates first (maxperf.profiler.calibrate: matmul FLOP/s and memory bandwidth of this machine's jax devices,
+stored where perfmodel reads them), then for each configuration compiles the train step for cpu-N through
+maxperf.aot.compile, loads it back with maxperf.aot.load(DIR).step(devices), initializes a real state, runs
+warm-up steps, times S steps with block_until_ready, and prints the median measured step time beside
+perfmodel.estimate(...) for the same configuration on the cpu topology, the signed error of the prediction, and the
+median absolute error (target: under 25%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _devices_flag(n: int) -> None:
+    flag = f"--xla_force_host_platform_device_count={n}"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+# (preset, overrides): tiny at a few batch sizes and sequence lengths, and scaled-1 / qwen3-0.6b shrunk in depth,
+# sequence and vocabulary so that one step takes well under a second on two cores
+CONFIGS = (
+    ("tiny", ("per_device_batch_size=4", "seq_len=128")),
+    ("tiny", ("per_device_batch_size=8", "seq_len=256")),
+    ("tiny", ("per_device_batch_size=2", "seq_len=512")),
+    ("tiny", ("per_device_batch_size=8", "seq_len=256", "remat_policy=none")),
+    ("scaled-1", ("num_layers=2", "per_device_batch_size=1", "seq_len=128", "vocab_size=8192")),
+    ("scaled-1", ("num_layers=2", "per_device_batch_size=2", "seq_len=256", "vocab_size=8192")),
+    ("qwen3-0.6b", ("num_layers=2", "per_device_batch_size=1", "seq_len=256", "vocab_size=8192")),
+    ("qwen3-0.6b", ("num_layers=2", "per_device_batch_size=2", "seq_len=512", "vocab_size=8192",
+                    "remat_policy=minimal")),
+)
+
+
+def measure(directory: Path, n: int, steps: int, warmup: int) -> float:
+    """The median of `steps` timed steps (each waited for) after `warmup` untimed ones."""
+    import jax
+
+    from maxperf import aot
+    from maxperf.models import train_step
+
+    spec, step = aot.load(directory).step(jax.devices()[:n])
+    state = train_step.init_state(spec, seed=0)
+    batch = train_step.synthetic_batch(spec, seed=0)
+    for _ in range(warmup):
+        state, metrics = step(state, batch)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", type=int, default=2, help="CPU devices (the cpu-N topology)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--no-calibrate", action="store_true", help="use the stored calibration")
+    args = ap.parse_args()
+    _devices_flag(args.devices)
+
+    from maxperf import aot, perfmodel
+    from maxperf.profiler.calibrate import calibrate
+
+    if not args.no_calibrate:
+        cal = calibrate()
+        print(f"calibrated: bf16 {cal.peak_flops('bfloat16') / 1e9:.1f} GFLOP/s, f32 "
+              f"{cal.peak_flops('float32') / 1e9:.1f} GFLOP/s, {cal.memory_bandwidth / 1e9:.1f} GB/s "
+              f"({cal.num_devices} devices)")
+    topology = f"cpu-{args.devices}"
+    print(f"{'model':<11} {'config':<58} {'measured':>9} {'predicted':>9} {'error':>7}")
+    errors = []
+    with tempfile.TemporaryDirectory(prefix="maxperf-steptime-") as tmp:
+        for i, (model, overrides) in enumerate(CONFIGS):
+            result = aot.compile(topology, model, overrides, out=Path(tmp) / f"c{i}")
+            measured = measure(result.out_dir, args.devices, args.steps, args.warmup)
+            p = result.plan
+            est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn,
+                                     p.topology)
+            error = (est.step_time_s - measured) / measured
+            errors.append(abs(error))
+            print(f"{model:<11} {' '.join(overrides):<58} {measured * 1e3:>7.1f}ms {est.step_time_s * 1e3:>7.1f}ms "
+                  f"{error:>+7.1%}", flush=True)
+    print(f"\n{len(errors)} configurations: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}; "
+          "target: median < 25%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""`maxperf estimate-memory` and maxperf.aot.memory_fit: the analytical side, the compiler beside it, the max-batch
+search, and bad input as one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from maxperf.aot import memory_fit
+from maxperf.aot.memory_fit import Trial, _next_batch
+from maxperf.errors import MaxperfError
+
+TINY = ["seq_len=64", "per_device_batch_size=2"]
+
+
+def maxperf(*args):
+    return subprocess.run([sys.executable, "-m", "maxperf.cli", "estimate-memory", *args], capture_output=True,
+                          text=True, env={**os.environ}, timeout=600)
+
+
+def test_analytical_only_json_has_both_objects_and_no_compile():
+    r = maxperf("--topology", "v5p-8", "--model", "llama2-7b", "--analytical-only", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["compiler"] is None and d["verdict_source"] == "analytical"
+    assert d["analytical"]["per_device_total_bytes"] > 0 and d["analytical"]["fits"] is True
+    assert d["mesh"] == {"fsdp": 4} and d["difference"] is None
+
+
+def test_analytical_total_is_the_sum_of_its_parts():
+    cmp = memory_fit.compare("v5p-64", "llama2-7b", ["remat_policy=minimal"], analytical_only=True)
+    a = cmp.analytical
+    phases = a.phases()
+    state = a.params + a.optimizer + a.grad_accumulator
+    assert a.per_device_total_bytes == pytest.approx(state + phases[a.peak_phase])
+    assert phases["optimizer"] == pytest.approx(2 * a.gradients)  # gradients and their scaled copy
+    assert phases["backward"] - phases["loss"] == pytest.approx(a.temporaries - a.logits)
+    assert cmp.fits == a.fits and cmp.headroom_bytes == pytest.approx(a.hbm_bytes - a.per_device_total_bytes)
+
+
+def test_a_step_that_cannot_fit_exits_3_with_the_verdict():
+    r = maxperf("--topology", "v5p-8", "--model", "llama2-70b", "--analytical-only")
+    assert r.returncode == 3, r.stderr
+    assert "DOES NOT FIT" in r.stdout
+
+
+def test_analytical_max_batch_is_the_boundary():
+    found = memory_fit.max_batch("v5p-8", "llama2-7b", ["remat_policy=full"], analytical_only=True)
+    b = found.per_device_batch_size
+    assert b >= 1 and found.compiles == 0
+    at = memory_fit.compare("v5p-8", "llama2-7b", ["remat_policy=full", f"per_device_batch_size={b}"],
+                            analytical_only=True)
+    above = memory_fit.compare("v5p-8", "llama2-7b", ["remat_policy=full", f"per_device_batch_size={b + 1}"],
+                               analytical_only=True)
+    assert at.fits and not above.fits
+
+
+def test_next_batch_aims_at_the_crossing_and_stays_inside_the_bracket():
+    gib = 1 << 30
+    # 10 GiB fixed + 2 GiB per example, 95 GiB device: the line crosses at B = 42.5
+    trials = [Trial(8, True, 26 * gib, 1.0), Trial(64, False, 138 * gib, 1.0)]
+    assert _next_batch(trials, 8, 64, 1.0, 95 * gib) == 42
+    # an aim outside the bracket is pulled inside it, so every compile narrows the search
+    assert _next_batch([Trial(8, True, 26 * gib, 1.0)], 8, 10, 0.1 * gib, 95 * gib) == 9
+    assert _next_batch([Trial(8, True, 94.5 * gib, 1.0)], 8, 1 << 17, 2 * gib, 95 * gib) == 9
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--topology", "v9z-8", "--model", "tiny"], "unknown"),
+    (["--topology", "v5p-8", "--model", "tiny", "ici_fsdp=3"], "3"),
+    (["--topology", "v5p-8", "--model", "tiny", "per_device_batch_size=0"], "per_device_batch_size"),
+    (["--topology", "v5p-8", "--model", "tiny", "remat_policy=some"], "remat_policy"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    r = maxperf(*args, "--analytical-only")
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("maxperf: error:") and message in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_input_raises_before_any_compile():
+    with pytest.raises(MaxperfError, match="per_device_batch_size"):
+        memory_fit.compare("v5p-8", "tiny", ["per_device_batch_size=0"])
+
+
+@pytest.mark.slow
+def test_compiler_figures_sit_beside_the_analytical_ones():
+    r = maxperf("--topology", "v5p-8", "--model", "tiny", *TINY, "remat_policy=full", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    c, a = d["compiler"], d["analytical"]
+    assert c["source"] == "xla memory_analysis" and d["verdict_source"] == "compiler"
+    assert c["per_device_total_bytes"] == (c["argument_bytes"] + c["output_bytes"] - c["alias_bytes"]
+                                           + c["temp_bytes"] + c["generated_code_bytes"])
+    assert c["fits"] is True and a["fits"] is True and d["fits"] is True
+    assert d["difference"] == pytest.approx((a["per_device_total_bytes"] - c["per_device_total_bytes"])
+                                            / c["per_device_total_bytes"])
+    assert d["out_dir"] is None
+
+
+@pytest.mark.slow
+def test_max_batch_finds_the_boundary_on_a_small_device(tmp_path):
+    # cpu-2 devices share this host's memory; a tiny model fits any small batch, so bound the search instead by a
+    # configuration whose memory grows fast with B: long sequences on v5e (16 GiB per chip)
+    found = memory_fit.max_batch("v5e-4", "tiny", ["seq_len=4096", "remat_policy=none"])
+    b = found.per_device_batch_size
+    assert b >= 1 and found.compiles == len(found.trials) >= 2
+    fits = {t.per_device_batch_size: t.fits for t in found.trials}
+    assert fits[b] is True and fits.get(b + 1) is False  # the boundary was compiled on both sides
+    assert found.best is not None and found.best.compiler["fits"]
