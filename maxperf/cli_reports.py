@@ -1,3 +1,72 @@
-"""`maxperf sweep` and `maxperf report`."""
+"""`maxperf sweep` (a grid of estimates and compiles) and `maxperf report` (the HTML page)."""
 
-COMMANDS: list = []
+from __future__ import annotations
+
+import sys
+
+from maxperf.errors import MaxperfError
+
+
+def _grid_axes(words: list[str]) -> dict[str, list[str]]:
+    axes: dict[str, list[str]] = {}
+    for word in words:
+        key, sep, values = word.partition("=")
+        if not sep or not key or not values:
+            raise MaxperfError(f"sweep axis {word!r} is not key=v1,v2,... (e.g. per_device_batch_size=1,2,4)")
+        axes[key] = [v for v in values.split(",") if v]
+    return axes
+
+
+def cmd_sweep(args) -> int:
+    import os
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from maxperf.aot.sweep import sweep
+    from maxperf.cli import _progress
+
+    try:
+        slices = [int(s) for s in args.num_slices.split(",") if s]
+    except ValueError:
+        raise MaxperfError(f"--num-slices takes whole numbers separated by commas, got {args.num_slices!r}")
+    if args.workers is not None and args.workers < 1:
+        raise MaxperfError(f"--workers must be >= 1, got {args.workers}")
+    result = sweep(args.model, [t for t in args.topologies.split(",") if t], num_slices=slices,
+                   axes=_grid_axes(args.overrides), analytical_only=args.analytical_only, out=args.out,
+                   workers=args.workers, progress=_progress())
+    bad = [r for r in result.rows if r["status"] != "ok"]
+    print(f"swept {len(result.rows)} points ({result.computed} run now, {len(bad)} failed or did not fit) in "
+          f"{result.seconds:.1f} s -> {result.out_dir}/results.csv, results.parquet")
+    for r in result.rows:
+        print(f"  {r['point']:<40} {r['status']:<13} step {r.get('predicted_step_time_s') or 0:.4g} s  "
+              f"MFU {r.get('predicted_mfu') or 0:.1%}" + (f"  ({r['reason']})" if r.get("reason") else ""))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from maxperf.reports import render
+
+    result = render(args.paths, args.out, command=sys.argv)
+    print(f"wrote {result.html_path} ({result.sections} sections) and {len(result.csv_paths)} CSV tables")
+    return 0
+
+
+def _sweep_parser(sub) -> None:
+    p = sub.add_parser("sweep", help="estimate and compile a model over a grid of topologies and settings")
+    p.add_argument("--model", required=True)
+    p.add_argument("--topologies", required=True, help="comma-separated, e.g. v5p-8,v5p-16,v5p-32")
+    p.add_argument("--num-slices", default="1", help="comma-separated slice counts, e.g. 1,2,4")
+    p.add_argument("--analytical-only", action="store_true", help="estimate only, no compiles")
+    p.add_argument("--out", required=True, help="sweep directory (re-running it resumes)")
+    p.add_argument("--workers", type=int, help="parallel worker processes (default: bounded by cores and memory)")
+    p.add_argument("overrides", nargs="*", metavar="key=v1,v2", help="grid axes, e.g. per_device_batch_size=1,2")
+    p.set_defaults(func=cmd_sweep)
+
+
+def _report_parser(sub) -> None:
+    p = sub.add_parser("report", help="an HTML report from compile, run and sweep directories")
+    p.add_argument("paths", nargs="+", help="compile, run or sweep directories")
+    p.add_argument("-o", "--out", required=True, help="the HTML file to write")
+    p.set_defaults(func=cmd_report)
+
+
+COMMANDS = [_sweep_parser, _report_parser]

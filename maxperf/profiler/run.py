@@ -252,7 +252,7 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
             processes=jax.process_count(), predicted_step_time_s=predicted,
             measured_over_predicted=median / predicted if predicted else None, memory=memory,
             profile=profile_summary, checkpoint=saved, restored_from=str(restore) if restore else None,
-            data=str(data) if data else "synthetic uniform tokens", artifact=str(artifact.directory),
+            data=str(data) if data else "synthetic uniform tokens", artifact=str(artifact.directory.resolve()),
         )
         writer.write_json("run.json", result.as_dict())
         if jax.process_index() == 0:

@@ -1,0 +1,160 @@
+"""`maxperf sweep` and `maxperf report`: resumable sweeps, and self-contained HTML that a browser opens cleanly."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from maxperf import aot
+from maxperf.aot.sweep import sweep
+from maxperf.errors import MaxperfError
+from maxperf.reports import render
+
+TOPOLOGIES = ["v5p-8", "v5p-16", "v5p-32", "v5p-64"]
+
+
+class _Page(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.svgs, self.labelled_svgs, self.refs, self.open = [], 0, 0, [], []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.tags.append(tag)
+        if tag == "svg":
+            self.svgs += 1
+            self.labelled_svgs += bool(attrs.get("aria-label")) and attrs.get("role") == "img"
+        for key in ("src", "href", "xlink:href"):
+            if attrs.get(key):
+                self.refs.append(attrs[key])
+
+
+def parse(path: Path) -> _Page:
+    page = _Page()
+    page.feed(path.read_text())
+    page.close()
+    return page
+
+
+def assert_self_contained(path: Path) -> _Page:
+    text = path.read_text()
+    page = parse(path)
+    assert "script" not in page.tags and "link" not in page.tags and "img" not in page.tags
+    assert not re.search(r"(https?:)?//[A-Za-z0-9]", text.replace("<!doctype", "")), "a URL in the page"
+    for ref in page.refs:
+        assert ref.startswith("#") or (path.parent / ref).is_file(), ref
+    return page
+
+
+@pytest.fixture(scope="module")
+def analytical_sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep") / "s"
+    return sweep("llama2-7b", TOPOLOGIES, axes={"per_device_batch_size": ["1", "2"]}, analytical_only=True,
+                 out=out, workers=1)
+
+
+def test_sweep_writes_a_row_per_point_and_tables(analytical_sweep):
+    import pandas as pd
+
+    assert len(analytical_sweep.rows) == 8 and all(r["status"] == "ok" for r in analytical_sweep.rows)
+    frame = pd.read_parquet(analytical_sweep.out_dir / "results.parquet")
+    assert len(frame) == 8 and set(frame["chips"]) == {4, 8, 16, 32}
+    assert len(pd.read_csv(analytical_sweep.out_dir / "results.csv")) == 8
+    assert (frame["predicted_step_time_s"] > 0).all()
+
+
+def test_a_sweep_resumes_where_it_stopped(analytical_sweep, tmp_path):
+    out = tmp_path / "resume"
+    shutil.copytree(analytical_sweep.out_dir, out)
+    (out / "points" / "v5p-16_per_device_batch_size=2" / "point.json").unlink()
+    again = sweep("llama2-7b", TOPOLOGIES, axes={"per_device_batch_size": ["1", "2"]}, analytical_only=True, out=out,
+                  workers=1)
+    assert again.computed == 1 and len(again.rows) == 8
+
+
+def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path):
+    result = sweep("llama2-70b", ["v5p-8", "v5p-128"], analytical_only=True, out=tmp_path / "f", workers=1)
+    by_topology = {r["topology"]: r for r in result.rows}
+    assert by_topology["v5p-8"]["status"] == "does not fit" and by_topology["v5p-8"]["reason"]
+    assert by_topology["v5p-128"]["status"] == "ok"
+
+
+def test_bad_sweeps_are_errors(tmp_path):
+    with pytest.raises(MaxperfError, match="did you mean"):
+        sweep("llama2-7b", ["v5p-9"], analytical_only=True, out=tmp_path / "x")
+    with pytest.raises(MaxperfError, match="empty"):
+        sweep("llama2-7b", [], analytical_only=True, out=tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cmp")
+    a = aot.compile("cpu-8", "tiny", ["seq_len=64"], out=d / "a").out_dir
+    b = aot.compile("cpu-8", "tiny", ["seq_len=64", "remat_policy=none"], out=d / "b").out_dir
+    return a, b
+
+
+def test_scaling_report(analytical_sweep, tmp_path):
+    result = render([analytical_sweep.out_dir], tmp_path / "scaling.html", command=["maxperf", "report"])
+    page = assert_self_contained(result.html_path)
+    assert page.svgs == 5 and page.labelled_svgs == 5
+    text = result.html_path.read_text()
+    assert "weak-scaling efficiency" in text and "(CSV)" in text
+    assert all(p.is_file() for p in result.csv_paths)
+
+
+def test_mfu_and_comparison_report(compiled, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({
+        "schema": "maxperf.run/1", "artifact": str(compiled[0]), "step_time_s": 0.02, "predicted_step_time_s": 0.01,
+        "measured_over_predicted": 2.0, "tflops_per_device": 0.001, "mfu": 0.2,
+        "memory": {"measured_peak_bytes": None}}))
+    result = render([compiled[0], compiled[1], run_dir], tmp_path / "mfu.html", command=["maxperf", "report"])
+    page = assert_self_contained(result.html_path)
+    assert page.svgs == 6 and page.labelled_svgs == 6  # time breakdown and memory, for each of three
+    text = result.html_path.read_text()
+    assert "measured against predicted" in text and "side by side" in text and "★" in text
+    assert "jax" in text and "maxperf report" in text
+
+
+def test_report_errors(tmp_path):
+    with pytest.raises(MaxperfError, match="not a maxperf"):
+        render([tmp_path], tmp_path / "r.html")
+    with pytest.raises(MaxperfError, match="does not exist"):
+        render([tmp_path / "missing"], tmp_path / "r.html")
+    assert not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.slow
+def test_a_small_compiled_sweep(tmp_path):
+    result = sweep("tiny", ["v5p-8", "v5p-16"], axes={"seq_len": ["64"]}, out=tmp_path / "c", workers=1)
+    assert all(r["status"] == "ok" and r["compiler_memory_bytes"] > 0 for r in result.rows)
+    assert all((Path(r["artifact"]) / "compiled.pkl").is_file() for r in result.rows)
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_reports_open_in_headless_chromium(analytical_sweep, compiled, tmp_path):
+    for name, paths in (("scaling", [analytical_sweep.out_dir]), ("compare", list(compiled))):
+        html = render(paths, tmp_path / f"{name}.html").html_path
+        shot = tmp_path / f"{name}.png"
+        proc = subprocess.run(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
+             "--window-size=1200,2400", f"--screenshot={shot}", html.as_uri()],
+            capture_output=True, text=True, timeout=120)
+        assert shot.is_file() and shot.stat().st_size > 10_000, proc.stderr[-2000:]
+        console = [line for line in proc.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+        assert not console, console
