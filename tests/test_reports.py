@@ -158,3 +158,26 @@ def test_reports_open_in_headless_chromium(analytical_sweep, compiled, tmp_path)
         assert shot.is_file() and shot.stat().st_size > 10_000, proc.stderr[-2000:]
         console = [line for line in proc.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
         assert not console, console
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_resumes_where_it_stopped(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "killed"
+    args = [sys.executable, "-m", "maxperf.cli", "sweep", "--model", "tiny", "--topologies", "v5p-8,v5p-16,v5p-32",
+            "--out", str(out), "--workers", "1", "seq_len=64"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not list(out.glob("points/*/point.json")):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    finished = len(list(out.glob("points/*/point.json")))
+    assert 1 <= finished < 3 and not (out / "results.csv").exists()
+    again = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert f"{finished} already done, {3 - finished} to run" in again.stderr
+    assert len(list(out.glob("points/*/point.json"))) == 3 and (out / "results.csv").is_file()
