@@ -160,6 +160,10 @@ class _Report:
         from maxperf.reports import figures
 
         frame = pd.read_csv(directory / "results.csv")
+        for artifact in frame["artifact"].dropna() if "artifact" in frame else []:
+            manifest = _read(Path(artifact) / "manifest.json")
+            if manifest and not self.versions:
+                self.versions = manifest.get("versions", {})
         ok = frame[frame["status"] == "ok"].sort_values("chips") if "chips" in frame else frame.iloc[0:0]
         s = Section(f"scaling: {frame['model'].iloc[0] if len(frame) else '?'} ({directory})", "scaling")
         s.facts = [("points", str(len(frame))), ("finished without error or overflow", str(len(ok)))]
@@ -229,6 +233,18 @@ class _Report:
         self.sections.append(s)
 
 
+def _installed_versions() -> dict[str, str | None]:
+    import importlib.metadata
+
+    versions: dict[str, str | None] = {}
+    for name in ("maxperf", "jax", "jaxlib", "libtpu"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
 def render(paths: list[str | os.PathLike], out_html: str | os.PathLike,
            command: list[str] | None = None) -> ReportResult:
     """Renders the report for `paths` into `out_html` (and its CSVs beside it), atomically."""
@@ -262,6 +278,8 @@ def render(paths: list[str | os.PathLike], out_html: str | os.PathLike,
             with open(staging / table.csv_name, "w", newline="") as f:
                 csv.writer(f).writerows([table.columns, *table.rows])
             csv_paths.append(files / table.csv_name)
+    if not report.versions:  # analytical sweeps only: name the installation that made the page
+        report.versions = _installed_versions()
     env = jinja2.Environment(loader=jinja2.PackageLoader("maxperf.reports", "templates"), autoescape=True)
     page = env.get_template("report.html").render(
         sections=report.sections, versions=report.versions, command=" ".join(command or sys.argv),
