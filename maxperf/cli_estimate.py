@@ -57,7 +57,8 @@ def cmd_estimate_memory(args) -> int:
     return 0 if cmp.fits else 3
 
 
-_ANALYTICAL_ROWS = ("params", "optimizer", "gradients", "grad_accumulator", "activations", "logits", "temporaries")
+_ANALYTICAL_ROWS = ("params", "optimizer", "gradients", "grad_accumulator", "activations", "saved_copy", "logits",
+                    "temporaries")
 _COMPILER_ROWS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes")
 
 

@@ -11,6 +11,7 @@ import pytest
 from maxperf.aot import memory_fit
 from maxperf.aot.memory_fit import Trial, _next_batch
 from maxperf.errors import MaxperfError
+from maxperf.perfmodel.memory import MINIMAL_SAVED_COPIES
 
 TINY = ["seq_len=64", "per_device_batch_size=2"]
 
@@ -36,7 +37,12 @@ def test_analytical_total_is_the_sum_of_its_parts():
     state = a.params + a.optimizer + a.grad_accumulator
     assert a.per_device_total_bytes == pytest.approx(state + phases[a.peak_phase])
     assert phases["optimizer"] == pytest.approx(2 * a.gradients)  # gradients and their scaled copy
-    assert phases["backward"] - phases["loss"] == pytest.approx(a.temporaries - a.logits)
+    assert phases["backward"] - phases["loss"] == pytest.approx(a.temporaries - a.logits - a.saved_copy)
+    # minimal remat: a partial second copy of the saved dot outputs (not of the scan carry) in the loss phase
+    carry = 32 * 2048 * 4096 * 2  # N x T x D in bfloat16
+    assert a.saved_copy == pytest.approx((MINIMAL_SAVED_COPIES - 1) * (a.activations - carry))
+    full = memory_fit.compare("v5p-64", "llama2-7b", ["remat_policy=full"], analytical_only=True).analytical
+    assert full.saved_copy == 0 and full.activations == pytest.approx(carry)
     assert cmp.fits == a.fits and cmp.headroom_bytes == pytest.approx(a.hbm_bytes - a.per_device_total_bytes)
 
 

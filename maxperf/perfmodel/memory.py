@@ -39,9 +39,11 @@ PLAIN_MLP_SAVED_F = 3
 SCORE_SAVED_FLOAT32 = 1
 SOFTCAP_SAVED_FLOAT32 = 1
 # Logits: the compute-dtype unembedding output and one float32 [T, V] buffer (the softmax / gradient of the
-# cross-entropy); XLA fuses the float32 upcast into the log-softmax reductions, so the upcast is not a second
-# buffer. Measured here: qwen3-0.6b (V = 151936) and gemma-2b (V = 256000) on v5p-8, where the loss phase is the
-# peak, fit c + 4 bytes per logit with the gradients and the gathered vocabulary table alive beside them.
+# cross-entropy); XLA fuses the float32 upcast, and Gemma 2's final soft-capping (tanh), into the log-softmax
+# reductions, so neither is a buffer of its own. Measured here: qwen3-0.6b (V = 151936) and gemma-2b (V = 256000) on
+# v5p-8, where the loss phase is the peak, fit c + 4 bytes per logit with the gradients and the gathered vocabulary
+# table alive beside them; gemma2-2b (soft-capped, V = 256000) on v5p-64 takes the same 6 bytes per logit as
+# gemma-2b (bench/memory_accuracy.py).
 LOGITS_FLOAT32_BUFFERS = 1
 # The optimizer phase: the gradients are divided by the token count and clipped by their global norm, which needs
 # every gradient reduced before any update, so XLA materializes one more float32 gradient-sized buffer (the scaled
@@ -49,9 +51,12 @@ LOGITS_FLOAT32_BUFFERS = 1
 # 12.77 GiB = 2 x 6.28 GiB of gradients + 0.2 GiB.
 OPTIMIZER_GRADIENT_COPIES = 1
 # Under "minimal", the saved outputs of weight matmuls are written per layer into stacked [N, ...] buffers by the
-# forward scan and read back by the backward scan in another layout; XLA keeps about 1.8 copies of them. Measured
-# here: (temp(minimal) - temp(full)) / saved dot outputs on v5p-8, B=1, L=2048: llama2-7b 9.40 / 5.19 GiB = 1.81,
-# qwen3-0.6b 2.40 / 1.31 GiB = 1.83.
+# forward scan and read back by the backward scan in another layout, so XLA holds a second, partial copy of them from
+# the end of the forward until the backward loop runs: about 1.8 copies in the loss phase, one in the backward.
+# Measured here (bench/memory_accuracy.py, B=1, L=2048): where the loss phase is the peak (qwen3-0.6b, large
+# vocabulary) temp(minimal) - temp(full) = 2.40 GiB = 1.83 x the 1.31 GiB of saved dot outputs on v5p-8 and v5p-64;
+# where the backward is the peak (llama2-7b and mistral-7b on v5p-64) the difference is 5.32 and 5.13 GiB = 1.02 and
+# 0.98 x their 5.19 and 5.25 GiB.
 MINIMAL_SAVED_COPIES = 1.8
 # FSDP all-gathers one layer's weights in compute dtype while the next one is prefetched: two layers' worth.
 GATHERED_LAYERS = 2
@@ -71,6 +76,7 @@ class MemoryBreakdown:
     gradients: float
     grad_accumulator: float  # only with grad_accum_steps > 1
     activations: float  # saved for the backward pass, all layers
+    saved_copy: float  # minimal remat: the second copy of the saved dot outputs, live until the backward starts
     logits: float
     temporaries: float  # one layer's gathered weights, unsharded grads and backward working set
     optimizer_temporaries: float  # the scaled gradients of the clipped update
@@ -78,12 +84,12 @@ class MemoryBreakdown:
 
     def phases(self) -> dict[str, float]:
         """What is live beside the state (params, optimizer, accumulator) in each phase of the step: "loss" (the
-        logits and the gathered vocabulary table atop the saved activations), "backward" (a layer being
-        differentiated atop the saved activations) and "optimizer" (the activations freed, a scaled copy of the
-        gradients). XLA allocates the gradient buffers before the loss (they are outputs of the whole backward),
+        logits and the gathered vocabulary table atop the saved activations, and under minimal remat the second
+        copy of the saved dot outputs), "backward" (a layer being differentiated atop the saved activations) and
+        "optimizer" (the activations freed, a scaled copy of the gradients). XLA allocates the gradient buffers before the loss (they are outputs of the whole backward),
         so they count in every phase; the phases do not overlap, so the peak is the largest."""
         return {
-            "loss": self.gradients + self.activations + self.logits,
+            "loss": self.gradients + self.activations + self.saved_copy + self.logits,
             "backward": self.gradients + self.activations + self.temporaries,
             "optimizer": self.gradients + self.optimizer_temporaries,
         }
@@ -108,7 +114,8 @@ class MemoryBreakdown:
     def as_dict(self) -> dict:
         return {
             "params": self.params, "optimizer": self.optimizer, "gradients": self.gradients,
-            "grad_accumulator": self.grad_accumulator, "activations": self.activations, "logits": self.logits,
+            "grad_accumulator": self.grad_accumulator, "activations": self.activations,
+            "saved_copy": self.saved_copy, "logits": self.logits,
             "temporaries": self.temporaries, "optimizer_temporaries": self.optimizer_temporaries,
             "peak_phase": self.peak_phase, "phases": self.phases(),
             "per_device_total_bytes": self.per_device_total_bytes,
@@ -130,7 +137,7 @@ def layer_saved_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, *, r
     if remat == "full":  # nothing but the layer input (the scan carry)
         return 0.0
     if remat == "minimal":  # outputs of weight matmuls: q, k, v, o-projection, gate/up, down
-        return MINIMAL_SAVED_COPIES * c * ((a.H + 2 * a.K) * Dh + D + (2 if gated(model) else 1) * a.F + D)
+        return c * ((a.H + 2 * a.K) * Dh + D + (2 if gated(model) else 1) * a.F + D)
     norms = (4 if model.post_norms else 2) * (NORM_SAVED_BYTES + c) * D
     residual = c * D  # the sum after attention, input of the MLP block
     qkv = c * (a.H + 2 * a.K) * Dh
@@ -168,8 +175,10 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
 
     # scanned or not, the backward reads every layer's input: N x T x D (Korthikanti's 2sbh per layer for "full")
     carry = N * T * D * c
-    activations = carry + N * T * layer_saved_per_token(model, train, mesh, remat=remat)
-    logits = T * a.V * (c + 4 * (LOGITS_FLOAT32_BUFFERS + _final_softcap(model)))
+    saved = N * T * layer_saved_per_token(model, train, mesh, remat=remat)
+    activations = carry + saved
+    saved_copy = (MINIMAL_SAVED_COPIES - 1) * saved if remat == "minimal" else 0.0
+    logits = T * a.V * (c + 4 * LOGITS_FLOAT32_BUFFERS)
 
     arrays = param_arrays(model)
     layer_full = sum(local_size(x.shape, x.logical, _no_fsdp(mesh)) for x in arrays if x.count == N and x.matmul)
@@ -184,13 +193,9 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     temporaries = gathered + grads_unsharded + working
     return MemoryBreakdown(
         params=params, optimizer=optimizer, gradients=gradients, grad_accumulator=accumulator,
-        activations=activations, logits=logits + vocab_table, temporaries=temporaries,
+        activations=activations, saved_copy=saved_copy, logits=logits + vocab_table, temporaries=temporaries,
         optimizer_temporaries=OPTIMIZER_GRADIENT_COPIES * gradients, hbm_bytes=hbm_bytes,
     )
-
-
-def _final_softcap(model: ModelShape) -> int:
-    return 1 if getattr(model, "final_logit_softcap", None) is not None else 0
 
 
 def _no_fsdp(mesh: Mesh) -> Mesh:

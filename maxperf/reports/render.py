@@ -17,7 +17,8 @@ from typing import Any
 from maxperf.errors import MaxperfError
 
 GIB = 1 << 30
-MEMORY_PARTS = ("params", "optimizer", "gradients", "grad_accumulator", "activations", "logits", "temporaries")
+MEMORY_PARTS = ("params", "optimizer", "gradients", "grad_accumulator", "activations", "saved_copy", "logits",
+                "temporaries")
 COMPILER_PARTS = ("argument_bytes", "temp_bytes", "generated_code_bytes")
 
 
