@@ -78,9 +78,10 @@ def main() -> int:
 
     if not args.no_calibrate:
         cal = calibrate()
-        print(f"calibrated: bf16 {cal.peak_flops('bfloat16') / 1e9:.1f} GFLOP/s, f32 "
-              f"{cal.peak_flops('float32') / 1e9:.1f} GFLOP/s, {cal.memory_bandwidth / 1e9:.1f} GB/s "
-              f"({cal.num_devices} devices)")
+        layouts = ", ".join(f"{k} {v:.2f}" for k, v in cal.form_efficiency("bfloat16").items())
+        print(f"calibrated: bf16 {cal.peak_flops('bfloat16') / 1e9:.1f} GFLOP/s (relative rate by layout: {layouts}), "
+              f"f32 {cal.peak_flops('float32') / 1e9:.1f} GFLOP/s, memory {cal.memory_bandwidth / 1e9:.1f} GB/s, "
+              f"collectives {(cal.collective_bandwidth or 0) / 1e9:.1f} GB/s ({cal.num_devices} devices)")
     topology = f"cpu-{args.devices}"
     print(f"{'model':<11} {'config':<58} {'measured':>9} {'predicted':>9} {'error':>7}")
     errors = []

@@ -1,11 +1,27 @@
 """The chip table: every expected chip, sane units, helpful errors, calibrated CPU peaks."""
 
 import json
+from dataclasses import dataclass
 
 import pytest
 
 from maxperf.errors import MaxperfError
-from maxperf.perfmodel import calibration, chips
+from maxperf.models import presets
+from maxperf.models.config import TrainConfig
+from maxperf.perfmodel import calibration, chips, estimate
+
+
+@dataclass(frozen=True)
+class CpuTopology:
+    chip: str = "cpu"
+    chips: int = 2
+    chips_per_host: int = 2
+    num_slices: int = 1
+    hosts: int = 1
+    torus: tuple = (2,)
+
+
+CPU2 = CpuTopology()
 
 EXPECTED = {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "tpu7x", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200",
             "gb200", "cpu"}
@@ -54,13 +70,33 @@ def test_cpu_reads_a_stored_calibration(tmp_path, monkeypatch):
         platform="cpu", device_kind="cpu", num_devices=1, jax_version="x", created="2025-01-01T00:00:00+00:00",
         matmul=(calibration.MatmulSample("float32", 256, 3e10), calibration.MatmulSample("float32", 512, 4e10),
                 calibration.MatmulSample("bfloat16", 512, 2e10)),
-        memory_bandwidth=7e9,
+        memory_bandwidth=7e9, collective_bandwidth=None,
     )
     path = calibration.save(cal)
-    assert path == tmp_path / "calibration.json" and json.loads(path.read_text())["schema"] == 1
+    assert path == tmp_path / "calibration.json" and json.loads(path.read_text())["schema"] == 2
     cpu = chips.get("cpu")
     assert cpu.calibrated
     assert (cpu.peak_fp32_flops, cpu.peak_bf16_flops, cpu.hbm_bandwidth) == (4e10, 2e10, 7e9)
+    assert cpu.link_bandwidth == 7e9  # one device: collectives go through memory
+    assert cpu.matmul_form_efficiency("float32", "tn") == 1.0  # forms not measured
+
+
+def test_calibrated_matmul_forms_slow_the_weight_gradients(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path))
+    samples = [calibration.MatmulSample("bfloat16", 512, rate, form) for form, rate in
+               (("nn", 8e11), ("nt", 8e11), ("tn", 2e11))]
+    base = dict(platform="cpu", device_kind="cpu", num_devices=2, jax_version="x", created="2025-01-01T00:00:00+00:00",
+                memory_bandwidth=4e10, collective_bandwidth=3e9)
+    calibration.save(calibration.Calibration(matmul=tuple(samples), **base))
+    cpu = chips.get("cpu")
+    assert cpu.matmul_form_efficiency("bfloat16", "tn") == pytest.approx(0.25) and cpu.link_bandwidth == 3e9
+    model, train = presets.get("scaled-1"), TrainConfig(per_device_batch_size=1, seq_len=512, remat_policy="none")
+    slow = estimate(model, train, {"fsdp": 2}, {}, CPU2).time.compute_s
+    even = [calibration.MatmulSample("bfloat16", 512, 8e11, form) for form in ("nn", "nt", "tn")]
+    calibration.save(calibration.Calibration(matmul=tuple(even), **base))
+    fast = estimate(model, train, {"fsdp": 2}, {}, CPU2).time.compute_s
+    # a third of the matmul FLOPs are weight gradients, at a quarter of the rate: (1 + 1 + 4) / 3 = 2x the time
+    assert slow / fast == pytest.approx(2.0, rel=0.02)
 
 
 def test_unreadable_calibration_falls_back_to_defaults(tmp_path, monkeypatch):

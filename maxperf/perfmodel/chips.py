@@ -50,6 +50,9 @@ class Chip:
     peak_fp8_flops: float | None = None
     peak_int8_ops: float | None = None
     calibrated: bool = False  # True only for the "cpu" chip read from a stored calibration
+    # (dtype, form, rate relative to the plain form): matmul operand layouts that run slower ("tn": x^T @ dy, the
+    # weight gradient); measured by `maxperf calibrate` for CPUs, empty (all forms at the same rate) elsewhere
+    form_efficiency: tuple[tuple[str, str, float], ...] = ()
     note: str = ""
 
     def peak_flops(self, dtype: str) -> float:
@@ -58,6 +61,9 @@ class Chip:
         if str(dtype) == "float32" and self.peak_fp32_flops is not None:
             return self.peak_fp32_flops
         return self.peak_bf16_flops
+
+    def matmul_form_efficiency(self, dtype: str, form: str) -> float:
+        return next((e for d, f, e in self.form_efficiency if d == str(dtype) and f == form), 1.0)
 
     @property
     def ici_bandwidth_per_chip(self) -> float:
@@ -217,9 +223,11 @@ def calibrated_cpu(cal: calibration.Calibration | None) -> Chip:
         return chip
     fp32 = cal.peak_flops("float32") or chip.peak_fp32_flops
     bf16 = cal.peak_flops("bfloat16") or fp32
+    forms = tuple((dtype, form, e) for dtype in ("float32", "bfloat16")
+                  for form, e in cal.form_efficiency(dtype).items())
     return replace(
         chip, peak_bf16_flops=bf16, peak_fp32_flops=fp32, hbm_bandwidth=cal.memory_bandwidth,
-        link_bandwidth=cal.memory_bandwidth, calibrated=True,
+        link_bandwidth=cal.collective_bandwidth or cal.memory_bandwidth, form_efficiency=forms, calibrated=True,
         note=f"calibrated {cal.created} on {cal.device_kind} ({cal.platform}, jax {cal.jax_version})",
     )
 

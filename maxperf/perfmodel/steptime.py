@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from maxperf.perfmodel.chips import Chip
-from maxperf.perfmodel.flops import ATTENTION_SKIPS_MASKED, TRAIN_FACTOR, attention_pairs, gated
+from maxperf.perfmodel.flops import ATTENTION_SKIPS_MASKED, attention_pairs, gated
 from maxperf.perfmodel.memory import params_per_device
 from maxperf.perfmodel.network import axis_networks, collective_time
 from maxperf.perfmodel.shapes import Mesh, ModelShape, TopologyShape, TrainShape, check, dtype_bytes
@@ -39,6 +39,10 @@ SOFTMAX_BWD_FLOAT32 = 3
 OPTIMIZER_PASSES = 7
 # Loss over the vocabulary: read logits, log-softmax, gradient, in float32.
 LOSS_FLOAT32_PASSES = 4
+# XLA:CPU all-gathers the parameters in their own dtype and converts after, and has no reduce-scatter of its own:
+# it all-reduces the gradients and keeps its shard (the optimized HLO of a cpu-2 step of scaled-1: a float32
+# all-gather feeding each bf16 convert, one all-reduce over the float32 gradients). TPUs and GPUs gather in the
+# compute dtype and reduce-scatter.
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,7 @@ class _Table:
     """Accumulates work by row name: seconds split into compute-bound, memory-bound and network parts."""
 
     def __init__(self, chip: Chip, dtype: str):
-        self.chip, self.peak = chip, chip.peak_flops(dtype)
+        self.chip, self.dtype, self.peak = chip, dtype, chip.peak_flops(dtype)
         self.rows: dict[str, dict[str, float]] = {}
         self.overlap: dict[str, float] = {}
 
@@ -109,13 +113,21 @@ class _Table:
         row["bytes"] += nbytes
         self.overlap[name] = overlap
 
-    def matmul(self, name: str, M: float, K: float, N: float, count: float, c: int) -> None:
+    def matmul(self, name: str, M: float, K: float, N: float, count: float, c: int, form: str = "nn") -> None:
         """`count` matmuls of M x K by K x N in compute dtype (c bytes): a roofline of FLOPs and HBM traffic."""
         flops = 2 * M * K * N * count
         nbytes = c * (M * K + K * N + M * N) * count
-        t_flops = flops / (self.peak * matmul_efficiency(self.chip.kind, min(M, K, N)))
+        efficiency = matmul_efficiency(self.chip.kind, min(M, K, N))
+        t_flops = flops / (self.peak * efficiency * self.chip.matmul_form_efficiency(self.dtype, form))
         t_bytes = nbytes / self.chip.hbm_bandwidth
         self.add(name, "compute" if t_flops >= t_bytes else "hbm", max(t_flops, t_bytes), flops, nbytes)
+
+    def train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int) -> None:
+        """A matmul run `forward` times as x @ W (the forward and its recomputation) and `backward` times as each of
+        the backward's two: the input gradient dy @ W^T and the weight gradient x^T @ dy."""
+        self.matmul(name, M, K, N, forward, c, "nn")
+        self.matmul(name, M, K, N, backward, c, "nt")
+        self.matmul(name, M, K, N, backward, c, "tn")
 
     def memory(self, name: str, nbytes: float) -> None:
         self.add(name, "hbm", nbytes / self.chip.hbm_bandwidth, 0.0, nbytes)
@@ -133,22 +145,22 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     table = _Table(chip, train.compute_dtype)
 
     # matmuls: forward, backward (2 x forward), and the forward again where remat recomputes it
-    weight_passes = TRAIN_FACTOR + (1 if remat == "full" else 0)
-    attn_passes = TRAIN_FACTOR + (1 if remat in ("full", "minimal") else 0)
-    n = N * micro * weight_passes
-    table.matmul("q projection", T, D, a.H * Dh, n, c)
-    table.matmul("k, v projections", T, D, a.K * Dh, 2 * n, c)
-    table.matmul("attention output projection", T, a.H * Dh, D, n, c)
-    table.matmul("mlp up" + (" and gate" if gated(model) else ""), T, D, a.F, (2 if gated(model) else 1) * n, c)
-    table.matmul("mlp down", T, a.F, D, N * micro * TRAIN_FACTOR, c)  # never recomputed (flops.count_flops)
-    table.matmul("unembedding", T, D, a.V, micro * TRAIN_FACTOR, c)
+    fwd, bwd = N * micro * (1 + (1 if remat == "full" else 0)), N * micro
+    g = 2 if gated(model) else 1
+    table.train_matmul("q projection", T, D, a.H * Dh, fwd, bwd, c)
+    table.train_matmul("k, v projections", T, D, a.K * Dh, 2 * fwd, 2 * bwd, c)
+    table.train_matmul("attention output projection", T, a.H * Dh, D, fwd, bwd, c)
+    table.train_matmul("mlp up" + (" and gate" if gated(model) else ""), T, D, a.F, g * fwd, g * bwd, c)
+    table.train_matmul("mlp down", T, a.F, D, N * micro, bwd, c)  # never recomputed (flops.count_flops)
+    table.train_matmul("unembedding", T, D, a.V, micro, micro, c)
     # attention einsums per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh; the model computes all
     # L x L scores (ATTENTION_SKIPS_MASKED); a kernel that skipped masked blocks would do the windowed share only
+    attn_fwd = 1 + (1 if remat in ("full", "minimal") else 0)
     for W in model.layer_windows():
         share = 1.0 if not ATTENTION_SKIPS_MASKED else attention_pairs(L, W) / (L * L)
-        count = Bm * a.H * micro * attn_passes * share
-        table.matmul("attention scores", a.L, Dh, L, count, c)
-        table.matmul("attention context", a.L, L, Dh, count, c)
+        count = Bm * a.H * micro * share
+        table.train_matmul("attention scores", a.L, Dh, L, attn_fwd * count, count, c)
+        table.train_matmul("attention context", a.L, L, Dh, attn_fwd * count, count, c)
 
     # memory-bound work
     elementwise_layers = N * micro * (1 + ELEMENTWISE_BACKWARD_FACTOR + (1 if remat != "none" else 0))
@@ -173,10 +185,11 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
         gathered = sum(_gathered_size(x, mesh) for x in layer_arrays)
         vocab = _gathered_size(table_array, mesh)
         # forward gather, backward gather again, gradient reduce-scatter: per layer and microbatch
-        for kind, nbytes, count in (("all-gather", gathered * c, 2 * N * micro),
-                                    ("all-gather", vocab * c, 2 * micro),
-                                    ("reduce-scatter", gathered * p, N * micro),
-                                    ("reduce-scatter", vocab * p, micro)):
+        g_bytes, rs = (p, "all-reduce") if chip.kind == "cpu" else (c, "reduce-scatter")
+        for kind, nbytes, count in (("all-gather", gathered * g_bytes, 2 * N * micro),
+                                    ("all-gather", vocab * g_bytes, 2 * micro),
+                                    (rs, gathered * p, N * micro),
+                                    (rs, vocab * p, micro)):
             _collective(table, "fsdp " + kind, kind, nbytes, fsdp_axes, nets, count, overlap.fsdp)
     if mesh.axes["tensor"] > 1:
         # Megatron-style: 2 all-reduces of T x D in the forward, 2 in the backward (Shoeybi et al. 2019, sec. 3)

@@ -1,4 +1,5 @@
-"""`maxperf calibrate`: measure this machine's jax devices (matmul FLOP/s, memory bandwidth) for perfmodel.
+"""`maxperf calibrate`: measure this machine's jax devices (matmul FLOP/s by dtype and operand layout, memory and
+collective bandwidth) for perfmodel.
 
 The result is stored as JSON in the user's cache (perfmodel.calibration.cache_dir()), where perfmodel reads it to
 give the "cpu" chip measured peaks. jax is imported inside `calibrate`, so importing this module stays cheap.
@@ -11,12 +12,16 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from maxperf.perfmodel.calibration import Calibration, MatmulSample, save
+from maxperf.perfmodel.calibration import FORMS, Calibration, MatmulSample, save
 
 MATMUL_SIZES = (256, 512, 1024)
 DTYPES = ("float32", "bfloat16")
-BANDWIDTH_BYTES = 64 * 2**20  # per operand of the add: large enough to leave the caches, quick on a laptop
+# Per device: large enough to leave the L2 caches; a reduction reads it without allocating a fresh output, whose
+# first-touch page faults would be measured instead of bandwidth.
+BANDWIDTH_BYTES = 128 * 2**20
+COLLECTIVE_BYTES = 32 * 2**20  # the all-gathered array, all devices' shards together
 REPEATS = 5
+_EINSUM = {"nn": "dij,djk->dik", "nt": "dij,dkj->dik", "tn": "dji,djk->dik"}
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -31,30 +36,46 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DTYPES,
-              bandwidth_bytes: int = BANDWIDTH_BYTES, repeats: int = REPEATS, store: bool = True,
-              path: Path | None = None) -> Calibration:
-    """Times square matmuls (2 n^3 FLOPs each) per dtype and size, and a large float32 add (read 2, write 1) on the
-    first jax device; stores the result unless `store` is False."""
+              bandwidth_bytes: int = BANDWIDTH_BYTES, collective_bytes: int = COLLECTIVE_BYTES,
+              repeats: int = REPEATS, store: bool = True, path: Path | None = None) -> Calibration:
+    """Runs every measurement on all of the process's devices at once, as a train step's SPMD program does, and
+    stores the result unless `store` is False: square matmuls (2 n^3 FLOPs each) per dtype, form and size; a sum
+    over a float32 array (bandwidth_bytes per device); and an all-gather of a collective_bytes float32 array."""
     import jax
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    device = jax.devices()[0]
+    devices = jax.local_devices()
+    d = len(devices)
+    mesh = jax.sharding.Mesh(devices, ("d",))
+    sharded = NamedSharding(mesh, PartitionSpec("d"))
+
+    def put(shape, dtype, value):
+        return jax.device_put(jnp.full(shape, value, dtype), sharded)
+
     samples = []
-    matmul = jax.jit(lambda a, b: a @ b)
     for dtype in dtypes:
         for n in sizes:
-            a = jax.device_put(jnp.ones((n, n), dtype), device)
-            b = jax.device_put(jnp.full((n, n), 0.5, dtype), device)
-            seconds = _best_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
-            samples.append(MatmulSample(dtype=dtype, size=n, flops_per_s=2 * n**3 / seconds))
+            a, b = put((d, n, n), dtype, 1.0), put((d, n, n), dtype, 0.5)
+            for form in FORMS:
+                matmul = jax.jit(lambda a, b, spec=_EINSUM[form]: jnp.einsum(spec, a, b))
+                seconds = _best_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
+                samples.append(MatmulSample(dtype=dtype, size=n, flops_per_s=d * 2 * n**3 / seconds, form=form))
     count = bandwidth_bytes // 4
-    x = jax.device_put(jnp.ones((count,), jnp.float32), device)
-    y = jax.device_put(jnp.full((count,), 2.0, jnp.float32), device)
-    add = jax.jit(lambda x, y: x + y)
-    seconds = _best_seconds(lambda: add(x, y).block_until_ready(), repeats)
+    x = put((d, count), jnp.float32, 1.0)
+    total = jax.jit(lambda x: jnp.sum(x, axis=1))
+    seconds = _best_seconds(lambda: total(x).block_until_ready(), repeats)
+    bandwidth = d * count * 4 / seconds
+    collective = None
+    if d > 1:
+        y = put((collective_bytes // 4,), jnp.float32, 1.0)
+        gather = jax.jit(lambda y: y, out_shardings=NamedSharding(mesh, PartitionSpec()))
+        seconds = _best_seconds(lambda: gather(y).block_until_ready(), repeats)
+        # a ring all-gather moves (d-1)/d of the array through each device's link (perfmodel.network)
+        collective = d * (d - 1) / d * collective_bytes / seconds
     cal = Calibration(
-        platform=device.platform, device_kind=device.device_kind, num_devices=jax.device_count(),
-        matmul=tuple(samples), memory_bandwidth=3 * count * 4 / seconds, jax_version=jax.__version__,
+        platform=devices[0].platform, device_kind=devices[0].device_kind, num_devices=d, matmul=tuple(samples),
+        memory_bandwidth=bandwidth, collective_bandwidth=collective, jax_version=jax.__version__,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
     if store:
