@@ -1,21 +1,10 @@
 """`maxperf calibrate` measures this machine and perfmodel's CPU estimate then says it used measured peaks."""
 
-from dataclasses import dataclass
-
 from maxperf.models import presets
 from maxperf.models.config import TrainConfig
 from maxperf.perfmodel import calibration, estimate
 from maxperf.profiler.calibrate import calibrate
-
-
-@dataclass(frozen=True)
-class Topo:
-    chip: str = "cpu"
-    chips: int = 1
-    chips_per_host: int = 1
-    num_slices: int = 1
-    hosts: int = 1
-    torus: tuple = (1,)
+from perfmodel_util import Topo
 
 
 def test_calibrate_stores_measurements_that_estimates_use(tmp_path, monkeypatch):
@@ -27,5 +16,5 @@ def test_calibrate_stores_measurements_that_estimates_use(tmp_path, monkeypatch)
     assert cal.num_devices == 8 and cal.collective_bandwidth > 1e6  # tests run on 8 host devices (conftest)
     assert set(cal.form_efficiency("float32")) == {"nn", "nt", "tn"} and cal.form_efficiency("bfloat16") == {}
     assert calibration.load() == cal
-    est = estimate(presets.get("tiny"), TrainConfig(compute_dtype="float32", seq_len=64), {}, {}, Topo())
+    est = estimate(presets.get("tiny"), TrainConfig(compute_dtype="float32", seq_len=64), {}, {}, Topo("cpu", 1, 1))
     assert est.peaks_calibrated and est.peak_flops == cal.peak_flops("float32")

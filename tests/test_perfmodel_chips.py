@@ -1,7 +1,6 @@
 """The chip table: every expected chip, sane units, helpful errors, calibrated CPU peaks."""
 
 import json
-from dataclasses import dataclass
 
 import pytest
 
@@ -9,19 +8,9 @@ from maxperf.errors import MaxperfError
 from maxperf.models import presets
 from maxperf.models.config import TrainConfig
 from maxperf.perfmodel import calibration, chips, estimate
+from perfmodel_util import Topo
 
-
-@dataclass(frozen=True)
-class CpuTopology:
-    chip: str = "cpu"
-    chips: int = 2
-    chips_per_host: int = 2
-    num_slices: int = 1
-    hosts: int = 1
-    torus: tuple = (2,)
-
-
-CPU2 = CpuTopology()
+CPU2 = Topo("cpu", 2, 2)
 
 EXPECTED = {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "tpu7x", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200",
             "gb200", "cpu"}

@@ -14,16 +14,7 @@ from maxperf.models.config import TrainConfig
 from maxperf.perfmodel import Overlap, estimate
 from maxperf.perfmodel.memory import layer_saved_per_token
 from maxperf.perfmodel.shapes import make_mesh
-
-
-@dataclass(frozen=True)
-class Topo:
-    chip: str
-    chips: int
-    chips_per_host: int = 4
-    num_slices: int = 1
-    hosts: int = 1
-    torus: tuple = ()
+from perfmodel_util import Topo
 
 
 def v5p(chips, torus=(4, 4, 4)):

@@ -84,8 +84,8 @@ class Calibration:
             matmul=tuple(MatmulSample(m["dtype"], int(m["size"]), float(m["flops_per_s"]), m["form"])
                          for m in d["matmul"]),
             memory_bandwidth=float(d["memory_bandwidth"]),
-            collective_bandwidth=None if d["collective_bandwidth"] is None else float(d["collective_bandwidth"]), jax_version=d["jax_version"], created=d["created"],
-            schema=int(d["schema"]),
+            collective_bandwidth=None if d["collective_bandwidth"] is None else float(d["collective_bandwidth"]),
+            jax_version=d["jax_version"], created=d["created"], schema=int(d["schema"]),
         )
 
 

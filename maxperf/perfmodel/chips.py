@@ -223,7 +223,7 @@ def calibrated_cpu(cal: calibration.Calibration | None) -> Chip:
         return chip
     fp32 = cal.peak_flops("float32") or chip.peak_fp32_flops
     bf16 = cal.peak_flops("bfloat16") or fp32
-    forms = tuple((dtype, form, e) for dtype in ("float32", "bfloat16")
+    forms = tuple((dtype, form, e) for dtype in sorted({s.dtype for s in cal.matmul})
                   for form, e in cal.form_efficiency(dtype).items())
     return replace(
         chip, peak_bf16_flops=bf16, peak_fp32_flops=fp32, hbm_bandwidth=cal.memory_bandwidth,

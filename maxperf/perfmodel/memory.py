@@ -86,8 +86,9 @@ class MemoryBreakdown:
         """What is live beside the state (params, optimizer, accumulator) in each phase of the step: "loss" (the
         logits and the gathered vocabulary table atop the saved activations, and under minimal remat the second
         copy of the saved dot outputs), "backward" (a layer being differentiated atop the saved activations) and
-        "optimizer" (the activations freed, a scaled copy of the gradients). XLA allocates the gradient buffers before the loss (they are outputs of the whole backward),
-        so they count in every phase; the phases do not overlap, so the peak is the largest."""
+        "optimizer" (the activations freed, a scaled copy of the gradients). XLA allocates the gradient buffers
+        before the loss (they are outputs of the whole backward), so they count in every phase; the phases do not
+        overlap, so the peak is the largest."""
         return {
             "loss": self.gradients + self.activations + self.saved_copy + self.logits,
             "backward": self.gradients + self.activations + self.temporaries,

@@ -39,10 +39,6 @@ SOFTMAX_BWD_FLOAT32 = 3
 OPTIMIZER_PASSES = 7
 # Loss over the vocabulary: read logits, log-softmax, gradient, in float32.
 LOSS_FLOAT32_PASSES = 4
-# XLA:CPU all-gathers the parameters in their own dtype and converts after, and has no reduce-scatter of its own:
-# it all-reduces the gradients and keeps its shard (the optimized HLO of a cpu-2 step of scaled-1: a float32
-# all-gather feeding each bf16 convert, one all-reduce over the float32 gradients). TPUs and GPUs gather in the
-# compute dtype and reduce-scatter.
 
 
 @dataclass(frozen=True)
@@ -184,7 +180,10 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     if fsdp_axes:
         gathered = sum(_gathered_size(x, mesh) for x in layer_arrays)
         vocab = _gathered_size(table_array, mesh)
-        # forward gather, backward gather again, gradient reduce-scatter: per layer and microbatch
+        # forward gather, backward gather again, gradient reduce-scatter: per layer and microbatch. XLA:CPU gathers
+        # the parameters in their own dtype and converts after, and has no reduce-scatter of its own: it all-reduces
+        # the gradients and keeps its shard (the optimized HLO of a cpu-2 step of scaled-1: a float32 all-gather
+        # feeding each bf16 convert, one all-reduce over the float32 gradients).
         g_bytes, rs = (p, "all-reduce") if chip.kind == "cpu" else (c, "reduce-scatter")
         for kind, nbytes, count in (("all-gather", gathered * g_bytes, 2 * N * micro),
                                     ("all-gather", vocab * g_bytes, 2 * micro),

@@ -43,11 +43,11 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
     over a float32 array (bandwidth_bytes per device); and an all-gather of a collective_bytes float32 array."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     devices = jax.local_devices()
     d = len(devices)
-    mesh = jax.sharding.Mesh(devices, ("d",))
+    mesh = Mesh(devices, ("d",))
     sharded = NamedSharding(mesh, PartitionSpec("d"))
 
     def put(shape, dtype, value):
@@ -71,8 +71,9 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
         y = put((collective_bytes // 4,), jnp.float32, 1.0)
         gather = jax.jit(lambda y: y, out_shardings=NamedSharding(mesh, PartitionSpec()))
         seconds = _best_seconds(lambda: gather(y).block_until_ready(), repeats)
-        # a ring all-gather moves (d-1)/d of the array through each device's link (perfmodel.network)
-        collective = d * (d - 1) / d * collective_bytes / seconds
+        # a ring all-gather moves (d-1)/d of the array through each device's link (perfmodel.network); summed over
+        # the d devices, as every rate here is
+        collective = (d - 1) * collective_bytes / seconds
     cal = Calibration(
         platform=devices[0].platform, device_kind=devices[0].device_kind, num_devices=d, matmul=tuple(samples),
         memory_bandwidth=bandwidth, collective_bandwidth=collective, jax_version=jax.__version__,
