@@ -14,7 +14,7 @@ def cmd_estimate(args) -> int:
 
     p = plan(args.topology, args.model, args.overrides, num_slices=args.num_slices)
     est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology,
-                             overlap=args.overlap if args.overlap is not None else perfmodel.Overlap())
+                             overlap=args.overlap)
     if args.json:
         _print_json(est.as_dict())
         return 0
@@ -126,7 +126,8 @@ def _estimate_parser(sub) -> None:
     p = sub.add_parser("estimate", help="analytical step time, TFLOP/s, MFU and memory, no compile")
     _add_plan_arguments(p, model_default=None)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--overlap", type=float, help="fraction of communication hidden under compute (0..1)")
+    p.add_argument("--overlap", type=float, help="fraction of communication hidden under compute (0..1); "
+                   "default: per collective family on TPU and GPU, none on CPU")
     p.set_defaults(func=cmd_estimate)
 
 

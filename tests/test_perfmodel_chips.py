@@ -7,7 +7,7 @@ import pytest
 from maxperf.errors import MaxperfError
 from maxperf.models import presets
 from maxperf.models.config import TrainConfig
-from maxperf.perfmodel import calibration, chips, estimate
+from maxperf.perfmodel import Overlap, calibration, chips, estimate
 from perfmodel_util import Topo
 
 CPU2 = Topo("cpu", 2, 2)
@@ -59,33 +59,69 @@ def test_cpu_reads_a_stored_calibration(tmp_path, monkeypatch):
         platform="cpu", device_kind="cpu", num_devices=1, jax_version="x", created="2025-01-01T00:00:00+00:00",
         matmul=(calibration.MatmulSample("float32", 256, 3e10), calibration.MatmulSample("float32", 512, 4e10),
                 calibration.MatmulSample("bfloat16", 512, 2e10)),
-        memory_bandwidth=7e9, collective_bandwidth=None,
+        memory_bandwidth=7e9, collective_bandwidth=None, all_reduce_bandwidth=None, page_fault_bandwidth=None,
     )
     path = calibration.save(cal)
-    assert path == tmp_path / "calibration.json" and json.loads(path.read_text())["schema"] == 2
+    assert path == tmp_path / "calibration.json" and json.loads(path.read_text())["schema"] == 3
     cpu = chips.get("cpu")
     assert cpu.calibrated
     assert (cpu.peak_fp32_flops, cpu.peak_bf16_flops, cpu.hbm_bandwidth) == (4e10, 2e10, 7e9)
     assert cpu.link_bandwidth == 7e9  # one device: collectives go through memory
-    assert cpu.matmul_form_efficiency("float32", "tn") == 1.0  # forms not measured
+    # nothing measured for thin matmuls, collectives or page faults: steptime's assumptions, and no fault cost
+    assert cpu.matmul_half == () and cpu.collective_efficiency == () and cpu.page_fault_bandwidth is None
 
 
-def test_calibrated_matmul_forms_slow_the_weight_gradients(tmp_path, monkeypatch):
+CAL = dict(platform="cpu", device_kind="cpu", num_devices=2, jax_version="x", created="2025-01-01T00:00:00+00:00",
+           memory_bandwidth=4e10, collective_bandwidth=3e9, all_reduce_bandwidth=1.5e9, page_fault_bandwidth=None)
+
+
+def test_thin_matmuls_run_at_their_measured_rate(tmp_path, monkeypatch):
     monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path))
-    samples = [calibration.MatmulSample("bfloat16", 512, rate, form) for form, rate in
-               (("nn", 8e11), ("nt", 8e11), ("tn", 2e11))]
-    base = dict(platform="cpu", device_kind="cpu", num_devices=2, jax_version="x", created="2025-01-01T00:00:00+00:00",
-                memory_bandwidth=4e10, collective_bandwidth=3e9)
-    calibration.save(calibration.Calibration(matmul=tuple(samples), **base))
+    # rate(thin) = rate(square) x thin / (thin + HALF) with HALF = 48 for every sample
+    thin = [calibration.MatmulSample("bfloat16", 1024, 8e11 * m / (m + 48), thin=m, side=side)
+            for m in (16, 64, 256) for side in ("m", "k", "n")]
+    calibration.save(calibration.Calibration(matmul=(calibration.MatmulSample("bfloat16", 1024, 8e11), *thin), **CAL))
     cpu = chips.get("cpu")
-    assert cpu.matmul_form_efficiency("bfloat16", "tn") == pytest.approx(0.25) and cpu.link_bandwidth == 3e9
-    model, train = presets.get("scaled-1"), TrainConfig(per_device_batch_size=1, seq_len=512, remat_policy="none")
-    slow = estimate(model, train, {"fsdp": 2}, {}, CPU2).time.compute_s
-    even = [calibration.MatmulSample("bfloat16", 512, 8e11, form) for form in ("nn", "nt", "tn")]
-    calibration.save(calibration.Calibration(matmul=tuple(even), **base))
-    fast = estimate(model, train, {"fsdp": 2}, {}, CPU2).time.compute_s
-    # a third of the matmul FLOPs are weight gradients, at a quarter of the rate: (1 + 1 + 4) / 3 = 2x the time
-    assert slow / fast == pytest.approx(2.0, rel=0.02)
+    assert cpu.measured_matmul_half("bfloat16") == pytest.approx(48) and cpu.measured_matmul_half("float32") is None
+    model, train = presets.get("tiny"), TrainConfig(per_device_batch_size=2, seq_len=256, remat_policy="none")
+    measured = estimate(model, train, {"fsdp": 2}, {}, CPU2).breakdown
+    calibration.save(calibration.Calibration(matmul=(calibration.MatmulSample("bfloat16", 1024, 8e11),), **CAL))
+    assumed = estimate(model, train, {"fsdp": 2}, {}, CPU2).breakdown
+    # the attention scores contract over the head dimension: 2 x 16 x 256 x 256 FLOPs per (example, head), thin 16
+    row = lambda rows: next(r for r in rows if r.name == "attention scores")
+    assert row(measured).seconds / row(assumed).seconds == pytest.approx((16 + 48) / (16 + 32), rel=1e-6)
+
+
+def test_page_faults_of_large_temporaries_count_on_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path))
+    square = (calibration.MatmulSample("bfloat16", 1024, 8e11),)
+    calibration.save(calibration.Calibration(matmul=square, **{**CAL, "page_fault_bandwidth": 4e9}))
+    model = presets.get("tiny")
+    big = estimate(model, TrainConfig(per_device_batch_size=8, seq_len=512), {"fsdp": 2}, {}, CPU2)
+    temporaries = max(big.memory.phases().values())
+    assert temporaries > 32 * 2**20
+    faults = next(r for r in big.breakdown if r.name.startswith("page faults"))
+    assert faults.seconds == pytest.approx(temporaries / 2e9)  # two devices share the measured 4 GB/s
+    small = estimate(model, TrainConfig(per_device_batch_size=1, seq_len=64), {"fsdp": 2}, {}, CPU2)
+    assert max(small.memory.phases().values()) < 32 * 2**20  # reused by the allocator: no faults
+    assert not any(r.name.startswith("page faults") for r in small.breakdown)
+
+
+def test_cpu_collectives_use_their_measured_bandwidth_and_do_not_overlap(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path))
+    square = (calibration.MatmulSample("bfloat16", 1024, 8e11),)
+    calibration.save(calibration.Calibration(matmul=square, **CAL))
+    cpu = chips.get("cpu")
+    assert cpu.link_bandwidth == 3e9 and cpu.collective_efficiency == (("all-reduce", 0.5),)
+    model, train = presets.get("scaled-1"), TrainConfig(per_device_batch_size=1, seq_len=128)
+    est = estimate(model, train, {"fsdp": 2}, {}, CPU2)
+    assert est.overlap == Overlap.uniform(0.0)
+    rows = {r.name: r for r in est.breakdown}
+    gather, reduce = rows["fsdp all-gather (ici)"], rows["fsdp all-reduce (ici)"]
+    # per byte, an all-reduce moves twice an all-gather's share (2(n-1)/n against (n-1)/n) at half the bandwidth
+    assert (reduce.seconds / reduce.bytes) / (gather.seconds / gather.bytes) == pytest.approx(4.0, rel=1e-3)
+    assert all(r.exposed_seconds == r.seconds for r in est.breakdown)
+    assert est.step_time_s == pytest.approx(sum(r.seconds for r in est.breakdown))
 
 
 def test_unreadable_calibration_falls_back_to_defaults(tmp_path, monkeypatch):

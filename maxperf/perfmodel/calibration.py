@@ -10,11 +10,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_VERSION = 2
-# Operand layouts of the matmuls a train step runs: the forward's x @ W ("nn"), the input gradient dy @ W^T ("nt")
-# and the weight gradient x^T @ dy ("tn"). XLA:CPU reaches very different rates on them (`maxperf calibrate` here, 2
-# devices of a 2-core Xeon with AMX, bfloat16: nt 1.09x and tn 0.19x the rate of nn), so each is calibrated.
-FORMS = ("nn", "nt", "tn")
+SCHEMA_VERSION = 3
+# Sides of a thin matmul: the small one of M (rows of x), K (the contraction) or N (columns of W).
+THIN_SIDES = ("m", "k", "n")
 FILE_NAME = "calibration.json"
 
 
@@ -35,14 +33,16 @@ class MatmulSample:
     dtype: str
     size: int  # square matmul of size x size by size x size
     flops_per_s: float  # all the process's devices together, each running its own matmul at the same time
-    form: str = "nn"  # one of FORMS
+    thin: int | None = None  # a thin matmul: one side (`side`) is `thin` long, the other two `size`; None: square
+    side: str | None = None  # one of THIN_SIDES
 
 
 @dataclass(frozen=True)
 class Calibration:
     """Measured on this machine's jax devices, all of them at once (SPMD devices of one process share the cores and
-    memory): matmul FLOP/s by dtype, form and size, memory bandwidth, and the bandwidth of a collective between the
-    devices. Rates are totals over the `num_devices` devices; perfmodel divides them among a topology's devices."""
+    memory): matmul FLOP/s by dtype, size and thinness, memory bandwidth, the cost of faulting in new memory, and the
+    bandwidth of collectives between the devices. Rates are totals over the `num_devices` devices; perfmodel
+    divides them among a topology's devices."""
 
     platform: str
     device_kind: str
@@ -50,43 +50,56 @@ class Calibration:
     matmul: tuple[MatmulSample, ...]
     memory_bandwidth: float  # bytes/s, a reduction over a large array on every device
     collective_bandwidth: float | None  # bytes/s of an all-gather among the devices, as link bandwidth; None: 1 device
+    all_reduce_bandwidth: float | None  # the same for an all-reduce (the bus bandwidth convention of perfmodel.network)
+    page_fault_bandwidth: float | None  # bytes/s of newly mapped memory written for the first time, beyond the write
     jax_version: str
     created: str  # ISO 8601, UTC
     schema: int = SCHEMA_VERSION
 
     def peak_flops(self, dtype: str) -> float | None:
         """The best plain ("nn") matmul rate measured in `dtype`; None when that dtype was not measured."""
-        rates = [s.flops_per_s for s in self.matmul if s.dtype == dtype and s.form == "nn"]
+        rates = [s.flops_per_s for s in self.matmul if s.dtype == dtype and s.thin is None]
         return max(rates) if rates else None
 
-    def form_efficiency(self, dtype: str) -> dict[str, float]:
-        """Each form's rate relative to "nn", at the largest size measured in `dtype` with every form."""
-        sizes = {s.size for s in self.matmul if s.dtype == dtype}
-        full = [n for n in sizes if {s.form for s in self.matmul if s.dtype == dtype and s.size == n} >= set(FORMS)]
-        if not full:
-            return {}
-        rate = {s.form: s.flops_per_s for s in self.matmul if s.dtype == dtype and s.size == max(full)}
-        return {f: rate[f] / rate["nn"] for f in FORMS}
+    def matmul_half(self, dtype: str) -> float | None:
+        """The thin side at which a matmul runs at half the rate of a square one of its long sides: the median,
+        over the thin samples, of HALF in rate(thin) = rate(square) x thin / (thin + HALF), the form
+        perfmodel.steptime gives matmul efficiency. None when `dtype` has no thin samples."""
+        square = {s.size: s.flops_per_s for s in self.matmul if s.dtype == dtype and s.thin is None}
+        halves = sorted(s.thin * (square[s.size] / s.flops_per_s - 1) for s in self.matmul
+                        if s.dtype == dtype and s.thin is not None and s.size in square)
+        if not halves:
+            return None
+        mid = len(halves) // 2
+        return max(0.0, halves[mid] if len(halves) % 2 else (halves[mid - 1] + halves[mid]) / 2)
 
     def as_dict(self) -> dict:
         return {
             "schema": self.schema, "platform": self.platform, "device_kind": self.device_kind,
             "num_devices": self.num_devices, "jax_version": self.jax_version, "created": self.created,
             "memory_bandwidth": self.memory_bandwidth, "collective_bandwidth": self.collective_bandwidth,
-            "matmul": [{"dtype": s.dtype, "form": s.form, "size": s.size, "flops_per_s": s.flops_per_s}
-                       for s in self.matmul],
+            "all_reduce_bandwidth": self.all_reduce_bandwidth, "page_fault_bandwidth": self.page_fault_bandwidth,
+            "matmul": [{"dtype": s.dtype, "size": s.size, "flops_per_s": s.flops_per_s,
+                        "thin": s.thin, "side": s.side} for s in self.matmul],
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> Calibration:
         return cls(
             platform=d["platform"], device_kind=d["device_kind"], num_devices=int(d["num_devices"]),
-            matmul=tuple(MatmulSample(m["dtype"], int(m["size"]), float(m["flops_per_s"]), m["form"])
+            matmul=tuple(MatmulSample(m["dtype"], int(m["size"]), float(m["flops_per_s"]),
+                                      None if m.get("thin") is None else int(m["thin"]), m.get("side"))
                          for m in d["matmul"]),
             memory_bandwidth=float(d["memory_bandwidth"]),
-            collective_bandwidth=None if d["collective_bandwidth"] is None else float(d["collective_bandwidth"]),
+            collective_bandwidth=_optional(d["collective_bandwidth"]),
+            all_reduce_bandwidth=_optional(d["all_reduce_bandwidth"]),
+            page_fault_bandwidth=_optional(d["page_fault_bandwidth"]),
             jax_version=d["jax_version"], created=d["created"], schema=int(d["schema"]),
         )
+
+
+def _optional(value) -> float | None:
+    return None if value is None else float(value)
 
 
 def save(cal: Calibration, path: Path | None = None) -> Path:

@@ -50,9 +50,14 @@ class Chip:
     peak_fp8_flops: float | None = None
     peak_int8_ops: float | None = None
     calibrated: bool = False  # True only for the "cpu" chip read from a stored calibration
-    # (dtype, form, rate relative to the plain form): matmul operand layouts that run slower ("tn": x^T @ dy, the
-    # weight gradient); measured by `maxperf calibrate` for CPUs, empty (all forms at the same rate) elsewhere
-    form_efficiency: tuple[tuple[str, str, float], ...] = ()
+    # (dtype, HALF): the thin side at which a matmul runs at half its square rate (perfmodel.steptime); measured
+    # by `maxperf calibrate` for CPUs, empty (steptime's assumption per kind) elsewhere
+    matmul_half: tuple[tuple[str, float], ...] = ()
+    # (collective, bus bandwidth relative to an all-gather's): measured for CPUs, empty (all alike) elsewhere
+    collective_efficiency: tuple[tuple[str, float], ...] = ()
+    # bytes/s of faulting in newly mapped memory, for CPU devices whose step maps its large temporaries afresh
+    # (XLA:CPU allocates them per execution); None: no such cost (accelerators keep a pooled allocator)
+    page_fault_bandwidth: float | None = None
     note: str = ""
 
     def peak_flops(self, dtype: str) -> float:
@@ -62,8 +67,8 @@ class Chip:
             return self.peak_fp32_flops
         return self.peak_bf16_flops
 
-    def matmul_form_efficiency(self, dtype: str, form: str) -> float:
-        return next((e for d, f, e in self.form_efficiency if d == str(dtype) and f == form), 1.0)
+    def measured_matmul_half(self, dtype: str) -> float | None:
+        return next((h for d, h in self.matmul_half if d == str(dtype)), None)
 
     @property
     def ici_bandwidth_per_chip(self) -> float:
@@ -223,11 +228,15 @@ def calibrated_cpu(cal: calibration.Calibration | None) -> Chip:
         return chip
     fp32 = cal.peak_flops("float32") or chip.peak_fp32_flops
     bf16 = cal.peak_flops("bfloat16") or fp32
-    forms = tuple((dtype, form, e) for dtype in sorted({s.dtype for s in cal.matmul})
-                  for form, e in cal.form_efficiency(dtype).items())
+    dtypes = sorted({s.dtype for s in cal.matmul})
+    halves = tuple((dtype, h) for dtype in dtypes if (h := cal.matmul_half(dtype)) is not None)
+    collectives = ()
+    if cal.collective_bandwidth and cal.all_reduce_bandwidth:
+        collectives = (("all-reduce", cal.all_reduce_bandwidth / cal.collective_bandwidth),)
     return replace(
         chip, peak_bf16_flops=bf16, peak_fp32_flops=fp32, hbm_bandwidth=cal.memory_bandwidth,
-        link_bandwidth=cal.collective_bandwidth or cal.memory_bandwidth, form_efficiency=forms, calibrated=True,
+        link_bandwidth=cal.collective_bandwidth or cal.memory_bandwidth, matmul_half=halves,
+        collective_efficiency=collectives, page_fault_bandwidth=cal.page_fault_bandwidth, calibrated=True,
         note=f"calibrated {cal.created} on {cal.device_kind} ({cal.platform}, jax {cal.jax_version})",
     )
 

@@ -40,6 +40,10 @@ class AxisNetwork:
     inner_bandwidth: float  # bytes/s per chip, one direction, on the chip-to-chip network
     outer_bandwidth: float  # bytes/s per chip on the host network
     torus: bool = False  # on a torus, axes on different dimensions use different links, so bandwidths add
+    kind_efficiency: tuple[tuple[str, float], ...] = ()  # (collective, bandwidth relative to inner_bandwidth)
+
+    def efficiency(self, kind: str) -> float:
+        return next((e for k, e in self.kind_efficiency if k == kind), 1.0)
 
 
 def _torus_dims_spanned(torus: tuple[int, ...], sizes: dict[str, int]) -> dict[str, int]:
@@ -89,7 +93,8 @@ def axis_networks(mesh: Mesh, chip: Chip, topology: TopologyShape) -> dict[str, 
     for a in INNERMOST_FIRST:
         n = mesh.axes[a]
         inside = math.gcd(n, max(1, per_host // inner_product)) if inner_product <= per_host else 1
-        out[a] = AxisNetwork(a, inside, n // inside, chip.link_bandwidth, host_bw)
+        out[a] = AxisNetwork(a, inside, n // inside, chip.link_bandwidth, host_bw,
+                             kind_efficiency=chip.collective_efficiency)
         inner_product *= n
     return out
 
@@ -109,7 +114,7 @@ def collective_time(kind: str, nbytes: float, axes: tuple[str, ...], nets: dict[
     if inner > 1:
         # on a torus each axis has its own dimensions' links and a multi-axis collective uses them all; through a
         # switch (NVLink, memory) the axes share one set of links
-        bws = [nets[a].inner_bandwidth for a in axes if nets[a].inner > 1]
+        bws = [nets[a].inner_bandwidth * nets[a].efficiency(kind) for a in axes if nets[a].inner > 1]
         bw = sum(bws) if all(nets[a].torus for a in axes) else min(bws)
         ici = f(inner) * nbytes / bw + LATENCY_S["ici"]
     if outer > 1:

@@ -39,6 +39,11 @@ SOFTMAX_BWD_FLOAT32 = 3
 OPTIMIZER_PASSES = 7
 # Loss over the vocabulary: read logits, log-softmax, gradient, in float32.
 LOSS_FLOAT32_PASSES = 4
+# XLA:CPU allocates a step's temporaries afresh on every execution; glibc maps an allocation above its mmap
+# threshold anew each time (the threshold adapts up to 32 MiB on 64-bit systems, mallopt(3) M_MMAP_THRESHOLD), so
+# every page of such temporaries faults in once per step. Measured: a cpu-2 step of scaled-1 (800 MB of temporaries
+# per device, maxperf's memory.json) takes 1.60 GB of minor faults per step (getrusage), two devices' worth.
+FRESH_MAPPING_THRESHOLD = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,10 @@ class StepTime:
     rows: tuple[Row, ...]
 
 
-def matmul_efficiency(kind: str, m: float) -> float:
-    top, half = MATMUL_EFFICIENCY[kind]
+def matmul_efficiency(kind: str, m: float, half: float | None = None) -> float:
+    """MAX x m / (m + HALF); `half` (a calibrated HALF) replaces the kind's assumed one."""
+    top, assumed = MATMUL_EFFICIENCY[kind]
+    half = assumed if half is None else half
     return top * m / (m + half)
 
 
@@ -97,6 +104,7 @@ class _Table:
 
     def __init__(self, chip: Chip, dtype: str):
         self.chip, self.dtype, self.peak = chip, dtype, chip.peak_flops(dtype)
+        self.half = chip.measured_matmul_half(dtype)
         self.rows: dict[str, dict[str, float]] = {}
         self.overlap: dict[str, float] = {}
 
@@ -109,28 +117,31 @@ class _Table:
         row["bytes"] += nbytes
         self.overlap[name] = overlap
 
-    def matmul(self, name: str, M: float, K: float, N: float, count: float, c: int, form: str = "nn") -> None:
+    def matmul(self, name: str, M: float, K: float, N: float, count: float, c: int) -> None:
         """`count` matmuls of M x K by K x N in compute dtype (c bytes): a roofline of FLOPs and HBM traffic."""
         flops = 2 * M * K * N * count
         nbytes = c * (M * K + K * N + M * N) * count
-        efficiency = matmul_efficiency(self.chip.kind, min(M, K, N))
-        t_flops = flops / (self.peak * efficiency * self.chip.matmul_form_efficiency(self.dtype, form))
+        efficiency = matmul_efficiency(self.chip.kind, min(M, K, N), self.half)
+        t_flops = flops / (self.peak * efficiency)
         t_bytes = nbytes / self.chip.hbm_bandwidth
         self.add(name, "compute" if t_flops >= t_bytes else "hbm", max(t_flops, t_bytes), flops, nbytes)
 
     def train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int) -> None:
         """A matmul run `forward` times as x @ W (the forward and its recomputation) and `backward` times as each of
-        the backward's two: the input gradient dy @ W^T and the weight gradient x^T @ dy."""
-        self.matmul(name, M, K, N, forward, c, "nn")
-        self.matmul(name, M, K, N, backward, c, "nt")
-        self.matmul(name, M, K, N, backward, c, "tn")
+        the backward's two: the input gradient dy @ W^T and the weight gradient x^T @ dy. All run at the plain rate:
+        compilers give the transposed operand the layout the matmul wants (XLA:CPU copies x to x^T, a T x D
+        transpose, and runs the weight gradient as a plain matmul, as a cpu-2 step's optimized HLO shows), so a
+        library's slower rate for a transposed operand does not apply."""
+        self.matmul(name, M, K, N, forward + 2 * backward, c)
 
     def memory(self, name: str, nbytes: float) -> None:
         self.add(name, "hbm", nbytes / self.chip.hbm_bandwidth, 0.0, nbytes)
 
 
 def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topology: TopologyShape,
-              overlap: Overlap) -> StepTime:
+              overlap: Overlap, temporaries: float = 0.0) -> StepTime:
+    """`temporaries`: bytes per device live beside the state at the step's peak (the memory model's); where the
+    chip pays to fault in new memory (CPU devices), a step pays it once for temporaries above the mmap threshold."""
     c = dtype_bytes(train.compute_dtype, "compute_dtype")
     p = dtype_bytes(train.param_dtype, "param_dtype")
     D, N, Dh, L = model.d_model, model.num_layers, model.head_dim, train.seq_len
@@ -170,6 +181,8 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     table.memory("loss", micro * T * a.V * 4 * LOSS_FLOAT32_PASSES)
     local_params = params_per_device(model, mesh)
     table.memory("optimizer update", OPTIMIZER_PASSES * p * local_params)
+    if chip.page_fault_bandwidth and temporaries > FRESH_MAPPING_THRESHOLD:
+        table.add("page faults (new temporaries)", "hbm", temporaries / chip.page_fault_bandwidth, 0.0, temporaries)
 
     # collectives
     nets = axis_networks(mesh, chip, topology)

@@ -1,5 +1,5 @@
-"""`maxperf calibrate`: measure this machine's jax devices (matmul FLOP/s by dtype and operand layout, memory and
-collective bandwidth) for perfmodel.
+"""`maxperf calibrate`: measure this machine's jax devices (matmul FLOP/s by dtype, operand layout and thinness,
+memory bandwidth, the cost of first touching new memory, collective bandwidth) for perfmodel.
 
 The result is stored as JSON in the user's cache (perfmodel.calibration.cache_dir()), where perfmodel reads it to
 give the "cpu" chip measured peaks. jax is imported inside `calibrate`, so importing this module stays cheap.
@@ -12,16 +12,23 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from maxperf.perfmodel.calibration import FORMS, Calibration, MatmulSample, save
+from maxperf.perfmodel.calibration import THIN_SIDES, Calibration, MatmulSample, save
 
 MATMUL_SIZES = (256, 512, 1024)
+# thin matmuls: one side this short (head dimensions, narrow models), the other two THIN_SIZE
+THIN_WIDTHS = (16, 32, 64, 128, 256)
+THIN_SIZE = 1024
 DTYPES = ("float32", "bfloat16")
 # Per device: large enough to leave the L2 caches; a reduction reads it without allocating a fresh output, whose
 # first-touch page faults would be measured instead of bandwidth.
 BANDWIDTH_BYTES = 128 * 2**20
-COLLECTIVE_BYTES = 32 * 2**20  # the all-gathered array, all devices' shards together
+# Per device, above glibc's largest dynamic mmap threshold (32 MiB on 64-bit, mallopt(3) M_MMAP_THRESHOLD): a
+# buffer this large is mapped fresh by every allocation, so its first writes fault each page in.
+PAGE_FAULT_BYTES = 128 * 2**20
+# The all-gathered array (all devices' shards together) and the all-reduced array per device: below the mmap
+# threshold, so that outputs reuse memory already mapped and the page faults measured above are not counted twice.
+COLLECTIVE_BYTES = 16 * 2**20
 REPEATS = 5
-_EINSUM = {"nn": "dij,djk->dik", "nt": "dij,dkj->dik", "tn": "dji,djk->dik"}
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -35,14 +42,32 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
+def _best_fresh_seconds(make: Callable[[], object], run: Callable[[object], object], repeats: int) -> float:
+    """As _best_seconds, for a `run` that consumes its input (donated buffers): `make` builds a new one, untimed."""
+    run(make())
+    best = float("inf")
+    for _ in range(repeats):
+        arg = make()
+        t0 = time.perf_counter()
+        run(arg)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DTYPES,
-              bandwidth_bytes: int = BANDWIDTH_BYTES, collective_bytes: int = COLLECTIVE_BYTES,
-              repeats: int = REPEATS, store: bool = True, path: Path | None = None) -> Calibration:
+              thin_widths: Sequence[int] = THIN_WIDTHS, thin_size: int = THIN_SIZE,
+              bandwidth_bytes: int = BANDWIDTH_BYTES, page_fault_bytes: int = PAGE_FAULT_BYTES,
+              collective_bytes: int = COLLECTIVE_BYTES, repeats: int = REPEATS, store: bool = True,
+              path: Path | None = None) -> Calibration:
     """Runs every measurement on all of the process's devices at once, as a train step's SPMD program does, and
-    stores the result unless `store` is False: square matmuls (2 n^3 FLOPs each) per dtype, form and size; a sum
-    over a float32 array (bandwidth_bytes per device); and an all-gather of a collective_bytes float32 array."""
+    stores the result unless `store` is False: square matmuls (2 n^3 FLOPs each) per dtype and size, and thin
+    ones (one side of each thin width, the others thin_size); a sum over a float32 array (bandwidth_bytes per
+    device); an add into a new array against the same add into its donated input (page_fault_bytes per device),
+    whose difference is the cost of faulting in new pages; an all-gather of a collective_bytes float32 array and an
+    all-reduce of one of collective_bytes per device."""
     import jax
     import jax.numpy as jnp
+    from jax import lax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     devices = jax.local_devices()
@@ -51,22 +76,42 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
     sharded = NamedSharding(mesh, PartitionSpec("d"))
 
     def put(shape, dtype, value):
-        return jax.device_put(jnp.full(shape, value, dtype), sharded)
+        return jax.device_put(jnp.full(shape, value, dtype), sharded).block_until_ready()
 
+    matmul = jax.jit(lambda a, b: jnp.einsum("dij,djk->dik", a, b))  # one matmul per device
     samples = []
     for dtype in dtypes:
         for n in sizes:
             a, b = put((d, n, n), dtype, 1.0), put((d, n, n), dtype, 0.5)
-            for form in FORMS:
-                matmul = jax.jit(lambda a, b, spec=_EINSUM[form]: jnp.einsum(spec, a, b))
+            seconds = _best_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
+            samples.append(MatmulSample(dtype=dtype, size=n, flops_per_s=d * 2 * n**3 / seconds))
+        if thin_widths and thin_size not in sizes:
+            raise ValueError(f"thin matmuls are compared with a square one of thin_size {thin_size}: add it to sizes")
+        n = thin_size
+        for m in thin_widths:
+            for side in THIN_SIDES:
+                rows, inner, cols = (m if side == "m" else n), (m if side == "k" else n), (m if side == "n" else n)
+                a, b = put((d, rows, inner), dtype, 1.0), put((d, inner, cols), dtype, 0.5)
                 seconds = _best_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
-                samples.append(MatmulSample(dtype=dtype, size=n, flops_per_s=d * 2 * n**3 / seconds, form=form))
+                samples.append(MatmulSample(dtype=dtype, size=n, flops_per_s=d * 2 * n * n * m / seconds, thin=m,
+                                            side=side))
     count = bandwidth_bytes // 4
     x = put((d, count), jnp.float32, 1.0)
     total = jax.jit(lambda x: jnp.sum(x, axis=1))
     seconds = _best_seconds(lambda: total(x).block_until_ready(), repeats)
     bandwidth = d * count * 4 / seconds
-    collective = None
+    del x
+    count = page_fault_bytes // 4
+    fresh = jax.jit(lambda x: x + 1.0)
+    in_place = jax.jit(lambda x: x + 1.0, donate_argnums=0)
+    x = put((d, count), jnp.float32, 1.0)
+    fresh_s = _best_seconds(lambda: fresh(x).block_until_ready(), repeats)
+    del x
+    in_place_s = _best_fresh_seconds(lambda: put((d, count), jnp.float32, 1.0),
+                                     lambda x: in_place(x).block_until_ready(), repeats)
+    # None where new memory costs nothing measurable (an allocator that reuses mapped memory)
+    page_fault = d * count * 4 / (fresh_s - in_place_s) if fresh_s > 1.05 * in_place_s else None
+    collective = all_reduce = None
     if d > 1:
         y = put((collective_bytes // 4,), jnp.float32, 1.0)
         gather = jax.jit(lambda y: y, out_shardings=NamedSharding(mesh, PartitionSpec()))
@@ -74,9 +119,15 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
         # a ring all-gather moves (d-1)/d of the array through each device's link (perfmodel.network); summed over
         # the d devices, as every rate here is
         collective = (d - 1) * collective_bytes / seconds
+        z = put((d, collective_bytes // 4), jnp.float32, 1.0)
+        psum = jax.jit(jax.shard_map(lambda z: lax.psum(z, "d"), mesh=mesh, in_specs=PartitionSpec("d"),
+                                     out_specs=PartitionSpec("d")))
+        seconds = _best_seconds(lambda: psum(z).block_until_ready(), repeats)
+        all_reduce = 2 * (d - 1) * collective_bytes / seconds  # 2(d-1)/d of the array per link, summed over d
     cal = Calibration(
         platform=devices[0].platform, device_kind=devices[0].device_kind, num_devices=d, matmul=tuple(samples),
-        memory_bandwidth=bandwidth, collective_bandwidth=collective, jax_version=jax.__version__,
+        memory_bandwidth=bandwidth, collective_bandwidth=collective, all_reduce_bandwidth=all_reduce,
+        page_fault_bandwidth=page_fault, jax_version=jax.__version__,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
     if store:
