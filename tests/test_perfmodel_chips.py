@@ -8,6 +8,7 @@ from maxperf.errors import MaxperfError
 from maxperf.models import presets
 from maxperf.models.config import TrainConfig
 from maxperf.perfmodel import Overlap, calibration, chips, estimate
+from maxperf.perfmodel.steptime import FRESH_MAPPING_THRESHOLD
 from perfmodel_util import Topo
 
 CPU2 = Topo("cpu", 2, 2)
@@ -99,11 +100,11 @@ def test_page_faults_of_large_temporaries_count_on_cpu(tmp_path, monkeypatch):
     model = presets.get("tiny")
     big = estimate(model, TrainConfig(per_device_batch_size=8, seq_len=512), {"fsdp": 2}, {}, CPU2)
     temporaries = max(big.memory.phases().values())
-    assert temporaries > 32 * 2**20
+    assert temporaries > FRESH_MAPPING_THRESHOLD
     faults = next(r for r in big.breakdown if r.name.startswith("page faults"))
     assert faults.seconds == pytest.approx(temporaries / 2e9)  # two devices share the measured 4 GB/s
     small = estimate(model, TrainConfig(per_device_batch_size=1, seq_len=64), {"fsdp": 2}, {}, CPU2)
-    assert max(small.memory.phases().values()) < 32 * 2**20  # reused by the allocator: no faults
+    assert max(small.memory.phases().values()) < FRESH_MAPPING_THRESHOLD  # reused by the allocator: no faults
     assert not any(r.name.startswith("page faults") for r in small.breakdown)
 
 

@@ -31,7 +31,7 @@ def calibration_path() -> Path:
 @dataclass(frozen=True)
 class MatmulSample:
     dtype: str
-    size: int  # square matmul of size x size by size x size
+    size: int  # a square matmul of size x size by size x size; a thin one's two long sides
     flops_per_s: float  # all the process's devices together, each running its own matmul at the same time
     thin: int | None = None  # a thin matmul: one side (`side`) is `thin` long, the other two `size`; None: square
     side: str | None = None  # one of THIN_SIDES
@@ -57,7 +57,7 @@ class Calibration:
     schema: int = SCHEMA_VERSION
 
     def peak_flops(self, dtype: str) -> float | None:
-        """The best plain ("nn") matmul rate measured in `dtype`; None when that dtype was not measured."""
+        """The best square matmul rate measured in `dtype`; None when that dtype was not measured."""
         rates = [s.flops_per_s for s in self.matmul if s.dtype == dtype and s.thin is None]
         return max(rates) if rates else None
 

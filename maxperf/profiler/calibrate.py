@@ -1,5 +1,5 @@
-"""`maxperf calibrate`: measure this machine's jax devices (matmul FLOP/s by dtype, operand layout and thinness,
-memory bandwidth, the cost of first touching new memory, collective bandwidth) for perfmodel.
+"""`maxperf calibrate`: measure this machine's jax devices (matmul FLOP/s by dtype, size and thinness, memory
+bandwidth, the cost of first touching new memory, collective bandwidth) for perfmodel.
 
 The result is stored as JSON in the user's cache (perfmodel.calibration.cache_dir()), where perfmodel reads it to
 give the "cpu" chip measured peaks. jax is imported inside `calibrate`, so importing this module stays cheap.
@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from maxperf.perfmodel.calibration import THIN_SIDES, Calibration, MatmulSample, save
+from maxperf.perfmodel.steptime import FRESH_MAPPING_THRESHOLD
 
 MATMUL_SIZES = (256, 512, 1024)
 # thin matmuls: one side this short (head dimensions, narrow models), the other two THIN_SIZE
@@ -22,34 +23,25 @@ DTYPES = ("float32", "bfloat16")
 # Per device: large enough to leave the L2 caches; a reduction reads it without allocating a fresh output, whose
 # first-touch page faults would be measured instead of bandwidth.
 BANDWIDTH_BYTES = 128 * 2**20
-# Per device, above glibc's largest dynamic mmap threshold (32 MiB on 64-bit, mallopt(3) M_MMAP_THRESHOLD): a
-# buffer this large is mapped fresh by every allocation, so its first writes fault each page in.
-PAGE_FAULT_BYTES = 128 * 2**20
+# Per device, above glibc's largest dynamic mmap threshold (steptime.FRESH_MAPPING_THRESHOLD): a buffer this large
+# is mapped fresh by every allocation, so its first writes fault each page in.
+PAGE_FAULT_BYTES = 4 * FRESH_MAPPING_THRESHOLD
 # The all-gathered array (all devices' shards together) and the all-reduced array per device: below the mmap
 # threshold, so that outputs reuse memory already mapped and the page faults measured above are not counted twice.
-COLLECTIVE_BYTES = 16 * 2**20
+COLLECTIVE_BYTES = FRESH_MAPPING_THRESHOLD // 2
 REPEATS = 5
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """The fastest of `repeats` timed runs after one warm-up (compile) run; the minimum filters out noise."""
-    fn()
+def _best_seconds(fn: Callable[..., object], repeats: int, make: Callable[[], object] | None = None) -> float:
+    """The fastest of `repeats` timed runs after one warm-up (compile) run; the minimum filters out noise. With
+    `make`, each run gets a new input from it, built untimed (for an `fn` that consumes its input: donated buffers)."""
+    args = (lambda: ()) if make is None else (lambda: (make(),))
+    fn(*args())
     best = float("inf")
     for _ in range(repeats):
+        inputs = args()
         t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _best_fresh_seconds(make: Callable[[], object], run: Callable[[object], object], repeats: int) -> float:
-    """As _best_seconds, for a `run` that consumes its input (donated buffers): `make` builds a new one, untimed."""
-    run(make())
-    best = float("inf")
-    for _ in range(repeats):
-        arg = make()
-        t0 = time.perf_counter()
-        run(arg)
+        fn(*inputs)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -78,6 +70,8 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
     def put(shape, dtype, value):
         return jax.device_put(jnp.full(shape, value, dtype), sharded).block_until_ready()
 
+    if thin_widths and thin_size not in sizes:
+        raise ValueError(f"thin matmuls are compared with a square one of thin_size {thin_size}: add it to sizes")
     matmul = jax.jit(lambda a, b: jnp.einsum("dij,djk->dik", a, b))  # one matmul per device
     samples = []
     for dtype in dtypes:
@@ -85,8 +79,6 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
             a, b = put((d, n, n), dtype, 1.0), put((d, n, n), dtype, 0.5)
             seconds = _best_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
             samples.append(MatmulSample(dtype=dtype, size=n, flops_per_s=d * 2 * n**3 / seconds))
-        if thin_widths and thin_size not in sizes:
-            raise ValueError(f"thin matmuls are compared with a square one of thin_size {thin_size}: add it to sizes")
         n = thin_size
         for m in thin_widths:
             for side in THIN_SIDES:
@@ -107,8 +99,8 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
     x = put((d, count), jnp.float32, 1.0)
     fresh_s = _best_seconds(lambda: fresh(x).block_until_ready(), repeats)
     del x
-    in_place_s = _best_fresh_seconds(lambda: put((d, count), jnp.float32, 1.0),
-                                     lambda x: in_place(x).block_until_ready(), repeats)
+    in_place_s = _best_seconds(lambda x: in_place(x).block_until_ready(), repeats,
+                               make=lambda: put((d, count), jnp.float32, 1.0))
     # None where new memory costs nothing measurable (an allocator that reuses mapped memory)
     page_fault = d * count * 4 / (fresh_s - in_place_s) if fresh_s > 1.05 * in_place_s else None
     collective = all_reduce = None
