@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/cpu_steptime.py [--devices N] [--steps S] [--no-calibrate]
 
-Calibrates first (maxperf.profiler.calibrate: matmul FLOP/s, memory, page-fault and collective bandwidth of this
-machine's jax devices, stored where perfmodel reads them), then for each configuration compiles the train step for
+Calibrates first (maxperf.profiler.calibrate: matmul FLOP/s, memory, transposing-copy, page-fault and collective
+bandwidth and collective latency of this machine's jax devices, stored where perfmodel reads them), then for each configuration compiles the train step for
 cpu-N through maxperf.aot.compile, loads it back with maxperf.aot.load(DIR).step(devices), initializes a real state,
 runs warm-up steps, times S steps with block_until_ready, and prints the median measured step time beside
 perfmodel.estimate(...) for the same configuration on the cpu topology, the signed error of the prediction, and the
@@ -80,9 +80,10 @@ def main() -> int:
         cal = calibrate()
         print(f"calibrated: bf16 {cal.peak_flops('bfloat16') / 1e9:.1f} GFLOP/s (half rate at a thin side of "
               f"{cal.matmul_half('bfloat16'):.0f}), f32 {cal.peak_flops('float32') / 1e9:.1f} GFLOP/s, memory "
-              f"{cal.memory_bandwidth / 1e9:.1f} GB/s, page faults {(cal.page_fault_bandwidth or 0) / 1e9:.1f} GB/s, "
-              f"all-gather {(cal.collective_bandwidth or 0) / 1e9:.1f} GB/s, all-reduce "
-              f"{(cal.all_reduce_bandwidth or 0) / 1e9:.1f} GB/s ({cal.num_devices} devices)")
+              f"{cal.memory_bandwidth / 1e9:.1f} GB/s, transposing copies {cal.transpose_bandwidth / 1e9:.1f} GB/s, "
+              f"page faults {(cal.page_fault_bandwidth or 0) / 1e9:.1f} GB/s, all-gather "
+              f"{(cal.collective_bandwidth or 0) / 1e9:.1f} GB/s, all-reduce {(cal.all_reduce_bandwidth or 0) / 1e9:.1f} "
+              f"GB/s, {(cal.collective_latency or 0) * 1e6:.0f} us per collective ({cal.num_devices} devices)")
     topology = f"cpu-{args.devices}"
     print(f"{'model':<11} {'config':<58} {'measured':>9} {'predicted':>9} {'error':>7}")
     errors = []

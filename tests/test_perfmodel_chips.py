@@ -61,19 +61,22 @@ def test_cpu_reads_a_stored_calibration(tmp_path, monkeypatch):
         matmul=(calibration.MatmulSample("float32", 256, 3e10), calibration.MatmulSample("float32", 512, 4e10),
                 calibration.MatmulSample("bfloat16", 512, 2e10)),
         memory_bandwidth=7e9, collective_bandwidth=None, all_reduce_bandwidth=None, page_fault_bandwidth=None,
+        transpose_bandwidth=1e9, collective_latency=None,
     )
     path = calibration.save(cal)
-    assert path == tmp_path / "calibration.json" and json.loads(path.read_text())["schema"] == 3
+    assert path == tmp_path / "calibration.json" and json.loads(path.read_text())["schema"] == 4
     cpu = chips.get("cpu")
     assert cpu.calibrated
     assert (cpu.peak_fp32_flops, cpu.peak_bf16_flops, cpu.hbm_bandwidth) == (4e10, 2e10, 7e9)
     assert cpu.link_bandwidth == 7e9  # one device: collectives go through memory
     # nothing measured for thin matmuls, collectives or page faults: steptime's assumptions, and no fault cost
     assert cpu.matmul_half == () and cpu.collective_efficiency == () and cpu.page_fault_bandwidth is None
+    assert cpu.transpose_bandwidth == 1e9 and cpu.collective_latency is None
 
 
 CAL = dict(platform="cpu", device_kind="cpu", num_devices=2, jax_version="x", created="2025-01-01T00:00:00+00:00",
-           memory_bandwidth=4e10, collective_bandwidth=3e9, all_reduce_bandwidth=1.5e9, page_fault_bandwidth=None)
+           memory_bandwidth=4e10, collective_bandwidth=3e9, all_reduce_bandwidth=1.5e9, page_fault_bandwidth=None,
+           transpose_bandwidth=2e9, collective_latency=None)
 
 
 def test_thin_matmuls_run_at_their_measured_rate(tmp_path, monkeypatch):
@@ -123,6 +126,42 @@ def test_cpu_collectives_use_their_measured_bandwidth_and_do_not_overlap(tmp_pat
     assert (reduce.seconds / reduce.bytes) / (gather.seconds / gather.bytes) == pytest.approx(4.0, rel=1e-3)
     assert all(r.exposed_seconds == r.seconds for r in est.breakdown)
     assert est.step_time_s == pytest.approx(sum(r.seconds for r in est.breakdown))
+
+
+def test_fsdp_weight_shards_pay_xla_cpus_transposing_copies(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path))
+    square = (calibration.MatmulSample("bfloat16", 1024, 8e11),)
+    calibration.save(calibration.Calibration(matmul=square, **CAL))
+    model, train = presets.get("tiny"), TrainConfig(per_device_batch_size=2, seq_len=128)
+    rows = {r.name: r for r in estimate(model, train, {"fsdp": 2}, {}, CPU2).breakdown}
+    # tiny: D 64, 4 heads and 2 kv heads of 16, F 128, 2 layers; float32 shards split over fsdp 2 along D.
+    # Model width last (o 4x16x64, down 128x64): copied on both gathers; first (q 64x4x16, k and v 64x2x16, up and
+    # gate 64x128): copied once, as its gradient is written; each copy reads and writes 4 bytes per element.
+    last, first = (4 * 16 * 64 + 128 * 64) / 2, (64 * 4 * 16 + 2 * 64 * 2 * 16 + 2 * 64 * 128) / 2
+    moved = 2 * 4 * (2 * last + first) * 2
+    copies = rows["weight layout copies (XLA:CPU)"]
+    assert copies.bytes == moved == 393216
+    assert copies.seconds == pytest.approx(moved / 1e9)  # two devices share the measured 2 GB/s
+    # one device gathers nothing, and accelerators have no such copies
+    one = estimate(model, train, {}, {}, Topo("cpu", 1, 1)).breakdown
+    tpu = estimate(model, train, {"fsdp": 4}, {}, Topo("tpu-v5p", 4, 4, torus=(2, 2, 1))).breakdown
+    assert not any(r.name.startswith("weight layout") for r in (*one, *tpu))
+
+
+def test_each_gathered_weight_pays_the_measured_collective_latency(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path))
+    square = (calibration.MatmulSample("bfloat16", 1024, 8e11),)
+    model, train = presets.get("tiny"), TrainConfig(per_device_batch_size=2, seq_len=128)
+
+    def rows(latency):
+        calibration.save(calibration.Calibration(matmul=square, **{**CAL, "collective_latency": latency}))
+        return {r.name: r.seconds for r in estimate(model, train, {"fsdp": 2}, {}, CPU2).breakdown}
+
+    slow, fast = rows(1e-4), rows(0.0)
+    # 2 layers x 2 gathers x 7 weights (q, k, v, o, up, gate, down) and 2 gathers of the vocabulary table; one
+    # combined gradient all-reduce per layer and one for the table
+    assert slow["fsdp all-gather (ici)"] - fast["fsdp all-gather (ici)"] == pytest.approx((2 * 2 * 7 + 2) * 1e-4)
+    assert slow["fsdp all-reduce (ici)"] - fast["fsdp all-reduce (ici)"] == pytest.approx((2 + 1) * 1e-4)
 
 
 def test_unreadable_calibration_falls_back_to_defaults(tmp_path, monkeypatch):

@@ -58,6 +58,12 @@ class Chip:
     # bytes/s of faulting in newly mapped memory, for CPU devices whose step maps its large temporaries afresh
     # (XLA:CPU allocates them per execution); None: no such cost (accelerators keep a pooled allocator)
     page_fault_bandwidth: float | None = None
+    # bytes/s read + written by a fused copy that transposes a float32 matrix, for CPU devices, where XLA:CPU moves
+    # FSDP weight shards between the layer stack and its layouts by such copies; None: not measured (accelerators)
+    transpose_bandwidth: float | None = None
+    # seconds each collective adds between dependent work, measured on CPU devices; None: the network's assumption
+    # (perfmodel.network.LATENCY_S)
+    collective_latency: float | None = None
     note: str = ""
 
     def peak_flops(self, dtype: str) -> float:
@@ -236,7 +242,8 @@ def calibrated_cpu(cal: calibration.Calibration | None) -> Chip:
     return replace(
         chip, peak_bf16_flops=bf16, peak_fp32_flops=fp32, hbm_bandwidth=cal.memory_bandwidth,
         link_bandwidth=cal.collective_bandwidth or cal.memory_bandwidth, matmul_half=halves,
-        collective_efficiency=collectives, page_fault_bandwidth=cal.page_fault_bandwidth, calibrated=True,
+        collective_efficiency=collectives, page_fault_bandwidth=cal.page_fault_bandwidth,
+        transpose_bandwidth=cal.transpose_bandwidth, collective_latency=cal.collective_latency, calibrated=True,
         note=f"calibrated {cal.created} on {cal.device_kind} ({cal.platform}, jax {cal.jax_version})",
     )
 

@@ -85,6 +85,7 @@ def device_for(topology: TopologyShape) -> chips.Chip:
         hbm_bandwidth=chip.hbm_bandwidth / n, hbm_bytes=chip.hbm_bytes / n,
         link_bandwidth=chip.link_bandwidth / n, host_network_bandwidth=chip.host_network_bandwidth / n,
         page_fault_bandwidth=chip.page_fault_bandwidth / n if chip.page_fault_bandwidth else None,
+        transpose_bandwidth=chip.transpose_bandwidth / n if chip.transpose_bandwidth else None,
     )
 
 

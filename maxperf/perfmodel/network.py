@@ -41,6 +41,7 @@ class AxisNetwork:
     outer_bandwidth: float  # bytes/s per chip on the host network
     torus: bool = False  # on a torus, axes on different dimensions use different links, so bandwidths add
     kind_efficiency: tuple[tuple[str, float], ...] = ()  # (collective, bandwidth relative to inner_bandwidth)
+    inner_latency: float = LATENCY_S["ici"]  # fixed seconds per collective on the chip-to-chip network
 
     def efficiency(self, kind: str) -> float:
         return next((e for k, e in self.kind_efficiency if k == kind), 1.0)
@@ -94,7 +95,9 @@ def axis_networks(mesh: Mesh, chip: Chip, topology: TopologyShape) -> dict[str, 
         n = mesh.axes[a]
         inside = math.gcd(n, max(1, per_host // inner_product)) if inner_product <= per_host else 1
         out[a] = AxisNetwork(a, inside, n // inside, chip.link_bandwidth, host_bw,
-                             kind_efficiency=chip.collective_efficiency)
+                             kind_efficiency=chip.collective_efficiency,
+                             inner_latency=chip.collective_latency if chip.collective_latency is not None
+                             else LATENCY_S["ici"])
         inner_product *= n
     return out
 
@@ -105,8 +108,10 @@ class CollectiveTime:
     dcn_s: float
 
 
-def collective_time(kind: str, nbytes: float, axes: tuple[str, ...], nets: dict[str, AxisNetwork]) -> CollectiveTime:
-    """One collective of a `nbytes` buffer (the full, unsharded size) over the product of `axes`."""
+def collective_time(kind: str, nbytes: float, axes: tuple[str, ...], nets: dict[str, AxisNetwork],
+                    pieces: int = 1) -> CollectiveTime:
+    """One collective of a `nbytes` buffer (the full, unsharded size) over the product of `axes`, issued as `pieces`
+    separate collectives (one per array), each paying the network's fixed cost."""
     inner = math.prod(nets[a].inner for a in axes)
     outer = math.prod(nets[a].outer for a in axes)
     f = FACTOR[kind]
@@ -116,8 +121,9 @@ def collective_time(kind: str, nbytes: float, axes: tuple[str, ...], nets: dict[
         # switch (NVLink, memory) the axes share one set of links
         bws = [nets[a].inner_bandwidth * nets[a].efficiency(kind) for a in axes if nets[a].inner > 1]
         bw = sum(bws) if all(nets[a].torus for a in axes) else min(bws)
-        ici = f(inner) * nbytes / bw + LATENCY_S["ici"]
+        latency = max(nets[a].inner_latency for a in axes if nets[a].inner > 1)
+        ici = f(inner) * nbytes / bw + pieces * latency
     if outer > 1:
         bw = min(nets[a].outer_bandwidth for a in axes if nets[a].outer > 1)
-        dcn = f(outer) * nbytes / inner / bw + LATENCY_S["dcn"]
+        dcn = f(outer) * nbytes / inner / bw + pieces * LATENCY_S["dcn"]
     return CollectiveTime(ici, dcn)

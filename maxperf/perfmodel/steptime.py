@@ -197,12 +197,25 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
         # the parameters in their own dtype and converts after, and has no reduce-scatter of its own: it all-reduces
         # the gradients and keeps its shard (the optimized HLO of a cpu-2 step of scaled-1: a float32 all-gather
         # feeding each bf16 convert, one all-reduce over the float32 gradients).
+        # Each weight is gathered by a collective of its own; a layer's gradients are reduced by one combined
+        # collective (the optimized HLO: one all-gather per array, one tuple all-reduce per layer).
         g_bytes, rs = (p, "all-reduce") if chip.kind == "cpu" else (c, "reduce-scatter")
-        for kind, nbytes, count in (("all-gather", gathered * g_bytes, 2 * N * micro),
-                                    ("all-gather", vocab * g_bytes, 2 * micro),
-                                    (rs, gathered * p, N * micro),
-                                    (rs, vocab * p, micro)):
-            _collective(table, "fsdp " + kind, kind, nbytes, fsdp_axes, nets, count, overlap.fsdp)
+        for kind, nbytes, count, pieces in (("all-gather", gathered * g_bytes, 2 * N * micro, len(layer_arrays)),
+                                            ("all-gather", vocab * g_bytes, 2 * micro, 1),
+                                            (rs, gathered * p, N * micro, 1),
+                                            (rs, vocab * p, micro, 1)):
+            _collective(table, "fsdp " + kind, kind, nbytes, fsdp_axes, nets, count, overlap.fsdp, pieces)
+        if chip.transpose_bandwidth:
+            # XLA:CPU keeps each stacked weight in one layout and moves a layer's float32 shard between it and the
+            # layout its use wants with a fused copy that transposes: a weight whose model width is its last axis
+            # when it is sliced from the stack for a gather (twice a step: the forward and the backward's gather),
+            # one whose model width is its first axis when its gradient is written into the stacked gradients
+            # (the optimized HLO of a cpu-2 step of scaled-1 and of qwen3-0.6b; traced, these copies run at the
+            # calibrated transpose rate)
+            last = sum(local_size(x.shape, x.logical, mesh) for x in layer_arrays if x.logical[-1] == "embed")
+            first = sum(local_size(x.shape, x.logical, mesh) for x in layer_arrays if x.logical[0] == "embed")
+            moved = 2 * p * (2 * last + first) * N * micro  # read and written
+            table.add("weight layout copies (XLA:CPU)", "hbm", moved / chip.transpose_bandwidth, 0.0, moved)
     if mesh.axes["tensor"] > 1:
         # Megatron-style: 2 all-reduces of T x D in the forward, 2 in the backward (Shoeybi et al. 2019, sec. 3)
         count = N * micro * (2 + 2 + (2 if remat == "full" else 0))
@@ -240,8 +253,8 @@ def _gathered_size(array, mesh: Mesh) -> float:
 
 
 def _collective(table: _Table, name: str, kind: str, nbytes: float, axes: tuple[str, ...], nets, count: float,
-                overlap: float) -> None:
-    t = collective_time(kind, nbytes, axes, nets)
+                overlap: float, pieces: int = 1) -> None:
+    t = collective_time(kind, nbytes, axes, nets, pieces)
     if t.ici_s:
         table.add(name + " (ici)", "ici", count * t.ici_s, 0.0, count * nbytes, overlap)
     if t.dcn_s:

@@ -1,5 +1,6 @@
 """`maxperf calibrate`: measure this machine's jax devices (matmul FLOP/s by dtype, size and thinness, memory
-bandwidth, the cost of first touching new memory, collective bandwidth) for perfmodel.
+bandwidth, transposing copies, the cost of first touching new memory, collective bandwidth and fixed cost) for
+perfmodel.
 
 The result is stored as JSON in the user's cache (perfmodel.calibration.cache_dir()), where perfmodel reads it to
 give the "cpu" chip measured peaks. jax is imported inside `calibrate`, so importing this module stays cheap.
@@ -8,6 +9,7 @@ give the "cpu" chip measured peaks. jax is imported inside `calibrate`, so impor
 from __future__ import annotations
 
 import datetime
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,6 +31,15 @@ PAGE_FAULT_BYTES = 4 * FRESH_MAPPING_THRESHOLD
 # The all-gathered array (all devices' shards together) and the all-reduced array per device: below the mmap
 # threshold, so that outputs reuse memory already mapped and the page faults measured above are not counted twice.
 COLLECTIVE_BYTES = FRESH_MAPPING_THRESHOLD // 2
+# A float32 square matrix per device transposed by a copy: below the mmap threshold too, for the same reason.
+TRANSPOSE_SIDE = math.isqrt(FRESH_MAPPING_THRESHOLD // 2 // 4)
+# The fixed cost of a collective: a chain of this many small matmuls, each followed by an all-reduce of one number
+# (so the devices meet as a step's collectives make them), against the same chain without the all-reduces. As long
+# as a train step's program (hundreds of operations): on a 2-core machine with 2 devices, chains of 32 measured
+# about 20 us per all-reduce and chains of 128 to 512 a steady 75-85 us, the programs past about 100 operations
+# running in a different regime of XLA:CPU's executor.
+LATENCY_CHAIN = 256
+LATENCY_SHAPE = (128, 64)  # float32 rows x width of the chain's activations; its matmuls are width x width
 REPEATS = 5
 
 
@@ -49,14 +60,16 @@ def _best_seconds(fn: Callable[..., object], repeats: int, make: Callable[[], ob
 def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DTYPES,
               thin_widths: Sequence[int] = THIN_WIDTHS, thin_size: int = THIN_SIZE,
               bandwidth_bytes: int = BANDWIDTH_BYTES, page_fault_bytes: int = PAGE_FAULT_BYTES,
-              collective_bytes: int = COLLECTIVE_BYTES, repeats: int = REPEATS, store: bool = True,
+              collective_bytes: int = COLLECTIVE_BYTES, transpose_side: int = TRANSPOSE_SIDE,
+              latency_chain: int = LATENCY_CHAIN, repeats: int = REPEATS, store: bool = True,
               path: Path | None = None) -> Calibration:
     """Runs every measurement on all of the process's devices at once, as a train step's SPMD program does, and
     stores the result unless `store` is False: square matmuls (2 n^3 FLOPs each) per dtype and size, and thin
     ones (one side of each thin width, the others thin_size); a sum over a float32 array (bandwidth_bytes per
     device); an add into a new array against the same add into its donated input (page_fault_bytes per device),
-    whose difference is the cost of faulting in new pages; an all-gather of a collective_bytes float32 array and an
-    all-reduce of one of collective_bytes per device."""
+    whose difference is the cost of faulting in new pages; a copy that transposes a transpose_side square float32
+    matrix; an all-gather of a collective_bytes float32 array and an all-reduce of one of collective_bytes per device;
+    and what an all-reduce of one number adds between dependent small matmuls (latency_chain of them)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -103,7 +116,13 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
                                make=lambda: put((d, count), jnp.float32, 1.0))
     # None where new memory costs nothing measurable (an allocator that reuses mapped memory)
     page_fault = d * count * 4 / (fresh_s - in_place_s) if fresh_s > 1.05 * in_place_s else None
-    collective = all_reduce = None
+    n = transpose_side
+    x = put((d, n, n), jnp.float32, 1.0)
+    transpose = jax.jit(lambda x: jnp.swapaxes(x, 1, 2) * 2.0)
+    seconds = _best_seconds(lambda: transpose(x).block_until_ready(), repeats)
+    transposed = d * 2 * n * n * 4 / seconds  # read and written
+    del x
+    collective = all_reduce = latency = None
     if d > 1:
         y = put((collective_bytes // 4,), jnp.float32, 1.0)
         gather = jax.jit(lambda y: y, out_shardings=NamedSharding(mesh, PartitionSpec()))
@@ -116,12 +135,43 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
                                      out_specs=PartitionSpec("d")))
         seconds = _best_seconds(lambda: psum(z).block_until_ready(), repeats)
         all_reduce = 2 * (d - 1) * collective_bytes / seconds  # 2(d-1)/d of the array per link, summed over d
+        latency = _collective_latency(mesh, put, latency_chain, repeats)
     cal = Calibration(
         platform=devices[0].platform, device_kind=devices[0].device_kind, num_devices=d, matmul=tuple(samples),
         memory_bandwidth=bandwidth, collective_bandwidth=collective, all_reduce_bandwidth=all_reduce,
-        page_fault_bandwidth=page_fault, jax_version=jax.__version__,
+        page_fault_bandwidth=page_fault, transpose_bandwidth=transposed, collective_latency=latency,
+        jax_version=jax.__version__,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
     if store:
         save(cal, path)
     return cal
+
+
+def _collective_latency(mesh, put: Callable[..., object], chain: int, repeats: int) -> float:
+    """Seconds per all-reduce of one number placed between dependent small matmuls on every device: the chain with
+    the all-reduces against the same chain adding a local number instead; never below zero."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec
+
+    rows, width = LATENCY_SHAPE
+    d = mesh.size
+
+    def program(meet: bool):
+        def body(x, w):
+            for _ in range(chain):
+                x = jnp.tanh(x @ w)
+                corner = x[:1, :1]
+                x = x + (lax.psum(corner, "d") if meet else corner)
+            return x
+        spec = PartitionSpec("d")
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
+
+    x = put((d * rows, width), jnp.float32, 0.01)
+    w = put((d * width, width), jnp.float32, 0.01)
+    with_meets, without = program(True), program(False)
+    met = _best_seconds(lambda: with_meets(x, w).block_until_ready(), repeats)
+    alone = _best_seconds(lambda: without(x, w).block_until_ready(), repeats)
+    return max(0.0, (met - alone) / chain)
