@@ -3,11 +3,12 @@
     .venv/bin/python bench/cpu_steptime.py [--devices N] [--steps S] [--no-calibrate]
 
 Calibrates first (maxperf.profiler.calibrate: matmul FLOP/s, memory, transposing-copy, page-fault and collective
-bandwidth and collective latency of this machine's jax devices, stored where perfmodel reads them), then for each configuration compiles the train step for
-cpu-N through maxperf.aot.compile, loads it back with maxperf.aot.load(DIR).step(devices), initializes a real state,
-runs warm-up steps, times S steps with block_until_ready, and prints the median measured step time beside
-perfmodel.estimate(...) for the same configuration on the cpu topology, the signed error of the prediction, and the
-median absolute error (target: under 25%).
+bandwidth and collective latency of this machine's jax devices, stored where perfmodel reads them), then for each
+configuration compiles the train step for cpu-N through maxperf.aot.compile, loads it back with
+maxperf.aot.load(DIR).step(devices), initializes a real state, runs warm-up steps, times S steps with
+block_until_ready, and prints the median measured step time beside perfmodel.estimate(...) for the same
+configuration on the cpu topology, the signed error of the prediction, and the median absolute error (target: under
+25%).
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def main() -> int:
               f"{cal.matmul_half('bfloat16'):.0f}), f32 {cal.peak_flops('float32') / 1e9:.1f} GFLOP/s, memory "
               f"{cal.memory_bandwidth / 1e9:.1f} GB/s, transposing copies {cal.transpose_bandwidth / 1e9:.1f} GB/s, "
               f"page faults {(cal.page_fault_bandwidth or 0) / 1e9:.1f} GB/s, all-gather "
-              f"{(cal.collective_bandwidth or 0) / 1e9:.1f} GB/s, all-reduce {(cal.all_reduce_bandwidth or 0) / 1e9:.1f} "
-              f"GB/s, {(cal.collective_latency or 0) * 1e6:.0f} us per collective ({cal.num_devices} devices)")
+              f"{(cal.collective_bandwidth or 0) / 1e9:.1f} GB/s, all-reduce "
+              f"{(cal.all_reduce_bandwidth or 0) / 1e9:.1f} GB/s, {(cal.collective_latency or 0) * 1e6:.0f} us per "
+              f"collective ({cal.num_devices} devices)")
     topology = f"cpu-{args.devices}"
     print(f"{'model':<11} {'config':<58} {'measured':>9} {'predicted':>9} {'error':>7}")
     errors = []

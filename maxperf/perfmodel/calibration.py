@@ -41,8 +41,8 @@ class MatmulSample:
 class Calibration:
     """Measured on this machine's jax devices, all of them at once (SPMD devices of one process share the cores and
     memory): matmul FLOP/s by dtype, size and thinness, memory bandwidth, the rate of transposing copies, the cost of
-    faulting in new memory, and the bandwidth and fixed cost of collectives between the devices. Rates are totals over the `num_devices` devices; perfmodel
-    divides them among a topology's devices."""
+    faulting in new memory, and the bandwidth and fixed cost of collectives between the devices. Rates are totals
+    over the `num_devices` devices; perfmodel divides them among a topology's devices."""
 
     platform: str
     device_kind: str
