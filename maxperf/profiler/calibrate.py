@@ -31,13 +31,14 @@ PAGE_FAULT_BYTES = 4 * FRESH_MAPPING_THRESHOLD
 # The all-gathered array (all devices' shards together) and the all-reduced array per device: below the mmap
 # threshold, so that outputs reuse memory already mapped and the page faults measured above are not counted twice.
 COLLECTIVE_BYTES = FRESH_MAPPING_THRESHOLD // 2
-# A float32 square matrix per device transposed by a copy: below the mmap threshold too, for the same reason.
+# A float32 square matrix per device, transposed by a copy fused with an elementwise op (as XLA:CPU fuses the slices
+# and casts that transpose a step's weight shards; a bare transpose runs several times faster): below the mmap
+# threshold too, for the same reason.
 TRANSPOSE_SIDE = math.isqrt(FRESH_MAPPING_THRESHOLD // 2 // 4)
 # The fixed cost of a collective: a chain of this many small matmuls, each followed by an all-reduce of one number
-# (so the devices meet as a step's collectives make them), against the same chain without the all-reduces. As long
-# as a train step's program (hundreds of operations): on a 2-core machine with 2 devices, chains of 32 measured
-# about 20 us per all-reduce and chains of 128 to 512 a steady 75-85 us, the programs past about 100 operations
-# running in a different regime of XLA:CPU's executor.
+# (so the devices meet as a step's collectives make them), against the same chain without the all-reduces. Long,
+# as a train step's program is (about 570 operations per device in a cpu-2 step of tiny): on a 2-core machine with 2
+# devices, chains of 32 measured about 20 us per all-reduce, chains of 128 to 512 a steady 75-85 us.
 LATENCY_CHAIN = 256
 LATENCY_SHAPE = (128, 64)  # float32 rows x width of the chain's activations; its matmuls are width x width
 REPEATS = 5
@@ -67,9 +68,9 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
     stores the result unless `store` is False: square matmuls (2 n^3 FLOPs each) per dtype and size, and thin
     ones (one side of each thin width, the others thin_size); a sum over a float32 array (bandwidth_bytes per
     device); an add into a new array against the same add into its donated input (page_fault_bytes per device),
-    whose difference is the cost of faulting in new pages; a copy that transposes a transpose_side square float32
-    matrix; an all-gather of a collective_bytes float32 array and an all-reduce of one of collective_bytes per device;
-    and what an all-reduce of one number adds between dependent small matmuls (latency_chain of them)."""
+    whose difference is the cost of faulting in new pages; a fused copy that transposes a transpose_side square
+    float32 matrix; an all-gather of a collective_bytes float32 array and an all-reduce of one of collective_bytes
+    per device; and what an all-reduce of one number adds between dependent small matmuls (latency_chain of them)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
