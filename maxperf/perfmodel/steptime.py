@@ -103,7 +103,7 @@ class _Table:
     """Accumulates work by row name: seconds split into compute-bound, memory-bound and network parts."""
 
     def __init__(self, chip: Chip, dtype: str):
-        self.chip, self.dtype, self.peak = chip, dtype, chip.peak_flops(dtype)
+        self.chip, self.peak = chip, chip.peak_flops(dtype)
         self.half = chip.measured_matmul_half(dtype)
         self.rows: dict[str, dict[str, float]] = {}
         self.overlap: dict[str, float] = {}
@@ -193,12 +193,12 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     if fsdp_axes:
         gathered = sum(_gathered_size(x, mesh) for x in layer_arrays)
         vocab = _gathered_size(table_array, mesh)
-        # forward gather, backward gather again, gradient reduce-scatter: per layer and microbatch. XLA:CPU gathers
-        # the parameters in their own dtype and converts after, and has no reduce-scatter of its own: it all-reduces
-        # the gradients and keeps its shard (the optimized HLO of a cpu-2 step of scaled-1: a float32 all-gather
-        # feeding each bf16 convert, one all-reduce over the float32 gradients).
-        # Each weight is gathered by a collective of its own; a layer's gradients are reduced by one combined
-        # collective (the optimized HLO: one all-gather per array, one tuple all-reduce per layer).
+        # forward gather, backward gather again, gradient reduce-scatter: per layer and microbatch, each weight
+        # gathered by a collective of its own and a layer's gradients reduced by one combined collective. XLA:CPU
+        # gathers the parameters in their own dtype and converts after, and has no reduce-scatter of its own: it
+        # all-reduces the gradients and keeps its shard (the optimized HLO of a cpu-2 step of scaled-1: one float32
+        # all-gather per array, each feeding a bf16 convert, and one tuple all-reduce per layer over the float32
+        # gradients).
         g_bytes, rs = (p, "all-reduce") if chip.kind == "cpu" else (c, "reduce-scatter")
         for kind, nbytes, count, pieces in (("all-gather", gathered * g_bytes, 2 * N * micro, len(layer_arrays)),
                                             ("all-gather", vocab * g_bytes, 2 * micro, 1),
