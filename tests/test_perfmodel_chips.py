@@ -1,6 +1,7 @@
 """The chip table: every expected chip, sane units, helpful errors, calibrated CPU peaks."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -61,22 +62,22 @@ def test_cpu_reads_a_stored_calibration(tmp_path, monkeypatch):
         matmul=(calibration.MatmulSample("float32", 256, 3e10), calibration.MatmulSample("float32", 512, 4e10),
                 calibration.MatmulSample("bfloat16", 512, 2e10)),
         memory_bandwidth=7e9, collective_bandwidth=None, all_reduce_bandwidth=None, page_fault_bandwidth=None,
-        transpose_bandwidth=1e9, collective_latency=None,
+        transpose_bandwidth=1e9, elementwise_bandwidth=3e9, collective_latency=None,
     )
     path = calibration.save(cal)
-    assert path == tmp_path / "calibration.json" and json.loads(path.read_text())["schema"] == 4
+    assert path == tmp_path / "calibration.json" and json.loads(path.read_text())["schema"] == 5
     cpu = chips.get("cpu")
     assert cpu.calibrated
     assert (cpu.peak_fp32_flops, cpu.peak_bf16_flops, cpu.hbm_bandwidth) == (4e10, 2e10, 7e9)
     assert cpu.link_bandwidth == 7e9  # one device: collectives go through memory
     # nothing measured for thin matmuls, collectives or page faults: steptime's assumptions, and no fault cost
     assert cpu.matmul_half == () and cpu.collective_efficiency == () and cpu.page_fault_bandwidth is None
-    assert cpu.transpose_bandwidth == 1e9 and cpu.collective_latency is None
+    assert cpu.transpose_bandwidth == 1e9 and cpu.elementwise_bandwidth == 3e9 and cpu.collective_latency is None
 
 
 CAL = dict(platform="cpu", device_kind="cpu", num_devices=2, jax_version="x", created="2025-01-01T00:00:00+00:00",
            memory_bandwidth=4e10, collective_bandwidth=3e9, all_reduce_bandwidth=1.5e9, page_fault_bandwidth=None,
-           transpose_bandwidth=2e9, collective_latency=None)
+           transpose_bandwidth=2e9, elementwise_bandwidth=1e10, collective_latency=None)
 
 
 def test_thin_matmuls_run_at_their_measured_rate(tmp_path, monkeypatch):
@@ -104,11 +105,43 @@ def test_page_faults_of_large_temporaries_count_on_cpu(tmp_path, monkeypatch):
     big = estimate(model, TrainConfig(per_device_batch_size=8, seq_len=512), {"fsdp": 2}, {}, CPU2)
     temporaries = max(big.memory.phases().values())
     assert temporaries > FRESH_MAPPING_THRESHOLD
-    faults = next(r for r in big.breakdown if r.name.startswith("page faults"))
+    faults = next(r for r in big.breakdown if r.name == "page faults (new temporaries)")
     assert faults.seconds == pytest.approx(temporaries / 2e9)  # two devices share the measured 4 GB/s
     small = estimate(model, TrainConfig(per_device_batch_size=1, seq_len=64), {"fsdp": 2}, {}, CPU2)
     assert max(small.memory.phases().values()) < FRESH_MAPPING_THRESHOLD  # reused by the allocator: no faults
     assert not any(r.name.startswith("page faults") for r in small.breakdown)
+
+
+def test_long_contractions_with_large_outputs_fault_in_a_float32_accumulator_on_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path))
+    square = (calibration.MatmulSample("bfloat16", 1024, 8e11),)
+    calibration.save(calibration.Calibration(matmul=square, **{**CAL, "page_fault_bandwidth": 4e9}))
+    model = replace(presets.get("scaled-1"), num_layers=1, vocab_size=1024)
+
+    def faults(seq_len):
+        rows = estimate(model, TrainConfig(per_device_batch_size=2, seq_len=seq_len), {"fsdp": 2}, {}, CPU2).breakdown
+        return next((r for r in rows if r.name == "page faults (dot accumulators, XLA:CPU)"), None)
+
+    # 512 tokens per device contract the weight gradients of up, gate (2048 x 7168) and down (7168 x 2048): each a
+    # 58.7 MB float32 accumulator, above the mmap threshold; q, k, v, o (2048 x 2048, 16.8 MB), the unembedding
+    # (2048 x 1024) and every forward and input-gradient output (512 rows) stay below it
+    row = faults(256)
+    assert row.bytes == 3 * 4 * 2048 * 7168 > 3 * FRESH_MAPPING_THRESHOLD
+    assert row.seconds == pytest.approx(row.bytes / 2e9)  # two devices share the measured 4 GB/s
+    assert faults(128) is None  # 256 tokens fit one contraction block: no accumulator
+
+
+def test_cpu_elementwise_work_runs_at_the_measured_fused_rate(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path))
+    square = (calibration.MatmulSample("bfloat16", 1024, 8e11),)
+    model, train = presets.get("tiny"), TrainConfig(per_device_batch_size=2, seq_len=128)
+    calibration.save(calibration.Calibration(matmul=square, **CAL))
+    rows = {r.name: r for r in estimate(model, train, {"fsdp": 2}, {}, CPU2).breakdown}
+    for name in ("softmax", "norms, residuals, activations", "loss", "optimizer update"):
+        assert rows[name].bytes / rows[name].seconds == pytest.approx(5e9)  # two devices share 10 GB/s, not 40
+    tpu = estimate(model, train, {"fsdp": 4}, {}, Topo("tpu-v5p", 4, 4, torus=(2, 2, 1)))
+    softmax = next(r for r in tpu.breakdown if r.name == "softmax")
+    assert softmax.bytes / softmax.seconds == pytest.approx(chips.get("tpu-v5p").hbm_bandwidth)
 
 
 def test_cpu_collectives_use_their_measured_bandwidth_and_do_not_overlap(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # Sides of a thin matmul: the small one of M (rows of x), K (the contraction) or N (columns of W).
 THIN_SIDES = ("m", "k", "n")
 FILE_NAME = "calibration.json"
@@ -40,9 +40,10 @@ class MatmulSample:
 @dataclass(frozen=True)
 class Calibration:
     """Measured on this machine's jax devices, all of them at once (SPMD devices of one process share the cores and
-    memory): matmul FLOP/s by dtype, size and thinness, memory bandwidth, the rate of transposing copies, the cost of
-    faulting in new memory, and the bandwidth and fixed cost of collectives between the devices. Rates are totals
-    over the `num_devices` devices; perfmodel divides them among a topology's devices."""
+    memory): matmul FLOP/s by dtype, size and thinness, memory bandwidth, the rates of transposing copies and of fused
+    elementwise work, the cost of faulting in new memory, and the bandwidth and fixed cost of collectives between
+    the devices. Rates are totals over the `num_devices` devices; perfmodel divides them among a topology's
+    devices."""
 
     platform: str
     device_kind: str
@@ -53,6 +54,7 @@ class Calibration:
     all_reduce_bandwidth: float | None  # the same for an all-reduce (the bus bandwidth convention of perfmodel.network)
     page_fault_bandwidth: float | None  # bytes/s of newly mapped memory written for the first time, beyond the write
     transpose_bandwidth: float  # bytes/s read + written by a float32 copy that transposes a matrix
+    elementwise_bandwidth: float  # bytes/s read + written by a softmax over float32 rows, written in bfloat16
     collective_latency: float | None  # seconds a small all-reduce between dependent computations adds; None: 1 device
     jax_version: str
     created: str  # ISO 8601, UTC
@@ -81,7 +83,8 @@ class Calibration:
             "num_devices": self.num_devices, "jax_version": self.jax_version, "created": self.created,
             "memory_bandwidth": self.memory_bandwidth, "collective_bandwidth": self.collective_bandwidth,
             "all_reduce_bandwidth": self.all_reduce_bandwidth, "page_fault_bandwidth": self.page_fault_bandwidth,
-            "transpose_bandwidth": self.transpose_bandwidth, "collective_latency": self.collective_latency,
+            "transpose_bandwidth": self.transpose_bandwidth, "elementwise_bandwidth": self.elementwise_bandwidth,
+            "collective_latency": self.collective_latency,
             "matmul": [{"dtype": s.dtype, "size": s.size, "flops_per_s": s.flops_per_s,
                         "thin": s.thin, "side": s.side} for s in self.matmul],
         }
@@ -97,7 +100,9 @@ class Calibration:
             collective_bandwidth=_optional(d["collective_bandwidth"]),
             all_reduce_bandwidth=_optional(d["all_reduce_bandwidth"]),
             page_fault_bandwidth=_optional(d["page_fault_bandwidth"]),
-            transpose_bandwidth=float(d["transpose_bandwidth"]), collective_latency=_optional(d["collective_latency"]),
+            transpose_bandwidth=float(d["transpose_bandwidth"]),
+            elementwise_bandwidth=float(d["elementwise_bandwidth"]),
+            collective_latency=_optional(d["collective_latency"]),
             jax_version=d["jax_version"], created=d["created"], schema=int(d["schema"]),
         )
 

@@ -61,6 +61,9 @@ class Chip:
     # bytes/s read + written by a fused copy that transposes a float32 matrix, for CPU devices, where XLA:CPU moves
     # FSDP weight shards between the layer stack and its layouts by such copies; None: not measured (accelerators)
     transpose_bandwidth: float | None = None
+    # bytes/s read + written by a fused elementwise kernel with exponentials (a softmax), for CPU devices, whose
+    # elementwise work runs below the streaming bandwidth (hbm_bandwidth); None: elementwise work at hbm_bandwidth
+    elementwise_bandwidth: float | None = None
     # seconds each collective adds between dependent work, measured on CPU devices; None: the network's assumption
     # (perfmodel.network.LATENCY_S)
     collective_latency: float | None = None
@@ -243,7 +246,8 @@ def calibrated_cpu(cal: calibration.Calibration | None) -> Chip:
         chip, peak_bf16_flops=bf16, peak_fp32_flops=fp32, hbm_bandwidth=cal.memory_bandwidth,
         link_bandwidth=cal.collective_bandwidth or cal.memory_bandwidth, matmul_half=halves,
         collective_efficiency=collectives, page_fault_bandwidth=cal.page_fault_bandwidth,
-        transpose_bandwidth=cal.transpose_bandwidth, collective_latency=cal.collective_latency, calibrated=True,
+        transpose_bandwidth=cal.transpose_bandwidth, elementwise_bandwidth=cal.elementwise_bandwidth,
+        collective_latency=cal.collective_latency, calibrated=True,
         note=f"calibrated {cal.created} on {cal.device_kind} ({cal.platform}, jax {cal.jax_version})",
     )
 

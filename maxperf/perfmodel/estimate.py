@@ -86,6 +86,7 @@ def device_for(topology: TopologyShape) -> chips.Chip:
         link_bandwidth=chip.link_bandwidth / n, host_network_bandwidth=chip.host_network_bandwidth / n,
         page_fault_bandwidth=chip.page_fault_bandwidth / n if chip.page_fault_bandwidth else None,
         transpose_bandwidth=chip.transpose_bandwidth / n if chip.transpose_bandwidth else None,
+        elementwise_bandwidth=chip.elementwise_bandwidth / n if chip.elementwise_bandwidth else None,
     )
 
 

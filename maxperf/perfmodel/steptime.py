@@ -44,6 +44,11 @@ LOSS_FLOAT32_PASSES = 4
 # every page of such temporaries faults in once per step. Measured: a cpu-2 step of scaled-1 (800 MB of temporaries
 # per device, maxperf's memory.json) takes 1.60 GB of minor faults per step (getrusage), two devices' worth.
 FRESH_MAPPING_THRESHOLD = 32 * 2**20
+# XLA:CPU's dot kernels (YNNPACK) block the contraction in steps of 256; a longer one accumulates in a float32 M x N
+# scratch of their own, outside XLA's buffers, which above the mmap threshold is mapped afresh and faults in on every
+# call. Measured (bf16, one device, getrusage): 7168x512x2048 faults 58.9 MB per call and runs at a third of the
+# rate of 7168x256x2048, which faults none; 2048x512x2048 (a 16.8 MB scratch) faults none.
+CPU_DOT_K_BLOCK = 256
 
 
 @dataclass(frozen=True)
@@ -118,24 +123,35 @@ class _Table:
         self.overlap[name] = overlap
 
     def matmul(self, name: str, M: float, K: float, N: float, count: float, c: int) -> None:
-        """`count` matmuls of M x K by K x N in compute dtype (c bytes): a roofline of FLOPs and HBM traffic."""
+        """`count` matmuls of M x K by K x N in compute dtype (c bytes): a roofline of FLOPs and HBM traffic, and on
+        CPU devices the page faults of the dot's float32 accumulator where it has one (CPU_DOT_K_BLOCK)."""
         flops = 2 * M * K * N * count
         nbytes = c * (M * K + K * N + M * N) * count
         efficiency = matmul_efficiency(self.chip.kind, min(M, K, N), self.half)
         t_flops = flops / (self.peak * efficiency)
         t_bytes = nbytes / self.chip.hbm_bandwidth
         self.add(name, "compute" if t_flops >= t_bytes else "hbm", max(t_flops, t_bytes), flops, nbytes)
+        scratch = 4 * M * N
+        if (self.chip.kind == "cpu" and self.chip.page_fault_bandwidth and K > CPU_DOT_K_BLOCK
+                and scratch >= FRESH_MAPPING_THRESHOLD):
+            faulted = scratch * count
+            self.add("page faults (dot accumulators, XLA:CPU)", "hbm", faulted / self.chip.page_fault_bandwidth, 0.0,
+                     faulted)
 
     def train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int) -> None:
         """A matmul run `forward` times as x @ W (the forward and its recomputation) and `backward` times as each of
-        the backward's two: the input gradient dy @ W^T and the weight gradient x^T @ dy. All run at the plain rate:
-        compilers give the transposed operand the layout the matmul wants (XLA:CPU copies x to x^T, a T x D
-        transpose, and runs the weight gradient as a plain matmul, as a cpu-2 step's optimized HLO shows), so a
-        library's slower rate for a transposed operand does not apply."""
-        self.matmul(name, M, K, N, forward + 2 * backward, c)
+        the backward's two: the input gradient dy @ W^T (M x N by N x K) and the weight gradient x^T @ dy (K x M by
+        M x N). All run at the plain rate: compilers give the transposed operand the layout the matmul wants
+        (XLA:CPU copies x to x^T, a T x D transpose, and runs the weight gradient as a plain matmul, as a cpu-2
+        step's optimized HLO shows), so a library's slower rate for a transposed operand does not apply."""
+        self.matmul(name, M, K, N, forward, c)
+        self.matmul(name, M, N, K, backward, c)
+        self.matmul(name, K, M, N, backward, c)
 
     def memory(self, name: str, nbytes: float) -> None:
-        self.add(name, "hbm", nbytes / self.chip.hbm_bandwidth, 0.0, nbytes)
+        """Memory-bound elementwise work: at HBM bandwidth, or on CPU devices at the measured rate of a fused
+        elementwise kernel (Chip.elementwise_bandwidth)."""
+        self.add(name, "hbm", nbytes / (self.chip.elementwise_bandwidth or self.chip.hbm_bandwidth), 0.0, nbytes)
 
 
 def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topology: TopologyShape,

@@ -1,6 +1,6 @@
 """`maxperf calibrate`: measure this machine's jax devices (matmul FLOP/s by dtype, size and thinness, memory
-bandwidth, transposing copies, the cost of first touching new memory, collective bandwidth and fixed cost) for
-perfmodel.
+bandwidth, transposing copies, fused elementwise work, the cost of first touching new memory, collective bandwidth
+and fixed cost) for perfmodel.
 
 The result is stored as JSON in the user's cache (perfmodel.calibration.cache_dir()), where perfmodel reads it to
 give the "cpu" chip measured peaks. jax is imported inside `calibrate`, so importing this module stays cheap.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +36,11 @@ COLLECTIVE_BYTES = FRESH_MAPPING_THRESHOLD // 2
 # and casts that transpose a step's weight shards; a bare transpose runs several times faster): below the mmap
 # threshold too, for the same reason.
 TRANSPOSE_SIDE = math.isqrt(FRESH_MAPPING_THRESHOLD // 2 // 4)
+# Fused elementwise work: a softmax over float32 rows of ELEMENTWISE_ROW, written in bfloat16, as a step's attention
+# writes its probabilities (a max, exponentials, a sum and a divide in one kernel; on XLA:CPU it ran at about half
+# the rate of the plain sum that measures bandwidth). Per device, below the mmap threshold for the reason above.
+ELEMENTWISE_BYTES = FRESH_MAPPING_THRESHOLD // 2
+ELEMENTWISE_ROW = 512
 # The fixed cost of a collective: a chain of this many small matmuls, each followed by an all-reduce of one number
 # (so the devices meet as a step's collectives make them), against the same chain without the all-reduces. Long,
 # as a train step's program is (about 570 operations per device in a cpu-2 step of tiny): on a 2-core machine with 2
@@ -44,24 +50,27 @@ LATENCY_SHAPE = (128, 64)  # float32 rows x width of the chain's activations; it
 REPEATS = 5
 
 
-def _best_seconds(fn: Callable[..., object], repeats: int, make: Callable[[], object] | None = None) -> float:
-    """The fastest of `repeats` timed runs after one warm-up (compile) run; the minimum filters out noise. With
-    `make`, each run gets a new input from it, built untimed (for an `fn` that consumes its input: donated buffers)."""
+def _typical_seconds(fn: Callable[..., object], repeats: int, make: Callable[[], object] | None = None) -> float:
+    """The median of `repeats` timed runs after one warm-up (compile) run: a step's operations run under a typical
+    run's conditions, not the luckiest one's (on a shared 2-core machine the fastest of 5 runs of a 1024 cubed
+    matmul read up to 1.8 times its median). With `make`, each run gets a new input from it, built untimed (for an
+    `fn` that consumes its input: donated buffers)."""
     args = (lambda: ()) if make is None else (lambda: (make(),))
     fn(*args())
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         inputs = args()
         t0 = time.perf_counter()
         fn(*inputs)
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DTYPES,
               thin_widths: Sequence[int] = THIN_WIDTHS, thin_size: int = THIN_SIZE,
               bandwidth_bytes: int = BANDWIDTH_BYTES, page_fault_bytes: int = PAGE_FAULT_BYTES,
               collective_bytes: int = COLLECTIVE_BYTES, transpose_side: int = TRANSPOSE_SIDE,
+              elementwise_bytes: int = ELEMENTWISE_BYTES,
               latency_chain: int = LATENCY_CHAIN, repeats: int = REPEATS, store: bool = True,
               path: Path | None = None) -> Calibration:
     """Runs every measurement on all of the process's devices at once, as a train step's SPMD program does, and
@@ -69,8 +78,10 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
     ones (one side of each thin width, the others thin_size); a sum over a float32 array (bandwidth_bytes per
     device); an add into a new array against the same add into its donated input (page_fault_bytes per device),
     whose difference is the cost of faulting in new pages; a fused copy that transposes a transpose_side square
-    float32 matrix; an all-gather of a collective_bytes float32 array and an all-reduce of one of collective_bytes
-    per device; and what an all-reduce of one number adds between dependent small matmuls (latency_chain of them)."""
+    float32 matrix; a softmax over elementwise_bytes of float32 rows per device, written in bfloat16; an all-gather
+    of a collective_bytes float32 array and an all-reduce of one of collective_bytes per device; and what an
+    all-reduce of one number adds between dependent small matmuls (latency_chain of them). Each is timed as the
+    median of `repeats` runs."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -91,56 +102,63 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
     for dtype in dtypes:
         for n in sizes:
             a, b = put((d, n, n), dtype, 1.0), put((d, n, n), dtype, 0.5)
-            seconds = _best_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
+            seconds = _typical_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
             samples.append(MatmulSample(dtype=dtype, size=n, flops_per_s=d * 2 * n**3 / seconds))
         n = thin_size
         for m in thin_widths:
             for side in THIN_SIDES:
                 rows, inner, cols = (m if side == "m" else n), (m if side == "k" else n), (m if side == "n" else n)
                 a, b = put((d, rows, inner), dtype, 1.0), put((d, inner, cols), dtype, 0.5)
-                seconds = _best_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
+                seconds = _typical_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
                 samples.append(MatmulSample(dtype=dtype, size=n, flops_per_s=d * 2 * n * n * m / seconds, thin=m,
                                             side=side))
     count = bandwidth_bytes // 4
     x = put((d, count), jnp.float32, 1.0)
     total = jax.jit(lambda x: jnp.sum(x, axis=1))
-    seconds = _best_seconds(lambda: total(x).block_until_ready(), repeats)
+    seconds = _typical_seconds(lambda: total(x).block_until_ready(), repeats)
     bandwidth = d * count * 4 / seconds
     del x
     count = page_fault_bytes // 4
     fresh = jax.jit(lambda x: x + 1.0)
     in_place = jax.jit(lambda x: x + 1.0, donate_argnums=0)
     x = put((d, count), jnp.float32, 1.0)
-    fresh_s = _best_seconds(lambda: fresh(x).block_until_ready(), repeats)
+    fresh_s = _typical_seconds(lambda: fresh(x).block_until_ready(), repeats)
     del x
-    in_place_s = _best_seconds(lambda x: in_place(x).block_until_ready(), repeats,
+    in_place_s = _typical_seconds(lambda x: in_place(x).block_until_ready(), repeats,
                                make=lambda: put((d, count), jnp.float32, 1.0))
     # None where new memory costs nothing measurable (an allocator that reuses mapped memory)
     page_fault = d * count * 4 / (fresh_s - in_place_s) if fresh_s > 1.05 * in_place_s else None
     n = transpose_side
     x = put((d, n, n), jnp.float32, 1.0)
     transpose = jax.jit(lambda x: jnp.swapaxes(x, 1, 2) * 2.0)
-    seconds = _best_seconds(lambda: transpose(x).block_until_ready(), repeats)
+    seconds = _typical_seconds(lambda: transpose(x).block_until_ready(), repeats)
     transposed = d * 2 * n * n * 4 / seconds  # read and written
+    del x
+    rows = max(1, elementwise_bytes // 4 // ELEMENTWISE_ROW)
+    x = put((d, rows, ELEMENTWISE_ROW), jnp.float32, 1.0)
+    softmax = jax.jit(lambda x: jax.nn.softmax(x, axis=-1).astype(jnp.bfloat16))
+    seconds = _typical_seconds(lambda: softmax(x).block_until_ready(), repeats)
+    elementwise = d * rows * ELEMENTWISE_ROW * (4 + 2) / seconds  # float32 read, bfloat16 written
     del x
     collective = all_reduce = latency = None
     if d > 1:
         y = put((collective_bytes // 4,), jnp.float32, 1.0)
         gather = jax.jit(lambda y: y, out_shardings=NamedSharding(mesh, PartitionSpec()))
-        seconds = _best_seconds(lambda: gather(y).block_until_ready(), repeats)
+        seconds = _typical_seconds(lambda: gather(y).block_until_ready(), repeats)
         # a ring all-gather moves (d-1)/d of the array through each device's link (perfmodel.network); summed over
         # the d devices, as every rate here is
         collective = (d - 1) * collective_bytes / seconds
         z = put((d, collective_bytes // 4), jnp.float32, 1.0)
         psum = jax.jit(jax.shard_map(lambda z: lax.psum(z, "d"), mesh=mesh, in_specs=PartitionSpec("d"),
                                      out_specs=PartitionSpec("d")))
-        seconds = _best_seconds(lambda: psum(z).block_until_ready(), repeats)
+        seconds = _typical_seconds(lambda: psum(z).block_until_ready(), repeats)
         all_reduce = 2 * (d - 1) * collective_bytes / seconds  # 2(d-1)/d of the array per link, summed over d
         latency = _collective_latency(mesh, put, latency_chain, repeats)
     cal = Calibration(
         platform=devices[0].platform, device_kind=devices[0].device_kind, num_devices=d, matmul=tuple(samples),
         memory_bandwidth=bandwidth, collective_bandwidth=collective, all_reduce_bandwidth=all_reduce,
-        page_fault_bandwidth=page_fault, transpose_bandwidth=transposed, collective_latency=latency,
+        page_fault_bandwidth=page_fault, transpose_bandwidth=transposed, elementwise_bandwidth=elementwise,
+        collective_latency=latency,
         jax_version=jax.__version__,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
@@ -173,6 +191,6 @@ def _collective_latency(mesh, put: Callable[..., object], chain: int, repeats: i
     x = put((d * rows, width), jnp.float32, 0.01)
     w = put((d * width, width), jnp.float32, 0.01)
     with_meets, without = program(True), program(False)
-    met = _best_seconds(lambda: with_meets(x, w).block_until_ready(), repeats)
-    alone = _best_seconds(lambda: without(x, w).block_until_ready(), repeats)
+    met = _typical_seconds(lambda: with_meets(x, w).block_until_ready(), repeats)
+    alone = _typical_seconds(lambda: without(x, w).block_until_ready(), repeats)
     return max(0.0, (met - alone) / chain)
