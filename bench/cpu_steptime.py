@@ -3,10 +3,10 @@
     .venv/bin/python bench/cpu_steptime.py [--devices N] [--steps S] [--no-calibrate]
 
 Calibrates first (maxperf.profiler.calibrate: matmul FLOP/s, memory, transposing-copy, softmax, page-fault and
-collective bandwidth and collective latency of this machine's jax devices, stored where perfmodel reads them), then
-for each configuration compiles the train step for cpu-N through maxperf.aot.compile, loads it back with
-maxperf.aot.load(DIR).step(devices), initializes a real state, runs warm-up steps, times S steps with
-block_until_ready, and prints the median measured step time beside perfmodel.estimate(...) for the same
+collective bandwidth, whole-attention FLOP/s and collective latency of this machine's jax devices, stored where
+perfmodel reads them), then for each configuration compiles the train step for cpu-N through maxperf.aot.compile,
+loads it back with maxperf.aot.load(DIR).step(devices), initializes a real state, runs warm-up steps, times S steps
+with block_until_ready, and prints the median measured step time beside perfmodel.estimate(...) for the same
 configuration on the cpu topology, the signed error of the prediction, and the median absolute error (target: under
 25%).
 """
@@ -82,7 +82,9 @@ def main() -> int:
         print(f"calibrated: bf16 {cal.peak_flops('bfloat16') / 1e9:.1f} GFLOP/s (half rate at a thin side of "
               f"{cal.matmul_half('bfloat16'):.0f}), f32 {cal.peak_flops('float32') / 1e9:.1f} GFLOP/s, memory "
               f"{cal.memory_bandwidth / 1e9:.1f} GB/s, transposing copies {cal.transpose_bandwidth / 1e9:.1f} GB/s, "
-              f"softmax {cal.elementwise_bandwidth / 1e9:.1f} GB/s, "
+              f"softmax {cal.elementwise_bandwidth / 1e9:.1f} GB/s, attention "
+              f"{'/'.join(f'{s.flops_per_s / 1e9:.0f}' for s in cal.attention)} GFLOP/s (head_dim "
+              f"{'/'.join(str(s.head_dim) for s in cal.attention)}), "
               f"page faults {(cal.page_fault_bandwidth or 0) / 1e9:.1f} GB/s, all-gather "
               f"{(cal.collective_bandwidth or 0) / 1e9:.1f} GB/s, all-reduce "
               f"{(cal.all_reduce_bandwidth or 0) / 1e9:.1f} GB/s, {(cal.collective_latency or 0) * 1e6:.0f} us per "

@@ -62,7 +62,7 @@ def test_cpu_reads_a_stored_calibration(tmp_path, monkeypatch):
         matmul=(calibration.MatmulSample("float32", 256, 3e10), calibration.MatmulSample("float32", 512, 4e10),
                 calibration.MatmulSample("bfloat16", 512, 2e10)),
         memory_bandwidth=7e9, collective_bandwidth=None, all_reduce_bandwidth=None, page_fault_bandwidth=None,
-        transpose_bandwidth=1e9, elementwise_bandwidth=3e9, collective_latency=None,
+        transpose_bandwidth=1e9, elementwise_bandwidth=3e9, attention=(), collective_latency=None,
     )
     path = calibration.save(cal)
     assert path == tmp_path / "calibration.json" and json.loads(path.read_text())["schema"] == 5
@@ -73,11 +73,12 @@ def test_cpu_reads_a_stored_calibration(tmp_path, monkeypatch):
     # nothing measured for thin matmuls, collectives or page faults: steptime's assumptions, and no fault cost
     assert cpu.matmul_half == () and cpu.collective_efficiency == () and cpu.page_fault_bandwidth is None
     assert cpu.transpose_bandwidth == 1e9 and cpu.elementwise_bandwidth == 3e9 and cpu.collective_latency is None
+    assert cpu.attention_rates == () and cpu.attention_rate(128) is None
 
 
 CAL = dict(platform="cpu", device_kind="cpu", num_devices=2, jax_version="x", created="2025-01-01T00:00:00+00:00",
            memory_bandwidth=4e10, collective_bandwidth=3e9, all_reduce_bandwidth=1.5e9, page_fault_bandwidth=None,
-           transpose_bandwidth=2e9, elementwise_bandwidth=1e10, collective_latency=None)
+           transpose_bandwidth=2e9, elementwise_bandwidth=1e10, attention=(), collective_latency=None)
 
 
 def test_thin_matmuls_run_at_their_measured_rate(tmp_path, monkeypatch):
@@ -142,6 +143,24 @@ def test_cpu_elementwise_work_runs_at_the_measured_fused_rate(tmp_path, monkeypa
     tpu = estimate(model, train, {"fsdp": 4}, {}, Topo("tpu-v5p", 4, 4, torus=(2, 2, 1)))
     softmax = next(r for r in tpu.breakdown if r.name == "softmax")
     assert softmax.bytes / softmax.seconds == pytest.approx(chips.get("tpu-v5p").hbm_bandwidth)
+
+
+def test_cpu_attention_runs_at_its_measured_whole_rate(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path))
+    square = (calibration.MatmulSample("bfloat16", 1024, 8e11),)
+    attention = (calibration.AttentionSample(16, 256, 16, 2e10), calibration.AttentionSample(64, 256, 16, 6e10))
+    calibration.save(calibration.Calibration(matmul=square, **{**CAL, "attention": attention}))
+    cpu = chips.get("cpu")
+    # linear in log(head_dim) between the samples, the nearest sample's beyond them
+    assert [cpu.attention_rate(dh) for dh in (8, 16, 32, 64, 128)] == pytest.approx([2e10, 2e10, 4e10, 6e10, 6e10])
+    model, train = presets.get("tiny"), TrainConfig(per_device_batch_size=2, seq_len=256, remat_policy="full")
+    rows = {r.name: r for r in estimate(model, train, {"fsdp": 2}, {}, CPU2).breakdown}
+    # tiny: 2 layers x 2 examples x 4 heads, head_dim 16; full remat runs the forward twice: 4 matmuls of
+    # 2 x 256 x 256 x 16 FLOPs forward (scores and context, twice), 4 backward
+    flops = 2 * 2 * 4 * (2 * 2 + 4) * 2 * 256 * 256 * 16
+    assert rows["attention (measured kernels)"].flops == flops
+    assert rows["attention (measured kernels)"].seconds == pytest.approx(flops / 1e10)  # two devices share 2e10
+    assert not {"attention scores", "attention context", "softmax"} & set(rows)
 
 
 def test_cpu_collectives_use_their_measured_bandwidth_and_do_not_overlap(tmp_path, monkeypatch):

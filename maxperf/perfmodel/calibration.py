@@ -38,12 +38,20 @@ class MatmulSample:
 
 
 @dataclass(frozen=True)
+class AttentionSample:
+    head_dim: int
+    seq_len: int
+    heads: int  # per device: examples x query heads
+    flops_per_s: float  # model FLOPs (12 x seq_len^2 x head_dim per head, forward and backward) over all devices
+
+
+@dataclass(frozen=True)
 class Calibration:
     """Measured on this machine's jax devices, all of them at once (SPMD devices of one process share the cores and
-    memory): matmul FLOP/s by dtype, size and thinness, memory bandwidth, the rates of transposing copies and of fused
-    elementwise work, the cost of faulting in new memory, and the bandwidth and fixed cost of collectives between
-    the devices. Rates are totals over the `num_devices` devices; perfmodel divides them among a topology's
-    devices."""
+    memory): matmul FLOP/s by dtype, size and thinness, memory bandwidth, the rates of transposing copies, of fused
+    elementwise work and of a whole attention, the cost of faulting in new memory, and the bandwidth and fixed cost
+    of collectives between the devices. Rates are totals over the `num_devices` devices; perfmodel divides them
+    among a topology's devices."""
 
     platform: str
     device_kind: str
@@ -55,6 +63,7 @@ class Calibration:
     page_fault_bandwidth: float | None  # bytes/s of newly mapped memory written for the first time, beyond the write
     transpose_bandwidth: float  # bytes/s read + written by a float32 copy that transposes a matrix
     elementwise_bandwidth: float  # bytes/s read + written by a softmax over float32 rows, written in bfloat16
+    attention: tuple[AttentionSample, ...]  # a causal attention's forward and backward, per head dimension
     collective_latency: float | None  # seconds a small all-reduce between dependent computations adds; None: 1 device
     jax_version: str
     created: str  # ISO 8601, UTC
@@ -87,6 +96,8 @@ class Calibration:
             "collective_latency": self.collective_latency,
             "matmul": [{"dtype": s.dtype, "size": s.size, "flops_per_s": s.flops_per_s,
                         "thin": s.thin, "side": s.side} for s in self.matmul],
+            "attention": [{"head_dim": s.head_dim, "seq_len": s.seq_len, "heads": s.heads,
+                           "flops_per_s": s.flops_per_s} for s in self.attention],
         }
 
     @classmethod
@@ -102,6 +113,8 @@ class Calibration:
             page_fault_bandwidth=_optional(d["page_fault_bandwidth"]),
             transpose_bandwidth=float(d["transpose_bandwidth"]),
             elementwise_bandwidth=float(d["elementwise_bandwidth"]),
+            attention=tuple(AttentionSample(int(a["head_dim"]), int(a["seq_len"]), int(a["heads"]),
+                                            float(a["flops_per_s"])) for a in d["attention"]),
             collective_latency=_optional(d["collective_latency"]),
             jax_version=d["jax_version"], created=d["created"], schema=int(d["schema"]),
         )

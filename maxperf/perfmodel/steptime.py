@@ -179,11 +179,17 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     # attention einsums per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh; the model computes all
     # L x L scores (ATTENTION_SKIPS_MASKED); a kernel that skipped masked blocks would do the windowed share only
     attn_fwd = 1 + (1 if remat in ("full", "minimal") else 0)
+    attention_rate = chip.attention_rate(Dh)
     for W in model.layer_windows():
         share = 1.0 if not ATTENTION_SKIPS_MASKED else attention_pairs(L, W) / (L * L)
         count = Bm * a.H * micro * share
-        table.train_matmul("attention scores", a.L, Dh, L, attn_fwd * count, count, c)
-        table.train_matmul("attention context", a.L, L, Dh, attn_fwd * count, count, c)
+        if attention_rate:
+            # measured whole (Chip.attention_rates): scores, softmax and context, forward and backward
+            flops = 2 * 2 * a.L * L * Dh * (attn_fwd + 2) * count
+            table.add("attention (measured kernels)", "compute", flops / attention_rate, flops)
+        else:
+            table.train_matmul("attention scores", a.L, Dh, L, attn_fwd * count, count, c)
+            table.train_matmul("attention context", a.L, L, Dh, attn_fwd * count, count, c)
 
     # memory-bound work
     elementwise_layers = N * micro * (1 + ELEMENTWISE_BACKWARD_FACTOR + (1 if remat != "none" else 0))
@@ -193,7 +199,8 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     table.memory("norms, residuals, activations", elementwise_layers * T * per_token)
     scores = Bm * a.H * a.L * L * N * micro
     softmax_fwd = (4 * SOFTMAX_FWD_FLOAT32 + c) * (1 + (1 if remat != "none" else 0))
-    table.memory("softmax", scores * (softmax_fwd + 4 * SOFTMAX_BWD_FLOAT32))
+    if not attention_rate:
+        table.memory("softmax", scores * (softmax_fwd + 4 * SOFTMAX_BWD_FLOAT32))
     table.memory("loss", micro * T * a.V * 4 * LOSS_FLOAT32_PASSES)
     local_params = params_per_device(model, mesh)
     table.memory("optimizer update", OPTIMIZER_PASSES * p * local_params)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from maxperf.perfmodel.calibration import THIN_SIDES, Calibration, MatmulSample, save
+from maxperf.perfmodel.calibration import THIN_SIDES, AttentionSample, Calibration, MatmulSample, save
 from maxperf.perfmodel.steptime import FRESH_MAPPING_THRESHOLD
 
 MATMUL_SIZES = (256, 512, 1024)
@@ -41,6 +41,13 @@ TRANSPOSE_SIDE = math.isqrt(FRESH_MAPPING_THRESHOLD // 2 // 4)
 # the rate of the plain sum that measures bandwidth). Per device, below the mmap threshold for the reason above.
 ELEMENTWISE_BYTES = FRESH_MAPPING_THRESHOLD // 2
 ELEMENTWISE_ROW = 512
+# A whole causal attention, forward and backward, in bfloat16 with float32 scores, laid out as maxperf.models lays it
+# out (examples, kv heads, query heads per kv head, length, head dim), at each of these head dimensions. XLA:CPU fuses
+# the softmax's backward into the matmul that feeds it, a kernel several times slower than the matmul alone (traced
+# in cpu-2 steps of tiny and qwen3-0.6b); measured whole, that cost is in the rate. Per device: the scores stay
+# below the mmap threshold, so that first-touch page faults (counted apart) stay out of it.
+ATTENTION_HEAD_DIMS = (16, 64, 128)
+ATTENTION_SHAPE = (2, 4, 2, 256)  # examples, kv heads, query heads per kv head, length
 # The fixed cost of a collective: a chain of this many small matmuls, each followed by an all-reduce of one number
 # (so the devices meet as a step's collectives make them), against the same chain without the all-reduces. Long,
 # as a train step's program is (about 570 operations per device in a cpu-2 step of tiny): on a 2-core machine with 2
@@ -70,7 +77,8 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
               thin_widths: Sequence[int] = THIN_WIDTHS, thin_size: int = THIN_SIZE,
               bandwidth_bytes: int = BANDWIDTH_BYTES, page_fault_bytes: int = PAGE_FAULT_BYTES,
               collective_bytes: int = COLLECTIVE_BYTES, transpose_side: int = TRANSPOSE_SIDE,
-              elementwise_bytes: int = ELEMENTWISE_BYTES,
+              elementwise_bytes: int = ELEMENTWISE_BYTES, attention_head_dims: Sequence[int] = ATTENTION_HEAD_DIMS,
+              attention_shape: tuple[int, int, int, int] = ATTENTION_SHAPE,
               latency_chain: int = LATENCY_CHAIN, repeats: int = REPEATS, store: bool = True,
               path: Path | None = None) -> Calibration:
     """Runs every measurement on all of the process's devices at once, as a train step's SPMD program does, and
@@ -78,7 +86,8 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
     ones (one side of each thin width, the others thin_size); a sum over a float32 array (bandwidth_bytes per
     device); an add into a new array against the same add into its donated input (page_fault_bytes per device),
     whose difference is the cost of faulting in new pages; a fused copy that transposes a transpose_side square
-    float32 matrix; a softmax over elementwise_bytes of float32 rows per device, written in bfloat16; an all-gather
+    float32 matrix; a softmax over elementwise_bytes of float32 rows per device, written in bfloat16; a causal
+    attention's forward and backward (attention_shape per device) at each of attention_head_dims; an all-gather
     of a collective_bytes float32 array and an all-reduce of one of collective_bytes per device; and what an
     all-reduce of one number adds between dependent small matmuls (latency_chain of them). Each is timed as the
     median of `repeats` runs."""
@@ -140,6 +149,7 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
     seconds = _typical_seconds(lambda: softmax(x).block_until_ready(), repeats)
     elementwise = d * rows * ELEMENTWISE_ROW * (4 + 2) / seconds  # float32 read, bfloat16 written
     del x
+    attention = tuple(_attention(mesh, head_dim, attention_shape, repeats) for head_dim in attention_head_dims)
     collective = all_reduce = latency = None
     if d > 1:
         y = put((collective_bytes // 4,), jnp.float32, 1.0)
@@ -158,6 +168,7 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
         platform=devices[0].platform, device_kind=devices[0].device_kind, num_devices=d, matmul=tuple(samples),
         memory_bandwidth=bandwidth, collective_bandwidth=collective, all_reduce_bandwidth=all_reduce,
         page_fault_bandwidth=page_fault, transpose_bandwidth=transposed, elementwise_bandwidth=elementwise,
+        attention=attention,
         collective_latency=latency,
         jax_version=jax.__version__,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -194,3 +205,33 @@ def _collective_latency(mesh, put: Callable[..., object], chain: int, repeats: i
     met = _typical_seconds(lambda: with_meets(x, w).block_until_ready(), repeats)
     alone = _typical_seconds(lambda: without(x, w).block_until_ready(), repeats)
     return max(0.0, (met - alone) / chain)
+
+
+def _attention(mesh, head_dim: int, shape: tuple[int, int, int, int], repeats: int) -> AttentionSample:
+    """A causal attention's forward and backward on every device, as model FLOPs per second (all L x L scores)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    B, K, G, L = shape
+    d = mesh.size
+
+    def attend(q, k, v):
+        s = jnp.einsum("BLKGd,BSKd->BKGLS", q, k, preferred_element_type=jnp.float32)
+        s = jnp.where(jnp.tril(jnp.ones((L, L), bool))[None, None, None], s, -1e30)
+        p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+        return jnp.einsum("BKGLS,BSKd->BLKGd", p, v)
+
+    def forward_and_backward(q, k, v, do):
+        _, backward = jax.vjp(attend, q, k, v)
+        return backward(do)
+
+    spec = PartitionSpec("d")
+    step = jax.jit(jax.shard_map(forward_and_backward, mesh=mesh, in_specs=spec, out_specs=spec))
+    sharded = NamedSharding(mesh, spec)
+    put = lambda *dims: jax.device_put(jnp.full((d * B, L, *dims), 0.01, jnp.bfloat16), sharded)
+    q, k, v, do = put(K, G, head_dim), put(K, head_dim), put(K, head_dim), put(K, G, head_dim)
+    seconds = _typical_seconds(lambda: jax.block_until_ready(step(q, k, v, do)), repeats)
+    heads = B * K * G
+    return AttentionSample(head_dim=head_dim, seq_len=L, heads=heads,
+                           flops_per_s=d * 12 * L * L * head_dim * heads / seconds)
