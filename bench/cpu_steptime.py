@@ -79,12 +79,13 @@ def main() -> int:
 
     if not args.no_calibrate:
         cal = calibrate()
+        bf16_attention = [s for s in cal.attention if s.dtype == "bfloat16"]
         print(f"calibrated: bf16 {cal.peak_flops('bfloat16') / 1e9:.1f} GFLOP/s (half rate at a thin side of "
               f"{cal.matmul_half('bfloat16'):.0f}), f32 {cal.peak_flops('float32') / 1e9:.1f} GFLOP/s, memory "
               f"{cal.memory_bandwidth / 1e9:.1f} GB/s, transposing copies {cal.transpose_bandwidth / 1e9:.1f} GB/s, "
-              f"softmax {cal.elementwise_bandwidth / 1e9:.1f} GB/s, attention "
-              f"{'/'.join(f'{s.flops_per_s / 1e9:.0f}' for s in cal.attention)} GFLOP/s (head_dim "
-              f"{'/'.join(str(s.head_dim) for s in cal.attention)}), "
+              f"softmax {cal.elementwise_bandwidth / 1e9:.1f} GB/s, bf16 attention "
+              f"{'/'.join(f'{s.flops_per_s / 1e9:.0f}' for s in bf16_attention)} GFLOP/s (head_dim "
+              f"{'/'.join(str(s.head_dim) for s in bf16_attention)}), "
               f"page faults {(cal.page_fault_bandwidth or 0) / 1e9:.1f} GB/s, all-gather "
               f"{(cal.collective_bandwidth or 0) / 1e9:.1f} GB/s, all-reduce "
               f"{(cal.all_reduce_bandwidth or 0) / 1e9:.1f} GB/s, {(cal.collective_latency or 0) * 1e6:.0f} us per "

@@ -27,9 +27,10 @@ def cmd_estimate(args) -> int:
           f"({'fits' if est.fits else 'DOES NOT FIT'})")
     if est.chip_note:
         print(f"  note: {est.chip_note}")
-    print(f"  {'component':<34} {'kind':<10} {'seconds':>10} {'exposed':>10}")
+    width = max([len("component"), *(len(row.name) for row in est.breakdown)])
+    print(f"  {'component':<{width}} {'kind':<10} {'seconds':>10} {'exposed':>10}")
     for row in est.breakdown:
-        print(f"  {row.name:<34} {row.kind:<10} {row.seconds:>10.5f} {row.exposed_seconds:>10.5f}")
+        print(f"  {row.name:<{width}} {row.kind:<10} {row.seconds:>10.5f} {row.exposed_seconds:>10.5f}")
     return 0 if est.fits else 3
 
 

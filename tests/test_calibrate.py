@@ -22,7 +22,8 @@ def test_calibrate_stores_measurements_that_estimates_use(tmp_path, monkeypatch)
     assert cal.collective_bandwidth > 1e6 and cal.all_reduce_bandwidth > 1e6
     assert cal.page_fault_bandwidth is None or cal.page_fault_bandwidth > 1e6
     assert cal.transpose_bandwidth > 1e6 and cal.elementwise_bandwidth > 1e6 and 0 <= cal.collective_latency < 1.0
-    assert [(s.head_dim, s.seq_len, s.heads) for s in cal.attention] == [(16, 64, 4), (32, 64, 4)]
+    assert [(s.dtype, s.head_dim, s.seq_len, s.heads) for s in cal.attention] == [("float32", 16, 64, 4),
+                                                                               ("float32", 32, 64, 4)]
     assert all(s.flops_per_s > 1e6 for s in cal.attention)
     assert calibration.load() == cal
     est = estimate(presets.get("tiny"), TrainConfig(compute_dtype="float32", seq_len=64), {}, {}, Topo("cpu", 1, 1))

@@ -73,7 +73,7 @@ def test_cpu_reads_a_stored_calibration(tmp_path, monkeypatch):
     # nothing measured for thin matmuls, collectives or page faults: steptime's assumptions, and no fault cost
     assert cpu.matmul_half == () and cpu.collective_efficiency == () and cpu.page_fault_bandwidth is None
     assert cpu.transpose_bandwidth == 1e9 and cpu.elementwise_bandwidth == 3e9 and cpu.collective_latency is None
-    assert cpu.attention_rates == () and cpu.attention_rate(128) is None
+    assert cpu.attention_rates == () and cpu.attention_rate("bfloat16", 128) is None
 
 
 CAL = dict(platform="cpu", device_kind="cpu", num_devices=2, jax_version="x", created="2025-01-01T00:00:00+00:00",
@@ -148,11 +148,14 @@ def test_cpu_elementwise_work_runs_at_the_measured_fused_rate(tmp_path, monkeypa
 def test_cpu_attention_runs_at_its_measured_whole_rate(tmp_path, monkeypatch):
     monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path))
     square = (calibration.MatmulSample("bfloat16", 1024, 8e11),)
-    attention = (calibration.AttentionSample(16, 256, 16, 2e10), calibration.AttentionSample(64, 256, 16, 6e10))
+    attention = (calibration.AttentionSample("bfloat16", 16, 256, 16, 2e10),
+                 calibration.AttentionSample("bfloat16", 64, 256, 16, 6e10))
     calibration.save(calibration.Calibration(matmul=square, **{**CAL, "attention": attention}))
     cpu = chips.get("cpu")
     # linear in log(head_dim) between the samples, the nearest sample's beyond them
-    assert [cpu.attention_rate(dh) for dh in (8, 16, 32, 64, 128)] == pytest.approx([2e10, 2e10, 4e10, 6e10, 6e10])
+    rates = [cpu.attention_rate("bfloat16", dh) for dh in (8, 16, 32, 64, 128)]
+    assert rates == pytest.approx([2e10, 2e10, 4e10, 6e10, 6e10])
+    assert cpu.attention_rate("float32", 16) is None  # float32 attention: its matmuls and softmax, as assumed
     model, train = presets.get("tiny"), TrainConfig(per_device_batch_size=2, seq_len=256, remat_policy="full")
     rows = {r.name: r for r in estimate(model, train, {"fsdp": 2}, {}, CPU2).breakdown}
     # tiny: 2 layers x 2 examples x 4 heads, head_dim 16; full remat runs the forward twice: 4 matmuls of
@@ -161,6 +164,9 @@ def test_cpu_attention_runs_at_its_measured_whole_rate(tmp_path, monkeypatch):
     assert rows["attention (measured kernels)"].flops == flops
     assert rows["attention (measured kernels)"].seconds == pytest.approx(flops / 1e10)  # two devices share 2e10
     assert not {"attention scores", "attention context", "softmax"} & set(rows)
+    f32 = estimate(model, TrainConfig(per_device_batch_size=2, seq_len=256, compute_dtype="float32"), {"fsdp": 2}, {},
+                   CPU2).breakdown
+    assert {"attention scores", "attention context", "softmax"} <= {r.name for r in f32}
 
 
 def test_cpu_collectives_use_their_measured_bandwidth_and_do_not_overlap(tmp_path, monkeypatch):

@@ -39,6 +39,7 @@ class MatmulSample:
 
 @dataclass(frozen=True)
 class AttentionSample:
+    dtype: str
     head_dim: int
     seq_len: int
     heads: int  # per device: examples x query heads
@@ -63,7 +64,7 @@ class Calibration:
     page_fault_bandwidth: float | None  # bytes/s of newly mapped memory written for the first time, beyond the write
     transpose_bandwidth: float  # bytes/s read + written by a float32 copy that transposes a matrix
     elementwise_bandwidth: float  # bytes/s read + written by a softmax over float32 rows, written in bfloat16
-    attention: tuple[AttentionSample, ...]  # a causal attention's forward and backward, per head dimension
+    attention: tuple[AttentionSample, ...]  # a causal attention's forward and backward, per dtype and head dimension
     collective_latency: float | None  # seconds a small all-reduce between dependent computations adds; None: 1 device
     jax_version: str
     created: str  # ISO 8601, UTC
@@ -96,7 +97,7 @@ class Calibration:
             "collective_latency": self.collective_latency,
             "matmul": [{"dtype": s.dtype, "size": s.size, "flops_per_s": s.flops_per_s,
                         "thin": s.thin, "side": s.side} for s in self.matmul],
-            "attention": [{"head_dim": s.head_dim, "seq_len": s.seq_len, "heads": s.heads,
+            "attention": [{"dtype": s.dtype, "head_dim": s.head_dim, "seq_len": s.seq_len, "heads": s.heads,
                            "flops_per_s": s.flops_per_s} for s in self.attention],
         }
 
@@ -113,7 +114,7 @@ class Calibration:
             page_fault_bandwidth=_optional(d["page_fault_bandwidth"]),
             transpose_bandwidth=float(d["transpose_bandwidth"]),
             elementwise_bandwidth=float(d["elementwise_bandwidth"]),
-            attention=tuple(AttentionSample(int(a["head_dim"]), int(a["seq_len"]), int(a["heads"]),
+            attention=tuple(AttentionSample(a["dtype"], int(a["head_dim"]), int(a["seq_len"]), int(a["heads"]),
                                             float(a["flops_per_s"])) for a in d["attention"]),
             collective_latency=_optional(d["collective_latency"]),
             jax_version=d["jax_version"], created=d["created"], schema=int(d["schema"]),

@@ -65,10 +65,10 @@ class Chip:
     # bytes/s read + written by a fused elementwise kernel with exponentials (a softmax), for CPU devices, whose
     # elementwise work runs below the streaming bandwidth (hbm_bandwidth); None: elementwise work at hbm_bandwidth
     elementwise_bandwidth: float | None = None
-    # (head_dim, FLOP/s): the rate of a whole causal attention, forward and backward (scores, mask, softmax, context),
-    # in model FLOPs, measured for CPUs, whose compiler fuses its pieces into kernels slower than their parts; empty:
-    # attention as matmuls and a softmax
-    attention_rates: tuple[tuple[int, float], ...] = ()
+    # (dtype, head_dim, FLOP/s): the rate of a whole causal attention, forward and backward (scores, mask, softmax,
+    # context), in model FLOPs, measured for CPUs, whose compiler fuses its pieces into kernels slower than their
+    # parts; empty: attention as matmuls and a softmax
+    attention_rates: tuple[tuple[str, int, float], ...] = ()
     # seconds each collective adds between dependent work, measured on CPU devices; None: the network's assumption
     # (perfmodel.network.LATENCY_S)
     collective_latency: float | None = None
@@ -84,10 +84,10 @@ class Chip:
     def measured_matmul_half(self, dtype: str) -> float | None:
         return next((h for d, h in self.matmul_half if d == str(dtype)), None)
 
-    def attention_rate(self, head_dim: int) -> float | None:
-        """The measured attention rate at `head_dim`: linear in log(head_dim) between the measured head
-        dimensions, the nearest one's beyond them; None where attention was not measured."""
-        rates = sorted(self.attention_rates)
+    def attention_rate(self, dtype: str, head_dim: int) -> float | None:
+        """The measured attention rate in `dtype` at `head_dim`: linear in log(head_dim) between the measured head
+        dimensions, the nearest one's beyond them; None where attention was not measured in `dtype`."""
+        rates = sorted((dh, rate) for dt, dh, rate in self.attention_rates if dt == str(dtype))
         if not rates:
             return None
         if head_dim <= rates[0][0]:
@@ -266,7 +266,7 @@ def calibrated_cpu(cal: calibration.Calibration | None) -> Chip:
         link_bandwidth=cal.collective_bandwidth or cal.memory_bandwidth, matmul_half=halves,
         collective_efficiency=collectives, page_fault_bandwidth=cal.page_fault_bandwidth,
         transpose_bandwidth=cal.transpose_bandwidth, elementwise_bandwidth=cal.elementwise_bandwidth,
-        attention_rates=tuple((s.head_dim, s.flops_per_s) for s in cal.attention),
+        attention_rates=tuple((s.dtype, s.head_dim, s.flops_per_s) for s in cal.attention),
         collective_latency=cal.collective_latency, calibrated=True,
         note=f"calibrated {cal.created} on {cal.device_kind} ({cal.platform}, jax {cal.jax_version})",
     )

@@ -87,7 +87,7 @@ def device_for(topology: TopologyShape) -> chips.Chip:
         page_fault_bandwidth=chip.page_fault_bandwidth / n if chip.page_fault_bandwidth else None,
         transpose_bandwidth=chip.transpose_bandwidth / n if chip.transpose_bandwidth else None,
         elementwise_bandwidth=chip.elementwise_bandwidth / n if chip.elementwise_bandwidth else None,
-        attention_rates=tuple((dh, rate / n) for dh, rate in chip.attention_rates),
+        attention_rates=tuple((dt, dh, rate / n) for dt, dh, rate in chip.attention_rates),
     )
 
 

@@ -1,5 +1,7 @@
 """Step time per device: matmuls at peak x a shape-dependent efficiency, memory-bound work at HBM bandwidth, and
-the collectives the sharding implies, with a stated overlap of communication and compute.
+the collectives the sharding implies, with a stated overlap of communication and compute. Calibrated CPU devices
+(maxperf calibrate) run elementwise work at a measured fused-kernel rate and attention at a measured whole-kernel
+rate, and pay the page faults of memory their compiler maps afresh (a step's temporaries, large dot accumulators).
 
 Each matmul is a roofline (Williams et al. 2009): max(FLOPs / (peak x efficiency), bytes / HBM bandwidth). Work is
 summed per step over all layers and microbatches, by kind, into a breakdown table.
@@ -44,10 +46,11 @@ LOSS_FLOAT32_PASSES = 4
 # every page of such temporaries faults in once per step. Measured: a cpu-2 step of scaled-1 (800 MB of temporaries
 # per device, maxperf's memory.json) takes 1.60 GB of minor faults per step (getrusage), two devices' worth.
 FRESH_MAPPING_THRESHOLD = 32 * 2**20
-# XLA:CPU's dot kernels (YNNPACK) block the contraction in steps of 256; a longer one accumulates in a float32 M x N
-# scratch of their own, outside XLA's buffers, which above the mmap threshold is mapped afresh and faults in on every
-# call. Measured (bf16, one device, getrusage): 7168x512x2048 faults 58.9 MB per call and runs at a third of the
-# rate of 7168x256x2048, which faults none; 2048x512x2048 (a 16.8 MB scratch) faults none.
+# XLA:CPU's dot kernels (YNNPACK) block the contraction in steps of 256; with a longer one, a dot whose output is
+# narrower than float32 accumulates in a float32 M x N scratch of its own, outside XLA's buffers, which from the mmap
+# threshold up is mapped afresh and faults in on every call. Measured (one device, getrusage): bf16 7168x512x2048
+# faults 58.9 MB per call and runs at a third of the rate of 7168x256x2048, which faults none; bf16 2048x512x2048 (a
+# 16.8 MB scratch) faults none; float32 4096x1024x4096 faults its 67 MB output only (it accumulates in place).
 CPU_DOT_K_BLOCK = 256
 
 
@@ -132,7 +135,7 @@ class _Table:
         t_bytes = nbytes / self.chip.hbm_bandwidth
         self.add(name, "compute" if t_flops >= t_bytes else "hbm", max(t_flops, t_bytes), flops, nbytes)
         scratch = 4 * M * N
-        if (self.chip.kind == "cpu" and self.chip.page_fault_bandwidth and K > CPU_DOT_K_BLOCK
+        if (self.chip.kind == "cpu" and self.chip.page_fault_bandwidth and c < 4 and K > CPU_DOT_K_BLOCK
                 and scratch >= FRESH_MAPPING_THRESHOLD):
             faulted = scratch * count
             self.add("page faults (dot accumulators, XLA:CPU)", "hbm", faulted / self.chip.page_fault_bandwidth, 0.0,
@@ -179,7 +182,7 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     # attention einsums per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh; the model computes all
     # L x L scores (ATTENTION_SKIPS_MASKED); a kernel that skipped masked blocks would do the windowed share only
     attn_fwd = 1 + (1 if remat in ("full", "minimal") else 0)
-    attention_rate = chip.attention_rate(Dh)
+    attention_rate = chip.attention_rate(train.compute_dtype, Dh)
     for W in model.layer_windows():
         share = 1.0 if not ATTENTION_SKIPS_MASKED else attention_pairs(L, W) / (L * L)
         count = Bm * a.H * micro * share
@@ -204,7 +207,7 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     table.memory("loss", micro * T * a.V * 4 * LOSS_FLOAT32_PASSES)
     local_params = params_per_device(model, mesh)
     table.memory("optimizer update", OPTIMIZER_PASSES * p * local_params)
-    if chip.page_fault_bandwidth and temporaries > FRESH_MAPPING_THRESHOLD:
+    if chip.page_fault_bandwidth and temporaries >= FRESH_MAPPING_THRESHOLD:
         table.add("page faults (new temporaries)", "hbm", temporaries / chip.page_fault_bandwidth, 0.0, temporaries)
 
     # collectives

@@ -41,11 +41,13 @@ TRANSPOSE_SIDE = math.isqrt(FRESH_MAPPING_THRESHOLD // 2 // 4)
 # the rate of the plain sum that measures bandwidth). Per device, below the mmap threshold for the reason above.
 ELEMENTWISE_BYTES = FRESH_MAPPING_THRESHOLD // 2
 ELEMENTWISE_ROW = 512
-# A whole causal attention, forward and backward, in bfloat16 with float32 scores, laid out as maxperf.models lays it
+# A whole causal attention, forward and backward, per dtype with float32 scores, laid out as maxperf.models lays it
 # out (examples, kv heads, query heads per kv head, length, head dim), at each of these head dimensions. XLA:CPU fuses
 # the softmax's backward into the matmul that feeds it, a kernel several times slower than the matmul alone (traced
 # in cpu-2 steps of tiny and qwen3-0.6b); measured whole, that cost is in the rate. Per device: the scores stay
-# below the mmap threshold, so that first-touch page faults (counted apart) stay out of it.
+# below the mmap threshold, so that first-touch page faults (counted apart) stay out of it. One length: the scores'
+# share of the work, and so the rate, is alike at every length; at long ones the scores leave the caches, which
+# this rate does not see.
 ATTENTION_HEAD_DIMS = (16, 64, 128)
 ATTENTION_SHAPE = (2, 4, 2, 256)  # examples, kv heads, query heads per kv head, length
 # The fixed cost of a collective: a chain of this many small matmuls, each followed by an all-reduce of one number
@@ -87,9 +89,9 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
     device); an add into a new array against the same add into its donated input (page_fault_bytes per device),
     whose difference is the cost of faulting in new pages; a fused copy that transposes a transpose_side square
     float32 matrix; a softmax over elementwise_bytes of float32 rows per device, written in bfloat16; a causal
-    attention's forward and backward (attention_shape per device) at each of attention_head_dims; an all-gather
-    of a collective_bytes float32 array and an all-reduce of one of collective_bytes per device; and what an
-    all-reduce of one number adds between dependent small matmuls (latency_chain of them). Each is timed as the
+    attention's forward and backward (attention_shape per device) per dtype at each of attention_head_dims; an
+    all-gather of a collective_bytes float32 array and an all-reduce of one of collective_bytes per device; and what
+    an all-reduce of one number adds between dependent small matmuls (latency_chain of them). Each is timed as the
     median of `repeats` runs."""
     import jax
     import jax.numpy as jnp
@@ -134,7 +136,7 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
     fresh_s = _typical_seconds(lambda: fresh(x).block_until_ready(), repeats)
     del x
     in_place_s = _typical_seconds(lambda x: in_place(x).block_until_ready(), repeats,
-                               make=lambda: put((d, count), jnp.float32, 1.0))
+                                  make=lambda: put((d, count), jnp.float32, 1.0))
     # None where new memory costs nothing measurable (an allocator that reuses mapped memory)
     page_fault = d * count * 4 / (fresh_s - in_place_s) if fresh_s > 1.05 * in_place_s else None
     n = transpose_side
@@ -149,7 +151,8 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
     seconds = _typical_seconds(lambda: softmax(x).block_until_ready(), repeats)
     elementwise = d * rows * ELEMENTWISE_ROW * (4 + 2) / seconds  # float32 read, bfloat16 written
     del x
-    attention = tuple(_attention(mesh, head_dim, attention_shape, repeats) for head_dim in attention_head_dims)
+    attention = tuple(_attention(mesh, dtype, head_dim, attention_shape, repeats)
+                      for dtype in dtypes for head_dim in attention_head_dims)
     collective = all_reduce = latency = None
     if d > 1:
         y = put((collective_bytes // 4,), jnp.float32, 1.0)
@@ -168,9 +171,7 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
         platform=devices[0].platform, device_kind=devices[0].device_kind, num_devices=d, matmul=tuple(samples),
         memory_bandwidth=bandwidth, collective_bandwidth=collective, all_reduce_bandwidth=all_reduce,
         page_fault_bandwidth=page_fault, transpose_bandwidth=transposed, elementwise_bandwidth=elementwise,
-        attention=attention,
-        collective_latency=latency,
-        jax_version=jax.__version__,
+        attention=attention, collective_latency=latency, jax_version=jax.__version__,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
     if store:
@@ -207,8 +208,9 @@ def _collective_latency(mesh, put: Callable[..., object], chain: int, repeats: i
     return max(0.0, (met - alone) / chain)
 
 
-def _attention(mesh, head_dim: int, shape: tuple[int, int, int, int], repeats: int) -> AttentionSample:
-    """A causal attention's forward and backward on every device, as model FLOPs per second (all L x L scores)."""
+def _attention(mesh, dtype: str, head_dim: int, shape: tuple[int, int, int, int], repeats: int) -> AttentionSample:
+    """A causal attention's forward and backward on every device, as model FLOPs per second (all L x L scores). The
+    output is returned with the gradients, so that the forward's context matmul is not dropped as dead code."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -223,15 +225,15 @@ def _attention(mesh, head_dim: int, shape: tuple[int, int, int, int], repeats: i
         return jnp.einsum("BKGLS,BSKd->BLKGd", p, v)
 
     def forward_and_backward(q, k, v, do):
-        _, backward = jax.vjp(attend, q, k, v)
-        return backward(do)
+        out, backward = jax.vjp(attend, q, k, v)
+        return out, *backward(do)
 
     spec = PartitionSpec("d")
     step = jax.jit(jax.shard_map(forward_and_backward, mesh=mesh, in_specs=spec, out_specs=spec))
     sharded = NamedSharding(mesh, spec)
-    put = lambda *dims: jax.device_put(jnp.full((d * B, L, *dims), 0.01, jnp.bfloat16), sharded)
+    put = lambda *dims: jax.device_put(jnp.full((d * B, L, *dims), 0.01, dtype), sharded)
     q, k, v, do = put(K, G, head_dim), put(K, head_dim), put(K, head_dim), put(K, G, head_dim)
     seconds = _typical_seconds(lambda: jax.block_until_ready(step(q, k, v, do)), repeats)
     heads = B * K * G
-    return AttentionSample(head_dim=head_dim, seq_len=L, heads=heads,
+    return AttentionSample(dtype=dtype, head_dim=head_dim, seq_len=L, heads=heads,
                            flops_per_s=d * 12 * L * L * head_dim * heads / seconds)
