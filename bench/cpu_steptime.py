@@ -5,10 +5,9 @@
 Calibrates first (maxperf.profiler.calibrate: matmul FLOP/s, memory, transposing-copy, softmax, page-fault and
 collective bandwidth, whole-attention FLOP/s and collective latency of this machine's jax devices, stored where
 perfmodel reads them), then for each configuration compiles the train step for cpu-N through maxperf.aot.compile,
-loads it back with maxperf.aot.load(DIR).step(devices), initializes a real state, runs warm-up steps, times S steps
-with block_until_ready, and prints the median measured step time beside perfmodel.estimate(...) for the same
-configuration on the cpu topology, the signed error of the prediction, and the median absolute error (target: under
-25%).
+runs it as `maxperf run` does (maxperf.profiler.run: a real state, warm-up steps, then S timed steps, each waited
+for), and prints the median measured step time beside perfmodel.estimate(...) for the same configuration on the cpu
+topology, the signed error of the prediction, and the median absolute error (target: under 25%).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 
@@ -43,28 +41,6 @@ CONFIGS = (
 )
 
 
-def measure(directory: Path, n: int, steps: int, warmup: int) -> float:
-    """The median of `steps` timed steps (each waited for) after `warmup` untimed ones."""
-    import jax
-
-    from maxperf import aot
-    from maxperf.models import train_step
-
-    spec, step = aot.load(directory).step(jax.devices()[:n])
-    state = train_step.init_state(spec, seed=0)
-    batch = train_step.synthetic_batch(spec, seed=0)
-    for _ in range(warmup):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, default=2, help="CPU devices (the cpu-N topology)")
@@ -76,6 +52,7 @@ def main() -> int:
 
     from maxperf import aot, perfmodel
     from maxperf.profiler.calibrate import calibrate
+    from maxperf.profiler.run import run
 
     if not args.no_calibrate:
         cal = calibrate()
@@ -96,7 +73,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="maxperf-steptime-") as tmp:
         for i, (model, overrides) in enumerate(CONFIGS):
             result = aot.compile(topology, model, overrides, out=Path(tmp) / f"c{i}")
-            measured = measure(result.out_dir, args.devices, args.steps, args.warmup)
+            measured = run(result.out_dir, steps=args.steps, warmup=args.warmup).step_time_s
             p = result.plan
             est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn,
                                      p.topology)

@@ -70,6 +70,13 @@ class Estimate:
         }
 
 
+# The Chip fields that devices sharing a chip or a machine divide among themselves (rates and capacities); None
+# (not published, not measured) stays None.
+SHARED_FIELDS = ("peak_bf16_flops", "peak_fp32_flops", "peak_fp8_flops", "peak_int8_ops", "hbm_bandwidth", "hbm_bytes",
+                 "link_bandwidth", "host_network_bandwidth", "page_fault_bandwidth", "transpose_bandwidth",
+                 "elementwise_bandwidth")
+
+
 def device_for(topology: TopologyShape) -> chips.Chip:
     """What one JAX device has: the chip, or its share where devices share a chip (tpu7x's two chiplets) or a
     machine (CPU devices of one host share its cores, memory and bandwidth)."""
@@ -77,18 +84,8 @@ def device_for(topology: TopologyShape) -> chips.Chip:
     n = devices_per_chip(topology) * (topology.chips_per_host if chip.kind == "cpu" else 1)
     if n <= 1:
         return chip
-    return replace(
-        chip, peak_bf16_flops=chip.peak_bf16_flops / n,
-        peak_fp32_flops=chip.peak_fp32_flops / n if chip.peak_fp32_flops else None,
-        peak_fp8_flops=chip.peak_fp8_flops / n if chip.peak_fp8_flops else None,
-        peak_int8_ops=chip.peak_int8_ops / n if chip.peak_int8_ops else None,
-        hbm_bandwidth=chip.hbm_bandwidth / n, hbm_bytes=chip.hbm_bytes / n,
-        link_bandwidth=chip.link_bandwidth / n, host_network_bandwidth=chip.host_network_bandwidth / n,
-        page_fault_bandwidth=chip.page_fault_bandwidth / n if chip.page_fault_bandwidth else None,
-        transpose_bandwidth=chip.transpose_bandwidth / n if chip.transpose_bandwidth else None,
-        elementwise_bandwidth=chip.elementwise_bandwidth / n if chip.elementwise_bandwidth else None,
-        attention_rates=tuple((dt, dh, rate / n) for dt, dh, rate in chip.attention_rates),
-    )
+    shares = {name: value / n for name in SHARED_FIELDS if (value := getattr(chip, name)) is not None}
+    return replace(chip, **shares, attention_rates=tuple((dt, dh, rate / n) for dt, dh, rate in chip.attention_rates))
 
 
 def default_overlap(chip: chips.Chip) -> Overlap:

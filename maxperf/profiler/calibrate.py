@@ -151,7 +151,7 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
     seconds = _typical_seconds(lambda: softmax(x).block_until_ready(), repeats)
     elementwise = d * rows * ELEMENTWISE_ROW * (4 + 2) / seconds  # float32 read, bfloat16 written
     del x
-    attention = tuple(_attention(mesh, dtype, head_dim, attention_shape, repeats)
+    attention = tuple(_attention(mesh, put, dtype, head_dim, attention_shape, repeats)
                       for dtype in dtypes for head_dim in attention_head_dims)
     collective = all_reduce = latency = None
     if d > 1:
@@ -208,12 +208,13 @@ def _collective_latency(mesh, put: Callable[..., object], chain: int, repeats: i
     return max(0.0, (met - alone) / chain)
 
 
-def _attention(mesh, dtype: str, head_dim: int, shape: tuple[int, int, int, int], repeats: int) -> AttentionSample:
+def _attention(mesh, put: Callable[..., object], dtype: str, head_dim: int, shape: tuple[int, int, int, int],
+               repeats: int) -> AttentionSample:
     """A causal attention's forward and backward on every device, as model FLOPs per second (all L x L scores). The
     output is returned with the gradients, so that the forward's context matmul is not dropped as dead code."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
+    from jax.sharding import PartitionSpec
 
     B, K, G, L = shape
     d = mesh.size
@@ -230,9 +231,8 @@ def _attention(mesh, dtype: str, head_dim: int, shape: tuple[int, int, int, int]
 
     spec = PartitionSpec("d")
     step = jax.jit(jax.shard_map(forward_and_backward, mesh=mesh, in_specs=spec, out_specs=spec))
-    sharded = NamedSharding(mesh, spec)
-    put = lambda *dims: jax.device_put(jnp.full((d * B, L, *dims), 0.01, dtype), sharded)
-    q, k, v, do = put(K, G, head_dim), put(K, head_dim), put(K, head_dim), put(K, G, head_dim)
+    q, do = (put((d * B, L, K, G, head_dim), dtype, 0.01) for _ in range(2))
+    k, v = (put((d * B, L, K, head_dim), dtype, 0.01) for _ in range(2))
     seconds = _typical_seconds(lambda: jax.block_until_ready(step(q, k, v, do)), repeats)
     heads = B * K * G
     return AttentionSample(dtype=dtype, head_dim=head_dim, seq_len=L, heads=heads,
