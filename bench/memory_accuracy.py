@@ -22,7 +22,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices; nothing runs here
 
-from maxperf.aot import memory_fit  # noqa: E402
+from maxperf.studies import memory_fit  # noqa: E402
 
 GIB = 1 << 30
 # B=1 and L=2048 keep each TPU compile to seconds on a 2-core machine while the step is the realistic shape;

@@ -1,4 +1,4 @@
-"""`maxperf estimate-memory` and maxperf.aot.memory_fit: the analytical side, the compiler beside it, the max-batch
+"""`maxperf estimate-memory` and maxperf.studies.memory_fit: the analytical side, the compiler beside it, the max-batch
 search, and bad input as one-line errors."""
 
 import json
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from maxperf.aot import memory_fit
-from maxperf.aot.memory_fit import Trial, _next_batch
+from maxperf.studies import memory_fit
+from maxperf.studies.memory_fit import Trial, _next_batch
 from maxperf.errors import MaxperfError
 from maxperf.perfmodel.memory import MINIMAL_SAVED_COPIES
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from maxperf import aot
-from maxperf.aot.sweep import sweep
+from maxperf.studies.sweep import sweep
 from maxperf.errors import MaxperfError
 from maxperf.reports import render
 

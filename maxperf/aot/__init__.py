@@ -1,9 +1,18 @@
 """Topologies, meshes, ahead-of-time lowering and compilation, and artifacts.
 
-`maxperf.aot.compile(...)` and `maxperf.aot.load(...)` are the Python API behind `maxperf compile`.
+`maxperf.aot.compile(...)` and `maxperf.aot.load(...)` are the Python API behind `maxperf compile`. The names load
+on first use, so importing the catalog (`maxperf.aot.topologies`) does not import the compiler.
 """
 
-from maxperf.aot.compiler import CompileResult, Plan, compile, plan
-from maxperf.aot.load import Artifact, load
+import importlib
 
-__all__ = ["Artifact", "CompileResult", "Plan", "compile", "load", "plan"]
+_EXPORTS = {"Artifact": "maxperf.aot.loading", "load": "maxperf.aot.loading", "CompileResult": "maxperf.aot.compiler",
+            "compile": "maxperf.aot.compiler", "Plan": "maxperf.plan", "plan": "maxperf.plan"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'maxperf.aot' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

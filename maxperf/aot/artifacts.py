@@ -32,6 +32,10 @@ class ArtifactError(MaxperfError):
     """An artifact that is missing, truncated, altered, crafted, or from other library versions."""
 
 
+class OutputRefused(MaxperfError):
+    """An output path whose present contents maxperf would lose by writing there."""
+
+
 def to_json(value: Any) -> Any:
     """Configs and results as JSON-ready values: dataclasses as dicts, enums as their values."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -53,13 +57,86 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-class ArtifactWriter:
-    """Collects files in a temporary directory beside `out` and moves them into place in one rename."""
+# What each kind of output directory holds: the file that marks it, its schema, and the files it may contain.
+_OUTPUT_KINDS = {
+    "compile": ("manifest.json", MANIFEST_SCHEMA),
+    "run": ("run.json", "maxperf.run/1"),
+}
 
-    def __init__(self, out: Path):
+
+def _owned_files(directory: Path, kind: str) -> set[str] | None:
+    """The files under `directory` that an earlier `kind` output wrote; None when it is no such output."""
+    marker, schema = _OUTPUT_KINDS[kind]
+    try:
+        data = json.loads((directory / marker).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("schema") != schema:
+        return None
+    if kind == "compile":
+        files = data.get("files")
+        return {marker, *files} if isinstance(files, dict) else None
+    return {marker} | {str(p.relative_to(directory)) for p in (directory / "trace").rglob("*")}
+
+
+def _protected(path: Path) -> bool:
+    """The working directory, the home directory, the filesystem root and their ancestors are never replaced."""
+    resolved = path.resolve()
+    keep = {Path.cwd().resolve(), Path.home().resolve()}
+    return resolved == Path(resolved.anchor) or any(resolved == k or resolved in k.parents for k in keep)
+
+
+def claim_output(out: Path, kind: str, *, force: bool = False) -> None:
+    """Refuses an `--out` that would lose what is there: only an earlier output of the same kind, holding nothing
+    but what maxperf wrote, or an empty directory, is replaced; `force` replaces anything but a protected path."""
+    out = Path(out)
+    if not os.path.lexists(out):
+        if out.parent.exists() and not out.parent.is_dir():
+            raise OutputRefused(f"--out {out}: {out.parent} is a file, not a directory")
+        return
+    if _protected(out):
+        raise OutputRefused(f"--out {out} is the working directory, the home directory or one of their parents; "
+                            "give a new directory")
+    if force:
+        return
+    if out.is_symlink() or not out.is_dir():
+        raise OutputRefused(f"--out {out} is a file, not a maxperf output directory; give a new directory, or pass "
+                            "--force to replace it")
+    present = {str(p.relative_to(out)) for p in out.rglob("*") if not p.is_dir() or p.is_symlink()}
+    if not present:
+        return
+    owned = _owned_files(out, kind)
+    if owned is None:
+        raise OutputRefused(f"--out {out} is a directory maxperf {kind} did not write; give a new directory, or "
+                            f"pass --force to replace it")
+    foreign = sorted(present - owned)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise OutputRefused(f"--out {out} holds files maxperf {kind} did not write ({shown}); move them, give a new "
+                            f"directory, or pass --force to replace it")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
+
+
+class ArtifactWriter:
+    """Collects files in a temporary directory beside `out` and moves them into place in one rename.
+
+    `out` is checked when the writer is made (see `claim_output`) and again just before the rename."""
+
+    def __init__(self, out: Path, kind: str, *, force: bool = False):
         self.out = Path(out)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".partial", dir=self.out.parent))
+        self.kind, self.force = kind, force
+        claim_output(self.out, kind, force=force)
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".partial", dir=self.out.parent))
+        except OSError as e:
+            raise OutputRefused(f"--out {self.out}: cannot write in {self.out.parent} ({e.strerror})") from None
 
     def write_bytes(self, name: str, data: bytes) -> None:
         path = self.tmp / name
@@ -79,12 +156,12 @@ class ArtifactWriter:
 
     def commit(self) -> Path:
         """Replaces `out` (if any) with the finished directory."""
-        if self.out.exists():
-            old = self.out.with_name(f".{self.out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(self.out, old)
+        claim_output(self.out, self.kind, force=self.force)
+        if os.path.lexists(self.out):
+            old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".old", dir=self.out.parent))
+            os.replace(self.out, old / "replaced")
             os.replace(self.tmp, self.out)
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
         else:
             os.replace(self.tmp, self.out)
         return self.out

@@ -21,10 +21,9 @@ from maxperf import __version__
 from maxperf.aot import artifacts, cache, topologies
 from maxperf.aot.topologies import Topology
 from maxperf.errors import DoesNotFit, MaxperfError
-from maxperf.models import overrides as overrides_mod
 from maxperf.models import presets
-from maxperf.models.config import MESH_AXES, MeshShape, ModelConfig
-from maxperf.models.overrides import Configs
+from maxperf.models.config import MESH_AXES, ModelConfig
+from maxperf.plan import Plan, plan
 
 Progress = Callable[[str], None]
 
@@ -47,34 +46,6 @@ def versions_that_must_match(platform_name: str) -> tuple[str, ...]:
     plugin = {"tpu": ("libtpu",), "gpu": ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin",
                                           "jax-cuda13-pjrt")}.get(platform_name, ())
     return ("jax", "jaxlib", *plugin)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What to compile: the configs, the topology and the resolved mesh."""
-
-    topology: Topology
-    configs: Configs
-    mesh_shape: MeshShape
-
-    @property
-    def model(self) -> ModelConfig:
-        return self.configs.model
-
-    def default_dir(self) -> Path:
-        slices = f"_x{self.topology.num_slices}" if self.topology.num_slices > 1 else ""
-        return Path("artifacts") / f"{self.model.name}_{self.topology.name}{slices}"
-
-
-def plan(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT_MODEL, overrides: Sequence[str] = (),
-         *, num_slices: int = 1, target_config: str | os.PathLike | None = None) -> Plan:
-    """Resolves names and overrides into configs and a mesh; every mistake is a MaxperfError naming what is valid."""
-    topo = topology if isinstance(topology, Topology) else topologies.get(
-        topology, num_slices=num_slices, target_config_path=None if target_config is None else str(target_config))
-    model_cfg = model if isinstance(model, ModelConfig) else presets.get(model)
-    configs = overrides_mod.apply(model_cfg, list(overrides))
-    mesh_shape = configs.parallelism.resolve(topo.devices_per_ici_domain, topo.ici_domains)
-    return Plan(topo, configs, mesh_shape)
 
 
 @dataclass(frozen=True)
@@ -213,17 +184,26 @@ def estimate_for(p: Plan) -> dict[str, Any] | None:
 def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT_MODEL,
             overrides: Sequence[str] = (), *, num_slices: int = 1, out: str | os.PathLike | None = None,
             target_config: str | os.PathLike | None = None, progress: Progress | None = None,
-            argv: Sequence[str] | None = None) -> CompileResult:
+            argv: Sequence[str] | None = None, force: bool = False) -> CompileResult:
     """Lowers and compiles the train step for `topology` and writes the artifact directory.
 
-    Raises MaxperfError for bad input and DoesNotFit (after writing the verdict) when the step needs more
-    memory than a device has.
+    Raises MaxperfError for bad input (an `out` that holds anything but an earlier compile's artifact is one, unless
+    `force`) and DoesNotFit (after writing the verdict) when the step needs more memory than a device has.
     """
     say = progress or (lambda _: None)
     start = time.perf_counter()
     p = plan(topology, model, overrides, num_slices=num_slices, target_config=target_config)
-    topo = p.topology
     out_dir = Path(out) if out is not None else p.default_dir()
+    writer = artifacts.ArtifactWriter(out_dir, "compile", force=force)
+    try:
+        return _compile_into(writer, p, say, start, argv)
+    except BaseException:
+        writer.abandon()
+        raise
+
+
+def _compile_into(writer: artifacts.ArtifactWriter, p: Plan, say: Progress, start: float, argv) -> CompileResult:
+    topo, out_dir = p.topology, writer.out
     say(f"devices: {topo.name} ({topo.num_devices} devices, mesh "
         + " x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1) + ")")
     if topo.platform == "tpu":
@@ -242,62 +222,57 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
         lowered = train_step.jit_step(spec).lower(spec.state, spec.batch)
     lower_seconds = time.perf_counter() - t
     capacity = device_memory_bytes(topo)
-    writer = artifacts.ArtifactWriter(out_dir)
-    try:
-        writer.write_text("hlo/lowered.stablehlo.mlir", lowered.as_text())
-        options = topologies.compiler_options(topo)
-        key = cache.key(lowered.as_text(), _target_identity(topo), options, library_versions())
-        entry = cache.get(key)
-        cache_hit = entry is not None
-        t = time.perf_counter()
-        if cache_hit:
-            say("compiling: found in the compilation cache")
-        else:
-            say("compiling")
-            try:
-                compiled = lowered.compile(options or None)
-            except Exception as e:  # XLA reports out-of-memory as a compile error on TPU
-                figures = out_of_memory_figures(str(e))
-                if figures is None:
-                    raise MaxperfError(f"XLA could not compile the step: {str(e).splitlines()[0][:300]}") from e
-                memory = {"schema": "maxperf.memory/1", "source": "xla compile error (out of memory)", **figures,
-                          "hbm_bytes": capacity, "fits": False, "compiler_message": str(e).splitlines()[0][:500]}
-                if "temp_bytes" in figures:  # the compiler named its temporaries only: add what the state takes
-                    memory["argument_bytes"] = argument_bytes(spec)
-                    memory["per_device_total_bytes"] = memory["argument_bytes"] + figures["temp_bytes"]
-                    memory["source"] += "; arguments from the state's shardings"
-                if memory.get("per_device_total_bytes"):
-                    memory["headroom_bytes"] = capacity - memory["per_device_total_bytes"]
-                writer.write_json("memory.json", memory)
-                _write_manifest(writer, p, spec, argv, time.perf_counter() - t, lower_seconds, start,
-                                compiled=False, cache_hit=False)
-                _finish(writer)
-                raise DoesNotFit(_verdict_line(memory)) from None
-            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-            entry = cache.Entry(payload=payload, in_tree=str(in_tree), out_tree=str(out_tree),
-                                memory=memory_fields(compiled.memory_analysis()), xla_cost=xla_cost(compiled),
-                                optimized_hlo=compiled.as_text(), compile_seconds=time.perf_counter() - t)
-            cache.put(key, entry)
-        compile_seconds = time.perf_counter() - t
-        say("writing artifacts")
-        writer.write_text("hlo/optimized.hlo.txt", entry.optimized_hlo)
-        memory = memory_report(entry.memory, capacity)
-        writer.write_json("memory.json", memory)
-        cost = cost_report(entry.xla_cost, entry.optimized_hlo, topo)
-        writer.write_json("cost.json", cost)
-        estimate = estimate_for(p)
-        if estimate is not None:
-            writer.write_json("estimate.json", estimate)
-        artifacts.check_executable_pickle(entry.payload)
-        blob = {"schema": artifacts.COMPILED_SCHEMA, "platform": topo.platform, "executable": entry.payload,
-                "in_tree": entry.in_tree, "out_tree": entry.out_tree}
-        writer.write_bytes("compiled.pkl", pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL))
-        _write_manifest(writer, p, spec, argv, compile_seconds, lower_seconds, start, compiled=True,
-                        cache_hit=cache_hit)
-        _finish(writer)
-    except BaseException:
-        writer.abandon()
-        raise
+    writer.write_text("hlo/lowered.stablehlo.mlir", lowered.as_text())
+    options = topologies.compiler_options(topo)
+    key = cache.key(lowered.as_text(), _target_identity(topo), options, library_versions())
+    entry = cache.get(key)
+    cache_hit = entry is not None
+    t = time.perf_counter()
+    if cache_hit:
+        say("compiling: found in the compilation cache")
+    else:
+        say("compiling")
+        try:
+            compiled = lowered.compile(options or None)
+        except Exception as e:  # XLA reports out-of-memory as a compile error on TPU
+            figures = out_of_memory_figures(str(e))
+            if figures is None:
+                raise MaxperfError(f"XLA could not compile the step: {str(e).splitlines()[0][:300]}") from e
+            memory = {"schema": "maxperf.memory/1", "source": "xla compile error (out of memory)", **figures,
+                      "hbm_bytes": capacity, "fits": False, "compiler_message": str(e).splitlines()[0][:500]}
+            if "temp_bytes" in figures:  # the compiler named its temporaries only: add what the state takes
+                memory["argument_bytes"] = argument_bytes(spec)
+                memory["per_device_total_bytes"] = memory["argument_bytes"] + figures["temp_bytes"]
+                memory["source"] += "; arguments from the state's shardings"
+            if memory.get("per_device_total_bytes"):
+                memory["headroom_bytes"] = capacity - memory["per_device_total_bytes"]
+            writer.write_json("memory.json", memory)
+            _write_manifest(writer, p, spec, argv, time.perf_counter() - t, lower_seconds, start,
+                            compiled=False, cache_hit=False)
+            _finish(writer)
+            raise DoesNotFit(_verdict_line(memory)) from None
+        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        entry = cache.Entry(payload=payload, in_tree=str(in_tree), out_tree=str(out_tree),
+                            memory=memory_fields(compiled.memory_analysis()), xla_cost=xla_cost(compiled),
+                            optimized_hlo=compiled.as_text(), compile_seconds=time.perf_counter() - t)
+        cache.put(key, entry)
+    compile_seconds = time.perf_counter() - t
+    say("writing artifacts")
+    writer.write_text("hlo/optimized.hlo.txt", entry.optimized_hlo)
+    memory = memory_report(entry.memory, capacity)
+    writer.write_json("memory.json", memory)
+    cost = cost_report(entry.xla_cost, entry.optimized_hlo, topo)
+    writer.write_json("cost.json", cost)
+    estimate = estimate_for(p)
+    if estimate is not None:
+        writer.write_json("estimate.json", estimate)
+    artifacts.check_executable_pickle(entry.payload)
+    blob = {"schema": artifacts.COMPILED_SCHEMA, "platform": topo.platform, "executable": entry.payload,
+            "in_tree": entry.in_tree, "out_tree": entry.out_tree}
+    writer.write_bytes("compiled.pkl", pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL))
+    _write_manifest(writer, p, spec, argv, compile_seconds, lower_seconds, start, compiled=True,
+                    cache_hit=cache_hit)
+    _finish(writer)
     return CompileResult(
         out_dir=out_dir, plan=p, param_count=spec.param_count, global_batch=spec.global_batch, fits=memory["fits"],
         memory=memory, cost=cost, estimate=estimate, compile_seconds=compile_seconds, lower_seconds=lower_seconds,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from maxperf.aot import artifacts
-from maxperf.aot.load import Artifact, load
+from maxperf.aot.loading import Artifact, load
 from maxperf.errors import MaxperfError
 
 RUN_SCHEMA = "maxperf.run/1"
@@ -173,8 +173,9 @@ def device_memory(devices) -> dict[str, Any]:
 
 def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = False, data: str | Path | None = None,
         checkpoint: str | Path | None = None, restore: str | Path | None = None, out: str | Path | None = None,
-        progress: Callable[[str], None] | None = None, peer_timeout: float = 60.0) -> RunResult:
-    """Runs the compiled step `steps` times after `warmup` steps and measures it."""
+        progress: Callable[[str], None] | None = None, peer_timeout: float = 60.0, force: bool = False) -> RunResult:
+    """Runs the compiled step `steps` times after `warmup` steps and measures it. `out` (default DIR/run) must be
+    new, empty or an earlier run's output, unless `force`; it is checked before the first step."""
     if steps < 1 or warmup < 0:
         raise MaxperfError(f"--steps must be >= 1 and --warmup >= 0, got steps={steps}, warmup={warmup}")
     say = progress or (lambda _: None)
@@ -197,26 +198,26 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         state = train_step.init_state(spec, seed=p.configs.train.seed)
     first = int(jax.device_get(state["step"]))
     batch_for = batches(spec, Path(data) if data else None, first, p.configs.train.seed)
-    losses, times = [], []
-    watchdog = Watchdog(peer_timeout) if jax.process_count() > 1 else None
-    for i in range(warmup + steps):
-        batch = batch_for(i)
-        jax.block_until_ready(batch)
-        t = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready((state, metrics))
-        elapsed = time.perf_counter() - t
-        if watchdog:
-            watchdog.beat(elapsed)
-        loss = float(metrics["loss"])
-        if i >= warmup:
-            times.append(elapsed)
-            losses.append(loss)
-        say(f"{'warm-up' if i < warmup else 'step'} {i + 1 - (0 if i < warmup else warmup)}: {elapsed:.4f} s, "
-            f"loss {loss:.4f}")
     out_dir = Path(out) if out is not None else artifact.directory / "run"
-    writer = artifacts.ArtifactWriter(out_dir)
+    writer = artifacts.ArtifactWriter(out_dir, "run", force=force)  # a bad --out fails before the first step
+    watchdog = Watchdog(peer_timeout) if jax.process_count() > 1 else None
     try:
+        losses, times = [], []
+        for i in range(warmup + steps):
+            batch = batch_for(i)
+            jax.block_until_ready(batch)
+            t = time.perf_counter()
+            state, metrics = step(state, batch)
+            jax.block_until_ready((state, metrics))
+            elapsed = time.perf_counter() - t
+            if watchdog:
+                watchdog.beat(elapsed)
+            loss = float(metrics["loss"])
+            if i >= warmup:
+                times.append(elapsed)
+                losses.append(loss)
+            say(f"{'warm-up' if i < warmup else 'step'} {i + 1 - (0 if i < warmup else warmup)}: {elapsed:.4f} s, "
+                f"loss {loss:.4f}")
         profile_summary = None
         if profile:
             from maxperf.profiler.trace_summary import summarize

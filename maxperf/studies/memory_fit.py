@@ -1,7 +1,7 @@
 """`maxperf estimate-memory`: the analytical memory breakdown beside the compiler's figures, and the largest
 per-device batch that fits, found by few compiles.
 
-    from maxperf.aot import memory_fit
+    from maxperf.studies import memory_fit
     cmp = memory_fit.compare("v5p-8", "llama2-7b", ["remat_policy=full"])
     cmp.analytical.per_device_total_bytes, cmp.compiler["per_device_total_bytes"], cmp.fits, cmp.difference
     best = memory_fit.max_batch("v5p-8", "llama2-7b", [])
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from maxperf.aot.compiler import Plan, plan
+from maxperf.plan import Plan, plan
+from maxperf.aot.artifacts import OutputRefused
 from maxperf.errors import DoesNotFit
 from maxperf.perfmodel import MemoryBreakdown, estimate_memory, make_mesh
 from maxperf.perfmodel.estimate import device_for
@@ -96,19 +97,19 @@ def analytical(p: Plan) -> MemoryBreakdown:
 
 def compare(topology: str, model: str, overrides: Sequence[str] = (), *, num_slices: int = 1,
             analytical_only: bool = False, out: str | os.PathLike | None = None,
-            progress: Progress | None = None) -> MemoryComparison:
+            progress: Progress | None = None, force: bool = False) -> MemoryComparison:
     """The analytical breakdown, and (unless `analytical_only`) the compiler's figures for the same step, compiled
     into `out` when given (kept), else into a temporary directory (removed)."""
     p = plan(topology, model, overrides, num_slices=num_slices)
     mine = analytical(p)
     if analytical_only:
         return MemoryComparison(p, mine, None, None, None)
-    memory, seconds = _compile_memory(p, model, overrides, num_slices, out, progress)
+    memory, seconds = _compile_memory(p, model, overrides, num_slices, out, progress, force)
     return MemoryComparison(p, mine, memory, seconds, None if out is None else Path(out))
 
 
 def _compile_memory(p: Plan, model: str, overrides: Sequence[str], num_slices: int, out: str | os.PathLike | None,
-                    progress: Progress | None) -> tuple[dict[str, Any], float]:
+                    progress: Progress | None, force: bool) -> tuple[dict[str, Any], float]:
     """memory.json of a compile of the plan through `aot.compile` (and its compile cache), whether or not the step
     fits: into `out` when given (kept), else into a temporary directory (removed)."""
     from maxperf import aot
@@ -117,7 +118,7 @@ def _compile_memory(p: Plan, model: str, overrides: Sequence[str], num_slices: i
         target = Path(out) if out is not None else Path(tmp) / "artifact"
         try:
             result = aot.compile(p.topology.name, model, overrides, num_slices=num_slices, out=target,
-                                 progress=progress)
+                                 progress=progress, force=force)
             return dict(result.memory), result.compile_seconds
         except DoesNotFit:  # the verdict and XLA's figures were written before the error
             manifest = json.loads((target / "manifest.json").read_text())
@@ -181,12 +182,14 @@ def _with_batch(p: Plan, overrides: Sequence[str], num_slices: int, b: int) -> P
 
 def max_batch(topology: str, model: str, overrides: Sequence[str] = (), *, num_slices: int = 1,
               analytical_only: bool = False, out: str | os.PathLike | None = None,
-              progress: Progress | None = None, limit: int = MAX_BATCH_LIMIT) -> MaxBatch:
+              progress: Progress | None = None, limit: int = MAX_BATCH_LIMIT, force: bool = False) -> MaxBatch:
     """The largest per_device_batch_size whose step fits, by compiles: start at perfmodel's answer, then aim each
     next compile where a line through the compiler's figures (or perfmodel's slope, with one figure) crosses the
     device memory, always strictly inside the bracket (largest fitting, smallest failing), so it ends; with
     `out`, every trial's artifact is kept under out/batch-B."""
     p = plan(topology, model, overrides, num_slices=num_slices)
+    if out is not None and os.path.lexists(out) and not Path(out).is_dir():
+        raise OutputRefused(f"--out {out} is a file; with --max-batch it is a directory of one artifact per trial")
     guess = analytical_max_batch(p, overrides, num_slices, limit)
     if analytical_only:
         best = compare(topology, model, [*overrides, f"per_device_batch_size={guess}"], num_slices=num_slices,
@@ -202,7 +205,7 @@ def max_batch(topology: str, model: str, overrides: Sequence[str] = (), *, num_s
     while True:
         say(f"compile {len(trials) + 1}: per_device_batch_size={b}")
         cmp = compare(topology, model, [*overrides, f"per_device_batch_size={b}"], num_slices=num_slices,
-                      out=None if out is None else Path(out) / f"batch-{b}", progress=progress)
+                      out=None if out is None else Path(out) / f"batch-{b}", progress=progress, force=force)
         total = (cmp.compiler or {}).get("per_device_total_bytes")
         trials.append(Trial(b, cmp.fits, float(total) if total else None, cmp.compile_seconds or 0.0))
         results[b] = cmp

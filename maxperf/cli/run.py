@@ -35,7 +35,7 @@ def cmd_run(args) -> int:
     say = _progress()
     result = run(args.artifact, steps=args.steps, warmup=args.warmup, profile=args.profile, data=args.data,
                  checkpoint=args.checkpoint, restore=args.restore, out=args.out, progress=say,
-                 peer_timeout=args.timeout)
+                 peer_timeout=args.timeout, force=args.force)
     if args.json:
         _print_json(result.as_dict())
         return 0
@@ -76,7 +76,9 @@ def _run_parser(sub) -> None:
     p.add_argument("--data", help="a .npy file of token ids: rows of L+1 tokens, or one 1-D stream")
     p.add_argument("--checkpoint", help="save the state here (orbax, asynchronous) after the run")
     p.add_argument("--restore", help="start from the state saved here")
-    p.add_argument("--out", help="where run.json (and trace/) go (default: DIR/run)")
+    p.add_argument("--out", help="where run.json (and trace/) go (default: DIR/run); an existing one must be an "
+                                 "earlier run's output")
+    p.add_argument("--force", action="store_true", help="replace whatever --out holds")
     p.add_argument("--json", action="store_true")
     from maxperf.aot import distributed
 

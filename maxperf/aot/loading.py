@@ -1,4 +1,4 @@
-"""`maxperf.aot.load`: read an artifact directory back, checking hashes, versions and what it may unpickle."""
+"""`maxperf.aot.load()`: read an artifact directory back, checking hashes, versions and what it may unpickle."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 
 from maxperf.aot import artifacts
 from maxperf.aot.artifacts import ArtifactError
-from maxperf.aot.compiler import Plan, library_versions, versions_that_must_match
+from maxperf.aot.compiler import library_versions, versions_that_must_match
+from maxperf.plan import Plan
 from maxperf.aot import topologies
 from maxperf.models.config import MeshShape, ModelConfig, ParallelismConfig, TrainConfig, from_dict
 from maxperf.models.overrides import Configs

@@ -64,7 +64,7 @@ def default_workers(points: int) -> int:
 def run_point(model: str, point: Point, directory: str, analytical_only: bool) -> dict[str, Any]:
     """One grid point, in a worker: the estimate, then the compile; failures are recorded, not raised."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from maxperf import aot, perfmodel
+    from maxperf import aot, perfmodel, plan as planning
     from maxperf.errors import DoesNotFit
 
     row: dict[str, Any] = {"schema": POINT_SCHEMA, "point": point.name, "model": model, "topology": point.topology,
@@ -72,7 +72,7 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool) -
                            "reason": None}
     start = time.perf_counter()
     try:
-        p = aot.plan(point.topology, model, point.overrides, num_slices=point.num_slices)
+        p = planning.plan(point.topology, model, point.overrides, num_slices=point.num_slices)
         est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
         row.update(chips=p.topology.chips, devices=p.topology.num_devices, platform=p.topology.platform,
                    chip=p.topology.chip, global_batch=p.configs.train.per_device_batch_size * p.topology.num_devices,
@@ -114,7 +114,7 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
           axes: dict[str, Sequence[str]] | None = None, analytical_only: bool = False, out: str | os.PathLike,
           workers: int | None = None, progress: Callable[[str], None] | None = None) -> SweepResult:
     """Runs every point of the grid not already finished under `out`, and writes the results table."""
-    from maxperf import aot
+    from maxperf import plan as planning
     from maxperf.models import presets
 
     say = progress or (lambda _: None)
@@ -123,7 +123,7 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
     presets.get(model)
     points = grid(topologies, num_slices, axes or {})
     for point in points:  # every mistake in the grid is found before any work starts
-        aot.plan(point.topology, model, point.overrides, num_slices=point.num_slices)
+        planning.plan(point.topology, model, point.overrides, num_slices=point.num_slices)
     out_dir = Path(out)
     start = time.perf_counter()
     todo = [pt for pt in points if not (out_dir / "points" / pt.name / "point.json").is_file()]

@@ -98,7 +98,7 @@ def cmd_compile(args) -> int:
         distributed.initialize(args, "cpu")
 
     result = aot.compile(args.topology, args.model, args.overrides, num_slices=args.num_slices, out=args.out,
-                         target_config=args.target_config, progress=_progress(), argv=sys.argv)
+                         target_config=args.target_config, progress=_progress(), argv=sys.argv, force=args.force)
     p, mem, cost = result.plan, result.memory, result.cost
     print(f"compiled {p.model.name} for {p.topology.name}"
           + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1 else "") + f" -> {result.out_dir}")
@@ -148,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compile", help="compile the train step for a topology and write its artifacts")
     _add_plan_arguments(p, model_default=DEFAULT_MODEL)
-    p.add_argument("--out", help="output directory (default: artifacts/MODEL_TOPOLOGY)")
+    p.add_argument("--out", help="output directory (default: artifacts/MODEL_TOPOLOGY); an existing one must be an "
+                                 "earlier compile's artifact")
+    p.add_argument("--force", action="store_true", help="replace whatever --out holds")
     p.add_argument("--target-config", help="GPU: a GpuTargetConfigProto text file instead of the built-in spec")
     from maxperf.aot import distributed
 
@@ -164,7 +166,7 @@ def _extra_commands():
     """Each command module adds its subcommands to the parser."""
     import importlib
 
-    for module in ("maxperf.cli_estimate", "maxperf.cli_run", "maxperf.cli_reports"):
+    for module in ("maxperf.cli.estimate", "maxperf.cli.run", "maxperf.cli.reports"):
         yield from importlib.import_module(module).COMMANDS
 
 

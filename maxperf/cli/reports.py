@@ -21,7 +21,7 @@ def cmd_sweep(args) -> int:
     import os
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from maxperf.aot.sweep import sweep
+    from maxperf.studies.sweep import sweep
     from maxperf.cli import _progress
 
     try:

@@ -9,7 +9,7 @@ GIB = 1 << 30
 
 def cmd_estimate(args) -> int:
     from maxperf import perfmodel
-    from maxperf.aot.compiler import plan
+    from maxperf.plan import plan
     from maxperf.cli import _print_json
 
     p = plan(args.topology, args.model, args.overrides, num_slices=args.num_slices)
@@ -38,19 +38,20 @@ def cmd_estimate_memory(args) -> int:
     from maxperf.cli import _compile_only_environment, _print_json, _progress
 
     _compile_only_environment()
-    from maxperf.aot import memory_fit
+    from maxperf.studies import memory_fit
 
     say = _progress()
     if args.max_batch:
         found = memory_fit.max_batch(args.topology, args.model, args.overrides, num_slices=args.num_slices,
-                                     analytical_only=args.analytical_only, out=args.out, progress=say)
+                                     analytical_only=args.analytical_only, out=args.out, progress=say,
+                                     force=args.force)
         if args.json:
             _print_json(found.as_dict())
         else:
             _print_max_batch(found, args.analytical_only)
         return 0 if found.fits else 3
     cmp = memory_fit.compare(args.topology, args.model, args.overrides, num_slices=args.num_slices,
-                             analytical_only=args.analytical_only, out=args.out, progress=say)
+                             analytical_only=args.analytical_only, out=args.out, progress=say, force=args.force)
     if args.json:
         _print_json(cmp.as_dict())
     else:
@@ -143,6 +144,7 @@ def _estimate_memory_parser(sub) -> None:
                    help="find the largest per_device_batch_size that fits, by compiles started at perfmodel's guess")
     p.add_argument("--out", help="keep the compiled artifact here (with --max-batch: one per trial, DIR/batch-B); "
                                  "default: a temporary directory, removed")
+    p.add_argument("--force", action="store_true", help="replace whatever --out holds")
     p.set_defaults(func=cmd_estimate_memory)
 
 

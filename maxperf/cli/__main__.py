@@ -1,0 +1,5 @@
+import sys
+
+from maxperf.cli import main
+
+sys.exit(main())
