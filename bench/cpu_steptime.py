@@ -53,6 +53,7 @@ def main() -> int:
     from maxperf import aot, perfmodel
     from maxperf.profiler.calibrate import calibrate
     from maxperf.profiler.run import run
+    from maxperf.user_cache import load_calibration
 
     if not args.no_calibrate:
         cal = calibrate()
@@ -68,15 +69,16 @@ def main() -> int:
               f"{(cal.all_reduce_bandwidth or 0) / 1e9:.1f} GB/s, {(cal.collective_latency or 0) * 1e6:.0f} us per "
               f"collective ({cal.num_devices} devices)")
     topology = f"cpu-{args.devices}"
+    calibration = load_calibration()  # the one the compiles' estimate.json and these predictions both use
     print(f"{'model':<11} {'config':<58} {'measured':>9} {'predicted':>9} {'error':>7}")
     errors = []
     with tempfile.TemporaryDirectory(prefix="maxperf-steptime-") as tmp:
         for i, (model, overrides) in enumerate(CONFIGS):
-            result = aot.compile(topology, model, overrides, out=Path(tmp) / f"c{i}")
+            result = aot.compile(topology, model, overrides, out=Path(tmp) / f"c{i}", calibration=calibration)
             measured = run(result.out_dir, steps=args.steps, warmup=args.warmup).step_time_s
             p = result.plan
             est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn,
-                                     p.topology)
+                                     p.topology, calibration=calibration)
             error = (est.step_time_s - measured) / measured
             errors.append(abs(error))
             print(f"{model:<11} {' '.join(overrides):<58} {measured * 1e3:>7.1f}ms {est.step_time_s * 1e3:>7.1f}ms "

@@ -1,14 +1,34 @@
-"""`maxperf calibrate` measures this machine and perfmodel's CPU estimate then says it used measured peaks."""
+"""`maxperf calibrate` measures this machine; maxperf.user_cache stores and loads it, says when a stored one cannot
+be used, and perfmodel's CPU estimate records which calibration it was given."""
 
+import hashlib
+import json
+
+import pytest
+
+from maxperf import notes, user_cache
 from maxperf.models import presets
 from maxperf.models.config import TrainConfig
 from maxperf.perfmodel import calibration, estimate
 from maxperf.profiler.calibrate import calibrate
 from perfmodel_util import Topo
 
+CAL = calibration.Calibration(
+    platform="cpu", device_kind="cpu", num_devices=2, jax_version="x", created="2025-01-01T00:00:00+00:00",
+    matmul=(calibration.MatmulSample("bfloat16", 1024, 8e11),), memory_bandwidth=4e10, collective_bandwidth=3e9,
+    all_reduce_bandwidth=1.5e9, page_fault_bandwidth=None, transpose_bandwidth=2e9, elementwise_bandwidth=1e10,
+    attention=(), collective_latency=None)
+TINY, TRAIN, CPU2 = presets.get("tiny"), TrainConfig(seq_len=64), Topo("cpu", 2, 2)
 
-def test_calibrate_stores_measurements_that_estimates_use(tmp_path, monkeypatch):
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(notes, "_said", set())  # notes are said once per process: each test starts afresh
+    return tmp_path
+
+
+def test_calibrate_stores_measurements_that_estimates_use(cache):
     cal = calibrate(sizes=(64, 128), dtypes=("float32",), thin_widths=(16,), thin_size=128,
                     bandwidth_bytes=4 * 2**20, page_fault_bytes=4 * 2**20, collective_bytes=2**20, transpose_side=256,
                     elementwise_bytes=2**20, attention_head_dims=(16, 32), attention_shape=(1, 2, 2, 64),
@@ -25,6 +45,62 @@ def test_calibrate_stores_measurements_that_estimates_use(tmp_path, monkeypatch)
     assert [(s.dtype, s.head_dim, s.seq_len, s.heads) for s in cal.attention] == [("float32", 16, 64, 4),
                                                                                ("float32", 32, 64, 4)]
     assert all(s.flops_per_s > 1e6 for s in cal.attention)
-    assert calibration.load() == cal
-    est = estimate(presets.get("tiny"), TrainConfig(compute_dtype="float32", seq_len=64), {}, {}, Topo("cpu", 1, 1))
+    stored = user_cache.calibration_for(Topo("cpu", 1, 1))
+    assert stored.calibration == cal and stored.path == str(cache / "calibration.json")
+    est = estimate(TINY, TrainConfig(compute_dtype="float32", seq_len=64), {}, {}, Topo("cpu", 1, 1),
+                   calibration=stored)
     assert est.peaks_calibrated and est.peak_flops == cal.peak_flops("float32")
+
+
+def test_a_loaded_calibration_carries_its_path_and_hash(cache):
+    path = user_cache.save_calibration(CAL)
+    assert path == cache / "calibration.json" and json.loads(path.read_text())["schema"] == 5
+    stored = user_cache.load_calibration()
+    assert stored.calibration == CAL and stored.problem is None
+    assert stored.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    record = estimate(TINY, TRAIN, {"fsdp": 2}, {}, CPU2, calibration=stored).as_dict()["calibration"]
+    assert (record["path"], record["sha256"], record["created"]) == (str(path), stored.sha256, CAL.created)
+
+
+def test_a_stale_schema_is_said_on_stderr_and_recorded(cache, capsys):
+    (cache / "calibration.json").write_text(json.dumps({**CAL.as_dict(), "schema": 4}))
+    stored = user_cache.load_calibration()
+    assert stored.calibration is None
+    problem = (f"the calibration {cache / 'calibration.json'} has schema 4, this maxperf reads schema 5; run "
+               "`maxperf calibrate` again; CPU estimates use the uncalibrated defaults until then")
+    assert stored.problem == problem
+    assert capsys.readouterr().err == f"maxperf: note: {problem}\n"
+    est = estimate(TINY, TRAIN, {"fsdp": 2}, {}, CPU2, calibration=stored)
+    assert not est.peaks_calibrated and est.notes == (problem,)
+    assert est.as_dict()["calibration"]["used"] is False and est.as_dict()["notes"] == [problem]
+
+
+def test_an_unreadable_calibration_is_said_on_stderr(cache, capsys):
+    (cache / "calibration.json").write_text("{not json")
+    stored = user_cache.load_calibration()
+    assert stored.calibration is None and stored.problem.startswith(f"the calibration {cache / 'calibration.json'} "
+                                                                    "is unreadable (JSONDecodeError")
+    assert capsys.readouterr().err == f"maxperf: note: {stored.problem}\n"
+
+
+def test_no_calibration_is_recorded_but_not_said(cache, capsys):
+    stored = user_cache.load_calibration()
+    assert stored.calibration is None and stored.sha256 is None
+    assert stored.problem == f"no calibration at {cache / 'calibration.json'}: run `maxperf calibrate`"
+    assert capsys.readouterr().err == ""  # the estimate's chip note says "uncalibrated defaults" already
+    assert estimate(TINY, TRAIN, {"fsdp": 2}, {}, CPU2, calibration=stored).notes == (stored.problem,)
+
+
+def test_tpu_and_gpu_topologies_read_no_calibration(cache, monkeypatch):
+    def refuse(path=None):
+        raise AssertionError("read a calibration for a topology that has no use for one")
+
+    monkeypatch.setattr(user_cache, "load_calibration", refuse)
+    assert user_cache.calibration_for(Topo("tpu-v5p", 4, 4)) is None
+    assert user_cache.calibration_for(Topo("h100-sxm", 8, 8)) is None
+
+
+def test_cache_dir_honours_xdg(tmp_path, monkeypatch):
+    monkeypatch.delenv("MAXPERF_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert user_cache.cache_dir() == tmp_path / "maxperf"

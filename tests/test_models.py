@@ -1,7 +1,5 @@
 """Properties of the model family and its train step, on CPU with tiny configs."""
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -159,15 +157,13 @@ def test_gradient_accumulation_matches_one_big_batch():
     np.testing.assert_allclose(_one_step_loss(whole, batch), _one_step_loss(accumulated, batch), rtol=1e-5)
 
 
-def test_405b_abstract_state_builds_fast_and_allocates_nothing():
+def test_405b_abstract_state_allocates_nothing():  # how long it takes: bench/quick_paths.py
     model = presets.get("llama3.1-405b")
     cfg = overrides.apply(model, [])
     devices = np.array(jax.devices() * 64)  # 512 stand-ins: shapes only, never placed
     mesh = make_mesh(devices, cfg.parallelism.resolve(512).axes)
     before = len(jax.live_arrays())
-    start = time.perf_counter()
     spec = train_step.abstract_step(cfg.model, cfg.train, mesh)
-    assert time.perf_counter() - start < 10
     assert len(jax.live_arrays()) == before
     leaves = jax.tree.leaves(spec.state)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)

@@ -37,11 +37,44 @@ def test_run_measures_and_the_loss_falls(artifact, tmp_path):
     assert data["losses"][-1] < data["losses"][0]
     assert data["step_time_min_s"] <= data["step_time_s"] <= data["step_time_p90_s"]
     assert data["tokens_per_s"] == pytest.approx(8 * 2 * 64 / data["step_time_s"])
-    assert 0 < data["mfu"] < 1.5
+    # MFU and TFLOP/s follow from the model's FLOPs, the median step and the peak of the calibration recorded
+    from maxperf import perfmodel
+    from maxperf.perfmodel.estimate import device_for
+    from maxperf.user_cache import calibration_for
+
+    p = aot.load(artifact).plan
+    flops = perfmodel.count_flops(p.configs.model, p.configs.train).model_flops
+    stored = calibration_for(p.topology)
+    peak = device_for(p.topology, stored).peak_flops(p.configs.train.compute_dtype)
+    assert data["peak_flops_per_device"] == peak
+    assert data["mfu"] == flops / (data["step_time_s"] * peak)
+    assert data["tflops_per_device"] == flops / data["step_time_s"] / 1e12
+    # the same calibration (here: none stored in the session's cache) as the compile's estimate.json, so no note
+    estimate = json.loads((artifact / "estimate.json").read_text())
+    assert data["calibration"] == estimate["calibration"] == stored.record()
+    assert not any("estimate.json predicted with calibration" in n for n in data["notes"])
     assert data["measured_over_predicted"] == pytest.approx(data["step_time_s"] / data["predicted_step_time_s"])
     assert data["memory"]["compiler_per_device_bytes"] > 0
     assert data["memory"]["measured_peak_bytes"] is None and "missing" in data["memory"]["measured_note"]
     assert result.step_time_s == data["step_time_s"]
+
+
+def test_a_run_says_when_its_calibration_is_not_the_estimates(monkeypatch, capsys):
+    from maxperf import notes
+
+    monkeypatch.setattr(notes, "_said", set())
+    before = {"path": "/c/calibration.json", "created": "2025-01-01T00:00:00+00:00", "sha256": "ab" * 32}
+    now = {**before, "created": "2025-02-01T00:00:00+00:00", "sha256": "cd" * 32}
+    message = ("estimate.json predicted with calibration /c/calibration.json of 2025-01-01T00:00:00+00:00 (sha256 "
+               "abababababab); this run's peak uses /c/calibration.json of 2025-02-01T00:00:00+00:00 (sha256 "
+               "cdcdcdcdcdcd)")
+    assert runner.calibration_mismatch({"calibration": before}, now) == [message]
+    assert capsys.readouterr().err == f"maxperf: note: {message}\n"
+    assert runner.calibration_mismatch({"calibration": before}, before) == []
+    assert runner.calibration_mismatch({"calibration": None}, None) == []  # TPU and GPU artifacts: none on either
+    assert runner.calibration_mismatch({"calibration": before}, None) == [
+        "estimate.json predicted with calibration /c/calibration.json of 2025-01-01T00:00:00+00:00 (sha256 "
+        "abababababab); this run's peak uses none"]
 
 
 def test_profile_writes_a_trace_and_summarizes_it(artifact, tmp_path):

@@ -4,7 +4,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -14,7 +13,6 @@ from maxperf.errors import MaxperfError
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 HAVE_CUDA_PLUGIN = gpu_targets.plugin_library() is not None
-HAVE_CHIPS = importlib.util.find_spec("maxperf.perfmodel.chips") is not None
 needs_libtpu = pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu not installed (maxperf[tpu])")
 needs_cuda_plugin = pytest.mark.skipif(not HAVE_CUDA_PLUGIN, reason="CUDA plugin not installed (maxperf[gpu])")
 
@@ -109,12 +107,11 @@ def test_as_dict_has_the_listed_fields():
     assert (d["name"], d["chips"], d["hosts"]) == ("h200-8x4", 32, 4)
 
 
-@pytest.mark.skipif(not HAVE_CHIPS, reason="maxperf.perfmodel.chips not written yet")
 def test_chip_specs_come_from_the_perfmodel():
     from maxperf.perfmodel import chips
 
-    for t in (T.get("v5p-8"), T.get("h100-8"), T.get("tpu7x-8"), T.get("cpu-1")):
-        assert t.hbm_bytes_per_chip == chips.get(t.chip).hbm_bytes
+    for t in (T.get("v5p-8"), T.get("tpu7x-8"), T.get("cpu-1")):
+        assert t.hbm_bytes_per_chip == chips.get(t.chip).hbm_bytes and t.target_hbm_bytes is None
         assert t.peak_bf16_flops_per_chip == chips.get(t.chip).peak_bf16_flops
     tpu7x = T.get("tpu7x-8")
     assert tpu7x.hbm_bytes_per_device * 2 == tpu7x.hbm_bytes_per_chip
@@ -125,15 +122,36 @@ def test_chip_specs_come_from_the_perfmodel():
 
 @needs_cuda_plugin
 def test_embedded_gpu_specs_are_found_for_every_catalog_gpu():
-    start = time.perf_counter()
-    gpu_targets.embedded_targets.cache_clear()
-    gpu_targets.embedded_targets()
-    assert time.perf_counter() - start < 2.0
     for chip, device in gpu_targets.CHIP_TO_DEVICE.items():
         text = gpu_targets.gpu_target_config(chip)
         assert text.startswith("# proto-message: stream_executor.GpuTargetConfigProto")
         assert f'device_description_str: "{device}"' in text
     assert gpu_targets.device_memory_bytes(gpu_targets.gpu_target_config("h100-sxm")) == 84942979072
+
+
+@needs_cuda_plugin
+def test_gpu_memory_comes_from_the_target_spec_compiled_for():
+    from maxperf.aot.compiler import device_memory_bytes
+    from maxperf.perfmodel import estimate
+    from maxperf.plan import plan
+
+    t = T.get("h100-8x2")
+    spec = gpu_targets.device_memory_bytes(gpu_targets.gpu_target_config("h100-sxm"))
+    assert t.target_hbm_bytes == t.hbm_bytes_per_chip == spec == 84942979072  # not the datasheet's 80e9
+    p = plan("h100-8", "tiny")
+    est = estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+    # the estimate's verdict and the compiler's memory.json divide the same memory
+    assert est.memory.hbm_bytes == device_memory_bytes(p.topology) == spec and est.notes == ()
+
+
+def test_gpu_memory_without_the_plugin_is_the_datasheets_and_says_so(monkeypatch, capsys):
+    from maxperf import notes
+
+    monkeypatch.setattr(notes, "_said", set())  # said once per process: this test must see it said
+    monkeypatch.setattr(gpu_targets, "plugin_library", lambda: None)
+    t = T.get("b200-8")
+    assert t.target_hbm_bytes is None and t.hbm_bytes_per_chip == 180e9
+    assert "b200: GPU memory from the datasheet, not the target spec compiled for" in capsys.readouterr().err
 
 
 @needs_cuda_plugin

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from maxperf.perfmodel.calibration import cache_dir
+from maxperf.user_cache import cache_dir
 
 SCHEMA = "maxperf.compile-cache/1"
 

@@ -23,6 +23,7 @@ from maxperf.aot.topologies import Topology
 from maxperf.errors import DoesNotFit, MaxperfError
 from maxperf.models import presets
 from maxperf.models.config import MESH_AXES, ModelConfig
+from maxperf.perfmodel.calibration import StoredCalibration
 from maxperf.plan import Plan, plan
 
 Progress = Callable[[str], None]
@@ -173,19 +174,26 @@ def cost_report(raw: dict[str, float] | None, hlo_text: str, topology: Topology)
     return report
 
 
-def estimate_for(p: Plan) -> dict[str, Any] | None:
-    """The analytical prediction for the same configuration (perfmodel), as JSON."""
+def estimate_for(p: Plan, calibration: StoredCalibration | None = None) -> dict[str, Any] | None:
+    """The analytical prediction for the same configuration (perfmodel), as JSON; `calibration` (for CPU
+    topologies) is loaded from the user's cache when not given, and recorded in the JSON."""
     from maxperf import perfmodel
+    from maxperf.user_cache import calibration_for
 
-    result = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+    if calibration is None:
+        calibration = calibration_for(p.topology)
+    result = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology,
+                                calibration=calibration)
     return result.as_dict()
 
 
 def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT_MODEL,
             overrides: Sequence[str] = (), *, num_slices: int = 1, out: str | os.PathLike | None = None,
             target_config: str | os.PathLike | None = None, progress: Progress | None = None,
-            argv: Sequence[str] | None = None, force: bool = False) -> CompileResult:
-    """Lowers and compiles the train step for `topology` and writes the artifact directory.
+            argv: Sequence[str] | None = None, force: bool = False,
+            calibration: StoredCalibration | None = None) -> CompileResult:
+    """Lowers and compiles the train step for `topology` and writes the artifact directory. estimate.json uses
+    `calibration` (CPU topologies), else the one stored in the user's cache, and records which.
 
     Raises MaxperfError for bad input (an `out` that holds anything but an earlier compile's artifact is one, unless
     `force`) and DoesNotFit (after writing the verdict) when the step needs more memory than a device has.
@@ -196,13 +204,14 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     out_dir = Path(out) if out is not None else p.default_dir()
     writer = artifacts.ArtifactWriter(out_dir, "compile", force=force)
     try:
-        return _compile_into(writer, p, say, start, argv)
+        return _compile_into(writer, p, say, start, argv, calibration)
     except BaseException:
         writer.abandon()
         raise
 
 
-def _compile_into(writer: artifacts.ArtifactWriter, p: Plan, say: Progress, start: float, argv) -> CompileResult:
+def _compile_into(writer: artifacts.ArtifactWriter, p: Plan, say: Progress, start: float, argv,
+                  calibration: StoredCalibration | None = None) -> CompileResult:
     topo, out_dir = p.topology, writer.out
     say(f"devices: {topo.name} ({topo.num_devices} devices, mesh "
         + " x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1) + ")")
@@ -263,7 +272,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Plan, say: Progress, star
     writer.write_json("memory.json", memory)
     cost = cost_report(entry.xla_cost, entry.optimized_hlo, topo)
     writer.write_json("cost.json", cost)
-    estimate = estimate_for(p)
+    estimate = estimate_for(p, calibration)
     if estimate is not None:
         writer.write_json("estimate.json", estimate)
     artifacts.check_executable_pickle(entry.payload)

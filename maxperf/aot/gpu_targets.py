@@ -19,6 +19,7 @@ import struct
 from pathlib import Path
 
 from maxperf.errors import MaxperfError, unknown
+from maxperf.notes import note
 
 PROTO_MARKER = b"# proto-message: stream_executor.GpuTargetConfigProto"
 INSTALL_HINT = "install the CUDA plugin to compile for GPUs: pip install 'maxperf[gpu]'"
@@ -131,3 +132,15 @@ def device_memory_bytes(text: str) -> int | None:
     """`device_memory_size` of a target config: the bytes the GPU reports as its memory."""
     found = _MEMORY.search(text)
     return int(found.group(1)) if found else None
+
+
+def target_memory_bytes(chip: str, target_config_path: str | None = None) -> int | None:
+    """The memory of the GPU a topology compiles for, from its spec: the user's `--target-config` file, else the
+    plugin's embedded spec for `chip`. None, said once on stderr, when the CUDA plugin that holds the embedded spec
+    is not installed (perfmodel then takes the datasheet's figure and records that it did)."""
+    if target_config_path is not None:
+        return device_memory_bytes(read_target_config(target_config_path))
+    if plugin_library() is None:
+        note(f"{chip}: GPU memory from the datasheet, not the target spec compiled for; {INSTALL_HINT}")
+        return None
+    return device_memory_bytes(gpu_target_config(chip))

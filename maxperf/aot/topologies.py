@@ -86,11 +86,17 @@ class Topology:
         return self.num_devices // self.ici_domains
 
     @property
+    def target_hbm_bytes(self) -> int | None:
+        """GPU: the memory the target spec compiled for states (`device_memory_size`); None elsewhere, or where the
+        CUDA plugin that holds the spec is missing (perfmodel reads this, else the chip table's figure)."""
+        if self.platform != "gpu":
+            return None
+        return gpu_targets.target_memory_bytes(self.chip, self.target_config_path)
+
+    @property
     def hbm_bytes_per_chip(self) -> int | None:
-        if self.target_config_path is not None:
-            return gpu_targets.device_memory_bytes(gpu_targets.read_target_config(self.target_config_path))
-        spec = _chip_spec(self.chip)
-        return None if spec is None else int(spec.hbm_bytes)
+        target = self.target_hbm_bytes
+        return target if target is not None else int(_chip_spec(self.chip).hbm_bytes)
 
     @property
     def hbm_bytes_per_device(self) -> int | None:
@@ -100,8 +106,7 @@ class Topology:
 
     @property
     def peak_bf16_flops_per_chip(self) -> float | None:
-        spec = _chip_spec(self.chip)
-        return None if spec is None else float(spec.peak_bf16_flops)
+        return float(_chip_spec(self.chip).peak_bf16_flops)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -125,11 +130,9 @@ class Topology:
         }
 
 def _chip_spec(chip: str):
-    """The perfmodel's spec for `chip`, or None while maxperf.perfmodel.chips does not exist yet."""
-    try:
-        from maxperf.perfmodel import chips
-    except ImportError:
-        return None
+    """The perfmodel's table entry for `chip` (imported here: perfmodel's package imports nothing of aot)."""
+    from maxperf.perfmodel import chips
+
     return chips.get(chip)
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,10 +11,11 @@ def cmd_estimate(args) -> int:
     from maxperf import perfmodel
     from maxperf.plan import plan
     from maxperf.cli import _print_json
+    from maxperf.user_cache import calibration_for
 
     p = plan(args.topology, args.model, args.overrides, num_slices=args.num_slices)
     est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology,
-                             overlap=args.overlap)
+                             overlap=args.overlap, calibration=calibration_for(p.topology))
     if args.json:
         _print_json(est.as_dict())
         return 0

@@ -1,31 +1,18 @@
-"""Where `maxperf calibrate` keeps this machine's measured peaks, and reading them back (plain json, no jax).
+"""What `maxperf calibrate` measured on a machine, as plain data (no jax, no disk).
 
-The file is written by `maxperf.profiler.calibrate`; perfmodel only reads it, to give the "cpu" chip measured peaks.
+`maxperf.profiler.calibrate` measures it and `maxperf.user_cache` stores and loads it; callers pass what they
+loaded to perfmodel (a StoredCalibration), which never reads it from disk itself, so an estimate.json and a run.json
+each say which calibration they used.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 SCHEMA_VERSION = 5
 # Sides of a thin matmul: the small one of M (rows of x), K (the contraction) or N (columns of W).
 THIN_SIDES = ("m", "k", "n")
-FILE_NAME = "calibration.json"
-
-
-def cache_dir() -> Path:
-    """MAXPERF_CACHE_DIR if set, else $XDG_CACHE_HOME/maxperf, else ~/.cache/maxperf (XDG base directory spec)."""
-    if os.environ.get("MAXPERF_CACHE_DIR"):
-        return Path(os.environ["MAXPERF_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "maxperf"
-
-
-def calibration_path() -> Path:
-    return cache_dir() / FILE_NAME
 
 
 @dataclass(frozen=True)
@@ -125,23 +112,21 @@ def _optional(value) -> float | None:
     return None if value is None else float(value)
 
 
-def save(cal: Calibration, path: Path | None = None) -> Path:
-    """Writes atomically (temp file then rename), so a reader never sees half a file."""
-    path = path or calibration_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(cal.as_dict(), indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
+@dataclass(frozen=True)
+class StoredCalibration:
+    """A calibration as a caller found it, to pass to perfmodel: the measurements and the file they came from, or
+    why there are none (the file is missing, unreadable or of another schema; CPU estimates then use the labelled
+    defaults and say why)."""
 
+    path: str | None  # None: passed in by a program, not read from a file
+    calibration: Calibration | None
+    sha256: str | None = None  # of the file's bytes: two estimates used the same calibration when these match
+    problem: str | None = None  # why `calibration` is None
 
-def load(path: Path | None = None) -> Calibration | None:
-    """The stored calibration, or None when there is none or it is unreadable or of another schema."""
-    path = path or calibration_path()
-    try:
-        d = json.loads(path.read_text())
-        if d.get("schema") != SCHEMA_VERSION:
-            return None
-        return Calibration.from_dict(d)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    def record(self) -> dict[str, Any]:
+        """Which calibration was used, as estimate.json and run.json record it."""
+        cal = self.calibration
+        return {"path": self.path, "sha256": self.sha256, "used": cal is not None, "problem": self.problem,
+                "created": cal.created if cal else None, "schema": cal.schema if cal else None,
+                "device_kind": cal.device_kind if cal else None, "num_devices": cal.num_devices if cal else None,
+                "jax_version": cal.jax_version if cal else None}

@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, replace
 
 from maxperf.errors import unknown
-from maxperf.perfmodel import calibration
+from maxperf.perfmodel.calibration import Calibration
 
 G = 1e9
 T = 1e12
@@ -249,7 +249,7 @@ def _cpu_chip() -> Chip:
 CHIPS: dict[str, Chip] = {c.name: c for c in [*_TPUS, *_GPUS, _cpu_chip()]}
 
 
-def calibrated_cpu(cal: calibration.Calibration | None) -> Chip:
+def calibrated_cpu(cal: Calibration | None) -> Chip:
     """The "cpu" chip with measured peaks where a calibration exists, else the labelled defaults."""
     chip = CHIPS["cpu"]
     if cal is None:
@@ -272,10 +272,11 @@ def calibrated_cpu(cal: calibration.Calibration | None) -> Chip:
     )
 
 
-def get(name: str) -> Chip:
-    """The chip named `name`; for "cpu", with this machine's stored calibration when there is one."""
+def get(name: str, calibration: Calibration | None = None) -> Chip:
+    """The chip named `name`; for "cpu", with the measured peaks of `calibration` when one is given (perfmodel
+    never reads a calibration from disk: callers load it and pass it in)."""
     if name not in CHIPS:
         raise unknown("chip", name, CHIPS)
     if name == "cpu":
-        return calibrated_cpu(calibration.load())
+        return calibrated_cpu(calibration)
     return CHIPS[name]

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 
 from maxperf.perfmodel import chips
+from maxperf.perfmodel.calibration import Calibration, StoredCalibration
 from maxperf.perfmodel.flops import FlopCounts, ParamCounts, count_flops, count_params
 from maxperf.perfmodel.memory import MemoryBreakdown, estimate_memory, params_per_device
 from maxperf.perfmodel.shapes import (
@@ -45,6 +46,8 @@ class Estimate:
     peaks_calibrated: bool  # for "cpu": measured by `maxperf calibrate`; False: published figures or defaults
     chip_note: str
     overlap: Overlap
+    calibration: dict | None = None  # for "cpu": which calibration was used (StoredCalibration.record()); else None
+    notes: tuple[str, ...] = ()  # fallbacks that change the prediction: no usable calibration, datasheet memory
 
     @property
     def memory_per_device_bytes(self) -> float:
@@ -60,7 +63,7 @@ class Estimate:
             "hardware_flops_per_device": self.hardware_flops_per_device,
             "memory_per_device_bytes": self.memory_per_device_bytes, "fits": self.fits,
             "bottleneck": self.bottleneck, "peak_flops": self.peak_flops, "peaks_calibrated": self.peaks_calibrated,
-            "chip_note": self.chip_note,
+            "chip_note": self.chip_note, "calibration": self.calibration, "notes": list(self.notes),
             "memory": self.memory.as_dict(),
             "params": {**asdict(self.params), "non_embedding": self.params.non_embedding},
             "flops": asdict(self.flops),
@@ -77,10 +80,26 @@ SHARED_FIELDS = ("peak_bf16_flops", "peak_fp32_flops", "peak_fp8_flops", "peak_i
                  "elementwise_bandwidth")
 
 
-def device_for(topology: TopologyShape) -> chips.Chip:
-    """What one JAX device has: the chip, or its share where devices share a chip (tpu7x's two chiplets) or a
-    machine (CPU devices of one host share its cores, memory and bandwidth)."""
-    chip = chips.get(topology.chip)
+def target_hbm_bytes(topology: TopologyShape) -> float | None:
+    """A chip's memory as the target compiled for states it (a GPU's GpuTargetConfigProto `device_memory_size`,
+    which maxperf.aot reads); an optional attribute of the topology: None where it states none."""
+    value = getattr(topology, "target_hbm_bytes", None)
+    return None if value is None else float(value)
+
+
+def stored(calibration: StoredCalibration | Calibration | None) -> StoredCalibration | None:
+    """A bare Calibration (passed in by a program) as a StoredCalibration without a file."""
+    return StoredCalibration(None, calibration) if isinstance(calibration, Calibration) else calibration
+
+
+def device_for(topology: TopologyShape, calibration: StoredCalibration | Calibration | None = None) -> chips.Chip:
+    """What one JAX device has: the chip (with `calibration`'s measurements for "cpu", the target's memory where
+    the topology states it), or its share where devices share a chip (tpu7x's two chiplets) or a machine (CPU
+    devices of one host share its cores, memory and bandwidth)."""
+    cal = stored(calibration)
+    chip = chips.get(topology.chip, cal.calibration if cal else None)
+    if (hbm := target_hbm_bytes(topology)) is not None:
+        chip = replace(chip, hbm_bytes=hbm)
     n = devices_per_chip(topology) * (topology.chips_per_host if chip.kind == "cpu" else 1)
     if n <= 1:
         return chip
@@ -95,19 +114,36 @@ def default_overlap(chip: chips.Chip) -> Overlap:
     return Overlap.uniform(0.0) if chip.kind == "cpu" else Overlap()
 
 
+def fallback_notes(topology: TopologyShape, chip: chips.Chip, calibration: StoredCalibration | None) -> tuple[str, ...]:
+    """What the prediction stands on that is not the real thing: CPU peaks without a usable calibration, a GPU's
+    memory from its datasheet where the target spec it compiles for would say."""
+    notes = []
+    if chip.kind == "cpu" and (calibration is None or calibration.calibration is None):
+        notes.append(calibration.problem if calibration is not None and calibration.problem else
+                     "no calibration was passed in: CPU peaks are uncalibrated defaults")
+    if chip.kind == "gpu" and target_hbm_bytes(topology) is None:
+        notes.append(f"{chip.name} memory is the datasheet's {chips.CHIPS[chip.name].hbm_bytes / 1e9:.0f} GB, not "
+                     "read from the GPU target spec that compiles (it needs the CUDA plugin: "
+                     "pip install 'maxperf[gpu]')")
+    return tuple(notes)
+
+
 def estimate(model: ModelShape, train: TrainShape, mesh_axes: Mapping[str, int],
              dcn_axes: Mapping[str, int] | None, topology: TopologyShape, *,
-             overlap: Overlap | float | None = None) -> Estimate:
+             overlap: Overlap | float | None = None,
+             calibration: StoredCalibration | Calibration | None = None) -> Estimate:
     """Predicts one step of `train` for `model` over a mesh on `topology`.
 
     mesh_axes: sizes of ("data", "fsdp", "sequence", "tensor", "expert"), each the whole axis (ICI x DCN parts);
     dcn_axes: the part of "data" and "fsdp" that crosses slices; overlap: an Overlap, or one fraction for all; None
-    takes the chip's default (default_overlap)."""
+    takes the chip's default (default_overlap); calibration: this machine's measurements for "cpu" topologies
+    (maxperf.user_cache.calibration_for loads them), recorded in the result; without one, labelled defaults."""
     check_model(model)
     check_train(train)
     check(topology.chips >= 1, f"topology must have at least one chip, got {topology.chips}")
     mesh = make_mesh(mesh_axes, dcn_axes, topology)
-    chip = device_for(topology)
+    cal = stored(calibration)
+    chip = device_for(topology, cal)
     if overlap is None:
         overlap = default_overlap(chip)
     elif not isinstance(overlap, Overlap):
@@ -127,4 +163,6 @@ def estimate(model: ModelShape, train: TrainShape, mesh_axes: Mapping[str, int],
         hardware_flops_per_device=flops.hardware_flops, memory=memory, fits=memory.fits,
         bottleneck=time.bottleneck, breakdown=time.rows, params=params, flops=flops, time=time, peak_flops=peak,
         peaks_calibrated=chip.calibrated, chip_note=chip.note, overlap=overlap,
+        calibration=cal.record() if cal is not None and chip.kind == "cpu" else None,
+        notes=fallback_notes(topology, chip, cal),
     )

@@ -2,8 +2,9 @@
 bandwidth, transposing copies, fused elementwise work, the cost of first touching new memory, collective bandwidth
 and fixed cost) for perfmodel.
 
-The result is stored as JSON in the user's cache (perfmodel.calibration.cache_dir()), where perfmodel reads it to
-give the "cpu" chip measured peaks. jax is imported inside `calibrate`, so importing this module stays cheap.
+The result is stored as JSON in the user's cache (maxperf.user_cache.calibration_path()); commands load it from
+there (maxperf.user_cache.calibration_for) and pass it to perfmodel, which gives the "cpu" chip its measured peaks.
+jax is imported inside `calibrate`, so importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from maxperf.perfmodel.calibration import THIN_SIDES, AttentionSample, Calibration, MatmulSample, save
+from maxperf.perfmodel.calibration import THIN_SIDES, AttentionSample, Calibration, MatmulSample
 from maxperf.perfmodel.steptime import FRESH_MAPPING_THRESHOLD
+from maxperf.user_cache import save_calibration
 
 MATMUL_SIZES = (256, 512, 1024)
 # thin matmuls: one side this short (head dimensions, narrow models), the other two THIN_SIZE
@@ -175,7 +177,7 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
     if store:
-        save(cal, path)
+        save_calibration(cal, path)
     return cal
 
 

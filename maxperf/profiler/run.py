@@ -47,6 +47,7 @@ class RunResult:
     data: str = "synthetic uniform tokens"
     artifact: str = ""
     notes: list[str] = field(default_factory=list)
+    calibration: dict[str, Any] | None = None  # CPU: the calibration the peak came from (StoredCalibration.record())
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -183,8 +184,9 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
 
     from maxperf import perfmodel
     from maxperf.models import train_step
-    from maxperf.perfmodel.estimate import device_for
+    from maxperf.perfmodel.estimate import device_for, fallback_notes
     from maxperf.profiler import checkpoints
+    from maxperf.user_cache import calibration_for
 
     artifact = load(path)
     devices = check_devices(artifact, jax.devices())
@@ -235,11 +237,14 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         if watchdog:
             watchdog.stop()  # orbax bounds its own waits for peers
         saved = checkpoints.save(Path(checkpoint), state) if checkpoint is not None else None
-        chip = device_for(p.topology)
+        calibration = calibration_for(p.topology)
+        chip = device_for(p.topology, calibration)
         peak = chip.peak_flops(p.configs.train.compute_dtype)
         flops = perfmodel.count_flops(p.configs.model, p.configs.train).model_flops
         median = statistics.median(times)
         estimate = artifact.json("estimate.json")
+        record = calibration.record() if calibration is not None else None
+        notes = [*fallback_notes(p.topology, chip, calibration), *calibration_mismatch(estimate, record)]
         predicted = estimate.get("step_time_s") if estimate else None
         memory = {"compiler_per_device_bytes": (artifact.json("memory.json") or {}).get("per_device_total_bytes"),
                   **device_memory(devices)}
@@ -254,6 +259,7 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
             measured_over_predicted=median / predicted if predicted else None, memory=memory,
             profile=profile_summary, checkpoint=saved, restored_from=str(restore) if restore else None,
             data=str(data) if data else "synthetic uniform tokens", artifact=str(artifact.directory.resolve()),
+            notes=notes, calibration=record,
         )
         writer.write_json("run.json", result.as_dict())
         if jax.process_index() == 0:
@@ -267,6 +273,28 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         if watchdog:
             watchdog.stop()
     return result
+
+
+def calibration_mismatch(estimate: dict[str, Any] | None, record: dict[str, Any] | None) -> list[str]:
+    """A note when the prediction in estimate.json used another calibration than this run's peak (the machine was
+    calibrated again between the compile and the run); said on stderr too."""
+    if not estimate or "calibration" not in estimate:
+        return []
+    before = (estimate["calibration"] or {}).get("sha256")
+    now = (record or {}).get("sha256")
+    if before == now:
+        return []
+    from maxperf.notes import note
+
+    def name(r):
+        if not r or not r.get("sha256"):
+            return "none"
+        return f"{r['path']}{' of ' + r['created'] if r.get('created') else ''} (sha256 {r['sha256'][:12]})"
+
+    message = (f"estimate.json predicted with calibration {name(estimate['calibration'])}; this run's peak uses "
+               f"{name(record)}")
+    note(message)
+    return [message]
 
 
 def read(path: str | Path) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from typing import Any
 
 from maxperf.aot import artifacts
 from maxperf.errors import MaxperfError
+from maxperf.perfmodel.calibration import StoredCalibration
+from maxperf.user_cache import load_calibration
 
 POINT_SCHEMA = "maxperf.sweep-point/1"
 SWEEP_SCHEMA = "maxperf.sweep/1"
@@ -61,8 +63,10 @@ def default_workers(points: int) -> int:
     return max(1, min(points, max(1, cores // 2), max(1, available // HOST_BYTES_PER_COMPILE)))
 
 
-def run_point(model: str, point: Point, directory: str, analytical_only: bool) -> dict[str, Any]:
-    """One grid point, in a worker: the estimate, then the compile; failures are recorded, not raised."""
+def run_point(model: str, point: Point, directory: str, analytical_only: bool,
+              calibration: StoredCalibration | None = None) -> dict[str, Any]:
+    """One grid point, in a worker: the estimate, then the compile; failures are recorded, not raised.
+    `calibration`: what the sweep loaded once for its CPU points, so every point uses the same one."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from maxperf import aot, perfmodel, plan as planning
     from maxperf.errors import DoesNotFit
@@ -73,7 +77,8 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool) -
     start = time.perf_counter()
     try:
         p = planning.plan(point.topology, model, point.overrides, num_slices=point.num_slices)
-        est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+        est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology,
+                                 calibration=calibration)
         row.update(chips=p.topology.chips, devices=p.topology.num_devices, platform=p.topology.platform,
                    chip=p.topology.chip, global_batch=p.configs.train.per_device_batch_size * p.topology.num_devices,
                    seq_len=p.configs.train.seq_len, hbm_bytes=est.memory.hbm_bytes,
@@ -83,7 +88,8 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool) -
                    bottleneck=est.bottleneck)
         if not analytical_only:
             try:
-                result = aot.compile(p.topology, model, point.overrides, out=Path(directory) / "artifact")
+                result = aot.compile(p.topology, model, point.overrides, out=Path(directory) / "artifact",
+                                     calibration=calibration)
                 row.update(compiler_memory_bytes=result.memory["per_device_total_bytes"], fits=result.fits,
                            compile_seconds=result.compile_seconds, compiler_flops_per_device=result.cost[
                                "flops_per_device"], artifact=str(Path(directory) / "artifact"))
@@ -122,8 +128,9 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
         raise MaxperfError("--topologies is empty; give a comma-separated list such as v5p-8,v5p-16,v5p-32")
     presets.get(model)
     points = grid(topologies, num_slices, axes or {})
-    for point in points:  # every mistake in the grid is found before any work starts
-        planning.plan(point.topology, model, point.overrides, num_slices=point.num_slices)
+    chips = {planning.plan(point.topology, model, point.overrides, num_slices=point.num_slices).topology.chip
+             for point in points}  # every mistake in the grid is found before any work starts
+    calibration = load_calibration() if "cpu" in chips else None  # loaded once: every point uses the same
     out_dir = Path(out)
     start = time.perf_counter()
     todo = [pt for pt in points if not (out_dir / "points" / pt.name / "point.json").is_file()]
@@ -132,8 +139,8 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
         n = workers or default_workers(len(todo))
         context = multiprocessing.get_context("spawn")
         with cf.ProcessPoolExecutor(max_workers=n, mp_context=context) as pool:
-            futures = {pool.submit(run_point, model, pt, str(out_dir / "points" / pt.name), analytical_only): pt
-                       for pt in todo}
+            futures = {pool.submit(run_point, model, pt, str(out_dir / "points" / pt.name), analytical_only,
+                                   calibration): pt for pt in todo}
             for done, future in enumerate(cf.as_completed(futures), 1):
                 row = future.result()
                 _save_point(out_dir / "points" / futures[future].name, row)
