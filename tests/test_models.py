@@ -95,7 +95,7 @@ def _logits(cfg, tokens):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("words", [(), ("attention=sliding", "window=4"), ("positions=learned",)])
+@pytest.mark.parametrize("words", [(), ("attention_type=local_sliding", "window=4"), ("positions=learned",)])
 def test_causality(words):
     cfg, _ = tiny(*words)
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 16), 0, 256, jnp.int32)
@@ -107,7 +107,7 @@ def test_causality(words):
 
 
 def test_sliding_window_forgets_tokens_outside_it():
-    cfg, _ = tiny("attention=sliding", "window=3", "num_layers=1")
+    cfg, _ = tiny("attention_type=local_sliding", "window=3", "num_layers=1")
     tokens = jax.random.randint(jax.random.PRNGKey(0), (1, 16), 0, 256, jnp.int32)
     changed = tokens.at[:, 2].set((tokens[:, 2] + 1) % 256)
     a, b = _logits(cfg, tokens), _logits(cfg, changed)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from maxperf.models import presets
-from maxperf.models.config import Activation, AttentionPattern, ModelConfig, Norm, Positions, TrainConfig
+from maxperf.models.config import Activation, AttentionType, ModelConfig, Norm, Positions, TrainConfig
 from maxperf.perfmodel.flops import attention_pairs, count_flops, count_params
 
 
@@ -72,10 +72,14 @@ def test_llama2_7b_model_flops_match_6nd_plus_attention():
 
 def test_causal_mask_halves_attention():
     m = presets.get("llama2-7b")
-    f = count_flops(m, TrainConfig(per_device_batch_size=2, seq_len=2048, remat_policy="none"))
+    f = count_flops(m, TrainConfig(per_device_batch_size=2, seq_len=2048, remat_policy="none",
+                                   attention="dot_product"))
     unmasked = 3 * 4 * 2 * 2048**2 * m.num_heads * m.head_dim * m.num_layers
     assert f.attention_flops == unmasked / 2
-    assert f.attention_executed_flops == unmasked  # the model computes and masks the full score matrix
+    assert f.attention_executed_flops == unmasked  # the dot product computes and masks the full score matrix
+    # flash skips the masked half; its backward kernel runs 5 matmuls per block against the forward's 2
+    flash = count_flops(m, TrainConfig(per_device_batch_size=2, seq_len=2048, remat_policy="none", attention="flash"))
+    assert flash.attention_executed_flops == unmasked / 2 / 3 * (1 + 5 / 2)
 
 
 def test_sliding_window_counted_by_its_window():
@@ -83,7 +87,7 @@ def test_sliding_window_counted_by_its_window():
     assert attention_pairs(8192, 4096) == 8192 * 4096 - 4096**2 / 2
     assert attention_pairs(1024, 4096) == attention_pairs(1024, None)  # a window longer than L changes nothing
     mistral = presets.get("mistral-7b")
-    full = replace(mistral, attention=AttentionPattern.FULL, window=None)
+    full = replace(mistral, attention_type=AttentionType.GLOBAL, window=None)
     train = TrainConfig(seq_len=8192)
     ratio = count_flops(mistral, train).attention_flops / count_flops(full, train).attention_flops
     assert ratio == pytest.approx(0.75)
@@ -98,7 +102,8 @@ def test_local_global_layers_counted_separately():
 
 def test_remat_adds_hardware_flops_not_model_flops():
     m = presets.get("llama3-8b")
-    f = {r: count_flops(m, TrainConfig(seq_len=4096, remat_policy=r)) for r in ("none", "minimal", "full")}
+    f = {r: count_flops(m, TrainConfig(seq_len=4096, remat_policy=r, attention="dot_product"))
+         for r in ("none", "minimal", "full")}
     assert f["none"].model_flops == f["minimal"].model_flops == f["full"].model_flops
     assert f["none"].recompute_flops == 0
     assert 0 < f["minimal"].recompute_flops < f["full"].recompute_flops

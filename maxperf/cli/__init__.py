@@ -49,14 +49,14 @@ def cmd_models(args) -> int:
         m = presets.get(name)
         rows.append({"name": name, "params": train_step.param_count(m), "V": m.vocab_size, "D": m.d_model,
                      "N": m.num_layers, "H": m.num_heads, "K": m.num_kv_heads, "Dh": m.head_dim, "F": m.d_ff,
-                     "activation": m.activation.value, "attention": m.attention.value})
+                     "activation": m.activation.value, "attention_type": m.attention_type.value})
     if args.json:
         _print_json(rows)
         return 0
-    print(f"{'model':<15} {'params':>9} {'V':>7} {'D':>6} {'N':>4} {'H':>4} {'K':>4} {'Dh':>4} {'F':>7}  attention")
+    print(f"{'model':<15} {'params':>9} {'V':>7} {'D':>6} {'N':>4} {'H':>4} {'K':>4} {'Dh':>4} {'F':>7}  attention_type")
     for r in rows:
         print(f"{r['name']:<15} {r['params'] / 1e9:>8.2f}B {r['V']:>7} {r['D']:>6} {r['N']:>4} {r['H']:>4} "
-              f"{r['K']:>4} {r['Dh']:>4} {r['F']:>7}  {r['attention']}")
+              f"{r['K']:>4} {r['Dh']:>4} {r['F']:>7}  {r['attention_type']}")
     return 0
 
 

@@ -34,16 +34,66 @@ class Positions(enum.StrEnum):
     LEARNED = "learned"
 
 
-class AttentionPattern(enum.StrEnum):
-    FULL = "full"  # every layer full causal
-    SLIDING = "sliding"  # every layer sees the last W tokens
-    LOCAL_GLOBAL = "local_global"  # `local_per_global` sliding-window layers, then one full layer, repeated
+class AttentionType(enum.StrEnum):
+    """The mask pattern (MaxText's `attention_type`)."""
+
+    GLOBAL = "global"  # every layer full causal
+    LOCAL_SLIDING = "local_sliding"  # every layer sees the last W tokens
+    LOCAL_GLOBAL = "local_global"  # Gemma 2: `local_per_global` sliding-window layers, then one global, repeated
+
+
+class AttentionKernel(enum.StrEnum):
+    """How attention is computed (MaxText's `attention`; its `autoselected` is accepted for `auto`)."""
+
+    AUTO = "auto"  # flash on TPU and GPU, as MaxText picks; the blockwise flash on CPU
+    DOT_PRODUCT = "dot_product"  # the materialized [L, L] scores and softmax
+    FLASH = "flash"  # TPU: Pallas splash attention; GPU: Pallas (Triton) flash attention; CPU: blockwise
 
 
 class RematPolicy(enum.StrEnum):
+    """MaxText's remat policies (layers/decoders.py get_remat_policy): what each decoder layer keeps for the
+    backward, by checkpoint name; the rest is recomputed. `*_offloaded` keep theirs in pinned host memory."""
+
     NONE = "none"  # keep every activation the backward pass needs
-    MINIMAL = "minimal"  # keep the outputs of weight matmuls, recompute the rest
+    MINIMAL = "minimal"  # q, k, v, out projections and the MLP's wi/wo outputs
+    MINIMAL_WITH_CONTEXT = "minimal_with_context"  # minimal and the attention context
+    SAVE_DOT_WITH_CONTEXT_EXCEPT_MLP = "save_dot_with_context_except_mlp"  # q, k, v, context, out
+    SAVE_DOT_EXCEPT_MLPWI = "save_dot_except_mlpwi"  # q, k, v, out, mlpwo
+    SAVE_DOT_EXCEPT_MLP = "save_dot_except_mlp"  # q, k, v, out
+    SAVE_QKV_PROJ = "save_qkv_proj"  # q, k, v
+    SAVE_OUT_PROJ = "save_out_proj"  # out
+    QKV_PROJ_OFFLOADED = "qkv_proj_offloaded"  # q, k, v in host memory
+    MINIMAL_OFFLOADED = "minimal_offloaded"  # minimal's set in host memory
+    CUSTOM = "custom"  # each named tensor as its own key says (RematLocation)
     FULL = "full"  # keep only each layer's input, recompute the whole layer
+
+
+class RematLocation(enum.StrEnum):
+    """Where `remat_policy=custom` keeps one named tensor (MaxText's per-tensor keys)."""
+
+    REMAT = "remat"  # recomputed in the backward
+    DEVICE = "device"  # saved in device memory
+    OFFLOAD = "offload"  # saved in pinned host memory
+
+
+# The checkpoint names the decoder layer gives its tensors (MaxText's), and what each remat policy saves on device
+# and offloads to the host (layers/decoders.py get_remat_policy).
+CHECKPOINT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "qkv_proj", "context", "out_proj",
+                    "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo")
+_QKV = ("query_proj", "key_proj", "value_proj", "qkv_proj")
+_MINIMAL = (*_QKV, "out_proj", "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo")
+REMAT_SAVED: dict[RematPolicy, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    RematPolicy.MINIMAL: (_MINIMAL, ()),
+    RematPolicy.MINIMAL_WITH_CONTEXT: ((*_MINIMAL, "context"), ()),
+    RematPolicy.SAVE_DOT_WITH_CONTEXT_EXCEPT_MLP: ((*_QKV, "context", "out_proj"), ()),
+    RematPolicy.SAVE_DOT_EXCEPT_MLPWI: ((*_QKV, "out_proj", "mlpwo"), ()),
+    RematPolicy.SAVE_DOT_EXCEPT_MLP: ((*_QKV, "out_proj"), ()),
+    RematPolicy.SAVE_QKV_PROJ: (_QKV, ()),
+    RematPolicy.SAVE_OUT_PROJ: (("out_proj",), ()),
+    RematPolicy.QKV_PROJ_OFFLOADED: ((), ("query_proj", "value_proj", "key_proj")),
+    RematPolicy.MINIMAL_OFFLOADED: ((), _MINIMAL),
+    RematPolicy.FULL: ((), ()),
+}
 
 
 class LayerKind(enum.StrEnum):
@@ -56,6 +106,8 @@ MESH_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
 DCN_AXES = ("data", "fsdp")
 
 _DTYPES = ("float32", "bfloat16", "float16")
+SPLASH_BLOCKS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",
+                 "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -92,8 +144,8 @@ class ModelConfig:
     max_position: int = 8192  # size of the learned position table
     tie_embeddings: bool = False
     scale_embeddings: bool = False  # multiply embeddings by sqrt(D), as Gemma does
-    attention: AttentionPattern = AttentionPattern.FULL
-    window: int | None = None  # W, for sliding and for the local layers of local_global
+    attention_type: AttentionType = AttentionType.GLOBAL
+    window: int | None = None  # W, for local_sliding and for the local layers of local_global
     local_per_global: int = 1
     qk_norm: bool = False
     query_scale: float | None = None  # None: 1/sqrt(Dh)
@@ -110,10 +162,10 @@ class ModelConfig:
             self.num_heads % self.num_kv_heads == 0,
             f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",
         )
-        if self.attention is not AttentionPattern.FULL:
+        if self.attention_type is not AttentionType.GLOBAL:
             _require(
                 self.window is not None and self.window >= 1,
-                f"attention={self.attention} needs window=W with W >= 1, got window={self.window}",
+                f"attention_type={self.attention_type} needs window=W with W >= 1, got window={self.window}",
             )
         _require(self.local_per_global >= 1, f"local_per_global must be >= 1, got {self.local_per_global}")
         _require(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
@@ -125,9 +177,9 @@ class ModelConfig:
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """The attention window of each layer, None where the layer attends to the whole causal prefix."""
-        if self.attention is AttentionPattern.FULL:
+        if self.attention_type is AttentionType.GLOBAL:
             return (None,) * self.num_layers
-        if self.attention is AttentionPattern.SLIDING:
+        if self.attention_type is AttentionType.LOCAL_SLIDING:
             return (self.window,) * self.num_layers
         period = self.local_per_global + 1
         return tuple(None if (i + 1) % period == 0 else self.window for i in range(self.num_layers))
@@ -150,8 +202,45 @@ class TrainConfig:
     grad_clip_norm: float | None = 1.0
     grad_accum_steps: int = 1
     remat_policy: RematPolicy = RematPolicy.FULL
+    # remat_policy=custom: where each named tensor is kept (MaxText's keys and defaults)
+    decoder_layer_input: RematLocation = RematLocation.DEVICE
+    context: RematLocation = RematLocation.REMAT
+    mlpwi: RematLocation = RematLocation.REMAT
+    mlpwi_0: RematLocation = RematLocation.REMAT
+    mlpwi_1: RematLocation = RematLocation.REMAT
+    mlpwo: RematLocation = RematLocation.REMAT
+    query_proj: RematLocation = RematLocation.REMAT
+    key_proj: RematLocation = RematLocation.REMAT
+    value_proj: RematLocation = RematLocation.REMAT
+    qkv_proj: RematLocation = RematLocation.REMAT
+    out_proj: RematLocation = RematLocation.REMAT
+    attention: AttentionKernel = AttentionKernel.AUTO
+    # dot_product only (MaxText's switches, default off): the q k^T product, and the softmax, in float32
+    float32_qk_product: bool = False
+    float32_logits: bool = False
+    # splash attention's tiles (MaxText's keys and defaults)
+    sa_block_q: int = 512
+    sa_block_kv: int = 512
+    sa_block_kv_compute: int = 512
+    sa_block_q_dkv: int = 512
+    sa_block_kv_dkv: int = 512
+    sa_block_kv_dkv_compute: int = 512
+    sa_block_q_dq: int = 512
+    sa_block_kv_dq: int = 512
     scan_layers: bool = True
     seed: int = 0
+
+    def remat_names(self) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+        """(names saved on device, names offloaded to pinned host memory) under the remat policy; None for `none`
+        (no rematerialization at all)."""
+        policy = RematPolicy(self.remat_policy)
+        if policy is RematPolicy.NONE:
+            return None
+        if policy is RematPolicy.CUSTOM:
+            where = {name: RematLocation(getattr(self, name)) for name in CHECKPOINT_NAMES}
+            return (tuple(n for n, w in where.items() if w is RematLocation.DEVICE),
+                    tuple(n for n, w in where.items() if w is RematLocation.OFFLOAD))
+        return REMAT_SAVED[policy]
 
     def __post_init__(self) -> None:
         _require(self.per_device_batch_size >= 1, f"per_device_batch_size must be >= 1, got {self.per_device_batch_size}")
@@ -168,6 +257,9 @@ class TrainConfig:
             self.grad_clip_norm is None or self.grad_clip_norm > 0,
             f"grad_clip_norm must be > 0 or none, got {self.grad_clip_norm}",
         )
+        for name in SPLASH_BLOCKS:
+            value = getattr(self, name)
+            _require(value >= 128 and value % 128 == 0, f"{name} must be a positive multiple of 128, got {value}")
         _require(self.grad_accum_steps >= 1, f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
         _require(
             self.per_device_batch_size % self.grad_accum_steps == 0,

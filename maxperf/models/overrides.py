@@ -9,7 +9,7 @@ import typing
 from dataclasses import dataclass
 
 from maxperf.errors import MaxperfError, closest
-from maxperf.models.config import ModelConfig, ParallelismConfig, TrainConfig
+from maxperf.models.config import AttentionKernel, ModelConfig, ParallelismConfig, TrainConfig
 
 # MaxText's names (MaxText/configs/base.yml) for the same settings.
 ALIASES = {
@@ -47,6 +47,8 @@ ALIASES = {
 
 _CONFIGS = {"model": ModelConfig, "train": TrainConfig, "parallelism": ParallelismConfig}
 _FIXED = {"name", "rope_scaling"}  # not settable from the command line
+# MaxText's spellings of values: its `attention=autoselected` is maxperf's `auto`.
+VALUE_ALIASES = {(AttentionKernel, "autoselected"): "auto"}
 
 
 def _fields() -> dict[str, tuple[str, type]]:
@@ -71,6 +73,7 @@ def _parse(key: str, text: str, kind: type):
                 return None
         kind = next(a for a in args if a is not type(None))
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        text = VALUE_ALIASES.get((kind, text.lower()), text)
         choices = [m.value for m in kind]
         if text.lower() not in choices:
             hits = closest(text, choices)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from maxperf.errors import unknown
 from maxperf.models.config import (
     Activation,
-    AttentionPattern,
+    AttentionType,
     ModelConfig,
     Norm,
     Positions,
@@ -59,7 +59,8 @@ register(
 # Mistral 7B v0.1 (Jiang et al. 2023, table 1): sliding window of 4096
 register(
     "mistral-7b",
-    lambda: _llama("mistral-7b", 32000, 4096, 32, 32, 8, 14336, 1e4, attention=AttentionPattern.SLIDING, window=4096),
+    lambda: _llama("mistral-7b", 32000, 4096, 32, 32, 8, 14336, 1e4, attention_type=AttentionType.LOCAL_SLIDING,
+                   window=4096),
 )
 
 
@@ -80,7 +81,7 @@ register("gemma-7b", lambda: _gemma("gemma-7b", 3072, 28, 16, 16, 256, 24576))
 # query_pre_attn_scalar^-1/2.
 def _gemma2(name: str, D: int, N: int, H: int, K: int, Dh: int, F: int, query_pre_attn: int) -> ModelConfig:
     return _gemma(
-        name, D, N, H, K, Dh, F, attention=AttentionPattern.LOCAL_GLOBAL, window=4096, local_per_global=1,
+        name, D, N, H, K, Dh, F, attention_type=AttentionType.LOCAL_GLOBAL, window=4096, local_per_global=1,
         attn_logit_softcap=50.0, final_logit_softcap=30.0, post_norms=True, query_scale=query_pre_attn**-0.5,
     )
 

@@ -18,6 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxperf.models.config import ModelConfig, TrainConfig
+from maxperf.models.layers import attention_kernels
+from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.sharding import partition_spec
 from maxperf.models.transformer import Transformer
 
@@ -28,7 +30,8 @@ _NO_DECAY = ("scale", "bias")  # norm parameters are not decayed
 def build_model(model: ModelConfig, train: TrainConfig, rngs: nnx.Rngs) -> Transformer:
     return Transformer(
         model, param_dtype=jnp.dtype(train.param_dtype), compute_dtype=jnp.dtype(train.compute_dtype),
-        scan_layers=train.scan_layers, remat=train.remat_policy, rngs=rngs,
+        scan_layers=train.scan_layers, remat=train.remat_names(), rngs=rngs,
+        attention=AttentionOptions.from_train(train),
     )
 
 
@@ -170,6 +173,8 @@ class AbstractStep:
 
 
 def abstract_step(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> AbstractStep:
+    platform = mesh.devices.flat[0].platform
+    attention_kernels.check(model, train, {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform))
     sizes = dict(mesh.shape)
     md = model_def(model, train)
     state = jax.eval_shape(init_fn(model, train), jax.ShapeDtypeStruct((2,), jnp.uint32))

@@ -8,26 +8,31 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxperf.models.config import ModelConfig, Positions, RematPolicy
+from maxperf.models.config import ModelConfig, Positions
+from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.decoder import LAYERS, RESIDUAL
 from maxperf.models.layers.embedding import Embed, LearnedPositions, Unembed
 from maxperf.models.layers.norms import make_norm
 from maxperf.models.sharding import constrain
 
 
-def remat_policy(policy: RematPolicy):
-    """The jax.checkpoint policy for a remat setting; None means no rematerialization at all."""
-    return {
-        RematPolicy.NONE: None,
-        # MaxText's "minimal": keep the outputs of weight matmuls (dots without batch dimensions)
-        RematPolicy.MINIMAL: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        RematPolicy.FULL: jax.checkpoint_policies.nothing_saveable,
-    }[policy]
+def remat_policy(names: tuple[tuple[str, ...], tuple[str, ...]]):
+    """The jax.checkpoint policy of MaxText's remat setting (layers/decoders.py get_remat_policy) from
+    TrainConfig.remat_names(): tensors saved by checkpoint name, offloaded ones to pinned host memory."""
+    saved, offloaded = names
+    if offloaded:
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=list(saved), names_which_can_be_offloaded=list(offloaded),
+            offload_src="device", offload_dst="pinned_host")
+    if saved:
+        return jax.checkpoint_policies.save_only_these_names(*saved)
+    return jax.checkpoint_policies.nothing_saveable
 
 
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, scan_layers: bool,
-                 remat: RematPolicy, rngs: nnx.Rngs):
+                 remat: tuple | None, rngs: nnx.Rngs, attention: AttentionOptions = AttentionOptions()):
+        """`remat`: TrainConfig.remat_names(), the checkpoint names each layer saves and offloads; None: no remat."""
         self.cfg = cfg
         self.compute_dtype = compute_dtype
         self.scan_layers = scan_layers
@@ -42,11 +47,11 @@ class Transformer(nnx.Module):
             @nnx.split_rngs(splits=cfg.num_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def stack(rngs: nnx.Rngs):
-                return layer_cls(cfg, param_dtype, rngs)
+                return layer_cls(cfg, param_dtype, rngs, attention)
 
             self.layers = stack(rngs)
         else:
-            self.layers = nnx.List([layer_cls(cfg, param_dtype, rngs) for _ in range(cfg.num_layers)])
+            self.layers = nnx.List([layer_cls(cfg, param_dtype, rngs, attention) for _ in range(cfg.num_layers)])
         self.final_norm = make_norm(cfg.norm, D, cfg.norm_eps, param_dtype, rngs)
         if not cfg.tie_embeddings:
             self.unembed = Unembed(D, V, param_dtype, rngs)
@@ -79,7 +84,7 @@ class Transformer(nnx.Module):
             def apply(x_BxLxD, state, window):
                 return nnx.merge(graphdef, state)(x_BxLxD, positions_BxL, windows[0] if static else window)
 
-            if self.remat is RematPolicy.NONE:
+            if self.remat is None:
                 return apply
             # inside scan, CSE cannot merge the recomputation into the forward pass, so it need not be prevented
             return jax.checkpoint(apply, policy=remat_policy(self.remat), prevent_cse=not self.scan_layers)

@@ -107,6 +107,12 @@ class Chip:
     def host_network_per_chip(self) -> float:
         return self.host_network_bandwidth / self.host_chips
 
+    @property
+    def host_link_bandwidth(self) -> float | None:
+        """One direction of this chip's own link to its host's memory (PCIe, or NVLink-C2C on GB200), bytes/s:
+        what offloaded activations cross. None for CPU devices, whose "device" memory is host memory."""
+        return HOST_LINK_BANDWIDTH.get(self.name)
+
 
 _TPUS = [
     Chip(
@@ -247,6 +253,21 @@ def _cpu_chip() -> Chip:
 
 
 CHIPS: dict[str, Chip] = {c.name: c for c in [*_TPUS, *_GPUS, _cpu_chip()]}
+
+# One direction of each chip's link to host memory, bytes/s (Chip.host_link_bandwidth).
+HOST_LINK_BANDWIDTH = {
+    # [book] part 2: a TPU's PCIe link to its host carries about 1.5e10 bytes/s (the book's figure for v6e, which
+    # it uses for host transfers generally); applied to every TPU generation, none of whose pages quote one
+    "tpu-v4": 1.5e10, "tpu-v5e": 1.5e10, "tpu-v5p": 1.5e10, "tpu-v6e": 1.5e10, "tpu7x": 1.5e10,
+    # [a100] PCIe Gen4: 64 GB/s (both directions)
+    "a100-40gb": 32 * G, "a100-80gb": 32 * G,
+    # [h100], [h200] PCIe Gen5: 128 GB/s (both directions)
+    "h100-sxm": 64 * G, "h200": 64 * G,
+    # [b200] PCIe Gen5 x16 per GPU: 128 GB/s (both directions)
+    "b200": 64 * G,
+    # [nvl72] NVLink-C2C between each Blackwell GPU and its Grace CPU: 900 GB/s (both directions)
+    "gb200": 450 * G,
+}
 
 
 def calibrated_cpu(cal: Calibration | None) -> Chip:

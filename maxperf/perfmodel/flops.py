@@ -20,10 +20,89 @@ from maxperf.perfmodel.shapes import ModelShape, TrainShape, check_model, check_
 # Training costs forward + backward = 3 x forward: the backward computes grads w.r.t. inputs and weights, each as
 # many FLOPs as the forward (Kaplan et al. 2020, sec. 2.1; Narayanan et al. 2021).
 TRAIN_FACTOR = 3
-# The model's attention materializes the full [L, L] score matrix and masks it (models/layers/attention.py), so
-# the hardware executes all L^2 scores however causal or windowed the mask; a flash/splash kernel that skips
-# masked blocks would set this to True.
-ATTENTION_SKIPS_MASKED = False
+# attention=dot_product materializes the full [L, L] score matrix and masks it (models/layers/attention_kernels.py),
+# so the hardware executes all L^2 scores however causal or windowed the mask; the flash kernels of TPU (splash) and
+# GPU (Pallas) skip the blocks the mask hides, so they execute the masked share only (to within their diagonal
+# blocks); the CPU's blockwise kernel masks every block like the dot product (steptime handles CPUs).
+ATTENTION_SKIPS_MASKED = {"dot_product": False, "flash": True}
+# Flash attention's backward runs five matmuls per score block (the scores again, dV, dP, dQ, dK: Dao et al. 2022,
+# algorithm 2) against the forward's two.
+FLASH_BACKWARD_MATMULS = 5
+
+# MaxText's remat policies (layers/decoders.py get_remat_policy): the checkpoint names each keeps on device and
+# offloads to host memory; the same table as maxperf.models.config.REMAT_SAVED (perfmodel imports nothing of models).
+CHECKPOINT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "qkv_proj", "context", "out_proj",
+                    "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo")
+_QKV = ("query_proj", "key_proj", "value_proj", "qkv_proj")
+_MINIMAL = (*_QKV, "out_proj", "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo")
+REMAT_SAVED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "minimal": (_MINIMAL, ()),
+    "minimal_with_context": ((*_MINIMAL, "context"), ()),
+    "save_dot_with_context_except_mlp": ((*_QKV, "context", "out_proj"), ()),
+    "save_dot_except_mlpwi": ((*_QKV, "out_proj", "mlpwo"), ()),
+    "save_dot_except_mlp": ((*_QKV, "out_proj"), ()),
+    "save_qkv_proj": (_QKV, ()),
+    "save_out_proj": (("out_proj",), ()),
+    "qkv_proj_offloaded": ((), ("query_proj", "value_proj", "key_proj")),
+    "minimal_offloaded": ((), _MINIMAL),
+    "full": ((), ()),
+}
+# remat_policy=custom: each name's key (remat, device, offload) and MaxText's default for it
+CUSTOM_DEFAULT = {name: ("device" if name == "decoder_layer_input" else "remat") for name in CHECKPOINT_NAMES}
+
+
+def remat_names(train: TrainShape, policy: str | None = None) -> tuple[frozenset[str], frozenset[str]] | None:
+    """(names kept on device, names offloaded) under the step's remat policy (or `policy`, with the step's custom
+    keys); None for `none` (no remat)."""
+    policy = str(train.remat_policy) if policy is None else policy
+    if policy == "none":
+        return None
+    if policy == "custom":
+        where = {n: str(getattr(train, n, CUSTOM_DEFAULT[n])) for n in CHECKPOINT_NAMES}
+        return (frozenset(n for n, w in where.items() if w == "device"),
+                frozenset(n for n, w in where.items() if w == "offload"))
+    saved, offloaded = REMAT_SAVED[policy]
+    return frozenset(saved), frozenset(offloaded)
+
+
+def attention_kernel(train: TrainShape) -> str:
+    """"flash" or "dot_product": `auto` is flash (splash on TPU, Pallas on GPU, blockwise on CPU), as MaxText picks."""
+    return "dot_product" if str(getattr(train, "attention", "auto")) == "dot_product" else "flash"
+
+
+def recomputed(model: ModelShape, train: TrainShape) -> frozenset[str]:
+    """The forward pieces the backward pass computes again under the remat policy: the projections "query_proj",
+    "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1" (or "mlpwi"), "mlpwo", and the attention's "scores"
+    (Q K^T and softmax) and "context" (P V; with flash, the whole forward kernel).
+
+    What the backward reads: the attention backward q, k, v and (flash) the kernel's residuals, named "context", or
+    (dot product) the probabilities, which no policy names; the output projection's weight gradient the context;
+    the MLP block's norm the residual stream after attention, so the output projection; the MLP's backward its
+    wi outputs; only a post-norm (Gemma 2) reads the wo output. XLA drops recomputation nothing reads (measured
+    here: full remat recomputes no MLP down projection, tests/test_perfmodel_xla_flops.py)."""
+    names = remat_names(train)
+    if names is None:
+        return frozenset()
+    kept = names[0] | names[1]
+    if "qkv_proj" in kept:
+        kept |= {"query_proj", "key_proj", "value_proj"}
+    wi = ("mlpwi_0", "mlpwi_1") if gated(model) else ("mlpwi",)
+    out = {n for n in ("query_proj", "key_proj", "value_proj", "out_proj", *wi) if n not in kept}
+    if model.post_norms and "mlpwo" not in kept:
+        out.add("mlpwo")
+    if "context" not in kept:
+        out.add("context")
+    if attention_kernel(train) == "dot_product" or "context" not in kept:
+        out.add("scores")
+    return frozenset(out)
+
+
+def projection_flops_per_token(model: ModelShape) -> dict[str, float]:
+    """Forward FLOPs per token of each named projection of one layer."""
+    D, H, K, Dh, F = model.d_model, model.num_heads, model.num_kv_heads, model.head_dim, model.d_ff
+    return {"query_proj": 2 * D * H * Dh, "key_proj": 2 * D * K * Dh, "value_proj": 2 * D * K * Dh,
+            "out_proj": 2 * H * Dh * D, "mlpwi_0": 2 * D * F, "mlpwi_1": 2 * D * F, "mlpwi": 2 * D * F,
+            "mlpwo": 2 * F * D}
 # AdamW elementwise work per parameter (optax.adamw): m update 3, v update 4, bias corrections 2, sqrt+eps+divide 3,
 # weight decay 2, learning-rate scale and apply 2; the global-norm clip adds 3 (square, sum, scale).
 OPTIMIZER_FLOPS_PER_PARAM = 19
@@ -88,16 +167,16 @@ class FlopCounts:
     weight_flops: float  # 6 x tokens x matmul weights (unembedding included)
     attention_flops: float  # causal / windowed score and context einsums, x 3
     model_flops: float  # weight_flops + attention_flops: what MFU divides
-    attention_executed_flops: float  # the attention einsums as executed (see ATTENTION_SKIPS_MASKED), x 3
+    attention_executed_flops: float  # the attention einsums as executed (see ATTENTION_SKIPS_MASKED), fwd + bwd
     recompute_flops: float  # the forward work the remat policy does again in the backward pass
     optimizer_flops: float  # AdamW on this device's parameter shard
     hardware_flops: float  # weight + executed attention + recompute + optimizer
 
 
-def attention_fwd_flops(model: ModelShape, B: int, L: int, executed: bool) -> float:
+def attention_fwd_flops(model: ModelShape, B: int, L: int, executed: bool, kernel: str = "dot_product") -> float:
     """Forward score (Q K^T) and context (P V) einsums over all layers: 2 x 2 x B x pairs x H x Dh per layer."""
     H, Dh = model.num_heads, model.head_dim
-    if executed and not ATTENTION_SKIPS_MASKED:
+    if executed and not ATTENTION_SKIPS_MASKED[kernel]:
         return model.num_layers * 4 * B * L * L * H * Dh
     return sum(4 * B * attention_pairs(L, W) * H * Dh for W in model.layer_windows())
 
@@ -113,23 +192,24 @@ def count_flops(model: ModelShape, train: TrainShape, params_per_device: float |
     layer_weight_fwd = 2 * tokens * params.layer_matmul
     weight_fwd = N * layer_weight_fwd + 2 * tokens * model.d_model * model.vocab_size
     attn_model_fwd = attention_fwd_flops(model, B, L, executed=False)
-    attn_exec_fwd = attention_fwd_flops(model, B, L, executed=True)
-    remat = str(train.remat_policy)
-    if remat == "full":  # nothing saved: the layer's forward again, but for its last matmul (the MLP down
-        # projection), whose output the backward never reads: XLA removes it as dead code. Measured here: tiny
-        # shape on v5p-8, scan_layers=false: XLA's extra FLOPs of full over none = 0.813e9 = this count
-        # (tests/test_perfmodel_xla_flops.py)
-        recompute = N * (layer_weight_fwd - 2 * tokens * model.d_model * model.d_ff) + attn_exec_fwd
-    elif remat == "minimal":  # weight-matmul outputs saved (dots without batch dims); attention einsums redone
-        recompute = attn_exec_fwd
-    else:
-        recompute = 0.0
+    kernel = attention_kernel(train)
+    attn_exec_fwd = attention_fwd_flops(model, B, L, executed=True, kernel=kernel)
+    # the backward: twice the forward for the dot product's einsums; flash recomputes the scores in its own
+    # backward kernel (FLASH_BACKWARD_MATMULS against the forward's two)
+    attn_exec_bwd = attn_exec_fwd * (FLASH_BACKWARD_MATMULS / 2 if kernel == "flash" else 2)
+    # remat: the named projections and attention pieces the backward computes again (see `recomputed`); measured
+    # here for full: tiny shape on v5p-8, scan_layers=false: XLA's extra FLOPs of full over none = 0.813e9 = this
+    # count (tests/test_perfmodel_xla_flops.py)
+    again = recomputed(model, train)
+    per_token = projection_flops_per_token(model)
+    recompute = N * tokens * sum(per_token[n] for n in again if n in per_token)
+    recompute += attn_exec_fwd * (("scores" in again) + ("context" in again)) / 2
     shard = params.total if params_per_device is None else params_per_device
     optimizer = OPTIMIZER_FLOPS_PER_PARAM * shard
     weight = TRAIN_FACTOR * weight_fwd
     return FlopCounts(
         tokens=tokens, weight_flops=weight, attention_flops=TRAIN_FACTOR * attn_model_fwd,
         model_flops=weight + TRAIN_FACTOR * attn_model_fwd,
-        attention_executed_flops=TRAIN_FACTOR * attn_exec_fwd, recompute_flops=recompute, optimizer_flops=optimizer,
-        hardware_flops=weight + TRAIN_FACTOR * attn_exec_fwd + recompute + optimizer,
+        attention_executed_flops=attn_exec_fwd + attn_exec_bwd, recompute_flops=recompute, optimizer_flops=optimizer,
+        hardware_flops=weight + attn_exec_fwd + attn_exec_bwd + recompute + optimizer,
     )

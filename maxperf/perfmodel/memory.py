@@ -3,7 +3,9 @@
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec. 4):
 count, per layer and token, every tensor the backward pass reads, then divide by the mesh axes that shard it. The
 family here differs from their GPT: grouped-query attention (K kv heads), gated MLPs (three F-wide tensors), norms
-computed in float32, no dropout (so no masks), and scores kept in float32 (models/layers/attention.py).
+computed in float32, no dropout (so no masks); under attention=dot_product the scores in the compute dtype unless
+MaxText's float32 switches say otherwise, under flash no [L, L] scores at all (models/layers/attention_kernels.py).
+Remat policies keep MaxText's checkpoint names (perfmodel.flops.REMAT_SAVED); offloaded ones live in host memory.
 Every assumption is a named constant; the figures are to be checked against XLA's memory_analysis.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from maxperf.perfmodel.flops import gated
+from maxperf.perfmodel.flops import attention_kernel, gated, remat_names
 from maxperf.perfmodel.shapes import (
     Mesh,
     ModelShape,
@@ -34,10 +36,13 @@ NORM_SAVED_BYTES = 8
 # the plain GELU MLP keeps its input, the tanh internals and the output: 3 x F.
 GATED_MLP_SAVED_F = 5
 PLAIN_MLP_SAVED_F = 3
-# Per attention score: the float32 softmax output and its compute-dtype copy (for P V); soft-capping adds the
-# float32 tanh output. The mask is one shared [L, L] boolean, negligible.
-SCORE_SAVED_FLOAT32 = 1
-SOFTCAP_SAVED_FLOAT32 = 1
+# Per attention score under the dot product: the softmax output in the logits' dtype (float32 with MaxText's
+# float32_qk_product or float32_logits, else the compute dtype) and, when that is wider, its compute-dtype copy (for
+# P V); soft-capping adds the tanh output in the product's dtype. The mask is one shared [L, L] boolean, negligible.
+SCORE_SAVED = 1
+SOFTCAP_SAVED = 1
+# Flash kernels keep, per query and head, the float32 log-sum-exp of the softmax beside their output.
+FLASH_LSE_BYTES = 4
 # Logits: the compute-dtype unembedding output and one float32 [T, V] buffer (the softmax / gradient of the
 # cross-entropy); XLA fuses the float32 upcast, and Gemma 2's final soft-capping (tanh), into the log-softmax
 # reductions, so neither is a buffer of its own. Measured here: qwen3-0.6b (V = 151936) and gemma-2b (V = 256000) on
@@ -50,13 +55,13 @@ LOGITS_FLOAT32_BUFFERS = 1
 # gradients) beside the gradients themselves. Measured here: llama2-7b v5p-8, B=1, L=2048, full remat: temp
 # 12.77 GiB = 2 x 6.28 GiB of gradients + 0.2 GiB.
 OPTIMIZER_GRADIENT_COPIES = 1
-# Under "minimal", the saved outputs of weight matmuls are written per layer into stacked [N, ...] buffers by the
-# forward scan and read back by the backward scan in another layout, so XLA holds a second, partial copy of them from
-# the end of the forward until the backward loop runs: about 1.8 copies in the loss phase, one in the backward.
-# Measured here (bench/memory_accuracy.py, B=1, L=2048): where the loss phase is the peak (qwen3-0.6b, large
-# vocabulary) temp(minimal) - temp(full) = 2.40 GiB = 1.83 x the 1.31 GiB of saved dot outputs on v5p-8 and v5p-64;
-# where the backward is the peak (llama2-7b and mistral-7b on v5p-64) the difference is 5.32 and 5.13 GiB = 1.02 and
-# 0.98 x their 5.19 and 5.25 GiB.
+# Under "minimal" (and every policy that saves by name), the saved outputs of weight matmuls are written per layer
+# into stacked [N, ...] buffers by the forward scan and read back by the backward scan in another layout, so XLA holds
+# a second, partial copy of them from the end of the forward until the backward loop runs: about 1.8 copies in the
+# loss phase, one in the backward. Measured here (bench/memory_accuracy.py, B=1, L=2048): where the loss phase is the
+# peak (qwen3-0.6b, large vocabulary) temp(minimal) - temp(full) = 2.40 GiB = 1.83 x the 1.31 GiB of saved dot outputs
+# on v5p-8 and v5p-64; where the backward is the peak (llama2-7b and mistral-7b on v5p-64) the difference is 5.32 and
+# 5.13 GiB = 1.02 and 0.98 x their 5.19 and 5.25 GiB.
 MINIMAL_SAVED_COPIES = 1.8
 # FSDP all-gathers one layer's weights in compute dtype while the next one is prefetched: two layers' worth.
 GATHERED_LAYERS = 2
@@ -76,11 +81,12 @@ class MemoryBreakdown:
     gradients: float
     grad_accumulator: float  # only with grad_accum_steps > 1
     activations: float  # saved for the backward pass, all layers
-    saved_copy: float  # minimal remat: the second copy of the saved dot outputs, live until the backward starts
+    saved_copy: float  # remat by name: the second copy of the saved outputs, live until the backward starts
     logits: float
     temporaries: float  # one layer's gathered weights, unsharded grads and backward working set
     optimizer_temporaries: float  # the scaled gradients of the clipped update
     hbm_bytes: float
+    host_offload: float = 0.0  # activations the remat policy offloads to pinned host memory (not in HBM)
 
     def phases(self) -> dict[str, float]:
         """What is live beside the state (params, optimizer, accumulator) in each phase of the step: "loss" (the
@@ -121,6 +127,7 @@ class MemoryBreakdown:
             "peak_phase": self.peak_phase, "phases": self.phases(),
             "per_device_total_bytes": self.per_device_total_bytes,
             "hbm_bytes": self.hbm_bytes, "headroom_bytes": self.headroom_bytes, "fits": self.fits,
+            "host_offload": self.host_offload,
         }
 
 
@@ -129,25 +136,59 @@ def params_per_device(model: ModelShape, mesh: Mesh) -> float:
     return sum(a.count * local_size(a.shape, a.logical, mesh) for a in param_arrays(model))
 
 
+def named_per_token(model: ModelShape, train: TrainShape, mesh: Mesh) -> dict[str, float]:
+    """Bytes per local token of each checkpoint name's tensor in one layer (the layer input is the scan carry,
+    counted apart; MaxText's fused qkv_proj does not occur here)."""
+    c = dtype_bytes(train.compute_dtype, "compute_dtype")
+    D, Dh = model.d_model, model.head_dim
+    a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
+    lse = FLASH_LSE_BYTES * a.H if attention_kernel(train) == "flash" else 0.0  # the kernel's residual, named too
+    wi = {"mlpwi_0": c * a.F, "mlpwi_1": c * a.F} if gated(model) else {"mlpwi": c * a.F}
+    return {"query_proj": c * a.H * Dh, "key_proj": c * a.K * Dh, "value_proj": c * a.K * Dh,
+            "context": c * a.H * Dh + lse, "out_proj": c * D, **wi, "mlpwo": c * D}
+
+
 def layer_saved_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat: str) -> float:
-    """Bytes one layer keeps per local token for its backward, beyond the layer input, under a remat policy."""
+    """Bytes one layer keeps in device memory per local token for its backward, beyond the layer input, under a
+    remat policy (`custom` reads the train config's per-tensor keys)."""
+    if remat != "none":
+        names = remat_names(train, remat)
+        sizes = named_per_token(model, train, mesh)
+        return sum(sizes.get(n, 0.0) for n in names[0])
     c = dtype_bytes(train.compute_dtype, "compute_dtype")
     D, Dh = model.d_model, model.head_dim
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
     mlp_f = (GATED_MLP_SAVED_F if gated(model) else PLAIN_MLP_SAVED_F) * a.F
-    if remat == "full":  # nothing but the layer input (the scan carry)
-        return 0.0
-    if remat == "minimal":  # outputs of weight matmuls: q, k, v, o-projection, gate/up, down
-        return c * ((a.H + 2 * a.K) * Dh + D + (2 if gated(model) else 1) * a.F + D)
     norms = (4 if model.post_norms else 2) * (NORM_SAVED_BYTES + c) * D
     residual = c * D  # the sum after attention, input of the MLP block
     qkv = c * (a.H + 2 * a.K) * Dh
     qk_norm = (NORM_SAVED_BYTES + c) * (a.H + a.K) * Dh if model.qk_norm else 0.0
     rope = c * (a.H + a.K) * Dh if str(model.positions) == "rope" else 0.0
     scaled_q_and_context = 2 * c * a.H * Dh
-    score_bytes = 4 * SCORE_SAVED_FLOAT32 + c + (4 * SOFTCAP_SAVED_FLOAT32 if _softcapped(model) else 0)
-    scores = a.H * train.seq_len * score_bytes  # each local query attends over all L keys (full matrix, masked)
+    if attention_kernel(train) == "flash":
+        scores = FLASH_LSE_BYTES * a.H
+    else:  # each local query attends over all L keys (the full matrix, masked)
+        product, logits = score_bytes(train)
+        saved = SCORE_SAVED * logits + (c if logits > c else 0)
+        scores = a.H * train.seq_len * (saved + (SOFTCAP_SAVED * product if _softcapped(model) else 0))
     return norms + residual + qkv + qk_norm + rope + scaled_q_and_context + scores + c * mlp_f
+
+
+def layer_offloaded_per_token(model: ModelShape, train: TrainShape, mesh: Mesh) -> float:
+    """Bytes one layer offloads to pinned host memory per local token under the step's remat policy."""
+    names = remat_names(train)
+    if names is None:
+        return 0.0
+    sizes = named_per_token(model, train, mesh)
+    return sum(sizes.get(n, 0.0) for n in names[1])
+
+
+def score_bytes(train: TrainShape) -> tuple[int, int]:
+    """Bytes per score of the dot product's q k^T (float32 with float32_qk_product) and of the softmax's logits
+    (float32 with either switch), else the compute dtype: MaxText's apply_attention_dot."""
+    c = dtype_bytes(train.compute_dtype, "compute_dtype")
+    product = 4 if getattr(train, "float32_qk_product", False) else c
+    return product, 4 if getattr(train, "float32_logits", False) else product
 
 
 def _softcapped(model: ModelShape) -> bool:
@@ -178,7 +219,8 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     carry = N * T * D * c
     saved = N * T * layer_saved_per_token(model, train, mesh, remat=remat)
     activations = carry + saved
-    saved_copy = (MINIMAL_SAVED_COPIES - 1) * saved if remat == "minimal" else 0.0
+    saved_copy = (MINIMAL_SAVED_COPIES - 1) * saved if remat != "none" else 0.0
+    host_offload = N * T * layer_offloaded_per_token(model, train, mesh)
     logits = T * a.V * (c + 4 * LOGITS_FLOAT32_BUFFERS)
 
     arrays = param_arrays(model)
@@ -187,7 +229,9 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     grads_unsharded = UNSHARDED_GRAD_LAYERS * layer_full * p
     table = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
     vocab_table = local_size(table.shape, table.logical, _no_fsdp(mesh)) * c  # gathered for the logits
-    gradient_buffers = T * (BACKWARD_SCORE_FLOAT32 * 4 * a.H * train.seq_len + BACKWARD_D_FLOAT32 * 4 * D)
+    # the gradient of the scores, in the logits' dtype: the dot product's only (flash keeps its tiles on chip)
+    score_grads = 0.0 if attention_kernel(train) == "flash" else score_bytes(train)[1] * a.H * train.seq_len
+    gradient_buffers = T * (BACKWARD_SCORE_FLOAT32 * score_grads + BACKWARD_D_FLOAT32 * 4 * D)
     working = gradient_buffers
     if remat != "none":  # the layer being differentiated is rematerialized: one layer's full set of saved tensors
         working += T * (D * c + layer_saved_per_token(model, train, mesh, remat="none"))
@@ -195,7 +239,7 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     return MemoryBreakdown(
         params=params, optimizer=optimizer, gradients=gradients, grad_accumulator=accumulator,
         activations=activations, saved_copy=saved_copy, logits=logits + vocab_table, temporaries=temporaries,
-        optimizer_temporaries=OPTIMIZER_GRADIENT_COPIES * gradients, hbm_bytes=hbm_bytes,
+        optimizer_temporaries=OPTIMIZER_GRADIENT_COPIES * gradients, hbm_bytes=hbm_bytes, host_offload=host_offload,
     )
 
 

@@ -21,7 +21,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ACTIVATIONS = ("swiglu", "geglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
-REMAT_POLICIES = ("none", "minimal", "full")
+REMAT_POLICIES = ("none", "minimal", "minimal_with_context", "save_dot_with_context_except_mlp",
+                  "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj",
+                  "qkv_proj_offloaded", "minimal_offloaded", "custom", "full")  # MaxText's (perfmodel.flops)
 
 
 @runtime_checkable

@@ -12,8 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from maxperf.perfmodel.chips import Chip
-from maxperf.perfmodel.flops import ATTENTION_SKIPS_MASKED, attention_pairs, gated
-from maxperf.perfmodel.memory import params_per_device
+from maxperf.perfmodel.flops import (
+    ATTENTION_SKIPS_MASKED,
+    FLASH_BACKWARD_MATMULS,
+    attention_kernel,
+    attention_pairs,
+    gated,
+    recomputed,
+)
+from maxperf.perfmodel.memory import layer_offloaded_per_token, params_per_device
 from maxperf.perfmodel.network import axis_networks, collective_time
 from maxperf.perfmodel.shapes import Mesh, ModelShape, TopologyShape, TrainShape, check, dtype_bytes
 from maxperf.perfmodel.sharding import activation_split, local_size, param_arrays, split
@@ -37,6 +44,13 @@ ELEMENTWISE_BACKWARD_FACTOR = 2
 # reads probabilities and their gradient and writes the score gradient, all float32.
 SOFTMAX_FWD_FLOAT32 = 2
 SOFTMAX_BWD_FLOAT32 = 3
+# Flash attention kernels (splash on TPU, Pallas on GPU) run their matmuls and online softmax in on-chip memory, at
+# this fraction of the matmul peak: an assumption (splash's own benchmarks in jax's repository report roughly half to
+# two thirds of peak for head dim 128 at long sequences), to be replaced by a measured rate.
+FLASH_EFFICIENCY = {"tpu": 0.6, "gpu": 0.5}
+# Offloaded activations cross the host link in the forward (to the host) and the backward (back): XLA issues the
+# copies asynchronously beside compute, so most of their time hides (an assumption, like Overlap's).
+HOST_OFFLOAD_OVERLAP = 0.8
 # AdamW update per parameter: reads param, grad, mu, nu and writes param, mu, nu (optax.adamw).
 OPTIMIZER_PASSES = 7
 # Loss over the vocabulary: read logits, log-softmax, gradient, in float32.
@@ -80,7 +94,7 @@ class Overlap:
 @dataclass(frozen=True)
 class Row:
     name: str
-    kind: str  # "compute", "hbm", "ici", "dcn"
+    kind: str  # "compute", "hbm", "ici", "dcn", "host"
     seconds: float
     exposed_seconds: float
     flops: float
@@ -96,8 +110,10 @@ class StepTime:
     dcn_s: float
     exposed_ici_s: float
     exposed_dcn_s: float
-    bottleneck: str  # "compute", "hbm", "ici", "dcn"
+    bottleneck: str  # "compute", "hbm", "ici", "dcn", "host"
     rows: tuple[Row, ...]
+    host_s: float = 0.0  # offloaded activations over the host link, total before overlap
+    exposed_host_s: float = 0.0
 
 
 def matmul_efficiency(kind: str, m: float, half: float | None = None) -> float:
@@ -118,8 +134,8 @@ class _Table:
 
     def add(self, name: str, kind: str, seconds: float, flops: float = 0.0, nbytes: float = 0.0,
             overlap: float = 0.0) -> None:
-        row = self.rows.setdefault(name, {"compute": 0.0, "hbm": 0.0, "ici": 0.0, "dcn": 0.0, "flops": 0.0,
-                                          "bytes": 0.0})
+        row = self.rows.setdefault(name, {"compute": 0.0, "hbm": 0.0, "ici": 0.0, "dcn": 0.0, "host": 0.0,
+                                          "flops": 0.0, "bytes": 0.0})
         row[kind] += seconds
         row["flops"] += flops
         row["bytes"] += nbytes
@@ -167,43 +183,59 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     micro = train.grad_accum_steps
     a = activation_split(model, train.per_device_batch_size, L, mesh)
     T, Bm = a.T / micro, a.B / micro  # tokens and examples of one microbatch on this device
-    remat = str(train.remat_policy)
     table = _Table(chip, train.compute_dtype)
 
     # matmuls: forward, backward (2 x forward), and the forward again where remat recomputes it
-    fwd, bwd = N * micro * (1 + (1 if remat == "full" else 0)), N * micro
-    g = 2 if gated(model) else 1
-    table.train_matmul("q projection", T, D, a.H * Dh, fwd, bwd, c)
-    table.train_matmul("k, v projections", T, D, a.K * Dh, 2 * fwd, 2 * bwd, c)
-    table.train_matmul("attention output projection", T, a.H * Dh, D, fwd, bwd, c)
-    table.train_matmul("mlp up" + (" and gate" if gated(model) else ""), T, D, a.F, g * fwd, g * bwd, c)
-    table.train_matmul("mlp down", T, a.F, D, N * micro, bwd, c)  # never recomputed (flops.count_flops)
+    again = recomputed(model, train)
+    once, bwd = N * micro, N * micro
+
+    def fwd(*names: str) -> float:
+        return sum(once * (1 + (name in again)) for name in names)
+
+    table.train_matmul("q projection", T, D, a.H * Dh, fwd("query_proj"), bwd, c)
+    table.train_matmul("k, v projections", T, D, a.K * Dh, fwd("key_proj", "value_proj"), 2 * bwd, c)
+    table.train_matmul("attention output projection", T, a.H * Dh, D, fwd("out_proj"), bwd, c)
+    wi = ("mlpwi_0", "mlpwi_1") if gated(model) else ("mlpwi",)
+    table.train_matmul("mlp up" + (" and gate" if gated(model) else ""), T, D, a.F, fwd(*wi), len(wi) * bwd, c)
+    table.train_matmul("mlp down", T, a.F, D, fwd("mlpwo"), bwd, c)
     table.train_matmul("unembedding", T, D, a.V, micro, micro, c)
-    # attention einsums per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh; the model computes all
-    # L x L scores (ATTENTION_SKIPS_MASKED); a kernel that skipped masked blocks would do the windowed share only
-    attn_fwd = 1 + (1 if remat in ("full", "minimal") else 0)
+    # attention per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh. The dot product computes all
+    # L x L scores; the TPU and GPU flash kernels skip masked blocks (ATTENTION_SKIPS_MASKED) and run at a kernel
+    # rate with no softmax passes over HBM; the CPU's blockwise kernel masks every block, like the dot product
+    kernel = attention_kernel(train)
+    flash_rate = FLASH_EFFICIENCY.get(chip.kind) if kernel == "flash" else None
+    skips = ATTENTION_SKIPS_MASKED[kernel] and chip.kind != "cpu"
     attention_rate = chip.attention_rate(train.compute_dtype, Dh)
     for W in model.layer_windows():
-        share = 1.0 if not ATTENTION_SKIPS_MASKED else attention_pairs(L, W) / (L * L)
+        share = attention_pairs(L, W) / (L * L) if skips else 1.0
         count = Bm * a.H * micro * share
-        if attention_rate:
+        scores_fwd, context_fwd = 1 + ("scores" in again), 1 + ("context" in again)
+        if flash_rate:
+            # the forward kernel (2 matmuls), again where remat recomputes it, and the backward kernel's
+            flops = 2 * a.L * L * Dh * (2 * context_fwd + FLASH_BACKWARD_MATMULS) * count
+            table.add("attention (flash kernel)", "compute", flops / (table.peak * flash_rate), flops)
+        elif attention_rate:
             # measured whole (Chip.attention_rates): scores, softmax and context, forward and backward
-            flops = 2 * 2 * a.L * L * Dh * (attn_fwd + 2) * count
+            flops = 2 * a.L * L * Dh * (scores_fwd + context_fwd + 4) * count
             table.add("attention (measured kernels)", "compute", flops / attention_rate, flops)
         else:
-            table.train_matmul("attention scores", a.L, Dh, L, attn_fwd * count, count, c)
-            table.train_matmul("attention context", a.L, L, Dh, attn_fwd * count, count, c)
+            table.train_matmul("attention scores", a.L, Dh, L, scores_fwd * count, count, c)
+            table.train_matmul("attention context", a.L, L, Dh, context_fwd * count, count, c)
 
     # memory-bound work
-    elementwise_layers = N * micro * (1 + ELEMENTWISE_BACKWARD_FACTOR + (1 if remat != "none" else 0))
+    elementwise_layers = N * micro * (1 + ELEMENTWISE_BACKWARD_FACTOR + (1 if again else 0))
     per_token = c * (ELEMENTWISE_D_PASSES * D + ELEMENTWISE_F_PASSES * a.F)
     if str(model.positions) == "rope":
         per_token += 2 * c * (a.H + a.K) * Dh  # rotate q and k: read and write
     table.memory("norms, residuals, activations", elementwise_layers * T * per_token)
     scores = Bm * a.H * a.L * L * N * micro
-    softmax_fwd = (4 * SOFTMAX_FWD_FLOAT32 + c) * (1 + (1 if remat != "none" else 0))
-    if not attention_rate:
+    softmax_fwd = (4 * SOFTMAX_FWD_FLOAT32 + c) * (1 + ("scores" in again))
+    if not attention_rate and not flash_rate:
         table.memory("softmax", scores * (softmax_fwd + 4 * SOFTMAX_BWD_FLOAT32))
+    offloaded = N * micro * T * layer_offloaded_per_token(model, train, mesh)
+    if offloaded and chip.host_link_bandwidth:
+        table.add("remat offload (host link)", "host", 2 * offloaded / chip.host_link_bandwidth, 0.0, 2 * offloaded,
+                  HOST_OFFLOAD_OVERLAP)
     table.memory("loss", micro * T * a.V * 4 * LOSS_FLOAT32_PASSES)
     local_params = params_per_device(model, mesh)
     table.memory("optimizer update", OPTIMIZER_PASSES * p * local_params)
@@ -244,12 +276,12 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
             table.add("weight layout copies (XLA:CPU)", "hbm", moved / chip.transpose_bandwidth, 0.0, moved)
     if mesh.axes["tensor"] > 1:
         # Megatron-style: 2 all-reduces of T x D in the forward, 2 in the backward (Shoeybi et al. 2019, sec. 3)
-        count = N * micro * (2 + 2 + (2 if remat == "full" else 0))
+        count = N * micro * (2 + 2 + ("out_proj" in again) + ("mlpwo" in again))
         _collective(table, "tensor all-reduce", "all-reduce", T * D * c, ("tensor",), nets, count, overlap.tensor)
     if mesh.axes["sequence"] > 1:
         # keys and values gathered along the sequence in the forward, their gradients reduce-scattered back
         kv = T * mesh.axes["sequence"] * 2 * a.K * Dh * c
-        count = N * micro * (1 + (1 if remat != "none" else 0))
+        count = N * micro * (1 + ("key_proj" in again or "value_proj" in again))
         _collective(table, "sequence all-gather", "all-gather", kv, ("sequence",), nets, count, overlap.sequence)
         _collective(table, "sequence reduce-scatter", "reduce-scatter", kv, ("sequence",), nets, N * micro,
                     overlap.sequence)
@@ -291,24 +323,25 @@ def _settle(table: _Table) -> StepTime:
     compute_s = sum(r["compute"] for r in table.rows.values())
     hbm_s = sum(r["hbm"] for r in table.rows.values())
     busy = compute_s + hbm_s
-    comm = {n: r["ici"] + r["dcn"] for n, r in table.rows.items() if r["ici"] + r["dcn"] > 0}
+    comm = {n: r["ici"] + r["dcn"] + r["host"] for n, r in table.rows.items() if r["ici"] + r["dcn"] + r["host"] > 0}
     hidden = {n: t * table.overlap[n] for n, t in comm.items()}
     total_hidden = sum(hidden.values())
     # what cannot hide (more hidden time than compute to hide behind) comes back, in proportion
     spill = max(0.0, total_hidden - busy) / total_hidden if total_hidden else 0.0
-    rows, exposed = [], {"ici": 0.0, "dcn": 0.0}
+    rows, exposed = [], {"ici": 0.0, "dcn": 0.0, "host": 0.0}
     for n, r in table.rows.items():
-        kind = max(("compute", "hbm", "ici", "dcn"), key=lambda k: r[k])
-        seconds = r["compute"] + r["hbm"] + r["ici"] + r["dcn"]
+        kind = max(("compute", "hbm", "ici", "dcn", "host"), key=lambda k: r[k])
+        seconds = r["compute"] + r["hbm"] + r["ici"] + r["dcn"] + r["host"]
         ex = seconds - hidden[n] * (1 - spill) if n in hidden else seconds
         if kind in exposed:
             exposed[kind] += ex
         rows.append(Row(n, kind, seconds, ex, r["flops"], r["bytes"]))
     ici_s = sum(r["ici"] for r in table.rows.values())
     dcn_s = sum(r["dcn"] for r in table.rows.values())
-    step = busy + exposed["ici"] + exposed["dcn"]
+    host_s = sum(r["host"] for r in table.rows.values())
+    step = busy + exposed["ici"] + exposed["dcn"] + exposed["host"]
     # a network whose traffic alone outlasts all the compute bounds the step however well it overlaps
-    totals = {"ici": ici_s, "dcn": dcn_s}
+    totals = {"ici": ici_s, "dcn": dcn_s, "host": host_s}
     slow = max(totals, key=totals.get)
     if totals[slow] > busy:
         bottleneck = slow
@@ -317,4 +350,5 @@ def _settle(table: _Table) -> StepTime:
         bottleneck = max(shares, key=shares.get)
     return StepTime(step_time_s=step, compute_s=compute_s, hbm_s=hbm_s, ici_s=ici_s, dcn_s=dcn_s,
                     exposed_ici_s=exposed["ici"], exposed_dcn_s=exposed["dcn"], bottleneck=bottleneck,
-                    rows=tuple(sorted(rows, key=lambda r: -r.seconds)))
+                    rows=tuple(sorted(rows, key=lambda r: -r.seconds)), host_s=host_s,
+                    exposed_host_s=exposed["host"])

@@ -1,35 +1,29 @@
-"""Causal self-attention with grouped-query heads, rotary positions, sliding windows, QK-norm and soft-capping."""
+"""Causal self-attention with grouped-query heads, rotary positions, sliding windows, QK-norm and soft-capping.
+
+Tensors carry MaxText's checkpoint names (query_proj, key_proj, value_proj, context, out_proj), which the remat
+policies save or offload by name; the scores themselves are computed by the kernel `attention=` picks
+(layers/attention_kernels.py)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from maxperf.models.config import ModelConfig, Positions
+from maxperf.models.layers.attention_kernels import AttentionOptions, attend
 from maxperf.models.layers.norms import RMSNorm
 from maxperf.models.layers.params import param
 from maxperf.models.layers.rope import apply_rope, inverse_frequencies
 from maxperf.models.sharding import constrain
 
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def causal_mask(L: int, window: int | jax.Array) -> jax.Array:
-    """[L, L] boolean: query i sees key j when j <= i and, for a window W > 0, i - j < W (W = 0: no window).
-
-    A Python int window gives XLA a static mask; a traced one (interleaved local and global layers) is computed."""
-    i = jnp.arange(L)[:, None]
-    j = jnp.arange(L)[None, :]
-    if isinstance(window, int):
-        return (j <= i) & (i - j < window) if window > 0 else j <= i
-    return (j <= i) & ((window <= 0) | (i - j < window))
-
-
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, options: AttentionOptions = AttentionOptions()):
         D, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg = cfg
+        self.options = options
+        self.windows = tuple(sorted({w or 0 for w in cfg.layer_windows()}))
         self.q_DxHxDh = param(rngs, (D, H, Dh), ("embed", "heads", "head_dim"), dtype, fan_in=D)
         self.k_DxKxDh = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
         self.v_DxKxDh = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
@@ -48,6 +42,9 @@ class Attention(nnx.Module):
         q_BxLxHxDh = constrain(q_BxLxHxDh, ("activation_batch", "activation_length", "activation_heads", None))
         k_BxLxKxDh = constrain(k_BxLxKxDh, ("activation_batch", "activation_length", "activation_kv_heads", None))
         v_BxLxKxDh = constrain(v_BxLxKxDh, ("activation_batch", "activation_length", "activation_kv_heads", None))
+        q_BxLxHxDh = checkpoint_name(q_BxLxHxDh, "query_proj")
+        k_BxLxKxDh = checkpoint_name(k_BxLxKxDh, "key_proj")
+        v_BxLxKxDh = checkpoint_name(v_BxLxKxDh, "value_proj")
         if cfg.qk_norm:
             q_BxLxHxDh, k_BxLxKxDh = self.q_norm(q_BxLxHxDh), self.k_norm(k_BxLxKxDh)
         if cfg.positions is Positions.ROPE:
@@ -56,13 +53,9 @@ class Attention(nnx.Module):
             k_BxLxKxDh = apply_rope(k_BxLxKxDh, positions_BxL, inv_freq)
         scale = cfg.query_scale if cfg.query_scale is not None else Dh**-0.5
         q_BxLxKxGxDh = (q_BxLxHxDh * jnp.asarray(scale, dtype)).reshape(B, L, K, G, Dh)
-        s_BxKxGxLxS = jnp.einsum(
-            "BLKGd,BSKd->BKGLS", q_BxLxKxGxDh, k_BxLxKxDh, preferred_element_type=jnp.float32
-        )
-        if cfg.attn_logit_softcap is not None:
-            s_BxKxGxLxS = cfg.attn_logit_softcap * jnp.tanh(s_BxKxGxLxS / cfg.attn_logit_softcap)
-        s_BxKxGxLxS = jnp.where(causal_mask(L, window)[None, None, None], s_BxKxGxLxS, _MASKED)
-        p_BxKxGxLxS = jax.nn.softmax(s_BxKxGxLxS, axis=-1).astype(dtype)
-        o_BxLxKxGxDh = jnp.einsum("BKGLS,BSKd->BLKGd", p_BxKxGxLxS, v_BxLxKxDh)
+        o_BxLxKxGxDh = attend(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=cfg.attn_logit_softcap,
+                              options=self.options, windows=self.windows)
         o_BxLxHxDh = o_BxLxKxGxDh.reshape(B, L, cfg.num_heads, Dh)
-        return jnp.einsum("BLHd,HdD->BLD", o_BxLxHxDh, self.o_HxDhxD[...].astype(dtype))
+        o_BxLxHxDh = checkpoint_name(o_BxLxHxDh, "context")
+        out_BxLxD = jnp.einsum("BLHd,HdD->BLD", o_BxLxHxDh, self.o_HxDhxD[...].astype(dtype))
+        return checkpoint_name(out_BxLxD, "out_proj")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import jax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from maxperf.models.config import LayerKind, ModelConfig
 from maxperf.models.layers.attention import Attention
+from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.mlp import MLP
 from maxperf.models.layers.norms import make_norm
 from maxperf.models.sharding import constrain
@@ -17,10 +19,10 @@ RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 class DenseDecoderLayer(nnx.Module):
     """Pre-norm attention and MLP blocks with residuals; Gemma 2 also normalizes each block's output."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, options: AttentionOptions = AttentionOptions()):
         D, eps = cfg.d_model, cfg.norm_eps
         self.attn_norm = make_norm(cfg.norm, D, eps, dtype, rngs)
-        self.attention = Attention(cfg, dtype, rngs)
+        self.attention = Attention(cfg, dtype, rngs, options)
         self.mlp_norm = make_norm(cfg.norm, D, eps, dtype, rngs)
         self.mlp = MLP(D, cfg.d_ff, cfg.activation, dtype, rngs)
         self.post_norms = cfg.post_norms
@@ -29,6 +31,7 @@ class DenseDecoderLayer(nnx.Module):
             self.mlp_post_norm = make_norm(cfg.norm, D, eps, dtype, rngs)
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, window: jax.Array) -> jax.Array:
+        x_BxLxD = checkpoint_name(x_BxLxD, "decoder_layer_input")
         h_BxLxD = self.attention(self.attn_norm(x_BxLxD), positions_BxL, window)
         if self.post_norms:
             h_BxLxD = self.attn_post_norm(h_BxLxD)

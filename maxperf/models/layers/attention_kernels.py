@@ -1,0 +1,299 @@
+"""Attention kernels behind `attention=auto|dot_product|flash`: the materialized dot product, Pallas splash attention
+on TPU, Pallas (Triton) flash attention on GPU, and a blockwise online-softmax attention on CPU.
+
+Every kernel takes the query already scaled, q [B, L, K, G, Dh] (G = H / K query heads per kv head), k and v
+[B, L, K, Dh], and a window W (an int, or a traced int32 for interleaved local and global layers; 0: no window):
+query i sees key j when j <= i and, for W > 0, i - j < W. It returns the context [B, L, K, G, Dh].
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from maxperf.errors import MaxperfError
+from maxperf.models.config import SPLASH_BLOCKS, AttentionKernel, AttentionType, ModelConfig, TrainConfig
+
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+# The blockwise (CPU) kernel's key block: scores live as [.., L, CPU_BLOCK] tiles, never [L, L].
+CPU_BLOCK = 512
+IMPLEMENTATIONS = ("dot_product", "splash", "gpu_flash", "blockwise")
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What the attention layer needs of the train config: the kernel and its settings."""
+
+    kernel: AttentionKernel = AttentionKernel.AUTO
+    float32_qk_product: bool = False
+    float32_logits: bool = False
+    splash_blocks: tuple[int, ...] = (512,) * 8  # in SPLASH_BLOCKS order
+    interpret: bool = False  # run Pallas kernels in interpret mode (tests on CPU)
+
+    @classmethod
+    def from_train(cls, train: TrainConfig) -> AttentionOptions:
+        return cls(kernel=AttentionKernel(train.attention), float32_qk_product=train.float32_qk_product,
+                   float32_logits=train.float32_logits,
+                   splash_blocks=tuple(getattr(train, name) for name in SPLASH_BLOCKS))
+
+
+def platform_of_mesh() -> str:
+    """"tpu", "gpu" or "cpu": the platform of the mesh set by `jax.set_mesh`, else jax's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    platform = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+    return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+
+
+def implementation(kernel: AttentionKernel, platform: str) -> str:
+    """The kernel that serves `attention=kernel` on a platform (MaxText's `autoselected` picks flash on TPU and GPU)."""
+    if AttentionKernel(kernel) is AttentionKernel.DOT_PRODUCT:
+        return "dot_product"
+    return {"tpu": "splash", "gpu": "gpu_flash"}.get(platform, "blockwise")
+
+
+def check(model: ModelConfig, train: TrainConfig, platform: str) -> str:
+    """The implementation for this model and step on a platform; MaxperfError naming the setting and the valid
+    choices where the kernel cannot serve it."""
+    impl = implementation(train.attention, platform)
+    L, Dh = train.seq_len, model.head_dim
+    what = f"attention={AttentionKernel(train.attention).value} ({impl} on {platform})"
+    if impl == "splash":
+        for name in SPLASH_BLOCKS:
+            block = min(getattr(train, name), L)
+            if L % block:
+                raise MaxperfError(f"{what} needs {name} ({getattr(train, name)}) to divide seq_len={L} or exceed "
+                                   f"it; set {name} to a multiple of 128 that divides {L}, or attention=dot_product")
+        if L % 128:  # the kernel's tiles are multiples of the 128 lanes (any head dim compiles: it is padded)
+            raise MaxperfError(f"{what} needs seq_len a multiple of 128, got {L}; valid: attention=dot_product")
+    if impl == "gpu_flash":
+        if AttentionType(model.attention_type) is not AttentionType.GLOBAL:
+            raise MaxperfError(f"{what} serves attention_type=global only, got attention_type="
+                               f"{AttentionType(model.attention_type).value}; valid: attention=dot_product")
+        if model.attn_logit_softcap is not None:
+            raise MaxperfError(f"{what} has no logit soft-capping (attn_logit_softcap={model.attn_logit_softcap}); "
+                               f"valid: attention=dot_product")
+        if Dh > 256:
+            raise MaxperfError(f"{what} takes head_dim up to 256, got {Dh}; valid: attention=dot_product")
+    return impl
+
+
+def attend(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, *, softcap: float | None, options: AttentionOptions,
+           windows: tuple[int, ...] = (0,)) -> jax.Array:
+    """`windows`: every window the model's layers use (0 for global), for kernels whose masks must be static."""
+    impl = implementation(options.kernel, platform_of_mesh())
+    if impl == "dot_product":
+        return dot_product(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=softcap,
+                           float32_qk_product=options.float32_qk_product, float32_logits=options.float32_logits)
+    if impl == "splash":
+        return splash(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=softcap, blocks=options.splash_blocks,
+                      windows=windows, interpret=options.interpret)
+    if impl == "gpu_flash":
+        return gpu_flash(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh)
+    return blockwise(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, jnp.asarray(window, jnp.int32), softcap)
+
+
+def visible(i, j, window):
+    """Query positions i see key positions j (broadcast): causal, and within the window where W > 0."""
+    if isinstance(window, int):
+        return (j <= i) & (i - j < window) if window > 0 else j <= i
+    return (j <= i) & ((window <= 0) | (i - j < window))
+
+
+# --- the materialized dot product (MaxText's apply_attention_dot) ---------------------------------------------
+
+
+def dot_product(q, k, v, window, *, softcap, float32_qk_product: bool, float32_logits: bool) -> jax.Array:
+    """Scores [B, K, G, L, L] in the compute dtype (float32 with float32_qk_product), softmax in float32 with
+    float32_logits, as MaxText's defaults (both off) and switches."""
+    L, dtype = q.shape[1], q.dtype
+    if float32_qk_product:
+        q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    s_BxKxGxLxS = jnp.einsum("BLKGd,BSKd->BKGLS", q, k)
+    if softcap is not None:
+        s_BxKxGxLxS = softcap * jnp.tanh(s_BxKxGxLxS / softcap)
+    if float32_logits:
+        s_BxKxGxLxS = s_BxKxGxLxS.astype(jnp.float32)
+    i, j = jnp.arange(L)[:, None], jnp.arange(L)[None, :]
+    masked = jnp.asarray(max(_MASKED, float(jnp.finfo(s_BxKxGxLxS.dtype).min) * 0.7), s_BxKxGxLxS.dtype)
+    s_BxKxGxLxS = jnp.where(visible(i, j, window)[None, None, None], s_BxKxGxLxS, masked)
+    p_BxKxGxLxS = jax.nn.softmax(s_BxKxGxLxS, axis=-1).astype(dtype)
+    return jnp.einsum("BKGLS,BSKd->BLKGd", p_BxKxGxLxS, v)
+
+
+# --- blockwise online softmax (CPU flash): keys in blocks, a custom backward that recomputes each block -------
+
+
+def _block(S: int) -> int:
+    return math.gcd(S, CPU_BLOCK)
+
+
+def _scores(q, kj, i, j, window, softcap):
+    """One block of capped, masked float32 scores [B, K, G, L, b], the tanh (for the cap's derivative), the mask."""
+    s = jnp.einsum("BLKGd,BSKd->BKGLS", q, kj, preferred_element_type=jnp.float32)
+    t = None
+    if softcap is not None:
+        t = jnp.tanh(s / softcap)
+        s = softcap * t
+    mask = visible(i[:, None], j[None, :], window)[None, None, None]
+    return jnp.where(mask, s, _MASKED), t, mask
+
+
+def _kv_blocks(x_BxSxKxDh, b):
+    B, S, K, Dh = x_BxSxKxDh.shape
+    return jnp.moveaxis(x_BxSxKxDh.reshape(B, S // b, b, K, Dh), 1, 0)
+
+
+def _blockwise_forward(q, k, v, window, softcap):
+    B, L, K, G, Dh = q.shape
+    b = _block(k.shape[1])
+    i = jnp.arange(L)
+
+    def body(carry, xs):
+        o, m, l = carry  # o [B, K, G, L, Dh], running max m and sum l [B, K, G, L], all float32
+        kj, vj, j0 = xs
+        s, _, mask = _scores(q, kj, i, j0 + jnp.arange(b), window, softcap)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("BKGLS,BSKd->BKGLd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
+        return (o * correction[..., None] + pv, m_new, l), None
+
+    init = (jnp.zeros((B, K, G, L, Dh), jnp.float32), jnp.full((B, K, G, L), _MASKED, jnp.float32),
+            jnp.zeros((B, K, G, L), jnp.float32))
+    starts = jnp.arange(0, k.shape[1], b)
+    (o, m, l), _ = jax.lax.scan(body, init, (_kv_blocks(k, b), _kv_blocks(v, b), starts))
+    out_BxLxKxGxDh = jnp.einsum("BKGLd->BLKGd", o / l[..., None]).astype(q.dtype)
+    return out_BxLxKxGxDh, m + jnp.log(l)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def blockwise(q, k, v, window, softcap):
+    """Flash attention's algorithm (Dao et al. 2022) in plain JAX: no [L, L] scores forward or backward."""
+    return _blockwise_forward(q, k, v, window, softcap)[0]
+
+
+def _blockwise_fwd(q, k, v, window, softcap):
+    out, lse = _blockwise_forward(q, k, v, window, softcap)
+    return out, (q, k, v, window, out, lse)
+
+
+def _blockwise_bwd(softcap, residuals, do_BxLxKxGxDh):
+    q, k, v, window, out, lse = residuals
+    L = q.shape[1]
+    b = _block(k.shape[1])
+    i = jnp.arange(L)
+    do = do_BxLxKxGxDh.astype(jnp.float32)
+    delta = jnp.einsum("BLKGd,BLKGd->BKGL", do, out.astype(jnp.float32))
+
+    def body(dq, xs):
+        kj, vj, j0 = xs
+        s, t, mask = _scores(q, kj, i, j0 + jnp.arange(b), window, softcap)
+        p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)
+        dv = jnp.einsum("BKGLS,BLKGd->BSKd", p, do)
+        dp = jnp.einsum("BLKGd,BSKd->BKGLS", do, vj.astype(jnp.float32))
+        ds = p * (dp - delta[..., None])
+        if softcap is not None:
+            ds = ds * (1 - t * t)
+        dq = dq + jnp.einsum("BKGLS,BSKd->BLKGd", ds, kj.astype(jnp.float32))
+        dk = jnp.einsum("BKGLS,BLKGd->BSKd", ds, q.astype(jnp.float32))
+        return dq, (dk, dv)
+
+    starts = jnp.arange(0, k.shape[1], b)
+    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(q.shape, jnp.float32), (_kv_blocks(k, b), _kv_blocks(v, b), starts))
+
+    def unblock(x, like):
+        return jnp.moveaxis(x, 0, 1).reshape(like.shape).astype(like.dtype)
+
+    return dq.astype(q.dtype), unblock(dk, k), unblock(dv, v), None
+
+
+blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+# --- TPU: Pallas splash attention, under shard_map over batch and heads (as MaxText) --------------------------
+
+
+def _head_specs(B: int, H: int, K: int):
+    """shard_map specs for q [B, H, L, Dh] and k, v [B, K, L, Dh]: the batch and head axes as the logical rules
+    shard them; query heads split only as far as kv heads split, so each shard holds whole groups."""
+    from jax.sharding import PartitionSpec as P
+
+    from maxperf.models.sharding import mesh_axes_for
+
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    q_axes = mesh_axes_for((B, H, 1, 1), ("activation_batch", "activation_heads", None, None), sizes)
+    kv_axes = mesh_axes_for((B, K, 1, 1), ("activation_batch", "activation_kv_heads", None, None), sizes)
+    heads = kv_axes[1]
+    return P(q_axes[0], heads, None, None), P(kv_axes[0], heads, None, None)
+
+
+def splash(q, k, v, window, *, softcap, blocks: tuple[int, ...], windows: tuple[int, ...] = (0,),
+           interpret: bool = False) -> jax.Array:
+    B, L, K, G, Dh = q.shape
+    q_BxHxLxDh = jnp.einsum("BLKGd->BKGLd", q).reshape(B, K * G, L, Dh)
+    k_BxKxLxDh, v_BxKxLxDh = jnp.einsum("BLKd->BKLd", k), jnp.einsum("BLKd->BKLd", v)
+    kernel_blocks = dict(zip(SPLASH_BLOCKS, (min(x, L) for x in blocks)))
+
+    def local(window_value, q_BxHxLxDh, k_BxKxLxDh, v_BxKxLxDh):
+        kernel = _splash_kernel(q_BxHxLxDh.shape[1], L, window_value, softcap, kernel_blocks, interpret)
+        return jax.vmap(kernel)(q_BxHxLxDh, k_BxKxLxDh, v_BxKxLxDh)
+
+    def run(window_value):
+        fn = functools.partial(local, window_value)
+        if not jax.sharding.get_abstract_mesh().empty:
+            q_spec, kv_spec = _head_specs(B, K * G, K)
+            fn = jax.shard_map(fn, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)
+        return fn(q_BxHxLxDh, k_BxKxLxDh, v_BxKxLxDh)
+
+    if isinstance(window, int):
+        o_BxHxLxDh = run(window)
+    else:
+        # interleaved local and global layers share one scanned body: a splash mask is static, so both are built
+        # and the layer's window picks one (only that branch runs)
+        choices = sorted(set(windows))
+        index = jnp.searchsorted(jnp.asarray(choices, jnp.int32), window)
+        o_BxHxLxDh = jax.lax.switch(index, [functools.partial(run, w) for w in choices])
+    return jnp.einsum("BKGLd->BLKGd", o_BxHxLxDh.reshape(B, K, G, L, Dh))
+
+
+def _splash_kernel(H: int, L: int, window: int, softcap, blocks: dict, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    if window > 0:
+        mask = sm.LocalMask((L, L), window_size=(window - 1, 0), offset=0)
+    else:
+        mask = sm.CausalMask((L, L))
+    sizes = sk.BlockSizes(**{name.removeprefix("sa_"): value for name, value in blocks.items()})
+    return sk.make_splash_mha(sm.MultiHeadMask([mask] * H), block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                              attn_logits_soft_cap=softcap, interpret=interpret)
+
+
+# --- GPU: Pallas (Triton) flash attention -------------------------------------------------------------------
+
+
+def gpu_flash(q, k, v) -> jax.Array:
+    """jax.experimental.pallas.ops.gpu.attention.mha, causal, kv heads repeated to the query heads (the kernel
+    has no grouped-query form), under shard_map over batch and heads. The query comes scaled, so sm_scale is 1."""
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    B, L, K, G, Dh = q.shape
+    q_BxLxHxDh = q.reshape(B, L, K * G, Dh)
+    k_BxLxHxDh, v_BxLxHxDh = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+
+    def local(q_, k_, v_):
+        return gpu_attention.mha(q_, k_, v_, segment_ids=None, sm_scale=1.0, causal=True)
+
+    fn = local
+    if not jax.sharding.get_abstract_mesh().empty:
+        from jax.sharding import PartitionSpec as P
+
+        q_spec, _ = _head_specs(B, K * G, K)
+        spec = P(q_spec[0], None, q_spec[1], None)
+        fn = jax.shard_map(local, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+    return fn(q_BxLxHxDh, k_BxLxHxDh, v_BxLxHxDh).reshape(B, L, K, G, Dh)
