@@ -38,11 +38,21 @@ RULES: dict[str, tuple[str, ...]] = {
 
 def mesh_axes_for(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Mapping[str, int]) -> tuple:
     """The PartitionSpec entries for an array of `shape` whose dimensions carry `logical` names."""
+    return _assign(shape, logical, mesh_sizes)[0]
+
+
+def undivided_axes(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Mapping[str, int]) -> list[tuple[int, str]]:
+    """(dimension, mesh axis) for each mesh axis over 1 that a rule names for a dimension but that is left out
+    because it does not divide the dimension (with the axes chosen before it): the dimension is replicated along it."""
+    return _assign(shape, logical, mesh_sizes)[1]
+
+
+def _assign(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Mapping[str, int]) -> tuple[tuple, list]:
     if len(shape) != len(logical):
         raise ValueError(f"shape {tuple(shape)} has {len(shape)} dims but logical axes {logical} name {len(logical)}")
     used: set[str] = set()
-    spec = []
-    for size, name in zip(shape, logical):
+    spec, skipped = [], []
+    for dim, (size, name) in enumerate(zip(shape, logical)):
         if name is not None and name not in RULES:
             raise KeyError(f"logical axis {name!r} has no sharding rule; known: {', '.join(RULES)}")
         chosen = []
@@ -52,6 +62,8 @@ def mesh_axes_for(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Mappin
                 continue
             if size % (math.prod(mesh_sizes[a] for a in chosen) * n) == 0:
                 chosen.append(axis)
+            else:
+                skipped.append((dim, axis))
         used.update(chosen)
         spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
-    return tuple(spec)
+    return tuple(spec), skipped

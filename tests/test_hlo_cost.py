@@ -361,13 +361,15 @@ def test_tpu_scan_trip_count_from_the_condition_and_unrolled_matches_cost_analys
 
 @pytest.mark.slow
 def test_tiny_train_step_scanned_and_unscanned_agree():
+    from maxperf.aot import topologies
     from maxperf.models import overrides, presets, sharding, train_step
+    from maxperf.plan import resolve_mesh
 
     totals = {}
     for scan in ("true", "false"):
         cfg = overrides.apply(presets.get("tiny"), ["seq_len=64", "per_device_batch_size=2", f"scan_layers={scan}"])
         devices = jax.devices()[:8]
-        mesh = sharding.make_mesh(devices, cfg.parallelism.resolve(len(devices)).axes)
+        mesh = sharding.make_mesh(devices, resolve_mesh(cfg.parallelism, topologies.get("cpu-8")).axes)
         spec = train_step.abstract_step(cfg.model, cfg.train, mesh)
         with jax.set_mesh(mesh):
             compiled = train_step.jit_step(spec).lower(spec.state, spec.batch).compile()

@@ -162,7 +162,7 @@ def test_tpu7x_two_devices_per_chip():
     ({"fsdp": 60}, {}, "multiply to 60 but the topology has 64"),
     ({"fsdp": 64, "pipeline": 2}, {}, "unknown mesh axes pipeline"),
     ({"fsdp": 64}, {"fsdp": 3}, "dcn fsdp=3 must be >= 1 and divide"),
-    ({"fsdp": 64}, {"fsdp": 2}, "multiply to 2 but there are 1 slices"),
+    ({"fsdp": 64}, {"fsdp": 2}, "multiply to 2 but the topology has 1 DCN domain"),
     ({"fsdp": 0, "data": 64}, {}, "must be >= 1"),
 ])
 def test_bad_meshes_are_one_line_errors(mesh, dcn, match):

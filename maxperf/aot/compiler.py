@@ -71,11 +71,8 @@ def peak_rss_bytes() -> int:
 
 
 def build_mesh(p: Plan, device_list: Sequence[Any] | None = None):
-    """The mesh in automatic-sharding mode over the plan's devices (compile-only ones for TPU and GPU)."""
-    from jax.sharding import AxisType, Mesh
-
-    mesh = topologies.device_mesh(p.topology, p.mesh_shape.ici, p.mesh_shape.dcn, MESH_AXES, device_list)
-    return Mesh(mesh.devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    """The plan's resolved mesh in automatic-sharding mode over its devices (compile-only ones for TPU and GPU)."""
+    return topologies.device_mesh(p.topology, p.mesh_shape.ici, p.mesh_shape.dcn, MESH_AXES, device_list)
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -201,6 +198,8 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     say = progress or (lambda _: None)
     start = time.perf_counter()
     p = plan(topology, model, overrides, num_slices=num_slices, target_config=target_config)
+    for line in p.warnings:
+        say(f"warning: {line}")
     out_dir = Path(out) if out is not None else p.default_dir()
     writer = artifacts.ArtifactWriter(out_dir, "compile", force=force)
     try:
@@ -335,6 +334,7 @@ def _write_manifest(writer: artifacts.ArtifactWriter, p: Plan, spec, argv, compi
         "train": p.configs.train,
         "parallelism": p.configs.parallelism,
         "mesh": {"axes": p.mesh_shape.axes, "ici": p.mesh_shape.ici, "dcn": p.mesh_shape.dcn},
+        "warnings": list(p.warnings),
         "topology": p.topology.as_dict(),
         "devices": device_summary(spec.mesh),
         "param_count": spec.param_count,

@@ -10,9 +10,9 @@ from typing import Any
 from maxperf.aot import artifacts
 from maxperf.aot.artifacts import ArtifactError
 from maxperf.aot.compiler import library_versions, versions_that_must_match
-from maxperf.plan import Plan
+from maxperf.plan import MeshShape, Plan
 from maxperf.aot import topologies
-from maxperf.models.config import MeshShape, ModelConfig, ParallelismConfig, TrainConfig, from_dict
+from maxperf.models.config import ModelConfig, ParallelismConfig, TrainConfig, from_dict
 from maxperf.models.overrides import Configs
 
 

@@ -413,14 +413,17 @@ def device_mesh(
     axis_names: Sequence[str] | None = None,
     device_list: Sequence[Any] | None = None,
 ) -> jax.sharding.Mesh:
-    """A mesh over the topology's devices: axis a has size dcn[a] * ici[a], DCN-major within each axis.
+    """A mesh in automatic sharding mode over the topology's devices: axis a has size dcn[a] * ici[a], DCN-major
+    within each axis.
 
-    `ici` sizes must multiply to the devices of one fast-interconnect domain (`topology.devices_per_ici_domain`),
-    `dcn` sizes to the number of domains (`topology.ici_domains`); axes left out have size 1. Axis order is
-    `axis_names`, else the dcn axes then the ici axes. `device_list` defaults to `devices(topology)`.
+    The sizes are resolved ones (`maxperf.plan.resolve_mesh` resolves a parallelism config into them): `ici` sizes
+    must multiply to the devices of one fast-interconnect domain (`topology.devices_per_ici_domain`), `dcn` sizes to
+    the number of domains (`topology.ici_domains`); axes left out have size 1. Axis order is `axis_names`, else the
+    dcn axes then the ici axes. `device_list` defaults to `devices(topology)`.
     """
-    import jax
     import numpy as np
+
+    from maxperf.models import sharding
 
     dcn = dict(dcn or {})
     names = tuple(axis_names) if axis_names is not None else tuple(dict.fromkeys([*dcn, *ici]))
@@ -445,8 +448,8 @@ def device_mesh(
     blocks = blocks.reshape(dcn_shape + ici_shape)
     rank = len(names)
     interleaved = blocks.transpose([i // 2 + (rank if i % 2 else 0) for i in range(2 * rank)])
-    mesh_devices = interleaved.reshape([d * i for d, i in zip(dcn_shape, ici_shape)])
-    return jax.sharding.Mesh(mesh_devices, names)
+    sizes = [d * i for d, i in zip(dcn_shape, ici_shape)]
+    return sharding.make_mesh(interleaved.reshape(sizes), dict(zip(names, sizes)))
 
 def _ici_domains(topology: Topology, all_devices: list) -> list[list]:
     """Devices grouped by fast-interconnect domain, in domain order."""

@@ -16,8 +16,9 @@ def cmd_estimate(args) -> int:
     p = plan(args.topology, args.model, args.overrides, num_slices=args.num_slices)
     est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology,
                              overlap=args.overlap, calibration=calibration_for(p.topology))
+    warn(p)
     if args.json:
-        _print_json(est.as_dict())
+        _print_json({**est.as_dict(), "warnings": list(p.warnings)})
         return 0
     print(f"{p.model.name} on {p.topology.name} ({p.topology.chips} {est.chip} chips), mesh "
           + " x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1))
@@ -35,12 +36,21 @@ def cmd_estimate(args) -> int:
     return 0 if est.fits else 3
 
 
+def warn(p) -> None:
+    """The plan's warnings (mesh axes that do not divide a dimension), one line each on stderr."""
+    for line in p.warnings:
+        print(f"maxperf: warning: {line}", file=sys.stderr)
+
+
 def cmd_estimate_memory(args) -> int:
     from maxperf.cli import _compile_only_environment, _print_json, _progress
 
     _compile_only_environment()
+    from maxperf.plan import plan
     from maxperf.studies import memory_fit
 
+    if args.analytical_only:  # a compile says them itself, as it starts
+        warn(plan(args.topology, args.model, args.overrides, num_slices=args.num_slices))
     say = _progress()
     if args.max_batch:
         found = memory_fit.max_batch(args.topology, args.model, args.overrides, num_slices=args.num_slices,

@@ -33,6 +33,9 @@ def cmd_sweep(args) -> int:
     result = sweep(args.model, [t for t in args.topologies.split(",") if t], num_slices=slices,
                    axes=_grid_axes(args.overrides), analytical_only=args.analytical_only, out=args.out,
                    workers=args.workers, progress=_progress())
+    for r in result.rows:
+        if r.get("warnings"):
+            print(f"maxperf: warning: {r['point']}: {r['warnings']}", file=sys.stderr)
     bad = [r for r in result.rows if r["status"] != "ok"]
     print(f"swept {len(result.rows)} points ({result.computed} run now, {len(bad)} failed or did not fit) in "
           f"{result.seconds:.1f} s -> {result.out_dir}/results.csv, results.parquet")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from dataclasses import dataclass
 
 from maxperf.errors import MaxperfError
@@ -269,24 +268,8 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class MeshShape:
-    """Resolved mesh sizes: within a slice (ICI) and across slices (DCN); each mesh axis is their product."""
-
-    ici: dict[str, int]
-    dcn: dict[str, int]
-
-    @property
-    def axes(self) -> dict[str, int]:
-        return {a: self.ici[a] * self.dcn.get(a, 1) for a in MESH_AXES}
-
-    @property
-    def devices(self) -> int:
-        return math.prod(self.axes.values())
-
-
-@dataclass(frozen=True)
 class ParallelismConfig:
-    """Mesh axis sizes; -1 on one axis fills what the others leave."""
+    """Mesh axis sizes; -1 on one axis fills what the others leave (`maxperf.plan.resolve_mesh` resolves them)."""
 
     ici_data: int = 1
     ici_fsdp: int = -1
@@ -300,31 +283,6 @@ class ParallelismConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             _require(value == -1 or value >= 1, f"{f.name} must be a positive integer or -1, got {value}")
-
-    def resolve(self, devices_per_slice: int, num_slices: int = 1) -> MeshShape:
-        ici = _fill({a: getattr(self, f"ici_{a}") for a in MESH_AXES}, devices_per_slice, "ici", "devices per slice")
-        dcn = _fill({a: getattr(self, f"dcn_{a}") for a in DCN_AXES}, num_slices, "dcn", "slices")
-        return MeshShape(ici=ici, dcn=dcn)
-
-
-def _fill(sizes: dict[str, int], total: int, prefix: str, what: str) -> dict[str, int]:
-    free = [a for a, s in sizes.items() if s == -1]
-    _require(len(free) <= 1, f"at most one {prefix}_* axis may be -1, got {', '.join(f'{prefix}_{a}' for a in free)}")
-    fixed = math.prod(s for s in sizes.values() if s != -1)
-    shown = " x ".join(f"{prefix}_{a}={s}" for a, s in sizes.items() if s != 1)
-    if free:
-        _require(
-            total % fixed == 0,
-            f"{shown} cannot fill {total} {what}: the fixed axes multiply to {fixed}, which does not divide {total}",
-        )
-        sizes = {**sizes, free[0]: total // fixed}
-    else:
-        _require(
-            fixed == total,
-            f"{shown or prefix + ' axes all 1'} multiply to {fixed} but there are {total} {what}; "
-            f"make the product {total} or set one {prefix}_* axis to -1",
-        )
-    return sizes
 
 
 def from_dict(cls, data: dict):

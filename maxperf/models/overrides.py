@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -44,6 +45,23 @@ ALIASES = {
     "use_qk_norm": "qk_norm",
     "normalization_layer_epsilon": "norm_eps",
 }
+
+# Upper bounds of the numeric keys: beyond any model or step trained today by orders of magnitude, and low enough
+# that every figure maxperf prints stays meaningful (per_device_batch_size=1e20 made a step of 4e19 s). The
+# configs check the lower bounds and the relations between keys.
+LIMITS: dict[str, float] = {
+    "per_device_batch_size": 1 << 16, "seq_len": 1 << 21, "grad_accum_steps": 1 << 16,  # B, L
+    "vocab_size": 1 << 22, "d_model": 1 << 17, "num_layers": 1 << 12, "num_heads": 1 << 12,  # V, D, N, H
+    "num_kv_heads": 1 << 12, "head_dim": 1 << 12, "d_ff": 1 << 20, "max_position": 1 << 21,  # K, Dh, F
+    "window": 1 << 21, "local_per_global": 1 << 10,  # W
+    "warmup_steps": 10**9, "decay_steps": 10**9, "seed": 2**32 - 1,
+    "learning_rate": 10.0, "weight_decay": 10.0, "min_lr_ratio": 1.0, "adam_b1": 1.0, "adam_b2": 1.0,
+    "adam_eps": 1.0, "grad_clip_norm": 1e6, "norm_eps": 1.0, "rope_theta": 1e12, "query_scale": 1e3,
+    "attn_logit_softcap": 1e6, "final_logit_softcap": 1e6,
+}
+DEVICE_LIMIT = 1 << 20  # a mesh axis (ici_*, dcn_*): more devices than any machine has
+OTHER_INT_LIMIT = 1 << 21  # any integer key not named above (splash attention tiles: at most a sequence)
+OTHER_FLOAT_LIMIT = 1e12
 
 _CONFIGS = {"model": ModelConfig, "train": TrainConfig, "parallelism": ParallelismConfig}
 _FIXED = {"name", "rope_scaling"}  # not settable from the command line
@@ -96,6 +114,28 @@ def _parse(key: str, text: str, kind: type):
     return text
 
 
+def limit(name: str, part: str, value: int | float) -> float:
+    """The largest value `name` takes."""
+    if name in LIMITS:
+        return LIMITS[name]
+    if part == "parallelism":
+        return DEVICE_LIMIT
+    return OTHER_INT_LIMIT if isinstance(value, int) else OTHER_FLOAT_LIMIT
+
+
+def _bounded(key: str, name: str, part: str, value):
+    """`value` when it is a finite number within its key's upper bound (or no number); else a MaxperfError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    if isinstance(value, float) and not math.isfinite(value):
+        raise MaxperfError(f"{key}={value} is not valid; {key} takes a finite number")
+    top = limit(name, part, value)
+    if value > top:
+        shown = int(top) if isinstance(value, int) else f"{top:g}"
+        raise MaxperfError(f"{key}={value} is too large; {key} takes at most {shown}")
+    return value
+
+
 @dataclass(frozen=True)
 class Configs:
     model: ModelConfig
@@ -118,9 +158,14 @@ def apply(model: ModelConfig, words: list[str], train: TrainConfig | None = None
             hint = f"did you mean {', '.join(hits)}?" if hits else "`maxperf keys` lists the valid keys"
             raise MaxperfError(f"unknown override key {key!r}; {hint}")
         part, kind = fields[name]
-        changes[part][name] = _parse(key, text, kind)
-    return Configs(
+        changes[part][name] = _bounded(key, name, part, _parse(key, text, kind))
+    configs = Configs(
         model=dataclasses.replace(model, **changes["model"]),
         train=dataclasses.replace(train or TrainConfig(), **changes["train"]),
         parallelism=dataclasses.replace(parallelism or ParallelismConfig(), **changes["parallelism"]),
     )
+    for part in _CONFIGS:  # a preset or a config object passed in holds to the same bounds
+        config = getattr(configs, part)
+        for f in dataclasses.fields(config):
+            _bounded(f.name, f.name, part, getattr(config, f.name))
+    return configs

@@ -67,6 +67,12 @@ class TopologyShape(Protocol):
     torus: tuple[int, ...] | None  # TPU: the ICI torus of one slice, e.g. (8, 8, 8); read for TPUs only
 
 
+def dcn_domains(topology: TopologyShape) -> int:
+    """How many fast-interconnect domains the DCN mesh axes span: TPU slices, GPU NVLink domains (an HGX host, a
+    GB200 NVL72 rack). Optional: `ici_domains` where the topology has it (maxperf.aot's does), else its slices."""
+    return int(getattr(topology, "ici_domains", None) or topology.num_slices)
+
+
 def devices_per_chip(topology: TopologyShape) -> int:
     """JAX devices per chip: 2 on tpu7x (one per chiplet), else 1. Optional: read only where the topology has it."""
     return int(getattr(topology, "devices_per_chip", 1) or 1)
@@ -130,7 +136,8 @@ class Mesh:
 
 
 def make_mesh(mesh_axes: Mapping[str, int], dcn_axes: Mapping[str, int] | None, topology: TopologyShape) -> Mesh:
-    """Checks the mesh against the topology: known axes, positive sizes, product = chips, DCN parts divide."""
+    """Takes resolved sizes (maxperf.plan resolves them) and checks them against the topology: known axes, positive
+    sizes, product = devices, DCN parts divide their axes and multiply to the topology's DCN domains."""
     unknown = sorted(set(mesh_axes) - set(MESH_AXES))
     check(not unknown, f"unknown mesh axes {', '.join(unknown)}; valid: {', '.join(MESH_AXES)}")
     axes = {a: int(mesh_axes.get(a, 1)) for a in MESH_AXES}
@@ -146,8 +153,10 @@ def make_mesh(mesh_axes: Mapping[str, int], dcn_axes: Mapping[str, int] | None, 
     dcn = {a: int(dcn_axes.get(a, 1)) for a in DCN_AXES}
     for a, n in dcn.items():
         check(n >= 1 and axes[a] % n == 0, f"dcn {a}={n} must be >= 1 and divide mesh {a}={axes[a]}")
-    check(math.prod(dcn.values()) == topology.num_slices,
-          f"dcn axes {_shown(dcn)} multiply to {math.prod(dcn.values())} but there are {topology.num_slices} slices")
+    domains = dcn_domains(topology)
+    check(math.prod(dcn.values()) == domains,
+          f"dcn axes {_shown(dcn)} multiply to {math.prod(dcn.values())} but the topology has {domains} DCN "
+          f"domain(s) (slices, or GPU NVLink domains); make their product {domains}")
     return Mesh(axes=axes, dcn=dcn)
 
 

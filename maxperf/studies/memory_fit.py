@@ -78,6 +78,7 @@ class MemoryComparison:
         return {
             "schema": SCHEMA, "model": p.model.name, "topology": p.topology.name,
             "num_slices": p.topology.num_slices, "mesh": {a: n for a, n in p.mesh_shape.axes.items() if n > 1},
+            "warnings": list(p.warnings),
             "per_device_batch_size": p.configs.train.per_device_batch_size, "seq_len": p.configs.train.seq_len,
             "remat_policy": str(p.configs.train.remat_policy.value),
             "analytical": self.analytical.as_dict(),

@@ -73,10 +73,11 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
 
     row: dict[str, Any] = {"schema": POINT_SCHEMA, "point": point.name, "model": model, "topology": point.topology,
                            "num_slices": point.num_slices, "overrides": " ".join(point.overrides), "status": "ok",
-                           "reason": None}
+                           "reason": None, "warnings": ""}
     start = time.perf_counter()
     try:
         p = planning.plan(point.topology, model, point.overrides, num_slices=point.num_slices)
+        row["warnings"] = "; ".join(p.warnings)  # mesh axes that do not divide a dimension (plan.py)
         est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology,
                                  calibration=calibration)
         row.update(chips=p.topology.chips, devices=p.topology.num_devices, platform=p.topology.platform,

@@ -1,0 +1,202 @@
+"""One resolution of a request into configs and a mesh (maxperf/plan.py), and every command on top of it."""
+
+import json
+
+import pytest
+
+from maxperf import perfmodel
+from maxperf.aot import gpu_targets
+from maxperf.aot import topologies as T
+from maxperf.cli import main
+from maxperf.errors import MaxperfError
+from maxperf.models import overrides, presets
+from maxperf.models.config import ParallelismConfig
+from maxperf.plan import plan, resolve_mesh
+
+needs_cuda_plugin = pytest.mark.skipif(gpu_targets.plugin_library() is None, reason="CUDA plugin not installed")
+
+# --- the mesh over fast-interconnect domains -------------------------------------------------------------------
+
+# name -> (ICI devices per domain, DCN domains): HGX hosts of 8 GPUs, GB200 NVL72 racks of 72
+MULTI_HOST_GPUS = {"h100-8x2": (8, 2), "h100-8x4": (8, 4), "a100-8x2": (8, 2), "b200-8x2": (8, 2),
+                   "gb200-72x2": (72, 2)}
+
+
+@pytest.mark.parametrize("name", sorted(MULTI_HOST_GPUS))
+def test_multi_host_gpu_mesh_spans_nvlink_domains_and_perfmodel_takes_it(name):
+    per_domain, domains = MULTI_HOST_GPUS[name]
+    p = plan(name, "llama3-8b", ["ici_fsdp=8", f"ici_data={per_domain // 8}"])
+    assert p.mesh_shape.ici["fsdp"] * p.mesh_shape.ici["data"] == per_domain
+    assert p.mesh_shape.dcn == {"data": domains, "fsdp": 1}
+    est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+    assert est.chips == per_domain * domains and est.step_time_s > 0
+
+
+def test_dcn_axes_must_cover_the_nvlink_domains():
+    with pytest.raises(MaxperfError, match=r"multiply to 1 but there are 2 NVLink domains \(hosts\) in h100-8x2"):
+        plan("h100-8x2", "tiny", ["dcn_data=1"])
+    with pytest.raises(MaxperfError, match=r"ici_fsdp=3 multiply to 3 but there are 8 devices in each NVLink"):
+        plan("h100-8x2", "tiny", ["ici_fsdp=3"])
+    p = plan("h100-8x2", "tiny", ["dcn_data=1", "dcn_fsdp=2"])
+    assert p.mesh_shape.axes["fsdp"] == 16 and p.mesh_shape.dcn == {"data": 1, "fsdp": 2}
+
+
+def test_perfmodel_checks_dcn_axes_against_the_domains_not_the_slices():
+    t = T.get("h100-8x2")
+    assert t.num_slices == 1 and t.ici_domains == 2
+    mesh = perfmodel.make_mesh({"data": 2, "fsdp": 8}, {"data": 2}, t)
+    assert mesh.ici("data") == 1 and mesh.ici("fsdp") == 8
+    with pytest.raises(MaxperfError, match="multiply to 1 but the topology has 2 DCN domain"):
+        perfmodel.make_mesh({"fsdp": 16}, {}, t)
+
+
+def test_resolve_fills_the_minus_one_axes_and_refuses_what_does_not_cover_the_devices():
+    with pytest.raises(MaxperfError, match="does not divide 8"):
+        resolve_mesh(ParallelismConfig(ici_tensor=3), T.get("cpu-8"))
+    with pytest.raises(MaxperfError, match="multiply to 4 but there are 8 devices in each slice of cpu-8"):
+        resolve_mesh(ParallelismConfig(ici_fsdp=2, ici_tensor=2), T.get("cpu-8"))
+    shape = resolve_mesh(ParallelismConfig(ici_tensor=2), T.get("v5p-16", num_slices=2))
+    assert shape.axes == {"data": 2, "fsdp": 4, "sequence": 1, "tensor": 2, "expert": 1}
+    assert shape.ici["data"] == 1 and shape.dcn["data"] == 2
+
+
+def test_every_analytical_command_runs_on_a_multi_host_gpu_topology(tmp_path, capsys):
+    assert main(["estimate", "--topology", "h100-8x2", "--model", "llama3-8b"]) == 0
+    assert "mesh data=2 x fsdp=8" in capsys.readouterr().out
+    assert main(["estimate-memory", "--analytical-only", "--topology", "h100-8x2", "--model", "llama3-8b"]) == 0
+    assert "mesh data=2 x fsdp=8" in capsys.readouterr().out
+    assert main(["sweep", "--analytical-only", "--model", "tiny", "--topologies", "h100-8x2,b200-8x2",
+                 "--out", str(tmp_path / "sweep"), "--workers", "1"]) == 0
+    rows = [json.loads(p.read_text()) for p in sorted((tmp_path / "sweep").rglob("point.json"))]
+    assert [(r["topology"], r["status"]) for r in rows] == [("b200-8x2", "ok"), ("h100-8x2", "ok")]
+
+
+@pytest.mark.slow
+@needs_cuda_plugin
+def test_compile_for_two_gpu_hosts(tmp_path, capsys):
+    out = tmp_path / "h100"
+    assert main(["compile", "--topology", "h100-8x2", "--model", "tiny", "seq_len=128", "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["mesh"]["dcn"] == {"data": 2, "fsdp": 1} and manifest["mesh"]["ici"]["fsdp"] == 8
+    assert manifest["devices"]["count"] == 16 and manifest["devices"]["processes"] == 2
+    assert json.loads((out / "estimate.json").read_text())["chips"] == 16
+
+
+@needs_cuda_plugin
+def test_the_compiled_mesh_keeps_each_gpu_host_on_the_ici_axes():
+    from maxperf.aot.compiler import build_mesh
+
+    mesh = build_mesh(plan("h100-8x2", "tiny"))
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 8, "sequence": 1, "tensor": 1, "expert": 1}
+    hosts = [[d.process_index for d in row] for row in mesh.devices.reshape(2, 8)]
+    assert hosts == [[0] * 8, [1] * 8]
+
+
+# --- mesh axes that do not divide a dimension ------------------------------------------------------------------
+
+
+def test_a_dividing_mesh_has_no_warnings():
+    assert plan("v5p-64", "llama3-8b", ["ici_tensor=4"]).warnings == ()
+
+
+def test_heads_that_tensor_does_not_divide_are_named_with_their_cost():
+    p = plan("v5p-64", "llama3-8b", ["num_heads=36", "num_kv_heads=4", "ici_tensor=8"])
+    assert p.mesh_shape.axes["tensor"] == 8
+    heads = [w for w in p.warnings if "does not divide H=36" in w]
+    assert len(heads) == 1 and heads[0].startswith("tensor=8 does not divide H=36: H is replicated along tensor")
+    assert "6.09 GiB per device (2.80 GiB if split over all 32 devices)" in heads[0]
+    assert "e.g. ici_tensor=4 ici_data=2" in heads[0]
+    assert any(w.startswith("tensor=8 does not divide K=4") for w in p.warnings)
+
+
+def test_a_sequence_that_sequence_parallelism_does_not_divide_is_named():
+    p = plan("v5p-64", "llama3-8b", ["seq_len=4095", "ici_sequence=4"])
+    assert p.warnings == ("sequence=4 does not divide L=4095: L is replicated along sequence, not split; each device "
+                          "holds all 4095 of it; e.g. ici_sequence=1 ici_data=4",)
+
+
+def test_explicit_fsdp_that_does_not_divide_the_width_warns_with_the_state_per_device():
+    p = plan("gb200-72", "llama3-8b", ["ici_fsdp=72"])
+    assert p.mesh_shape.axes["fsdp"] == 72
+    state = perfmodel.count_params(p.model).total * 12 / (1 << 30)  # float32 parameters and two Adam moments
+    assert p.warnings == (f"fsdp=72 does not divide D=4096: D is replicated along fsdp, not split; parameters and "
+                          f"optimizer state take {state:.2f} GiB per device ({state / 72:.2f} GiB if split over all 72 "
+                          f"devices); e.g. ici_fsdp=8 ici_data=9",)
+    assert f"{state:.2f}" == "89.75"
+
+
+def test_the_default_mesh_divides_the_model_width():
+    p = plan("gb200-72", "llama3-8b")
+    assert {a: n for a, n in p.mesh_shape.axes.items() if n > 1} == {"data": 9, "fsdp": 8}
+    assert p.configs.parallelism == ParallelismConfig(ici_data=-1, ici_fsdp=8)
+    assert p.warnings == ("the default fsdp=72 does not divide D=4096: planned ici_fsdp=8 ici_data=9 instead, which "
+                          "does (set ici_fsdp to choose)",)
+    memory = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn,
+                                p.topology).memory
+    assert memory.params == pytest.approx(perfmodel.count_params(p.model).total * 4 / 8, rel=1e-3)
+
+
+def test_warnings_reach_stderr_and_the_json(capsys):
+    assert main(["estimate", "--topology", "v5p-64", "--model", "llama3-8b", "seq_len=4095", "ici_sequence=4",
+                 "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("maxperf: warning: sequence=4 does not divide L=4095")
+    assert json.loads(out)["warnings"][0].startswith("sequence=4 does not divide L=4095")
+    assert main(["estimate-memory", "--analytical-only", "--topology", "v5p-64", "--model", "llama3-8b",
+                 "seq_len=4095", "ici_sequence=4"]) == 0
+    assert "maxperf: warning: sequence=4 does not divide L=4095" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compiler_holds_the_replicated_state_perfmodel_counts(tmp_path):
+    """fsdp=8 does not divide D=516: the compiled step's arguments are the replicated state perfmodel counts."""
+    from maxperf.studies import memory_fit
+
+    words = ["d_model=516", "head_dim=64", "d_ff=2048", "seq_len=128", "ici_fsdp=8"]
+    cmp = memory_fit.compare("cpu-8", "tiny", words, out=tmp_path / "c")
+    assert cmp.plan.warnings[0].startswith("fsdp=8 does not divide D=516")
+    a = cmp.analytical
+    assert cmp.compiler["argument_bytes"] == pytest.approx(a.params + a.optimizer, rel=1e-4)
+    assert json.loads((tmp_path / "c" / "manifest.json").read_text())["warnings"] == list(cmp.plan.warnings)
+
+
+# --- bounds of the numeric keys --------------------------------------------------------------------------------
+
+
+def _numeric_keys():
+    import typing
+
+    for name, (part, kind) in overrides._fields().items():
+        options = set(typing.get_args(kind)) or {kind}
+        if options & {int, float} and bool not in options:
+            yield name, part, int if int in options else float
+
+
+@pytest.mark.parametrize("name, part, kind", list(_numeric_keys()))
+def test_every_numeric_key_has_an_upper_bound(name, part, kind):
+    top = overrides.limit(name, part, kind(1))
+    too_big = kind(top * 10)
+    with pytest.raises(MaxperfError, match=f"{name}={too_big} is too large; {name} takes at most"):
+        overrides.apply(presets.get("tiny"), [f"{name}={too_big}"])
+
+
+def test_absurd_batch_is_one_line_and_exit_2(capsys):
+    assert main(["estimate", "--topology", "v5p-8", "--model", "llama3-8b",
+                 "per_device_batch_size=99999999999999999999"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("maxperf: error: per_device_batch_size=99999999999999999999 is too large; "
+                                 "per_device_batch_size takes at most 65536\n")
+
+
+def test_infinite_and_nan_numbers_are_refused():
+    for word in ("learning_rate=inf", "adam_eps=nan", "rope_theta=-inf"):
+        with pytest.raises(MaxperfError, match="takes a finite number"):
+            overrides.apply(presets.get("tiny"), [word])
+
+
+def test_a_config_object_holds_to_the_same_bounds():
+    import dataclasses
+
+    huge = dataclasses.replace(presets.get("tiny"), num_layers=1 << 20)
+    with pytest.raises(MaxperfError, match="num_layers=1048576 is too large; num_layers takes at most 4096"):
+        plan("cpu-8", huge)
