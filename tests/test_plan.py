@@ -200,3 +200,13 @@ def test_a_config_object_holds_to_the_same_bounds():
     huge = dataclasses.replace(presets.get("tiny"), num_layers=1 << 20)
     with pytest.raises(MaxperfError, match="num_layers=1048576 is too large; num_layers takes at most 4096"):
         plan("cpu-8", huge)
+
+
+def test_planning_and_its_warnings_start_no_jax():
+    import subprocess
+    import sys
+
+    code = ("import sys; from maxperf.plan import plan; p = plan('gb200-72', 'llama3-8b', ['ici_fsdp=72']); "
+            "assert p.warnings; print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
