@@ -55,16 +55,16 @@ def load_calibration(path: Path | None = None) -> StoredCalibration:
         schema = d.get("schema") if isinstance(d, dict) else None
         if schema != SCHEMA_VERSION:
             return _unusable(path, sha256, f"the calibration {path} has schema {schema}, this maxperf reads schema "
-                                           f"{SCHEMA_VERSION}")
+                                           f"{SCHEMA_VERSION}", schema if isinstance(schema, int) else None)
         return StoredCalibration(str(path), Calibration.from_dict(d), sha256=sha256)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return _unusable(path, sha256, f"the calibration {path} is unreadable ({type(e).__name__}: {e})")
 
 
-def _unusable(path: Path, sha256: str | None, why: str) -> StoredCalibration:
+def _unusable(path: Path, sha256: str | None, why: str, schema: int | None = None) -> StoredCalibration:
     problem = f"{why}; {RECALIBRATE}"
     note(problem)
-    return StoredCalibration(str(path), None, sha256=sha256, problem=problem)
+    return StoredCalibration(str(path), None, sha256=sha256, problem=problem, schema=schema)
 
 
 def calibration_for(topology) -> StoredCalibration | None:

@@ -72,7 +72,9 @@ def test_a_stale_schema_is_said_on_stderr_and_recorded(cache, capsys):
     assert capsys.readouterr().err == f"maxperf: note: {problem}\n"
     est = estimate(TINY, TRAIN, {"fsdp": 2}, {}, CPU2, calibration=stored)
     assert not est.peaks_calibrated and est.notes == (problem,)
-    assert est.as_dict()["calibration"]["used"] is False and est.as_dict()["notes"] == [problem]
+    record = est.as_dict()["calibration"]
+    assert (record["used"], record["schema"], record["problem"]) == (False, 4, problem)
+    assert est.as_dict()["notes"] == [problem]
 
 
 def test_an_unreadable_calibration_is_said_on_stderr(cache, capsys):

@@ -98,7 +98,9 @@ def test_page_faults_of_large_temporaries_count_on_cpu():
     square = (calibration.MatmulSample("bfloat16", 1024, 8e11),)
     cal = calibration.Calibration(matmul=square, **{**CAL, "page_fault_bandwidth": 4e9})
     model = presets.get("tiny")
-    big = estimate(model, TrainConfig(per_device_batch_size=8, seq_len=512), {"fsdp": 2}, {}, CPU2, calibration=cal)
+    # the materialized scores (dot_product attention) make the large temporaries
+    big = estimate(model, TrainConfig(per_device_batch_size=8, seq_len=512, attention="dot_product"), {"fsdp": 2}, {},
+                   CPU2, calibration=cal)
     temporaries = max(big.memory.phases().values())
     assert temporaries > FRESH_MAPPING_THRESHOLD
     faults = next(r for r in big.breakdown if r.name == "page faults (new temporaries)")
@@ -129,7 +131,8 @@ def test_long_contractions_with_large_outputs_fault_in_a_float32_accumulator_on_
 
 def test_cpu_elementwise_work_runs_at_the_measured_fused_rate():
     square = (calibration.MatmulSample("bfloat16", 1024, 8e11),)
-    model, train = presets.get("tiny"), TrainConfig(per_device_batch_size=2, seq_len=128)
+    # dot_product attention: its softmax is a fused elementwise kernel of its own
+    model, train = presets.get("tiny"), TrainConfig(per_device_batch_size=2, seq_len=128, attention="dot_product")
     cal = calibration.Calibration(matmul=square, **CAL)
     rows = {r.name: r for r in estimate(model, train, {"fsdp": 2}, {}, CPU2, calibration=cal).breakdown}
     for name in ("softmax", "norms, residuals, activations", "loss", "optimizer update"):

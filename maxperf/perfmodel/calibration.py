@@ -122,11 +122,12 @@ class StoredCalibration:
     calibration: Calibration | None
     sha256: str | None = None  # of the file's bytes: two estimates used the same calibration when these match
     problem: str | None = None  # why `calibration` is None
+    schema: int | None = None  # the file's schema where it was read but could not be used (another version's)
 
     def record(self) -> dict[str, Any]:
         """Which calibration was used, as estimate.json and run.json record it."""
         cal = self.calibration
         return {"path": self.path, "sha256": self.sha256, "used": cal is not None, "problem": self.problem,
-                "created": cal.created if cal else None, "schema": cal.schema if cal else None,
+                "created": cal.created if cal else None, "schema": cal.schema if cal else self.schema,
                 "device_kind": cal.device_kind if cal else None, "num_devices": cal.num_devices if cal else None,
                 "jax_version": cal.jax_version if cal else None}
