@@ -1,0 +1,535 @@
+"""maxperf's TPU/GPU step-time model against published training measurements, with a leave-one-out fit of its
+assumed constants.
+
+    .venv/bin/python bench/published.py [--no-fit] [--only SUBSTRING] [--json FILE] [--free NAMES]
+                                        [--hold-out row|hardware]
+
+Rows: bench/published/training.csv (what each source states, with its citation) and
+bench/published/maxperf_mapping.csv (how a row is written for maxperf: a preset, key=value overrides, a topology
+and slices; or why it cannot be). For every expressible row the script plans and estimates the step
+(maxperf.plan.plan, maxperf.perfmodel.estimate) and compares throughput per chip:
+
+- rows that state tokens/s per chip are compared on tokens/s (the measurement itself);
+- rows that state TFLOP/s per chip in MaxText's count are compared on TFLOP/s in the same count, which is
+  maxperf's model FLOPs (perfmodel/flops.py follows MaxText's calculate_tflops_training_per_device).
+
+Either way the error is predicted / published - 1 of throughput per chip, which is also the error of TFLOP/s per chip
+in maxperf's FLOP count. The "published TF" column shows a tokens/s row converted by maxperf's FLOPs per token,
+marked "~".
+
+The fit. These constants of the perfmodel are fitted, by Nelder-Mead on the mean |log(predicted / published)|:
+
+    steptime.MATMUL_EFFICIENCY["tpu"] = (MAX, HALF)    matmul efficiency MAX x m / (m + HALF), TPU
+    steptime.MATMUL_EFFICIENCY["gpu"] = (MAX, HALF)    the same, GPU
+    steptime.ELEMENTWISE_D_PASSES                      elementwise HBM passes per token per layer over D
+    Overlap.fsdp, Overlap.tensor, Overlap.data         hidden fraction of each collective family
+                                                       (passed to perfmodel.estimate as `overlap=`)
+    steptime.FLASH_EFFICIENCY["tpu"], ["gpu"]          flash attention kernels' fraction of the matmul peak
+
+`--free` fits a subset (the rest stay as assumed). The module attributes are monkeypatched inside this script only
+(patched(); perfmodel's files are not touched). Each step is first recorded once as the terms these constants scale
+(every matmul's FLOPs, smallest side and HBM time; the flash kernels' FLOPs; the elementwise traffic at two values
+of ELEMENTWISE_D_PASSES; every collective's and host copy's seconds and overlap family), so that one evaluation of
+all rows is a few numpy operations; the recorded form is checked against perfmodel.estimate at the assumed and at
+the fitted constants (the "replay" line), and the script stops if the perfmodel has grown terms it cannot replay.
+In-sample: constants fitted on all rows. Leave-one-out: each row predicted by constants fitted, from the assumed
+ones, on all the others (`--hold-out hardware`: each hardware generation predicted by constants fitted on the
+others). The script also prints, for rows stating both TFLOP/s and tokens/s, the source's FLOPs per token over
+maxperf's, and the published runs that maxperf's memory model says would not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import math
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from maxperf import plan as plan_mod
+from maxperf import perfmodel
+from maxperf.errors import MaxperfError
+from maxperf.perfmodel import chips, steptime
+from maxperf.perfmodel.shapes import devices_per_chip
+
+HERE = Path(__file__).resolve().parent / "published"
+OVERLAP_FAMILIES = ("fsdp", "tensor", "sequence", "data")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rows
+
+
+@dataclass
+class Row:
+    data: dict
+    mapping: dict
+    plan: object = None
+    reason: str = ""  # why maxperf cannot express the row ("" when it can)
+    published_tokens: float = 0.0  # tokens/s per chip, stated or converted from a stated TFLOP/s
+    flops_per_token: float = 0.0  # maxperf's model FLOPs per token
+    estimate: object = None
+
+    @property
+    def id(self) -> str:
+        return self.data["id"]
+
+    @property
+    def group(self) -> str:
+        return self.data["hardware"].split(" (")[0].replace("NVIDIA ", "")
+
+
+def load_rows(only: str = "") -> list[Row]:
+    with open(HERE / "training.csv", newline="") as f:
+        data = {r["id"]: r for r in csv.DictReader(f)}
+    with open(HERE / "maxperf_mapping.csv", newline="") as f:
+        mapping = {r["id"]: r for r in csv.DictReader(f)}
+    missing = sorted(set(data) ^ set(mapping))
+    if missing:
+        raise SystemExit(f"training.csv and maxperf_mapping.csv disagree on ids: {', '.join(missing)}")
+    wanted = [w for w in only.split(",") if w]
+    return [Row(data[i], mapping[i]) for i in data if not wanted or any(w in i for w in wanted)]
+
+
+def _overrides(row: Row) -> list[str]:
+    return row.mapping["overrides"].split()
+
+
+def resolve(row: Row) -> None:
+    """Plans the row and works out its published throughput per chip; or records why it cannot be expressed."""
+    m = row.mapping
+    if m["not_expressible"]:
+        row.reason = m["not_expressible"]
+        return
+    try:
+        row.plan = plan_mod.plan(m["topology"], m["maxperf_model"], _overrides(row), num_slices=int(m["num_slices"]))
+    except MaxperfError as e:
+        row.reason = f"maxperf rejects the mapping: {e}"
+        return
+    est = run_estimate(row)
+    if est.chips != int(row.data["chips"]):
+        row.reason = f"the topology has {est.chips} chips, the source {row.data['chips']}"
+        return
+    row.estimate = est
+    row.flops_per_token = est.flops.model_flops / est.flops.tokens
+    if m["compare_on"] == "tokens_per_s":
+        row.published_tokens = float(row.data["published_tokens_per_s_per_chip"])
+    else:
+        row.published_tokens = float(row.data["published_tflops_per_chip"]) * 1e12 / row.flops_per_token
+
+
+def run_estimate(row: Row, overlap=None):
+    p = row.plan
+    return perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology,
+                              overlap=overlap)
+
+
+def predicted_tokens(est) -> float:
+    return est.tokens_per_s / est.chips
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# constants and their patching
+
+
+@dataclass(frozen=True)
+class Constants:
+    tpu_max: float
+    tpu_half: float
+    gpu_max: float
+    gpu_half: float
+    elementwise_d_passes: float
+    overlap_fsdp: float
+    overlap_tensor: float
+    overlap_data: float
+    flash_tpu: float
+    flash_gpu: float
+
+    @classmethod
+    def current(cls) -> Constants:
+        o = steptime.Overlap()
+        flash = _flash_table()
+        return cls(*steptime.MATMUL_EFFICIENCY["tpu"], *steptime.MATMUL_EFFICIENCY["gpu"],
+                   float(steptime.ELEMENTWISE_D_PASSES), o.fsdp, o.tensor, o.data, flash["tpu"], flash["gpu"])
+
+    def vector(self) -> np.ndarray:
+        return np.array([getattr(self, f.name) for f in fields(self)], dtype=float)
+
+    @classmethod
+    def from_vector(cls, x) -> Constants:
+        return cls(*(float(v) for v in x))
+
+    def overlap(self) -> steptime.Overlap:
+        return replace(steptime.Overlap(), fsdp=self.overlap_fsdp, tensor=self.overlap_tensor, data=self.overlap_data)
+
+
+NAMES = {
+    "tpu_max": 'steptime.MATMUL_EFFICIENCY["tpu"][0]', "tpu_half": 'steptime.MATMUL_EFFICIENCY["tpu"][1]',
+    "gpu_max": 'steptime.MATMUL_EFFICIENCY["gpu"][0]', "gpu_half": 'steptime.MATMUL_EFFICIENCY["gpu"][1]',
+    "elementwise_d_passes": "steptime.ELEMENTWISE_D_PASSES", "overlap_fsdp": "Overlap.fsdp",
+    "overlap_tensor": "Overlap.tensor", "overlap_data": "Overlap.data",
+    "flash_tpu": 'steptime.FLASH_EFFICIENCY["tpu"]', "flash_gpu": 'steptime.FLASH_EFFICIENCY["gpu"]',
+}
+BOUNDS = {"tpu_max": (0.3, 1.0), "tpu_half": (0.0, 4096.0), "gpu_max": (0.3, 1.0), "gpu_half": (0.0, 4096.0),
+          "elementwise_d_passes": (0.0, 60.0), "overlap_fsdp": (0.0, 1.0), "overlap_tensor": (0.0, 1.0),
+          "overlap_data": (0.0, 1.0), "flash_tpu": (0.2, 1.0), "flash_gpu": (0.2, 1.0)}
+LO = np.array([BOUNDS[f.name][0] for f in fields(Constants)])
+HI = np.array([BOUNDS[f.name][1] for f in fields(Constants)])
+
+
+def _flash_table() -> dict:
+    """steptime.FLASH_EFFICIENCY (the flash kernels' fraction of peak); a stand-in where the perfmodel has none, whose
+    constants then scale nothing (no row records a flash-kernel term)."""
+    return getattr(steptime, "FLASH_EFFICIENCY", {"tpu": 0.6, "gpu": 0.5})
+
+
+@contextlib.contextmanager
+def patched(c: Constants, peak_scale: dict[str, float] | None = None):
+    """The perfmodel's module attributes set to `c` for the duration (overlaps go through estimate's argument);
+    `peak_scale` multiplies named chips' peak FLOP/s in chips.CHIPS (the --per-chip experiment)."""
+    flash = _flash_table()
+    saved = (dict(steptime.MATMUL_EFFICIENCY), steptime.ELEMENTWISE_D_PASSES, dict(flash), dict(chips.CHIPS))
+    steptime.MATMUL_EFFICIENCY.update(tpu=(c.tpu_max, c.tpu_half), gpu=(c.gpu_max, c.gpu_half))
+    steptime.ELEMENTWISE_D_PASSES = c.elementwise_d_passes
+    flash.update(tpu=c.flash_tpu, gpu=c.flash_gpu)
+    for name, k in (peak_scale or {}).items():
+        chip = chips.CHIPS[name]
+        fp32 = None if chip.peak_fp32_flops is None else chip.peak_fp32_flops * k
+        chips.CHIPS[name] = replace(chip, peak_bf16_flops=chip.peak_bf16_flops * k, peak_fp32_flops=fp32)
+    try:
+        yield
+    finally:
+        steptime.MATMUL_EFFICIENCY.clear()
+        steptime.MATMUL_EFFICIENCY.update(saved[0])
+        steptime.ELEMENTWISE_D_PASSES = saved[1]
+        flash.clear()
+        flash.update(saved[2])
+        chips.CHIPS.clear()
+        chips.CHIPS.update(saved[3])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a step recorded as the terms the constants scale
+
+
+@dataclass
+class Recording:
+    kind: str = ""  # "tpu" or "gpu"
+    mm_fp: list = field(default_factory=list)  # FLOPs / peak per matmul
+    mm_m: list = field(default_factory=list)  # smallest side
+    mm_tb: list = field(default_factory=list)  # HBM seconds
+    flash_fp: float = 0.0  # FLOPs / peak of the flash attention kernels (their time: this / FLASH_EFFICIENCY)
+    busy: float = 0.0  # other compute and HBM seconds (at the recorded ELEMENTWISE_D_PASSES)
+    comm_s: list = field(default_factory=list)  # collectives and host-link copies
+    comm_family: list = field(default_factory=list)  # an Overlap field, or "fixed" (overlap in comm_fixed)
+    comm_fixed: list = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def recording(rec: Recording):
+    """Captures the adds of steptime's _Table: a matmul's add follows its matmul_efficiency call."""
+    original_add, original_eff = steptime._Table.add, steptime.matmul_efficiency
+    pending = []
+
+    def eff(kind, m, half=None):
+        if half is not None:
+            raise RuntimeError("a measured matmul HALF (CPU) is not part of this fit")
+        pending.append((kind, m))
+        return original_eff(kind, m, half)
+
+    def add(self, name, kind, seconds, flops=0.0, nbytes=0.0, overlap=0.0):
+        if pending:
+            chip_kind, m = pending.pop()
+            rec.kind = chip_kind
+            rec.mm_fp.append(flops / self.peak)
+            rec.mm_m.append(m)
+            rec.mm_tb.append(nbytes / self.chip.hbm_bandwidth)
+        elif kind in ("ici", "dcn"):
+            family = name.split()[0]
+            if family not in OVERLAP_FAMILIES:
+                raise RuntimeError(f"collective row {name!r} belongs to no overlap family")
+            rec.comm_s.append(seconds)
+            rec.comm_family.append(family)
+            rec.comm_fixed.append(0.0)
+        elif kind == "compute" or kind == "hbm":
+            flash = _flash_table().get(self.chip.kind)
+            if flash and kind == "compute" and "flash" in name and math.isclose(seconds, flops / (self.peak * flash)):
+                rec.flash_fp += flops / self.peak
+            else:
+                rec.busy += seconds
+        else:  # another link (host offload) at its own, unfitted overlap
+            rec.comm_s.append(seconds)
+            rec.comm_family.append("fixed")
+            rec.comm_fixed.append(overlap)
+        return original_add(self, name, kind, seconds, flops, nbytes, overlap)
+
+    steptime._Table.add, steptime.matmul_efficiency = add, eff
+    try:
+        yield rec
+    finally:
+        steptime._Table.add, steptime.matmul_efficiency = original_add, original_eff
+
+
+class Replay:
+    """All rows' recorded steps, evaluated for any Constants with numpy."""
+
+    def __init__(self, rows: list[Row]):
+        base = Constants.current()
+        recs, bumped = [], []
+        for passes, out in ((base.elementwise_d_passes, recs), (base.elementwise_d_passes + 1, bumped)):
+            with patched(replace(base, elementwise_d_passes=passes)):
+                for row in rows:
+                    rec = Recording()
+                    with recording(rec):
+                        run_estimate(row, overlap=base.overlap())
+                    out.append(rec)
+        n = len(rows)
+        self.n = n
+        idx = np.concatenate([np.full(len(r.mm_fp), i) for i, r in enumerate(recs)]).astype(int)
+        self.mm_row = idx
+        self.mm_fp = np.concatenate([r.mm_fp for r in recs])
+        self.mm_m = np.concatenate([r.mm_m for r in recs])
+        self.mm_tb = np.concatenate([r.mm_tb for r in recs])
+        self.mm_gpu = np.array([recs[i].kind == "gpu" for i in idx])
+        slope = np.array([b.busy - r.busy for r, b in zip(recs, bumped)])  # seconds per D pass
+        self.busy_slope = slope
+        self.busy_rest = np.array([r.busy for r in recs]) - slope * base.elementwise_d_passes
+        self.comm_row = np.concatenate([np.full(len(r.comm_s), i) for i, r in enumerate(recs)]).astype(int)
+        self.comm_s = np.concatenate([r.comm_s for r in recs]) if self.comm_row.size else np.zeros(0)
+        fams = [f for r in recs for f in r.comm_family]
+        self.comm_fam = np.array([(OVERLAP_FAMILIES + ("fixed",)).index(f) for f in fams], dtype=int)
+        self.comm_fixed = np.concatenate([r.comm_fixed for r in recs]) if self.comm_row.size else np.zeros(0)
+        self.sequence_overlap = steptime.Overlap().sequence
+        self.flash_fp = np.array([r.flash_fp for r in recs])
+        self.gpu = np.array([r.kind == "gpu" for r in recs])
+        self.chip = [r.estimate.chip for r in rows]
+
+    def step_times(self, c: Constants, peak_scale: dict[str, float] | None = None) -> np.ndarray:
+        fp, flash_fp = self.mm_fp, self.flash_fp
+        if peak_scale:
+            k = np.array([peak_scale.get(name, 1.0) for name in self.chip])
+            fp, flash_fp = fp / k[self.mm_row], flash_fp / k
+        top = np.where(self.mm_gpu, c.gpu_max, c.tpu_max)
+        half = np.where(self.mm_gpu, c.gpu_half, c.tpu_half)
+        t_mm = np.maximum(fp * (1 + half / self.mm_m) / top, self.mm_tb)
+        busy = np.bincount(self.mm_row, t_mm, self.n) + self.busy_rest + self.busy_slope * c.elementwise_d_passes
+        busy += flash_fp / np.where(self.gpu, c.flash_gpu, c.flash_tpu)
+        ov = np.array([c.overlap_fsdp, c.overlap_tensor, self.sequence_overlap, c.overlap_data, 0.0])[self.comm_fam]
+        ov = np.where(self.comm_fam == len(OVERLAP_FAMILIES), self.comm_fixed, ov)
+        comm = np.bincount(self.comm_row, self.comm_s, self.n)
+        hidden = np.bincount(self.comm_row, self.comm_s * ov, self.n)
+        spill = np.maximum(0.0, hidden - busy) / np.where(hidden > 0, hidden, 1.0)
+        return busy + comm - hidden * (1 - spill)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the fit
+
+
+def nelder_mead(f, x0: np.ndarray, scale: np.ndarray, iters: int = 600, tol: float = 1e-7) -> np.ndarray:
+    """Minimizes f from x0 (a simplex of steps `scale`), the textbook reflection/expansion/contraction/shrink."""
+    pts = [x0] + [x0 + np.eye(len(x0))[i] * scale[i] for i in range(len(x0))]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = np.argsort(vals)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        if abs(vals[-1] - vals[0]) < tol:
+            break
+        centroid = np.mean(pts[:-1], axis=0)
+        xr = centroid + (centroid - pts[-1])
+        fr = f(xr)
+        if fr < vals[0]:
+            xe = centroid + 2 * (centroid - pts[-1])
+            fe = f(xe)
+            pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = xr, fr
+        else:
+            xc = centroid + 0.5 * (pts[-1] - centroid)
+            fc = f(xc)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = xc, fc
+            else:
+                pts = [pts[0] + 0.5 * (p - pts[0]) for p in pts]
+                vals = [f(p) for p in pts]
+    return pts[int(np.argmin(vals))]
+
+
+PEAK_SCALE_BOUNDS = (0.3, 1.5)
+
+
+def fit(replay: Replay, rows: list[Row], mask: np.ndarray, start: Constants, free: tuple[str, ...],
+        per_chip: tuple[str, ...] = (), restarts: int = 3) -> tuple[Constants, dict[str, float]]:
+    """Constants minimizing mean |log(predicted / published)| over the rows in `mask`, within BOUNDS, moving only the
+    `free` ones, and a peak scale per chip named in `per_chip`; Nelder-Mead from `start` (scales from 1), restarted
+    from its best point `restarts` times in all."""
+    pub = np.array([r.published_tokens for r in rows])
+    tokens_per_chip = np.array([r.estimate.flops.tokens * _devices_per_chip(r) for r in rows])
+    names = [f.name for f in fields(Constants)]
+    idx = np.array([names.index(n) for n in free], dtype=int)
+    lo = np.concatenate([LO[idx], np.full(len(per_chip), PEAK_SCALE_BOUNDS[0])])
+    hi = np.concatenate([HI[idx], np.full(len(per_chip), PEAK_SCALE_BOUNDS[1])])
+    x_all = start.vector()
+
+    def unpack(x):
+        out = x_all.copy()
+        out[idx] = x[:len(idx)]
+        return Constants.from_vector(out), dict(zip(per_chip, (float(v) for v in x[len(idx):])))
+
+    def loss(x):
+        clipped = np.clip(x, lo, hi)
+        pred = tokens_per_chip / replay.step_times(*unpack(clipped))
+        return float(np.mean(np.abs(np.log(pred[mask] / pub[mask])))) + 10 * float(np.sum(np.abs(x - clipped)))
+
+    x = np.concatenate([x_all[idx], np.ones(len(per_chip))])
+    for _ in range(restarts):
+        x = np.clip(nelder_mead(loss, x, 0.1 * (hi - lo)), lo, hi)
+    return unpack(x)
+
+
+def _devices_per_chip(row: Row) -> int:
+    return devices_per_chip(row.plan.topology)
+
+
+def predicted_from_steps(rows: list[Row], steps: np.ndarray) -> np.ndarray:
+    return np.array([r.estimate.flops.tokens * _devices_per_chip(r) for r in rows]) / steps
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report
+
+
+def _summary(errors: np.ndarray) -> str:
+    a = np.abs(errors)
+    return f"median {100 * np.median(a):5.1f}%  worst {100 * a.max():5.1f}%" if a.size else "no rows"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-fit", action="store_true", help="only the unfitted comparison")
+    ap.add_argument("--only", default="", help="rows whose id contains this text (or any of several, comma-separated)")
+    ap.add_argument("--json", type=Path, help="also write the per-row results here")
+    ap.add_argument("--free", default=",".join(f.name for f in fields(Constants)),
+                    help="comma-separated constants to fit (the others stay as assumed): "
+                         + ", ".join(f.name for f in fields(Constants)))
+    ap.add_argument("--hold-out", choices=("row", "hardware"), default="row",
+                    help="leave out one row at a time, or one hardware generation at a time")
+    ap.add_argument("--per-chip", action="store_true",
+                    help="an experiment: also fit a peak FLOP/s scale per chip (chips.CHIPS patched), in place of "
+                         "the per-kind matmul MAX")
+    args = ap.parse_args()
+    free = tuple(n for n in args.free.split(",") if n)
+    if args.per_chip:
+        free = tuple(n for n in free if n not in ("tpu_max", "gpu_max"))  # the per-chip scales take their place
+    unknown_names = sorted(set(free) - {f.name for f in fields(Constants)})
+    if unknown_names:
+        ap.error(f"unknown constants: {', '.join(unknown_names)}")
+    t0 = time.time()
+    rows = load_rows(args.only)
+    for row in rows:
+        resolve(row)
+    ok = [r for r in rows if not r.reason]
+    if not ok:
+        print("no expressible rows")
+        return 1
+    pub = np.array([r.published_tokens for r in ok])
+    pred0 = np.array([predicted_tokens(r.estimate) for r in ok])
+    err0 = pred0 / pub - 1
+    results = {r.id: {"group": r.group, "published_tokens_per_s_per_chip": float(p), "unfitted": float(e)}
+               for r, p, e in zip(ok, pub, err0)}
+
+    err_in = err_loo = None
+    if not args.no_fit:
+        base = Constants.current()
+        replay = Replay(ok)
+        replay_err = np.max(np.abs(replay.step_times(base) / np.array([r.estimate.step_time_s for r in ok]) - 1))
+        if replay_err > 1e-6:
+            raise SystemExit(f"the recorded steps differ from perfmodel.estimate by up to {replay_err:.1e}: the "
+                             "perfmodel's step has terms this script does not know how to scale; update Recording")
+        everything = np.ones(len(ok), bool)
+        per_chip = tuple(sorted({r.estimate.chip for r in ok})) if args.per_chip else ()
+        fitted, scale = fit(replay, ok, everything, base, free, per_chip, restarts=6)
+        err_in = predicted_from_steps(ok, replay.step_times(fitted, scale)) / pub - 1
+        err_loo = np.zeros(len(ok))
+        held = [np.array([i]) for i in range(len(ok))] if args.hold_out == "row" else [
+            np.flatnonzero([r.group == g for r in ok]) for g in sorted({r.group for r in ok})]
+        for out in held:
+            mask = everything.copy()
+            mask[out] = False
+            # from the assumed constants, as the all-rows fit, so that no held-out row steers the start
+            c, k = fit(replay, ok, mask, base, free, per_chip, restarts=2)
+            err_loo[out] = predicted_from_steps(ok, replay.step_times(c, k))[out] / pub[out] - 1
+        with patched(fitted, scale):  # the recorded form against the model itself, at the fitted constants
+            real = np.array([run_estimate(r, overlap=fitted.overlap()).step_time_s for r in ok])
+        replay_err_fitted = np.max(np.abs(replay.step_times(fitted, scale) / real - 1))
+        for r, a, b in zip(ok, err_in, err_loo):
+            results[r.id].update(in_sample=float(a), leave_one_out=float(b))
+
+    print(f"{'row':<44} {'chips':>5} {'pub TF':>7} {'pred TF':>7} {'pred MFU':>8} {'fits':>4} {'unfitted':>8}"
+          + ("" if err_in is None else f" {'in-sample':>9} {'LOO':>7}"))
+    for i, r in enumerate(ok):
+        est = r.estimate
+        stated = r.data["published_tflops_per_chip"] if r.mapping["compare_on"] == "tflops" else ""
+        pub_tf = stated or f"~{r.published_tokens * r.flops_per_token / 1e12:.0f}"
+        line = (f"{r.id:<44} {est.chips:>5} {pub_tf:>7} {est.tflops_per_chip:>7.0f} {100 * est.mfu:>7.1f}% "
+                f"{'yes' if est.fits else 'NO':>4} {100 * err0[i]:>+7.1f}%")
+        if err_in is not None:
+            line += f" {100 * err_in[i]:>+8.1f}% {100 * err_loo[i]:>+6.1f}%"
+        print(line)
+
+    print()
+    groups = sorted({r.group for r in ok})
+    print(f"{'rows':<22} {'n':>3}  {'unfitted':<28}" + ("" if err_in is None else f" {'in-sample':<28} {'leave-one-out':<28}"))
+    for name, sel in [("all", np.ones(len(ok), bool))] + [(g, np.array([r.group == g for r in ok])) for g in groups]:
+        line = f"{name:<22} {int(sel.sum()):>3}  {_summary(err0[sel]):<28}"
+        if err_in is not None:
+            line += f" {_summary(err_in[sel]):<28} {_summary(err_loo[sel]):<28}"
+        print(line)
+
+    if err_in is not None:
+        print()
+        print(f"{'constant':<40} {'assumed':>9} {'fitted':>9}")
+        for f in fields(Constants):
+            mark = "" if f.name in free else "  (held)"
+            print(f"{NAMES[f.name]:<40} {getattr(base, f.name):>9.3f} {getattr(fitted, f.name):>9.3f}{mark}")
+        for name, k in scale.items():
+            print(f"{'peak FLOP/s scale, ' + name:<40} {1.0:>9.3f} {k:>9.3f}")
+        print(f"replay of the recorded steps against perfmodel.estimate: max |relative difference| "
+              f"{replay_err:.1e} at the assumed constants, {replay_err_fitted:.1e} at the fitted ones")
+
+    both = [r for r in ok if r.data["published_tflops_per_chip"] and r.data["published_tokens_per_s_per_chip"]]
+    if both:
+        print("\nFLOPs per token, the source's (its TFLOP/s / its tokens/s) over maxperf's model FLOPs per token:")
+        for r in both:
+            theirs = float(r.data["published_tflops_per_chip"]) * 1e12 / float(r.data["published_tokens_per_s_per_chip"])
+            print(f"  {r.id:<44} {theirs / r.flops_per_token:.4f}")
+    unfit = [r.id for r in ok if not r.estimate.fits]
+    if unfit:
+        print(f"\n{len(unfit)} of {len(ok)} rows ran as published but maxperf's memory model says they do not fit:")
+        print(textwrap.fill(", ".join(unfit), 116, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False))
+
+    skipped = [r for r in rows if r.reason]
+    if skipped:
+        print(f"\nnot expressed ({len(skipped)} rows):")
+        for r in skipped:
+            print(f"  {r.id:<48} {r.reason}")
+    print(f"\n{len(ok)} rows compared, {len(skipped)} not expressed, {time.time() - t0:.1f} s")
+    if args.json:
+        out = {"rows": results, "not_expressed": {r.id: r.reason for r in skipped}}
+        if err_in is not None:
+            out["assumed"] = {NAMES[f.name]: getattr(base, f.name) for f in fields(Constants)}
+            out["fitted"] = {NAMES[f.name]: getattr(fitted, f.name) for f in fields(Constants)}
+            out["peak_scale"] = scale
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
