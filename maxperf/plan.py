@@ -73,16 +73,20 @@ def plan(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT_MO
     configs = overrides_mod.apply(model_cfg, list(overrides))
     mesh_shape = resolve_mesh(configs.parallelism, topo)
     notes: tuple[str, ...] = ()
-    if configs.parallelism == ParallelismConfig() and mesh_shape.ici["fsdp"] > 1:
-        keep = math.gcd(mesh_shape.ici["fsdp"], configs.model.d_model)
-        if keep < mesh_shape.ici["fsdp"]:  # the default would replicate every weight: fill data with the rest
-            divides = ParallelismConfig(ici_data=-1, ici_fsdp=keep)
-            notes = (f"the default fsdp={mesh_shape.ici['fsdp']} does not divide D={configs.model.d_model}: planned "
-                     f"ici_fsdp={keep} ici_data={mesh_shape.ici['fsdp'] // keep} instead, which does (set ici_fsdp "
-                     "to choose)",)
-            configs = dataclasses.replace(configs, parallelism=divides)
-            mesh_shape = resolve_mesh(divides, topo)
+    if configs.parallelism == ParallelismConfig() and (keep := _fsdp_dividing_width(configs, mesh_shape)):
+        # the default mesh would replicate every weight along fsdp: fsdp takes what divides D, data the rest
+        notes = (f"the default fsdp={mesh_shape.ici['fsdp']} does not divide D={configs.model.d_model}: planned "
+                 f"ici_fsdp={keep} ici_data={mesh_shape.ici['fsdp'] // keep} instead, which does (set ici_fsdp to "
+                 "choose)",)
+        configs = dataclasses.replace(configs, parallelism=ParallelismConfig(ici_data=-1, ici_fsdp=keep))
+        mesh_shape = resolve_mesh(configs.parallelism, topo)
     return Plan(topo, configs, mesh_shape, notes + replication_warnings(configs, mesh_shape))
+
+
+def _fsdp_dividing_width(configs: Configs, mesh: MeshShape) -> int | None:
+    """The largest ICI fsdp size that divides the model width D, where the mesh's own does not; else None."""
+    keep = math.gcd(mesh.ici["fsdp"], configs.model.d_model)
+    return keep if keep < mesh.ici["fsdp"] else None
 
 
 def resolve_mesh(parallelism: ParallelismConfig, topology: Topology) -> MeshShape:
