@@ -210,3 +210,14 @@ def test_planning_and_its_warnings_start_no_jax():
             "assert p.warnings; print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_rules_name_each_axis_they_leave_out_for_not_dividing():
+    from maxperf.logical_axes import mesh_axes_for, undivided_axes
+
+    shape, logical, sizes = (4096, 36, 128), ("embed", "heads", "head_dim"), {"fsdp": 72, "tensor": 8}
+    assert mesh_axes_for(shape, logical, sizes) == (None, None, None)
+    assert undivided_axes(shape, logical, sizes) == [(0, "fsdp"), (1, "tensor")]
+    # fsdp divides 12, fsdp x sequence does not: sequence is the one left out
+    assert mesh_axes_for((12,), ("embed",), {"fsdp": 4, "sequence": 2}) == ("fsdp",)
+    assert undivided_axes((12,), ("embed",), {"fsdp": 4, "sequence": 2}) == [(0, "sequence")]
