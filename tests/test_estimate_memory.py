@@ -117,3 +117,17 @@ def test_max_batch_finds_the_boundary_on_a_small_device(tmp_path):
     fits = {t.per_device_batch_size: t.fits for t in found.trials}
     assert fits[b] is True and fits.get(b + 1) is False  # the boundary was compiled on both sides
     assert found.best is not None and found.best.compiler["fits"]
+
+
+@pytest.mark.slow
+def test_a_compile_cache_hit_says_so(tmp_path, monkeypatch):
+    args = ["--topology", "cpu-8", "--model", "tiny", "seq_len=64", "remat_policy=none"]
+    env = {**os.environ, "MAXPERF_CACHE_DIR": str(tmp_path / "cache")}
+    runs = [subprocess.run([sys.executable, "-m", "maxperf.cli", "estimate-memory", *args], capture_output=True,
+                           text=True, env=env, timeout=600) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr
+    assert "; compiled in " in runs[0].stdout and "from the compile cache" not in runs[0].stdout
+    assert "; from the compile cache" in runs[1].stdout and "compiled in" not in runs[1].stdout
+    monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path / "cache"))
+    again = memory_fit.compare("cpu-8", "tiny", args[4:])
+    assert again.cache_hit is True and again.as_dict()["cache_hit"] is True

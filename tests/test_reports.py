@@ -13,6 +13,7 @@ import pytest
 
 from maxperf import aot
 from maxperf.studies.sweep import sweep
+from maxperf.aot.artifacts import ArtifactError
 from maxperf.errors import MaxperfError
 from maxperf.reports import render
 
@@ -133,9 +134,58 @@ def test_report_errors(tmp_path):
     assert not (tmp_path / "r.html").exists()
 
 
+def _report_cli(capsys, *argv):
+    from maxperf.cli import main
+
+    code = main(["report", *map(str, argv)])
+    return code, capsys.readouterr().err
+
+
+def test_report_to_an_existing_directory_is_one_line_and_leaves_nothing(compiled, tmp_path, capsys):
+    target = tmp_path / "out"
+    target.mkdir()
+    code, err = _report_cli(capsys, compiled[0], "-o", target)
+    assert code == 2 and err.count("\n") == 1 and f"-o {target} is a directory" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and not list(target.iterdir())
+
+
+def _damaged_copy(compiled, tmp_path, change) -> Path:
+    copy = tmp_path / "damaged"
+    shutil.copytree(compiled[0], copy)
+    manifest = copy / "manifest.json"
+    manifest.write_text(change(manifest.read_text()))
+    return copy
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda text: text[:100], "manifest.json is not valid JSON"),
+    (lambda text: json.dumps({**json.loads(text), "files": "oops"}), "'files' should be an object"),
+    (lambda text: json.dumps({**json.loads(text), "compiled": "yes"}), "'compiled' should be true or false"),
+    (lambda text: "[1, 2]", "holds a JSON list"),
+], ids=["truncated", "files", "compiled", "list"])
+def test_a_damaged_manifest_is_one_line_and_exit_2(compiled, tmp_path, capsys, change, message):
+    damaged = _damaged_copy(compiled, tmp_path, change)
+    code, err = _report_cli(capsys, damaged, "-o", tmp_path / "r.html")
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    with pytest.raises(ArtifactError, match=re.escape(message)):
+        aot.load(damaged)
+    assert not list(tmp_path.glob("*.html")) and not list(tmp_path.glob(".*"))
+
+
+def test_a_damaged_sweep_table_is_an_error(analytical_sweep, tmp_path):
+    copy = tmp_path / "s"
+    shutil.copytree(analytical_sweep.out_dir, copy)
+    (copy / "results.csv").write_text('point,status\n"unterminated')
+    with pytest.raises(MaxperfError, match="results.csv is not a readable table"):
+        render([copy], tmp_path / "r.html")
+    (copy / "results.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(MaxperfError, match="lacks a sweep's columns"):
+        render([copy], tmp_path / "r.html")
+
+
 @pytest.mark.slow
 def test_a_small_compiled_sweep(tmp_path):
-    result = sweep("tiny", ["v5p-8", "v5p-16"], axes={"seq_len": ["64"]}, out=tmp_path / "c", workers=1)
+    result = sweep("tiny", ["v5p-8", "v5p-16"], axes={"seq_len": ["128"]}, out=tmp_path / "c", workers=1)
     assert all(r["status"] == "ok" and r["compiler_memory_bytes"] > 0 for r in result.rows)
     assert all((Path(r["artifact"]) / "compiled.pkl").is_file() for r in result.rows)
 
@@ -167,7 +217,7 @@ def test_a_killed_sweep_resumes_where_it_stopped(tmp_path):
 
     out = tmp_path / "killed"
     args = [sys.executable, "-m", "maxperf.cli", "sweep", "--model", "tiny", "--topologies", "v5p-8,v5p-16,v5p-32",
-            "--out", str(out), "--workers", "1", "seq_len=64"]
+            "--out", str(out), "--workers", "1", "seq_len=128"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not list(out.glob("points/*/point.json")):

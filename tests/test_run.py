@@ -85,7 +85,7 @@ def test_profile_writes_a_trace_and_summarizes_it(artifact, tmp_path):
     assert sum(prof["seconds_by_category"].values()) > 0
     assert prof["step_time_s"] and prof["steps_traced"] >= 3
     assert prof["device_planes"] == [] and any("device planes" in m for m in prof["missing"])
-    assert "127.0.0.1" in prof["open_command"]
+    assert prof["open_command"] == f"maxperf xprof {tmp_path / 'p' / 'trace'}"  # served on 127.0.0.1 only
 
 
 def test_restored_run_continues_the_loss(artifact, tmp_path):

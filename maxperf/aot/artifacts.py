@@ -254,11 +254,27 @@ def read_manifest(directory: Path) -> dict:
         raise ArtifactError(f"{directory} has no manifest.json; is it a `maxperf compile` output directory?")
     try:
         manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{path} is not valid JSON ({e})")
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ArtifactError(f"{path} is not valid JSON ({e}); the artifact is damaged: compile again") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path} holds a JSON {type(manifest).__name__}, not an object; the artifact is damaged: "
+                            "compile again")
     if manifest.get("schema") != MANIFEST_SCHEMA:
         raise ArtifactError(f"{path} has schema {manifest.get('schema')!r}; this maxperf reads {MANIFEST_SCHEMA}")
+    for name, kind, what in _MANIFEST_FIELDS:
+        if not isinstance(manifest.get(name), kind):
+            raise ArtifactError(f"{path}: {name!r} should be {what}, not {json.dumps(manifest.get(name))[:60]}; the "
+                                "artifact is damaged: compile again")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in manifest["files"].items()):
+        raise ArtifactError(f"{path}: 'files' should map file names to sha256 digests; the artifact is damaged: "
+                            "compile again")
     return manifest
+
+
+# What a reader relies on in manifest.json: (field, type, in words).
+_MANIFEST_FIELDS = (("compiled", bool, "true or false"), ("files", dict, "an object of file names and sha256 digests"),
+                    *((name, dict, "an object") for name in ("model", "train", "parallelism", "mesh", "topology",
+                                                             "devices", "versions")))
 
 
 def verify_hashes(directory: Path, manifest: dict) -> None:

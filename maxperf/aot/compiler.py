@@ -64,6 +64,7 @@ class CompileResult:
     total_seconds: float
     peak_rss_bytes: int
     limitations: list[str]
+    cache_hit: bool = False  # the executable came from the compile cache: nothing was compiled now
 
 
 def peak_rss_bytes() -> int:
@@ -285,7 +286,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Plan, say: Progress, star
         out_dir=out_dir, plan=p, param_count=spec.param_count, global_batch=spec.global_batch, fits=memory["fits"],
         memory=memory, cost=cost, estimate=estimate, compile_seconds=compile_seconds, lower_seconds=lower_seconds,
         total_seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes(),
-        limitations=topologies.limitations(topo),
+        limitations=topologies.limitations(topo), cache_hit=cache_hit,
     )
 
 

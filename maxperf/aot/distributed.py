@@ -27,6 +27,10 @@ def initialize(args: argparse.Namespace, platform: str | None = None) -> None:
     if args.num_processes is not None and args.num_processes > 1:
         if not args.coordinator or args.process_id is None:
             raise MaxperfError("--num-processes > 1 needs --coordinator HOST:PORT and --process-id I")
+        host, _, port = args.coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise MaxperfError(f"--coordinator takes HOST:PORT with a port in 1..65535 (e.g. localhost:12345), got "
+                               f"{args.coordinator!r}")
         if not 0 <= args.process_id < args.num_processes:
             raise MaxperfError(f"--process-id must be in 0..{args.num_processes - 1}, got {args.process_id}")
         if args.timeout < 1:

@@ -92,6 +92,15 @@ def _check_versions(directory: Path, manifest: dict) -> None:
 
 
 def plan_from_manifest(manifest: dict[str, Any]) -> Plan:
+    """The plan a manifest records; a field that is missing or of the wrong form is an ArtifactError."""
+    try:
+        return _plan_from_manifest(manifest)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ArtifactError(f"manifest.json does not describe a plan this maxperf reads ({type(e).__name__}: "
+                            f"{str(e)[:200]}); compile again with this installation") from None
+
+
+def _plan_from_manifest(manifest: dict[str, Any]) -> Plan:
     topo = manifest["topology"]
     topology = topologies.get(topo["name"], num_slices=topo.get("num_slices", 1),
                               target_config_path=topo.get("target_config_path"))

@@ -42,12 +42,13 @@ def _compile_only_environment() -> None:
 
 
 def cmd_models(args) -> int:
-    from maxperf.models import presets, train_step
+    from maxperf.models import presets
+    from maxperf.perfmodel import count_params  # pure Python: listing the presets never starts jax
 
     rows = []
     for name in presets.names():
         m = presets.get(name)
-        rows.append({"name": name, "params": train_step.param_count(m), "V": m.vocab_size, "D": m.d_model,
+        rows.append({"name": name, "params": count_params(m).total, "V": m.vocab_size, "D": m.d_model,
                      "N": m.num_layers, "H": m.num_heads, "K": m.num_kv_heads, "Dh": m.head_dim, "F": m.d_ff,
                      "activation": m.activation.value, "attention_type": m.attention_type.value})
     if args.json:
@@ -100,6 +101,9 @@ def cmd_compile(args) -> int:
     result = aot.compile(args.topology, args.model, args.overrides, num_slices=args.num_slices, out=args.out,
                          target_config=args.target_config, progress=_progress(), argv=sys.argv, force=args.force)
     p, mem, cost = result.plan, result.memory, result.cost
+    if args.json:
+        _print_json(compile_summary(result))
+        return 0 if result.fits else 3
     print(f"compiled {p.model.name} for {p.topology.name}"
           + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1 else "") + f" -> {result.out_dir}")
     print(f"  parameters       {_count(result.param_count)}; global batch {result.global_batch} x "
@@ -112,35 +116,57 @@ def cmd_compile(args) -> int:
         e = result.estimate
         print(f"  predicted        {e['step_time_s']:.4g} s/step, {e['tflops_per_chip']:.4g} TFLOP/s per chip, "
               f"MFU {e['mfu']:.1%}, bound by {e['bottleneck']}")
-    print(f"  compile time     {result.compile_seconds:.1f} s (lowering {result.lower_seconds:.1f} s, whole "
+    compiled = ("from the compile cache, no compile" if result.cache_hit else f"{result.compile_seconds:.1f} s")
+    print(f"  compile time     {compiled} (lowering {result.lower_seconds:.1f} s, whole "
           f"{result.total_seconds:.1f} s); host peak RSS {result.peak_rss_bytes / GIB:.2f} GiB")
     for note in result.limitations:
         print(f"  note: {note}")
     return 0 if result.fits else 3
 
 
+COMPILE_SCHEMA = "maxperf.compile/1"  # `maxperf compile --json`
+JSON_HELP = "print the result as one JSON document on stdout (progress stays on stderr); same exit codes"
+
+
+def compile_summary(result) -> dict:
+    """What `maxperf compile` prints, as JSON: the plan (topology, mesh, batch) and the compile's figures."""
+    p = result.plan
+    return {"schema": COMPILE_SCHEMA, "out_dir": str(result.out_dir), "model": p.model.name,
+            "topology": p.topology.name, "num_slices": p.topology.num_slices,
+            "mesh": {"axes": p.mesh_shape.axes, "ici": p.mesh_shape.ici, "dcn": p.mesh_shape.dcn},
+            "per_device_batch_size": p.configs.train.per_device_batch_size, "global_batch": result.global_batch,
+            "seq_len": p.configs.train.seq_len, "param_count": result.param_count, "fits": result.fits,
+            "memory": result.memory, "cost": result.cost, "estimate": result.estimate,
+            "cache_hit": result.cache_hit, "compile_seconds": result.compile_seconds,
+            "lower_seconds": result.lower_seconds, "total_seconds": result.total_seconds,
+            "peak_rss_bytes": result.peak_rss_bytes, "limitations": result.limitations}
+
+
 def _add_plan_arguments(parser: argparse.ArgumentParser, *, model_default: str | None) -> None:
     parser.add_argument("--topology", required=True, help="e.g. v5p-1024, v5e-256, h100-8x16, cpu-8")
     parser.add_argument("--model", default=model_default, required=model_default is None,
-                        help="a preset name (see `maxperf models`)")
+                        help="a preset name (see `maxperf models`)"
+                        + (f"; default {model_default}" if model_default else ""))
     parser.add_argument("--num-slices", type=int, default=1, help="slices side by side over DCN")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. per_device_batch_size=4 ici_tensor=4 (see `maxperf keys`)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from maxperf import __version__
     from maxperf.models.presets import DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(prog="maxperf", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"maxperf {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("models", help="list the model presets")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("topologies", help="list the topologies maxperf compiles for")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--platform", choices=["tpu", "gpu", "cpu"])
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.add_argument("--platform", choices=["tpu", "gpu", "cpu"], help="only this platform's topologies")
     p.set_defaults(func=cmd_topologies)
 
     p = sub.add_parser("keys", help="list the key=value override keys and their MaxText aliases")
@@ -152,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "earlier compile's artifact")
     p.add_argument("--force", action="store_true", help="replace whatever --out holds")
     p.add_argument("--target-config", help="GPU: a GpuTargetConfigProto text file instead of the built-in spec")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     from maxperf.aot import distributed
 
     distributed.add_arguments(p)  # cpu-NxP compiles as P processes, like the run it is for
@@ -170,9 +197,21 @@ def _extra_commands():
         yield from importlib.import_module(module).COMMANDS
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """The command's options and its key=value words in any order (`estimate a=1 --json b=2`): the command's own
+    parser reads its arguments intermixed."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    if not argv or argv[0] not in commands:  # no command, -h, --version, or a mistake: the top parser says
+        return parser.parse_args(argv)
+    args = commands[argv[0]].parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         return args.func(args)
     except MaxperfError as e:
@@ -181,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("maxperf: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `maxperf models | head`: the reader left; say nothing more on a closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as e:  # anything unexpected: one line, not a traceback
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print(f"maxperf: error: {type(e).__name__}: {first[:400]}", file=sys.stderr)

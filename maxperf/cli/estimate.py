@@ -18,8 +18,8 @@ def cmd_estimate(args) -> int:
                              overlap=args.overlap, calibration=calibration_for(p.topology))
     warn(p)
     if args.json:
-        _print_json({**est.as_dict(), "warnings": list(p.warnings)})
-        return 0
+        _print_json(estimate_summary(p, est))
+        return 0 if est.fits else 3
     print(f"{p.model.name} on {p.topology.name} ({p.topology.chips} {est.chip} chips), mesh "
           + " x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1))
     print(f"  step time        {est.step_time_s:.4f} s, bound by {est.bottleneck}")
@@ -34,6 +34,16 @@ def cmd_estimate(args) -> int:
     for row in est.breakdown:
         print(f"  {row.name:<{width}} {row.kind:<10} {row.seconds:>10.5f} {row.exposed_seconds:>10.5f}")
     return 0 if est.fits else 3
+
+
+def estimate_summary(p, est) -> dict:
+    """`maxperf estimate --json`: perfmodel's estimate with what it was for (topology, mesh, batch)."""
+    t = p.configs.train
+    return {**est.as_dict(), "topology": p.topology.name, "num_slices": p.topology.num_slices,
+            "mesh": {"axes": p.mesh_shape.axes, "ici": p.mesh_shape.ici, "dcn": p.mesh_shape.dcn},
+            "warnings": list(p.warnings),
+            "per_device_batch_size": t.per_device_batch_size, "global_batch": t.per_device_batch_size
+            * p.topology.num_devices, "seq_len": t.seq_len, "remat_policy": t.remat_policy.value}
 
 
 def warn(p) -> None:
@@ -56,10 +66,14 @@ def cmd_estimate_memory(args) -> int:
         found = memory_fit.max_batch(args.topology, args.model, args.overrides, num_slices=args.num_slices,
                                      analytical_only=args.analytical_only, out=args.out, progress=say,
                                      force=args.force)
+        # nothing fits: the figures at B=1 say by how much (the compile cache answers a compile already made)
+        smallest = None if found.fits else memory_fit.compare(
+            args.topology, args.model, [*args.overrides, "per_device_batch_size=1"], num_slices=args.num_slices,
+            analytical_only=args.analytical_only)
         if args.json:
-            _print_json(found.as_dict())
+            _print_json({**found.as_dict(), **({"at_batch_1": smallest.as_dict()} if smallest else {})})
         else:
-            _print_max_batch(found, args.analytical_only)
+            _print_max_batch(found, args.analytical_only, smallest)
         return 0 if found.fits else 3
     cmp = memory_fit.compare(args.topology, args.model, args.overrides, num_slices=args.num_slices,
                              analytical_only=args.analytical_only, out=args.out, progress=say, force=args.force)
@@ -97,14 +111,15 @@ def _print_comparison(cmp) -> None:
     if c and c.get("compiler_message"):
         print(f"  compiler: {c['compiler_message']}")
     verdict = "fits" if cmp.fits else "DOES NOT FIT"
+    compiled = ("" if cmp.compile_seconds is None else "; from the compile cache" if cmp.cache_hit
+                else f"; compiled in {cmp.compile_seconds:.1f} s")
     print(f"  verdict ({cmp.source}): {verdict} in {cmp.hbm_bytes / GIB:.2f} GiB per device, headroom "
-          f"{cmp.headroom_bytes / GIB:.2f} GiB" + (f"; compiled in {cmp.compile_seconds:.1f} s"
-                                                  if cmp.compile_seconds is not None else ""))
+          f"{cmp.headroom_bytes / GIB:.2f} GiB{compiled}")
     if cmp.out_dir is not None:
         print(f"  artifact kept in {cmp.out_dir}")
 
 
-def _print_max_batch(found, analytical_only: bool) -> None:
+def _print_max_batch(found, analytical_only: bool, smallest=None) -> None:
     if analytical_only:
         print(f"largest per_device_batch_size that fits (analytical, no compile): {found.per_device_batch_size}")
     else:
@@ -117,6 +132,12 @@ def _print_max_batch(found, analytical_only: bool) -> None:
         print(f"  (the search stops at per_device_batch_size={found.per_device_batch_size})")
     if found.best is not None:
         _print_comparison(found.best)
+    if smallest is not None:
+        need, hbm = smallest.per_device_total_bytes, smallest.hbm_bytes
+        print(f"  nothing fits: per_device_batch_size=1 needs {need / GIB:.2f} GiB per device of {hbm / GIB:.2f} GiB "
+              f"({(need - hbm) / GIB:.2f} GiB over, {need / hbm:.2f}x); more chips, more fsdp sharding or "
+              "remat_policy=full need less per device")
+        _print_comparison(smallest)
 
 
 def _gib(value) -> str:
@@ -134,22 +155,22 @@ def cmd_calibrate(args) -> int:
 
 
 def _estimate_parser(sub) -> None:
-    from maxperf.cli import _add_plan_arguments
+    from maxperf.cli import JSON_HELP, _add_plan_arguments
 
     p = sub.add_parser("estimate", help="analytical step time, TFLOP/s, MFU and memory, no compile")
     _add_plan_arguments(p, model_default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument("--overlap", type=float, help="fraction of communication hidden under compute (0..1); "
                    "default: per collective family on TPU and GPU, none on CPU")
     p.set_defaults(func=cmd_estimate)
 
 
 def _estimate_memory_parser(sub) -> None:
-    from maxperf.cli import _add_plan_arguments
+    from maxperf.cli import JSON_HELP, _add_plan_arguments
 
     p = sub.add_parser("estimate-memory", help="analytical memory per device beside the compiler's, fit, max batch")
     _add_plan_arguments(p, model_default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument("--analytical-only", action="store_true", help="perfmodel's figures only, no compile")
     p.add_argument("--max-batch", action="store_true",
                    help="find the largest per_device_batch_size that fits, by compiles started at perfmodel's guess")

@@ -36,31 +36,51 @@ def cmd_sweep(args) -> int:
     for r in result.rows:
         if r.get("warnings"):
             print(f"maxperf: warning: {r['point']}: {r['warnings']}", file=sys.stderr)
+    # exit 1 when a point failed (the table is written all the same): a script must not take it for a full result
+    code = 1 if result.errors else 0
+    if args.json:
+        from maxperf.cli import _print_json
+
+        _print_json(result.as_dict())
+        return code
     bad = [r for r in result.rows if r["status"] != "ok"]
     print(f"swept {len(result.rows)} points ({result.computed} run now, {len(bad)} failed or did not fit) in "
           f"{result.seconds:.1f} s -> {result.out_dir}/results.csv, results.parquet")
     for r in result.rows:
         print(f"  {r['point']:<40} {r['status']:<13} step {r.get('predicted_step_time_s') or 0:.4g} s  "
               f"MFU {r.get('predicted_mfu') or 0:.1%}" + (f"  ({r['reason']})" if r.get("reason") else ""))
-    return 0
+    if result.errors:
+        print(f"maxperf: error: {len(result.errors)} of {len(result.rows)} points failed (status error in "
+              f"{result.out_dir}/results.csv)", file=sys.stderr)
+    return code
 
 
 def cmd_report(args) -> int:
-    from maxperf.reports import render
+    from maxperf.reports.render import render
 
     result = render(args.paths, args.out, command=sys.argv)
     print(f"wrote {result.html_path} ({result.sections} sections) and {len(result.csv_paths)} CSV tables")
     return 0
 
 
+def cmd_xprof(args) -> int:
+    from maxperf.profiler.viewer import serve
+
+    serve(args.trace, port=args.port, say=lambda line: print(line, flush=True))
+    return 0
+
+
 def _sweep_parser(sub) -> None:
+    from maxperf.cli import JSON_HELP
+
     p = sub.add_parser("sweep", help="estimate and compile a model over a grid of topologies and settings")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="a preset name (see `maxperf models`)")
     p.add_argument("--topologies", required=True, help="comma-separated, e.g. v5p-8,v5p-16,v5p-32")
     p.add_argument("--num-slices", default="1", help="comma-separated slice counts, e.g. 1,2,4")
     p.add_argument("--analytical-only", action="store_true", help="estimate only, no compiles")
     p.add_argument("--out", required=True, help="sweep directory (re-running it resumes)")
     p.add_argument("--workers", type=int, help="parallel worker processes (default: bounded by cores and memory)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP + " (1 when a point failed)")
     p.add_argument("overrides", nargs="*", metavar="key=v1,v2", help="grid axes, e.g. per_device_batch_size=1,2")
     p.set_defaults(func=cmd_sweep)
 
@@ -72,4 +92,13 @@ def _report_parser(sub) -> None:
     p.set_defaults(func=cmd_report)
 
 
-COMMANDS = [_sweep_parser, _report_parser]
+def _xprof_parser(sub) -> None:
+    from maxperf.profiler.viewer import DEFAULT_PORT
+
+    p = sub.add_parser("xprof", help="open a `run --profile` trace in xprof's web server, on 127.0.0.1 only")
+    p.add_argument("trace", help="OUT/trace of `maxperf run --profile` (or OUT)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port on 127.0.0.1 (default {DEFAULT_PORT})")
+    p.set_defaults(func=cmd_xprof)
+
+
+COMMANDS = [_sweep_parser, _report_parser, _xprof_parser]

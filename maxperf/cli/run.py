@@ -70,8 +70,8 @@ def cmd_run(args) -> int:
 def _run_parser(sub) -> None:
     p = sub.add_parser("run", help="run a compiled step on this machine's devices and measure it")
     p.add_argument("artifact", help="DIR/compiled.pkl or DIR from `maxperf compile`")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10); the median is reported")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps run first (default 2)")
     p.add_argument("--profile", action="store_true", help="capture an xprof trace of a few steps and summarize it")
     p.add_argument("--data", help="a .npy file of token ids: rows of L+1 tokens, or one 1-D stream")
     p.add_argument("--checkpoint", help="save the state here (orbax, asynchronous) after the run")
@@ -79,7 +79,8 @@ def _run_parser(sub) -> None:
     p.add_argument("--out", help="where run.json (and trace/) go (default: DIR/run); an existing one must be an "
                                  "earlier run's output")
     p.add_argument("--force", action="store_true", help="replace whatever --out holds")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print run.json's content on stdout (progress stays on "
+                                                       "stderr)")
     from maxperf.aot import distributed
 
     distributed.add_arguments(p)

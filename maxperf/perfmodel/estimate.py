@@ -21,7 +21,7 @@ from maxperf.perfmodel.shapes import (
 )
 from maxperf.perfmodel.steptime import Overlap, Row, StepTime, step_time
 
-SCHEMA_VERSION = 1
+SCHEMA = "maxperf.estimate/1"  # estimate.json and `maxperf estimate --json`
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Estimate:
     def as_dict(self) -> dict:
         """A JSON-ready dict (schema-versioned)."""
         return {
-            "schema": SCHEMA_VERSION, "model": self.model, "chip": self.chip, "chips": self.chips,
+            "schema": SCHEMA, "model": self.model, "chip": self.chip, "chips": self.chips,
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "tflops_per_chip": self.tflops_per_chip, "mfu": self.mfu,
             "model_flops_per_device": self.model_flops_per_device,

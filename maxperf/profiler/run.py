@@ -232,8 +232,9 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
                     if watchdog:
                         watchdog.beat(0.0)
             profile_summary = summarize(writer.tmp / "trace").as_dict()
-            profile_summary["open_command"] = (f"tensorboard --logdir {out_dir / 'trace'} --host 127.0.0.1 "
-                                               "(or: xprof --logdir ... --port 8791, which binds all addresses)")
+            from maxperf.profiler.viewer import open_command
+
+            profile_summary["open_command"] = open_command(out_dir / "trace")  # xprof on 127.0.0.1
         if watchdog:
             watchdog.stop()  # orbax bounds its own waits for peers
         saved = checkpoints.save(Path(checkpoint), state) if checkpoint is not None else None

@@ -4,8 +4,7 @@
     render(["artifacts/llama2-7b_v5p-1024", "sweeps/llama2-7b"], "report.html")
 """
 
+# The function, bound after its module loads: a lazy wrapper here was replaced by the submodule `render` on first use.
+from maxperf.reports.render import render
 
-def render(paths, out_html, command=None):
-    from maxperf.reports.render import render as _render
-
-    return _render(paths, out_html, command)
+__all__ = ["render"]

@@ -9,7 +9,9 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,25 @@ class ReportResult:
 
 
 def _read(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    """A JSON object the directory holds, None when absent; a damaged one is an error naming the file."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise MaxperfError(f"{path} is not readable JSON ({type(e).__name__}: {e}); the directory is damaged: "
+                           "produce it again") from None
+    if not isinstance(data, dict):
+        raise MaxperfError(f"{path} holds a JSON {type(data).__name__}, not an object; the directory is damaged: "
+                           "produce it again")
+    return data
+
+
+def _manifest(directory: Path) -> dict:
+    """manifest.json of a compile directory, checked (schema and the types of its fields)."""
+    from maxperf.aot.artifacts import read_manifest
+
+    return read_manifest(directory)
 
 
 def _classify(path: Path) -> tuple[str, Path]:
@@ -89,7 +109,7 @@ class _Report:
         if run:  # the compile directory it ran: as recorded, else the default layout DIR/run
             recorded = Path(run.get("artifact") or "")
             art = recorded if (recorded / "manifest.json").is_file() else directory.parent
-        manifest = _read(art / "manifest.json") or {}
+        manifest = _manifest(art) if (art / "manifest.json").is_file() else {}
         estimate, memory = _read(art / "estimate.json") or {}, _read(art / "memory.json") or {}
         self.versions = self.versions or manifest.get("versions", {})
         model = manifest.get("model", {}).get("name", "?")
@@ -160,7 +180,15 @@ class _Report:
 
         from maxperf.reports import figures
 
-        frame = pd.read_csv(directory / "results.csv")
+        try:
+            frame = pd.read_csv(directory / "results.csv")
+        except (OSError, ValueError) as e:  # pandas' parser errors are ValueErrors
+            raise MaxperfError(f"{directory / 'results.csv'} is not a readable table ({type(e).__name__}: "
+                               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); run the sweep again to "
+                               "rewrite it") from None
+        if not {"point", "status", "model"} <= set(frame.columns):
+            raise MaxperfError(f"{directory / 'results.csv'} lacks a sweep's columns (point, status, model); run "
+                               "the sweep again to rewrite it")
         for artifact in frame["artifact"].dropna() if "artifact" in frame else []:
             manifest = _read(Path(artifact) / "manifest.json")
             if manifest and not self.versions:
@@ -249,8 +277,6 @@ def _installed_versions() -> dict[str, str | None]:
 def render(paths: list[str | os.PathLike], out_html: str | os.PathLike,
            command: list[str] | None = None) -> ReportResult:
     """Renders the report for `paths` into `out_html` (and its CSVs beside it), atomically."""
-    import jinja2
-
     if not paths:
         raise MaxperfError("give at least one compile, run or sweep directory")
     report = _Report()
@@ -266,13 +292,27 @@ def render(paths: list[str | os.PathLike], out_html: str | os.PathLike,
             steps.append(report.step(kind, directory))
     if len(steps) >= 2:
         report.comparison(steps)
-    import shutil
-    import tempfile
-
     out = Path(out_html)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        raise MaxperfError(f"-o {out} is a directory; give the HTML file to write, e.g. -o {out / 'report.html'}")
     files = out.with_name(out.stem + "_files")
-    staging = Path(tempfile.mkdtemp(prefix=f".{files.name}.", dir=out.parent))
+    if os.path.lexists(files) and not files.is_dir():
+        raise MaxperfError(f"{files} is a file, where the report's CSV tables go; move it or choose another -o")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{files.name}.", dir=out.parent))
+    except OSError as e:
+        raise MaxperfError(f"-o {out}: cannot write in {out.parent} ({e.strerror})") from None
+    try:
+        return _write(report, out, files, staging, command)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write(report: _Report, out: Path, files: Path, staging: Path, command: list[str] | None) -> ReportResult:
+    """The page and its tables into place: staging becomes `files`, a temporary page becomes `out`."""
+    import jinja2
+
     csv_paths = []
     for section in report.sections:
         for table in [t for _, t in section.figures] + section.tables:
@@ -286,8 +326,13 @@ def render(paths: list[str | os.PathLike], out_html: str | os.PathLike,
         sections=report.sections, versions=report.versions, command=" ".join(command or sys.argv),
         files_dir=files.name, fmt=_fmt, python=sys.version.split()[0])
     tmp = out.with_name(f".{out.name}.partial")
-    tmp.write_text(page)
-    shutil.rmtree(files, ignore_errors=True)  # the tables of an earlier report of the same name
-    os.replace(staging, files)
-    os.replace(tmp, out)
+    try:
+        tmp.write_text(page)
+        shutil.rmtree(files, ignore_errors=True)  # the tables of an earlier report of the same name
+        os.replace(staging, files)
+        os.replace(tmp, out)
+    except OSError as e:
+        raise MaxperfError(f"-o {out}: cannot write the report ({e.strerror})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
     return ReportResult(out, csv_paths, len(report.sections))

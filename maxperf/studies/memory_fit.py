@@ -25,7 +25,8 @@ from maxperf.errors import DoesNotFit
 from maxperf.perfmodel import MemoryBreakdown, estimate_memory, make_mesh
 from maxperf.perfmodel.estimate import device_for
 
-SCHEMA = "maxperf.estimate_memory/1"
+SCHEMA = "maxperf.estimate-memory/1"
+MAX_BATCH_SCHEMA = "maxperf.max-batch/1"
 # No per-device batch beyond this is tried: the search stops there and says so (a bound, not a measurement).
 MAX_BATCH_LIMIT = 1 << 16
 
@@ -41,6 +42,7 @@ class MemoryComparison:
     compiler: dict[str, Any] | None  # memory.json of the compile (None: analytical only)
     compile_seconds: float | None
     out_dir: Path | None  # where the artifact was kept (None: a temporary directory, removed)
+    cache_hit: bool = False  # the compiler's figures came from the compile cache (nothing compiled now)
 
     @property
     def source(self) -> str:
@@ -86,7 +88,8 @@ class MemoryComparison:
             "fits": self.fits, "verdict_source": self.source,
             "per_device_total_bytes": self.per_device_total_bytes, "hbm_bytes": self.hbm_bytes,
             "headroom_bytes": self.headroom_bytes, "difference": self.difference,
-            "compile_seconds": self.compile_seconds, "out_dir": None if self.out_dir is None else str(self.out_dir),
+            "compile_seconds": self.compile_seconds, "cache_hit": self.cache_hit,
+            "out_dir": None if self.out_dir is None else str(self.out_dir),
         }
 
 
@@ -105,12 +108,12 @@ def compare(topology: str, model: str, overrides: Sequence[str] = (), *, num_sli
     mine = analytical(p)
     if analytical_only:
         return MemoryComparison(p, mine, None, None, None)
-    memory, seconds = _compile_memory(p, model, overrides, num_slices, out, progress, force)
-    return MemoryComparison(p, mine, memory, seconds, None if out is None else Path(out))
+    memory, seconds, cache_hit = _compile_memory(p, model, overrides, num_slices, out, progress, force)
+    return MemoryComparison(p, mine, memory, seconds, None if out is None else Path(out), cache_hit)
 
 
 def _compile_memory(p: Plan, model: str, overrides: Sequence[str], num_slices: int, out: str | os.PathLike | None,
-                    progress: Progress | None, force: bool) -> tuple[dict[str, Any], float]:
+                    progress: Progress | None, force: bool) -> tuple[dict[str, Any], float, bool]:
     """memory.json of a compile of the plan through `aot.compile` (and its compile cache), whether or not the step
     fits: into `out` when given (kept), else into a temporary directory (removed)."""
     from maxperf import aot
@@ -120,10 +123,11 @@ def _compile_memory(p: Plan, model: str, overrides: Sequence[str], num_slices: i
         try:
             result = aot.compile(p.topology.name, model, overrides, num_slices=num_slices, out=target,
                                  progress=progress, force=force)
-            return dict(result.memory), result.compile_seconds
+            return dict(result.memory), result.compile_seconds, result.cache_hit
         except DoesNotFit:  # the verdict and XLA's figures were written before the error
             manifest = json.loads((target / "manifest.json").read_text())
-            return json.loads((target / "memory.json").read_text()), float(manifest.get("compile_seconds", 0.0))
+            return (json.loads((target / "memory.json").read_text()), float(manifest.get("compile_seconds", 0.0)),
+                    bool(manifest.get("compile_cache_hit")))
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,7 @@ class MaxBatch:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "schema": SCHEMA, "max_per_device_batch_size": self.per_device_batch_size,
+            "schema": MAX_BATCH_SCHEMA, "max_per_device_batch_size": self.per_device_batch_size,
             "analytical_guess": self.analytical_guess, "compiles": self.compiles, "hit_limit": self.hit_limit,
             "trials": [t.__dict__ for t in self.trials], "fits": self.fits,
             **({"best": self.best.as_dict()} if self.best is not None else {}),

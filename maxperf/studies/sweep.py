@@ -1,8 +1,13 @@
 """`maxperf sweep`: estimate (and compile) a model over a grid of topologies, slice counts and overrides.
 
-Each point runs in a worker process and leaves `DIR/points/NAME/point.json` (written atomically) beside its
-artifact; a re-run skips points whose point.json exists, so a killed sweep resumes where it stopped. The table of
+Each point runs in a worker process, which writes `DIR/points/NAME/point.json` (atomically) beside its artifact as
+soon as the point is done. A re-run skips a point whose point.json was made by the same request (model, analytical
+or compiled, topology, slices, overrides, CPU calibration: its `key`) and did not end in an error, so a killed or
+interrupted sweep resumes where it stopped, and a different request in the same directory recomputes. The table of
 all points is written as `results.csv` and `results.parquet`.
+
+Workers die with the sweep: SIGINT and SIGTERM end the running points at once (finished points stay), and a worker
+whose parent is gone (even by SIGKILL) is killed by the kernel (Linux's PR_SET_PDEATHSIG) or ends itself.
 """
 
 from __future__ import annotations
@@ -13,7 +18,11 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
+import signal
+import threading
 import time
+from concurrent.futures.process import BrokenProcessPool
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +33,9 @@ from maxperf.errors import MaxperfError
 from maxperf.perfmodel.calibration import StoredCalibration
 from maxperf.user_cache import load_calibration
 
-POINT_SCHEMA = "maxperf.sweep-point/1"
+POINT_SCHEMA = "maxperf.sweep-point/2"  # 2: `key`, what the resume compares
 SWEEP_SCHEMA = "maxperf.sweep/1"
+RESULT_SCHEMA = "maxperf.sweep-result/1"  # `maxperf sweep --json`
 HOST_BYTES_PER_COMPILE = 3 << 30  # peak host RSS seen per compile here (llama2-7b 1.5 GiB, 405B 1.8 GiB), with margin
 
 
@@ -41,12 +51,36 @@ class Point:
         return "_".join(x for x in (self.topology, f"x{self.num_slices}" if self.num_slices > 1 else "", words) if x)
 
 
+class SweepInterrupted(MaxperfError):
+    """SIGINT or SIGTERM ended the sweep; the points finished so far are kept. Exit code 128 + the signal."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
 @dataclass(frozen=True)
 class SweepResult:
     out_dir: Path
     rows: list[dict[str, Any]]
     computed: int  # points run now (the rest were finished before)
     seconds: float
+
+    @property
+    def errors(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["status"] == "error"]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"schema": RESULT_SCHEMA, "out_dir": str(self.out_dir), "points": len(self.rows),
+                "computed": self.computed, "errors": len(self.errors), "seconds": self.seconds, "rows": self.rows}
+
+
+def point_key(model: str, point: Point, analytical_only: bool,
+              calibration: StoredCalibration | None = None) -> dict[str, Any]:
+    """Everything that decides a point's result: a point.json with another key is computed again."""
+    return {"model": model, "analytical_only": analytical_only, "topology": point.topology,
+            "num_slices": point.num_slices, "overrides": list(point.overrides),
+            "calibration_sha256": calibration.sha256 if calibration is not None else None}
 
 
 def grid(topologies: Sequence[str], num_slices: Sequence[int], axes: dict[str, Sequence[str]]) -> list[Point]:
@@ -73,7 +107,8 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
 
     row: dict[str, Any] = {"schema": POINT_SCHEMA, "point": point.name, "model": model, "topology": point.topology,
                            "num_slices": point.num_slices, "overrides": " ".join(point.overrides), "status": "ok",
-                           "reason": None, "warnings": ""}
+                           "reason": None, "warnings": "",
+                           "key": json.dumps(point_key(model, point, analytical_only, calibration))}
     start = time.perf_counter()
     try:
         p = planning.plan(point.topology, model, point.overrides, num_slices=point.num_slices)
@@ -107,6 +142,7 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
     except Exception as e:  # one broken point must not end the sweep
         row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
     row["seconds"] = time.perf_counter() - start
+    _save_point(Path(directory), row)  # here, not in the parent: a finished point outlives a killed sweep
     return row
 
 
@@ -115,6 +151,69 @@ def _save_point(directory: Path, row: dict[str, Any]) -> None:
     tmp = directory / ".point.json.partial"
     tmp.write_text(json.dumps(row, indent=2) + "\n")
     os.replace(tmp, directory / "point.json")
+
+
+def _finished(directory: Path, key: dict[str, Any]) -> bool:
+    """Whether directory/point.json holds this request's result (not another model's, mode's or setting's); a point
+    that ended in an error is tried again."""
+    try:
+        row = json.loads((directory / "point.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(row, dict) and row.get("schema") == POINT_SCHEMA and row.get("key") == json.dumps(key)
+            and row.get("status") != "error")
+
+
+def _remove_partials(out_dir: Path, points: Sequence[Point]) -> None:
+    """What compiles killed with their sweep had begun to write beside the points' artifacts."""
+    for pt in points:
+        for partial in (out_dir / "points" / pt.name).glob(".artifact.*.partial"):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+# Workers: they ignore SIGINT (the sweep decides when they stop) and die with the sweep.
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _worker_init(parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        import ctypes
+
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl")
+    except (OSError, AttributeError):  # not Linux: watch the parent instead
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt is for SIGINT."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+def _stop(pool: cf.ProcessPoolExecutor, futures) -> None:
+    """Cancels what has not started and kills the running workers now, rather than letting them finish."""
+    for future in futures:
+        future.cancel()
+    # ProcessPoolExecutor gains kill_workers() in Python 3.14; before, its processes are only in _processes.
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    for process in processes:
+        process.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.join(timeout=10)
 
 
 def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = (1,),
@@ -134,24 +233,60 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
     calibration = load_calibration() if "cpu" in chips else None  # loaded once: every point uses the same
     out_dir = Path(out)
     start = time.perf_counter()
-    todo = [pt for pt in points if not (out_dir / "points" / pt.name / "point.json").is_file()]
+    todo = [pt for pt in points
+            if not _finished(out_dir / "points" / pt.name, point_key(model, pt, analytical_only, calibration))]
     say(f"{len(points)} points, {len(points) - len(todo)} already done, {len(todo)} to run")
     if todo:
-        n = workers or default_workers(len(todo))
-        context = multiprocessing.get_context("spawn")
-        with cf.ProcessPoolExecutor(max_workers=n, mp_context=context) as pool:
-            futures = {pool.submit(run_point, model, pt, str(out_dir / "points" / pt.name), analytical_only,
-                                   calibration): pt for pt in todo}
-            for done, future in enumerate(cf.as_completed(futures), 1):
-                row = future.result()
-                _save_point(out_dir / "points" / futures[future].name, row)
-                elapsed = time.perf_counter() - start
-                left = elapsed / done * (len(todo) - done)
-                say(f"[{done}/{len(todo)}] {row['point']}: {row['status']}"
-                    f"{' (' + row['reason'] + ')' if row['reason'] else ''}; about {left:.0f} s left")
+        _remove_partials(out_dir, todo)
+        _run_points(model, todo, out_dir, analytical_only, calibration, workers or default_workers(len(todo)), say,
+                    start)
     rows = [json.loads((out_dir / "points" / pt.name / "point.json").read_text()) for pt in points]
     _write_tables(out_dir, rows, model, analytical_only)
     return SweepResult(out_dir, rows, len(todo), time.perf_counter() - start)
+
+
+def _run_points(model: str, todo: list[Point], out_dir: Path, analytical_only: bool,
+                calibration: StoredCalibration | None, workers: int, say: Callable[[str], None], start: float) -> None:
+    """Runs `todo` in `workers` processes; on SIGINT or SIGTERM kills them at once and raises SweepInterrupted."""
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous_term = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    futures: dict[cf.Future, Point] = {}
+    done = 0
+    try:
+        pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                      initializer=_worker_init, initargs=(os.getpid(),))
+        # Workers start while the points are submitted: they begin with SIGINT ignored, so a Ctrl-C during their
+        # start-up prints no traceback of theirs.
+        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+        try:
+            for pt in todo:
+                futures[pool.submit(run_point, model, pt, str(out_dir / "points" / pt.name), analytical_only,
+                                    calibration)] = pt
+        finally:
+            if in_main_thread:
+                signal.signal(signal.SIGINT, previous_int)
+        for done, future in enumerate(cf.as_completed(futures), 1):
+            row = future.result()
+            left = (time.perf_counter() - start) / done * (len(todo) - done)
+            say(f"[{done}/{len(todo)}] {row['point']}: {row['status']}"
+                f"{' (' + row['reason'] + ')' if row['reason'] else ''}; about {left:.0f} s left")
+        pool.shutdown()
+    except (KeyboardInterrupt, _Terminated) as e:
+        _stop(pool, futures)
+        _remove_partials(out_dir, todo)
+        signum = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
+        finished = sum(_finished(out_dir / "points" / pt.name, point_key(model, pt, analytical_only, calibration))
+                       for pt in todo)
+        raise SweepInterrupted(f"interrupted by {signal.Signals(signum).name}: {finished} of {len(todo)} points "
+                               f"finished now and kept in {out_dir}; run the same command again to resume",
+                               signum) from None
+    except BrokenProcessPool:
+        _stop(pool, futures)
+        raise MaxperfError(f"a sweep worker died (out of host memory? try --workers 1); the {done} points finished "
+                           f"are kept in {out_dir}: run the same command again to resume") from None
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_term)
 
 
 def _write_tables(out_dir: Path, rows: list[dict[str, Any]], model: str, analytical_only: bool) -> None:

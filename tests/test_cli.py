@@ -1,0 +1,336 @@
+"""The `maxperf` command line: argument order, exit codes, one-line errors, help, JSON forms, signals."""
+
+import argparse
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from maxperf import cli
+from maxperf.cli import build_parser, main, parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_FIT = ["--topology", "v5p-8", "--model", "llama2-70b"]  # 70B parameters and AdamW in 8 x 95 GiB: no
+
+
+def run_main(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# key=value words on both sides of options (item 10)
+
+
+def test_key_values_on_both_sides_of_an_option(capsys):
+    code, out, _ = run_main(capsys, "estimate", "--topology", "v5e-256", "per_device_batch_size=2", "--json",
+                            "seq_len=1024", "--model", "scaled-1")
+    est = json.loads(out)
+    assert code == 0 and est["per_device_batch_size"] == 2 and est["seq_len"] == 1024
+
+
+@pytest.mark.parametrize("command", [["compile"], ["estimate-memory", "--max-batch"], ["sweep", "--out", "o"]])
+def test_every_plan_command_reads_intermixed_overrides(command):
+    topology = ["--topologies", "v5p-8"] if command[0] == "sweep" else ["--topology", "v5p-8"]
+    args = parse_args(build_parser(), [command[0], "a=1", *topology, "b=2", "--model", "tiny", *command[1:], "c=3"])
+    assert args.overrides == ["a=1", "b=2", "c=3"] and args.model == "tiny"
+
+
+def test_report_reads_paths_around_its_option():
+    args = parse_args(build_parser(), ["report", "a", "-o", "r.html", "b"])
+    assert args.paths == ["a", "b"] and args.out == "r.html"
+
+
+def test_unknown_options_are_still_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(build_parser(), ["estimate", "--topology", "v5p-8", "--model", "tiny", "--bogus"])
+    assert e.value.code == 2 and "--bogus" in capsys.readouterr().err
+
+
+# exit codes and JSON forms (items 11, 18)
+
+
+def test_estimate_exits_3_when_the_step_does_not_fit_with_or_without_json(capsys):
+    plain, _, _ = run_main(capsys, "estimate", *NO_FIT)
+    as_json, out, _ = run_main(capsys, "estimate", *NO_FIT, "--json")
+    assert plain == as_json == 3 and json.loads(out)["fits"] is False
+
+
+def test_estimate_json_says_what_it_was_for(capsys):
+    code, out, _ = run_main(capsys, "estimate", "--topology", "v5p-16", "--model", "llama2-7b", "ici_fsdp=4",
+                            "ici_tensor=2", "per_device_batch_size=3", "--json")
+    est = json.loads(out)
+    assert code == 0 and est["schema"] == "maxperf.estimate/1"
+    assert est["topology"] == "v5p-16" and est["num_slices"] == 1
+    assert {k: v for k, v in est["mesh"]["axes"].items() if v > 1} == {"fsdp": 4, "tensor": 2}
+    assert est["per_device_batch_size"] == 3 and est["global_batch"] == 3 * 8 and est["seq_len"] > 0
+
+
+SCHEMA_FORM = re.compile(r"maxperf\.[a-z]+(-[a-z]+)*/[0-9]+")
+
+
+def test_every_schema_name_has_one_form():
+    names = {m for path in (ROOT / "maxperf").rglob("*.py")
+             for m in re.findall(r"[\"'](maxperf\.[^\"'\s/]+/[^\"'\s]*)[\"']", path.read_text())}
+    assert len(names) >= 10
+    assert sorted(n for n in names if not SCHEMA_FORM.fullmatch(n)) == []
+
+
+def test_sweep_exits_1_when_points_fail(capsys, monkeypatch, tmp_path):
+    from maxperf.studies import sweep as sweeping
+
+    rows = [{"point": "v5p-8", "status": "error", "reason": "XLA could not compile the step"},
+            {"point": "v5p-16", "status": "ok", "reason": None, "predicted_step_time_s": 0.1, "predicted_mfu": 0.5}]
+    monkeypatch.setattr(sweeping, "sweep", lambda *a, **k: sweeping.SweepResult(tmp_path, rows, 2, 1.0))
+    argv = ["sweep", "--model", "tiny", "--topologies", "v5p-8,v5p-16", "--out", str(tmp_path)]
+    code, _, err = run_main(capsys, *argv)
+    assert code == 1 and "1 of 2 points failed" in err
+    code, out, _ = run_main(capsys, *argv, "--json")
+    assert code == 1 and json.loads(out)["errors"] == 1
+    rows[0].update(status="ok", reason=None)
+    assert run_main(capsys, *argv)[0] == 0
+
+
+def test_max_batch_with_nothing_fitting_prints_the_figures_at_batch_1(capsys):
+    code, out, _ = run_main(capsys, "estimate-memory", *NO_FIT, "--max-batch", "--analytical-only")
+    assert code == 3
+    need = re.search(r"per_device_batch_size=1 needs ([\d.]+) GiB per device of ([\d.]+) GiB \(([\d.]+) GiB over",
+                     out)
+    assert need and float(need[1]) - float(need[2]) == pytest.approx(float(need[3]), abs=0.011)
+    assert "B=1" in out and "per-device total" in out  # the comparison table at B=1
+    code, out, _ = run_main(capsys, "estimate-memory", *NO_FIT, "--max-batch", "--analytical-only", "--json")
+    found = json.loads(out)
+    assert code == 3 and found["schema"] == "maxperf.max-batch/1"
+    assert found["at_batch_1"]["per_device_batch_size"] == 1 and found["at_batch_1"]["fits"] is False
+
+
+# one-line errors, exit 2 (item 12)
+
+
+def test_a_coordinator_without_a_port_is_one_line(capsys):
+    code, _, err = run_main(capsys, "compile", "--topology", "cpu-4x2", "--model", "tiny", "--num-processes", "2",
+                            "--process-id", "0", "--coordinator", "nohostport")
+    assert code == 2 and err.count("\n") == 1 and "HOST:PORT" in err
+
+
+# help and version (item 13)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and re.fullmatch(r"maxperf \d+\.\d+\.\d+\S*\n", capsys.readouterr().out)
+
+
+def test_every_option_has_help():
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {a.option_strings or a.dest}" for name, p in sub.choices.items() for a in p._actions
+               if not a.help and not isinstance(a, argparse._HelpAction)]
+    assert missing == []
+
+
+def test_compile_help_names_the_default_model(capsys):
+    from maxperf.models.presets import DEFAULT_MODEL
+
+    with pytest.raises(SystemExit):
+        main(["compile", "--help"])
+    assert f"default {DEFAULT_MODEL}" in " ".join(capsys.readouterr().out.split())
+
+
+def test_models_lists_the_presets_without_jax():
+    code = ("import json, sys; from maxperf.cli import main; main(['models', '--json']); "
+            "print(json.dumps(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    *table, imported = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and json.loads(imported) == []
+    assert len(json.loads("\n".join(table))) >= 10
+
+
+@pytest.mark.slow
+def test_models_parameter_counts_are_the_flax_models(capsys):
+    from maxperf.models import presets, train_step
+
+    code, out, _ = run_main(capsys, "models", "--json")
+    listed = {r["name"]: r["params"] for r in json.loads(out)}
+    assert code == 0 and listed == {name: train_step.param_count(presets.get(name)) for name in presets.names()}
+
+
+# compile --json and the compile cache (item 13)
+
+
+@pytest.mark.slow
+def test_compile_json_and_a_cache_hit(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path / "cache"))
+    argv = ["compile", "--topology", "cpu-8", "--model", "tiny", "seq_len=64", "remat_policy=none"]
+    code, out, _ = run_main(capsys, *argv, "--out", str(tmp_path / "a"), "--json")
+    first = json.loads(out)
+    assert code == 0 and first["schema"] == cli.COMPILE_SCHEMA and first["cache_hit"] is False
+    assert first["topology"] == "cpu-8" and first["mesh"]["axes"] and first["global_batch"] > 0
+    code, out, _ = run_main(capsys, *argv, "--out", str(tmp_path / "b"))
+    assert code == 0 and "from the compile cache" in out and "compile time     0.0 s" not in out
+
+
+# sweeps: signals, workers and resuming (items 6, 17)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for path in glob.glob(f"/proc/{pid}/task/*/children") for c in Path(path).read_text().split()]
+
+
+def _alive(pids: list[int]) -> list[int]:
+    """The pids still running (a zombie has exited)."""
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+def _wait_gone(pids: list[int], limit_s: float = 30.0) -> list[int]:
+    """Waits up to limit_s for `pids` to end, then kills what is left (no test leaves a process behind)."""
+    deadline = time.monotonic() + limit_s
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _alive(pids)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def _start_sweep(out: Path, topologies: str) -> tuple[subprocess.Popen, list[int]]:
+    """A compiled sweep in its own process group, once its first point is done: (process, its child processes)."""
+    args = [sys.executable, "-m", "maxperf.cli", "sweep", "--model", "tiny", "--topologies", topologies, "--out",
+            str(out), "--workers", "2", "seq_len=128"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not list(out.glob("points/*/point.json")):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            workers = _children(proc.pid)
+            proc.kill()
+            _wait_gone(workers, 0)
+            pytest.fail(f"the sweep ended or hung before its first point: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.1)
+    return proc, _children(proc.pid)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_sweep_stops_its_workers_and_keeps_finished_points(tmp_path, signum):
+    out = tmp_path / "s"
+    proc, workers = _start_sweep(out, "v5p-8,v5p-16,v5p-32,v5p-64,v5p-128,v5p-256")
+    assert len(workers) >= 2
+    try:
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signum)  # as Ctrl-C does: the whole foreground group
+        else:
+            os.kill(proc.pid, signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        left = _wait_gone(workers)
+    assert left == []
+    finished = sorted(p.parent.name for p in out.glob("points/*/point.json"))
+    assert proc.returncode == 128 + signum
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"maxperf: error: interrupted by {signal.Signals(signum).name}: {len(finished)} of 6 points finished now and "
+        f"kept in {out}; run the same command again to resume")
+    assert 1 <= len(finished) < 6 and not (out / "results.csv").exists()
+    assert not list(out.glob("points/*/.artifact.*.partial"))
+    assert all(json.loads((out / "points" / name / "point.json").read_text())["status"] == "ok" for name in finished)
+
+
+@pytest.mark.slow
+def test_a_killed_sweeps_workers_die_with_it(tmp_path):
+    proc, workers = _start_sweep(tmp_path / "k", "v5p-8,v5p-16,v5p-32,v5p-64,v5p-128,v5p-256")
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert len(workers) >= 2 and _wait_gone(workers) == []  # it kills what outlived the sweep, after 30 s
+
+
+def test_a_sweep_is_not_resumed_by_another_request(tmp_path):
+    from maxperf.studies.sweep import point_key, _finished, grid, sweep
+
+    out = tmp_path / "s"
+    first = sweep("llama2-7b", ["v5p-8", "v5p-16"], analytical_only=True, out=out, workers=1)
+    assert first.computed == 2
+    point = grid(["v5p-8"], [1], {})[0]
+    assert _finished(out / "points" / point.name, point_key("llama2-7b", point, True))
+    assert not _finished(out / "points" / point.name, point_key("llama2-7b", point, False))
+    other = sweep("llama2-13b", ["v5p-8", "v5p-16"], analytical_only=True, out=out, workers=1)
+    assert other.computed == 2 and {r["model"] for r in other.rows} == {"llama2-13b"}
+    again = sweep("llama2-13b", ["v5p-8", "v5p-16"], analytical_only=True, out=out, workers=1)
+    assert again.computed == 0
+
+
+# traces open in xprof's server on loopback only (item 14)
+
+
+def _listening_addresses(pid: int) -> set[tuple[str, int]]:
+    """(IPv4 or IPv6 address in /proc's hex, port) of every socket `pid` listens on."""
+    inodes = set()
+    for fd in glob.glob(f"/proc/{pid}/fd/*"):
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address, port = fields[1].split(":")
+                found.add((address, int(port, 16)))
+    return found
+
+
+@pytest.mark.slow
+def test_xprof_serves_a_trace_on_loopback_only(tmp_path):
+    import gzip
+    import socket
+    import urllib.request
+
+    trace = tmp_path / "run" / "trace"
+    code = ("import jax, jax.numpy as jnp, sys\n"
+            "f = jax.jit(lambda a: (a @ a).sum()); x = jnp.ones((64, 64)); f(x).block_until_ready()\n"
+            "with jax.profiler.trace(sys.argv[1]):\n    f(x).block_until_ready()\n")
+    subprocess.run([sys.executable, "-c", code, str(trace)], check=True, capture_output=True, timeout=300)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "maxperf.cli", "xprof", str(tmp_path / "run"), "--port",
+                             str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout.readline().strip() == f"xprof at http://127.0.0.1:{port}/ (this machine only; Ctrl-C " \
+                                                 "stops it)"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugin/profile/runs", timeout=10) as r:
+                    body = r.read()
+                    runs = json.loads(gzip.decompress(body) if r.headers.get("Content-Encoding") == "gzip" else body)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+        assert runs == [p.name for p in (trace / "plugins" / "profile").iterdir()]
+        assert _listening_addresses(proc.pid) == {("0100007F", port)}  # 127.0.0.1, and no other listener
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
