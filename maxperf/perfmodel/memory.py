@@ -55,14 +55,13 @@ LOGITS_FLOAT32_BUFFERS = 1
 # gradients) beside the gradients themselves. Measured here: llama2-7b v5p-8, B=1, L=2048, full remat: temp
 # 12.77 GiB = 2 x 6.28 GiB of gradients + 0.2 GiB.
 OPTIMIZER_GRADIENT_COPIES = 1
-# Under "minimal" (and every policy that saves by name), the saved outputs of weight matmuls are written per layer
-# into stacked [N, ...] buffers by the forward scan and read back by the backward scan in another layout, so XLA holds
-# a second, partial copy of them from the end of the forward until the backward loop runs: about 1.8 copies in the
-# loss phase, one in the backward. Measured here (bench/memory_accuracy.py, B=1, L=2048): where the loss phase is the
-# peak (qwen3-0.6b, large vocabulary) temp(minimal) - temp(full) = 2.40 GiB = 1.83 x the 1.31 GiB of saved dot outputs
-# on v5p-8 and v5p-64; where the backward is the peak (llama2-7b and mistral-7b on v5p-64) the difference is 5.32 and
-# 5.13 GiB = 1.02 and 0.98 x their 5.19 and 5.25 GiB.
-MINIMAL_SAVED_COPIES = 1.8
+# Saved tensors are written per layer into stacked [N, ...] buffers by the forward scan and read by the backward
+# scan. Under the former "minimal" (jax's dots_with_no_batch_dims_saveable) XLA also held a second, partial copy of
+# them in the loss phase (1.83 x the saved bytes for qwen3-0.6b on v5p-8, B=1, L=2048; bench/memory_accuracy.py).
+# Under MaxText's policies, which save by checkpoint name, it holds none: llama2-7b on v5p-128, B=4, L=2048,
+# attention=flash remat_policy=minimal compiles to 26.22 GiB per device against 26.1 GiB analytical with no copy
+# (and 39 GiB with the former 1.8 copies), its peak the backward.
+MINIMAL_SAVED_COPIES = 1.0
 # FSDP all-gathers one layer's weights in compute dtype while the next one is prefetched: two layers' worth.
 GATHERED_LAYERS = 2
 # Gradients of one layer's weights exist unsharded (param dtype) before their reduce-scatter.
@@ -137,15 +136,19 @@ def params_per_device(model: ModelShape, mesh: Mesh) -> float:
 
 
 def named_per_token(model: ModelShape, train: TrainShape, mesh: Mesh) -> dict[str, float]:
-    """Bytes per local token of each checkpoint name's tensor in one layer (the layer input is the scan carry,
-    counted apart; MaxText's fused qkv_proj does not occur here)."""
+    """Bytes per local token of each checkpoint name's tensor that the backward reads back, in one layer (the layer
+    input is the scan carry, counted apart; MaxText's fused qkv_proj does not occur here; the MLP's output, mlpwo,
+    only a post-norm reads: elsewhere a policy that names it keeps nothing, tests/test_remat.py)."""
     c = dtype_bytes(train.compute_dtype, "compute_dtype")
     D, Dh = model.d_model, model.head_dim
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
-    lse = FLASH_LSE_BYTES * a.H if attention_kernel(train) == "flash" else 0.0  # the kernel's residual, named too
+    # a flash kernel's residuals carry the context's name too: its output in the kernel's [B, H, L, Dh] layout (beside
+    # the context in the model's) and the float32 log-sum-exp (measured here: jax's saved_residuals of a layer)
+    flash = attention_kernel(train) == "flash"
+    kernel = c * a.H * Dh + FLASH_LSE_BYTES * a.H if flash else 0.0
     wi = {"mlpwi_0": c * a.F, "mlpwi_1": c * a.F} if gated(model) else {"mlpwi": c * a.F}
     return {"query_proj": c * a.H * Dh, "key_proj": c * a.K * Dh, "value_proj": c * a.K * Dh,
-            "context": c * a.H * Dh + lse, "out_proj": c * D, **wi, "mlpwo": c * D}
+            "context": c * a.H * Dh + kernel, "out_proj": c * D, **wi, "mlpwo": c * D if model.post_norms else 0.0}
 
 
 def layer_saved_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat: str) -> float:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxperf.errors import MaxperfError
 from maxperf.models.config import SPLASH_BLOCKS, AttentionKernel, AttentionType, ModelConfig, TrainConfig
@@ -179,6 +180,9 @@ def blockwise(q, k, v, window, softcap):
 
 def _blockwise_fwd(q, k, v, window, softcap):
     out, lse = _blockwise_forward(q, k, v, window, softcap)
+    # the residuals beyond q, k, v carry the context's checkpoint name: a remat policy that keeps the context keeps
+    # them too, and the backward needs no second forward (as MaxText names splash attention's)
+    out, lse = checkpoint_name(out, "context"), checkpoint_name(lse, "context")
     return out, (q, k, v, window, out, lse)
 
 
@@ -271,7 +275,8 @@ def _splash_kernel(H: int, L: int, window: int, softcap, blocks: dict, interpret
         mask = sm.CausalMask((L, L))
     sizes = sk.BlockSizes(**{name.removeprefix("sa_"): value for name, value in blocks.items()})
     return sk.make_splash_mha(sm.MultiHeadMask([mask] * H), block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                              attn_logits_soft_cap=softcap, interpret=interpret)
+                              attn_logits_soft_cap=softcap, residual_checkpoint_name="context",
+                              interpret=interpret)
 
 
 # --- GPU: Pallas (Triton) flash attention -------------------------------------------------------------------

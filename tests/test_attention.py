@@ -1,0 +1,156 @@
+"""Attention kernels: flash (the CPU's blockwise kernel, and TPU splash attention run in interpret mode) against the
+materialized dot product, MaxText's key names, and one-line errors for settings a kernel cannot serve."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxperf.errors import MaxperfError
+from maxperf.models import overrides, presets, train_step
+from maxperf.models.config import AttentionKernel, AttentionType
+from maxperf.models.layers import attention_kernels as ak
+from models_util import tiny
+
+# float32 throughout: flash and the dot product agree to float32 rounding of sums over up to 1024 keys, which the
+# blockwise kernel adds in another order
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def strict_ranks():
+    with jax.numpy_rank_promotion("raise"):
+        yield
+
+
+def _qkv(L=256, B=1, K=2, G=2, Dh=16):
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = 0.3 * jax.random.normal(keys[0], (B, L, K, G, Dh))
+    k = jax.random.normal(keys[1], (B, L, K, Dh))
+    v = jax.random.normal(keys[2], (B, L, K, Dh))
+    return q, k, v
+
+
+def _value_and_grads(kernel, q, k, v):
+    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(kernel(q, k, v))), argnums=(0, 1, 2)))(q, k, v)
+
+
+def _dot(window, softcap):
+    return lambda q, k, v: ak.dot_product(q, k, v, window, softcap=softcap, float32_qk_product=False,
+                                          float32_logits=False)
+
+
+@pytest.mark.parametrize("window, softcap", [(0, None), (100, None), (0, 5.0), (100, 5.0)])
+def test_blockwise_matches_dot_product(window, softcap):
+    q, k, v = _qkv(L=1024)  # two key blocks of CPU_BLOCK
+    ref = _value_and_grads(_dot(window, softcap), q, k, v)
+    got = _value_and_grads(lambda q, k, v: ak.blockwise(q, k, v, jnp.int32(window), softcap), q, k, v)
+    np.testing.assert_allclose(got[0], ref[0], **TOLERANCE)
+    for a, b in zip(got[1], ref[1]):
+        np.testing.assert_allclose(a, b, **TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window, softcap", [(0, None), (100, 5.0)])
+def test_splash_in_interpret_mode_matches_dot_product(window, softcap):
+    q, k, v = _qkv(L=256)
+    ref = _value_and_grads(_dot(window, softcap), q, k, v)
+    got = _value_and_grads(lambda q, k, v: ak.splash(q, k, v, window, softcap=softcap, blocks=(128,) * 8,
+                                                     interpret=True), q, k, v)
+    np.testing.assert_allclose(got[0], ref[0], **TOLERANCE)
+    for a, b in zip(got[1], ref[1]):
+        np.testing.assert_allclose(a, b, **TOLERANCE)
+
+
+def _loss_and_grads(*words):
+    cfg, spec = tiny(*words, devices=1)
+    params = train_step.init_state(spec, seed=0)["params"]
+    batch = jax.device_get(train_step.synthetic_batch(spec, seed=1))
+    graphdef = train_step.model_def(cfg.model, cfg.train).graphdef
+
+    def loss(params):
+        positions = jnp.broadcast_to(jnp.arange(cfg.train.seq_len, dtype=jnp.int32), batch["inputs"].shape)
+        logits = nnx.merge(graphdef, params)(batch["inputs"], positions)
+        return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1))
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pattern", [(), ("attention_type=local_global", "window=5", "attn_logit_softcap=20")])
+def test_model_loss_and_gradients_agree_across_kernels(pattern):
+    # the train step's model on CPU: flash runs the blockwise kernel (interleaved windows traced through the scan)
+    ref = _loss_and_grads("attention=dot_product", *pattern)
+    got = _loss_and_grads("attention=flash", *pattern)
+    np.testing.assert_allclose(got[0], ref[0], **TOLERANCE)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOLERANCE), got[1], ref[1])
+
+
+def test_auto_picks_flash_on_tpu_and_gpu_and_blockwise_on_cpu():
+    assert [ak.implementation(AttentionKernel.AUTO, p) for p in ("tpu", "gpu", "cpu")] == [
+        "splash", "gpu_flash", "blockwise"]
+    assert ak.implementation(AttentionKernel.DOT_PRODUCT, "tpu") == "dot_product"
+
+
+def test_maxtext_keys_and_values():
+    cfg = overrides.apply(presets.get("tiny"), ["attention=autoselected", "attention_type=local_sliding", "window=8",
+                                                 "sa_block_q=256", "float32_logits=true"])
+    assert cfg.train.attention is AttentionKernel.AUTO
+    assert cfg.model.attention_type is AttentionType.LOCAL_SLIDING
+    assert cfg.train.sa_block_q == 256 and cfg.train.float32_logits
+    assert presets.get("gemma2-2b").attention_type is AttentionType.LOCAL_GLOBAL
+
+
+@pytest.mark.parametrize("words, platform, message", [
+    (["attention=fast"], "cpu", "attention=fast is not valid; .*valid values: auto, dot_product, flash"),
+    (["attention_type=sliding"], "cpu", "did you mean local_sliding"),
+    (["sa_block_q=100"], "tpu", "sa_block_q must be a positive multiple of 128, got 100"),
+    (["attention=flash", "seq_len=1000"], "tpu", "needs sa_block_q .* to divide seq_len=1000"),
+    (["attention=flash", "seq_len=200", "sa_block_q=128", "sa_block_kv=128", "sa_block_kv_compute=128",
+      "sa_block_q_dkv=128", "sa_block_kv_dkv=128", "sa_block_kv_dkv_compute=128", "sa_block_q_dq=128",
+      "sa_block_kv_dq=128"], "tpu", "needs sa_block_q .* to divide seq_len=200"),
+    (["attention=flash", "attention_type=local_sliding", "window=64"], "gpu",
+     "serves attention_type=global only, got attention_type=local_sliding; valid: attention=dot_product"),
+    (["attention=flash", "attn_logit_softcap=30"], "gpu", "has no logit soft-capping"),
+])
+def test_settings_a_kernel_cannot_serve_are_one_line_errors(words, platform, message):
+    with pytest.raises(MaxperfError, match=message) as err:
+        cfg = overrides.apply(presets.get("tiny"), words)
+        ak.check(cfg.model, cfg.train, platform)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_splash_compiles_for_tpu_and_serializes(tmp_path):
+    from maxperf import aot
+
+    # interleaved local and global layers with soft-capping: both static masks built, the layer's window picks one
+    result = aot.compile("v5p-8", "tiny", ["seq_len=512", "per_device_batch_size=2", "attention=flash",
+                                           "attention_type=local_global", "window=128", "attn_logit_softcap=50"],
+                         out=tmp_path / "tpu")
+    assert "tpu_custom_call" in (tmp_path / "tpu" / "hlo" / "optimized.hlo.txt").read_text()  # Mosaic kernels
+    assert (result.out_dir / "compiled.pkl").stat().st_size > 0  # written after check_executable_pickle passed
+
+
+@pytest.mark.slow
+def test_gpu_flash_compiles_without_a_gpu_and_serializes(tmp_path):
+    from maxperf import aot
+
+    result = aot.compile("h100-8", "tiny", ["seq_len=256", "per_device_batch_size=2", "attention=flash"],
+                         out=tmp_path / "gpu")
+    assert "__gpu$xla.gpu.triton" in (tmp_path / "gpu" / "hlo" / "optimized.hlo.txt").read_text()  # Pallas Triton
+    assert (result.out_dir / "compiled.pkl").stat().st_size > 0
+
+
+def test_dot_product_switches_set_the_score_dtype():
+    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(L=16))
+
+    def scores_dtype(**switches):
+        jaxpr = jax.make_jaxpr(lambda q, k, v: ak.dot_product(q, k, v, 0, softcap=None, **switches))(q, k, v)
+        softmax_in = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "reduce_max"][0]
+        return softmax_in.invars[0].aval.dtype
+
+    assert scores_dtype(float32_qk_product=False, float32_logits=False) == jnp.bfloat16  # MaxText's defaults
+    assert scores_dtype(float32_qk_product=False, float32_logits=True) == jnp.float32
+    assert scores_dtype(float32_qk_product=True, float32_logits=False) == jnp.float32

@@ -1,0 +1,181 @@
+"""MaxText's remat policies: the tensors each keeps by checkpoint name, the same gradients under every policy,
+offload to pinned host memory, and perfmodel's saved sets and recompute FLOPs that follow them."""
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax._src.ad_checkpoint import saved_residuals
+
+from maxperf.models import overrides, presets, train_step
+from maxperf.models.config import ModelConfig, RematPolicy, TrainConfig
+from maxperf.models.layers.decoder import DenseDecoderLayer
+from maxperf.models.transformer import remat_policy
+from maxperf.perfmodel import flops
+from maxperf.perfmodel.memory import estimate_memory, layer_saved_per_token, named_per_token
+from maxperf.perfmodel.shapes import Mesh
+from models_util import tiny
+
+# MaxText's layers/decoders.py get_remat_policy, written out: (saved on device, offloaded to the host)
+QKV = {"query_proj", "key_proj", "value_proj", "qkv_proj"}
+MINIMAL = QKV | {"out_proj", "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo"}
+MAXTEXT = {
+    "minimal": (MINIMAL, set()),
+    "minimal_with_context": (MINIMAL | {"context"}, set()),
+    "save_dot_with_context_except_mlp": (QKV | {"context", "out_proj"}, set()),
+    "save_dot_except_mlpwi": (QKV | {"out_proj", "mlpwo"}, set()),
+    "save_dot_except_mlp": (QKV | {"out_proj"}, set()),
+    "save_qkv_proj": (QKV, set()),
+    "save_out_proj": ({"out_proj"}, set()),
+    "qkv_proj_offloaded": (set(), {"query_proj", "key_proj", "value_proj"}),
+    "minimal_offloaded": (set(), MINIMAL),
+    "full": (set(), set()),
+}
+
+
+@pytest.mark.parametrize("policy", sorted(MAXTEXT))
+def test_policies_keep_maxtexts_names(policy):
+    saved, offloaded = TrainConfig(remat_policy=policy).remat_names()
+    assert (set(saved), set(offloaded)) == MAXTEXT[policy]
+    assert tuple(map(set, flops.remat_names(TrainConfig(remat_policy=policy)))) == MAXTEXT[policy]
+    assert TrainConfig(remat_policy="none").remat_names() is None
+
+
+def test_custom_policy_reads_maxtexts_per_tensor_keys():
+    cfg = overrides.apply(presets.get("tiny"), ["remat_policy=custom", "query_proj=device", "mlpwo=offload",
+                                                 "context=offload"])
+    saved, offloaded = cfg.train.remat_names()
+    assert set(saved) == {"decoder_layer_input", "query_proj"}  # MaxText keeps the layer input on device by default
+    assert set(offloaded) == {"mlpwo", "context"}
+    assert tuple(map(set, flops.remat_names(cfg.train))) == (set(saved), set(offloaded))
+
+
+def _layer_residual_names(policy: str, kernel: str) -> set[str]:
+    """The checkpoint names among what one dense layer keeps for its backward under a policy."""
+    model = ModelConfig(name="t", vocab_size=16, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                        d_ff=32)
+    train = TrainConfig(remat_policy=policy, attention=kernel)
+    from maxperf.models.layers.attention_kernels import AttentionOptions
+
+    layer = DenseDecoderLayer(model, jnp.float32, nnx.Rngs(0), AttentionOptions.from_train(train))
+    graphdef, state = nnx.split(layer)
+    positions = jnp.arange(8, dtype=jnp.int32)[None]
+
+    def apply(x, state):
+        return jnp.sum(nnx.merge(graphdef, state)(x, positions, 0))
+
+    fn = jax.checkpoint(apply, policy=remat_policy(train.remat_names()))
+    names = set()
+    for _, where in saved_residuals(fn, jnp.ones((1, 8, 16)), state):
+        if where.startswith("named '"):
+            names.add(where.split("'")[1])
+    return names
+
+
+@pytest.mark.parametrize("policy", ["minimal", "save_dot_except_mlpwi", "save_qkv_proj", "minimal_with_context",
+                                    "full"])
+def test_the_model_names_what_each_policy_keeps(policy):
+    # a gated MLP, no fused qkv; the MLP's output (mlpwo) only a post-norm would read back, so it is never kept here
+    read_back = {"query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0", "mlpwi_1"}
+    expected = MAXTEXT[policy][0] & read_back
+    assert _layer_residual_names(policy, "dot_product") == expected
+    # flash kernels name their residuals (output and log-sum-exp) "context": one policy keeps both or neither
+    assert _layer_residual_names(policy, "flash") == expected
+
+
+def _grads(*words):
+    cfg, spec = tiny(*words, devices=1)
+    params = train_step.init_state(spec, seed=0)["params"]
+    batch = jax.device_get(train_step.synthetic_batch(spec, seed=1))
+    graphdef = train_step.model_def(cfg.model, cfg.train).graphdef
+
+    def loss(params):
+        positions = jnp.broadcast_to(jnp.arange(cfg.train.seq_len, dtype=jnp.int32), batch["inputs"].shape)
+        logits = nnx.merge(graphdef, params)(batch["inputs"], positions)
+        return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1))
+
+    return jax.jit(jax.grad(loss))(params)
+
+
+@pytest.mark.slow
+def test_every_policy_gives_the_same_gradients():
+    # offloading policies included: XLA:CPU has a pinned host memory space of its own
+    reference = _grads("remat_policy=none")
+    for policy in [p for p in RematPolicy if p is not RematPolicy.NONE]:
+        words = ["context=offload", "mlpwi_0=device"] if policy is RematPolicy.CUSTOM else []
+        other = _grads(f"remat_policy={policy.value}", *words)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), reference, other)
+
+
+# perfmodel
+
+
+LLAMA = presets.get("llama2-7b")
+MESH = Mesh(axes={"data": 1, "fsdp": 8, "sequence": 1, "tensor": 1, "expert": 1}, dcn={"data": 1, "fsdp": 1})
+
+
+@pytest.mark.parametrize("policy", sorted(MAXTEXT))
+def test_perfmodel_saves_and_offloads_each_policys_names(policy):
+    train = TrainConfig(per_device_batch_size=2, seq_len=4096, remat_policy=policy)
+    sizes = named_per_token(LLAMA, train, MESH)
+    saved, offloaded = MAXTEXT[policy]
+    assert layer_saved_per_token(LLAMA, train, MESH, remat=policy) == sum(sizes.get(n, 0) for n in saved)
+    memory = estimate_memory(LLAMA, train, MESH, hbm_bytes=95e9)
+    T = 2 * 4096
+    assert memory.host_offload == LLAMA.num_layers * T * sum(sizes.get(n, 0) for n in offloaded)
+
+
+def test_offloading_moves_bytes_from_hbm_to_host():
+    train = TrainConfig(per_device_batch_size=2, seq_len=4096)
+    kept = estimate_memory(LLAMA, replace(train, remat_policy="minimal"), MESH, hbm_bytes=95e9)
+    moved = estimate_memory(LLAMA, replace(train, remat_policy="minimal_offloaded"), MESH, hbm_bytes=95e9)
+    full = estimate_memory(LLAMA, replace(train, remat_policy="full"), MESH, hbm_bytes=95e9)
+    assert moved.activations == full.activations  # only the layer inputs stay on device
+    assert moved.host_offload == kept.activations - full.activations
+    assert full.host_offload == kept.host_offload == 0
+
+
+def test_flash_keeps_no_scores():
+    train = TrainConfig(per_device_batch_size=1, seq_len=8192, remat_policy="none")
+    a = named_per_token(LLAMA, train, MESH)
+    flash = layer_saved_per_token(LLAMA, replace(train, attention="flash"), MESH, remat="none")
+    dot = layer_saved_per_token(LLAMA, replace(train, attention="dot_product"), MESH, remat="none")
+    # bf16 scores, the softmax output only (MaxText's defaults), against flash's float32 log-sum-exp
+    assert dot - flash == LLAMA.num_heads * (2 * 8192 - 4)
+    # the context, the kernel's output in its own layout and its float32 log-sum-exp, all named "context"
+    assert a["context"] == 2 * (2 * LLAMA.num_heads * LLAMA.head_dim) + 4 * LLAMA.num_heads
+
+
+def test_recompute_follows_what_each_policy_keeps():
+    model = presets.get("llama3-8b")  # gated MLP, grouped-query attention, no post-norms
+    counts = {p: flops.count_flops(model, TrainConfig(seq_len=4096, remat_policy=p, attention="dot_product"))
+              for p in [*MAXTEXT, "none"]}
+    per_token = flops.projection_flops_per_token(model)
+    T, N = 4096, model.num_layers
+    attention_fwd = counts["none"].attention_executed_flops / 3
+    qkv = sum(per_token[n] for n in ("query_proj", "key_proj", "value_proj"))
+    mlp_in = per_token["mlpwi_0"] + per_token["mlpwi_1"]
+    assert counts["none"].recompute_flops == 0
+    assert counts["minimal"].recompute_flops == attention_fwd  # the dot product's scores and context, again
+    assert counts["minimal_with_context"].recompute_flops == attention_fwd / 2  # the scores (probabilities) only
+    assert counts["save_dot_except_mlp"].recompute_flops == pytest.approx(N * T * mlp_in + attention_fwd)
+    assert counts["save_qkv_proj"].recompute_flops == pytest.approx(
+        N * T * (per_token["out_proj"] + mlp_in) + attention_fwd)
+    assert counts["full"].recompute_flops == pytest.approx(
+        N * T * (qkv + per_token["out_proj"] + mlp_in) + attention_fwd)
+    # offloaded tensors come back from the host instead of being recomputed
+    assert counts["minimal_offloaded"].recompute_flops == counts["minimal"].recompute_flops
+
+
+@pytest.mark.slow
+def test_offload_compiles_for_tpu(tmp_path):
+    from maxperf import aot
+
+    result = aot.compile("v5p-8", "tiny", ["seq_len=256", "per_device_batch_size=2", "remat_policy=minimal_offloaded",
+                                           "attention=flash"], out=tmp_path / "off")
+    hlo = (tmp_path / "off" / "hlo" / "optimized.hlo.txt").read_text()
+    assert "S(5)" in hlo  # XLA's pinned host memory space holds the offloaded activations
+    assert result.estimate["memory"]["host_offload"] > 0
