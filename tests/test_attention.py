@@ -1,6 +1,8 @@
 """Attention kernels: flash (the CPU's blockwise kernel, and TPU splash attention run in interpret mode) against the
 materialized dot product, MaxText's key names, and one-line errors for settings a kernel cannot serve."""
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,6 +93,16 @@ def test_auto_picks_flash_on_tpu_and_gpu_and_blockwise_on_cpu():
     assert [ak.implementation(AttentionKernel.AUTO, p) for p in ("tpu", "gpu", "cpu")] == [
         "splash", "gpu_flash", "blockwise"]
     assert ak.implementation(AttentionKernel.DOT_PRODUCT, "tpu") == "dot_product"
+
+
+def test_auto_falls_back_to_the_dot_product_where_flash_cannot_serve():
+    short = overrides.apply(presets.get("tiny"), ["seq_len=64"])  # splash tiles are multiples of 128
+    assert ak.check(short.model, short.train, "tpu") == "dot_product"
+    with pytest.raises(MaxperfError, match="attention=flash .splash on tpu. needs seq_len a multiple of 128, got 64"):
+        ak.check(short.model, replace(short.train, attention=AttentionKernel.FLASH), "tpu")
+    gemma2 = overrides.apply(presets.get("gemma2-2b"), [])
+    assert ak.check(gemma2.model, gemma2.train, "gpu") == "dot_product"  # windows and soft-capping
+    assert ak.check(gemma2.model, gemma2.train, "tpu") == "splash"
 
 
 def test_maxtext_keys_and_values():

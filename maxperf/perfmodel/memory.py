@@ -66,8 +66,11 @@ MINIMAL_SAVED_COPIES = 1.0
 GATHERED_LAYERS = 2
 # Gradients of one layer's weights exist unsharded (param dtype) before their reduce-scatter.
 UNSHARDED_GRAD_LAYERS = 1
-# Backward of one layer with remat none: float32 gradients of the scores plus two float32 B x L x D buffers.
-BACKWARD_SCORE_FLOAT32 = 1
+# Backward of one layer under the dot product: two score-sized gradients in the logits' dtype (dP = dO V^T and the
+# softmax's dS, both live), plus two float32 B x L x D buffers. Measured here: llama2-7b on v5p-128, B=4, L=2048,
+# attention=dot_product remat_policy=full compiles to 10.67 GiB per device; one score gradient gives 9.36 GiB
+# analytical, two 10.36.
+BACKWARD_SCORE_GRADIENTS = 2
 BACKWARD_D_FLOAT32 = 2
 
 
@@ -234,7 +237,7 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     vocab_table = local_size(table.shape, table.logical, _no_fsdp(mesh)) * c  # gathered for the logits
     # the gradient of the scores, in the logits' dtype: the dot product's only (flash keeps its tiles on chip)
     score_grads = 0.0 if attention_kernel(train) == "flash" else score_bytes(train)[1] * a.H * train.seq_len
-    gradient_buffers = T * (BACKWARD_SCORE_FLOAT32 * score_grads + BACKWARD_D_FLOAT32 * 4 * D)
+    gradient_buffers = T * (BACKWARD_SCORE_GRADIENTS * score_grads + BACKWARD_D_FLOAT32 * 4 * D)
     working = gradient_buffers
     if remat != "none":  # the layer being differentiated is rematerialized: one layer's full set of saved tensors
         working += T * (D * c + layer_saved_per_token(model, train, mesh, remat="none"))

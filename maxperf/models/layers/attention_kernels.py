@@ -56,36 +56,52 @@ def implementation(kernel: AttentionKernel, platform: str) -> str:
     return {"tpu": "splash", "gpu": "gpu_flash"}.get(platform, "blockwise")
 
 
-def check(model: ModelConfig, train: TrainConfig, platform: str) -> str:
-    """The implementation for this model and step on a platform; MaxperfError naming the setting and the valid
-    choices where the kernel cannot serve it."""
-    impl = implementation(train.attention, platform)
-    L, Dh = train.seq_len, model.head_dim
-    what = f"attention={AttentionKernel(train.attention).value} ({impl} on {platform})"
+def unserved(impl: str, *, L: int, Dh: int, pattern: str, softcap: float | None, blocks: tuple[int, ...]) -> str | None:
+    """Why a kernel cannot serve the setting (a phrase that names it and what would do), or None where it can;
+    `pattern` is the attention_type."""
     if impl == "splash":
-        for name in SPLASH_BLOCKS:
-            block = min(getattr(train, name), L)
-            if L % block:
-                raise MaxperfError(f"{what} needs {name} ({getattr(train, name)}) to divide seq_len={L} or exceed "
-                                   f"it; set {name} to a multiple of 128 that divides {L}, or attention=dot_product")
+        for name, value in zip(SPLASH_BLOCKS, blocks):
+            if L % min(value, L):
+                return (f"needs {name} ({value}) to divide seq_len={L} or exceed it; set {name} to a multiple of 128 "
+                        f"that divides {L}, or attention=dot_product")
         if L % 128:  # the kernel's tiles are multiples of the 128 lanes (any head dim compiles: it is padded)
-            raise MaxperfError(f"{what} needs seq_len a multiple of 128, got {L}; valid: attention=dot_product")
+            return f"needs seq_len a multiple of 128, got {L}; valid: attention=dot_product"
     if impl == "gpu_flash":
-        if AttentionType(model.attention_type) is not AttentionType.GLOBAL:
-            raise MaxperfError(f"{what} serves attention_type=global only, got attention_type="
-                               f"{AttentionType(model.attention_type).value}; valid: attention=dot_product")
-        if model.attn_logit_softcap is not None:
-            raise MaxperfError(f"{what} has no logit soft-capping (attn_logit_softcap={model.attn_logit_softcap}); "
-                               f"valid: attention=dot_product")
+        if pattern != AttentionType.GLOBAL.value:
+            return f"serves attention_type=global only, got attention_type={pattern}; valid: attention=dot_product"
+        if softcap is not None:
+            return f"has no logit soft-capping (attn_logit_softcap={softcap}); valid: attention=dot_product"
         if Dh > 256:
-            raise MaxperfError(f"{what} takes head_dim up to 256, got {Dh}; valid: attention=dot_product")
-    return impl
+            return f"takes head_dim up to 256, got {Dh}; valid: attention=dot_product"
+    return None
+
+
+def choose(kernel: AttentionKernel, platform: str, **setting) -> str:
+    """The implementation for `attention=kernel` on a platform: `auto` falls back to the dot product where flash
+    cannot serve the setting (`unserved`'s keywords), an explicit `flash` is refused with one line saying why."""
+    impl = implementation(kernel, platform)
+    why = unserved(impl, **setting)
+    if why is None:
+        return impl
+    if AttentionKernel(kernel) is AttentionKernel.AUTO:
+        return "dot_product"
+    raise MaxperfError(f"attention={AttentionKernel(kernel).value} ({impl} on {platform}) {why}")
+
+
+def check(model: ModelConfig, train: TrainConfig, platform: str) -> str:
+    """The implementation for this model and step on a platform, before anything is traced (see `choose`)."""
+    return choose(train.attention, platform, L=train.seq_len, Dh=model.head_dim,
+                  pattern=AttentionType(model.attention_type).value,
+                  softcap=model.attn_logit_softcap, blocks=tuple(getattr(train, n) for n in SPLASH_BLOCKS))
 
 
 def attend(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, *, softcap: float | None, options: AttentionOptions,
            windows: tuple[int, ...] = (0,)) -> jax.Array:
     """`windows`: every window the model's layers use (0 for global), for kernels whose masks must be static."""
-    impl = implementation(options.kernel, platform_of_mesh())
+    _, L, _, _, Dh = q_BxLxKxGxDh.shape
+    pattern = AttentionType.GLOBAL.value if windows == (0,) else "windowed"
+    impl = choose(options.kernel, platform_of_mesh(), L=L, Dh=Dh, pattern=pattern, softcap=softcap,
+                  blocks=options.splash_blocks)
     if impl == "dot_product":
         return dot_product(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=softcap,
                            float32_qk_product=options.float32_qk_product, float32_logits=options.float32_logits)
