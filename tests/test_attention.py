@@ -65,6 +65,22 @@ def test_splash_in_interpret_mode_matches_dot_product(window, softcap):
         np.testing.assert_allclose(a, b, **TOLERANCE)
 
 
+@pytest.mark.slow
+def test_splash_under_shard_map_matches_dot_product():
+    # batch over fsdp and heads over tensor, as the layer's logical rules shard them; interpret mode on CPU devices
+    from maxperf.models.sharding import make_mesh
+
+    mesh = make_mesh(jax.devices()[:4], {"data": 1, "fsdp": 2, "sequence": 1, "tensor": 2, "expert": 1})
+    q, k, v = _qkv(L=256, B=2)
+    ref = _value_and_grads(_dot(0, None), q, k, v)
+    with jax.set_mesh(mesh):
+        got = _value_and_grads(lambda q, k, v: ak.splash(q, k, v, 0, softcap=None, blocks=(128,) * 8,
+                                                         interpret=True), q, k, v)
+    np.testing.assert_allclose(got[0], ref[0], **TOLERANCE)
+    for a, b in zip(got[1], ref[1]):
+        np.testing.assert_allclose(a, b, **TOLERANCE)
+
+
 def _loss_and_grads(*words):
     cfg, spec = tiny(*words, devices=1)
     params = train_step.init_state(spec, seed=0)["params"]

@@ -179,3 +179,21 @@ def test_offload_compiles_for_tpu(tmp_path):
     hlo = (tmp_path / "off" / "hlo" / "optimized.hlo.txt").read_text()
     assert "S(5)" in hlo  # XLA's pinned host memory space holds the offloaded activations
     assert result.estimate["memory"]["host_offload"] > 0
+
+
+def test_step_time_follows_the_kernel_and_the_offload():
+    from maxperf.perfmodel import estimate
+    from maxperf.perfmodel.chips import get
+    from perfmodel_util import Topo
+
+    topo = Topo("tpu-v5p", 64, hosts=16, torus=(4, 4, 4))
+    train = TrainConfig(per_device_batch_size=2, seq_len=4096, remat_policy="minimal")
+    rows = {m: {r.name: r for r in estimate(LLAMA, replace(train, attention=m), {"fsdp": 64}, {}, topo).breakdown}
+            for m in ("flash", "dot_product")}
+    assert "attention (flash kernel)" in rows["flash"] and "softmax" not in rows["flash"]  # no passes over HBM
+    assert {"attention scores", "attention context", "softmax"} <= set(rows["dot_product"])
+    offload = estimate(LLAMA, replace(train, remat_policy="minimal_offloaded"), {"fsdp": 64}, {}, topo)
+    link = next(r for r in offload.breakdown if r.name == "remat offload (host link)")
+    moved = 2 * offload.memory.host_offload  # to the host in the forward, back in the backward
+    assert (link.kind, link.bytes) == ("host", moved)
+    assert link.seconds == pytest.approx(moved / get("tpu-v5p").host_link_bandwidth)
