@@ -173,8 +173,7 @@ class AbstractStep:
 
 
 def abstract_step(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> AbstractStep:
-    platform = mesh.devices.flat[0].platform
-    attention_kernels.check(model, train, {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform))
+    attention_kernels.check(model, train, attention_kernels.platform_kind(mesh.devices.flat[0].platform))
     sizes = dict(mesh.shape)
     md = model_def(model, train)
     state = jax.eval_shape(init_fn(model, train), jax.ShapeDtypeStruct((2,), jnp.uint32))

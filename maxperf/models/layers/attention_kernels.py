@@ -22,7 +22,6 @@ from maxperf.models.config import SPLASH_BLOCKS, AttentionKernel, AttentionType,
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 # The blockwise (CPU) kernel's key block: scores live as [.., L, CPU_BLOCK] tiles, never [L, L].
 CPU_BLOCK = 512
-IMPLEMENTATIONS = ("dot_product", "splash", "gpu_flash", "blockwise")
 
 
 @dataclass(frozen=True)
@@ -42,11 +41,15 @@ class AttentionOptions:
                    splash_blocks=tuple(getattr(train, name) for name in SPLASH_BLOCKS))
 
 
-def platform_of_mesh() -> str:
-    """"tpu", "gpu" or "cpu": the platform of the mesh set by `jax.set_mesh`, else jax's default backend."""
-    mesh = jax.sharding.get_abstract_mesh()
-    platform = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+def platform_kind(platform: str) -> str:
+    """"tpu", "gpu" or "cpu" for a jax platform name (CUDA and ROCm devices are "gpu")."""
     return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+
+
+def platform_of_mesh() -> str:
+    """The platform kind of the mesh set by `jax.set_mesh`, else of jax's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return platform_kind(jax.default_backend() if mesh.empty else mesh.abstract_device.platform)
 
 
 def implementation(kernel: AttentionKernel, platform: str) -> str:
