@@ -3,6 +3,9 @@ be used, and perfmodel's CPU estimate records which calibration it was given."""
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -106,3 +109,15 @@ def test_cache_dir_honours_xdg(tmp_path, monkeypatch):
     monkeypatch.delenv("MAXPERF_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert user_cache.cache_dir() == tmp_path / "maxperf"
+
+
+@pytest.mark.slow
+def test_calibrate_keeps_plugin_noise_off_the_terminal():
+    """jax starting platforms that are not here: the CUDA plugin logs a traceback, libtpu its warnings, and jax
+    raises; the command says one line."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cuda,tpu"}
+    proc = subprocess.run([sys.executable, "-m", "maxperf.cli", "calibrate"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 1 and proc.stdout == ""
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("maxperf: error: RuntimeError: Unable to initialize backend 'tpu'"), line

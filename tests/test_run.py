@@ -15,8 +15,8 @@ from maxperf.profiler import run as runner
 LEARNS = ["seq_len=64", "per_device_batch_size=2", "learning_rate=1e-2", "warmup_steps=0"]
 
 
-def maxperf(*args, cwd=None, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the run sets its own device count
+def maxperf(*args, cwd=None, timeout=600, unset=("XLA_FLAGS",)):
+    env = {k: v for k, v in os.environ.items() if k not in unset}  # the run sets its own device count
     return subprocess.run([sys.executable, "-m", "maxperf.cli", *args], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=timeout)
 
@@ -137,9 +137,81 @@ def test_altered_artifact_is_refused_and_runs_nothing(artifact, tmp_path):
 
 
 @pytest.mark.slow
-def test_mismatched_topology_is_refused(tmp_path):
-    tpu = aot.compile("v5p-8", "tiny", ["seq_len=64"], out=tmp_path / "tpu").out_dir
-    proc = maxperf("run", str(tpu), "--steps", "1")
+def test_mismatched_topology_is_refused_in_one_line(tmp_path):
+    """Starting jax here loads libtpu and the CUDA plugin, which write warnings and tracebacks: only --verbose shows
+    them."""
+    tpu = aot.compile("v5p-8", "tiny", ["seq_len=128"], out=tmp_path / "tpu").out_dir
+    everything = ("XLA_FLAGS", "JAX_PLATFORMS")  # as a user runs it: jax starts every platform it has a plugin for
+    proc = maxperf("run", str(tpu), "--steps", "1", unset=everything)
     assert proc.returncode == 2, proc.stderr
-    assert "compiled for 4 tpu device(s)" in proc.stderr and "found" in proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("maxperf: error: this machine does not match the artifact: compiled for 4 tpu device(s)")
     assert not (Path(tpu) / "run").exists()
+    verbose = maxperf("run", str(tpu), "--steps", "1", "--verbose", unset=everything)
+    assert verbose.returncode == 2 and verbose.stderr.splitlines()[-1] == line
+    assert len(verbose.stderr.splitlines()) > 1  # what the CUDA plugin and libtpu wrote as jax started them
+
+
+def test_a_checkpoint_that_cannot_be_written_is_refused_before_the_first_step(artifact, tmp_path):
+    (tmp_path / "file.txt").write_text("not a directory")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "kept.txt").write_text("kept")
+    cases = [(tmp_path / "file.txt" / "ckpt", "file.txt is a file, not a directory"),
+             (Path("/proc/maxperf-ckpt"), "cannot create directories in /proc"),  # unwritable even for root
+             (tmp_path / "full", "exists and is not empty")]
+    for destination, why in cases:
+        said = []
+        with pytest.raises(MaxperfError, match=why):
+            runner.run(artifact, steps=1, warmup=0, checkpoint=destination, out=tmp_path / "out", progress=said.append)
+        assert said == [] and not (tmp_path / "out").exists()
+    assert (tmp_path / "full" / "kept.txt").read_text() == "kept"
+
+
+@pytest.mark.slow
+def test_cli_refuses_an_unwritable_checkpoint_in_one_line(artifact, tmp_path):
+    (tmp_path / "file.txt").write_text("not a directory")
+    proc = maxperf("run", str(artifact), "--checkpoint", str(tmp_path / "file.txt" / "ckpt"), "--out",
+                   str(tmp_path / "out"), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"maxperf: error: --checkpoint {tmp_path / 'file.txt' / 'ckpt'}: "
+                                        f"{tmp_path / 'file.txt'} is a file, not a directory"]
+
+
+@pytest.mark.slow
+def test_a_failed_save_ends_the_run_at_once(artifact, tmp_path):
+    """A save that fails after the destination was checked (here: the check skipped) leaves orbax's writer threads
+    waiting 20 minutes for signals; the command still ends, with exit code 1 and one last line."""
+    (tmp_path / "file.txt").write_text("not a directory")
+    script = ("import sys\n"
+              "from maxperf.profiler import checkpoints\n"
+              "checkpoints.check_destination = lambda directory: None\n"
+              "from maxperf.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"MAXPERF_DEBUG": "1"}  # in this process
+    proc = subprocess.run([sys.executable, "-c", script, "run", str(artifact), "--steps", "1", "--warmup", "0",
+                           "--checkpoint", str(tmp_path / "file.txt" / "ckpt"), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1].startswith(
+        f"maxperf: error: --checkpoint {tmp_path / 'file.txt' / 'ckpt'}: the save failed (NotADirectoryError")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_run_and_its_child(artifact, tmp_path):
+    import signal
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen([sys.executable, "-m", "maxperf.cli", "run", str(artifact), "--steps", "100000",
+                             "--out", str(tmp_path / "out")], stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stderr:  # the child's progress: wait until it is in the step loop
+        if "warm-up 1:" in line:
+            break
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert len(children) == 1
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130
+    assert rest.splitlines()[-1] == "maxperf: interrupted"
+    assert not Path(f"/proc/{children[0]}").exists()  # the supervisor waited for it
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))  # it cleaned up

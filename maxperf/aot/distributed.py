@@ -20,8 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seconds to wait for peers to join, and for a silent peer before giving up (default 60)")
 
 
-def initialize(args: argparse.Namespace, platform: str | None = None) -> None:
-    """Joins the job named by the flags, else one a scheduler describes in the environment; alone otherwise."""
+def initialize(args: argparse.Namespace, platform: str | None = None) -> bool:
+    """Joins the job named by the flags, else one a scheduler describes in the environment; alone otherwise.
+    True when it joined a job through the flags.
+
+    --timeout bounds each of jax's waits for peers: joining, heartbeats (a peer silent this long is dead) and the
+    barrier at exit. When one runs out, jax's coordination service ends the process with a C++ check failure that
+    Python cannot catch: `maxperf run` turns it into one line (maxperf.cli.supervisor)."""
     import jax
 
     if args.num_processes is not None and args.num_processes > 1:
@@ -39,6 +44,8 @@ def initialize(args: argparse.Namespace, platform: str | None = None) -> None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
                                    process_id=args.process_id, initialization_timeout=args.timeout,
-                                   heartbeat_timeout_seconds=args.timeout)
-    elif platform != "cpu" and any(os.environ.get(v) for v in _SCHEDULER_VARIABLES if v != "TPU_WORKER_HOSTNAMES"):
+                                   heartbeat_timeout_seconds=args.timeout, shutdown_timeout_seconds=args.timeout)
+        return True
+    if platform != "cpu" and any(os.environ.get(v) for v in _SCHEDULER_VARIABLES if v != "TPU_WORKER_HOSTNAMES"):
         jax.distributed.initialize()
+    return False

@@ -213,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(parser, argv)
     try:
+        if getattr(args, "supervised", False):  # commands that start devices run in a watched child process
+            from maxperf.cli import supervisor
+
+            code = supervisor.supervise(sys.argv[1:] if argv is None else list(argv), args)
+            if code is not None:
+                return code
         return args.func(args)
     except MaxperfError as e:
         print(f"maxperf: error: {e}", file=sys.stderr)

@@ -182,6 +182,9 @@ def _estimate_memory_parser(sub) -> None:
 
 def _calibrate_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="measure this machine's devices for CPU predictions")
+    from maxperf.cli import supervisor
+
+    supervisor.add_arguments(p)  # --verbose; jax's plugins write to the terminal only with it
     p.set_defaults(func=cmd_calibrate)
 
 

@@ -5,41 +5,68 @@ from __future__ import annotations
 import os
 import sys
 
+from maxperf.cli import supervisor
+from maxperf.errors import MaxperfError
+
 GIB = 1 << 30
 
 
-def _prepare_cpu(path: str) -> str | None:
-    """A CPU artifact runs on this process's CPU devices: make as many as it was compiled for, before jax starts."""
+def _prepare(args) -> str | None:
+    """The artifact's platform, after checking the job's process count against it; a CPU artifact runs on this
+    process's CPU devices: make as many as it was compiled for, before jax starts."""
     from pathlib import Path
 
     from maxperf.aot import artifacts
     from maxperf.aot.topologies import ensure_cpu_devices
 
+    path = args.artifact
     directory = Path(path) if Path(path).is_dir() else Path(path).parent
     if not (directory / "manifest.json").is_file():
         return None  # load() explains what is missing
     devices = artifacts.read_manifest(directory).get("devices", {})
+    _check_processes(devices, args)
     if devices.get("platform") == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         ensure_cpu_devices(devices["count"] // max(devices.get("processes", 1), 1))
     return devices.get("platform")
 
 
+def _check_processes(devices: dict, args) -> None:
+    """The job's process count against the artifact's, before any process waits for peers that will not come."""
+    want, given = devices.get("processes", 1), args.num_processes
+    if given is None and (want == 1 or devices.get("platform") != "cpu"):
+        return  # a TPU or GPU job may take its processes from the cluster's environment
+    if (given or 1) != want:
+        start = ("run it as one process, without --num-processes" if want == 1 else
+                 f"start {want} processes, each with --coordinator HOST:PORT --num-processes {want} --process-id I")
+        raise MaxperfError(f"{args.artifact} was compiled for {want} process(es), this job has {given or 1}: {start}")
+
+
 def cmd_run(args) -> int:
     from maxperf.cli import _print_json, _progress
+    from maxperf.profiler.checkpoints import CheckpointFailed
     from maxperf.profiler.run import run
 
     from maxperf.aot import distributed
 
-    distributed.initialize(args, _prepare_cpu(args.artifact))
     say = _progress()
-    result = run(args.artifact, steps=args.steps, warmup=args.warmup, profile=args.profile, data=args.data,
-                 checkpoint=args.checkpoint, restore=args.restore, out=args.out, progress=say,
-                 peer_timeout=args.timeout, force=args.force)
+    if distributed.initialize(args, _prepare(args)):
+        say(f"{supervisor.JOINED} {args.coordinator} as process {args.process_id} of {args.num_processes}")
+    try:
+        result = run(args.artifact, steps=args.steps, warmup=args.warmup, profile=args.profile, data=args.data,
+                     checkpoint=args.checkpoint, restore=args.restore, out=args.out, progress=say,
+                     peer_timeout=args.timeout, force=args.force)
+    except CheckpointFailed as e:
+        # orbax's writer threads wait 20 minutes for signals that a failed save never sends, and would keep the
+        # process from exiting: say it and leave now
+        print(f"maxperf: error: {e}", file=sys.stderr, flush=True)
+        os._exit(e.exit_code)
     if args.json:
         _print_json(result.as_dict())
         return 0
-    print(f"ran {result.steps} steps on {result.devices} {result.device_kind} device(s) -> {result.out_dir}/run.json")
+    written = (f"-> {result.out_dir}/run.json" if result.out_dir is not None else
+               f"(process {result.process_index} of {result.processes}; process 0 writes run.json)")
+    print(f"ran {result.steps} steps on {result.devices} {result.device_kind} device(s) {written}")
     print(f"  step time        median {result.step_time_s:.4f} s (p10 {result.step_time_p10_s:.4f}, p90 "
           f"{result.step_time_p90_s:.4f}, min {result.step_time_min_s:.4f})")
     print(f"  tokens/s         {result.tokens_per_s:,.0f}")
@@ -84,6 +111,7 @@ def _run_parser(sub) -> None:
     from maxperf.aot import distributed
 
     distributed.add_arguments(p)
+    supervisor.add_arguments(p)
     p.set_defaults(func=cmd_run)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -17,20 +19,52 @@ def _orbax():
     return ocp
 
 
+class CheckpointFailed(MaxperfError):
+    """A save that was started and did not finish (the destination was checked before the run)."""
+
+    exit_code = 1
+
+
+def check_destination(directory: Path) -> None:
+    """Refuses, in one line, a `--checkpoint` that a save could not write: one that holds files, or lies under a
+    file, or where nothing can be created (read-only, /proc). orbax writes DIR.orbax-checkpoint-tmp-* beside DIR
+    and renames it, so DIR's parent (or its nearest existing ancestor, which orbax creates the rest under) must
+    take a new directory."""
+    directory = directory.absolute()
+    if directory.is_dir():
+        if any(directory.iterdir()):
+            raise MaxperfError(f"--checkpoint {directory} exists and is not empty; give a new directory")
+    elif os.path.lexists(directory):
+        raise MaxperfError(f"--checkpoint {directory} is a file; give a new directory")
+    base = directory.parent
+    while not os.path.lexists(base):
+        base = base.parent
+    if not base.is_dir():
+        raise MaxperfError(f"--checkpoint {directory}: {base} is a file, not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".maxperf-probe-", dir=base))
+    except OSError as e:
+        raise MaxperfError(f"--checkpoint {directory}: cannot create directories in {base} ({e.strerror})") from None
+
+
 def save(directory: Path, state: dict) -> dict[str, Any]:
     """Saves `state` under `directory` in the background; returns how long the step loop was blocked, how long
     the whole save took, and the bytes written."""
     ocp = _orbax()
     directory = directory.absolute()
-    if directory.exists() and any(directory.iterdir()):
-        raise MaxperfError(f"--checkpoint {directory} exists and is not empty; give a new directory")
+    check_destination(directory)
     checkpointer = ocp.StandardCheckpointer()
     start = time.perf_counter()
-    checkpointer.save(directory, state)
-    blocking = time.perf_counter() - start
-    checkpointer.wait_until_finished()
+    try:
+        checkpointer.save(directory, state)
+        blocking = time.perf_counter() - start
+        checkpointer.wait_until_finished()
+    except Exception as e:  # orbax raises what its writer threads hit (disk full, a path removed meanwhile)
+        raise CheckpointFailed(f"--checkpoint {directory}: the save failed ({type(e).__name__}: "
+                               f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''})") from None
+    finally:
+        checkpointer.close()
     total = time.perf_counter() - start
-    checkpointer.close()
     size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
     return {"path": str(directory), "blocking_seconds": blocking, "total_seconds": total, "bytes": size}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -20,7 +21,7 @@ PROFILED_STEPS = 3
 
 @dataclass(frozen=True)
 class RunResult:
-    out_dir: Path
+    out_dir: Path | None  # where run.json went; None on the processes of a job other than process 0, which writes it
     steps: int
     warmup: int
     step_times_s: list[float]
@@ -38,6 +39,7 @@ class RunResult:
     device_kind: str
     devices: int
     processes: int
+    process_index: int
     predicted_step_time_s: float | None
     measured_over_predicted: float | None
     memory: dict[str, Any]
@@ -51,7 +53,7 @@ class RunResult:
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["out_dir"] = str(self.out_dir)
+        out["out_dir"] = None if self.out_dir is None else str(self.out_dir)
         return {"schema": RUN_SCHEMA, **out}
 
 
@@ -176,7 +178,7 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         checkpoint: str | Path | None = None, restore: str | Path | None = None, out: str | Path | None = None,
         progress: Callable[[str], None] | None = None, peer_timeout: float = 60.0, force: bool = False) -> RunResult:
     """Runs the compiled step `steps` times after `warmup` steps and measures it. `out` (default DIR/run) must be
-    new, empty or an earlier run's output, unless `force`; it is checked before the first step."""
+    new, empty or an earlier run's output, unless `force`; it and `checkpoint` are checked before the first step."""
     if steps < 1 or warmup < 0:
         raise MaxperfError(f"--steps must be >= 1 and --warmup >= 0, got steps={steps}, warmup={warmup}")
     say = progress or (lambda _: None)
@@ -190,6 +192,8 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
 
     artifact = load(path)
     devices = check_devices(artifact, jax.devices())
+    if checkpoint is not None:
+        checkpoints.check_destination(Path(checkpoint))  # a save that cannot happen fails before the first step
     say(f"loading the executable onto {len(devices)} {devices[0].platform} device(s)")
     spec, step = artifact.step(devices)
     p = artifact.plan
@@ -256,17 +260,18 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
             tflops_per_device=flops / median / 1e12, mfu=flops / (median * peak), peak_flops_per_device=peak,
             peak_source=("calibrated by `maxperf calibrate`" if chip.calibrated else chip.note or "published"),
             losses=losses, platform=devices[0].platform, device_kind=devices[0].device_kind, devices=len(devices),
-            processes=jax.process_count(), predicted_step_time_s=predicted,
+            processes=jax.process_count(), process_index=jax.process_index(), predicted_step_time_s=predicted,
             measured_over_predicted=median / predicted if predicted else None, memory=memory,
             profile=profile_summary, checkpoint=saved, restored_from=str(restore) if restore else None,
             data=str(data) if data else "synthetic uniform tokens", artifact=str(artifact.directory.resolve()),
             notes=notes, calibration=record,
         )
-        writer.write_json("run.json", result.as_dict())
         if jax.process_index() == 0:
+            writer.write_json("run.json", result.as_dict())
             writer.commit()
         else:
             writer.abandon()
+            result = dataclasses.replace(result, out_dir=None)
     except BaseException:
         writer.abandon()
         raise
