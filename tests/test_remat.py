@@ -143,10 +143,12 @@ def test_flash_keeps_no_scores():
     a = named_per_token(LLAMA, train, MESH)
     flash = layer_saved_per_token(LLAMA, replace(train, attention="flash"), MESH, remat="none")
     dot = layer_saved_per_token(LLAMA, replace(train, attention="dot_product"), MESH, remat="none")
-    # bf16 scores, the softmax output only (MaxText's defaults), against flash's float32 log-sum-exp
-    assert dot - flash == LLAMA.num_heads * (2 * 8192 - 4)
-    # the context, the kernel's output in its own layout and its float32 log-sum-exp, all named "context"
-    assert a["context"] == 2 * (2 * LLAMA.num_heads * LLAMA.head_dim) + 4 * LLAMA.num_heads
+    H, Dh = LLAMA.num_heads, LLAMA.head_dim
+    # bf16 scores, the softmax output only (MaxText's defaults), against flash's residuals: its output in its own
+    # layout and splash's float32 log-sum-exp over 128 lanes
+    assert dot - flash == H * 2 * 8192 - (2 * H * Dh + 4 * 128 * H)
+    # the context, and the kernel's residuals, all named "context"
+    assert a["context"] == 2 * (2 * H * Dh) + 4 * 128 * H
 
 
 def test_recompute_follows_what_each_policy_keeps():

@@ -41,8 +41,10 @@ PLAIN_MLP_SAVED_F = 3
 # P V); soft-capping adds the tanh output in the product's dtype. The mask is one shared [L, L] boolean, negligible.
 SCORE_SAVED = 1
 SOFTCAP_SAVED = 1
-# Flash kernels keep, per query and head, the float32 log-sum-exp of the softmax beside their output.
-FLASH_LSE_BYTES = 4
+# Flash kernels keep, per query and head, the float32 log-sum-exp of the softmax beside their output; splash
+# attention keeps it broadcast over the 128 lanes of a TPU vector register (its forward's residuals in the optimized
+# HLO of llama2-7b on v5p-128: bf16[4,32,2048,128] and f32[4,32,2048,128]). The TPU's figure, for every platform.
+FLASH_LSE_BYTES = 4 * 128
 # Logits: the compute-dtype unembedding output and one float32 [T, V] buffer (the softmax / gradient of the
 # cross-entropy); XLA fuses the float32 upcast, and Gemma 2's final soft-capping (tanh), into the log-softmax
 # reductions, so neither is a buffer of its own. Measured here: qwen3-0.6b (V = 151936) and gemma-2b (V = 256000) on
@@ -62,11 +64,10 @@ OPTIMIZER_GRADIENT_COPIES = 1
 # attention=flash remat_policy=minimal compiles to 26.22 GiB per device against 26.1 GiB analytical with no copy
 # (and 39 GiB with the former 1.8 copies), its peak the backward.
 MINIMAL_SAVED_COPIES = 1.0
-# Offloaded tensors come back to device memory a layer at a time in the backward, the next layer's copy in flight
-# while one is in use: two layers' worth staged in HBM. Measured here: llama2-7b on v5p-128, B=4, L=2048,
-# attention=flash remat_policy=minimal_offloaded compiles to 8.45 GiB per device; 7.36 GiB analytical without staged
-# layers, 8.53 with two (0.59 GiB each).
-OFFLOAD_STAGED_LAYERS = 2
+# Offloaded tensors come back to device memory for the layer being differentiated: about one layer's worth staged in
+# HBM. Measured here: llama2-7b on v5p-128, B=4, L=2048, attention=flash: remat_policy=minimal_offloaded compiles to
+# 8.45 GiB per device, remat_policy=full to 8.14, a difference of 0.53 layers' offloaded tensors (0.59 GiB each).
+OFFLOAD_STAGED_LAYERS = 1
 # FSDP all-gathers one layer's weights in compute dtype while the next one is prefetched: two layers' worth.
 GATHERED_LAYERS = 2
 # Gradients of one layer's weights exist unsharded (param dtype) before their reduce-scatter.
@@ -176,8 +177,8 @@ def layer_saved_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, *, r
     qk_norm = (NORM_SAVED_BYTES + c) * (a.H + a.K) * Dh if model.qk_norm else 0.0
     rope = c * (a.H + a.K) * Dh if str(model.positions) == "rope" else 0.0
     scaled_q_and_context = 2 * c * a.H * Dh
-    if attention_kernel(train) == "flash":
-        scores = FLASH_LSE_BYTES * a.H
+    if attention_kernel(train) == "flash":  # the kernel's residuals: its output in its own layout, the log-sum-exp
+        scores = c * a.H * Dh + FLASH_LSE_BYTES * a.H
     else:  # each local query attends over all L keys (the full matrix, masked)
         product, logits = score_bytes(train)
         saved = SCORE_SAVED * logits + (c if logits > c else 0)
