@@ -141,6 +141,7 @@ def test_maxtext_keys_and_values():
     (["attention=flash", "attention_type=local_sliding", "window=64"], "gpu",
      "serves attention_type=global only, got attention_type=local_sliding; valid: attention=dot_product"),
     (["attention=flash", "attn_logit_softcap=30"], "gpu", "has no logit soft-capping"),
+    (["attention=flash", "seq_len=200"], "gpu", "needs seq_len a multiple of 128 .or of 32 below 128., got 200"),
 ])
 def test_settings_a_kernel_cannot_serve_are_one_line_errors(words, platform, message):
     with pytest.raises(MaxperfError, match=message) as err:

@@ -76,6 +76,8 @@ def unserved(impl: str, *, L: int, Dh: int, pattern: str, softcap: float | None,
             return f"has no logit soft-capping (attn_logit_softcap={softcap}); valid: attention=dot_product"
         if Dh > 256:
             return f"takes head_dim up to 256, got {Dh}; valid: attention=dot_product"
+        if L % min(L, 128) or L % 32:  # its tiles: 128 rows forward, 32 in the backward
+            return f"needs seq_len a multiple of 128 (or of 32 below 128), got {L}; valid: attention=dot_product"
     return None
 
 
