@@ -215,3 +215,34 @@ def test_ctrl_c_stops_the_run_and_its_child(artifact, tmp_path):
     assert rest.splitlines()[-1] == "maxperf: interrupted"
     assert not Path(f"/proc/{children[0]}").exists()  # the supervisor waited for it
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))  # it cleaned up
+
+
+def test_the_supervisor_shows_maxperfs_lines_and_ends_in_one(capsys):
+    """What `run` and `calibrate` pass on from their child's stderr, and the one line for how the child ended."""
+    import argparse
+    import io
+
+    from maxperf.cli import supervisor
+
+    child_stderr = (b"Jax plugin configuration error: Exception when calling jax_plugins.xla_cuda12.initialize()\n"
+                    b"[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+                    b"[   1.1s] joined the job at 127.0.0.1:5 as process 1 of 2\n"
+                    b"F1123 03:31:58.380221    8995 client.h:86] Terminating process because the JAX distributed "
+                    b"service detected fatal errors. absl::Status: UNAVAILABLE: Failed to send RPC to coordination "
+                    b"service. Either the leader task was preempted/died/restarted unexpectedly\n"
+                    b"*** Check failure stack trace: ***\n")
+    relay = supervisor._Relay(io.BytesIO(child_stderr), verbose=False)
+    relay.thread.join()
+    assert capsys.readouterr().err.splitlines() == ["[   1.1s] joined the job at 127.0.0.1:5 as process 1 of 2"]
+    assert relay.joined and not relay.said_error and relay.hidden == 4
+    args = argparse.Namespace(command="run", num_processes=2, process_id=1, coordinator="127.0.0.1:5", timeout=20)
+    assert supervisor.ending(-6, False, relay, args) == (
+        "maxperf: error: process 1 of 2 lost its job (UNAVAILABLE: Failed to send RPC to coordination service): "
+        "another process of the job stopped or cannot be reached, so this one gives up", 1)
+    assert supervisor.ending(0, True, relay, args) == (None, 0)  # it finished as the interrupt came
+    assert supervisor.ending(-9, True, relay, args) == ("maxperf: interrupted; stopped by SIGKILL", 130)
+    relay = supervisor._Relay(io.BytesIO(child_stderr + b"maxperf: error: a reason\n"), verbose=True)
+    relay.thread.join()
+    assert capsys.readouterr().err == child_stderr.decode() + "maxperf: error: a reason\n"
+    assert supervisor.ending(2, False, relay, args) == (None, 2)  # the child said why
+    assert supervisor.ending(-6, False, relay, args) == (None, 1)  # an abort at exit, after it said why

@@ -123,18 +123,26 @@ def _watch(argv: list[str], args: argparse.Namespace) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     relay.thread.join(timeout=5)
-    if stop:
-        if not relay.said_error:
-            print("maxperf: interrupted" + ("" if code >= 0 else f"; stopped by {_name(-code)}"), file=sys.stderr)
-        return 130
-    if code >= 0:
-        if code != 0 and not relay.said_error:
-            print(f"maxperf: error: the {args.command} process exited with status {code} without saying why"
-                  f"{_hint(relay)}", file=sys.stderr)
-        return code
-    if not relay.said_error:
-        print(f"maxperf: error: {_verdict(-code, relay, args)}", file=sys.stderr)
-    return 1
+    line, exit_code = ending(code, bool(stop), relay, args)
+    if line:
+        print(line, file=sys.stderr)
+    return exit_code
+
+
+def ending(code: int, interrupted: bool, relay, args: argparse.Namespace) -> tuple[str | None, int]:
+    """What to say (None: the child said it) and the exit code, for a child that ended with `code` (-N: signal
+    N), after an interrupt or not."""
+    if code == 0 or (code > 0 and relay.said_error):
+        return None, code  # it finished (perhaps as the interrupt came), or said why not
+    if interrupted:
+        return (None if relay.said_error else
+                "maxperf: interrupted" + ("" if code >= 0 else f"; stopped by {_name(-code)}")), 130
+    if relay.said_error:
+        return None, 1  # jax's runtime ended it (an abort at exit) after it had said why it stopped
+    if code > 0:
+        return (f"maxperf: error: the {args.command} process exited with status {code} without saying why"
+                f"{_hint(relay)}"), code
+    return f"maxperf: error: {_verdict(-code, relay, args)}", 1
 
 
 def _name(signum: int) -> str:
