@@ -17,7 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-processes", type=int, help="processes in the job")
     group.add_argument("--process-id", type=int, help="this process's index, 0 to num-processes - 1")
     group.add_argument("--timeout", type=int, default=60,
-                       help="seconds to wait for peers to join, and for a silent peer before giving up (default 60)")
+                       help="seconds to wait for peers: to join, for a silent peer before giving up, and at exit "
+                            "(default 60)")
 
 
 def initialize(args: argparse.Namespace, platform: str | None = None) -> bool:
