@@ -13,27 +13,39 @@ from collections.abc import Mapping, Sequence
 
 LogicalAxes = tuple[str | None, ...]
 
-# logical name -> mesh axes that shard it, outermost first (cf. MaxText's logical_axis_rules)
+# MaxText's mesh axes (configs/base.yml mesh_axes) that maxperf's layers use, outermost first; MaxText's `context` is
+# `sequence` here. Each may span DCN too (MaxText's dcn_*_parallelism), though MaxText advises only data and fsdp.
+MESH_AXES = ("data", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert")
+DCN_AXES = MESH_AXES
+
+# logical name -> mesh axes that shard it, outermost first: MaxText's logical_axis_rules (configs/base.yml), with
+# its `context` named `sequence`. Order matters as in MaxText (flax's logical_to_mesh_axes): an array's dimensions
+# take their axes in the order their names appear here, and an axis an earlier name took is skipped. So a weight
+# [D, F] puts fsdp_transpose on F ("mlp" comes first) and D keeps fsdp (MaxText's second "embed" rule), while an
+# attention weight [D, H, Dh] puts both fsdp and fsdp_transpose on D.
 RULES: dict[str, tuple[str, ...]] = {
-    # parameters: FSDP shards the model width, tensor parallelism the heads, MLP width and vocabulary
-    "embed": ("fsdp", "sequence", "expert"),
-    "vocab": ("tensor",),
-    "mlp": ("tensor",),
-    "heads": ("tensor",),
-    "kv_heads": ("tensor",),
-    "head_dim": (),
-    "norm": (),
-    "position": (),
-    "layers": (),
-    # activations: the batch over data-like axes, the sequence over `sequence`, heads and MLP over `tensor`
-    "activation_batch": ("data", "fsdp", "expert"),
-    "activation_length": ("sequence",),
-    "activation_embed": (),
+    # activations: the batch over the data-like axes, the sequence over `sequence`, and every model-side dimension
+    # over `tensor`, the model width D of the residual stream included (MaxText's activation_embed)
+    "activation_vocab": ("tensor",),
     "activation_heads": ("tensor",),
     "activation_kv_heads": ("tensor",),
     "activation_mlp": ("tensor",),
-    "activation_vocab": ("tensor",),
+    "activation_batch": ("data", "fsdp", "fsdp_transpose", "expert"),
+    "activation_length": ("sequence",),
+    "activation_embed": ("tensor",),
+    # parameters: tensor parallelism splits the vocabulary, heads and MLP width (fsdp_transpose the MLP width too);
+    # FSDP splits the model width D
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("fsdp_transpose", "tensor"),
+    "embed": ("fsdp", "fsdp_transpose", "sequence", "expert"),
+    "norm": ("tensor",),
+    "position": (),
+    "layers": (),
 }
+_ORDER = {name: i for i, name in enumerate(RULES)}
 
 
 def mesh_axes_for(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Mapping[str, int]) -> tuple:
@@ -50,11 +62,14 @@ def undivided_axes(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Mappi
 def _assign(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Mapping[str, int]) -> tuple[tuple, list]:
     if len(shape) != len(logical):
         raise ValueError(f"shape {tuple(shape)} has {len(shape)} dims but logical axes {logical} name {len(logical)}")
-    used: set[str] = set()
-    spec, skipped = [], []
-    for dim, (size, name) in enumerate(zip(shape, logical)):
+    for name in logical:
         if name is not None and name not in RULES:
             raise KeyError(f"logical axis {name!r} has no sharding rule; known: {', '.join(RULES)}")
+    used: set[str] = set()
+    spec: list = [None] * len(shape)
+    skipped = []
+    for dim in sorted(range(len(shape)), key=lambda d: _ORDER.get(logical[d], len(_ORDER))):
+        size, name = shape[dim], logical[dim]
         chosen = []
         for axis in RULES.get(name, ()) if name else ():
             n = mesh_sizes.get(axis, 1)
@@ -65,5 +80,5 @@ def _assign(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Mapping[str,
             else:
                 skipped.append((dim, axis))
         used.update(chosen)
-        spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
-    return tuple(spec), skipped
+        spec[dim] = None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen)
+    return tuple(spec), sorted(skipped)

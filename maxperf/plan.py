@@ -17,7 +17,7 @@ from pathlib import Path
 from maxperf.aot import topologies
 from maxperf.aot.topologies import Topology
 from maxperf.errors import MaxperfError
-from maxperf.logical_axes import undivided_axes
+from maxperf.logical_axes import mesh_axes_for, undivided_axes
 from maxperf.models import overrides as overrides_mod
 from maxperf.models import presets
 from maxperf.models.config import DCN_AXES, MESH_AXES, ModelConfig, ParallelismConfig
@@ -35,7 +35,8 @@ class MeshShape:
 
     @property
     def axes(self) -> dict[str, int]:
-        return {a: self.ici[a] * self.dcn.get(a, 1) for a in MESH_AXES}
+        # an artifact written before an axis existed lacks it: size 1
+        return {a: self.ici.get(a, 1) * self.dcn.get(a, 1) for a in MESH_AXES}
 
     @property
     def devices(self) -> int:
@@ -72,6 +73,7 @@ def plan(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT_MO
     model_cfg = model if isinstance(model, ModelConfig) else presets.get(model)
     configs = overrides_mod.apply(model_cfg, list(overrides))
     mesh_shape = resolve_mesh(configs.parallelism, topo)
+    configs.train.global_batch(mesh_shape.devices)  # whole, and split evenly into microbatches
     notes: tuple[str, ...] = ()
     if configs.parallelism == ParallelismConfig() and (keep := _fsdp_dividing_width(configs, mesh_shape)):
         # the default mesh would replicate every weight along fsdp: fsdp takes what divides D, data the rest
@@ -127,7 +129,7 @@ def _fill(sizes: dict[str, int], total: int, prefix: str, what: str) -> dict[str
 # The letter of each logical axis, for messages (one letter per dimension).
 _LETTERS = {"embed": "D", "vocab": "V", "mlp": "F", "heads": "H", "kv_heads": "K", "activation_batch": "B",
             "activation_length": "L", "activation_heads": "H", "activation_kv_heads": "K", "activation_mlp": "F",
-            "activation_vocab": "V"}
+            "activation_vocab": "V", "activation_embed": "D"}
 
 
 def replication_warnings(configs: Configs, mesh: MeshShape) -> tuple[str, ...]:
@@ -142,16 +144,19 @@ def replication_warnings(configs: Configs, mesh: MeshShape) -> tuple[str, ...]:
     model, train, axes = configs.model, configs.train, mesh.axes
     found: dict[tuple[str, str], tuple[int, int, bool]] = {}  # (letter, axis) -> (size, axis size, a weight?)
     arrays = [(x.shape, x.logical, True) for x in param_arrays(model)]
-    arrays += [((train.per_device_batch_size * mesh.devices, train.seq_len),
-                ("activation_batch", "activation_length"), False)]
+    arrays += [((train.global_batch(mesh.devices), train.seq_len), ("activation_batch", "activation_length"), False)]
     arrays += [((size,), (name,), False) for size, name in (
         (model.num_heads, "activation_heads"), (model.num_kv_heads, "activation_kv_heads"),
         (model.d_ff, "activation_mlp"), (model.vocab_size, "activation_vocab"))]
+    held_of: dict[tuple[str, str], int] = {}  # what one device holds of an activation dimension
     for shape, logical, weight in arrays:
+        spec = mesh_axes_for(shape, logical, axes)
         for dim, axis in undivided_axes(shape, logical, axes):
             key = (_LETTERS.get(logical[dim], logical[dim]), axis)
             _, _, was_weight = found.get(key, (0, 0, False))
             found[key] = (shape[dim], axes[axis], weight or was_weight)
+            split = spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],) if spec[dim] else ()
+            held_of[key] = shape[dim] // math.prod(axes[a] for a in split)
     if not found:
         return ()
     perf_mesh = Mesh(axes=axes, dcn=mesh.dcn)
@@ -164,8 +169,11 @@ def replication_warnings(configs: Configs, mesh: MeshShape) -> tuple[str, ...]:
         if weight:
             line += (f"; parameters and optimizer state take {held / GIB:.2f} GiB per device ({even / GIB:.2f} GiB "
                      f"if split over all {mesh.devices} devices)")
-        else:
+        elif held_of[(letter, axis)] == size:
             line += f"; each device holds all {size} of it"
+        else:
+            line += (f"; each device holds {held_of[(letter, axis)]} of the {size}, and the {n} devices along {axis} "
+                     "compute the same ones")
         lines.append(line + f"; {_suggestion(mesh, axis, size)}")
     return tuple(lines)
 

@@ -175,9 +175,10 @@ def test_405b_abstract_state_allocates_nothing():  # how long it takes: bench/qu
 
 
 def test_logical_rules_are_pinned():
-    assert RULES["embed"] == ("fsdp", "sequence", "expert")
-    assert RULES["heads"] == RULES["kv_heads"] == RULES["mlp"] == RULES["vocab"] == ("tensor",)
-    assert RULES["activation_batch"] == ("data", "fsdp", "expert")
+    assert RULES["embed"] == ("fsdp", "fsdp_transpose", "sequence", "expert")
+    assert RULES["heads"] == RULES["kv_heads"] == RULES["vocab"] == ("tensor",)
+    assert RULES["mlp"] == ("fsdp_transpose", "tensor")
+    assert RULES["activation_batch"] == ("data", "fsdp", "fsdp_transpose", "expert")
     assert RULES["activation_length"] == ("sequence",)
     sizes = {"data": 2, "fsdp": 4, "sequence": 1, "tensor": 8, "expert": 1}
     assert mesh_axes_for((4096, 32, 128), ("embed", "heads", "head_dim"), sizes) == ("fsdp", "tensor", None)
@@ -199,7 +200,7 @@ def test_parameters_are_sharded_by_their_logical_axes():
 @pytest.mark.parametrize(
     "word, message",
     [
-        ("per_device_batch_size=-1", "per_device_batch_size must be >= 1"),
+        ("per_device_batch_size=-1", "per_device_batch_size must be > 0"),
         ("remat_policy=fulll", "did you mean full"),
         ("per_device_bach_size=2", "did you mean per_device_batch_size"),
         ("scan_layers=maybe", "true or false"),

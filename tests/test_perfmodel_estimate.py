@@ -182,7 +182,7 @@ def test_zero_batch_is_an_error():
         grad_accum_steps: int = 1
         scan_layers: bool = True
 
-    with pytest.raises(MaxperfError, match="per_device_batch_size must be a positive integer, got 0"):
+    with pytest.raises(MaxperfError, match="per_device_batch_size must be a positive number, got 0"):
         estimate(LLAMA, Train(), {"fsdp": 64}, {}, v5p(64))
 
 

@@ -10,7 +10,7 @@ from maxperf.aot import topologies as T
 from maxperf.cli import main
 from maxperf.errors import MaxperfError
 from maxperf.models import overrides, presets
-from maxperf.models.config import ParallelismConfig
+from maxperf.models.config import MESH_AXES, ParallelismConfig
 from maxperf.plan import plan, resolve_mesh
 
 needs_cuda_plugin = pytest.mark.skipif(gpu_targets.plugin_library() is None, reason="CUDA plugin not installed")
@@ -27,7 +27,7 @@ def test_multi_host_gpu_mesh_spans_nvlink_domains_and_perfmodel_takes_it(name):
     per_domain, domains = MULTI_HOST_GPUS[name]
     p = plan(name, "llama3-8b", ["ici_fsdp=8", f"ici_data={per_domain // 8}"])
     assert p.mesh_shape.ici["fsdp"] * p.mesh_shape.ici["data"] == per_domain
-    assert p.mesh_shape.dcn == {"data": domains, "fsdp": 1}
+    assert p.mesh_shape.dcn == {**dict.fromkeys(MESH_AXES, 1), "data": domains}
     est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
     assert est.chips == per_domain * domains and est.step_time_s > 0
 
@@ -38,7 +38,7 @@ def test_dcn_axes_must_cover_the_nvlink_domains():
     with pytest.raises(MaxperfError, match=r"ici_fsdp=3 multiply to 3 but there are 8 devices in each NVLink"):
         plan("h100-8x2", "tiny", ["ici_fsdp=3"])
     p = plan("h100-8x2", "tiny", ["dcn_data=1", "dcn_fsdp=2"])
-    assert p.mesh_shape.axes["fsdp"] == 16 and p.mesh_shape.dcn == {"data": 1, "fsdp": 2}
+    assert p.mesh_shape.axes["fsdp"] == 16 and p.mesh_shape.dcn == {**dict.fromkeys(MESH_AXES, 1), "fsdp": 2}
 
 
 def test_perfmodel_checks_dcn_axes_against_the_domains_not_the_slices():
@@ -56,7 +56,7 @@ def test_resolve_fills_the_minus_one_axes_and_refuses_what_does_not_cover_the_de
     with pytest.raises(MaxperfError, match="multiply to 4 but there are 8 devices in each slice of cpu-8"):
         resolve_mesh(ParallelismConfig(ici_fsdp=2, ici_tensor=2), T.get("cpu-8"))
     shape = resolve_mesh(ParallelismConfig(ici_tensor=2), T.get("v5p-16", num_slices=2))
-    assert shape.axes == {"data": 2, "fsdp": 4, "sequence": 1, "tensor": 2, "expert": 1}
+    assert shape.axes == {"data": 2, "fsdp": 4, "fsdp_transpose": 1, "sequence": 1, "tensor": 2, "expert": 1}
     assert shape.ici["data"] == 1 and shape.dcn["data"] == 2
 
 
@@ -87,7 +87,7 @@ def test_the_compiled_mesh_keeps_each_gpu_host_on_the_ici_axes():
     from maxperf.aot.compiler import build_mesh
 
     mesh = build_mesh(plan("h100-8x2", "tiny"))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 8, "sequence": 1, "tensor": 1, "expert": 1}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 8, "fsdp_transpose": 1, "sequence": 1, "tensor": 1, "expert": 1}
     hosts = [[d.process_index for d in row] for row in mesh.devices.reshape(2, 8)]
     assert hosts == [[0] * 8, [1] * 8]
 

@@ -10,6 +10,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from maxperf import logical_axes
 from maxperf.errors import MaxperfError
 
 
@@ -101,8 +102,7 @@ class LayerKind(enum.StrEnum):
     DENSE = "dense"
 
 
-MESH_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
-DCN_AXES = ("data", "fsdp")
+MESH_AXES, DCN_AXES = logical_axes.MESH_AXES, logical_axes.DCN_AXES  # MaxText's mesh axes, outermost first
 
 _DTYPES = ("float32", "bfloat16", "float16")
 SPLASH_BLOCKS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",
@@ -186,7 +186,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    per_device_batch_size: int = 1  # B
+    # B; fractional as in MaxText (0.5: a global batch of half the devices), the global batch B x devices whole
+    per_device_batch_size: float = 1
     seq_len: int = 2048  # L
     compute_dtype: str = "bfloat16"
     param_dtype: str = "float32"
@@ -226,6 +227,9 @@ class TrainConfig:
     sa_block_kv_dkv_compute: int = 512
     sa_block_q_dq: int = 512
     sa_block_kv_dq: int = 512
+    # MaxText's num_vocab_tiling: the loss over this many chunks of the tokens, each chunk's [B, L/n, V] logits
+    # computed in the forward and again in the backward, so the whole [B, L, V] logits never exist
+    num_vocab_tiling: int = 1
     scan_layers: bool = True
     seed: int = 0
 
@@ -242,7 +246,11 @@ class TrainConfig:
         return REMAT_SAVED[policy]
 
     def __post_init__(self) -> None:
-        _require(self.per_device_batch_size >= 1, f"per_device_batch_size must be >= 1, got {self.per_device_batch_size}")
+        B = self.per_device_batch_size
+        _require(isinstance(B, (int, float)) and not isinstance(B, bool) and B > 0,
+                 f"per_device_batch_size must be > 0, got {B!r}")
+        if float(B).is_integer():  # a whole B stays an int: 4, not 4.0, in every figure and artifact
+            object.__setattr__(self, "per_device_batch_size", int(B))
         _require(self.seq_len >= 1, f"seq_len must be >= 1, got {self.seq_len}")
         for field in ("compute_dtype", "param_dtype"):
             value = getattr(self, field)
@@ -260,11 +268,24 @@ class TrainConfig:
             value = getattr(self, name)
             _require(value >= 128 and value % 128 == 0, f"{name} must be a positive multiple of 128, got {value}")
         _require(self.grad_accum_steps >= 1, f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
+        _require(self.num_vocab_tiling >= 1 and self.seq_len % self.num_vocab_tiling == 0,
+                 f"num_vocab_tiling must be >= 1 and divide seq_len ({self.seq_len}), got {self.num_vocab_tiling}")
         _require(
-            self.per_device_batch_size % self.grad_accum_steps == 0,
+            not isinstance(self.per_device_batch_size, int) or self.per_device_batch_size % self.grad_accum_steps == 0,
             f"grad_accum_steps ({self.grad_accum_steps}) must divide per_device_batch_size "
             f"({self.per_device_batch_size})",
         )
+
+    def global_batch(self, devices: int) -> int:
+        """B x devices examples per step (MaxText's global_batch_size_to_train_on): a whole number that the
+        microbatches divide; a MaxperfError otherwise."""
+        rows = self.per_device_batch_size * devices
+        _require(float(rows).is_integer() and rows >= 1,
+                 f"per_device_batch_size={self.per_device_batch_size} over {devices} devices gives a global batch of "
+                 f"{rows:g} examples, which must be a whole number; choose B so that B x {devices} is whole")
+        _require(int(rows) % self.grad_accum_steps == 0,
+                 f"grad_accum_steps={self.grad_accum_steps} must divide the global batch of {int(rows)} examples")
+        return int(rows)
 
 
 @dataclass(frozen=True)
@@ -273,11 +294,16 @@ class ParallelismConfig:
 
     ici_data: int = 1
     ici_fsdp: int = -1
+    ici_fsdp_transpose: int = 1
     ici_sequence: int = 1
     ici_tensor: int = 1
     ici_expert: int = 1
     dcn_data: int = -1
     dcn_fsdp: int = 1
+    dcn_fsdp_transpose: int = 1
+    dcn_sequence: int = 1
+    dcn_tensor: int = 1
+    dcn_expert: int = 1
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

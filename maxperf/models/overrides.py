@@ -25,12 +25,18 @@ ALIASES = {
     "init_weights_seed": "seed",
     "ici_data_parallelism": "ici_data",
     "ici_fsdp_parallelism": "ici_fsdp",
+    "ici_fsdp_transpose_parallelism": "ici_fsdp_transpose",
     "ici_sequence_parallelism": "ici_sequence",
     "ici_context_parallelism": "ici_sequence",
     "ici_tensor_parallelism": "ici_tensor",
     "ici_expert_parallelism": "ici_expert",
     "dcn_data_parallelism": "dcn_data",
     "dcn_fsdp_parallelism": "dcn_fsdp",
+    "dcn_fsdp_transpose_parallelism": "dcn_fsdp_transpose",
+    "dcn_sequence_parallelism": "dcn_sequence",
+    "dcn_context_parallelism": "dcn_sequence",
+    "dcn_tensor_parallelism": "dcn_tensor",
+    "dcn_expert_parallelism": "dcn_expert",
     "base_emb_dim": "d_model",
     "base_num_query_heads": "num_heads",
     "base_num_kv_heads": "num_kv_heads",
@@ -123,8 +129,9 @@ def limit(name: str, part: str, value: int | float) -> float:
     return OTHER_INT_LIMIT if isinstance(value, int) else OTHER_FLOAT_LIMIT
 
 
-def _bounded(key: str, name: str, part: str, value):
-    """`value` when it is a finite number within its key's upper bound (or no number); else a MaxperfError."""
+def _bounded(key: str, name: str, part: str, value, text: str | None = None):
+    """`value` when it is a finite number within its key's upper bound (or no number); else a MaxperfError naming
+    `text`, the value as the user wrote it, where given."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return value
     if isinstance(value, float) and not math.isfinite(value):
@@ -132,7 +139,7 @@ def _bounded(key: str, name: str, part: str, value):
     top = limit(name, part, value)
     if value > top:
         shown = int(top) if isinstance(value, int) else f"{top:g}"
-        raise MaxperfError(f"{key}={value} is too large; {key} takes at most {shown}")
+        raise MaxperfError(f"{key}={value if text is None else text} is too large; {key} takes at most {shown}")
     return value
 
 
@@ -158,7 +165,7 @@ def apply(model: ModelConfig, words: list[str], train: TrainConfig | None = None
             hint = f"did you mean {', '.join(hits)}?" if hits else "`maxperf keys` lists the valid keys"
             raise MaxperfError(f"unknown override key {key!r}; {hint}")
         part, kind = fields[name]
-        changes[part][name] = _bounded(key, name, part, _parse(key, text, kind))
+        changes[part][name] = _bounded(key, name, part, _parse(key, text, kind), text)
     configs = Configs(
         model=dataclasses.replace(model, **changes["model"]),
         train=dataclasses.replace(train or TrainConfig(), **changes["train"]),

@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from maxperf.models.config import ModelConfig, TrainConfig
 from maxperf.models.layers import attention_kernels
 from maxperf.models.layers.attention_kernels import AttentionOptions
-from maxperf.models.sharding import partition_spec
+from maxperf.models.layers.decoder import RESIDUAL
+from maxperf.models.sharding import constrain, partition_spec
 from maxperf.models.transformer import Transformer
 
 BATCH_AXES = ("activation_batch", "activation_length")
@@ -116,9 +117,12 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         net = nnx.merge(graphdef, params)
         inputs_BxL = batch["inputs"]
         positions_BxL = jnp.broadcast_to(jnp.arange(inputs_BxL.shape[1], dtype=jnp.int32), inputs_BxL.shape)
+        mask_BxL = batch["mask"].astype(jnp.float32)
+        if train.num_vocab_tiling > 1:
+            x_BxLxD = net.hidden(inputs_BxL, positions_BxL)
+            return tiled_nll_sum(net, x_BxLxD, batch["targets"], mask_BxL, train.num_vocab_tiling), jnp.sum(mask_BxL)
         logits_BxLxV = net(inputs_BxL, positions_BxL)
         nll_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
-        mask_BxL = batch["mask"].astype(jnp.float32)
         return jnp.sum(nll_BxL * mask_BxL), jnp.sum(mask_BxL)
 
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
@@ -152,6 +156,26 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         return new_state, metrics
 
     return step
+
+
+def tiled_nll_sum(net: Transformer, x_BxLxD: jax.Array, targets_BxL: jax.Array, mask_BxL: jax.Array,
+                  tiles: int) -> jax.Array:
+    """The masked cross-entropy summed over `tiles` chunks of the tokens (MaxText's vocabulary tiling): a scan
+    computes one chunk's logits at a time and, rematerialized, again in the backward, so one chunk's [B, L/n, V]
+    logits live at a time. Token l goes to chunk l mod n: each chunk keeps the batch's and sequence's shardings."""
+    B, L, _ = x_BxLxD.shape
+
+    def chunks(a):  # [B, L, ...] -> [n, B, L/n, ...]
+        return jnp.moveaxis(a.reshape(B, L // tiles, tiles, *a.shape[2:]), 2, 0)
+
+    @jax.checkpoint
+    def chunk_sum(x_BxCxD, targets_BxC, mask_BxC):
+        logits_BxCxV = net.logits(constrain(x_BxCxD, RESIDUAL))
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits_BxCxV, targets_BxC) * mask_BxC)
+
+    total, _ = jax.lax.scan(lambda t, xs: (t + chunk_sum(*xs), None), jnp.zeros((), jnp.float32),
+                            (chunks(x_BxLxD), chunks(targets_BxL), chunks(mask_BxL)))
+    return total
 
 
 @dataclass(frozen=True)
@@ -188,7 +212,7 @@ def abstract_step(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> Abstrac
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
     state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
-    shape = (train.per_device_batch_size * mesh.size, train.seq_len)
+    shape = (train.global_batch(mesh.size), train.seq_len)
     batch = {
         "inputs": jax.ShapeDtypeStruct(shape, jnp.int32),
         "targets": jax.ShapeDtypeStruct(shape, jnp.int32),

@@ -58,6 +58,10 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
         """float32 logits [B, L, V]."""
+        return self.logits(self.hidden(tokens_BxL, positions_BxL))
+
+    def hidden(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+        """The final-normed hidden states [B, L, D] that the logits are computed from."""
         cfg = self.cfg
         x_BxLxD = self.embed(tokens_BxL, self.compute_dtype)
         if cfg.scale_embeddings:
@@ -66,7 +70,11 @@ class Transformer(nnx.Module):
             x_BxLxD = x_BxLxD + self.positions(positions_BxL, self.compute_dtype)
         x_BxLxD = constrain(x_BxLxD, RESIDUAL)
         x_BxLxD = self._layers(x_BxLxD, positions_BxL)
-        x_BxLxD = self.final_norm(x_BxLxD)
+        return self.final_norm(x_BxLxD)
+
+    def logits(self, x_BxLxD: jax.Array) -> jax.Array:
+        """float32 logits [B, L, V] of hidden states (any leading dims B, L: a chunk of the tokens too)."""
+        cfg = self.cfg
         logits_BxLxV = self.embed.attend(x_BxLxD) if cfg.tie_embeddings else self.unembed(x_BxLxD)
         logits_BxLxV = constrain(logits_BxLxV.astype(jnp.float32), ("activation_batch", "activation_length",
                                                                      "activation_vocab"))

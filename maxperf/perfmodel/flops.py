@@ -204,6 +204,8 @@ def count_flops(model: ModelShape, train: TrainShape, params_per_device: float |
     per_token = projection_flops_per_token(model)
     recompute = N * tokens * sum(per_token[n] for n in again if n in per_token)
     recompute += attn_exec_fwd * (("scores" in again) + ("context" in again)) / 2
+    if getattr(train, "num_vocab_tiling", 1) > 1:  # each chunk's logits computed again in the backward
+        recompute += 2 * tokens * model.d_model * model.vocab_size
     shard = params.total if params_per_device is None else params_per_device
     optimizer = OPTIMIZER_FLOPS_PER_PARAM * shard
     weight = TRAIN_FACTOR * weight_fwd

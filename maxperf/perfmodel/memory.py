@@ -22,7 +22,7 @@ from maxperf.perfmodel.shapes import (
     check_train,
     dtype_bytes,
 )
-from maxperf.perfmodel.sharding import activation_split, local_size, param_arrays
+from maxperf.perfmodel.sharding import activation_split, gathered_size, local_size, param_arrays
 
 # optax.adamw keeps mu and nu with the parameters' dtype (optax scale_by_adam: mu_dtype=None, nu like params).
 OPTIMIZER_STATES_PER_PARAM = 2
@@ -157,7 +157,7 @@ def named_per_token(model: ModelShape, train: TrainShape, mesh: Mesh) -> dict[st
     kernel = c * a.H * Dh + FLASH_LSE_BYTES * a.H if flash else 0.0
     wi = {"mlpwi_0": c * a.F, "mlpwi_1": c * a.F} if gated(model) else {"mlpwi": c * a.F}
     return {"query_proj": c * a.H * Dh, "key_proj": c * a.K * Dh, "value_proj": c * a.K * Dh,
-            "context": c * a.H * Dh + kernel, "out_proj": c * D, **wi, "mlpwo": c * D if model.post_norms else 0.0}
+            "context": c * a.H * Dh + kernel, "out_proj": c * a.D, **wi, "mlpwo": c * a.D if model.post_norms else 0.0}
 
 
 def layer_saved_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat: str) -> float:
@@ -171,8 +171,9 @@ def layer_saved_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, *, r
     D, Dh = model.d_model, model.head_dim
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
     mlp_f = (GATED_MLP_SAVED_F if gated(model) else PLAIN_MLP_SAVED_F) * a.F
-    norms = (4 if model.post_norms else 2) * (NORM_SAVED_BYTES + c) * D
-    residual = c * D  # the sum after attention, input of the MLP block
+    # the residual stream and its norms are split over tensor (MaxText's activation_embed rule)
+    norms = (4 if model.post_norms else 2) * (NORM_SAVED_BYTES + c) * a.D
+    residual = c * a.D  # the sum after attention, input of the MLP block
     qkv = c * (a.H + 2 * a.K) * Dh
     qk_norm = (NORM_SAVED_BYTES + c) * (a.H + a.K) * Dh if model.qk_norm else 0.0
     rope = c * (a.H + a.K) * Dh if str(model.positions) == "rope" else 0.0
@@ -228,25 +229,26 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
         params, optimizer = 2 * params, 2 * optimizer
 
     # scanned or not, the backward reads every layer's input: N x T x D (Korthikanti's 2sbh per layer for "full")
-    carry = N * T * D * c
+    carry = N * T * a.D * c
     saved = N * T * layer_saved_per_token(model, train, mesh, remat=remat)
     activations = carry + saved
     saved_copy = (MINIMAL_SAVED_COPIES - 1) * saved if remat != "none" else 0.0
     host_offload = N * T * layer_offloaded_per_token(model, train, mesh)
-    logits = T * a.V * (c + 4 * LOGITS_FLOAT32_BUFFERS)
+    # num_vocab_tiling (MaxText's): the loss runs over that many chunks of the tokens, one chunk's logits live at a time
+    logits = T / vocab_tiles(train) * a.V * (c + 4 * LOGITS_FLOAT32_BUFFERS)
 
     arrays = param_arrays(model)
-    layer_full = sum(local_size(x.shape, x.logical, _no_fsdp(mesh)) for x in arrays if x.count == N and x.matmul)
+    layer_full = sum(gathered_size(x.shape, x.logical, mesh) for x in arrays if x.count == N and x.matmul)
     gathered = GATHERED_LAYERS * layer_full * c
     grads_unsharded = UNSHARDED_GRAD_LAYERS * layer_full * p
     table = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
-    vocab_table = local_size(table.shape, table.logical, _no_fsdp(mesh)) * c  # gathered for the logits
+    vocab_table = gathered_size(table.shape, table.logical, mesh) * c  # gathered for the logits
     # the gradient of the scores, in the logits' dtype: the dot product's only (flash keeps its tiles on chip)
     score_grads = 0.0 if attention_kernel(train) == "flash" else score_bytes(train)[1] * a.H * train.seq_len
-    gradient_buffers = T * (BACKWARD_SCORE_GRADIENTS * score_grads + BACKWARD_D_FLOAT32 * 4 * D)
+    gradient_buffers = T * (BACKWARD_SCORE_GRADIENTS * score_grads + BACKWARD_D_FLOAT32 * 4 * a.D)
     working = gradient_buffers
     if remat != "none":  # the layer being differentiated is rematerialized: one layer's full set of saved tensors
-        working += T * (D * c + layer_saved_per_token(model, train, mesh, remat="none"))
+        working += T * (a.D * c + layer_saved_per_token(model, train, mesh, remat="none"))
     staged = OFFLOAD_STAGED_LAYERS * T * layer_offloaded_per_token(model, train, mesh)
     temporaries = gathered + grads_unsharded + working + staged
     return MemoryBreakdown(
@@ -256,6 +258,6 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     )
 
 
-def _no_fsdp(mesh: Mesh) -> Mesh:
-    """The mesh as seen by gathered weights: the axes that shard the model width, gathered away."""
-    return Mesh(axes={**mesh.axes, "fsdp": 1, "sequence": 1, "expert": 1}, dcn=mesh.dcn)
+def vocab_tiles(train: TrainShape) -> int:
+    """MaxText's num_vocab_tiling: the chunks the loss's tokens are cut into (1: the whole [B, L, V] logits)."""
+    return int(getattr(train, "num_vocab_tiling", 1) or 1)

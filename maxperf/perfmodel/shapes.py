@@ -13,9 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from maxperf.errors import MaxperfError
-
-MESH_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
-DCN_AXES = ("data", "fsdp")
+from maxperf.logical_axes import DCN_AXES, MESH_AXES  # the one table, shared with the models
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ACTIVATIONS = ("swiglu", "geglu", "gelu")
@@ -48,7 +46,7 @@ class ModelShape(Protocol):
 
 @runtime_checkable
 class TrainShape(Protocol):
-    per_device_batch_size: int  # B
+    per_device_batch_size: float  # B: fractional as in MaxText, B x devices whole (global_batch)
     seq_len: int  # L
     compute_dtype: str
     param_dtype: str
@@ -107,14 +105,23 @@ def check_model(model: ModelShape) -> None:
 
 def check_train(train: TrainShape) -> None:
     B, L = train.per_device_batch_size, train.seq_len
-    check(isinstance(B, int) and B >= 1, f"per_device_batch_size must be a positive integer, got {B!r}")
+    check(isinstance(B, (int, float)) and not isinstance(B, bool) and B > 0,
+          f"per_device_batch_size must be a positive number, got {B!r}")
     check(isinstance(L, int) and L >= 1, f"seq_len must be a positive integer, got {L!r}")
     check(str(train.remat_policy) in REMAT_POLICIES,
           f"remat_policy must be one of {', '.join(REMAT_POLICIES)}, got {str(train.remat_policy)!r}")
-    check(train.grad_accum_steps >= 1 and B % train.grad_accum_steps == 0,
+    check(train.grad_accum_steps >= 1 and (not float(B).is_integer() or B % train.grad_accum_steps == 0),
           f"grad_accum_steps ({train.grad_accum_steps}) must be >= 1 and divide per_device_batch_size ({B})")
     dtype_bytes(train.compute_dtype, "compute_dtype")
     dtype_bytes(train.param_dtype, "param_dtype")
+
+
+def global_batch(B: float, devices: int) -> int:
+    """B x devices examples per step (MaxText's convention), which must be whole."""
+    rows = B * devices
+    check(float(rows).is_integer() and rows >= 1, f"per_device_batch_size={B} over {devices} devices gives a global "
+          f"batch of {rows:g} examples, which must be a whole number")
+    return int(rows)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 from maxperf.logical_axes import mesh_axes_for
 from maxperf.perfmodel.flops import gated
-from maxperf.perfmodel.shapes import Mesh, ModelShape
+from maxperf.perfmodel.shapes import Mesh, ModelShape, global_batch
+
+# Mesh axes that split the weights for storage only: they split the batch (fsdp, fsdp_transpose, expert) or the
+# sequence too, so each weight is gathered over them before its matmul (FSDP; ZeRO-3). `tensor` splits weights and
+# their matmuls alike and is never gathered.
+FSDP_AXES = ("fsdp", "fsdp_transpose", "sequence", "expert")
+
 
 def split(shape: Iterable[int], logical: Iterable[str | None], mesh: Mesh) -> tuple[int, ...]:
     """The number of shards along each dimension of an array with these logical axis names."""
@@ -25,6 +31,25 @@ def local_size(shape: tuple[int, ...], logical: tuple[str | None, ...], mesh: Me
     for s, n in zip(shape, split(shape, logical, mesh)):
         size *= s / n
     return size
+
+
+def gathered_mesh(mesh: Mesh) -> Mesh:
+    """The mesh as a gathered weight sees it: the FSDP axes gathered away."""
+    return Mesh(axes={**mesh.axes, **{axis: 1 for axis in FSDP_AXES}}, dcn=mesh.dcn)
+
+
+def gathered_size(shape: tuple[int, ...], logical: tuple[str | None, ...], mesh: Mesh) -> float:
+    """Elements of one copy of a weight after its FSDP gather (still split over tensor)."""
+    return local_size(shape, logical, gathered_mesh(mesh))
+
+
+def gather_axes(arrays: Iterable[ParamArray], mesh: Mesh) -> tuple[str, ...]:
+    """The FSDP axes that split at least one of these weights, in mesh order: those their gathers run over."""
+    used = set()
+    for x in arrays:
+        for entry in mesh_axes_for(x.shape, x.logical, mesh.axes):
+            used.update((entry,) if isinstance(entry, str) else entry or ())
+    return tuple(a for a in FSDP_AXES if a in used)
 
 
 @dataclass(frozen=True)
@@ -68,8 +93,9 @@ def param_arrays(model: ModelShape) -> list[ParamArray]:
 class ActivationSplit:
     """Local sizes of the activation dimensions on one device."""
 
-    B: float  # examples: global batch (B x devices, MaxText's convention) over data x fsdp x expert
+    B: float  # examples: global batch (B x devices, MaxText's convention) over the data-like axes that divide it
     L: float  # sequence over `sequence`
+    D: float  # model width of the residual stream over tensor (MaxText's activation_embed)
     H: float  # query heads over tensor
     K: float  # kv heads over tensor
     F: float  # MLP width over tensor
@@ -81,15 +107,17 @@ class ActivationSplit:
         return self.B * self.L
 
 
-def activation_split(model: ModelShape, B: int, L: int, mesh: Mesh) -> ActivationSplit:
-    global_batch = B * mesh.devices
-    (nb, nl) = split((global_batch, L), ("activation_batch", "activation_length"), mesh)
+def activation_split(model: ModelShape, B: float, L: int, mesh: Mesh) -> ActivationSplit:
+    """With a fractional B the global batch may not divide every data-like axis: it is split over those that divide
+    it and the devices along the others compute the same examples (B here is what one device computes)."""
+    rows = global_batch(B, mesh.devices)
+    (nb, nl) = split((rows, L), ("activation_batch", "activation_length"), mesh)
 
     def one(size: int, name: str) -> float:
         return size / split((size,), (name,), mesh)[0]
 
     return ActivationSplit(
-        B=global_batch / nb, L=L / nl, H=one(model.num_heads, "activation_heads"),
+        B=rows / nb, L=L / nl, D=one(model.d_model, "activation_embed"), H=one(model.num_heads, "activation_heads"),
         K=one(model.num_kv_heads, "activation_kv_heads"), F=one(model.d_ff, "activation_mlp"),
         V=one(model.vocab_size, "activation_vocab"),
     )

@@ -23,7 +23,7 @@ from maxperf.perfmodel.flops import (
 from maxperf.perfmodel.memory import layer_offloaded_per_token, params_per_device
 from maxperf.perfmodel.network import axis_networks, collective_time
 from maxperf.perfmodel.shapes import Mesh, ModelShape, TopologyShape, TrainShape, check, dtype_bytes
-from maxperf.perfmodel.sharding import activation_split, local_size, param_arrays, split
+from maxperf.perfmodel.sharding import activation_split, gather_axes, gathered_size, local_size, param_arrays
 
 # Matmul efficiency = MAX x m / (m + HALF), m the smallest of the matmul's dimensions: a matmul whose smallest
 # side is HALF reaches half of MAX. An assumption, chosen so that wide matmuls approach MAX while head-dim-sized
@@ -198,7 +198,8 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     wi = ("mlpwi_0", "mlpwi_1") if gated(model) else ("mlpwi",)
     table.train_matmul("mlp up" + (" and gate" if gated(model) else ""), T, D, a.F, fwd(*wi), len(wi) * bwd, c)
     table.train_matmul("mlp down", T, a.F, D, fwd("mlpwo"), bwd, c)
-    table.train_matmul("unembedding", T, D, a.V, micro, micro, c)
+    # num_vocab_tiling: each chunk's logits are computed again in the backward
+    table.train_matmul("unembedding", T, D, a.V, micro * (1 + (getattr(train, "num_vocab_tiling", 1) > 1)), micro, c)
     # attention per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh. The dot product computes all
     # L x L scores; the TPU and GPU flash kernels skip masked blocks (ATTENTION_SKIPS_MASKED) and run at a kernel
     # rate with no softmax passes over HBM; the CPU's blockwise kernel masks every block, like the dot product
@@ -247,10 +248,10 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     arrays = param_arrays(model)
     layer_arrays = [x for x in arrays if x.count == N and x.matmul]
     table_array = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
-    fsdp_axes = tuple(ax for ax, k in zip(("fsdp", "sequence", "expert"), _embed_split_axes(D, mesh)) if k > 1)
+    fsdp_axes = gather_axes([*layer_arrays, table_array], mesh)
     if fsdp_axes:
-        gathered = sum(_gathered_size(x, mesh) for x in layer_arrays)
-        vocab = _gathered_size(table_array, mesh)
+        gathered = sum(gathered_size(x.shape, x.logical, mesh) for x in layer_arrays)
+        vocab = gathered_size(table_array.shape, table_array.logical, mesh)
         # forward gather, backward gather again, gradient reduce-scatter: per layer and microbatch, each weight
         # gathered by a collective of its own and a layer's gradients reduced by one combined collective. XLA:CPU
         # gathers the parameters in their own dtype and converts after, and has no reduce-scatter of its own: it
@@ -289,25 +290,6 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
         # gradients are replicated across `data`: one all-reduce of this device's gradient shard per step
         _collective(table, "data all-reduce", "all-reduce", local_params * p, ("data",), nets, 1, overlap.data)
     return _settle(table)
-
-
-def _embed_split_axes(D: int, mesh: Mesh) -> tuple[int, ...]:
-    """Shards of the model width over (fsdp, sequence, expert), as the "embed" rule splits it."""
-    out, used = [], 1
-    for ax in ("fsdp", "sequence", "expert"):
-        k = mesh.axes[ax]
-        ok = k > 1 and D % (used * k) == 0
-        out.append(k if ok else 1)
-        used *= k if ok else 1
-    return tuple(out)
-
-
-def _gathered_size(array, mesh: Mesh) -> float:
-    """Elements of one copy of the array after the FSDP gather (still split over tensor)."""
-    shards = split(array.shape, array.logical, mesh)
-    size = local_size(array.shape, array.logical, mesh)
-    embed = [k for k, name in zip(shards, array.logical) if name == "embed"]
-    return size * (embed[0] if embed else 1)
 
 
 def _collective(table: _Table, name: str, kind: str, nbytes: float, axes: tuple[str, ...], nets, count: float,

@@ -1,0 +1,192 @@
+"""Sharding and batching as MaxText does them: its logical-axis rules (fsdp_transpose, activations under tensor
+parallelism), its mesh axes over ICI and DCN, fractional per_device_batch_size and vocabulary tiling, in the model
+and in perfmodel."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from maxperf import perfmodel
+from maxperf.errors import MaxperfError
+from maxperf.logical_axes import MESH_AXES, RULES, mesh_axes_for
+from maxperf.models import overrides, presets, train_step
+from maxperf.models.config import TrainConfig
+from maxperf.perfmodel import memory as perf_memory
+from maxperf.perfmodel.shapes import Mesh
+from maxperf.perfmodel.sharding import activation_split, gather_axes, gathered_size, param_arrays
+from maxperf.plan import plan
+from models_util import tiny
+
+
+@pytest.fixture(autouse=True)
+def strict_ranks():
+    with jax.numpy_rank_promotion("raise"):
+        yield
+
+
+def test_rules_are_maxtexts():
+    # MaxText configs/base.yml logical_axis_rules (its `context` is maxperf's `sequence`)
+    assert MESH_AXES == ("data", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert")
+    assert RULES["activation_batch"] == ("data", "fsdp", "fsdp_transpose", "expert")
+    assert RULES["activation_embed"] == ("tensor",)
+    assert RULES["mlp"] == ("fsdp_transpose", "tensor")
+    assert RULES["embed"] == ("fsdp", "fsdp_transpose", "sequence", "expert")
+    assert list(RULES).index("mlp") < list(RULES).index("embed")
+
+
+def test_fsdp_transpose_splits_the_mlp_width_and_the_attention_model_width():
+    sizes = {"fsdp": 4, "fsdp_transpose": 2, "tensor": 2}
+    # "mlp" takes its axes before "embed", whichever dimension comes first
+    assert mesh_axes_for((4096, 11008), ("embed", "mlp"), sizes) == ("fsdp", ("fsdp_transpose", "tensor"))
+    assert mesh_axes_for((11008, 4096), ("mlp", "embed"), sizes) == (("fsdp_transpose", "tensor"), "fsdp")
+    assert mesh_axes_for((4096, 32, 128), ("embed", "heads", "head_dim"), sizes) == (
+        ("fsdp", "fsdp_transpose"), "tensor", None)
+    assert mesh_axes_for((32, 2048, 4096), ("activation_batch", "activation_length", "activation_embed"),
+                         sizes) == (("fsdp", "fsdp_transpose"), None, "tensor")
+
+
+def test_parameters_and_batch_follow_the_rules_in_the_step():
+    _, spec = tiny("ici_fsdp=2", "ici_fsdp_transpose=2", "ici_tensor=2")
+    params = spec.state_shardings["params"]
+    assert params["layers"]["mlp"]["up_DxF"].spec == P(None, "fsdp", ("fsdp_transpose", "tensor"))
+    assert params["layers"]["mlp"]["down_FxD"].spec == P(None, ("fsdp_transpose", "tensor"), "fsdp")
+    assert params["layers"]["attention"]["q_DxHxDh"].spec == P(None, ("fsdp", "fsdp_transpose"), "tensor", None)
+    assert spec.batch_shardings["inputs"].spec == P(("fsdp", "fsdp_transpose"), None)
+
+
+def test_plan_reads_maxtexts_fsdp_transpose_and_dcn_keys():
+    p = plan("v5p-8", "tiny", ["ici_fsdp_transpose_parallelism=2", "dcn_data_parallelism=1",
+                               "dcn_fsdp_transpose_parallelism=2"], num_slices=2)
+    assert p.mesh_shape.ici == {"data": 1, "fsdp": 2, "fsdp_transpose": 2, "sequence": 1, "tensor": 1, "expert": 1}
+    assert p.mesh_shape.dcn["fsdp_transpose"] == 2
+    assert p.mesh_shape.axes["fsdp_transpose"] == 4
+    mesh = perfmodel.make_mesh(p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+    assert mesh.ici("fsdp_transpose") == 2
+
+
+@pytest.mark.parametrize("key", ["dcn_tensor_parallelism", "dcn_sequence_parallelism", "dcn_expert_parallelism"])
+def test_every_mesh_axis_may_span_dcn(key):
+    p = plan("v5p-8", "tiny", [f"{key}=2", "dcn_data_parallelism=1"], num_slices=2)
+    axis = key.removeprefix("dcn_").removesuffix("_parallelism")
+    assert p.mesh_shape.dcn[axis] == 2 and p.mesh_shape.axes[axis] == 2
+
+
+def test_fractional_batch_is_maxtexts():
+    assert TrainConfig(per_device_batch_size=0.5).global_batch(64) == 32
+    assert overrides.apply(presets.get("tiny"), ["per_device_batch_size=4"]).train.per_device_batch_size == 4
+    assert isinstance(overrides.apply(presets.get("tiny"), ["per_device_batch_size=4.0"]).train.per_device_batch_size,
+                      int)
+    with pytest.raises(MaxperfError, match="global batch of 2.4 examples, which must be a whole number"):
+        plan("v5p-8", "tiny", ["per_device_batch_size=0.6"])
+    with pytest.raises(MaxperfError, match="grad_accum_steps=4 must divide the global batch of 2"):
+        TrainConfig(per_device_batch_size=0.5, grad_accum_steps=4).global_batch(4)
+
+
+def test_fractional_batch_splits_over_the_axes_that_divide_it():
+    # 0.5 x 8 devices = 4 examples: over fsdp=4; the 2 devices along fsdp_transpose compute the same ones
+    _, spec = tiny("per_device_batch_size=0.5", "ici_fsdp=4", "ici_fsdp_transpose=2")
+    assert spec.batch["inputs"].shape == (4, 16)
+    assert spec.batch_shardings["inputs"].spec == P("fsdp", None)
+    split = activation_split(presets.get("tiny"), 0.5, 16, Mesh({**dict.fromkeys(MESH_AXES, 1), "fsdp": 4,
+                                                                  "fsdp_transpose": 2}, {}))
+    assert (split.B, split.T) == (1, 16)
+    p = plan("cpu-8", "tiny", ["per_device_batch_size=0.5", "ici_fsdp=4", "ici_fsdp_transpose=2"])
+    assert any("each device holds 1 of the 4, and the 2 devices along fsdp_transpose compute the same ones" in w
+               for w in p.warnings)
+
+
+@pytest.mark.slow
+def test_fractional_batch_step_matches_one_device():
+    _, sharded = tiny("per_device_batch_size=0.5", "ici_fsdp=4", "ici_fsdp_transpose=2")
+    _, single = tiny("per_device_batch_size=4", devices=1)
+    batch = jax.device_get(train_step.synthetic_batch(single, seed=3))
+
+    def one_step(spec):
+        state = train_step.init_state(spec, seed=0)
+        with jax.set_mesh(spec.mesh):
+            _, metrics = train_step.jit_step(spec)(state, jax.device_put(batch, spec.batch_shardings))
+        return float(metrics["loss"]), float(metrics["grad_norm"])
+
+    np.testing.assert_allclose(one_step(sharded), one_step(single), rtol=1e-5)
+
+
+@pytest.mark.parametrize("words", [(), ("tie_embeddings=true", "final_logit_softcap=30")])
+def test_vocab_tiling_gives_the_same_loss_and_gradients(words):
+    cfg, spec = tiny(*words, devices=1)
+    graphdef, params = nnx.split(train_step.build_model(cfg.model, cfg.train, nnx.Rngs(params=0)))
+    batch = jax.device_get(train_step.synthetic_batch(spec, seed=1))
+    mask = jnp.asarray(np.random.default_rng(0).random(batch["mask"].shape) < 0.8, jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), batch["inputs"].shape)
+
+    def loss(params, tiles):
+        net = nnx.merge(graphdef, params)
+        x = net.hidden(batch["inputs"], positions)
+        if tiles == 1:
+            import optax
+            return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(net.logits(x), batch["targets"]) * mask)
+        return train_step.tiled_nll_sum(net, x, batch["targets"], mask, tiles)
+
+    whole, g_whole = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, 1)
+    tiled, g_tiled = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, 4)
+    np.testing.assert_allclose(tiled, whole, rtol=1e-6)
+    # float32 sums taken in another order (chunk by chunk): equal to 1e-5 of each gradient's largest entry
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max()), g_tiled, g_whole)
+
+
+def test_vocab_tiling_must_divide_the_sequence():
+    with pytest.raises(MaxperfError, match=r"num_vocab_tiling must be >= 1 and divide seq_len \(16\), got 3"):
+        overrides.apply(presets.get("tiny"), ["seq_len=16", "num_vocab_tiling=3"])
+
+
+# perfmodel
+
+def _mesh(**sizes) -> Mesh:
+    return Mesh({**dict.fromkeys(MESH_AXES, 1), **sizes}, {})
+
+
+def test_perfmodel_splits_the_residual_over_tensor():
+    model = presets.get("llama2-7b")
+    assert activation_split(model, 1, 2048, _mesh(fsdp=4, tensor=4)).D == 4096 / 4
+    train = TrainConfig(per_device_batch_size=4, remat_policy="full")
+    one, four = (perf_memory.estimate_memory(model, train, _mesh(fsdp=16 // t, tensor=t), 0) for t in (1, 4))
+    # the full-remat carry: N x T x D, T 4x larger per device with tensor=4 (batch over 4 devices, not 16), D split 4
+    assert four.activations == pytest.approx(one.activations * 4 / 4)
+
+
+def test_perfmodel_gathers_weights_over_fsdp_transpose():
+    model = presets.get("llama2-7b")
+    mesh = _mesh(fsdp=8, fsdp_transpose=2, tensor=2)
+    layer = [x for x in param_arrays(model) if x.count == model.num_layers and x.matmul]
+    assert gather_axes(layer, mesh) == ("fsdp", "fsdp_transpose")
+    up = next(x for x in layer if x.name == "up")
+    assert gathered_size(up.shape, up.logical, mesh) == 4096 * 11008 / 2  # tensor only
+    # fsdp_transpose shards the state as fsdp does: the same bytes per device as fsdp=16
+    assert perf_memory.params_per_device(model, mesh) == pytest.approx(
+        perf_memory.params_per_device(model, _mesh(fsdp=16, tensor=2)))
+
+
+def test_perfmodel_logits_follow_vocab_tiling():
+    model = presets.get("llama2-7b")
+    mesh = _mesh(fsdp=64)
+    base = TrainConfig(per_device_batch_size=4)
+    whole = perf_memory.estimate_memory(model, base, mesh, 0)
+    tiled = perf_memory.estimate_memory(model, dataclasses.replace(base, num_vocab_tiling=4), mesh, 0)
+    table = 32000 * 4096 * 2  # the gathered unembedding in bfloat16, the same either way
+    assert tiled.logits - table == pytest.approx((whole.logits - table) / 4)
+    assert whole.logits - table == 4 * 2048 * 32000 * (2 + 4)
+
+
+@pytest.mark.slow
+def test_maxtext_sharding_keys_compile_together(tmp_path):
+    """fsdp_transpose, tensor, a fractional batch and vocabulary tiling in one compiled step on cpu-8."""
+    from maxperf.aot import compiler
+
+    result = compiler.compile("cpu-8", "tiny", ["per_device_batch_size=0.5", "ici_fsdp=2", "ici_fsdp_transpose=2",
+                                                "ici_tensor=2", "num_vocab_tiling=4", "seq_len=64"], out=tmp_path / "a")
+    assert result.global_batch == 4
+    assert result.plan.mesh_shape.shown() == "fsdp=2 x fsdp_transpose=2 x tensor=2"
