@@ -190,3 +190,54 @@ def test_maxtext_sharding_keys_compile_together(tmp_path):
                                                 "ici_tensor=2", "num_vocab_tiling=4", "seq_len=64"], out=tmp_path / "a")
     assert result.global_batch == 4
     assert result.plan.mesh_shape.shown() == "fsdp=2 x fsdp_transpose=2 x tensor=2"
+
+
+# fused projections (MaxText's fused_qkv, fused_mlp)
+
+def _fused_params(unfused: dict, K: int, G: int) -> dict:
+    """The unfused model's weights in the fused layout: [D, K, G + 2, Dh] and [D, 2, F]."""
+    layers = unfused["layers"]
+    attn, mlp = dict(layers["attention"]), dict(layers["mlp"])
+    q, k, v = attn.pop("q_DxHxDh"), attn.pop("k_DxKxDh"), attn.pop("v_DxKxDh")
+    N, D, _, Dh = q.shape
+    attn["qkv_DxKxExDh"] = jnp.concatenate([q.reshape(N, D, K, G, Dh), k[:, :, :, None], v[:, :, :, None]], axis=3)
+    mlp["wi_Dx2xF"] = jnp.stack([mlp.pop("gate_DxF"), mlp.pop("up_DxF")], axis=2)
+    return {**unfused, "layers": {**layers, "attention": attn, "mlp": mlp}}
+
+
+def test_fused_projections_compute_what_the_separate_ones_do():
+    cfg, spec = tiny(devices=1)
+    fused_cfg, _ = tiny("fused_qkv=true", "fused_mlp=true", devices=1)
+    plain = nnx.to_pure_dict(nnx.state(train_step.build_model(cfg.model, cfg.train, nnx.Rngs(params=0))))
+    params = _fused_params(plain, cfg.model.num_kv_heads, cfg.model.kv_groups)
+    batch = jax.device_get(train_step.synthetic_batch(spec, seed=1))
+    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), batch["inputs"].shape)
+
+    def logits(model_cfg, p):
+        graphdef = train_step.model_def(model_cfg.model, model_cfg.train).graphdef
+        return nnx.merge(graphdef, p)(batch["inputs"], positions)
+
+    np.testing.assert_allclose(logits(fused_cfg, params), logits(cfg, plain), rtol=1e-5, atol=1e-5)
+    assert train_step.param_count(fused_cfg.model) == train_step.param_count(cfg.model)
+
+
+def test_fused_weights_shard_like_the_separate_ones():
+    _, spec = tiny("fused_qkv=true", "fused_mlp=true", "ici_fsdp=4", "ici_tensor=2")
+    params = spec.state_shardings["params"]["layers"]
+    assert params["attention"]["qkv_DxKxExDh"].spec == P(None, "fsdp", "tensor", None, None)
+    assert params["mlp"]["wi_Dx2xF"].spec == P(None, "fsdp", None, "tensor")
+
+
+def test_perfmodel_counts_fused_weights_and_names():
+    model = presets.get("llama2-7b")
+    fused = dataclasses.replace(model, fused_qkv=True, fused_mlp=True)
+    mesh = _mesh(fsdp=16, tensor=4)
+    assert perf_memory.params_per_device(fused, mesh) == pytest.approx(perf_memory.params_per_device(model, mesh))
+    train = TrainConfig(per_device_batch_size=4, remat_policy="minimal")
+    named = perf_memory.named_per_token(fused, train, mesh)
+    assert named["qkv_proj"] == 2 * (32 + 2 * 32) / 4 * 128 and named["mlpwi"] == 2 * 2 * 11008 / 4
+    assert perf_memory.layer_saved_per_token(fused, train, mesh, remat="minimal") == pytest.approx(
+        perf_memory.layer_saved_per_token(model, train, mesh, remat="minimal"))
+    # minimal keeps the fused outputs: nothing of them is recomputed
+    assert not perfmodel.flops.recomputed(fused, train) & {"query_proj", "key_proj", "value_proj", "mlpwi_0",
+                                                            "mlpwi_1"}

@@ -151,6 +151,10 @@ class ModelConfig:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     post_norms: bool = False  # norms after attention and MLP too, as in Gemma 2
+    # MaxText's fused_qkv and fused_mlp: one projection matmul for q, k and v (checkpoint name qkv_proj), and one for
+    # the gated MLP's gate and up (checkpoint name mlpwi); the same FLOPs and parameters, one weight each
+    fused_qkv: bool = False
+    fused_mlp: bool = False
     layer_kind: LayerKind = LayerKind.DENSE
 
     def __post_init__(self) -> None:

@@ -84,8 +84,10 @@ def recomputed(model: ModelShape, train: TrainShape) -> frozenset[str]:
     if names is None:
         return frozenset()
     kept = names[0] | names[1]
-    if "qkv_proj" in kept:
+    if "qkv_proj" in kept and getattr(model, "fused_qkv", False):
         kept |= {"query_proj", "key_proj", "value_proj"}
+    if "mlpwi" in kept and getattr(model, "fused_mlp", False):  # a gated MLP's gate and up, fused
+        kept |= {"mlpwi_0", "mlpwi_1"}
     wi = ("mlpwi_0", "mlpwi_1") if gated(model) else ("mlpwi",)
     out = {n for n in ("query_proj", "key_proj", "value_proj", "out_proj", *wi) if n not in kept}
     if model.post_norms and "mlpwo" not in kept:

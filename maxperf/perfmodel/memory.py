@@ -146,7 +146,8 @@ def params_per_device(model: ModelShape, mesh: Mesh) -> float:
 
 def named_per_token(model: ModelShape, train: TrainShape, mesh: Mesh) -> dict[str, float]:
     """Bytes per local token of each checkpoint name's tensor that the backward reads back, in one layer (the layer
-    input is the scan carry, counted apart; MaxText's fused qkv_proj does not occur here; the MLP's output, mlpwo,
+    input is the scan carry, counted apart; qkv_proj only under fused_qkv, mlpwi of a gated MLP only under
+    fused_mlp; the MLP's output, mlpwo,
     only a post-norm reads: elsewhere a policy that names it keeps nothing, tests/test_remat.py)."""
     c = dtype_bytes(train.compute_dtype, "compute_dtype")
     D, Dh = model.d_model, model.head_dim
@@ -155,9 +156,17 @@ def named_per_token(model: ModelShape, train: TrainShape, mesh: Mesh) -> dict[st
     # the context in the model's) and the float32 log-sum-exp (measured here: jax's saved_residuals of a layer)
     flash = attention_kernel(train) == "flash"
     kernel = c * a.H * Dh + FLASH_LSE_BYTES * a.H if flash else 0.0
-    wi = {"mlpwi_0": c * a.F, "mlpwi_1": c * a.F} if gated(model) else {"mlpwi": c * a.F}
-    return {"query_proj": c * a.H * Dh, "key_proj": c * a.K * Dh, "value_proj": c * a.K * Dh,
-            "context": c * a.H * Dh + kernel, "out_proj": c * a.D, **wi, "mlpwo": c * a.D if model.post_norms else 0.0}
+    # MaxText's fused_mlp names the gate and up outputs together mlpwi, its fused_qkv q, k and v together qkv_proj
+    if gated(model) and getattr(model, "fused_mlp", False):
+        wi = {"mlpwi": 2 * c * a.F}
+    else:
+        wi = {"mlpwi_0": c * a.F, "mlpwi_1": c * a.F} if gated(model) else {"mlpwi": c * a.F}
+    if getattr(model, "fused_qkv", False):
+        qkv = {"qkv_proj": c * (a.H + 2 * a.K) * Dh}
+    else:
+        qkv = {"query_proj": c * a.H * Dh, "key_proj": c * a.K * Dh, "value_proj": c * a.K * Dh}
+    return {**qkv, "context": c * a.H * Dh + kernel, "out_proj": c * a.D, **wi,
+            "mlpwo": c * a.D if model.post_norms else 0.0}
 
 
 def layer_saved_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat: str) -> float:

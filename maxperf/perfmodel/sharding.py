@@ -67,18 +67,25 @@ def param_arrays(model: ModelShape) -> list[ParamArray]:
                             model.head_dim, model.d_ff)
     norm_arrays = 2 if str(model.norm) == "layernorm" else 1  # scale (+ bias)
     layer_norms = (4 if model.post_norms else 2) * norm_arrays
-    arrays = [
-        ParamArray("q", (D, H, Dh), ("embed", "heads", "head_dim"), N, True),
-        ParamArray("k", (D, K, Dh), ("embed", "kv_heads", "head_dim"), N, True),
-        ParamArray("v", (D, K, Dh), ("embed", "kv_heads", "head_dim"), N, True),
+    if getattr(model, "fused_qkv", False):  # each kv head beside its query heads, key and value (layers/attention.py)
+        arrays = [ParamArray("qkv", (D, K, H // K + 2, Dh), ("embed", "kv_heads", None, "head_dim"), N, True)]
+    else:
+        arrays = [ParamArray("q", (D, H, Dh), ("embed", "heads", "head_dim"), N, True),
+                  ParamArray("k", (D, K, Dh), ("embed", "kv_heads", "head_dim"), N, True),
+                  ParamArray("v", (D, K, Dh), ("embed", "kv_heads", "head_dim"), N, True)]
+    fused_mlp = gated(model) and getattr(model, "fused_mlp", False)
+    if fused_mlp:
+        arrays.append(ParamArray("gate_up", (D, 2, F), ("embed", None, "mlp"), N, True))
+    else:
+        arrays.append(ParamArray("up", (D, F), ("embed", "mlp"), N, True))
+    arrays += [
         ParamArray("o", (H, Dh, D), ("heads", "head_dim", "embed"), N, True),
-        ParamArray("up", (D, F), ("embed", "mlp"), N, True),
         ParamArray("down", (F, D), ("mlp", "embed"), N, True),
         ParamArray("layer_norms", (D,), ("norm",), N * layer_norms, False),
         ParamArray("final_norm", (D,), ("norm",), norm_arrays, False),
         ParamArray("embedding", (V, D), ("vocab", "embed"), 1, True),
     ]
-    if gated(model):
+    if gated(model) and not fused_mlp:
         arrays.append(ParamArray("gate", (D, F), ("embed", "mlp"), N, True))
     if model.qk_norm:
         arrays.append(ParamArray("qk_norms", (Dh,), ("norm",), 2 * N, False))

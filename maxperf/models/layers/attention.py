@@ -24,9 +24,16 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.options = options
         self.windows = tuple(sorted({w or 0 for w in cfg.layer_windows()}))
-        self.q_DxHxDh = param(rngs, (D, H, Dh), ("embed", "heads", "head_dim"), dtype, fan_in=D)
-        self.k_DxKxDh = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
-        self.v_DxKxDh = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
+        if cfg.fused_qkv:
+            # one [D, K, G + 2, Dh] weight: each kv head beside its G query heads, its key and its value, so that
+            # splitting the fused output stays within each tensor shard (MaxText splits its [D, H + 2K, Dh] in a
+            # shard_map for the same reason)
+            self.qkv_DxKxExDh = param(rngs, (D, K, cfg.kv_groups + 2, Dh), ("embed", "kv_heads", None, "head_dim"),
+                                      dtype, fan_in=D)
+        else:
+            self.q_DxHxDh = param(rngs, (D, H, Dh), ("embed", "heads", "head_dim"), dtype, fan_in=D)
+            self.k_DxKxDh = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
+            self.v_DxKxDh = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
         self.o_HxDhxD = param(rngs, (H, Dh, D), ("heads", "head_dim", "embed"), dtype, fan_in=H * Dh)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(Dh, cfg.norm_eps, dtype, rngs)
@@ -36,15 +43,23 @@ class Attention(nnx.Module):
         cfg, dtype = self.cfg, x_BxLxD.dtype
         B, L, _ = x_BxLxD.shape
         K, G, Dh = cfg.num_kv_heads, cfg.kv_groups, cfg.head_dim
-        q_BxLxHxDh = jnp.einsum("BLD,DHd->BLHd", x_BxLxD, self.q_DxHxDh[...].astype(dtype))
-        k_BxLxKxDh = jnp.einsum("BLD,DKd->BLKd", x_BxLxD, self.k_DxKxDh[...].astype(dtype))
-        v_BxLxKxDh = jnp.einsum("BLD,DKd->BLKd", x_BxLxD, self.v_DxKxDh[...].astype(dtype))
-        q_BxLxHxDh = constrain(q_BxLxHxDh, ("activation_batch", "activation_length", "activation_heads", None))
-        k_BxLxKxDh = constrain(k_BxLxKxDh, ("activation_batch", "activation_length", "activation_kv_heads", None))
-        v_BxLxKxDh = constrain(v_BxLxKxDh, ("activation_batch", "activation_length", "activation_kv_heads", None))
-        q_BxLxHxDh = checkpoint_name(q_BxLxHxDh, "query_proj")
-        k_BxLxKxDh = checkpoint_name(k_BxLxKxDh, "key_proj")
-        v_BxLxKxDh = checkpoint_name(v_BxLxKxDh, "value_proj")
+        if cfg.fused_qkv:
+            qkv_BxLxKxExDh = jnp.einsum("BLD,DKed->BLKed", x_BxLxD, self.qkv_DxKxExDh[...].astype(dtype))
+            qkv_BxLxKxExDh = constrain(qkv_BxLxKxExDh, ("activation_batch", "activation_length",
+                                                        "activation_kv_heads", None, None))
+            qkv_BxLxKxExDh = checkpoint_name(qkv_BxLxKxExDh, "qkv_proj")
+            q_BxLxHxDh = qkv_BxLxKxExDh[:, :, :, :G].reshape(B, L, cfg.num_heads, Dh)
+            k_BxLxKxDh, v_BxLxKxDh = qkv_BxLxKxExDh[:, :, :, G], qkv_BxLxKxExDh[:, :, :, G + 1]
+        else:
+            q_BxLxHxDh = jnp.einsum("BLD,DHd->BLHd", x_BxLxD, self.q_DxHxDh[...].astype(dtype))
+            k_BxLxKxDh = jnp.einsum("BLD,DKd->BLKd", x_BxLxD, self.k_DxKxDh[...].astype(dtype))
+            v_BxLxKxDh = jnp.einsum("BLD,DKd->BLKd", x_BxLxD, self.v_DxKxDh[...].astype(dtype))
+            q_BxLxHxDh = constrain(q_BxLxHxDh, ("activation_batch", "activation_length", "activation_heads", None))
+            k_BxLxKxDh = constrain(k_BxLxKxDh, ("activation_batch", "activation_length", "activation_kv_heads", None))
+            v_BxLxKxDh = constrain(v_BxLxKxDh, ("activation_batch", "activation_length", "activation_kv_heads", None))
+            q_BxLxHxDh = checkpoint_name(q_BxLxHxDh, "query_proj")
+            k_BxLxKxDh = checkpoint_name(k_BxLxKxDh, "key_proj")
+            v_BxLxKxDh = checkpoint_name(v_BxLxKxDh, "value_proj")
         if cfg.qk_norm:
             q_BxLxHxDh, k_BxLxKxDh = self.q_norm(q_BxLxHxDh), self.k_norm(k_BxLxKxDh)
         if cfg.positions is Positions.ROPE:

@@ -24,7 +24,7 @@ class DenseDecoderLayer(nnx.Module):
         self.attn_norm = make_norm(cfg.norm, D, eps, dtype, rngs)
         self.attention = Attention(cfg, dtype, rngs, options)
         self.mlp_norm = make_norm(cfg.norm, D, eps, dtype, rngs)
-        self.mlp = MLP(D, cfg.d_ff, cfg.activation, dtype, rngs)
+        self.mlp = MLP(D, cfg.d_ff, cfg.activation, dtype, rngs, fused=cfg.fused_mlp)
         self.post_norms = cfg.post_norms
         if cfg.post_norms:
             self.attn_post_norm = make_norm(cfg.norm, D, eps, dtype, rngs)

@@ -17,22 +17,33 @@ _ACT = {Activation.SWIGLU: jax.nn.silu, Activation.GEGLU: jax.nn.gelu, Activatio
 
 
 class MLP(nnx.Module):
-    def __init__(self, D: int, F: int, activation: Activation, dtype, rngs: nnx.Rngs):
+    def __init__(self, D: int, F: int, activation: Activation, dtype, rngs: nnx.Rngs, fused: bool = False):
+        """`fused` (MaxText's fused_mlp): a gated MLP's gate and up projections as one [D, 2, F] weight and matmul,
+        its output named mlpwi; a plain MLP has one input projection either way."""
         self.activation = activation
-        if activation.gated:
-            self.gate_DxF = param(rngs, (D, F), ("embed", "mlp"), dtype)
-        self.up_DxF = param(rngs, (D, F), ("embed", "mlp"), dtype)
+        self.fused = fused and activation.gated
+        if self.fused:
+            self.wi_Dx2xF = param(rngs, (D, 2, F), ("embed", None, "mlp"), dtype, fan_in=D)
+        else:
+            if activation.gated:
+                self.gate_DxF = param(rngs, (D, F), ("embed", "mlp"), dtype)
+            self.up_DxF = param(rngs, (D, F), ("embed", "mlp"), dtype)
         self.down_FxD = param(rngs, (F, D), ("mlp", "embed"), dtype)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         dtype = x_BxLxD.dtype
-        h_BxLxF = jax.numpy.einsum("BLD,DF->BLF", x_BxLxD, self.up_DxF[...].astype(dtype))
-        if self.activation.gated:
+        if self.fused:
+            wi_BxLx2xF = jax.numpy.einsum("BLD,DkF->BLkF", x_BxLxD, self.wi_Dx2xF[...].astype(dtype))
+            wi_BxLx2xF = checkpoint_name(wi_BxLx2xF, "mlpwi")
+            h_BxLxF = _ACT[self.activation](wi_BxLx2xF[:, :, 0]) * wi_BxLx2xF[:, :, 1]
+        elif self.activation.gated:
+            h_BxLxF = jax.numpy.einsum("BLD,DF->BLF", x_BxLxD, self.up_DxF[...].astype(dtype))
             h_BxLxF = checkpoint_name(h_BxLxF, "mlpwi_1")
             g_BxLxF = jax.numpy.einsum("BLD,DF->BLF", x_BxLxD, self.gate_DxF[...].astype(dtype))
             g_BxLxF = checkpoint_name(g_BxLxF, "mlpwi_0")
             h_BxLxF = _ACT[self.activation](g_BxLxF) * h_BxLxF
         else:
+            h_BxLxF = jax.numpy.einsum("BLD,DF->BLF", x_BxLxD, self.up_DxF[...].astype(dtype))
             h_BxLxF = _ACT[self.activation](checkpoint_name(h_BxLxF, "mlpwi"))
         h_BxLxF = constrain(h_BxLxF, ("activation_batch", "activation_length", "activation_mlp"))
         out_BxLxD = jax.numpy.einsum("BLF,FD->BLD", h_BxLxF, self.down_FxD[...].astype(dtype))
