@@ -379,3 +379,70 @@ def test_tiny_train_step_scanned_and_unscanned_agree():
     assert scanned.flops == pytest.approx(unscanned.flops, rel=1e-3)  # measured here: equal
     assert unscanned.xla_style_flops == pytest.approx(unscanned_raw, rel=1e-3)
     assert scanned_raw < 0.8 * scanned.xla_style_flops  # XLA counts the layer loop's body once
+
+
+# Pallas attention kernels: splash on TPU prints its kernel metadata as multi-line JSON inside the instruction
+# (a line of it starts with "}"), and neither kernel carries a cost estimate.
+SPLASH = """  %q = f32[2,8,32]{2,1,0} bitcast(%h)
+  %NAME.3 = RESULT custom-call(%i, %q, %q), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"BLOCK_Q\\": 4, \\"BLOCK_KV\\": 4, \\"use_fused_bwd_kernel\\": false}"
+}}, metadata={op_name="jit(f)/while/body/NAME/pallas_call"}, backend_config={"custom_call_config":{"body":"TUzv"}}
+"""
+# (query, key) pairs in causal 4x4 blocks of an 8x8 score matrix: blocks (0,0), (1,0), (1,1), each whole
+SPLASH_PAIRS = 3 * 16
+
+
+@pytest.mark.parametrize("name, blocks, result, per_pair", [
+    ("splash_mha_fwd_residuals", ("block_q", "block_kv"), "(f32[2,8,32]{2,1,0}, f32[2,8,128]{2,1,0})", 4),
+    ("splash_mha_dq_no_residuals", ("block_q_dq", "block_kv_dq"), "f32[2,8,32]{2,1,0}", 6),
+    ("splash_mha_dkv_no_residuals", ("block_q_dkv", "block_kv_dkv"), "(f32[2,8,32]{2,1,0}, f32[2,8,32]{2,1,0})", 8),
+    ("splash_mha_dkv_no_residuals", ("block_q_dkv", "block_kv_dkv"),
+     "(f32[2,8,32]{2,1,0}, f32[2,8,32]{2,1,0}, f32[2,8,32]{2,1,0})", 10),  # fused: dq too
+], ids=["fwd", "dq", "dkv", "fused-dkv"])
+def test_splash_kernel_in_a_loop_body_keeps_the_loop_and_counts_its_flops(name, blocks, result, per_pair):
+    kernel = (SPLASH.replace("NAME", name).replace("RESULT", result).replace("BLOCK_Q", blocks[0])
+              .replace("BLOCK_KV", blocks[1]))
+    text = WHILE_KNOWN.replace(KNOWN_TRIP_COUNT, "").replace("  %t = ", kernel + "  %t = ")
+    cost = hlo_flops(text)
+    # the body is read to its end: its root gives the trip count, its fusion's dot is counted 32 times
+    assert [(loop.trip_count, loop.trip_count_source) for loop in cost.loops] == [(32, "condition")]
+    assert cost.dot_flops == 32 * LOOP_DOT_FLOPS
+    kernel_flops = 32 * per_pair * 32 * 2 * SPLASH_PAIRS  # trips x per pair x Dh x heads x pairs
+    assert cost.attention_kernel_flops == cost.custom_call_flops == kernel_flops
+    assert cost.by_opcode[f"attention-kernel:{name}"] == kernel_flops
+    assert cost.flops == cost.dot_flops + kernel_flops and cost.unhandled_custom_calls == {}
+
+
+TRITON = """  %q = f32[1,8,2,32]{3,2,1,0} bitcast(%h)
+  %pallas_call.36 = RESULT custom-call(%q, %q, %q), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/shard_map/jit(mha)/NAME/pallas_call"}, backend_config={debug = false, grid_x = 2 : i32, grid_y = 1 : i32, grid_z = 2 : i32, ir = "ML\\EFR{\\00\\22}}{"}
+"""
+
+
+@pytest.mark.parametrize("name, result, flops", [
+    # forward: 4x8 query blocks (8 / grid_x) against one 8-wide key block (128 clamped): 2 blocks of 32 pairs
+    ("mha_forward", "(f32[1,8,2,32]{3,2,1,0}, f32[1,2,8]{2,1,0})", 4 * 32 * 2 * 64),
+    # backward: 32-wide blocks clamped to 8, the whole 8x8 block, dq and dkv in one kernel
+    ("mha_backward", "(f32[1,8,2,32]{3,2,1,0}, f32[1,8,2,32]{3,2,1,0}, f32[1,8,2,32]{3,2,1,0})", 14 * 32 * 2 * 64),
+])
+def test_triton_flash_kernel_flops_from_operand_shapes(name, result, flops):
+    text = DOT.replace("  ROOT %dot.1", TRITON.replace("NAME", name).replace("RESULT", result) + "  ROOT %dot.1")
+    cost = hlo_flops(text)
+    assert cost.attention_kernel_flops == flops
+    assert cost.flops == 2 * 16 * 512 * 256 + flops and cost.unhandled_custom_calls == {}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_tiny_splash_compile_counts_every_layer_and_its_kernels(tmp_path):
+    from maxperf.aot import compiler
+
+    result = compiler.compile("v5p-8", "tiny", ["seq_len=256", "attention=flash"], out=tmp_path / "a")
+    hlo = result.cost["hlo"]
+    N = result.plan.configs.model.num_layers
+    assert hlo["loops"] and all(loop["trip_count"] == N for loop in hlo["loops"])
+    assert hlo["unhandled_custom_calls"] == {}
+    # per layer: the forward, the forward again under remat, dq and dkv, each over one causal 256x256 block
+    model, B = result.plan.configs.model, result.plan.configs.train.per_device_batch_size
+    heads = B * model.num_heads  # the mesh (fsdp=4) splits the global batch, each device holds every head
+    assert hlo["attention_kernel_flops"] == N * (4 + 4 + 6 + 8) * model.head_dim * heads * 256 * 256
+    assert "attention kernels" in result.cost["flops_source"]

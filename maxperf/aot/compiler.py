@@ -157,6 +157,10 @@ def cost_report(raw: dict[str, float] | None, hlo_text: str, topology: Topology)
     report["flops_per_device"] = counted.flops
     report["flops_source"] = ("optimized HLO: dot, convolution and GEMM custom-call FLOPs counted by maxperf, "
                               "while-loop bodies multiplied by their trip counts")
+    if counted.attention_kernel_flops:
+        report["flops_source"] += ("; Pallas attention kernels, which carry no cost estimate, counted by maxperf "
+                                   "from their operand shapes and block sizes under a causal mask "
+                                   f"({counted.attention_kernel_flops:.4g} of the FLOPs)")
     report["xla_style_flops_per_device"] = counted.xla_style_flops  # the same count XLA makes, loops corrected
     report["hlo"] = dataclasses.asdict(counted) if dataclasses.is_dataclass(counted) else dict(counted)
     if raw:

@@ -52,6 +52,15 @@ _KNOWN_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _INDEX = re.compile(r"\bindex=(\d+)")
 _DIRECTION = re.compile(r"direction=([A-Z]+)")
 _CONSTANT = re.compile(r"\s*(-?\d+)\s*$")
+# Pallas attention kernels, by the name their pallas_call gives them (in the op name or the instruction name):
+# splash attention on TPU (splash_{mha,mqa}_{fwd,dq,dkv}...), jax's Pallas Triton flash attention on GPU.
+_ATTENTION_KERNEL = re.compile(r"\b(splash_m[hq]a_(fwd|dq|dkv)\w*|mha_(forward|backward))\b")
+_BLOCK = re.compile(r'\\?"(block_(?:q|kv|q_dq|kv_dq|q_dkv|kv_dkv))\\?": (\d+)')
+_GRID_X = re.compile(r"grid_x = (\d+)")
+_FLOAT_ARRAY = re.compile(r"^(?:bf16|f16|f32|f64|f8\w*)\[")
+_KERNEL_SUFFIX = re.compile(r"\.\d+$")
+_ATTENTION_KEY = "attention-kernel:"
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 # XLA's HloCostAnalysis counts these as transcendentals, not flops.
 _TRANSCENDENTAL = frozenset(
@@ -94,7 +103,7 @@ class HloCost:
     flops: float  # dot + convolution + gemm custom calls: the matmul work
     dot_flops: float
     convolution_flops: float
-    custom_call_flops: float  # cuBLAS gemm custom calls and kernels that carry a cost estimate
+    custom_call_flops: float  # cuBLAS gemm custom calls, Pallas attention kernels, kernels with a cost estimate
     elementwise_flops: float  # 1 per result element of arithmetic elementwise ops
     reduction_flops: float  # scalar bodies of reduce, all-reduce, scatter, sort, ... times their applications
     transcendentals: float  # exp, log, tanh, ... result elements (XLA counts these apart from flops)
@@ -106,6 +115,9 @@ class HloCost:
     unhandled_custom_calls: dict[str, int]  # target -> count, for custom calls whose flops are not known
     unresolved_operands: int  # dots/convolutions whose operand shape was not found (skipped)
     computations: int  # computations reachable from ENTRY
+    # Pallas flash attention kernels (part of custom_call_flops), counted from their operand shapes under a causal
+    # mask (see `attention_kernel`): they carry no cost estimate of their own
+    attention_kernel_flops: float = 0.0
 
 
 @dataclasses.dataclass
@@ -137,7 +149,21 @@ def _parse(hlo_text: str) -> tuple[dict[str, _Comp], str]:
     entry = None
     current: _Comp | None = None
     match_instr = _INSTR.match
+    pending: list[str] = []  # an instruction whose attributes span lines, until its braces balance
+    depth = 0
     for line in hlo_text.split("\n"):
+        if pending:
+            pending.append(line)
+            depth += _brace_balance(line)
+            if depth > 0:
+                continue
+            line = "".join(pending)
+            pending = []
+        elif current is not None and line.startswith(" "):
+            depth = _brace_balance(line)
+            if depth > 0:  # e.g. Mosaic kernels' frontend_attributes hold multi-line JSON
+                pending = [line]
+                continue
         if current is not None and line.startswith(" "):
             m = match_instr(line)
             if m:
@@ -161,6 +187,15 @@ def _parse(hlo_text: str) -> tuple[dict[str, _Comp], str]:
     if entry is None:
         raise ValueError("no HLO computation found in the text")
     return comps, entry
+
+
+def _brace_balance(line: str) -> int:
+    """Opening minus closing braces outside double-quoted strings (HLO attributes and JSON may span lines)."""
+    opened, closed = line.count("{"), line.count("}")
+    if opened == closed or '"' not in line:
+        return opened - closed
+    unquoted = _QUOTED.sub("", line)
+    return unquoted.count("{") - unquoted.count("}")
 
 
 def _dims(shape: str) -> list[int]:
@@ -227,6 +262,10 @@ def _local(comp: _Comp, comps: dict[str, _Comp]) -> _Local:
                 continue
             add(_CONV, "convolution", flops)
         elif opcode == "custom-call":
+            attention = attention_kernel(name, shape, rest, instrs)
+            if attention is not None:
+                add(_CUSTOM, f"{_ATTENTION_KEY}{_KERNEL_SUFFIX.sub('', attention[0])}", attention[1])
+                continue
             flops = _custom_call_flops(shape, rest, instrs)
             target_match = _TARGET.search(rest)
             target = target_match.group(1) if target_match else "?"
@@ -336,6 +375,49 @@ def _custom_call_flops(shape: str, rest: str, instrs: dict[str, tuple[str, str, 
         return 2.0 * _elements(shape) * math.prod(lhs_dims[d] for d in _int_list(contracting.group(1)))
     estimate = _COST_ESTIMATE.search(rest)
     return float(estimate.group(1)) if estimate else None
+
+
+def attention_kernel(name: str, shape: str, rest: str, instrs: dict[str, tuple[str, str, str]]
+                     ) -> tuple[str, float] | None:
+    """(kernel, matmul FLOPs) of a Pallas flash attention custom call, counted from its operand shapes; None for
+    other custom calls.
+
+    Per (query, key) pair computed, per query head: the forward does Q K^T and P V (4 x Dh flops); splash's dq
+    kernel recomputes the scores, dP = dO V^T and dQ (6 x Dh); its dkv kernel the scores, dV, dP and dK (8 x Dh; 10
+    fused with dQ); the Triton backward does both in one kernel (14 x Dh). Pairs computed: the blocks a causal mask
+    leaves visible, each whole (the kernels skip fully masked blocks only): splash's block sizes from the kernel's
+    metadata, the Triton kernel's from its grid (forward) and jax's defaults (backward, 32). A sliding-window mask
+    skips more blocks than this count assumes.
+    """
+    kernel = _ATTENTION_KERNEL.search(rest) or _ATTENTION_KERNEL.search(name)
+    if kernel is None:
+        return None
+    floats = [instrs[o][0] for o in _operands(rest) if o in instrs and _FLOAT_ARRAY.match(instrs[o][0])]
+    q, k = (_dims(s) for s in floats[:2]) if len(floats) >= 2 else ([], [])
+    if len(q) < 3 or len(k) < 3:
+        return None
+    blocks = dict(_BLOCK.findall(rest))
+    phase = kernel.group(2) or kernel.group(3)
+    if kernel.group(2):  # splash: [..., heads, L, Dh]
+        heads, Lq, Lk, Dh = math.prod(q[:-2]), q[-2], k[-2], q[-1]
+        suffix = {"fwd": "", "dq": "_dq", "dkv": "_dkv"}[phase]
+        bq, bk = int(blocks.get("block_q" + suffix, 1)), int(blocks.get("block_kv" + suffix, 1))
+        per_pair = {"fwd": 4, "dq": 6, "dkv": 10 if shape.count("[") >= 3 else 8}[phase]
+    else:  # Triton: [B, L, heads, Dh]
+        heads, Lq, Lk, Dh = math.prod(q[:-3]) * q[-2], q[-3], k[-3], q[-1]
+        grid = _GRID_X.search(rest)
+        if phase == "forward":
+            bq, bk, per_pair = (Lq // int(grid.group(1)) if grid else 128), 128, 4
+        else:
+            bq, bk, per_pair = 32, 32, 14
+    return kernel.group(1), float(per_pair * Dh * heads * _causal_block_pairs(Lq, Lk, min(bq, Lq), min(bk, Lk)))
+
+
+def _causal_block_pairs(Lq: int, Lk: int, bq: int, bk: int) -> int:
+    """(query, key) pairs in the [bq, bk] blocks that hold at least one causally visible pair (query i sees key j
+    when j <= i), each block counted whole."""
+    nk = -(-Lk // bk)
+    return sum(bq * bk * min(nk, -(-(i + 1) * bq // bk)) for i in range(-(-Lq // bq)))
 
 
 def _applications(opcode: str, key: str, shape: str, rest: str, instrs: dict[str, tuple[str, str, str]]) -> float:
@@ -568,4 +650,5 @@ def hlo_flops(hlo_text: str) -> HloCost:
         xla_style_flops=flops + vector[_ELEM] + reduction,
         by_opcode=dict(sorted(by_opcode.items(), key=lambda kv: -kv[1])), loops=tuple(loops),
         unknown_trip_counts=sum(1 for loop in loops if loop.trip_count is None), conditionals=conditionals,
-        unhandled_custom_calls=custom_calls, unresolved_operands=unresolved, computations=len(counts))
+        unhandled_custom_calls=custom_calls, unresolved_operands=unresolved, computations=len(counts),
+        attention_kernel_flops=sum(v for k, v in by_opcode.items() if k.startswith(_ATTENTION_KEY)))
