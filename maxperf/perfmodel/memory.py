@@ -180,8 +180,9 @@ def layer_saved_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, *, r
     D, Dh = model.d_model, model.head_dim
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
     mlp_f = (GATED_MLP_SAVED_F if gated(model) else PLAIN_MLP_SAVED_F) * a.F
-    # the residual stream and its norms are split over tensor (MaxText's activation_embed rule)
-    norms = (4 if model.post_norms else 2) * (NORM_SAVED_BYTES + c) * a.D
+    # the residual stream and its float32 norm values are split over tensor (MaxText's activation_embed rule); a
+    # norm's compute-dtype output is the next matmul's input, gathered to the full width D for it
+    norms = (4 if model.post_norms else 2) * (NORM_SAVED_BYTES * a.D + c * D)
     residual = c * a.D  # the sum after attention, input of the MLP block
     qkv = c * (a.H + 2 * a.K) * Dh
     qk_norm = (NORM_SAVED_BYTES + c) * (a.H + a.K) * Dh if model.qk_norm else 0.0
@@ -254,10 +255,12 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     vocab_table = gathered_size(table.shape, table.logical, mesh) * c  # gathered for the logits
     # the gradient of the scores, in the logits' dtype: the dot product's only (flash keeps its tiles on chip)
     score_grads = 0.0 if attention_kernel(train) == "flash" else score_bytes(train)[1] * a.H * train.seq_len
-    gradient_buffers = T * (BACKWARD_SCORE_GRADIENTS * score_grads + BACKWARD_D_FLOAT32 * 4 * a.D)
+    # the input gradients of a layer's matmuls are partial sums over the tensor shards, full width D until their
+    # reduce-scatter; the layer's input is gathered to full width for its matmuls
+    gradient_buffers = T * (BACKWARD_SCORE_GRADIENTS * score_grads + BACKWARD_D_FLOAT32 * 4 * D)
     working = gradient_buffers
     if remat != "none":  # the layer being differentiated is rematerialized: one layer's full set of saved tensors
-        working += T * (a.D * c + layer_saved_per_token(model, train, mesh, remat="none"))
+        working += T * (D * c + layer_saved_per_token(model, train, mesh, remat="none"))
     staged = OFFLOAD_STAGED_LAYERS * T * layer_offloaded_per_token(model, train, mesh)
     temporaries = gathered + grads_unsharded + working + staged
     return MemoryBreakdown(
