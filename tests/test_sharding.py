@@ -253,3 +253,20 @@ def test_perfmodel_under_tensor_keeps_matmul_inputs_whole():
     one = perf_memory.layer_saved_per_token(model, train, _mesh(fsdp=64), remat="none")
     four = perf_memory.layer_saved_per_token(model, train, _mesh(fsdp=16, tensor=4), remat="none")
     assert (4 * four - one) / 3 == 2 * 2 * 4096  # two pre-norms' bfloat16 outputs, full width
+
+
+def test_fsdp_transpose_takes_its_own_torus_dimension_and_gathers_over_it():
+    from maxperf.aot import topologies
+    from maxperf.perfmodel import chips
+    from maxperf.perfmodel.network import axis_networks, collective_time
+
+    topology = topologies.get("v5p-128")  # a 4 x 4 x 4 torus
+    mesh = _mesh(fsdp=16, fsdp_transpose=4)
+    nets = axis_networks(mesh, chips.get("tpu-v5p"), topology)
+    chip = chips.get("tpu-v5p")
+    # fsdp_transpose, inside fsdp, spans one torus dimension (both directions of its ring); fsdp the other two
+    assert nets["fsdp_transpose"].inner == 4 and nets["fsdp_transpose"].inner_bandwidth == 2 * chip.link_bandwidth
+    assert nets["fsdp"].inner == 16 and nets["fsdp"].inner_bandwidth == 4 * chip.link_bandwidth
+    # a weight gathered over both axes moves (n-1)/n of itself over the links of all three dimensions
+    t = collective_time("all-gather", 64.0 * 2**20, ("fsdp", "fsdp_transpose"), nets)
+    assert t.ici_s == pytest.approx(63 / 64 * 64 * 2**20 / (6 * chip.link_bandwidth) + 5e-6)
