@@ -1,6 +1,7 @@
 """Attention kernels: flash (the CPU's blockwise kernel, and TPU splash attention run in interpret mode) against the
 materialized dot product, MaxText's key names, and one-line errors for settings a kernel cannot serve."""
 
+import re
 from dataclasses import replace
 
 import jax
@@ -139,7 +140,7 @@ def test_maxtext_keys_and_values():
       "sa_block_q_dkv=128", "sa_block_kv_dkv=128", "sa_block_kv_dkv_compute=128", "sa_block_q_dq=128",
       "sa_block_kv_dq=128"], "tpu", "needs sa_block_q .* to divide seq_len=200"),
     (["attention=flash", "attention_type=local_sliding", "window=64"], "gpu",
-     "serves attention_type=global only, got attention_type=local_sliding; valid: attention=dot_product"),
+     "serves attention_type=global only, got sliding windows of 64 tokens; valid: attention=dot_product"),
     (["attention=flash", "attn_logit_softcap=30"], "gpu", "has no logit soft-capping"),
     (["attention=flash", "seq_len=200"], "gpu", "needs seq_len a multiple of 128 .or of 32 below 128., got 200"),
 ])
@@ -183,3 +184,45 @@ def test_dot_product_switches_set_the_score_dtype():
     assert scores_dtype(float32_qk_product=False, float32_logits=False) == jnp.bfloat16  # MaxText's defaults
     assert scores_dtype(float32_qk_product=False, float32_logits=True) == jnp.float32
     assert scores_dtype(float32_qk_product=True, float32_logits=False) == jnp.float32
+
+
+# The kernel the model traces against the one perfmodel counts: one rule (maxperf.attention_rule) for both
+_GRID = [(), ("seq_len=64",), ("seq_len=96",), ("seq_len=200",), ("head_dim=320",), ("attn_logit_softcap=30",),
+         ("attention_type=local_sliding", "window=8"), ("seq_len=256", "sa_block_q=512"),
+         ("seq_len=384", "sa_block_q=256")]
+
+
+def _traced_kernel(cfg, platform, monkeypatch) -> str:
+    """The kernel the model's forward dispatches to on `platform`, each kernel stubbed to record its call."""
+    ran = []
+
+    def stub(name):
+        return lambda q, *args, **kwargs: ran.append(name) or q
+
+    monkeypatch.setattr(ak, "platform_of_mesh", lambda: platform)
+    for name in ("dot_product", "splash", "gpu_flash", "blockwise"):
+        monkeypatch.setattr(ak, name, stub(name))
+    model = train_step.model_def(cfg.model, cfg.train)
+    L = cfg.train.seq_len
+    inputs = jax.ShapeDtypeStruct((1, L), jnp.int32)
+    jax.eval_shape(lambda params, x: nnx.merge(model.graphdef, params)(x, jnp.broadcast_to(jnp.arange(L), x.shape)),
+                   model.params, inputs)
+    assert len(set(ran)) == 1, ran
+    return ran[0]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu", "cpu"])
+@pytest.mark.parametrize("kernel", ["auto", "dot_product", "flash"])
+def test_perfmodel_counts_the_kernel_the_model_runs(platform, kernel, monkeypatch):
+    from maxperf.perfmodel.flops import attention_kernel, resolve_attention
+
+    for words in _GRID:
+        cfg = overrides.apply(presets.get("tiny"), ["per_device_batch_size=1", f"attention={kernel}", *words])
+        try:
+            traced = _traced_kernel(cfg, platform, monkeypatch)
+        except MaxperfError as err:  # an explicit flash that cannot serve: perfmodel refuses it the same way
+            with pytest.raises(MaxperfError, match=re.escape(str(err))):
+                resolve_attention(cfg.model, cfg.train, platform)
+            continue
+        counted = attention_kernel(resolve_attention(cfg.model, cfg.train, platform))
+        assert counted == ("dot_product" if traced == "dot_product" else "flash"), (words, traced)

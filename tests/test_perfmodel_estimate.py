@@ -120,7 +120,8 @@ def test_bottleneck_compute_for_a_big_model_on_big_batches():
 
 
 def test_bottleneck_hbm_for_a_tiny_model():
-    e = estimate(presets.get("tiny"), TrainConfig(per_device_batch_size=1, seq_len=64), {}, {}, v5p(1, (1, 1, 1)))
+    # L < 128: splash cannot serve it, the model runs the dot product, whose scores grow as L^2 (compute-bound at 64)
+    e = estimate(presets.get("tiny"), TrainConfig(per_device_batch_size=1, seq_len=32), {}, {}, v5p(1, (1, 1, 1)))
     assert e.bottleneck == "hbm"
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-from maxperf import logical_axes
+from maxperf import attention_rule, logical_axes
 from maxperf.errors import MaxperfError
 
 
@@ -105,8 +105,7 @@ class LayerKind(enum.StrEnum):
 MESH_AXES, DCN_AXES = logical_axes.MESH_AXES, logical_axes.DCN_AXES  # MaxText's mesh axes, outermost first
 
 _DTYPES = ("float32", "bfloat16", "float16")
-SPLASH_BLOCKS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",
-                 "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")
+SPLASH_BLOCKS = attention_rule.SPLASH_BLOCKS  # MaxText's sa_block_* keys, in the kernel rule's order
 
 
 def _require(ok: bool, message: str) -> None:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 
 from maxperf.perfmodel import chips
 from maxperf.perfmodel.calibration import Calibration, StoredCalibration
-from maxperf.perfmodel.flops import FlopCounts, ParamCounts, count_flops, count_params
+from maxperf.perfmodel.flops import FlopCounts, ParamCounts, count_flops, count_params, resolve_attention
 from maxperf.perfmodel.memory import MemoryBreakdown, estimate_memory, params_per_device
 from maxperf.perfmodel.shapes import (
     ModelShape,
@@ -144,6 +144,7 @@ def estimate(model: ModelShape, train: TrainShape, mesh_axes: Mapping[str, int],
     mesh = make_mesh(mesh_axes, dcn_axes, topology)
     cal = stored(calibration)
     chip = device_for(topology, cal)
+    train = resolve_attention(model, train, chip.kind)
     if overlap is None:
         overlap = default_overlap(chip)
     elif not isinstance(overlap, Overlap):

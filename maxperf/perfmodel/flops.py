@@ -13,8 +13,11 @@ mask, remat excluded; Megatron (Narayanan et al. 2021, eq. 3) counts the same te
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 
+from maxperf import attention_rule  # plain Python: the kernel rule the model applies
 from maxperf.perfmodel.shapes import ModelShape, TrainShape, check_model, check_train
 
 # Training costs forward + backward = 3 x forward: the backward computes grads w.r.t. inputs and weights, each as
@@ -66,8 +69,22 @@ def remat_names(train: TrainShape, policy: str | None = None) -> tuple[frozenset
 
 
 def attention_kernel(train: TrainShape) -> str:
-    """"flash" or "dot_product": `auto` is flash (splash on TPU, Pallas on GPU, blockwise on CPU), as MaxText picks."""
+    """"flash" or "dot_product": `auto` is flash (splash on TPU, Pallas on GPU, blockwise on CPU), as MaxText picks;
+    `resolve_attention` first turns it into the dot product where the platform's flash cannot serve the setting."""
     return "dot_product" if str(getattr(train, "attention", "auto")) == "dot_product" else "flash"
+
+
+def resolve_attention(model: ModelShape, train: TrainShape, platform: str) -> TrainShape:
+    """`train` with `attention` as the model runs it on a platform kind ("tpu", "gpu", "cpu"): the model's own rule
+    (maxperf/attention_rule.py, plain Python) picks, so `auto` becomes dot_product where flash cannot serve the
+    setting, and an explicit flash it cannot serve is the same one-line error the compile gives."""
+    if attention_rule.for_config(model, train, platform) != "dot_product" or attention_kernel(train) == "dot_product":
+        return train
+    if dataclasses.is_dataclass(train):
+        return dataclasses.replace(train, attention="dot_product")
+    resolved = copy.copy(train)
+    resolved.attention = "dot_product"
+    return resolved
 
 
 def recomputed(model: ModelShape, train: TrainShape) -> frozenset[str]:

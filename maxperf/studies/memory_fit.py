@@ -96,7 +96,9 @@ class MemoryComparison:
 def analytical(p: Plan) -> MemoryBreakdown:
     """perfmodel's breakdown for a plan, against the per-device memory perfmodel's chip table gives."""
     mesh = make_mesh(p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
-    return estimate_memory(p.configs.model, p.configs.train, mesh, device_for(p.topology).hbm_bytes)
+    chip = device_for(p.topology)
+    train = resolve_attention(p.configs.model, p.configs.train, chip.kind)
+    return estimate_memory(p.configs.model, train, mesh, chip.hbm_bytes)
 
 
 def compare(topology: str, model: str, overrides: Sequence[str] = (), *, num_slices: int = 1,

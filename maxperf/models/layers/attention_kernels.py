@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxperf.errors import MaxperfError
-from maxperf.models.config import SPLASH_BLOCKS, AttentionKernel, AttentionType, ModelConfig, TrainConfig
+from maxperf import attention_rule
+from maxperf.attention_rule import choose, implementation, unserved  # noqa: F401 (the model's names for them)
+from maxperf.models.config import SPLASH_BLOCKS, AttentionKernel, ModelConfig, TrainConfig
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 # The blockwise (CPU) kernel's key block: scores live as [.., L, CPU_BLOCK] tiles, never [L, L].
@@ -52,60 +53,17 @@ def platform_of_mesh() -> str:
     return platform_kind(jax.default_backend() if mesh.empty else mesh.abstract_device.platform)
 
 
-def implementation(kernel: AttentionKernel, platform: str) -> str:
-    """The kernel that serves `attention=kernel` on a platform (MaxText's `autoselected` picks flash on TPU and GPU)."""
-    if AttentionKernel(kernel) is AttentionKernel.DOT_PRODUCT:
-        return "dot_product"
-    return {"tpu": "splash", "gpu": "gpu_flash"}.get(platform, "blockwise")
-
-
-def unserved(impl: str, *, L: int, Dh: int, pattern: str, softcap: float | None, blocks: tuple[int, ...]) -> str | None:
-    """Why a kernel cannot serve the setting (a phrase that names it and what would do), or None where it can;
-    `pattern` is the attention_type."""
-    if impl == "splash":
-        for name, value in zip(SPLASH_BLOCKS, blocks):
-            if L % min(value, L):
-                return (f"needs {name} ({value}) to divide seq_len={L} or exceed it; set {name} to a multiple of 128 "
-                        f"that divides {L}, or attention=dot_product")
-        if L % 128:  # the kernel's tiles are multiples of the 128 lanes (any head dim compiles: it is padded)
-            return f"needs seq_len a multiple of 128, got {L}; valid: attention=dot_product"
-    if impl == "gpu_flash":
-        if pattern != AttentionType.GLOBAL.value:
-            return f"serves attention_type=global only, got attention_type={pattern}; valid: attention=dot_product"
-        if softcap is not None:
-            return f"has no logit soft-capping (attn_logit_softcap={softcap}); valid: attention=dot_product"
-        if Dh > 256:
-            return f"takes head_dim up to 256, got {Dh}; valid: attention=dot_product"
-        if L % min(L, 128) or L % 32:  # its tiles: 128 rows forward, 32 in the backward
-            return f"needs seq_len a multiple of 128 (or of 32 below 128), got {L}; valid: attention=dot_product"
-    return None
-
-
-def choose(kernel: AttentionKernel, platform: str, **setting) -> str:
-    """The implementation for `attention=kernel` on a platform: `auto` falls back to the dot product where flash
-    cannot serve the setting (`unserved`'s keywords), an explicit `flash` is refused with one line saying why."""
-    impl = implementation(kernel, platform)
-    why = unserved(impl, **setting)
-    if why is None:
-        return impl
-    if AttentionKernel(kernel) is AttentionKernel.AUTO:
-        return "dot_product"
-    raise MaxperfError(f"attention={AttentionKernel(kernel).value} ({impl} on {platform}) {why}")
-
-
 def check(model: ModelConfig, train: TrainConfig, platform: str) -> str:
-    """The implementation for this model and step on a platform, before anything is traced (see `choose`)."""
-    return choose(train.attention, platform, L=train.seq_len, Dh=model.head_dim,
-                  pattern=AttentionType(model.attention_type).value,
-                  softcap=model.attn_logit_softcap, blocks=tuple(getattr(train, n) for n in SPLASH_BLOCKS))
+    """The implementation for this model and step on a platform, before anything is traced (`attention_rule`, the
+    rule perfmodel applies too)."""
+    return attention_rule.for_config(model, train, platform)
 
 
 def attend(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, *, softcap: float | None, options: AttentionOptions,
            windows: tuple[int, ...] = (0,)) -> jax.Array:
     """`windows`: every window the model's layers use (0 for global), for kernels whose masks must be static."""
     _, L, _, _, Dh = q_BxLxKxGxDh.shape
-    pattern = AttentionType.GLOBAL.value if windows == (0,) else "windowed"
-    impl = choose(options.kernel, platform_of_mesh(), L=L, Dh=Dh, pattern=pattern, softcap=softcap,
+    impl = choose(options.kernel, platform_of_mesh(), L=L, Dh=Dh, windows=windows, softcap=softcap,
                   blocks=options.splash_blocks)
     if impl == "dot_product":
         return dot_product(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=softcap,

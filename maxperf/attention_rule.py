@@ -1,0 +1,76 @@
+"""Which implementation serves `attention=auto|dot_product|flash` on a platform, in plain Python (no jax, no models).
+
+The model (models/layers/attention_kernels.py) and perfmodel decide by this one rule, so the estimate counts the
+kernel the compiled step runs: `auto` is flash (splash on TPU, Pallas Triton on GPU, blockwise on CPU, as MaxText's
+`autoselected` picks), falling back to the dot product where flash cannot serve the setting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from maxperf.errors import MaxperfError
+
+# MaxText's splash attention block sizes (configs/base.yml sa_block_*), the train config's keys for them
+SPLASH_BLOCKS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",
+                 "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")
+
+
+def _value(x) -> str:
+    return str(getattr(x, "value", x))
+
+
+def implementation(kernel, platform: str) -> str:
+    """The kernel that serves `attention=kernel` on a platform kind ("tpu", "gpu", "cpu")."""
+    if _value(kernel) == "dot_product":
+        return "dot_product"
+    return {"tpu": "splash", "gpu": "gpu_flash"}.get(platform, "blockwise")
+
+
+def windows_of(model) -> tuple[int, ...]:
+    """Every window the model's layers use, sorted, 0 for a global layer (the attention layer's `windows`)."""
+    return tuple(sorted({w or 0 for w in model.layer_windows()}))
+
+
+def unserved(impl: str, *, L: int, Dh: int, windows: tuple[int, ...], softcap: float | None,
+             blocks: Sequence[int]) -> str | None:
+    """Why a kernel cannot serve the setting (a phrase that names it and what would do), or None where it can;
+    `windows` as `windows_of` gives them, `blocks` the splash block sizes in SPLASH_BLOCKS order."""
+    if impl == "splash":
+        for name, value in zip(SPLASH_BLOCKS, blocks):
+            if L % min(value, L):
+                return (f"needs {name} ({value}) to divide seq_len={L} or exceed it; set {name} to a multiple of 128 "
+                        f"that divides {L}, or attention=dot_product")
+        if L % 128:  # the kernel's tiles are multiples of the 128 lanes (any head dim compiles: it is padded)
+            return f"needs seq_len a multiple of 128, got {L}; valid: attention=dot_product"
+    if impl == "gpu_flash":
+        if windows != (0,):
+            sliding = ", ".join(str(w) for w in windows if w)
+            return (f"serves attention_type=global only, got sliding windows of {sliding} tokens; "
+                    "valid: attention=dot_product")
+        if softcap is not None:
+            return f"has no logit soft-capping (attn_logit_softcap={softcap}); valid: attention=dot_product"
+        if Dh > 256:
+            return f"takes head_dim up to 256, got {Dh}; valid: attention=dot_product"
+        if L % min(L, 128) or L % 32:  # its tiles: 128 rows forward, 32 in the backward
+            return f"needs seq_len a multiple of 128 (or of 32 below 128), got {L}; valid: attention=dot_product"
+    return None
+
+
+def choose(kernel, platform: str, **setting) -> str:
+    """The implementation for `attention=kernel` on a platform: `auto` falls back to the dot product where flash
+    cannot serve the setting (`unserved`'s keywords), an explicit `flash` is refused with one line saying why."""
+    impl = implementation(kernel, platform)
+    why = unserved(impl, **setting)
+    if why is None:
+        return impl
+    if _value(kernel) == "auto":
+        return "dot_product"
+    raise MaxperfError(f"attention={_value(kernel)} ({impl} on {platform}) {why}")
+
+
+def for_config(model, train, platform: str) -> str:
+    """The implementation for a model and train config (or perfmodel's shapes of them) on a platform kind."""
+    return choose(getattr(train, "attention", "auto"), platform, L=train.seq_len, Dh=model.head_dim,
+                  windows=windows_of(model), softcap=getattr(model, "attn_logit_softcap", None),
+                  blocks=tuple(getattr(train, name, 512) for name in SPLASH_BLOCKS))
