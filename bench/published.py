@@ -1,5 +1,5 @@
 """maxperf's TPU/GPU step-time model against published training measurements, with a leave-one-out fit of its
-assumed constants.
+fitted and assumed constants.
 
     .venv/bin/python bench/published.py [--no-fit] [--only SUBSTRING] [--json FILE] [--free NAMES]
                                         [--hold-out row|hardware]
@@ -19,21 +19,24 @@ marked "~".
 
 The fit. These constants of the perfmodel are fitted, by Nelder-Mead on the mean |log(predicted / published)|:
 
-    steptime.MATMUL_EFFICIENCY["tpu"] = (MAX, HALF)    matmul efficiency MAX x m / (m + HALF), TPU
-    steptime.MATMUL_EFFICIENCY["gpu"] = (MAX, HALF)    the same, GPU
+    chips.MATMUL_FRACTION[chip]                        the share of its peak a large matmul sustains on each chip
+                                                       that has rows (matmul efficiency fraction x m / (m + HALF))
+    steptime.MATMUL_HALF["tpu"], ["gpu"]               HALF, the thin side at which a matmul runs at half that rate
     steptime.ELEMENTWISE_D_PASSES                      elementwise HBM passes per token per layer over D
     Overlap.fsdp, Overlap.tensor, Overlap.data         hidden fraction of each collective family
                                                        (passed to perfmodel.estimate as `overlap=`)
-    steptime.FLASH_EFFICIENCY["tpu"], ["gpu"]          flash attention kernels' fraction of the matmul peak
+    steptime.FLASH_EFFICIENCY["tpu"], ["gpu"]          flash attention kernels' fraction of the sustained matmul rate
 
-`--free` fits a subset (the rest stay as assumed). The module attributes are monkeypatched inside this script only
-(patched(); perfmodel's files are not touched). Each step is first recorded once as the terms these constants scale
-(every matmul's FLOPs, smallest side and HBM time; the flash kernels' FLOPs; the elementwise traffic at two values
-of ELEMENTWISE_D_PASSES; every collective's and host copy's seconds and overlap family), so that one evaluation of
-all rows is a few numpy operations; the recorded form is checked against perfmodel.estimate at the assumed and at
-the fitted constants (the "replay" line), and the script stops if the perfmodel has grown terms it cannot replay.
-In-sample: constants fitted on all rows. Leave-one-out: each row predicted by constants fitted, from the assumed
-ones, on all the others (`--hold-out hardware`: each hardware generation predicted by constants fitted on the
+By default every one is fitted, each fit starting from PRIOR (the assumptions before any fit, with the GPUs'
+measured GEMM rates, which chips.py cites); `--free` names the ones to fit (the rest stay as the perfmodel ships
+them). The module attributes are monkeypatched inside this script only (patched(); perfmodel's files are not
+touched). Each step is first recorded once as the terms these constants scale (every matmul's FLOPs, smallest side
+and HBM time; the flash kernels' FLOPs; the elementwise traffic at two values of ELEMENTWISE_D_PASSES; every
+collective's and host copy's seconds and overlap family), so that one evaluation of all rows is a few numpy
+operations; the recorded form is checked against perfmodel.estimate at the shipped and at the fitted constants (the
+"replay" line), and the script stops if the perfmodel has grown terms it cannot replay. "unfitted" is maxperf as
+shipped. In-sample: constants fitted on all rows. Leave-one-out: each row predicted by constants fitted, from PRIOR,
+on all the others (`--hold-out hardware`: each hardware generation predicted by constants fitted on the
 others). The script also prints, for rows stating both TFLOP/s and tokens/s, the source's FLOPs per token over
 maxperf's, and the published runs that maxperf's memory model says would not fit.
 """
@@ -139,11 +142,23 @@ def predicted_tokens(est) -> float:
 # constants and their patching
 
 
+FRACTION_CHIPS = ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu7x", "a100-40gb", "a100-80gb", "h100-sxm")  # chips with rows
+
+
+def _fraction_field(chip: str) -> str:
+    return "fraction_" + chip.replace("-", "_")
+
+
 @dataclass(frozen=True)
 class Constants:
-    tpu_max: float
+    fraction_tpu_v4: float
+    fraction_tpu_v5e: float
+    fraction_tpu_v5p: float
+    fraction_tpu7x: float
+    fraction_a100_40gb: float
+    fraction_a100_80gb: float
+    fraction_h100_sxm: float
     tpu_half: float
-    gpu_max: float
     gpu_half: float
     elementwise_d_passes: float
     overlap_fsdp: float
@@ -156,8 +171,12 @@ class Constants:
     def current(cls) -> Constants:
         o = steptime.Overlap()
         flash = _flash_table()
-        return cls(*steptime.MATMUL_EFFICIENCY["tpu"], *steptime.MATMUL_EFFICIENCY["gpu"],
-                   float(steptime.ELEMENTWISE_D_PASSES), o.fsdp, o.tensor, o.data, flash["tpu"], flash["gpu"])
+        return cls(*(chips.MATMUL_FRACTION[c] for c in FRACTION_CHIPS), steptime.MATMUL_HALF["tpu"],
+                   steptime.MATMUL_HALF["gpu"], float(steptime.ELEMENTWISE_D_PASSES), o.fsdp, o.tensor, o.data,
+                   flash["tpu"], flash["gpu"])
+
+    def fractions(self) -> dict[str, float]:
+        return {c: getattr(self, _fraction_field(c)) for c in FRACTION_CHIPS}
 
     def vector(self) -> np.ndarray:
         return np.array([getattr(self, f.name) for f in fields(self)], dtype=float)
@@ -171,15 +190,20 @@ class Constants:
 
 
 NAMES = {
-    "tpu_max": 'steptime.MATMUL_EFFICIENCY["tpu"][0]', "tpu_half": 'steptime.MATMUL_EFFICIENCY["tpu"][1]',
-    "gpu_max": 'steptime.MATMUL_EFFICIENCY["gpu"][0]', "gpu_half": 'steptime.MATMUL_EFFICIENCY["gpu"][1]',
+    **{_fraction_field(c): f'chips.MATMUL_FRACTION["{c}"]' for c in FRACTION_CHIPS},
+    "tpu_half": 'steptime.MATMUL_HALF["tpu"]', "gpu_half": 'steptime.MATMUL_HALF["gpu"]',
     "elementwise_d_passes": "steptime.ELEMENTWISE_D_PASSES", "overlap_fsdp": "Overlap.fsdp",
     "overlap_tensor": "Overlap.tensor", "overlap_data": "Overlap.data",
     "flash_tpu": 'steptime.FLASH_EFFICIENCY["tpu"]', "flash_gpu": 'steptime.FLASH_EFFICIENCY["gpu"]',
 }
-BOUNDS = {"tpu_max": (0.3, 1.0), "tpu_half": (0.0, 4096.0), "gpu_max": (0.3, 1.0), "gpu_half": (0.0, 4096.0),
+BOUNDS = {**{_fraction_field(c): (0.3, 1.0) for c in FRACTION_CHIPS}, "tpu_half": (0.0, 4096.0),
+          "gpu_half": (0.0, 4096.0),
           "elementwise_d_passes": (0.0, 60.0), "overlap_fsdp": (0.0, 1.0), "overlap_tensor": (0.0, 1.0),
           "overlap_data": (0.0, 1.0), "flash_tpu": (0.2, 1.0), "flash_gpu": (0.2, 1.0)}
+# Where every fit starts: the constants as assumed before any fit (commit 3960e00: matmul MAX 0.9 on TPU, HALF 128,
+# 18 passes, overlaps 0.8 / 0 / 0.5, flash 0.6 / 0.5) with the GPUs' measured GEMM rates, so that neither the
+# in-sample nor a leave-one-out fit starts from constants that a held-out row helped fit.
+PRIOR = Constants(0.9, 0.9, 0.9, 0.9, 0.869, 0.869, 0.803, 128.0, 128.0, 18.0, 0.8, 0.0, 0.5, 0.6, 0.5)
 LO = np.array([BOUNDS[f.name][0] for f in fields(Constants)])
 HI = np.array([BOUNDS[f.name][1] for f in fields(Constants)])
 
@@ -191,28 +215,24 @@ def _flash_table() -> dict:
 
 
 @contextlib.contextmanager
-def patched(c: Constants, peak_scale: dict[str, float] | None = None):
-    """The perfmodel's module attributes set to `c` for the duration (overlaps go through estimate's argument);
-    `peak_scale` multiplies named chips' peak FLOP/s in chips.CHIPS (the --per-chip experiment)."""
+def patched(c: Constants):
+    """The perfmodel's module attributes set to `c` for the duration (overlaps go through estimate's argument)."""
     flash = _flash_table()
-    saved = (dict(steptime.MATMUL_EFFICIENCY), steptime.ELEMENTWISE_D_PASSES, dict(flash), dict(chips.CHIPS))
-    steptime.MATMUL_EFFICIENCY.update(tpu=(c.tpu_max, c.tpu_half), gpu=(c.gpu_max, c.gpu_half))
+    saved = (dict(steptime.MATMUL_HALF), steptime.ELEMENTWISE_D_PASSES, dict(flash), dict(chips.MATMUL_FRACTION))
+    steptime.MATMUL_HALF.update(tpu=c.tpu_half, gpu=c.gpu_half)
     steptime.ELEMENTWISE_D_PASSES = c.elementwise_d_passes
     flash.update(tpu=c.flash_tpu, gpu=c.flash_gpu)
-    for name, k in (peak_scale or {}).items():
-        chip = chips.CHIPS[name]
-        fp32 = None if chip.peak_fp32_flops is None else chip.peak_fp32_flops * k
-        chips.CHIPS[name] = replace(chip, peak_bf16_flops=chip.peak_bf16_flops * k, peak_fp32_flops=fp32)
+    chips.MATMUL_FRACTION.update(c.fractions())
     try:
         yield
     finally:
-        steptime.MATMUL_EFFICIENCY.clear()
-        steptime.MATMUL_EFFICIENCY.update(saved[0])
+        steptime.MATMUL_HALF.clear()
+        steptime.MATMUL_HALF.update(saved[0])
         steptime.ELEMENTWISE_D_PASSES = saved[1]
         flash.clear()
         flash.update(saved[2])
-        chips.CHIPS.clear()
-        chips.CHIPS.update(saved[3])
+        chips.MATMUL_FRACTION.clear()
+        chips.MATMUL_FRACTION.update(saved[3])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -222,10 +242,11 @@ def patched(c: Constants, peak_scale: dict[str, float] | None = None):
 @dataclass
 class Recording:
     kind: str = ""  # "tpu" or "gpu"
+    chip: str = ""
     mm_fp: list = field(default_factory=list)  # FLOPs / peak per matmul
     mm_m: list = field(default_factory=list)  # smallest side
     mm_tb: list = field(default_factory=list)  # HBM seconds
-    flash_fp: float = 0.0  # FLOPs / peak of the flash attention kernels (their time: this / FLASH_EFFICIENCY)
+    flash_fp: float = 0.0  # FLOPs / peak of the flash kernels (their time: this / (fraction x FLASH_EFFICIENCY))
     busy: float = 0.0  # other compute and HBM seconds (at the recorded ELEMENTWISE_D_PASSES)
     comm_s: list = field(default_factory=list)  # collectives and host-link copies
     comm_family: list = field(default_factory=list)  # an Overlap field, or "fixed" (overlap in comm_fixed)
@@ -238,16 +259,16 @@ def recording(rec: Recording):
     original_add, original_eff = steptime._Table.add, steptime.matmul_efficiency
     pending = []
 
-    def eff(kind, m, half=None):
+    def eff(chip, m, half=None):
         if half is not None:
             raise RuntimeError("a measured matmul HALF (CPU) is not part of this fit")
-        pending.append((kind, m))
-        return original_eff(kind, m, half)
+        pending.append((chip, m))
+        return original_eff(chip, m, half)
 
     def add(self, name, kind, seconds, flops=0.0, nbytes=0.0, overlap=0.0):
         if pending:
-            chip_kind, m = pending.pop()
-            rec.kind = chip_kind
+            chip, m = pending.pop()
+            rec.kind, rec.chip = chip.kind, chip.name
             rec.mm_fp.append(flops / self.peak)
             rec.mm_m.append(m)
             rec.mm_tb.append(nbytes / self.chip.hbm_bandwidth)
@@ -260,7 +281,8 @@ def recording(rec: Recording):
             rec.comm_fixed.append(0.0)
         elif kind == "compute" or kind == "hbm":
             flash = _flash_table().get(self.chip.kind)
-            if flash and kind == "compute" and "flash" in name and math.isclose(seconds, flops / (self.peak * flash)):
+            rate = self.peak * self.chip.matmul_fraction * (flash or 0.0)
+            if flash and kind == "compute" and "flash" in name and math.isclose(seconds, flops / rate):
                 rec.flash_fp += flops / self.peak
             else:
                 rec.busy += seconds
@@ -310,17 +332,18 @@ class Replay:
         self.flash_fp = np.array([r.flash_fp for r in recs])
         self.gpu = np.array([r.kind == "gpu" for r in recs])
         self.chip = [r.estimate.chip for r in rows]
+        unknown_chips = sorted(set(self.chip) - set(FRACTION_CHIPS))
+        if unknown_chips:
+            raise SystemExit(f"rows on chips with no fitted fraction: {', '.join(unknown_chips)}; add them to "
+                             "FRACTION_CHIPS")
 
-    def step_times(self, c: Constants, peak_scale: dict[str, float] | None = None) -> np.ndarray:
-        fp, flash_fp = self.mm_fp, self.flash_fp
-        if peak_scale:
-            k = np.array([peak_scale.get(name, 1.0) for name in self.chip])
-            fp, flash_fp = fp / k[self.mm_row], flash_fp / k
-        top = np.where(self.mm_gpu, c.gpu_max, c.tpu_max)
+    def step_times(self, c: Constants) -> np.ndarray:
+        fractions = c.fractions()
+        k = np.array([fractions[name] for name in self.chip])
         half = np.where(self.mm_gpu, c.gpu_half, c.tpu_half)
-        t_mm = np.maximum(fp * (1 + half / self.mm_m) / top, self.mm_tb)
+        t_mm = np.maximum(self.mm_fp * (1 + half / self.mm_m) / k[self.mm_row], self.mm_tb)
         busy = np.bincount(self.mm_row, t_mm, self.n) + self.busy_rest + self.busy_slope * c.elementwise_d_passes
-        busy += flash_fp / np.where(self.gpu, c.flash_gpu, c.flash_tpu)
+        busy += self.flash_fp / (k * np.where(self.gpu, c.flash_gpu, c.flash_tpu))
         ov = np.array([c.overlap_fsdp, c.overlap_tensor, self.sequence_overlap, c.overlap_data, 0.0])[self.comm_fam]
         ov = np.where(self.comm_fam == len(OVERLAP_FAMILIES), self.comm_fixed, ov)
         comm = np.bincount(self.comm_row, self.comm_s, self.n)
@@ -362,33 +385,28 @@ def nelder_mead(f, x0: np.ndarray, scale: np.ndarray, iters: int = 600, tol: flo
     return pts[int(np.argmin(vals))]
 
 
-PEAK_SCALE_BOUNDS = (0.3, 1.5)
-
-
 def fit(replay: Replay, rows: list[Row], mask: np.ndarray, start: Constants, free: tuple[str, ...],
-        per_chip: tuple[str, ...] = (), restarts: int = 3) -> tuple[Constants, dict[str, float]]:
+        restarts: int = 3) -> Constants:
     """Constants minimizing mean |log(predicted / published)| over the rows in `mask`, within BOUNDS, moving only the
-    `free` ones, and a peak scale per chip named in `per_chip`; Nelder-Mead from `start` (scales from 1), restarted
-    from its best point `restarts` times in all."""
+    `free` ones; Nelder-Mead from `start`, restarted from its best point `restarts` times in all."""
     pub = np.array([r.published_tokens for r in rows])
     tokens_per_chip = np.array([r.estimate.flops.tokens * _devices_per_chip(r) for r in rows])
     names = [f.name for f in fields(Constants)]
     idx = np.array([names.index(n) for n in free], dtype=int)
-    lo = np.concatenate([LO[idx], np.full(len(per_chip), PEAK_SCALE_BOUNDS[0])])
-    hi = np.concatenate([HI[idx], np.full(len(per_chip), PEAK_SCALE_BOUNDS[1])])
+    lo, hi = LO[idx], HI[idx]
     x_all = start.vector()
 
     def unpack(x):
         out = x_all.copy()
-        out[idx] = x[:len(idx)]
-        return Constants.from_vector(out), dict(zip(per_chip, (float(v) for v in x[len(idx):])))
+        out[idx] = x
+        return Constants.from_vector(out)
 
     def loss(x):
         clipped = np.clip(x, lo, hi)
-        pred = tokens_per_chip / replay.step_times(*unpack(clipped))
+        pred = tokens_per_chip / replay.step_times(unpack(clipped))
         return float(np.mean(np.abs(np.log(pred[mask] / pub[mask])))) + 10 * float(np.sum(np.abs(x - clipped)))
 
-    x = np.concatenate([x_all[idx], np.ones(len(per_chip))])
+    x = x_all[idx]
     for _ in range(restarts):
         x = np.clip(nelder_mead(loss, x, 0.1 * (hi - lo)), lo, hi)
     return unpack(x)
@@ -417,17 +435,12 @@ def main() -> int:
     ap.add_argument("--only", default="", help="rows whose id contains this text (or any of several, comma-separated)")
     ap.add_argument("--json", type=Path, help="also write the per-row results here")
     ap.add_argument("--free", default=",".join(f.name for f in fields(Constants)),
-                    help="comma-separated constants to fit (the others stay as assumed): "
+                    help="comma-separated constants to fit (the others stay as the perfmodel ships them): "
                          + ", ".join(f.name for f in fields(Constants)))
     ap.add_argument("--hold-out", choices=("row", "hardware"), default="row",
                     help="leave out one row at a time, or one hardware generation at a time")
-    ap.add_argument("--per-chip", action="store_true",
-                    help="an experiment: also fit a peak FLOP/s scale per chip (chips.CHIPS patched), in place of "
-                         "the per-kind matmul MAX")
     args = ap.parse_args()
     free = tuple(n for n in args.free.split(",") if n)
-    if args.per_chip:
-        free = tuple(n for n in free if n not in ("tpu_max", "gpu_max"))  # the per-chip scales take their place
     unknown_names = sorted(set(free) - {f.name for f in fields(Constants)})
     if unknown_names:
         ap.error(f"unknown constants: {', '.join(unknown_names)}")
@@ -454,21 +467,21 @@ def main() -> int:
             raise SystemExit(f"the recorded steps differ from perfmodel.estimate by up to {replay_err:.1e}: the "
                              "perfmodel's step has terms this script does not know how to scale; update Recording")
         everything = np.ones(len(ok), bool)
-        per_chip = tuple(sorted({r.estimate.chip for r in ok})) if args.per_chip else ()
-        fitted, scale = fit(replay, ok, everything, base, free, per_chip, restarts=6)
-        err_in = predicted_from_steps(ok, replay.step_times(fitted, scale)) / pub - 1
+        start = replace(PRIOR, **{f.name: getattr(base, f.name) for f in fields(Constants) if f.name not in free})
+        fitted = fit(replay, ok, everything, start, free, restarts=6)
+        err_in = predicted_from_steps(ok, replay.step_times(fitted)) / pub - 1
         err_loo = np.zeros(len(ok))
         held = [np.array([i]) for i in range(len(ok))] if args.hold_out == "row" else [
             np.flatnonzero([r.group == g for r in ok]) for g in sorted({r.group for r in ok})]
         for out in held:
             mask = everything.copy()
             mask[out] = False
-            # from the assumed constants, as the all-rows fit, so that no held-out row steers the start
-            c, k = fit(replay, ok, mask, base, free, per_chip, restarts=2)
-            err_loo[out] = predicted_from_steps(ok, replay.step_times(c, k))[out] / pub[out] - 1
-        with patched(fitted, scale):  # the recorded form against the model itself, at the fitted constants
+            # from PRIOR, as the all-rows fit, so that no held-out row steers the start
+            c = fit(replay, ok, mask, start, free, restarts=2)
+            err_loo[out] = predicted_from_steps(ok, replay.step_times(c))[out] / pub[out] - 1
+        with patched(fitted):  # the recorded form against the model itself, at the fitted constants
             real = np.array([run_estimate(r, overlap=fitted.overlap()).step_time_s for r in ok])
-        replay_err_fitted = np.max(np.abs(replay.step_times(fitted, scale) / real - 1))
+        replay_err_fitted = np.max(np.abs(replay.step_times(fitted) / real - 1))
         for r, a, b in zip(ok, err_in, err_loo):
             results[r.id].update(in_sample=float(a), leave_one_out=float(b))
 
@@ -495,14 +508,12 @@ def main() -> int:
 
     if err_in is not None:
         print()
-        print(f"{'constant':<40} {'assumed':>9} {'fitted':>9}")
+        print(f"{'constant':<40} {'shipped':>9} {'fitted':>9}")
         for f in fields(Constants):
             mark = "" if f.name in free else "  (held)"
             print(f"{NAMES[f.name]:<40} {getattr(base, f.name):>9.3f} {getattr(fitted, f.name):>9.3f}{mark}")
-        for name, k in scale.items():
-            print(f"{'peak FLOP/s scale, ' + name:<40} {1.0:>9.3f} {k:>9.3f}")
         print(f"replay of the recorded steps against perfmodel.estimate: max |relative difference| "
-              f"{replay_err:.1e} at the assumed constants, {replay_err_fitted:.1e} at the fitted ones")
+              f"{replay_err:.1e} at the shipped constants, {replay_err_fitted:.1e} at the fitted ones")
 
     both = [r for r in ok if r.data["published_tflops_per_chip"] and r.data["published_tokens_per_s_per_chip"]]
     if both:
@@ -524,9 +535,8 @@ def main() -> int:
     if args.json:
         out = {"rows": results, "not_expressed": {r.id: r.reason for r in skipped}}
         if err_in is not None:
-            out["assumed"] = {NAMES[f.name]: getattr(base, f.name) for f in fields(Constants)}
+            out["shipped"] = {NAMES[f.name]: getattr(base, f.name) for f in fields(Constants)}
             out["fitted"] = {NAMES[f.name]: getattr(fitted, f.name) for f in fields(Constants)}
-            out["peak_scale"] = scale
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

@@ -29,6 +29,8 @@ def cmd_estimate(args) -> int:
           f"({'fits' if est.fits else 'DOES NOT FIT'})")
     if est.chip_note:
         print(f"  note: {est.chip_note}")
+    if est.assumptions:
+        print("  assumptions:     " + "\n                   ".join(est.assumptions))
     width = max([len("component"), *(len(row.name) for row in est.breakdown)])
     print(f"  {'component':<{width}} {'kind':<10} {'seconds':>10} {'exposed':>10}")
     for row in est.breakdown:

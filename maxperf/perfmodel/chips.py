@@ -16,6 +16,10 @@ Sources, cited by short name below:
   [h200]  NVIDIA H200 Tensor Core GPU datasheet (SXM); [dgxh200] NVIDIA DGX H200 datasheet
   [b200]  NVIDIA HGX B200 / DGX B200 datasheets (8-GPU totals divided by 8)
   [nvl72] NVIDIA GB200 NVL72 datasheet (72-GPU rack totals divided by 72)
+  [mamf]  S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum Achievable Matmul
+          FLOPS comparison table" (github.com/stas00/ml-engineering): the best bf16 torch.matmul rate found over a
+          grid of shapes, mean of 100 iterations after 50 warm-up ones, per GPU
+  [fit]   fitted on bench/published (bench/published.py --free, rows of that chip), see matmul_fraction
 """
 
 from __future__ import annotations
@@ -106,6 +110,12 @@ class Chip:
     @property
     def host_network_per_chip(self) -> float:
         return self.host_network_bandwidth / self.host_chips
+
+    @property
+    def matmul_fraction(self) -> float:
+        """The share of the peak a large matmul sustains (MATMUL_FRACTION); 1.0 where none is recorded (CPU devices,
+        whose calibrated peaks are achieved rates)."""
+        return MATMUL_FRACTION.get(self.name, 1.0)
 
     @property
     def host_link_bandwidth(self) -> float | None:
@@ -268,6 +278,33 @@ HOST_LINK_BANDWIDTH = {
     # [nvl72] NVLink-C2C between each Blackwell GPU and its Grace CPU: 900 GB/s (both directions)
     "gb200": 450 * G,
 }
+
+
+# The rate a large dense matmul sustains in a training step, as a fraction of the datasheet peak (Chip.matmul_fraction):
+# a datasheet peak counts every tensor unit busy at the boost clock, which a chip running dense matmuls through a whole
+# step does not hold within its power limit (H100 SXM: 700 W [h100]), and a step's matmuls are of the shapes a model
+# has, not a benchmark's best. perfmodel.steptime scales every matmul and the flash kernels by it. No TPU page
+# publishes a measured matmul rate: TPUs' are fitted [fit]. The GPUs' measured GEMM rates [mamf] (A100 SXM 0.869,
+# H100 SXM 0.803, B200 0.776, GB200 0.729 of peak) are best shapes over 100 iterations, above what training steps
+# reach: the GPUs with rows are fitted too, and those without take [mamf] x 0.77, H100's fitted / measured ratio.
+# [fit]: bench/published.py (all constants free, 2026-11-23, 81 rows; per chip n rows): leave-one-out median / worst
+# |error| over its rows in the comment.
+MATMUL_FRACTION = {
+    "tpu-v4": 0.81,  # [fit] 6 rows (MaxText v4 table): LOO 3.0% / 5.2%
+    "tpu-v5e": 0.94,  # [fit] 24 rows (MaxText v5e table): LOO 1.8% / 13.4%
+    "tpu-v5p": 0.86,  # [fit] 16 rows (MaxText v5p table): LOO 6.3% / 11.7%
+    "tpu7x": 0.77,  # [fit] 3 rows (tpu-recipes Ironwood): LOO 0.6% / 0.8%
+    "tpu-v6e": 0.85,  # assumed: the mean of the fitted TPU generations (no v6e rows)
+    "a100-40gb": 0.79,  # [fit] 4 rows (MPT): LOO 1.6% / 1.9%; [mamf] measured 0.869
+    "a100-80gb": 0.83,  # [fit] 9 rows (MPT): LOO 2.4% / 10.8%; [mamf] measured 0.869
+    "h100-sxm": 0.62,  # [fit] 19 rows (MPT, MaxText A3): LOO 2.3% / 12.1%; [mamf] measured 0.803
+    "h200": 0.62,  # assumed as H100 SXM: the same tensor cores at the same 700 W ([h200]; [mamf] "H200 is the same")
+    "b200": 0.60,  # assumed: [mamf] 0.776 x 0.77
+    "gb200": 0.56,  # assumed: [mamf] 0.729 x 0.77
+}
+MATMUL_FRACTION_ORIGIN = {name: "fitted" for name in ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu7x", "a100-40gb",
+                                                      "a100-80gb", "h100-sxm")}
+MATMUL_FRACTION_ORIGIN |= {name: "assumed" for name in ("tpu-v6e", "h200", "b200", "gb200")}
 
 
 def calibrated_cpu(cal: Calibration | None) -> Chip:

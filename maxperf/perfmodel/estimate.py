@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 
-from maxperf.perfmodel import chips
+from maxperf.perfmodel import chips, cpu
 from maxperf.perfmodel.calibration import Calibration, StoredCalibration
 from maxperf.perfmodel.flops import FlopCounts, ParamCounts, count_flops, count_params, resolve_attention
 from maxperf.perfmodel.memory import MemoryBreakdown, estimate_memory, params_per_device
@@ -48,6 +48,8 @@ class Estimate:
     overlap: Overlap
     calibration: dict | None = None  # for "cpu": which calibration was used (StoredCalibration.record()); else None
     notes: tuple[str, ...] = ()  # fallbacks that change the prediction: no usable calibration, datasheet memory
+    # the fitted and assumed constants the step time rests on, one line each (StepTime.assumptions)
+    assumptions: tuple[str, ...] = ()
 
     @property
     def memory_per_device_bytes(self) -> float:
@@ -64,6 +66,7 @@ class Estimate:
             "memory_per_device_bytes": self.memory_per_device_bytes, "fits": self.fits,
             "bottleneck": self.bottleneck, "peak_flops": self.peak_flops, "peaks_calibrated": self.peaks_calibrated,
             "chip_note": self.chip_note, "calibration": self.calibration, "notes": list(self.notes),
+            "assumptions": list(self.assumptions),
             "memory": self.memory.as_dict(),
             "params": {**asdict(self.params), "non_embedding": self.params.non_embedding},
             "flops": asdict(self.flops),
@@ -108,10 +111,8 @@ def device_for(topology: TopologyShape, calibration: StoredCalibration | Calibra
 
 
 def default_overlap(chip: chips.Chip) -> Overlap:
-    """Overlap's defaults on accelerators; none on CPU devices, whose collectives are memory copies on the same
-    cores as the compute. Measured (a traced cpu-2 step of scaled-1, `maxperf run --profile`): the operations'
-    self times, collectives included, add up to the step (3.0 s of operations per device in a 2.8 s step)."""
-    return Overlap.uniform(0.0) if chip.kind == "cpu" else Overlap()
+    """Overlap's defaults on accelerators; on CPU devices XLA:CPU's (perfmodel.cpu.OVERLAP)."""
+    return Overlap.uniform(cpu.OVERLAP) if chip.kind == "cpu" else Overlap()
 
 
 def fallback_notes(topology: TopologyShape, chip: chips.Chip, calibration: StoredCalibration | None) -> tuple[str, ...]:
@@ -165,5 +166,5 @@ def estimate(model: ModelShape, train: TrainShape, mesh_axes: Mapping[str, int],
         bottleneck=time.bottleneck, breakdown=time.rows, params=params, flops=flops, time=time, peak_flops=peak,
         peaks_calibrated=chip.calibrated, chip_note=chip.note, overlap=overlap,
         calibration=cal.record() if cal is not None and chip.kind == "cpu" else None,
-        notes=fallback_notes(topology, chip, cal),
+        notes=fallback_notes(topology, chip, cal), assumptions=time.assumptions,
     )

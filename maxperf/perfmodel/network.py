@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from maxperf.perfmodel import cpu
 from maxperf.perfmodel.chips import Chip
 from maxperf.perfmodel.shapes import MESH_AXES, Mesh, TopologyShape
 
@@ -89,18 +90,7 @@ def axis_networks(mesh: Mesh, chip: Chip, topology: TopologyShape) -> dict[str, 
             out[a] = AxisNetwork(a, inside, n // inside, nvlink, host_bw)
             inner_product *= n
         return out
-    # CPU devices of one host share memory; hosts talk over the network
-    per_host = max(1, topology.chips_per_host)
-    out, inner_product = {}, 1
-    for a in INNERMOST_FIRST:
-        n = mesh.axes[a]
-        inside = math.gcd(n, max(1, per_host // inner_product)) if inner_product <= per_host else 1
-        out[a] = AxisNetwork(a, inside, n // inside, chip.link_bandwidth, host_bw,
-                             kind_efficiency=chip.collective_efficiency,
-                             inner_latency=chip.collective_latency if chip.collective_latency is not None
-                             else LATENCY_S["ici"])
-        inner_product *= n
-    return out
+    return cpu.axis_networks(mesh, chip, topology)
 
 
 @dataclass(frozen=True)

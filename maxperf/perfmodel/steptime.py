@@ -1,7 +1,7 @@
-"""Step time per device: matmuls at peak x a shape-dependent efficiency, memory-bound work at HBM bandwidth, and
-the collectives the sharding implies, with a stated overlap of communication and compute. Calibrated CPU devices
-(maxperf calibrate) run elementwise work at a measured fused-kernel rate and attention at a measured whole-kernel
-rate, and pay the page faults of memory their compiler maps afresh (a step's temporaries, large dot accumulators).
+"""Step time per device: matmuls at the chip's sustained rate x a shape-dependent efficiency, memory-bound work at
+HBM bandwidth, and the collectives the sharding implies, with a stated overlap of communication and compute. Every
+constant says where it comes from: a datasheet or paper, a fit to published training measurements
+(bench/published.py), or an assumption. What XLA:CPU does differently lives in perfmodel.cpu.
 
 Each matmul is a roofline (Williams et al. 2009): max(FLOPs / (peak x efficiency), bytes / HBM bandwidth). Work is
 summed per step over all layers and microbatches, by kind, into a breakdown table.
@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from maxperf.perfmodel.chips import Chip
+from maxperf.perfmodel import cpu
+from maxperf.perfmodel.chips import MATMUL_FRACTION_ORIGIN, Chip
+from maxperf.perfmodel.cpu import FRESH_MAPPING_THRESHOLD  # noqa: F401 (profiler.calibrate sizes buffers by it)
 from maxperf.perfmodel.flops import (
     ATTENTION_SKIPS_MASKED,
     FLASH_BACKWARD_MATMULS,
@@ -21,22 +23,30 @@ from maxperf.perfmodel.flops import (
     recomputed,
 )
 from maxperf.perfmodel.memory import layer_offloaded_per_token, params_per_device
-from maxperf.perfmodel.network import axis_networks, collective_time
+from maxperf.perfmodel.network import LATENCY_S, axis_networks, collective_time
 from maxperf.perfmodel.shapes import Mesh, ModelShape, TopologyShape, TrainShape, check, dtype_bytes
 from maxperf.perfmodel.sharding import activation_split, gather_axes, gathered_size, local_size, param_arrays
 
-# Matmul efficiency = MAX x m / (m + HALF), m the smallest of the matmul's dimensions: a matmul whose smallest
-# side is HALF reaches half of MAX. An assumption, chosen so that wide matmuls approach MAX while head-dim-sized
-# (128) attention einsums fill the 128/256-wide systolic arrays and tensor cores about half as well.
-MATMUL_EFFICIENCY = {  # kind: (MAX, HALF)
-    "tpu": (0.90, 128),
-    "gpu": (0.85, 128),
-    "cpu": (1.00, 32),  # calibrated CPU peaks are achieved rates of large matmuls; a calibrated HALF replaces 32
+# Matmul efficiency = chip.matmul_fraction x m / (m + HALF), m the smallest of the matmul's dimensions: the rate a
+# large matmul sustains on the chip (chips.MATMUL_FRACTION), less for a thinner one, which fills the 128/256-wide
+# systolic arrays and tensor-core tiles less well and has less work to hide each kernel's start and end behind; a
+# matmul whose smallest side is HALF reaches half of it. "fitted": bench/published.py, all constants free, 2026-11-23,
+# 81 rows (49 TPU, 32 GPU), leave-one-out median / worst 2.4% / 13.4% overall. The rows' matmuls have smallest sides
+# of 1024 to 16384 (half their FLOPs at 6144 or more; every row runs flash attention): below 1024, as for the dot
+# product's head-dim-wide einsums, the figure is an extrapolation. HALF and the flash rate trade off in the fit (HALF
+# 128 on TPU held: flash on TPU 0.22 of the matmul rate, LOO 3.4% / 15.6%); this pair keeps flash near what the
+# model assumed before the fit (0.6 of peak), the other would put splash at a fifth of a large matmul's rate.
+MATMUL_HALF = {
+    "tpu": 610,  # fitted (49 TPU rows)
+    "gpu": 760,  # fitted (32 GPU rows)
+    "cpu": cpu.MATMUL_HALF,
 }
-# Memory-bound elementwise passes per token per layer over D-wide vectors (reads + writes, forward): two norms
-# with float32 internals (~3 passes each of 4-byte data, counted as 6 compute-dtype passes each) and two residual
-# adds (3 passes each); over F-wide vectors: the activation and gating product (read gate and up, write product).
-ELEMENTWISE_D_PASSES = 18
+# Memory-bound elementwise passes per token per layer over D-wide vectors (reads + writes, forward), in compute-dtype
+# passes, on TPUs and GPUs (XLA:CPU's: perfmodel.cpu). Unfused, two norms with float32 internals (6 each) and two
+# residual adds (3 each) would make 18; XLA fuses norms and residual adds into the neighbouring matmuls' operand and
+# output fusions, so few reach HBM on their own: fitted 2.7 (bench/published.py, 2026-11-23, 81 rows). Over F-wide
+# vectors: the activation and gating product (read gate and up, write product), assumed.
+ELEMENTWISE_D_PASSES = 2.7
 ELEMENTWISE_F_PASSES = 3
 # Backward elementwise work reads saved values and gradients and writes gradients: about twice the forward.
 ELEMENTWISE_BACKWARD_FACTOR = 2
@@ -44,10 +54,11 @@ ELEMENTWISE_BACKWARD_FACTOR = 2
 # reads probabilities and their gradient and writes the score gradient, all float32.
 SOFTMAX_FWD_FLOAT32 = 2
 SOFTMAX_BWD_FLOAT32 = 3
-# Flash attention kernels (splash on TPU, Pallas on GPU) run their matmuls and online softmax in on-chip memory, at
-# this fraction of the matmul peak: an assumption (splash's own benchmarks in jax's repository report roughly half to
-# two thirds of peak for head dim 128 at long sequences), to be replaced by a measured rate.
-FLASH_EFFICIENCY = {"tpu": 0.6, "gpu": 0.5}
+# Flash attention kernels (splash on TPU; cuDNN, Pallas or Triton on GPU) run their matmuls and online softmax in
+# on-chip memory, at this fraction of the chip's sustained matmul rate (peak x chip.matmul_fraction): the softmax's
+# exponentials and the head-dim-wide (128) matmuls keep them below a large GEMM's rate. Fitted: bench/published.py,
+# 2026-11-23 (49 TPU rows, 32 GPU rows, all with flash).
+FLASH_EFFICIENCY = {"tpu": 0.81, "gpu": 0.47}
 # Offloaded activations cross the host link in the forward (to the host) and the backward (back): XLA issues the
 # copies asynchronously beside compute, so most of their time hides (an assumption, like Overlap's).
 HOST_OFFLOAD_OVERLAP = 0.8
@@ -55,31 +66,24 @@ HOST_OFFLOAD_OVERLAP = 0.8
 OPTIMIZER_PASSES = 7
 # Loss over the vocabulary: read logits, log-softmax, gradient, in float32.
 LOSS_FLOAT32_PASSES = 4
-# XLA:CPU allocates a step's temporaries afresh on every execution; glibc maps an allocation above its mmap
-# threshold anew each time (the threshold adapts up to 32 MiB on 64-bit systems, mallopt(3) M_MMAP_THRESHOLD), so
-# every page of such temporaries faults in once per step. Measured: a cpu-2 step of scaled-1 (800 MB of temporaries
-# per device, maxperf's memory.json) takes 1.60 GB of minor faults per step (getrusage), two devices' worth.
-FRESH_MAPPING_THRESHOLD = 32 * 2**20
-# XLA:CPU's dot kernels (YNNPACK) block the contraction in steps of 256; with a longer one, a dot whose output is
-# narrower than float32 accumulates in a float32 M x N scratch of its own, outside XLA's buffers, which from the mmap
-# threshold up is mapped afresh and faults in on every call. Measured (one device, getrusage): bf16 7168x512x2048
-# faults 58.9 MB per call and runs at a third of the rate of 7168x256x2048, which faults none; bf16 2048x512x2048 (a
-# 16.8 MB scratch) faults none; float32 4096x1024x4096 faults its 67 MB output only (it accumulates in place).
-CPU_DOT_K_BLOCK = 256
 
 
 @dataclass(frozen=True)
 class Overlap:
     """Fraction of each family of collectives that runs hidden behind compute (0: fully exposed, 1: fully hidden).
+    Hidden time never exceeds the compute it hides behind.
 
-    Defaults: FSDP gathers and reduce-scatters are prefetched a layer ahead by XLA's latency-hiding scheduler;
-    tensor-parallel all-reduces sit between dependent matmuls, so they are exposed; sequence-parallel and
-    data-parallel collectives half hidden. Hidden time never exceeds the compute it hides behind."""
+    Defaults, fitted on bench/published.py's rows (2026-11-23) but for `sequence`: FSDP gathers and reduce-scatters are
+    prefetched a layer ahead by XLA's latency-hiding scheduler, about half hidden (fitted 0.51, 81 rows); tensor-
+    parallel collectives are decomposed by XLA into collective matmuls that overlap the matmuls they feed (Wang et
+    al., ASPLOS 2023), all but hidden (fitted 0.99, 22 TPU rows with a tensor axis); the data-parallel gradient
+    all-reduce runs once after the scanned backward, with nothing left to hide behind (fitted 0.0, 36 rows with a
+    data axis); sequence-parallel collectives half hidden (assumed: no row has a sequence axis)."""
 
-    fsdp: float = 0.8
-    tensor: float = 0.0
+    fsdp: float = 0.51
+    tensor: float = 0.99
     sequence: float = 0.5
-    data: float = 0.5
+    data: float = 0.0
 
     @classmethod
     def uniform(cls, fraction: float) -> Overlap:
@@ -89,6 +93,9 @@ class Overlap:
         for name in ("fsdp", "tensor", "sequence", "data"):
             value = getattr(self, name)
             check(0.0 <= value <= 1.0, f"overlap {name} must be between 0 and 1, got {value}")
+
+
+OVERLAP_ORIGIN = {"fsdp": "fitted", "tensor": "fitted", "sequence": "assumed", "data": "fitted"}
 
 
 @dataclass(frozen=True)
@@ -114,13 +121,14 @@ class StepTime:
     rows: tuple[Row, ...]
     host_s: float = 0.0  # offloaded activations over the host link, total before overlap
     exposed_host_s: float = 0.0
+    # the fitted and assumed constants this step's time rests on, one line each with its origin (see `assume`)
+    assumptions: tuple[str, ...] = ()
 
 
-def matmul_efficiency(kind: str, m: float, half: float | None = None) -> float:
-    """MAX x m / (m + HALF); `half` (a calibrated HALF) replaces the kind's assumed one."""
-    top, assumed = MATMUL_EFFICIENCY[kind]
-    half = assumed if half is None else half
-    return top * m / (m + half)
+def matmul_efficiency(chip: Chip, m: float, half: float | None = None) -> float:
+    """chip.matmul_fraction x m / (m + HALF); `half` (a calibrated HALF) replaces the kind's."""
+    half = MATMUL_HALF[chip.kind] if half is None else half
+    return chip.matmul_fraction * m / (m + half)
 
 
 class _Table:
@@ -131,6 +139,11 @@ class _Table:
         self.half = chip.measured_matmul_half(dtype)
         self.rows: dict[str, dict[str, float]] = {}
         self.overlap: dict[str, float] = {}
+        self.assumed: dict[str, str] = {}
+
+    def assume(self, key: str, line: str) -> None:
+        """Records that a constant that is fitted or assumed, not measured on this chip, drove this step."""
+        self.assumed.setdefault(key, line)
 
     def add(self, name: str, kind: str, seconds: float, flops: float = 0.0, nbytes: float = 0.0,
             overlap: float = 0.0) -> None:
@@ -142,20 +155,22 @@ class _Table:
         self.overlap[name] = overlap
 
     def matmul(self, name: str, M: float, K: float, N: float, count: float, c: int) -> None:
-        """`count` matmuls of M x K by K x N in compute dtype (c bytes): a roofline of FLOPs and HBM traffic, and on
-        CPU devices the page faults of the dot's float32 accumulator where it has one (CPU_DOT_K_BLOCK)."""
+        """`count` matmuls of M x K by K x N in compute dtype (c bytes): a roofline of FLOPs and HBM traffic (and on
+        CPU devices what XLA:CPU's dot kernels add, perfmodel.cpu)."""
         flops = 2 * M * K * N * count
         nbytes = c * (M * K + K * N + M * N) * count
-        efficiency = matmul_efficiency(self.chip.kind, min(M, K, N), self.half)
+        efficiency = matmul_efficiency(self.chip, min(M, K, N), self.half)
+        if self.chip.kind != "cpu":
+            origin = MATMUL_FRACTION_ORIGIN[self.chip.name]
+            self.assume("matmul", f"matmuls at {self.chip.matmul_fraction:.2f} of peak ({origin}) x m / (m + "
+                                  f"{MATMUL_HALF[self.chip.kind]:g}), m a matmul's smallest side (HALF fitted)")
+        elif self.half is None:
+            self.assume("matmul", f"matmul HALF {cpu.MATMUL_HALF:g} (assumed: maxperf calibrate measures it)")
         t_flops = flops / (self.peak * efficiency)
         t_bytes = nbytes / self.chip.hbm_bandwidth
         self.add(name, "compute" if t_flops >= t_bytes else "hbm", max(t_flops, t_bytes), flops, nbytes)
-        scratch = 4 * M * N
-        if (self.chip.kind == "cpu" and self.chip.page_fault_bandwidth and c < 4 and K > CPU_DOT_K_BLOCK
-                and scratch >= FRESH_MAPPING_THRESHOLD):
-            faulted = scratch * count
-            self.add("page faults (dot accumulators, XLA:CPU)", "hbm", faulted / self.chip.page_fault_bandwidth, 0.0,
-                     faulted)
+        if self.chip.kind == "cpu":
+            cpu.dot_accumulator_faults(self.add, self.chip, M, K, N, count, c)
 
     def train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int) -> None:
         """A matmul run `forward` times as x @ W (the forward and its recomputation) and `backward` times as each of
@@ -168,15 +183,15 @@ class _Table:
         self.matmul(name, K, M, N, backward, c)
 
     def memory(self, name: str, nbytes: float) -> None:
-        """Memory-bound elementwise work: at HBM bandwidth, or on CPU devices at the measured rate of a fused
-        elementwise kernel (Chip.elementwise_bandwidth)."""
+        """Memory-bound elementwise work: at HBM bandwidth, or where one was measured (CPU devices) at the rate of a
+        fused elementwise kernel (Chip.elementwise_bandwidth)."""
         self.add(name, "hbm", nbytes / (self.chip.elementwise_bandwidth or self.chip.hbm_bandwidth), 0.0, nbytes)
 
 
 def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topology: TopologyShape,
               overlap: Overlap, temporaries: float = 0.0) -> StepTime:
-    """`temporaries`: bytes per device live beside the state at the step's peak (the memory model's); where the
-    chip pays to fault in new memory (CPU devices), a step pays it once for temporaries above the mmap threshold."""
+    """`temporaries`: bytes per device live beside the state at the step's peak (the memory model's), which CPU
+    devices fault in afresh every step (perfmodel.cpu)."""
     c = dtype_bytes(train.compute_dtype, "compute_dtype")
     p = dtype_bytes(train.param_dtype, "param_dtype")
     D, N, Dh, L = model.d_model, model.num_layers, model.head_dim, train.seq_len
@@ -202,10 +217,10 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     table.train_matmul("unembedding", T, D, a.V, micro * (1 + (getattr(train, "num_vocab_tiling", 1) > 1)), micro, c)
     # attention per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh. The dot product computes all
     # L x L scores; the TPU and GPU flash kernels skip masked blocks (ATTENTION_SKIPS_MASKED) and run at a kernel
-    # rate with no softmax passes over HBM; the CPU's blockwise kernel masks every block, like the dot product
+    # rate with no softmax passes over HBM
     kernel = attention_kernel(train)
     flash_rate = FLASH_EFFICIENCY.get(chip.kind) if kernel == "flash" else None
-    skips = ATTENTION_SKIPS_MASKED[kernel] and chip.kind != "cpu"
+    skips = ATTENTION_SKIPS_MASKED[kernel] and (chip.kind != "cpu" or cpu.SKIPS_MASKED_BLOCKS)
     attention_rate = chip.attention_rate(train.compute_dtype, Dh)
     for W in model.layer_windows():
         share = attention_pairs(L, W) / (L * L) if skips else 1.0
@@ -214,18 +229,22 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
         if flash_rate:
             # the forward kernel (2 matmuls), again where remat recomputes it, and the backward kernel's
             flops = 2 * a.L * L * Dh * (2 * context_fwd + FLASH_BACKWARD_MATMULS) * count
-            table.add("attention (flash kernel)", "compute", flops / (table.peak * flash_rate), flops)
-        elif attention_rate:
-            # measured whole (Chip.attention_rates): scores, softmax and context, forward and backward
-            flops = 2 * a.L * L * Dh * (scores_fwd + context_fwd + 4) * count
-            table.add("attention (measured kernels)", "compute", flops / attention_rate, flops)
+            table.assume("flash", f"flash attention at {flash_rate:.2f} of the matmul rate (fitted)")
+            table.add("attention (flash kernel)", "compute", flops / (table.peak * chip.matmul_fraction * flash_rate),
+                      flops)
+        elif attention_rate:  # measured whole (CPU devices): scores, softmax and context, forward and backward
+            cpu.measured_attention(table.add, attention_rate, 2 * a.L * L * Dh * (scores_fwd + context_fwd + 4) * count)
         else:
             table.train_matmul("attention scores", a.L, Dh, L, scores_fwd * count, count, c)
             table.train_matmul("attention context", a.L, L, Dh, context_fwd * count, count, c)
 
     # memory-bound work
     elementwise_layers = N * micro * (1 + ELEMENTWISE_BACKWARD_FACTOR + (1 if again else 0))
-    per_token = c * (ELEMENTWISE_D_PASSES * D + ELEMENTWISE_F_PASSES * a.F)
+    d_passes = cpu.ELEMENTWISE_D_PASSES if chip.kind == "cpu" else ELEMENTWISE_D_PASSES
+    if chip.kind != "cpu":
+        table.assume("elementwise", f"{d_passes:g} elementwise HBM passes over D per token and layer (fitted), "
+                                    f"{ELEMENTWISE_F_PASSES} over F (assumed)")
+    per_token = c * (d_passes * D + ELEMENTWISE_F_PASSES * a.F)
     if str(model.positions) == "rope":
         per_token += 2 * c * (a.H + a.K) * Dh  # rotate q and k: read and write
     table.memory("norms, residuals, activations", elementwise_layers * T * per_token)
@@ -235,13 +254,14 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
         table.memory("softmax", scores * (softmax_fwd + 4 * SOFTMAX_BWD_FLOAT32))
     offloaded = N * micro * T * layer_offloaded_per_token(model, train, mesh)
     if offloaded and chip.host_link_bandwidth:
+        table.assume("offload", f"offload copies {HOST_OFFLOAD_OVERLAP:.0%} hidden (assumed)")
         table.add("remat offload (host link)", "host", 2 * offloaded / chip.host_link_bandwidth, 0.0, 2 * offloaded,
                   HOST_OFFLOAD_OVERLAP)
     table.memory("loss", micro * T * a.V * 4 * LOSS_FLOAT32_PASSES)
     local_params = params_per_device(model, mesh)
     table.memory("optimizer update", OPTIMIZER_PASSES * p * local_params)
-    if chip.page_fault_bandwidth and temporaries >= FRESH_MAPPING_THRESHOLD:
-        table.add("page faults (new temporaries)", "hbm", temporaries / chip.page_fault_bandwidth, 0.0, temporaries)
+    if chip.kind == "cpu":
+        cpu.temporaries_faults(table.add, chip, temporaries)
 
     # collectives
     nets = axis_networks(mesh, chip, topology)
@@ -253,28 +273,17 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
         gathered = sum(gathered_size(x.shape, x.logical, mesh) for x in layer_arrays)
         vocab = gathered_size(table_array.shape, table_array.logical, mesh)
         # forward gather, backward gather again, gradient reduce-scatter: per layer and microbatch, each weight
-        # gathered by a collective of its own and a layer's gradients reduced by one combined collective. XLA:CPU
-        # gathers the parameters in their own dtype and converts after, and has no reduce-scatter of its own: it
-        # all-reduces the gradients and keeps its shard (the optimized HLO of a cpu-2 step of scaled-1: one float32
-        # all-gather per array, each feeding a bf16 convert, and one tuple all-reduce per layer over the float32
-        # gradients).
-        g_bytes, rs = (p, "all-reduce") if chip.kind == "cpu" else (c, "reduce-scatter")
+        # gathered by a collective of its own and a layer's gradients reduced by one combined collective
+        g_bytes, rs = cpu.fsdp_collectives(p) if chip.kind == "cpu" else (c, "reduce-scatter")
         for kind, nbytes, count, pieces in (("all-gather", gathered * g_bytes, 2 * N * micro, len(layer_arrays)),
                                             ("all-gather", vocab * g_bytes, 2 * micro, 1),
                                             (rs, gathered * p, N * micro, 1),
                                             (rs, vocab * p, micro, 1)):
             _collective(table, "fsdp " + kind, kind, nbytes, fsdp_axes, nets, count, overlap.fsdp, pieces)
-        if chip.transpose_bandwidth:
-            # XLA:CPU keeps each stacked weight in one layout and moves a layer's float32 shard between it and the
-            # layout its use wants with a fused copy that transposes: a weight whose model width is its last axis
-            # when it is sliced from the stack for a gather (twice a step: the forward and the backward's gather),
-            # one whose model width is its first axis when its gradient is written into the stacked gradients
-            # (the optimized HLO of a cpu-2 step of scaled-1 and of qwen3-0.6b; traced, these copies run at the
-            # calibrated transpose rate)
+        if chip.kind == "cpu":
             last = sum(local_size(x.shape, x.logical, mesh) for x in layer_arrays if x.logical[-1] == "embed")
             first = sum(local_size(x.shape, x.logical, mesh) for x in layer_arrays if x.logical[0] == "embed")
-            moved = 2 * p * (2 * last + first) * N * micro  # read and written
-            table.add("weight layout copies (XLA:CPU)", "hbm", moved / chip.transpose_bandwidth, 0.0, moved)
+            cpu.weight_layout_copies(table.add, chip, last, first, p, N * micro)
     if mesh.axes["tensor"] > 1:
         # Megatron-style: 2 all-reduces of T x D in the forward, 2 in the backward (Shoeybi et al. 2019, sec. 3)
         count = N * micro * (2 + 2 + ("out_proj" in again) + ("mlpwo" in again))
@@ -295,6 +304,12 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
 def _collective(table: _Table, name: str, kind: str, nbytes: float, axes: tuple[str, ...], nets, count: float,
                 overlap: float, pieces: int = 1) -> None:
     t = collective_time(kind, nbytes, axes, nets, pieces)
+    if table.chip.kind != "cpu" and (t.ici_s or t.dcn_s):  # CPU collectives: measured rates, latency and overlap
+        family = name.split()[0]
+        origin = OVERLAP_ORIGIN[family] if overlap == getattr(Overlap(), family) else "as given"
+        table.assume("overlap " + family, f"{family} collectives {overlap:.0%} hidden ({origin})")
+        table.assume("latency", f"{LATENCY_S['ici'] * 1e6:g} us per collective inside a slice or NVLink domain, "
+                                f"{LATENCY_S['dcn'] * 1e6:g} us across (assumed)")
     if t.ici_s:
         table.add(name + " (ici)", "ici", count * t.ici_s, 0.0, count * nbytes, overlap)
     if t.dcn_s:
@@ -333,4 +348,4 @@ def _settle(table: _Table) -> StepTime:
     return StepTime(step_time_s=step, compute_s=compute_s, hbm_s=hbm_s, ici_s=ici_s, dcn_s=dcn_s,
                     exposed_ici_s=exposed["ici"], exposed_dcn_s=exposed["dcn"], bottleneck=bottleneck,
                     rows=tuple(sorted(rows, key=lambda r: -r.seconds)), host_s=host_s,
-                    exposed_host_s=exposed["host"])
+                    exposed_host_s=exposed["host"], assumptions=tuple(table.assumed.values()))
