@@ -52,6 +52,12 @@ FLASH_LSE_BYTES = 4 * 128
 # table alive beside them; gemma2-2b (soft-capped, V = 256000) on v5p-64 takes the same 6 bytes per logit as
 # gemma-2b (bench/memory_accuracy.py).
 LOGITS_FLOAT32_BUFFERS = 1
+# num_vocab_tiling > 1 (models/train_step.py tiled_nll_sum): inside the loss's scan XLA keeps three float32 buffers per
+# logit of a chunk (its logits, their softmax and its gradient), and the table's gradient, summed over the chunks, in
+# the param dtype and split like the table. Measured here: gemma-2b (V = 256000) on v5p-8, B=4, L=2048, full remat
+# compiles to 22.21 GiB per device untiled, 17.03 with 4 tiles and 14.20 with 8: 11.6 bytes per logit of a chunk
+# and 1.44 GiB beside them (the gathered bfloat16 table, 0.98, and its float32 gradient's shard, 0.49).
+TILED_LOGIT_BYTES = 12
 # The optimizer phase: the gradients are divided by the token count and clipped by their global norm, which needs
 # every gradient reduced before any update, so XLA materializes one more float32 gradient-sized buffer (the scaled
 # gradients) beside the gradients themselves. Measured here: llama2-7b v5p-8, B=1, L=2048, full remat: temp
@@ -244,8 +250,12 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     activations = carry + saved
     saved_copy = (MINIMAL_SAVED_COPIES - 1) * saved if remat != "none" else 0.0
     host_offload = N * T * layer_offloaded_per_token(model, train, mesh)
-    # num_vocab_tiling (MaxText's): the loss runs over that many chunks of the tokens, one chunk's logits live at a time
-    logits = T / vocab_tiles(train) * a.V * (c + 4 * LOGITS_FLOAT32_BUFFERS)
+    tiles = vocab_tiles(train)
+    if tiles == 1:
+        logits = T * a.V * (c + 4 * LOGITS_FLOAT32_BUFFERS)
+    else:  # one chunk's logits at a time, and the vocabulary table's gradient summed over the chunks
+        table = next(x for x in param_arrays(model) if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
+        logits = T / tiles * a.V * TILED_LOGIT_BYTES + p * local_size(table.shape, table.logical, mesh)
 
     arrays = param_arrays(model)
     layer_full = sum(gathered_size(x.shape, x.logical, mesh) for x in arrays if x.count == N and x.matmul)
