@@ -412,6 +412,24 @@ def fit(replay: Replay, rows: list[Row], mask: np.ndarray, start: Constants, fre
     return unpack(x)
 
 
+def stand_in(c: Constants, chips_out: set[str], chips_fitted: set[str]) -> Constants:
+    """`c` with the fractions of `chips_out` (a held-out generation, fitted on no row) set as chips.py sets those of
+    chips without rows: a TPU's the mean of the fitted TPUs', a GPU's its measured GEMM rate (PRIOR, [mamf]) x the
+    fitted GPUs' mean of fitted / measured (`chips_fitted`: the chips with rows in the fit)."""
+    fractions = c.fractions()
+    fitted = sorted(chips_fitted - chips_out)
+    tpus = [fractions[name] for name in fitted if name.startswith("tpu")]
+    ratios = [fractions[name] / getattr(PRIOR, _fraction_field(name)) for name in fitted if not name.startswith("tpu")]
+    new = {}
+    for name in chips_out:
+        field_name = _fraction_field(name)
+        if name.startswith("tpu"):
+            new[field_name] = float(np.mean(tpus)) if tpus else getattr(PRIOR, field_name)
+        else:
+            new[field_name] = getattr(PRIOR, field_name) * (float(np.mean(ratios)) if ratios else 1.0)
+    return replace(c, **new)
+
+
 def _devices_per_chip(row: Row) -> int:
     return devices_per_chip(row.plan.topology)
 
@@ -438,7 +456,8 @@ def main() -> int:
                     help="comma-separated constants to fit (the others stay as the perfmodel ships them): "
                          + ", ".join(f.name for f in fields(Constants)))
     ap.add_argument("--hold-out", choices=("row", "hardware"), default="row",
-                    help="leave out one row at a time, or one hardware generation at a time")
+                    help="leave out one row at a time, or one hardware generation at a time (its matmul fraction "
+                         "then set as chips.py sets those of chips without rows)")
     args = ap.parse_args()
     free = tuple(n for n in args.free.split(",") if n)
     unknown_names = sorted(set(free) - {f.name for f in fields(Constants)})
@@ -478,6 +497,8 @@ def main() -> int:
             mask[out] = False
             # from PRIOR, as the all-rows fit, so that no held-out row steers the start
             c = fit(replay, ok, mask, start, free, restarts=2)
+            if args.hold_out == "hardware":  # a generation with no rows takes the rule chips.py applies to such chips
+                c = stand_in(c, {ok[i].estimate.chip for i in out}, {ok[i].estimate.chip for i in np.flatnonzero(mask)})
             err_loo[out] = predicted_from_steps(ok, replay.step_times(c))[out] / pub[out] - 1
         with patched(fitted):  # the recorded form against the model itself, at the fitted constants
             real = np.array([run_estimate(r, overlap=fitted.overlap()).step_time_s for r in ok])
@@ -486,7 +507,7 @@ def main() -> int:
             results[r.id].update(in_sample=float(a), leave_one_out=float(b))
 
     print(f"{'row':<44} {'chips':>5} {'pub TF':>7} {'pred TF':>7} {'pred MFU':>8} {'fits':>4} {'unfitted':>8}"
-          + ("" if err_in is None else f" {'in-sample':>9} {'LOO':>7}"))
+          + ("" if err_in is None else f" {'in-sample':>9} {'LOO' if args.hold_out == 'row' else 'held':>7}"))
     for i, r in enumerate(ok):
         est = r.estimate
         stated = r.data["published_tflops_per_chip"] if r.mapping["compare_on"] == "tflops" else ""
@@ -499,7 +520,8 @@ def main() -> int:
 
     print()
     groups = sorted({r.group for r in ok})
-    print(f"{'rows':<22} {'n':>3}  {'unfitted':<28}" + ("" if err_in is None else f" {'in-sample':<28} {'leave-one-out':<28}"))
+    held_out = "leave-one-out" if args.hold_out == "row" else "generation held out"
+    print(f"{'rows':<22} {'n':>3}  {'unfitted':<28}" + ("" if err_in is None else f" {'in-sample':<28} {held_out:<28}"))
     for name, sel in [("all", np.ones(len(ok), bool))] + [(g, np.array([r.group == g for r in ok])) for g in groups]:
         line = f"{name:<22} {int(sel.sum()):>3}  {_summary(err0[sel]):<28}"
         if err_in is not None:
