@@ -48,10 +48,11 @@ MATMUL_HALF = {
 # vectors: the activation and gating product (read gate and up, write product), assumed.
 ELEMENTWISE_D_PASSES = 2.7
 ELEMENTWISE_F_PASSES = 3
-# Backward elementwise work reads saved values and gradients and writes gradients: about twice the forward.
+# Backward elementwise work reads saved values and gradients and writes gradients: about twice the forward (assumed).
 ELEMENTWISE_BACKWARD_FACTOR = 2
-# Softmax per score: forward reads the float32 scores and writes float32 and compute-dtype probabilities; backward
-# reads probabilities and their gradient and writes the score gradient, all float32.
+# Softmax per score (the dot product's; flash keeps it on chip): forward reads the float32 scores and writes float32
+# and compute-dtype probabilities; backward reads probabilities and their gradient and writes the score gradient, all
+# float32 (counted from the operations, each assumed to be one pass over HBM).
 SOFTMAX_FWD_FLOAT32 = 2
 SOFTMAX_BWD_FLOAT32 = 3
 # Flash attention kernels (splash on TPU; cuDNN, Pallas or Triton on GPU) run their matmuls and online softmax in
@@ -60,11 +61,11 @@ SOFTMAX_BWD_FLOAT32 = 3
 # 2026-11-23 (49 TPU rows, 32 GPU rows, all with flash).
 FLASH_EFFICIENCY = {"tpu": 0.81, "gpu": 0.47}
 # Offloaded activations cross the host link in the forward (to the host) and the backward (back): XLA issues the
-# copies asynchronously beside compute, so most of their time hides (an assumption, like Overlap's).
+# copies asynchronously beside compute, so most of their time hides (assumed: no published row offloads).
 HOST_OFFLOAD_OVERLAP = 0.8
 # AdamW update per parameter: reads param, grad, mu, nu and writes param, mu, nu (optax.adamw).
 OPTIMIZER_PASSES = 7
-# Loss over the vocabulary: read logits, log-softmax, gradient, in float32.
+# Loss over the vocabulary: read logits, log-softmax, gradient, in float32 (counted, one pass each assumed).
 LOSS_FLOAT32_PASSES = 4
 
 
