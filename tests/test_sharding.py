@@ -271,3 +271,11 @@ def test_fsdp_transpose_takes_its_own_torus_dimension_and_gathers_over_it():
     # a weight gathered over both axes moves (n-1)/n of itself over the links of all three dimensions
     t = collective_time("all-gather", 64.0 * 2**20, ("fsdp", "fsdp_transpose"), nets)
     assert t.ici_s == pytest.approx(63 / 64 * 64 * 2**20 / (6 * chip.link_bandwidth) + 5e-6)
+
+
+def test_a_mesh_written_before_fsdp_transpose_existed_still_reads():
+    from maxperf.plan import MeshShape
+
+    old = MeshShape(ici={"data": 1, "fsdp": 8, "sequence": 1, "tensor": 1, "expert": 1}, dcn={"data": 1, "fsdp": 1})
+    assert old.axes == {"data": 1, "fsdp": 8, "fsdp_transpose": 1, "sequence": 1, "tensor": 1, "expert": 1}
+    assert old.devices == 8
