@@ -24,6 +24,7 @@ from maxperf.aot.artifacts import OutputRefused
 from maxperf.errors import DoesNotFit
 from maxperf.perfmodel import MemoryBreakdown, estimate_memory, make_mesh
 from maxperf.perfmodel.estimate import device_for
+from maxperf.perfmodel.flops import resolve_attention
 
 SCHEMA = "maxperf.estimate-memory/1"
 MAX_BATCH_SCHEMA = "maxperf.max-batch/1"
