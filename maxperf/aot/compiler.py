@@ -100,13 +100,16 @@ def out_of_memory_figures(message: str) -> dict[str, int] | None:
 
 
 def argument_bytes(spec) -> int:
-    """Bytes of the state and batch one device holds, from their shardings."""
+    """Bytes of the state and batch one device holds in its own memory (not pinned host memory), from their
+    shardings."""
     import jax
     import numpy as np
 
     total = 0
     for tree, shardings in ((spec.state, spec.state_shardings), (spec.batch, spec.batch_shardings)):
         for x, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+            if getattr(sharding, "memory_kind", None) == "pinned_host":
+                continue
             total += math.prod(sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
     return total
 
@@ -128,6 +131,10 @@ def memory_fields(analysis) -> dict[str, int]:
         "alias_bytes": int(analysis.alias_size_in_bytes),
         "temp_bytes": int(analysis.temp_size_in_bytes),
         "generated_code_bytes": int(analysis.generated_code_size_in_bytes),
+        # pinned host memory: state offloaded between steps (*_memory_host_offload), activations a remat policy
+        # offloads; not part of the device total
+        **{f"host_{name}_bytes": int(getattr(analysis, f"host_{name}_size_in_bytes", 0) or 0)
+           for name in ("argument", "output", "alias", "temp")},
     }
 
 

@@ -91,6 +91,15 @@ _ANALYTICAL_ROWS = ("params", "optimizer", "gradients", "grad_accumulator", "act
 _COMPILER_ROWS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes")
 
 
+def _host_total(compiler: dict | None) -> int | None:
+    """Pinned host memory per device in the compiler's figures (state offloaded between steps, offloaded
+    activations): arguments and outputs, donated ones once, and host temporaries; None where it gave none."""
+    if not compiler or "host_argument_bytes" not in compiler:
+        return None
+    return (compiler["host_argument_bytes"] + compiler["host_output_bytes"] - compiler["host_alias_bytes"]
+            + compiler["host_temp_bytes"])
+
+
 def _print_comparison(cmp) -> None:
     p, a, c = cmp.plan, cmp.analytical, cmp.compiler
     t = p.configs.train
@@ -99,7 +108,9 @@ def _print_comparison(cmp) -> None:
           + ", mesh " + (" x ".join(f"{k}={n}" for k, n in p.mesh_shape.axes.items() if n > 1) or "1")
           + f"; B={t.per_device_batch_size}, L={t.seq_len}, remat {t.remat_policy.value}")
     print(f"  {'analytical (perfmodel)':<28} {'GiB':>9}    {'compiler (XLA memory_analysis)':<30} {'GiB':>9}")
-    left = [(name, getattr(a, name)) for name in _ANALYTICAL_ROWS] + [(f"peak phase: {a.peak_phase}", None)]
+    staged = [("optimizer_staged", a.optimizer_staged)] if a.optimizer_staged else []  # offloaded, back for the update
+    left = ([(name, getattr(a, name)) for name in _ANALYTICAL_ROWS] + staged
+            + [(f"peak phase: {a.peak_phase}", None)])
     right = [(name.removesuffix("_bytes"), c.get(name)) for name in _COMPILER_ROWS] if c else []
     for i in range(max(len(left), len(right))):
         ln, lv = left[i] if i < len(left) else ("", None)
@@ -108,6 +119,10 @@ def _print_comparison(cmp) -> None:
     total_c = c.get("per_device_total_bytes") if c else None
     print(f"  {'per-device total':<28} {_gib(a.per_device_total_bytes):>9}    {'per-device total':<30} "
           f"{_gib(total_c) if c else 'not compiled':>9}")
+    host_c = _host_total(c)
+    if a.host_bytes or host_c:
+        print(f"  {'pinned host memory':<28} {_gib(a.host_bytes):>9}    {'pinned host memory':<30} "
+              f"{_gib(host_c) if c else 'not compiled':>9}")
     if cmp.difference is not None:
         print(f"  analytical vs compiler     {cmp.difference:+.1%}")
     if c and c.get("compiler_message"):

@@ -233,6 +233,10 @@ class TrainConfig:
     # MaxText's num_vocab_tiling: the loss over this many chunks of the tokens, each chunk's [B, L/n, V] logits
     # computed in the forward and again in the backward, so the whole [B, L, V] logits never exist
     num_vocab_tiling: int = 1
+    # MaxText's keys: the optimizer state, and the parameters, live in pinned host memory between steps; the step
+    # moves them to the device for the update (the parameters for the forward too) and back
+    optimizer_memory_host_offload: bool = False
+    parameter_memory_host_offload: bool = False
     scan_layers: bool = True
     seed: int = 0
 

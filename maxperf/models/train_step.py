@@ -128,7 +128,12 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
-        params = state["params"]
+        params, opt_state = state["params"], state["opt_state"]
+        # state offloaded to pinned host memory (MaxText's *_memory_host_offload) comes to the device where the step
+        # needs it, the parameters for the forward, the optimizer state for the update (as in MaxText's train_step);
+        # the out shardings send the updated state back
+        if train.parameter_memory_host_offload:
+            params = jax.device_put(params, jax.memory.Space.Device)
         if A == 1:
             (total, tokens), grads = grad_fn(params, batch)
         else:
@@ -145,7 +150,9 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         denom = jnp.maximum(tokens, 1.0)
         grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        if train.optimizer_memory_host_offload:
+            opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt_state": opt_state}
         metrics = {
             "loss": total / denom,
@@ -211,6 +218,10 @@ def abstract_step(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> Abstrac
         optimizer, lambda _, s: s, state["opt_state"], param_shardings, transform_non_params=lambda _: replicated,
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
+    if train.parameter_memory_host_offload:
+        param_shardings = jax.tree.map(_on_host, param_shardings)
+    if train.optimizer_memory_host_offload:
+        opt_shardings = jax.tree.map(_on_host, opt_shardings)
     state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
     shape = (train.global_batch(mesh.size), train.seq_len)
     batch = {
@@ -223,6 +234,11 @@ def abstract_step(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> Abstrac
         model=model, train=train, mesh=mesh, state=state, state_shardings=state_shardings, batch=batch,
         batch_shardings={k: batch_sharding for k in batch}, param_count=md.param_count,
     )
+
+
+def _on_host(sharding: NamedSharding) -> NamedSharding:
+    """The same placement over the mesh, in the devices' pinned host memory."""
+    return sharding.with_memory_kind("pinned_host")
 
 
 def jit_step(spec: AbstractStep):

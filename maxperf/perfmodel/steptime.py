@@ -22,7 +22,7 @@ from maxperf.perfmodel.flops import (
     gated,
     recomputed,
 )
-from maxperf.perfmodel.memory import layer_offloaded_per_token, params_per_device
+from maxperf.perfmodel.memory import OPTIMIZER_STATES_PER_PARAM, layer_offloaded_per_token, params_per_device
 from maxperf.perfmodel.network import LATENCY_S, axis_networks, collective_time
 from maxperf.perfmodel.shapes import Mesh, ModelShape, TopologyShape, TrainShape, check, dtype_bytes
 from maxperf.perfmodel.sharding import activation_split, gather_axes, gathered_size, local_size, param_arrays
@@ -63,6 +63,10 @@ FLASH_EFFICIENCY = {"tpu": 0.81, "gpu": 0.47}
 # Offloaded activations cross the host link in the forward (to the host) and the backward (back): XLA issues the
 # copies asynchronously beside compute, so most of their time hides (assumed: no published row offloads).
 HOST_OFFLOAD_OVERLAP = 0.8
+# Offloaded state (optimizer_memory_host_offload, parameter_memory_host_offload) comes in before the work that reads
+# it (the parameters before the forward, the optimizer state before the update, which waits for every gradient) and
+# goes back after it: little compute is left to hide it behind, so it is counted exposed (an assumption).
+STATE_OFFLOAD_OVERLAP = 0.0
 # AdamW update per parameter: reads param, grad, mu, nu and writes param, mu, nu (optax.adamw).
 OPTIMIZER_PASSES = 7
 # Loss over the vocabulary: read logits, log-softmax, gradient, in float32 (counted, one pass each assumed).
@@ -260,6 +264,14 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
                   HOST_OFFLOAD_OVERLAP)
     table.memory("loss", micro * T * a.V * 4 * LOSS_FLOAT32_PASSES)
     local_params = params_per_device(model, mesh)
+    # MaxText's *_memory_host_offload: the state in pinned host memory crosses the host link to the device and back
+    # each step, once per step whatever the microbatches
+    offloaded_states = (OPTIMIZER_STATES_PER_PARAM * bool(getattr(train, "optimizer_memory_host_offload", False))
+                        + bool(getattr(train, "parameter_memory_host_offload", False)))
+    state = offloaded_states * local_params * p
+    if state and chip.host_link_bandwidth:
+        table.add("state offload (host link)", "host", 2 * state / chip.host_link_bandwidth, 0.0, 2 * state,
+                  STATE_OFFLOAD_OVERLAP)
     table.memory("optimizer update", OPTIMIZER_PASSES * p * local_params)
     if chip.kind == "cpu":
         cpu.temporaries_faults(table.add, chip, temporaries)

@@ -1,0 +1,85 @@
+"""MaxText's optimizer_memory_host_offload and parameter_memory_host_offload: the state in pinned host memory between
+steps, in the compiled step (memory kinds) and in perfmodel (host memory, HBM, the host link)."""
+
+import importlib.util
+from dataclasses import replace
+
+import pytest
+
+from maxperf.models import overrides, presets
+from maxperf.models.config import TrainConfig
+from maxperf.perfmodel import estimate
+from maxperf.perfmodel.chips import CHIPS
+from maxperf.perfmodel.memory import OFFLOADED_OPTIMIZER_STAGED, OPTIMIZER_STATES_PER_PARAM, params_per_device
+from maxperf.perfmodel.shapes import make_mesh
+from perfmodel_util import Topo
+
+LLAMA = presets.get("llama2-7b")
+TRAIN = TrainConfig(per_device_batch_size=4, seq_len=2048)
+V5P_128 = Topo("tpu-v5p", 64, hosts=16, torus=(4, 4, 4))
+
+
+def _estimate(**offload):
+    return estimate(LLAMA, replace(TRAIN, **offload), {"fsdp": 64}, {}, V5P_128)
+
+
+def _state_bytes():
+    return params_per_device(LLAMA, make_mesh({"fsdp": 64}, {}, V5P_128)) * 4  # float32 parameters
+
+
+def test_maxtext_keys_parse():
+    cfg = overrides.apply(presets.get("tiny"), ["optimizer_memory_host_offload=true",
+                                                 "parameter_memory_host_offload=true"])
+    assert cfg.train.optimizer_memory_host_offload and cfg.train.parameter_memory_host_offload
+
+
+def test_offloaded_optimizer_state_moves_from_hbm_to_host_memory():
+    base, off = _estimate().memory, _estimate(optimizer_memory_host_offload=True).memory
+    optimizer = OPTIMIZER_STATES_PER_PARAM * _state_bytes()
+    assert base.optimizer == pytest.approx(optimizer) and base.host_state == 0
+    assert off.optimizer == 0 and off.host_state == pytest.approx(optimizer)
+    assert off.optimizer_staged == pytest.approx(OFFLOADED_OPTIMIZER_STAGED * optimizer)
+    assert base.per_device_total_bytes - off.per_device_total_bytes == pytest.approx(
+        (1 - OFFLOADED_OPTIMIZER_STAGED) * optimizer)
+    assert off.as_dict()["host_bytes"] == off.host_bytes == off.host_state
+
+
+def test_offloaded_parameters_are_in_host_memory_and_in_hbm_for_the_step():
+    base, off = _estimate().memory, _estimate(parameter_memory_host_offload=True).memory
+    assert off.host_state == pytest.approx(_state_bytes())
+    assert off.per_device_total_bytes == base.per_device_total_bytes  # the forward and backward read them on device
+
+
+@pytest.mark.parametrize("offload, states", [
+    ({"optimizer_memory_host_offload": True}, 2),
+    ({"parameter_memory_host_offload": True}, 1),
+    ({"optimizer_memory_host_offload": True, "parameter_memory_host_offload": True}, 3),
+])
+def test_offloaded_state_crosses_the_host_link_both_ways(offload, states):
+    rows = {row.name: row for row in _estimate(**offload).breakdown}
+    moved = 2 * states * _state_bytes()
+    row = rows["state offload (host link)"]
+    assert row.kind == "host" and row.bytes == pytest.approx(moved)
+    assert row.seconds == pytest.approx(moved / CHIPS["tpu-v5p"].host_link_bandwidth)
+    assert "state offload (host link)" not in {row.name for row in _estimate().breakdown}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_offloaded_state_compiles_for_tpu_in_pinned_host_memory(tmp_path):
+    from maxperf.aot import compiler
+
+    def memory(*keys):
+        return compiler.compile("v5p-8", "tiny", ["seq_len=256", *keys], out=tmp_path / str(len(keys))).memory
+
+    base = memory()
+    opt = memory("optimizer_memory_host_offload=true")
+    both = memory("optimizer_memory_host_offload=true", "parameter_memory_host_offload=true")
+    assert base["host_argument_bytes"] == 0
+    # what leaves the device's arguments is what pinned host memory holds, donated and updated in place
+    for m in (opt, both):
+        assert m["host_argument_bytes"] == base["argument_bytes"] - m["argument_bytes"] == m["host_alias_bytes"]
+    params = both["host_argument_bytes"] - opt["host_argument_bytes"]
+    assert params == opt["argument_bytes"] - both["argument_bytes"]
+    # AdamW's two moments per parameter, beside the step counts (scalars, a padded tile each at most)
+    assert abs(opt["host_argument_bytes"] - OPTIMIZER_STATES_PER_PARAM * params) <= 1024
