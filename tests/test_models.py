@@ -227,3 +227,66 @@ def test_maxtext_aliases():
 def test_model_config_rejects_inconsistent_heads():
     with pytest.raises(MaxperfError, match="multiple of num_kv_heads"):
         ModelConfig(name="x", vocab_size=8, d_model=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4, d_ff=8)
+
+
+def _subjaxprs(eqn):
+    """The jaxprs an equation holds in its parameters (scan and while bodies, remat, custom rules, pjit)."""
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "eqns"):
+                yield v
+            elif hasattr(getattr(v, "jaxpr", None), "eqns"):
+                yield v.jaxpr
+
+
+def _shapes_in(jaxpr, primitive: str) -> list[tuple]:
+    """Operand shapes of every `primitive` equation in a closed jaxpr, sub-jaxprs (scan, remat, custom rules) too."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == primitive:
+            found += [tuple(v.aval.shape) for v in eqn.invars if hasattr(v.aval, "shape")]
+        for sub in _subjaxprs(eqn):
+            found += _shapes_in(sub, primitive)
+    return found
+
+
+def test_cross_entropy_matches_optax_without_a_gather_on_the_logits():
+    logits = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 11), jnp.float32) * 3
+    targets = jax.random.randint(jax.random.PRNGKey(1), (2, 5), 0, 11)
+    import optax
+
+    np.testing.assert_allclose(train_step.cross_entropy(logits, targets),
+                               optax.softmax_cross_entropy_with_integer_labels(logits, targets), rtol=1e-6, atol=1e-6)
+    g = jax.grad(lambda x: jnp.sum(train_step.cross_entropy(x, targets)))(logits)
+    g_ref = jax.grad(lambda x: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x, targets)))(logits)
+    np.testing.assert_allclose(g, g_ref, rtol=1e-6, atol=1e-6)
+    # a gather of the target logits makes XLA materialize the float32 [B, L, V] logits (MaxText picks them by a
+    # one-hot reduction that fuses with the logits)
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(lambda x: jnp.sum(train_step.cross_entropy(x, targets))))(logits)
+    assert (2, 5, 11) not in _shapes_in(jaxpr.jaxpr, "gather")
+
+
+def test_step_keeps_logits_and_rope_in_the_compute_dtype():
+    """The logits are sharded in bfloat16 before their cast to float32 (MaxText's cast_logits_to_fp32), and rotary
+    embeddings rotate q and k in bfloat16 (MaxText's RotaryEmbedding): no float32 [B, L, V] sharding constraint and
+    no float32 [B, L, H, Dh] values in the step."""
+    cfg, spec = tiny("compute_dtype=bfloat16", "attention=dot_product")  # CPU flash works in float32 blocks
+    m = cfg.model
+    step = train_step.make_train_step(cfg.model, cfg.train)
+    with jax.set_mesh(spec.mesh):
+        jaxpr = jax.make_jaxpr(step)(spec.state, spec.batch).jaxpr
+    B, L = spec.batch["inputs"].shape
+
+    def avals(j):
+        for eqn in j.eqns:
+            yield eqn, [v.aval for v in eqn.outvars]
+            for sub in _subjaxprs(eqn):
+                yield from avals(sub)
+
+    constrained = [a for e, outs in avals(jaxpr) if e.primitive.name == "sharding_constraint" for a in outs]
+    assert any(a.shape[-1] == m.vocab_size and a.dtype == jnp.bfloat16 for a in constrained)
+    assert not any(a.shape[-1] == m.vocab_size and a.dtype == jnp.float32 and a.ndim == 3 for a in constrained)
+    heads = {(B, L, m.num_heads, m.head_dim), (B, L, m.num_kv_heads, m.head_dim)}
+    f32_heads = [a for _, outs in avals(jaxpr) for a in outs
+                 if getattr(a, "shape", None) in heads and a.dtype == jnp.float32]
+    assert not f32_heads

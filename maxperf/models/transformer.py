@@ -76,8 +76,9 @@ class Transformer(nnx.Module):
         """float32 logits [B, L, V] of hidden states (any leading dims B, L: a chunk of the tokens too)."""
         cfg = self.cfg
         logits_BxLxV = self.embed.attend(x_BxLxD) if cfg.tie_embeddings else self.unembed(x_BxLxD)
-        logits_BxLxV = constrain(logits_BxLxV.astype(jnp.float32), ("activation_batch", "activation_length",
-                                                                     "activation_vocab"))
+        # sharded in the compute dtype, then cast (MaxText's cast_logits_to_fp32): the cast fuses into the loss
+        logits_BxLxV = constrain(logits_BxLxV, ("activation_batch", "activation_length", "activation_vocab"))
+        logits_BxLxV = logits_BxLxV.astype(jnp.float32)
         if cfg.final_logit_softcap is not None:
             logits_BxLxV = cfg.final_logit_softcap * jnp.tanh(logits_BxLxV / cfg.final_logit_softcap)
         return logits_BxLxV

@@ -26,9 +26,13 @@ def inverse_frequencies(Dh: int, theta: float, scaling: RopeScaling | None) -> j
 
 
 def apply_rope(x_BxLxNxDh: jax.Array, positions_BxL: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates the two halves of each head's features by position-dependent angles."""
+    """Rotates the two halves of each head's features by position-dependent angles.
+
+    Angles in float32, the rotation in x's dtype, as MaxText's RotaryEmbedding does: a float32 rotation would keep
+    float32 copies of q and k (and of their gradients) live in every layer."""
+    dtype = x_BxLxNxDh.dtype
     angles_BxLxR = positions_BxL[..., None].astype(jnp.float32) * inv_freq[None, None, :]
-    cos, sin = jnp.cos(angles_BxLxR)[:, :, None, :], jnp.sin(angles_BxLxR)[:, :, None, :]
-    x1, x2 = jnp.split(x_BxLxNxDh.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxLxNxDh.dtype)
+    cos = jnp.cos(angles_BxLxR)[:, :, None, :].astype(dtype)
+    sin = jnp.sin(angles_BxLxR)[:, :, None, :].astype(dtype)
+    x1, x2 = jnp.split(x_BxLxNxDh, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
