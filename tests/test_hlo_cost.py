@@ -423,6 +423,7 @@ TRITON = """  %q = f32[1,8,2,32]{3,2,1,0} bitcast(%h)
     ("mha_forward", "(f32[1,8,2,32]{3,2,1,0}, f32[1,2,8]{2,1,0})", 4 * 32 * 2 * 64),
     # backward: 32-wide blocks clamped to 8, the whole 8x8 block, dq and dkv in one kernel
     ("mha_backward", "(f32[1,8,2,32]{3,2,1,0}, f32[1,8,2,32]{3,2,1,0}, f32[1,8,2,32]{3,2,1,0})", 14 * 32 * 2 * 64),
+    ("mha_preprocess_backward", "f32[1,2,8]{2,1,0}", 0),  # the backward's elementwise row sums: known, no matmul
 ])
 def test_triton_flash_kernel_flops_from_operand_shapes(name, result, flops):
     text = DOT.replace("  ROOT %dot.1", TRITON.replace("NAME", name).replace("RESULT", result) + "  ROOT %dot.1")
@@ -446,3 +447,18 @@ def test_tiny_splash_compile_counts_every_layer_and_its_kernels(tmp_path):
     heads = B * model.num_heads  # the mesh (fsdp=4) splits the global batch, each device holds every head
     assert hlo["attention_kernel_flops"] == N * (4 + 4 + 6 + 8) * model.head_dim * heads * 256 * 256
     assert "attention kernels" in result.cost["flops_source"]
+
+
+@pytest.mark.slow
+def test_tiny_triton_flash_compile_counts_its_kernels(tmp_path):
+    from maxperf.aot import compiler
+
+    result = compiler.compile("h100-8", "tiny", ["seq_len=256", "attention=flash"], out=tmp_path / "a")
+    hlo = result.cost["hlo"]
+    model, B = result.plan.configs.model, result.plan.configs.train.per_device_batch_size
+    heads = B * model.num_heads  # fsdp=8 splits the global batch, each device holds every head
+    assert hlo["unhandled_custom_calls"] == {} and all(loop["trip_count"] == model.num_layers for loop in hlo["loops"])
+    # per layer: the forward twice (remat), 128-row query blocks against 128-wide key blocks, 3 of 4 visible; the
+    # backward in 32x32 blocks, 36 of 64 visible
+    forward, backward = 2 * 4 * 3 * 128 * 128, 14 * 36 * 32 * 32
+    assert hlo["attention_kernel_flops"] == model.num_layers * (forward + backward) * model.head_dim * heads

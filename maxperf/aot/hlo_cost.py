@@ -54,7 +54,7 @@ _DIRECTION = re.compile(r"direction=([A-Z]+)")
 _CONSTANT = re.compile(r"\s*(-?\d+)\s*$")
 # Pallas attention kernels, by the name their pallas_call gives them (in the op name or the instruction name):
 # splash attention on TPU (splash_{mha,mqa}_{fwd,dq,dkv}...), jax's Pallas Triton flash attention on GPU.
-_ATTENTION_KERNEL = re.compile(r"\b(splash_m[hq]a_(fwd|dq|dkv)\w*|mha_(forward|backward))\b")
+_ATTENTION_KERNEL = re.compile(r"\b(splash_m[hq]a_(fwd|dq|dkv)\w*|mha_(forward|backward|preprocess_backward))\b")
 _BLOCK = re.compile(r'\\?"(block_(?:q|kv|q_dq|kv_dq|q_dkv|kv_dkv))\\?": (\d+)')
 _GRID_X = re.compile(r"grid_x = (\d+)")
 _FLOAT_ARRAY = re.compile(r"^(?:bf16|f16|f32|f64|f8\w*)\[")
@@ -384,7 +384,8 @@ def attention_kernel(name: str, shape: str, rest: str, instrs: dict[str, tuple[s
 
     Per (query, key) pair computed, per query head: the forward does Q K^T and P V (4 x Dh flops); splash's dq
     kernel recomputes the scores, dP = dO V^T and dQ (6 x Dh); its dkv kernel the scores, dV, dP and dK (8 x Dh; 10
-    fused with dQ); the Triton backward does both in one kernel (14 x Dh). Pairs computed: the blocks a causal mask
+    fused with dQ); the Triton backward does both in one kernel (14 x Dh), after an elementwise preprocessing
+    kernel (no matmul FLOPs). Pairs computed: the blocks a causal mask
     leaves visible, each whole (the kernels skip fully masked blocks only): splash's block sizes from the kernel's
     metadata, the Triton kernel's from its grid (forward) and jax's defaults (backward, 32). A sliding-window mask
     skips more blocks than this count assumes.
@@ -392,6 +393,8 @@ def attention_kernel(name: str, shape: str, rest: str, instrs: dict[str, tuple[s
     kernel = _ATTENTION_KERNEL.search(rest) or _ATTENTION_KERNEL.search(name)
     if kernel is None:
         return None
+    if kernel.group(3) == "preprocess_backward":  # the Triton backward's row sums of dO x O: no matmul
+        return kernel.group(1), 0.0
     floats = [instrs[o][0] for o in _operands(rest) if o in instrs and _FLOAT_ARRAY.match(instrs[o][0])]
     q, k = (_dims(s) for s in floats[:2]) if len(floats) >= 2 else ([], [])
     if len(q) < 3 or len(k) < 3:
