@@ -177,9 +177,9 @@ def test_perfmodel_logits_follow_vocab_tiling():
     whole = perf_memory.estimate_memory(model, base, mesh, 0)
     tiled = perf_memory.estimate_memory(model, dataclasses.replace(base, num_vocab_tiling=4), mesh, 0)
     table = 32000 * 4096 * 2  # the gathered unembedding in bfloat16, the same either way
-    assert whole.logits - table == 4 * 2048 * 32000 * (2 + 4)
-    # a quarter of the tokens' logits at a time, at TILED_LOGIT_BYTES each, and the table's float32 gradient shard
-    assert tiled.logits - table == 2048 * 32000 * perf_memory.TILED_LOGIT_BYTES + 4 * 4096 * 32000 / 64
+    assert whole.logits - table == 4 * 2048 * 32000 * 2  # bfloat16 logits, the float32 work fused into reductions
+    # a quarter of the tokens' logits at a time, with their float32 gradient, and the table's float32 gradient shard
+    assert tiled.logits - table == 2048 * 32000 * (2 + 4) + 4 * 4096 * 32000 / 64
 
 
 @pytest.mark.slow

@@ -45,19 +45,19 @@ SOFTCAP_SAVED = 1
 # attention keeps it broadcast over the 128 lanes of a TPU vector register (its forward's residuals in the optimized
 # HLO of llama2-7b on v5p-128: bf16[4,32,2048,128] and f32[4,32,2048,128]). The TPU's figure, for every platform.
 FLASH_LSE_BYTES = 4 * 128
-# Logits: the compute-dtype unembedding output and one float32 [T, V] buffer (the softmax / gradient of the
-# cross-entropy); XLA fuses the float32 upcast, and Gemma 2's final soft-capping (tanh), into the log-softmax
-# reductions, so neither is a buffer of its own. Measured here: qwen3-0.6b (V = 151936) and gemma-2b (V = 256000) on
-# v5p-8, where the loss phase is the peak, fit c + 4 bytes per logit with the gradients and the gathered vocabulary
-# table alive beside them; gemma2-2b (soft-capped, V = 256000) on v5p-64 takes the same 6 bytes per logit as
-# gemma-2b (bench/memory_accuracy.py).
-LOGITS_FLOAT32_BUFFERS = 1
-# num_vocab_tiling > 1 (models/train_step.py tiled_nll_sum): inside the loss's scan XLA keeps three float32 buffers per
-# logit of a chunk (its logits, their softmax and its gradient), and the table's gradient, summed over the chunks, in
-# the param dtype and split like the table. Measured here: gemma-2b (V = 256000) on v5p-8, B=4, L=2048, full remat
-# compiles to 22.21 GiB per device untiled, 17.03 with 4 tiles and 14.20 with 8: 11.6 bytes per logit of a chunk
-# and 1.44 GiB beside them (the gathered bfloat16 table, 0.98, and its float32 gradient's shard, 0.49).
-TILED_LOGIT_BYTES = 12
+# Logits: the compute-dtype unembedding output; since the cross-entropy picks the target logit by a one-hot
+# reduction (models/train_step.py cross_entropy), XLA fuses the float32 upcast, the log-softmax and its gradient, and
+# Gemma 2's final soft-capping, into reductions over it, so no float32 [T, V] buffer is live. Measured here:
+# gemma-2b (V = 256000) on v5p-8, B=4, L=2048, full remat compiles to 15.61 GiB per device, its loss phase the peak:
+# 2.4 bytes per logit beside the gradients, the carry and the gathered vocabulary table (6 before the one-hot
+# cross-entropy, with the float32 softmax live).
+LOGITS_FLOAT32_BUFFERS = 0
+# num_vocab_tiling > 1 (models/train_step.py tiled_nll_sum): inside the loss's scan a chunk's logits keep one float32
+# buffer beside the compute-dtype ones (the gradient of the chunk's logits, computed by the scan's backward), and the
+# table's gradient, summed over the chunks, is in the param dtype and split like the table. Measured here: gemma-2b
+# on v5p-8, B=4, L=2048, full remat compiles to 13.71 GiB per device with 4 tiles (14.29 analytical) and 14.34 with 8
+# (12.82 analytical; its peak no longer the loss).
+TILED_LOGITS_FLOAT32_BUFFERS = 1
 # The optimizer phase: the gradients are divided by the token count and clipped by their global norm, which needs
 # every gradient reduced before any update, so XLA materializes one more float32 gradient-sized buffer (the scaled
 # gradients) beside the gradients themselves. Measured here: llama2-7b v5p-8, B=1, L=2048, full remat: temp
@@ -281,7 +281,8 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
         logits = T * a.V * (c + 4 * LOGITS_FLOAT32_BUFFERS)
     else:  # one chunk's logits at a time, and the vocabulary table's gradient summed over the chunks
         table = next(x for x in param_arrays(model) if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
-        logits = T / tiles * a.V * TILED_LOGIT_BYTES + p * local_size(table.shape, table.logical, mesh)
+        logits = (T / tiles * a.V * (c + 4 * TILED_LOGITS_FLOAT32_BUFFERS)
+                  + p * local_size(table.shape, table.logical, mesh))
 
     arrays = param_arrays(model)
     layer_full = sum(gathered_size(x.shape, x.logical, mesh) for x in arrays if x.count == N and x.matmul)
