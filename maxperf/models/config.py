@@ -255,7 +255,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         B = self.per_device_batch_size
         _require(isinstance(B, (int, float)) and not isinstance(B, bool) and B > 0,
-                 f"per_device_batch_size must be > 0, got {B!r}")
+                 f"per_device_batch_size must be > 0 (a fraction such as 0.5 is allowed), got "
+                 f"{int(B) if isinstance(B, float) and B.is_integer() else B!r}")
         if float(B).is_integer():  # a whole B stays an int: 4, not 4.0, in every figure and artifact
             object.__setattr__(self, "per_device_batch_size", int(B))
         _require(self.seq_len >= 1, f"seq_len must be >= 1, got {self.seq_len}")
@@ -293,6 +294,8 @@ class TrainConfig:
         _require(int(rows) % self.grad_accum_steps == 0,
                  f"grad_accum_steps={self.grad_accum_steps} must divide the global batch of {int(rows)} examples")
         return int(rows)
+
+
 
 
 @dataclass(frozen=True)
