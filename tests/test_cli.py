@@ -166,14 +166,15 @@ def test_models_parameter_counts_are_the_flax_models(capsys):
 
 
 @pytest.mark.slow
-def test_compile_json_and_a_cache_hit(capsys, tmp_path, monkeypatch):
+def test_compile_json_and_a_cache_hit(capfd, tmp_path, monkeypatch):
     monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path / "cache"))
     argv = ["compile", "--topology", "cpu-8", "--model", "tiny", "seq_len=64", "remat_policy=none"]
-    code, out, _ = run_main(capsys, *argv, "--out", str(tmp_path / "a"), "--json")
+    # the compile runs in a child process (maxperf.cli.supervisor) that prints on file descriptor 1
+    code, out, _ = run_main(capfd, *argv, "--out", str(tmp_path / "a"), "--json")
     first = json.loads(out)
     assert code == 0 and first["schema"] == cli.COMPILE_SCHEMA and first["cache_hit"] is False
     assert first["topology"] == "cpu-8" and first["mesh"]["axes"] and first["global_batch"] > 0
-    code, out, _ = run_main(capsys, *argv, "--out", str(tmp_path / "b"))
+    code, out, _ = run_main(capfd, *argv, "--out", str(tmp_path / "b"))
     assert code == 0 and "from the compile cache" in out and "compile time     0.0 s" not in out
 
 
@@ -334,3 +335,98 @@ def test_xprof_serves_a_trace_on_loopback_only(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# plugin noise, partial output of a killed compile (supervised compile)
+
+
+def _maxperf(*args, cwd, env=None):
+    return subprocess.run([sys.executable, "-m", "maxperf.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | (env or {}))
+
+
+def _have_plugins() -> bool:
+    import importlib.util
+
+    from maxperf.aot import gpu_targets
+
+    return importlib.util.find_spec("libtpu") is not None and gpu_targets.plugin_library() is not None
+
+
+PROGRESS = r"\[\s*\d+\.\ds\] "
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _have_plugins(), reason="libtpu and the CUDA plugin are not both installed")
+@pytest.mark.parametrize("argv, progress", [
+    (["compile", "--topology", "v5p-8", "--out", "c"], ["devices", "abstract state", "lowering", "compiling",
+                                                         "writing artifacts"]),
+    (["compile", "--topology", "h100-8", "--out", "c"], ["devices", "abstract state", "lowering", "compiling",
+                                                          "writing artifacts"]),
+    (["estimate-memory", "--topology", "v5p-8"], ["devices", "abstract state", "lowering", "compiling",
+                                                  "writing artifacts"]),
+    (["sweep", "--topologies", "v5p-8,h100-8", "--out", "s"], ["2 points", r"\[1/2\]", r"\[2/2\]"]),
+], ids=["compile-tpu", "compile-gpu", "estimate-memory", "sweep"])
+def test_commands_that_load_plugins_write_only_maxperfs_lines_on_stderr(tmp_path, argv, progress):
+    """libtpu, the CUDA plugin and absl write nothing that reaches the terminal: stderr is maxperf's progress."""
+    proc = _maxperf(*argv, "--model", "tiny", "seq_len=128", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == len(progress), proc.stderr[-3000:]
+    assert all(re.match(PROGRESS + want, line) for want, line in zip(progress, lines)), lines
+
+
+def test_a_child_notes_and_its_supervisor_removes_only_partial_output_directories(tmp_path):
+    from maxperf.cli import supervisor
+
+    notes = tmp_path / "notes"
+    fd = os.open(notes, os.O_WRONLY | os.O_CREAT)
+    hook = supervisor._note_partials(fd)
+    partial, other = tmp_path / ".out.abcd1234.partial", tmp_path / "out.abcd1234.partial"
+    for path in (partial, other, tmp_path / ".out.abcd1234.old"):
+        hook("os.mkdir", (str(path), 0o700, -1))
+        path.mkdir()
+    hook("os.mkdir", (partial.name, 0o700, 5))  # relative to a directory descriptor: not a writer's
+    hook("open", (str(partial), "r", 0))
+    os.close(fd)
+    assert notes.read_text() == f"{partial}\n"
+    assert supervisor.remove_partials(notes.read_bytes() * 2) == [str(partial)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.abcd1234.old", "notes", "out.abcd1234.partial"]
+
+
+@pytest.mark.slow
+def test_a_killed_compile_ends_in_one_line_and_leaves_no_partial_output(tmp_path):
+    """The process that compiles, killed (as the system's out-of-memory killer would): its supervisor says so in
+    one line, exits 1, and removes the `.c.*.partial` directory beside --out."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"MAXPERF_NO_CACHE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "maxperf.cli", "compile", "--topology", "cpu-8", "--model", "tiny",
+                             "seq_len=64", "--out", "c"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "compiling" not in proc.stderr.readline():
+            assert proc.poll() is None and time.monotonic() < deadline
+        assert list(tmp_path.glob(".c.*.partial"))
+        (child,) = _children(proc.pid)
+        os.kill(child, signal.SIGKILL)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert code == 1 and err.startswith("maxperf: error: the compile process was ended by SIGKILL") \
+        and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_supervised_compile_that_does_not_fit_or_is_killed_ends_as_it_should():
+    import io
+
+    from maxperf.cli import supervisor
+
+    args = argparse.Namespace(command="compile", num_processes=2, process_id=0, coordinator="127.0.0.1:5", timeout=20)
+    relay = supervisor._Relay(io.BytesIO(b"[   0.1s] joined the job at 127.0.0.1:5 as process 0 of 2\n"), verbose=False)
+    relay.thread.join()
+    assert supervisor.ending(3, False, relay, args) == (None, 3)  # it printed its result: the step does not fit
+    assert supervisor.ending(-9, False, relay, args) == (
+        "maxperf: error: process 0 of 2: the compile process was ended by SIGKILL (sent by a person or by the system "
+        "when memory runs out)", 1)  # not "lost its job": nothing in the job ended it

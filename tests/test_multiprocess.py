@@ -1,5 +1,6 @@
 """Two processes on 127.0.0.1, four CPU devices each, joined by jax.distributed: compile, run, and a dying peer."""
 
+import glob
 import json
 import os
 import re
@@ -20,9 +21,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args, cwd, log_name, processes=2, timeout="20"):
+def launch(args, cwd, log_name, processes=2, timeout="20", env=None):
     """Processes 0..processes-1 of `maxperf ARGS`, joined on a free port; each one's stdout and stderr in files."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"} | (env or {})
     port = free_port()
     procs = []
     for i in range(processes):
@@ -110,3 +111,60 @@ def test_the_process_count_is_checked_before_joining(artifact, flags):
     assert proc.stderr.splitlines() == [f"maxperf: error: art was compiled for 2 process(es), this job has "
                                         f"{3 if flags else 1}: start 2 processes, each with --coordinator HOST:PORT "
                                         "--num-processes 2 --process-id I"]
+
+
+def wait_for(path, text, proc, limit_s=240):
+    deadline = time.monotonic() + limit_s
+    while text not in path.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, path.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def kill_child(proc) -> None:
+    """SIGKILL to the process that does a supervised command's work (as the system's out-of-memory killer would)."""
+    (child,) = [int(c) for path in glob.glob(f"/proc/{proc.pid}/task/*/children")
+                for c in open(path).read().split()]
+    os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("command", ["compile", "run"])
+def test_a_killed_process_ends_its_job_in_one_line_and_leaves_no_partial_output(artifact, command):
+    """Process 0's worker killed mid-command: jax aborts process 1 (SIGABRT, a C++ stack trace, before a compile had
+    a supervisor); each supervisor says one line, exits 1 and removes the `.NAME.*.partial` directory its worker
+    left."""
+    name = f"killed-{command}"
+    args = (["compile", "--topology", "cpu-4x2", "--model", "tiny", "--out", name, "seq_len=64"] if command == "compile"
+            else ["run", "art", "--steps", "100000", "--warmup", "1", "--out", name])
+    procs = launch(args, artifact, name, env={"MAXPERF_NO_CACHE": "1"})  # a compile cache hit would be over at once
+    try:
+        wait_for(artifact / f"{name}1.err", "compiling" if command == "compile" else "step 3:", procs[1])
+        assert list(artifact.glob(f".{name}.*.partial"))  # both processes are writing
+        kill_child(procs[0])
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    lines = [only_maxperf_lines((artifact / f"{name}{i}.err").read_text()) for i in range(2)]
+    assert codes == [1, 1], lines
+    assert lines[0][-1].startswith(f"maxperf: error: process 0 of 2: the {command} process was ended by SIGKILL")
+    if command == "compile":  # a run's survivor may instead see gloo fail in a collective first, and say so
+        assert lines[1][-1].startswith("maxperf: error: process 1 of 2 lost its job"), lines[1][-1]
+    assert not (artifact / name).exists() and not list(artifact.glob(f".{name}.*"))
+
+
+@pytest.mark.parametrize("topology, flags, want", [
+    ("cpu-4x2", ["--num-processes", "3", "--process-id", "0", "--coordinator", "127.0.0.1:1"],
+     "cpu-4x2 compiles as 2 processes, this job has 3: start 2 processes, each with --coordinator HOST:PORT "
+     "--num-processes 2 --process-id I"),
+    ("cpu-4x2", [], "cpu-4x2 compiles as 2 processes, this job has 1: start 2 processes, each with --coordinator "
+                    "HOST:PORT --num-processes 2 --process-id I"),
+    ("v5p-8", ["--num-processes", "2", "--process-id", "0", "--coordinator", "127.0.0.1:1"],
+     "v5p-8 compiles in one process, whatever its hosts (its devices are virtual), this job has 2: run it without "
+     "--num-processes"),
+])
+def test_the_compile_process_count_is_checked_before_joining(tmp_path, topology, flags, want):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "maxperf.cli", "compile", "--topology", topology, "--model", "tiny",
+                           "--out", "c", *flags], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [f"maxperf: error: {want}"]

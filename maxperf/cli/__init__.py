@@ -90,16 +90,36 @@ def cmd_keys(args) -> int:
     return 0
 
 
+def _check_compile_processes(args) -> None:
+    """The job's process count against the topology's, before any process waits for peers that will not come: a
+    cpu-NxP compile is P processes, like the run it is for; a TPU or GPU compile is one, whatever its hosts (its
+    devices are virtual)."""
+    from maxperf.aot import topologies
+
+    topology = topologies.get(args.topology, args.num_slices, args.target_config)
+    want = topology.hosts if topology.platform == "cpu" else 1
+    given = args.num_processes or 1
+    if given != want:
+        start = ("run it without --num-processes" if want == 1 else
+                 f"start {want} processes, each with --coordinator HOST:PORT --num-processes {want} --process-id I")
+        how = (f"as {want} processes" if want > 1 else "in one process" if topology.platform == "cpu" else
+               "in one process, whatever its hosts (its devices are virtual)")
+        raise MaxperfError(f"{topology.name} compiles {how}, this job has {given}: {start}")
+
+
 def cmd_compile(args) -> int:
     _compile_only_environment()
     from maxperf import aot
     from maxperf.aot import distributed
+    from maxperf.cli import supervisor
 
-    if args.num_processes:
-        distributed.initialize(args, "cpu")
+    _check_compile_processes(args)
+    say = _progress()
+    if distributed.initialize(args, "cpu"):
+        say(f"{supervisor.JOINED} {args.coordinator} as process {args.process_id} of {args.num_processes}")
 
     result = aot.compile(args.topology, args.model, args.overrides, num_slices=args.num_slices, out=args.out,
-                         target_config=args.target_config, progress=_progress(), argv=sys.argv, force=args.force)
+                         target_config=args.target_config, progress=say, argv=sys.argv, force=args.force)
     p, mem, cost = result.plan, result.memory, result.cost
     if args.json:
         _print_json(compile_summary(result))
@@ -180,8 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-config", help="GPU: a GpuTargetConfigProto text file instead of the built-in spec")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     from maxperf.aot import distributed
+    from maxperf.cli import supervisor
 
     distributed.add_arguments(p)  # cpu-NxP compiles as P processes, like the run it is for
+    supervisor.add_arguments(p)  # a dead peer ends a multi-process compile in one line; a killed one leaves nothing
     p.set_defaults(func=cmd_compile)
 
     for extra in _extra_commands():

@@ -1,10 +1,15 @@
-"""Commands that start real devices (`run`, `calibrate`) do their work in a child process that this one watches.
+"""Commands that start devices or load plugins (`run`, `calibrate`, `compile`) do their work in a child process that
+this one watches.
 
 Plugins and jax's runtime write to fds 1 and 2 from C++ (libtpu's and the CUDA plugin's start-up warnings, gloo's
 "[Gloo] Rank ..." lines, absl logs), and the coordination service of a multi-process job ends a process whose peer
 died with a C++ check failure (SIGABRT and a stack trace) that no Python code in that process can catch. The child
 sends everything it writes to stdout from C++ to its stderr; this process shows only maxperf's own lines of it
 (progress, `maxperf: ...`) unless --verbose, and turns a child killed by a signal into one line and exit code 1.
+
+A child that dies without cleaning up (a signal, an abort) leaves its output half-written in `.NAME.*.partial`
+directories beside --out (aot.artifacts.ArtifactWriter makes them with tempfile.mkdtemp): the child notes each one it
+makes in a file this process reads, and this process removes those that are left once the child has ended.
 """
 
 from __future__ import annotations
@@ -12,13 +17,19 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 CHILD = "MAXPERF_SUPERVISOR_PID"  # set in the child's environment: the pid of the process that watches it
+NOTES = "MAXPERF_SUPERVISOR_NOTES"  # and the descriptor where it notes the partial output directories it makes
+ARGV0 = "MAXPERF_SUPERVISOR_ARGV0"  # and the command's name as the user typed it (manifests record the command)
+_PARTIAL = re.compile(r"\..+\.[a-z0-9_]+\.partial")  # ArtifactWriter's temporary directory: .NAME.XXXXXXXX.partial
+RESULT_CODES = (0, 3)  # exit codes of a command that printed its result: done, and 3 (the step does not fit)
 GRACE_SECONDS = 10  # after Ctrl-C, the child's time to clean up before it is killed
 _OURS = re.compile(r"^(maxperf: |\[\s*\d+\.\ds\] )")  # lines maxperf writes on stderr: messages and progress
 _FATAL = re.compile(r"^F\d{4} [\d:.]+\s+\d+ \S+\] (.*)")  # an absl/glog fatal line: Fyyyy hh:mm:ss.us tid file:l] msg
@@ -35,16 +46,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def supervise(argv: list[str], args: argparse.Namespace) -> int | None:
     """In the child, sets it up and returns None (the command then runs here); else runs the command in a child
     and returns the exit code to leave with."""
-    parent = os.environ.pop(CHILD, None)
+    parent, notes, argv0 = (os.environ.pop(name, None) for name in (CHILD, NOTES, ARGV0))
     if parent is not None:
-        _become_child(int(parent))
+        _become_child(int(parent), None if notes is None else int(notes), argv0)
         return None
     if os.environ.get("MAXPERF_DEBUG"):
         return None  # tracebacks wanted: run in this process, as it is
     return _watch(argv, args)
 
 
-def _become_child(parent: int) -> None:
+def _become_child(parent: int, notes: int | None, argv0: str | None) -> None:
+    if argv0:
+        sys.argv[0] = argv0
+    if notes is not None:
+        sys.addaudithook(_note_partials(notes))
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -66,6 +81,32 @@ def _become_child(parent: int) -> None:
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_interrupt)
+
+
+def _note_partials(fd: int):
+    """An audit hook that writes each `.NAME.*.partial` directory this process makes to `fd`, one path a line."""
+
+    def hook(event: str, args: tuple) -> None:
+        if event != "os.mkdir" or args[2] != -1:  # (path, mode, dir_fd), -1: none; mkdtemp gives a plain path
+            return
+        try:
+            path = os.path.abspath(os.fsdecode(args[0]))
+            if _PARTIAL.fullmatch(os.path.basename(path)):
+                os.write(fd, path.encode() + b"\n")
+        except (TypeError, ValueError, OSError):
+            pass  # an audit hook's exception would fail the mkdir itself
+
+    return hook
+
+
+def remove_partials(noted: bytes) -> list[str]:
+    """Removes the partial output directories a child noted (one path a line) that are still there; those removed."""
+    removed = []
+    for path in dict.fromkeys(noted.decode(errors="replace").splitlines()):  # once each, in order
+        if _PARTIAL.fullmatch(os.path.basename(path)) and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 class _Relay:
@@ -96,8 +137,10 @@ class _Relay:
 
 
 def _watch(argv: list[str], args: argparse.Namespace) -> int:
-    env = {**os.environ, CHILD: str(os.getpid())}
-    child = subprocess.Popen([sys.executable, "-m", "maxperf.cli", *argv], stderr=subprocess.PIPE, env=env)
+    notes = tempfile.TemporaryFile()  # unnamed: nothing is left behind, whatever happens to this process
+    env = {**os.environ, CHILD: str(os.getpid()), NOTES: str(notes.fileno()), ARGV0: sys.argv[0]}
+    child = subprocess.Popen([sys.executable, "-m", "maxperf.cli", *argv], stderr=subprocess.PIPE, env=env,
+                             pass_fds=(notes.fileno(),))
     relay = _Relay(child.stderr, args.verbose)
     stop: list[float] = []  # when the first interrupt came
 
@@ -123,6 +166,10 @@ def _watch(argv: list[str], args: argparse.Namespace) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     relay.thread.join(timeout=5)
+    if code != 0:  # a child that ended abnormally cannot have cleaned up its partial output
+        notes.seek(0)
+        remove_partials(notes.read())
+    notes.close()
     line, exit_code = ending(code, bool(stop), relay, args)
     if line:
         print(line, file=sys.stderr)
@@ -132,7 +179,7 @@ def _watch(argv: list[str], args: argparse.Namespace) -> int:
 def ending(code: int, interrupted: bool, relay, args: argparse.Namespace) -> tuple[str | None, int]:
     """What to say (None: the child said it) and the exit code, for a child that ended with `code` (-N: signal
     N), after an interrupt or not."""
-    if code == 0 or (code > 0 and relay.said_error):
+    if code in RESULT_CODES or (code > 0 and relay.said_error):
         return None, code  # it finished (perhaps as the interrupt came), or said why not
     if interrupted:
         return (None if relay.said_error else
@@ -158,12 +205,13 @@ def _hint(relay: _Relay) -> str:
 
 def _verdict(signum: int, relay: _Relay, args: argparse.Namespace) -> str:
     """One line on a child that a signal ended: jax's coordination service aborts a process whose job lost a peer,
-    or whose peers did not all join in time, after a fatal log line that says which."""
+    or whose peers did not all join in time, after a fatal log line that says which; any other signal came from
+    outside (a person, the system's out-of-memory killer)."""
     status = ""
     if relay.fatal:
         status = relay.fatal.split("absl::Status: ", 1)[-1].split(". ")[0].strip()[:200]
     n = getattr(args, "num_processes", None) or 1
-    if n > 1:
+    if n > 1 and (signum == signal.SIGABRT or relay.fatal):
         who = f"process {args.process_id} of {n}"
         why = f" ({status})" if status else f" (jax's runtime ended it with {_name(signum)})"
         if not relay.joined:
@@ -172,5 +220,7 @@ def _verdict(signum: int, relay: _Relay, args: argparse.Namespace) -> str:
                     "own --process-id")
         return (f"{who} lost its job{why}: another process of the job stopped or cannot be reached, so this one "
                 "gives up")
-    what = f": {status}" if status else ""
-    return f"the {args.command} process was ended by {_name(signum)}{what}{_hint(relay)}"
+    who = f"process {args.process_id} of {n}: " if n > 1 else ""
+    what = (f": {status}" if status else
+            " (sent by a person or by the system when memory runs out)" if signum == signal.SIGKILL else "")
+    return f"{who}the {args.command} process was ended by {_name(signum)}{what}{_hint(relay)}"
