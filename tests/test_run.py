@@ -246,3 +246,12 @@ def test_the_supervisor_shows_maxperfs_lines_and_ends_in_one(capsys):
     assert capsys.readouterr().err == child_stderr.decode() + "maxperf: error: a reason\n"
     assert supervisor.ending(2, False, relay, args) == (None, 2)  # the child said why
     assert supervisor.ending(-6, False, relay, args) == (None, 1)  # an abort at exit, after it said why
+
+
+def test_a_collective_that_lost_its_peer_is_named_as_such():
+    seen = ("UNKNOWN: Gloo AllGather failed: [external/xla++third_party_ext+gloo/gloo/transport/tcp/pair.cc:538] "
+            "Read error [127.0.0.1]:4517: Connection reset by peer")  # process 0 of a cpu-4x2 run, process 1 killed
+    assert runner._PEER_LOST.search(seen)
+    assert runner._PEER_LOST.search("Gloo AllReduce failed: Connection closed by peer")
+    assert not runner._PEER_LOST.search("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2G")
+    assert runner.PeerLost.exit_code == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -16,6 +17,14 @@ from maxperf.aot.loading import Artifact, load
 from maxperf.errors import MaxperfError
 
 RUN_SCHEMA = "maxperf.run/1"
+# How a collective reports a peer that died mid-step (gloo on CPU; seen when process 1 of a cpu-4x2 run is killed).
+_PEER_LOST = re.compile(r"Gloo \w+ failed|Connection (reset|closed) by peer")
+
+
+class PeerLost(MaxperfError):
+    """A collective failed because another process of the job is gone. Exit code 1."""
+
+    exit_code = 1
 PROFILED_STEPS = 3
 
 
@@ -272,8 +281,12 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         else:
             writer.abandon()
             result = dataclasses.replace(result, out_dir=None)
-    except BaseException:
+    except BaseException as e:
         writer.abandon()
+        if jax.process_count() > 1 and _PEER_LOST.search(str(e)):
+            raise PeerLost(f"process {jax.process_index()} of {jax.process_count()} lost its job "
+                           f"({str(e).splitlines()[0][:200]}): another process of the job stopped or cannot be "
+                           "reached, so this one gives up") from None
         raise
     finally:
         if watchdog:
