@@ -186,6 +186,20 @@ def test_dot_product_switches_set_the_score_dtype():
     assert scores_dtype(float32_qk_product=True, float32_logits=False) == jnp.float32
 
 
+
+def test_dot_product_normalizes_its_output_not_the_scores():
+    """MaxText's apply_attention_dot: exponentials times v, divided by their sum per query, so no [L, L]
+    probabilities are divided out (their backward held one score-sized buffer more: llama2-7b v5p-128 B 4)."""
+    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(L=16))
+
+    def attention_sum(q, k, v):
+        return jnp.sum(ak.dot_product(q, k, v, 0, softcap=None, float32_qk_product=False,
+                                      float32_logits=False).astype(jnp.float32))
+
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(attention_sum, argnums=(0, 1, 2)))(q, k, v)
+    divided = [e.outvars[0].aval.shape for e in jaxpr.jaxpr.eqns if e.primitive.name == "div"]
+    assert divided and not any(shape[-2:] == (16, 16) for shape in divided), divided
+
 # The kernel the model traces against the one perfmodel counts: one rule (maxperf.attention_rule) for both
 _GRID = [(), ("seq_len=64",), ("seq_len=96",), ("seq_len=200",), ("head_dim=320",), ("attn_logit_softcap=30",),
          ("attention_type=local_sliding", "window=8"), ("seq_len=256", "sa_block_q=512"),

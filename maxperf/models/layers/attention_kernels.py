@@ -100,8 +100,12 @@ def dot_product(q, k, v, window, *, softcap, float32_qk_product: bool, float32_l
     i, j = jnp.arange(L)[:, None], jnp.arange(L)[None, :]
     masked = jnp.asarray(max(_MASKED, float(jnp.finfo(s_BxKxGxLxS.dtype).min) * 0.7), s_BxKxGxLxS.dtype)
     s_BxKxGxLxS = jnp.where(visible(i, j, window)[None, None, None], s_BxKxGxLxS, masked)
-    p_BxKxGxLxS = jax.nn.softmax(s_BxKxGxLxS, axis=-1).astype(dtype)
-    return jnp.einsum("BKGLS,BSKd->BLKGd", p_BxKxGxLxS, v)
+    # MaxText's compute_local_attention: unnormalized exponentials times v, the output divided by their sum; the
+    # backward then holds one score-sized buffer fewer than a normalized softmax's
+    e_BxKxGxLxS = jnp.exp(s_BxKxGxLxS - jnp.max(s_BxKxGxLxS, axis=-1, keepdims=True))
+    l_BxLxKxGx1 = jnp.einsum("BKGLx->BLKGx", jnp.sum(e_BxKxGxLxS, axis=-1, keepdims=True))
+    o_BxLxKxGxDh = jnp.einsum("BKGLS,BSKd->BLKGd", e_BxKxGxLxS.astype(dtype), v)
+    return (o_BxLxKxGxDh / l_BxLxKxGx1).astype(dtype)
 
 
 # --- blockwise online softmax (CPU flash): keys in blocks, a custom backward that recomputes each block -------
