@@ -1,0 +1,155 @@
+"""The same train step compiled by MaxText's train_compile and by `maxperf compile`, side by side in one run.
+
+    .venv/bin/python bench/maxtext_compare.py              # every case (about 15 minutes on 2 cores)
+    .venv/bin/python bench/maxtext_compare.py full flash   # some of them: full, flash, main
+
+MaxText runs from its own venv (PEER_VENV, default /tmp/peer, installed by shared/peer/maxtext_aot.sh) exactly as
+that script runs it: `python -m maxtext.trainers.pre_train.train_compile base.yml compile_topology=... jax_cache_dir=""`.
+maxperf runs as a fresh `maxperf compile` process with its compile cache off (MAXPERF_NO_CACHE=1). The two of a case
+run back to back, one at a time, so the machine's load falls on both alike.
+
+MAXPERF_PYTHON=/tmp/peer/bin/python runs maxperf (this checkout, on PYTHONPATH) under MaxText's venv: the same jax and
+the same libtpu as MaxText's compile, so the figures compare the steps alone. MaxText 0.2.5 installs libtpu 0.0.52
+beside jax 0.12.0.1, whose own `jax[tpu]` extra pins 0.0.50.*; the two compilers' memory figures differ (measured here:
+one and the same maxperf step, llama2-7b v5p-128 B 4 dot product, full remat: 10.61 GiB per device under 0.0.50.1,
+7.81 GiB under 0.0.52, against MaxText's 7.60 under 0.0.52).
+
+Memory per device is the sum MaxText prints (max_utils.print_compiled_memory_stats): argument + output - alias +
+temp, from XLA's memory analysis, in GiB (MaxText labels them GB). Wall seconds are the whole process, from start to
+exit. Targets (issue 13): maxperf's memory at most 1.10x MaxText's, its wall time at most 0.8x; llama2-7b on
+v5p-1024 under 30 s and no more memory than MaxText's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1 << 30
+ROOT = Path(__file__).resolve().parent.parent
+PEER_VENV = Path(os.environ.get("PEER_VENV", "/tmp/peer"))
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str
+    topology: str
+    batch: int
+    seq: int
+    settings: tuple[str, ...]  # key=value under the same names in MaxText and maxperf
+
+
+CASES = (
+    Case("full", "llama2-7b", "v5p-128", 4, 2048, ("attention=dot_product", "remat_policy=full")),
+    Case("flash", "llama2-7b", "v5p-128", 4, 2048, ("attention=flash", "remat_policy=minimal")),
+    Case("main", "llama2-7b", "v5p-1024", 1, 2048, ("attention=flash", "remat_policy=full")),
+)
+
+
+@dataclass(frozen=True)
+class Result:
+    memory_gib: float | None
+    wall_s: float
+    note: str = ""
+
+
+def run_timed(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
+    print("  $ " + " ".join(shlex.quote(a) for a in argv), flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True)
+    return proc, time.perf_counter() - start
+
+
+def maxtext(case: Case, work: Path) -> Result:
+    python = PEER_VENV / "bin" / "python"
+    base_yml = subprocess.run([str(python), "-c", "import os, maxtext; print(os.path.join(os.path.dirname("
+                               "maxtext.__file__), 'configs', 'base.yml'))"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    argv = [str(python), "-m", "maxtext.trainers.pre_train.train_compile", base_yml,
+            f"compile_topology={case.topology}", "compile_topology_num_slices=1", f"model_name={case.model}",
+            f"per_device_batch_size={case.batch}", f"max_target_length={case.seq}", f"run_name=cmp_{case.name}",
+            f"base_output_directory={work / 'maxtext'}", "jax_cache_dir=", "log_config=false", *case.settings]
+    env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    proc, wall = run_timed(argv, env, work)
+    text = proc.stdout + proc.stderr
+    m = re.search(r"CompiledMemoryStats\((.*?)\)", text)
+    if proc.returncode != 0 or not m:
+        return Result(None, wall, f"MaxText exit {proc.returncode}: {text.strip().splitlines()[-1:]}")
+    f = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
+    total = (f["argument_size_in_bytes"] + f["output_size_in_bytes"] - f["alias_size_in_bytes"]
+             + f["temp_size_in_bytes"])
+    return Result(total / GIB, wall)
+
+
+def maxperf(case: Case, work: Path) -> Result:
+    out = work / f"maxperf_{case.name}"
+    python = os.environ.get("MAXPERF_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
+    argv = [python, "-m", "maxperf.cli", "compile", "--topology", case.topology, "--model", case.model,
+            "--out", str(out), "--force", f"per_device_batch_size={case.batch}", f"seq_len={case.seq}",
+            *case.settings]
+    env = {**os.environ, "MAXPERF_NO_CACHE": "1", "PYTHONPATH": str(ROOT)}
+    proc, wall = run_timed(argv, env, ROOT)
+    memory_path = out / "memory.json"
+    if proc.returncode not in (0, 3) or not memory_path.exists():
+        return Result(None, wall, f"maxperf exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+    m = json.loads(memory_path.read_text())
+    total = m["argument_bytes"] + m["output_bytes"] - m["alias_bytes"] + m["temp_bytes"]
+    return Result(total / GIB, wall)
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "-"
+
+
+def gib(x: float | None) -> str:
+    return f"{x:.2f}" if x is not None else "failed"
+
+
+def libtpu_version(python: str) -> str:
+    proc = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('libtpu'))"],
+                          capture_output=True, text=True)
+    return proc.stdout.strip() or "absent"
+
+
+def main(names: list[str]) -> None:
+    cases = [c for c in CASES if not names or c.name in names]
+    maxperf_python = os.environ.get("MAXPERF_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
+    print(f"libtpu: MaxText {libtpu_version(str(PEER_VENV / 'bin' / 'python'))}, "
+          f"maxperf {libtpu_version(maxperf_python)} ({maxperf_python})", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="maxtext-compare-"))
+    rows = []
+    for case in cases:
+        print(f"{case.name}: {case.model} {case.topology} B {case.batch} L {case.seq} {' '.join(case.settings)}",
+              flush=True)
+        mt = maxtext(case, work)
+        mp = maxperf(case, work)
+        for r in (mt, mp):
+            if r.note:
+                print(f"  {r.note}", flush=True)
+        rows.append((case, mt, mp))
+        print(f"  memory per device: MaxText {gib(mt.memory_gib)} GiB, maxperf {gib(mp.memory_gib)} GiB "
+              f"({ratio(mp.memory_gib, mt.memory_gib)}); wall: MaxText {mt.wall_s:.1f} s, maxperf {mp.wall_s:.1f} s "
+              f"({ratio(mp.wall_s, mt.wall_s)})", flush=True)
+    print()
+    print("| case | topology | B | L | settings | MaxText GiB | maxperf GiB | ratio | MaxText s | maxperf s | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for case, mt, mp in rows:
+        print(f"| {case.model} | {case.topology} | {case.batch} | {case.seq} | {' '.join(case.settings)} "
+              f"| {gib(mt.memory_gib)} | {gib(mp.memory_gib)} | {ratio(mp.memory_gib, mt.memory_gib)} "
+              f"| {mt.wall_s:.1f} | {mp.wall_s:.1f} | {ratio(mp.wall_s, mt.wall_s)} |")
+
+
+if __name__ == "__main__":
+    unknown = set(sys.argv[1:]) - {c.name for c in CASES}
+    if unknown:
+        raise SystemExit(f"unknown case {sorted(unknown)}; cases: {', '.join(c.name for c in CASES)}")
+    main(sys.argv[1:])
