@@ -290,3 +290,21 @@ def test_step_keeps_logits_and_rope_in_the_compute_dtype():
     f32_heads = [a for _, outs in avals(jaxpr) for a in outs
                  if getattr(a, "shape", None) in heads and a.dtype == jnp.float32]
     assert not f32_heads
+
+
+def test_embedding_lookup_gathers_in_the_compute_dtype():
+    """MaxText's Embed casts the table before the lookup: a float32 gather keeps a float32 [B, L, D] live."""
+    from maxperf.models.layers.embedding import Embed
+
+    embed = Embed(11, 4, jnp.float32, nnx.Rngs(0))
+    tokens = jnp.zeros((2, 3), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda t: embed(t, jnp.bfloat16))(tokens)
+
+    def gathers(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "gather":
+                yield eqn.invars[0].aval.dtype
+            for sub in _subjaxprs(eqn):
+                yield from gathers(sub)
+
+    assert list(gathers(jaxpr.jaxpr)) == [jnp.bfloat16]

@@ -14,7 +14,9 @@ class Embed(nnx.Module):
         self.table_VxD = param(rngs, (V, D), ("vocab", "embed"), dtype, fan_in=D)
 
     def __call__(self, tokens_BxL: jax.Array, compute_dtype) -> jax.Array:
-        return jnp.take(self.table_VxD[...], tokens_BxL, axis=0).astype(compute_dtype)
+        # the table is cast before the lookup, as MaxText's Embed does: a float32 gather keeps a float32 [B, L, D]
+        # (of the whole global batch, under FSDP's split of D) live, and its backward scatters in float32
+        return jnp.take(self.table_VxD[...].astype(compute_dtype), tokens_BxL, axis=0)
 
     def attend(self, x_BxLxD: jax.Array) -> jax.Array:
         """Logits against the embedding table (tied unembedding)."""
@@ -26,7 +28,7 @@ class LearnedPositions(nnx.Module):
         self.table_PxD = param(rngs, (max_position, D), ("position", "embed"), dtype, fan_in=D)
 
     def __call__(self, positions_BxL: jax.Array, compute_dtype) -> jax.Array:
-        return jnp.take(self.table_PxD[...], positions_BxL, axis=0).astype(compute_dtype)
+        return jnp.take(self.table_PxD[...].astype(compute_dtype), positions_BxL, axis=0)
 
 
 class Unembed(nnx.Module):
