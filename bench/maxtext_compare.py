@@ -8,15 +8,14 @@ that script runs it: `python -m maxtext.trainers.pre_train.train_compile base.ym
 maxperf runs as a fresh `maxperf compile` process with its compile cache off (MAXPERF_NO_CACHE=1). The two of a case
 run back to back, one at a time, so the machine's load falls on both alike.
 
-MAXPERF_PYTHON=/tmp/peer/bin/python runs maxperf (this checkout, on PYTHONPATH) under MaxText's venv: the same jax and
-the same libtpu as MaxText's compile, so the figures compare the steps alone. MaxText 0.2.5 installs libtpu 0.0.52
-beside jax 0.12.0.1, whose own `jax[tpu]` extra pins 0.0.50.*; the two compilers' memory figures differ (measured here:
-one and the same maxperf step, llama2-7b v5p-128 B 4 dot product, full remat: 10.61 GiB per device under 0.0.50.1,
-7.81 GiB under 0.0.52, against MaxText's 7.60 under 0.0.52).
+MAXPERF_PYTHON=/tmp/peer/bin/python runs maxperf (this checkout, on PYTHONPATH) under MaxText's venv instead. Both
+venvs hold jax 0.12.0.1 and libtpu 0.0.52 (maxperf's `tpu` extra pins the libtpu MaxText 0.2.5 installs; jax's own
+`jax[tpu]` extra pins 0.0.50.*, whose compiler planned one and the same maxperf step, llama2-7b v5p-128 B 4 dot
+product, full remat, in 10.61 GiB per device against 7.81 GiB under 0.0.52).
 
 Memory per device is the sum MaxText prints (max_utils.print_compiled_memory_stats): argument + output - alias +
 temp, from XLA's memory analysis, in GiB (MaxText labels them GB). Wall seconds are the whole process, from start to
-exit. Targets (issue 13): maxperf's memory at most 1.10x MaxText's, its wall time at most 0.8x; llama2-7b on
+exit. Targets: maxperf's memory at most 1.10x MaxText's, its wall time at most 0.8x; llama2-7b on
 v5p-1024 under 30 s and no more memory than MaxText's.
 """
 
