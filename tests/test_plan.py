@@ -77,7 +77,9 @@ def test_compile_for_two_gpu_hosts(tmp_path, capsys):
     out = tmp_path / "h100"
     assert main(["compile", "--topology", "h100-8x2", "--model", "tiny", "seq_len=128", "--out", str(out)]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["mesh"]["dcn"] == {"data": 2, "fsdp": 1} and manifest["mesh"]["ici"]["fsdp"] == 8
+    assert manifest["mesh"]["dcn"] == {"data": 2, "fsdp": 1, "fsdp_transpose": 1, "sequence": 1, "tensor": 1,
+                                       "expert": 1}
+    assert manifest["mesh"]["ici"]["fsdp"] == 8
     assert manifest["devices"]["count"] == 16 and manifest["devices"]["processes"] == 2
     assert json.loads((out / "estimate.json").read_text())["chips"] == 16
 
