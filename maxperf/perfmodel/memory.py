@@ -32,6 +32,11 @@ GRAD_ACCUMULATOR_BYTES = 4
 STATE_DONATED = True
 # Norms upcast to float32; the backward reads the float32 input and the normalized float32 value (8 bytes/elem).
 NORM_SAVED_BYTES = 8
+# A rematerialized layer's norms keep no float32 [B, L, D] value: XLA recomputes them into fusions that write the
+# per-token float32 statistic and the compute-dtype output only. Measured here with libtpu 0.0.52: llama2-7b on
+# v5p-128, B=4, L=2048, remat_policy=full and minimal: the backward scan's body has (f32[4,2048], bf16[4,2048,4096])
+# norm fusions and no f32[4,2048,4096] buffer.
+RECOMPUTED_NORM_BYTES = 0
 # Gated MLP (SwiGLU/GeGLU) keeps gate, up, activation internals (sigmoid or tanh), activation and product: 5 x F;
 # the plain GELU MLP keeps its input, the tanh internals and the output: 3 x F.
 GATED_MLP_SAVED_F = 5
@@ -43,7 +48,8 @@ SCORE_SAVED = 1
 SOFTCAP_SAVED = 1
 # Flash kernels keep, per query and head, the float32 log-sum-exp of the softmax beside their output; splash
 # attention keeps it broadcast over the 128 lanes of a TPU vector register (its forward's residuals in the optimized
-# HLO of llama2-7b on v5p-128: bf16[4,32,2048,128] and f32[4,32,2048,128]). The TPU's figure, for every platform.
+# HLO of llama2-7b on v5p-128, libtpu 0.0.50.1 and 0.0.52 alike: bf16[4,32,2048,128] and f32[4,32,2048,128]). The
+# TPU's figure, for every platform.
 FLASH_LSE_BYTES = 4 * 128
 # Logits: the compute-dtype unembedding output; since the cross-entropy picks the target logit by a one-hot
 # reduction (models/train_step.py cross_entropy), XLA fuses the float32 upcast, the log-softmax and its gradient, and
@@ -67,28 +73,37 @@ OPTIMIZER_GRADIENT_COPIES = 1
 # scan. Under the former "minimal" (jax's dots_with_no_batch_dims_saveable) XLA also held a second, partial copy of
 # them in the loss phase (1.83 x the saved bytes for qwen3-0.6b on v5p-8, B=1, L=2048; bench/memory_accuracy.py).
 # Under MaxText's policies, which save by checkpoint name, it holds none: llama2-7b on v5p-128, B=4, L=2048,
-# attention=flash remat_policy=minimal compiles to 26.22 GiB per device against 26.1 GiB analytical with no copy
-# (and 39 GiB with the former 1.8 copies), its peak the backward.
+# attention=flash remat_policy=minimal compiles with libtpu 0.0.52 to 24.06 GiB per device (25.17 analytical, with no
+# copy), its forward scan writing one stacked buffer per saved name (3 x bf16[32,4,2048,32,128], 2 x
+# bf16[32,4,2048,11008], the out_proj and the carry bf16[32,4,2048,4096]: the 20.75 GiB counted); libtpu 0.0.50.1
+# compiled it to 26.22 GiB (39 GiB analytical with the former 1.8 copies).
 MINIMAL_SAVED_COPIES = 1.0
 # Offloaded tensors come back to device memory for the layer being differentiated: about one layer's worth staged in
-# HBM. Measured here: llama2-7b on v5p-128, B=4, L=2048, attention=flash: remat_policy=minimal_offloaded compiles to
-# 8.45 GiB per device, remat_policy=full to 8.14, a difference of 0.53 layers' offloaded tensors (0.59 GiB each).
+# HBM. Measured here with libtpu 0.0.50.1 (not yet with 0.0.52, which compiles remat_policy=full to 5.87 GiB):
+# llama2-7b on v5p-128, B=4, L=2048, attention=flash: remat_policy=minimal_offloaded compiles to 8.45 GiB per device,
+# remat_policy=full to 8.14, a difference of 0.53 layers' offloaded tensors (0.59 GiB each).
 OFFLOAD_STAGED_LAYERS = 1
 # optimizer_memory_host_offload: the fraction of the offloaded optimizer state in HBM at the step's peak (XLA brings
-# it in leaf by leaf for the update). Measured here: llama2-7b on v5p-128, B=4, L=2048, attention=flash, remat full:
-# optimizer_memory_host_offload compiles to 8.26e9 bytes per device against 8.74e9 without (0.84e9 of optimizer state
-# in host memory, 0.43 of it back in HBM at the peak); the parameters offloaded too, the same 8.26e9
+# it in leaf by leaf for the update). Measured here with libtpu 0.0.50.1 (not yet with 0.0.52): llama2-7b on
+# v5p-128, B=4, L=2048, attention=flash, remat full: optimizer_memory_host_offload compiles to 8.26e9 bytes per
+# device against 8.74e9 without (0.84e9 of optimizer state in host memory, 0.43 of it back in HBM at the peak); the
+# parameters offloaded too, the same 8.26e9
 OFFLOADED_OPTIMIZER_STAGED = 0.43
 # FSDP all-gathers one layer's weights in compute dtype while the next one is prefetched: two layers' worth.
 GATHERED_LAYERS = 2
-# Gradients of one layer's weights exist unsharded (param dtype) before their reduce-scatter.
+# Gradients of one layer's weights exist unsharded before their reduction, in the compute dtype: the weight-gradient
+# matmuls write it and it is all-reduced so, converted to the param dtype only into the stacked gradients (libtpu
+# 0.0.52, llama2-7b on v5p-128, B=4, L=2048: bf16[4096,11008] all-reduces in the backward scan's body).
 UNSHARDED_GRAD_LAYERS = 1
-# Backward of one layer under the dot product: two score-sized gradients in the logits' dtype (dP = dO V^T and the
-# softmax's dS, both live), plus two float32 B x L x D buffers. Measured here: llama2-7b on v5p-128, B=4, L=2048,
-# attention=dot_product remat_policy=full compiles to 10.67 GiB per device; one score gradient gives 9.36 GiB
-# analytical, two 10.36.
-BACKWARD_SCORE_GRADIENTS = 2
-BACKWARD_D_FLOAT32 = 2
+# Backward of one layer under the dot product: one score-sized gradient in the logits' dtype (the softmax's dS, with
+# dP = dO V^T fused into it) beside the recomputed exponentials (counted with the recomputed layer, SCORE_SAVED); no
+# float32 B x L x D buffer (the norms' float32 values stay inside fusions). Measured here with libtpu 0.0.52:
+# llama2-7b on v5p-128, B=4, L=2048, attention=dot_product remat_policy=full compiles to 6.98 GiB per device, the
+# backward scan's body holding two bf16[4,32,2048,2048] buffers (exponentials, dS) and no f32[4,2048,4096];
+# attention=flash to 5.87 GiB, its body no f32[4,2048,4096] either. (libtpu 0.0.50.1 compiled the dot product to
+# 10.67 GiB, two score gradients and two float32 B x L x D buffers live.)
+BACKWARD_SCORE_GRADIENTS = 1
+BACKWARD_D_FLOAT32 = 0
 
 
 @dataclass(frozen=True)
@@ -287,7 +302,7 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     arrays = param_arrays(model)
     layer_full = sum(gathered_size(x.shape, x.logical, mesh) for x in arrays if x.count == N and x.matmul)
     gathered = GATHERED_LAYERS * layer_full * c
-    grads_unsharded = UNSHARDED_GRAD_LAYERS * layer_full * p
+    grads_unsharded = UNSHARDED_GRAD_LAYERS * layer_full * c
     table = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
     vocab_table = gathered_size(table.shape, table.logical, mesh) * c  # gathered for the logits
     # the gradient of the scores, in the logits' dtype: the dot product's only (flash keeps its tiles on chip)
@@ -296,8 +311,10 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     # reduce-scatter; the layer's input is gathered to full width for its matmuls
     gradient_buffers = T * (BACKWARD_SCORE_GRADIENTS * score_grads + BACKWARD_D_FLOAT32 * 4 * D)
     working = gradient_buffers
-    if remat != "none":  # the layer being differentiated is rematerialized: one layer's full set of saved tensors
-        working += T * (D * c + layer_saved_per_token(model, train, mesh, remat="none"))
+    if remat != "none":  # the layer being differentiated is rematerialized: one layer's full set of saved tensors,
+        # its norms without their float32 values
+        norms_float32 = (4 if model.post_norms else 2) * (NORM_SAVED_BYTES - RECOMPUTED_NORM_BYTES) * a.D
+        working += T * (D * c + layer_saved_per_token(model, train, mesh, remat="none") - norms_float32)
     staged = OFFLOAD_STAGED_LAYERS * T * layer_offloaded_per_token(model, train, mesh)
     temporaries = gathered + grads_unsharded + working + staged
     return MemoryBreakdown(
