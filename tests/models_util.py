@@ -1,6 +1,8 @@
 """Small helpers shared by the model tests: tiny configs, meshes over this process's CPU devices."""
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 from maxperf.models import overrides, presets, train_step
 from maxperf.aot import topologies
@@ -16,3 +18,18 @@ def tiny(*words: str, devices: int = 8):
     )
     mesh = make_mesh(jax.devices()[:devices], resolve_mesh(cfg.parallelism, topologies.get(f"cpu-{devices}")).axes)
     return cfg, train_step.abstract_step(cfg.model, cfg.train, mesh)
+
+
+def loss_and_grads(*words: str):
+    """The tiny model's mean next-token loss on one seeded batch, and its gradients, on one device."""
+    cfg, spec = tiny(*words, devices=1)
+    params = train_step.init_state(spec, seed=0)["params"]
+    batch = jax.device_get(train_step.synthetic_batch(spec, seed=1))
+    graphdef = train_step.model_def(cfg.model, cfg.train).graphdef
+
+    def loss(params):
+        positions = jnp.broadcast_to(jnp.arange(cfg.train.seq_len, dtype=jnp.int32), batch["inputs"].shape)
+        logits = nnx.merge(graphdef, params)(batch["inputs"], positions)
+        return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1))
+
+    return jax.jit(jax.value_and_grad(loss))(params)

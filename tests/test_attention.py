@@ -14,7 +14,7 @@ from maxperf.errors import MaxperfError
 from maxperf.models import overrides, presets, train_step
 from maxperf.models.config import AttentionKernel, AttentionType
 from maxperf.models.layers import attention_kernels as ak
-from models_util import tiny
+from models_util import loss_and_grads, tiny
 
 # float32 throughout: flash and the dot product agree to float32 rounding of sums over up to 1024 keys, which the
 # blockwise kernel adds in another order
@@ -82,26 +82,12 @@ def test_splash_under_shard_map_matches_dot_product():
         np.testing.assert_allclose(a, b, **TOLERANCE)
 
 
-def _loss_and_grads(*words):
-    cfg, spec = tiny(*words, devices=1)
-    params = train_step.init_state(spec, seed=0)["params"]
-    batch = jax.device_get(train_step.synthetic_batch(spec, seed=1))
-    graphdef = train_step.model_def(cfg.model, cfg.train).graphdef
-
-    def loss(params):
-        positions = jnp.broadcast_to(jnp.arange(cfg.train.seq_len, dtype=jnp.int32), batch["inputs"].shape)
-        logits = nnx.merge(graphdef, params)(batch["inputs"], positions)
-        return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1))
-
-    return jax.jit(jax.value_and_grad(loss))(params)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("pattern", [(), ("attention_type=local_global", "window=5", "attn_logit_softcap=20")])
 def test_model_loss_and_gradients_agree_across_kernels(pattern):
     # the train step's model on CPU: flash runs the blockwise kernel (interleaved windows traced through the scan)
-    ref = _loss_and_grads("attention=dot_product", *pattern)
-    got = _loss_and_grads("attention=flash", *pattern)
+    ref = loss_and_grads("attention=dot_product", *pattern)
+    got = loss_and_grads("attention=flash", *pattern)
     np.testing.assert_allclose(got[0], ref[0], **TOLERANCE)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOLERANCE), got[1], ref[1])
 

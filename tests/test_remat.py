@@ -17,7 +17,7 @@ from maxperf.models.transformer import remat_policy
 from maxperf.perfmodel import flops
 from maxperf.perfmodel.memory import estimate_memory, layer_saved_per_token, named_per_token
 from maxperf.perfmodel.shapes import Mesh
-from models_util import tiny
+from models_util import loss_and_grads, tiny
 
 # MaxText's layers/decoders.py get_remat_policy, written out: (saved on device, offloaded to the host)
 QKV = {"query_proj", "key_proj", "value_proj", "qkv_proj"}
@@ -86,27 +86,13 @@ def test_the_model_names_what_each_policy_keeps(policy):
     assert _layer_residual_names(policy, "flash") == expected
 
 
-def _grads(*words):
-    cfg, spec = tiny(*words, devices=1)
-    params = train_step.init_state(spec, seed=0)["params"]
-    batch = jax.device_get(train_step.synthetic_batch(spec, seed=1))
-    graphdef = train_step.model_def(cfg.model, cfg.train).graphdef
-
-    def loss(params):
-        positions = jnp.broadcast_to(jnp.arange(cfg.train.seq_len, dtype=jnp.int32), batch["inputs"].shape)
-        logits = nnx.merge(graphdef, params)(batch["inputs"], positions)
-        return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1))
-
-    return jax.jit(jax.grad(loss))(params)
-
-
 @pytest.mark.slow
 def test_every_policy_gives_the_same_gradients():
     # offloading policies included: XLA:CPU has a pinned host memory space of its own
-    reference = _grads("remat_policy=none")
+    reference = loss_and_grads("remat_policy=none")[1]
     for policy in [p for p in RematPolicy if p is not RematPolicy.NONE]:
         words = ["context=offload", "mlpwi_0=device"] if policy is RematPolicy.CUSTOM else []
-        other = _grads(f"remat_policy={policy.value}", *words)
+        other = loss_and_grads(f"remat_policy={policy.value}", *words)[1]
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), reference, other)
 
 
