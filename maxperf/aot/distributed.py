@@ -50,3 +50,9 @@ def initialize(args: argparse.Namespace, platform: str | None = None) -> bool:
     if platform != "cpu" and any(os.environ.get(v) for v in _SCHEDULER_VARIABLES if v != "TPU_WORKER_HOSTNAMES"):
         jax.distributed.initialize()
     return False
+
+
+def lost_job(index: int, count: int, why: str) -> str:
+    """The one line a process says when its job lost a peer; `why` is what jax reported, in parentheses."""
+    return (f"process {index} of {count} lost its job{why}: another process of the job stopped or cannot be "
+            "reached, so this one gives up")

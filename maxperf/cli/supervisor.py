@@ -25,6 +25,8 @@ import tempfile
 import threading
 import time
 
+from maxperf.aot import distributed
+
 CHILD = "MAXPERF_SUPERVISOR_PID"  # set in the child's environment: the pid of the process that watches it
 NOTES = "MAXPERF_SUPERVISOR_NOTES"  # and the descriptor where it notes the partial output directories it makes
 ARGV0 = "MAXPERF_SUPERVISOR_ARGV0"  # and the command's name as the user typed it (manifests record the command)
@@ -218,8 +220,7 @@ def _verdict(signum: int, relay: _Relay, args: argparse.Namespace) -> str:
             return (f"{who} could not join the job at {args.coordinator} within --timeout {args.timeout} s{why}: "
                     f"start all {n} processes with the same --coordinator and --num-processes {n}, each with its "
                     "own --process-id")
-        return (f"{who} lost its job{why}: another process of the job stopped or cannot be reached, so this one "
-                "gives up")
+        return distributed.lost_job(args.process_id, n, why)
     who = f"process {args.process_id} of {n}: " if n > 1 else ""
     what = (f": {status}" if status else
             " (sent by a person or by the system when memory runs out)" if signum == signal.SIGKILL else "")

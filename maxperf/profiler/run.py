@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from maxperf.aot import artifacts
+from maxperf.aot import artifacts, distributed
 from maxperf.aot.loading import Artifact, load
 from maxperf.errors import MaxperfError
 
@@ -284,9 +284,8 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
     except BaseException as e:
         writer.abandon()
         if jax.process_count() > 1 and _PEER_LOST.search(str(e)):
-            raise PeerLost(f"process {jax.process_index()} of {jax.process_count()} lost its job "
-                           f"({str(e).splitlines()[0][:200]}): another process of the job stopped or cannot be "
-                           "reached, so this one gives up") from None
+            raise PeerLost(distributed.lost_job(jax.process_index(), jax.process_count(),
+                                                f" ({str(e).splitlines()[0][:200]})")) from None
         raise
     finally:
         if watchdog:
