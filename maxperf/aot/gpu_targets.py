@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import mmap
+import os
 import re
 import struct
 from pathlib import Path
@@ -40,14 +41,21 @@ _MEMORY = re.compile(r"device_memory_size:\s*(\d+)")
 
 
 def plugin_library() -> Path | None:
-    """The CUDA plugin's shared library, or None when `jax-cuda12-plugin` is not installed (found without importing)."""
-    spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / "xla_cuda_plugin.so"
-        if path.exists():
-            return path
+    """The CUDA plugin's shared library (jax-cuda12-plugin, else jax-cuda13-plugin), or None when neither is installed.
+
+    Found without importing the plugin.
+    """
+    for module in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
+        try:
+            spec = importlib.util.find_spec(module)
+        except ModuleNotFoundError:
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for folder in spec.submodule_search_locations:
+            path = Path(folder) / "xla_cuda_plugin.so"
+            if path.exists():
+                return path
     return None
 
 
@@ -143,4 +151,30 @@ def target_memory_bytes(chip: str, target_config_path: str | None = None) -> int
     if plugin_library() is None:
         note(f"{chip}: GPU memory from the datasheet, not the target spec compiled for; {INSTALL_HINT}")
         return None
-    return device_memory_bytes(gpu_target_config(chip))
+    try:
+        return device_memory_bytes(gpu_target_config(chip))
+    except MaxperfError as e:  # a plugin that embeds no specs (jax-cuda13-plugin 0.11.2)
+        note(f"{chip}: GPU memory from the datasheet ({e})")
+        return None
+
+
+def driver_present() -> bool:
+    """Whether this machine has an NVIDIA driver's device files (a GPU may be attached)."""
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0"))
+
+
+def attached_gpus(chip: str, count: int) -> tuple | None:
+    """This machine's first `count` GPUs when at least that many are attached and they are the chip `chip` names
+    (the device kind equals the target spec's description); else None. Only looks where a GPU driver is present,
+    so a machine without one does not start jax's GPU backend."""
+    if not driver_present():
+        return None
+    import jax
+
+    try:
+        gpus = jax.devices("cuda")
+    except RuntimeError:
+        return None
+    if len(gpus) < count or gpus[0].device_kind != CHIP_TO_DEVICE.get(chip, chip):
+        return None
+    return tuple(gpus[:count])

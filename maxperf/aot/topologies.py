@@ -176,6 +176,7 @@ _GPU_SYSTEMS = (
     ("gb200", "gb200", 4, 18, (1, 2, 4, 8, 16), "GB200 NVL72: 18 trays of 4 GPUs in one NVLink domain per rack"),
 )
 
+_GPU_PARTIAL_HOST = (1, 2, 4)  # GPUs of one HGX host a job may be given
 _CPU_SIZES = (1, 2, 4, 8)
 _ALIASES = {"v5litepod": "v5e"}
 
@@ -245,6 +246,8 @@ def _catalog() -> dict[str, Topology]:
         shapes += [s for k in cube_counts if (s := _cube_shape(k)) is not None]
         entries += [_tpu_topology(family, shape) for shape in shapes]
     for prefix, chip, per_host, nvlink_hosts, units, _source in _GPU_SYSTEMS:
+        if nvlink_hosts == 1:  # part of one host: `h100-1`, `h100-2`, `h100-4`
+            entries += [_gpu_topology(prefix, chip, k, 1, 1) for k in _GPU_PARTIAL_HOST if k < per_host]
         entries += [_gpu_topology(prefix, chip, per_host, nvlink_hosts, m) for m in units]
     entries += [_cpu_topology(n) for n in _CPU_SIZES]
     return {t.name: t for t in entries}
@@ -339,6 +342,8 @@ def devices(topology: Topology) -> list[jax.Device]:
     if topology.platform == "tpu":
         found = _tpu_devices(topology.libtpu_topology, topology.chip_config, topology.chips_per_host_bounds,
                              topology.num_slices, topology.name)
+    elif (local := compiles_on_attached_gpus(topology)) is not None:
+        found = local
     else:
         found = _gpu_devices(_gpu_topology_string(topology), topology.chip, topology.target_config_path)
     if len(found) != topology.num_devices:
@@ -377,6 +382,13 @@ def _tpu_devices(libtpu_topology: str, chip_config: str | None, bounds: tuple | 
         return tuple(get_topology_desc(topology_name=libtpu_topology, platform="tpu", **options).devices)
     except Exception as e:
         raise MaxperfError(f"libtpu cannot make topology {libtpu_topology}: {str(e).splitlines()[0]}") from e
+
+def compiles_on_attached_gpus(topology: Topology) -> tuple | None:
+    """This machine's GPUs when a one-host GPU topology is compiled where its GPUs are attached (no --target-config):
+    the compiler then autotunes on them and gives a cost analysis. Else None (a compile without the GPU)."""
+    if topology.platform != "gpu" or topology.target_config_path is not None or topology.hosts != 1:
+        return None
+    return gpu_targets.attached_gpus(topology.chip, topology.num_devices)
 
 def _gpu_topology_string(topology: Topology) -> str:
     """The CUDA plugin's 'PARTITIONSxHOSTSxGPUS': one partition per NVLink domain, over all slices."""
@@ -493,7 +505,9 @@ def compiler_options(topology: Topology) -> dict[str, Any]:
 def limitations(topology: Topology) -> list[str]:
     """What compiling for this topology on this machine cannot give, in words the CLI prints."""
     notes: list[str] = []
-    if topology.platform == "gpu":
+    if compiles_on_attached_gpus(topology) is not None:
+        notes.append(f"compiled on this machine's {topology.gpu_target} GPUs (autotuned, with XLA's cost analysis)")
+    elif topology.platform == "gpu":
         notes += [
             "the GPU compiler gives no cost analysis without a GPU: FLOPs and bytes come from another source, "
             "labelled as such",

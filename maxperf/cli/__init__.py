@@ -36,8 +36,15 @@ def _progress():
     return say
 
 
-def _compile_only_environment() -> None:
-    """Compiling never needs the local accelerator: keep jax on the CPU so TPU and GPU targets are virtual."""
+def _compile_only_environment(topology: str = "") -> None:
+    """Compiling needs no local accelerator: keep jax on the CPU so TPU and GPU targets are virtual. The exception is
+    a GPU topology on a machine with an NVIDIA driver, whose attached GPUs (when they are the target's) compile the
+    step autotuned (`topologies.compiles_on_attached_gpus`)."""
+    from maxperf.aot.gpu_targets import CHIP_TO_DEVICE, driver_present
+
+    family = topology.strip().lower().split("-")[0]
+    if driver_present() and any(chip.split("-")[0] == family for chip in CHIP_TO_DEVICE):
+        return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
@@ -108,7 +115,7 @@ def _check_compile_processes(args) -> None:
 
 
 def cmd_compile(args) -> int:
-    _compile_only_environment()
+    _compile_only_environment(args.topology)
     from maxperf import aot
     from maxperf.aot import distributed
     from maxperf.cli import supervisor

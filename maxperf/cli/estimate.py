@@ -57,7 +57,7 @@ def warn(p) -> None:
 def cmd_estimate_memory(args) -> int:
     from maxperf.cli import _compile_only_environment, _print_json, _progress
 
-    _compile_only_environment()
+    _compile_only_environment(args.topology)
     from maxperf.plan import plan
     from maxperf.studies import memory_fit
 

@@ -35,11 +35,21 @@ class Positions(enum.StrEnum):
 
 
 class AttentionType(enum.StrEnum):
-    """The mask pattern (MaxText's `attention_type`)."""
+    """The mask pattern, or the attention block (MaxText's `attention_type`)."""
 
     GLOBAL = "global"  # every layer full causal
     LOCAL_SLIDING = "local_sliding"  # every layer sees the last W tokens
     LOCAL_GLOBAL = "local_global"  # Gemma 2: `local_per_global` sliding-window layers, then one global, repeated
+    CHUNK = "chunk"  # Llama 4: local layers attend within chunks of `chunk_attn_window_size` tokens, every
+    #                  `local_per_global + 1`-th layer is global (and, for Llama 4, without RoPE)
+    MLA = "mla"  # DeepSeek's multi-head latent attention: low-rank q and kv, decoupled RoPE keys; causal
+
+
+class RoutedScoreFunc(enum.StrEnum):
+    """How a mixture-of-experts router scores experts (MaxText's `routed_score_func`; its "" is softmax)."""
+
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
 
 
 class AttentionKernel(enum.StrEnum):
@@ -97,9 +107,11 @@ REMAT_SAVED: dict[RematPolicy, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 
 class LayerKind(enum.StrEnum):
-    """The decoder layer family; mixture-of-experts and latent-attention layers join this registry."""
+    """The decoder layer family: each layer's attention (per `attention_type`) and its feed-forward block, a dense
+    MLP or a mixture of experts (`ModelConfig.moe_layers`)."""
 
     DENSE = "dense"
+    MOE = "moe"  # some or all layers' MLP is a mixture of experts (num_experts > 1)
 
 
 MESH_AXES, DCN_AXES = logical_axes.MESH_AXES, logical_axes.DCN_AXES  # MaxText's mesh axes, outermost first
@@ -155,6 +167,48 @@ class ModelConfig:
     fused_qkv: bool = False
     fused_mlp: bool = False
     layer_kind: LayerKind = LayerKind.DENSE
+    # --- mixture of experts (MaxText's keys): layer i's MLP is a mixture of `num_experts` experts of width
+    # `base_moe_mlp_dim` when num_experts > 1, i >= first_num_dense_layers, and (i - first_num_dense_layers + 1) is a
+    # multiple of interleave_moe_layer_step; every other layer keeps the dense MLP of width d_ff
+    num_experts: int = 1
+    num_experts_per_tok: int = 1  # top-k
+    base_moe_mlp_dim: int | None = None  # each routed expert's hidden width; None: d_ff
+    shared_experts: int = 0  # experts every token goes through, each of width base_moe_mlp_dim
+    first_num_dense_layers: int = 0  # DeepSeek: the first layers are dense
+    interleave_moe_layer_step: int = 1  # Llama 4 Maverick: 2 (every other layer is MoE)
+    routed_score_func: RoutedScoreFunc = RoutedScoreFunc.SOFTMAX
+    routed_scaling_factor: float = 1.0  # DeepSeek-V3: 2.5, multiplies the routed experts' combined output
+    routed_bias: bool = False  # DeepSeek-V3: a per-expert bias added to scores for selection only (aux-loss-free)
+    n_routing_groups: int = -1  # group-limited routing: experts in this many groups (-1: no groups)
+    topk_routing_group: int = -1  # ... of which the best this many groups are eligible
+    norm_topk_prob: bool = False  # renormalize the top-k weights to sum to 1 (Qwen3-MoE, DeepSeek-V3)
+    # --- multi-head latent attention (attention_type=mla; MaxText's keys)
+    q_lora_rank: int = 0  # 0: q projected directly from D (DeepSeek-V2-Lite); else through this rank
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # --- Llama 4 / gpt-oss
+    chunk_attn_window_size: int = 8192  # attention_type=chunk: the local layers' chunk
+    nope_layer_interval: int = -1  # Llama 4: every this-many-th layer uses no RoPE (-1: all use RoPE)
+    attention_sinks: bool = False  # gpt-oss: a learned per-head logit joining each softmax's denominator
+    local_rope_theta: float | None = None  # Gemma 3: the local layers' RoPE base (None: rope_theta)
+    mtp_num_layers: int = 0  # DeepSeek-V3's multi-token-prediction modules, counted separately
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 1
+
+    @property
+    def moe_mlp_dim(self) -> int:
+        return self.base_moe_mlp_dim if self.base_moe_mlp_dim is not None else self.d_ff
+
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Whether each decoder layer's feed-forward block is a mixture of experts."""
+        if not self.is_moe:
+            return (False,) * self.num_layers
+        k, step = self.first_num_dense_layers, self.interleave_moe_layer_step
+        return tuple(i >= k and (i - k + 1) % step == 0 for i in range(self.num_layers))
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff"):
@@ -171,6 +225,19 @@ class ModelConfig:
             )
         _require(self.local_per_global >= 1, f"local_per_global must be >= 1, got {self.local_per_global}")
         _require(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
+        _require(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}")
+        _require(1 <= self.num_experts_per_tok <= self.num_experts,
+                 f"num_experts_per_tok (top-k) must be between 1 and num_experts ({self.num_experts}), got "
+                 f"{self.num_experts_per_tok}")
+        _require(self.first_num_dense_layers >= 0 and self.interleave_moe_layer_step >= 1,
+                 f"first_num_dense_layers must be >= 0 and interleave_moe_layer_step >= 1, got "
+                 f"{self.first_num_dense_layers} and {self.interleave_moe_layer_step}")
+        if self.n_routing_groups != -1 or self.topk_routing_group != -1:
+            _require(self.n_routing_groups >= 1 and self.num_experts % self.n_routing_groups == 0
+                     and 1 <= self.topk_routing_group <= self.n_routing_groups,
+                     f"group-limited routing needs n_routing_groups dividing num_experts ({self.num_experts}) and "
+                     f"1 <= topk_routing_group <= n_routing_groups, got {self.n_routing_groups} and "
+                     f"{self.topk_routing_group}")
 
     @property
     def kv_groups(self) -> int:
@@ -239,6 +306,14 @@ class TrainConfig:
     parameter_memory_host_offload: bool = False
     scan_layers: bool = True
     seed: int = 0
+    # mixture-of-experts dispatch (MaxText's keys): capacity_factor <= 0 is dropless (MaxText's -1 default); a
+    # positive one gives each expert capacity_factor x its even share of the tokens, dropping those past it, with
+    # dense einsums. sparse_matmul: dropless tokens sorted by expert and multiplied group by group
+    # (jax.lax.ragged_dot; megablox picks the Pallas grouped matmul on TPU); false: dense one-hot einsums.
+    capacity_factor: float = -1.0
+    sparse_matmul: bool = True
+    megablox: bool = True
+    load_balance_loss_weight: float = 0.01  # the router's auxiliary loss (Switch Transformer's form)
 
     def remat_names(self) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
         """(names saved on device, names offloaded to pinned host memory) under the remat policy; None for `none`
