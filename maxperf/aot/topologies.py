@@ -505,6 +505,9 @@ def compiler_options(topology: Topology) -> dict[str, Any]:
 def limitations(topology: Topology) -> list[str]:
     """What compiling for this topology on this machine cannot give, in words the CLI prints."""
     notes: list[str] = []
+    if topology.platform == "gpu":
+        notes.append("`maxperf run` gives jax's GPU allocator 95% of each GPU's memory "
+                     "(XLA_PYTHON_CLIENT_MEM_FRACTION=0.95; jax's default 0.75 would hold less than the verdict assumes)")
     if compiles_on_attached_gpus(topology) is not None:
         notes.append(f"compiled on this machine's {topology.gpu_target} GPUs (autotuned, with XLA's cost analysis)")
     elif topology.platform == "gpu":
@@ -513,7 +516,6 @@ def limitations(topology: Topology) -> list[str]:
             "labelled as such",
             "no autotuning without a GPU: GEMM and fusion configurations are XLA's defaults, so kernels (and timings) "
             "can differ from a compile on the GPU itself",
-            "cuDNN attention custom calls cannot be serialized: use XLA attention for a compiled.pkl",
             f"compiled for {topology.gpu_target} "
             + (f"from {topology.target_config_path}" if topology.target_config_path else "(the CUDA plugin's spec)"),
         ]

@@ -28,7 +28,35 @@ def _prepare(args) -> str | None:
     if devices.get("platform") == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         ensure_cpu_devices(devices["count"] // max(devices.get("processes", 1), 1))
+    if devices.get("platform") == "gpu" and not any(v in os.environ for v in _GPU_ALLOCATOR_VARIABLES):
+        # jax's GPU allocator takes 75% of the GPU's memory unless told otherwise, so a step that `compile` found
+        # to fit the device could run out of memory here: give it what the verdict assumed, less the CUDA context
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = GPU_MEMORY_FRACTION
     return devices.get("platform")
+
+
+GPU_MEMORY_FRACTION = "0.95"
+_GPU_ALLOCATOR_VARIABLES = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
+                            "XLA_PYTHON_CLIENT_ALLOCATOR")
+
+
+def out_of_memory(e: BaseException) -> OutOfMemory | None:
+    """A one-line reason for a step that ran out of device memory (XLA's RESOURCE_EXHAUSTED); None for other errors."""
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" not in text:
+        return None
+    first = next((line for line in text.splitlines() if "RESOURCE_EXHAUSTED" in line), text)[:300]
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    hint = (f"jax's allocator held XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} of each GPU's memory; "
+            if fraction else "")
+    return OutOfMemory(f"the step ran out of device memory ({first.strip()}); {hint}compile a smaller step "
+                       f"(per_device_batch_size, remat_policy) or give the allocator more")
+
+
+class OutOfMemory(MaxperfError):
+    """The compiled step ran out of device memory on this machine. Exit code 1."""
+
+    exit_code = 1
 
 
 def _check_processes(devices: dict, args) -> None:
@@ -61,6 +89,10 @@ def cmd_run(args) -> int:
         # process from exiting: say it and leave now
         print(f"maxperf: error: {e}", file=sys.stderr, flush=True)
         os._exit(e.exit_code)
+    except Exception as e:
+        if (oom := out_of_memory(e)) is None:
+            raise
+        raise oom from None
     if args.json:
         _print_json(result.as_dict())
         return 0
