@@ -234,3 +234,18 @@ def test_gpu_memory_is_the_target_specs_where_the_topology_states_it():
     assert datasheet.notes == ("h100-sxm memory is the datasheet's 80 GB, not read from the GPU target spec that "
                                "compiles (it needs the CUDA plugin: pip install 'maxperf[gpu]')",)
     assert datasheet.as_dict()["notes"] == list(datasheet.notes)
+
+
+def test_dot_product_attention_costs_what_an_h100_measured_over_flash():
+    """On one H100 (bench/gpu_measured.py, 2026-11-23), scaled-1 at B 8, L 2048, full remat: the dot product's step
+    was 89.2 ms longer than flash's (384.7 against 295.5 ms). The model's difference stays within 15% of that: the
+    head-dim-wide sides of the batched attention einsums once made it 247 ms."""
+    h100 = Topo("h100-sxm", 1, chips_per_host=1, torus=(1, 1))
+    scaled = presets.get("scaled-1")
+
+    def step(kernel):
+        train = TrainConfig(per_device_batch_size=8, seq_len=2048, attention=kernel)
+        return estimate(scaled, train, {"fsdp": 1}, {}, h100).step_time_s
+
+    difference = step("dot_product") - step("flash")
+    assert difference == pytest.approx(0.0892, rel=0.15)

@@ -159,12 +159,14 @@ class _Table:
         row["bytes"] += nbytes
         self.overlap[name] = overlap
 
-    def matmul(self, name: str, M: float, K: float, N: float, count: float, c: int) -> None:
+    def matmul(self, name: str, M: float, K: float, N: float, count: float, c: int,
+               side: float | None = None) -> None:
         """`count` matmuls of M x K by K x N in compute dtype (c bytes): a roofline of FLOPs and HBM traffic (and on
-        CPU devices what XLA:CPU's dot kernels add, perfmodel.cpu)."""
+        CPU devices what XLA:CPU's dot kernels add, perfmodel.cpu). `side` replaces the smallest side in the
+        efficiency (`matmul_efficiency`)."""
         flops = 2 * M * K * N * count
         nbytes = c * (M * K + K * N + M * N) * count
-        efficiency = matmul_efficiency(self.chip, min(M, K, N), self.half)
+        efficiency = matmul_efficiency(self.chip, min(M, K, N) if side is None else side, self.half)
         if self.chip.kind != "cpu":
             origin = MATMUL_FRACTION_ORIGIN[self.chip.name]
             self.assume("matmul", f"matmuls at {self.chip.matmul_fraction:.2f} of peak ({origin}) x m / (m + "
@@ -177,15 +179,16 @@ class _Table:
         if self.chip.kind == "cpu":
             cpu.dot_accumulator_faults(self.add, self.chip, M, K, N, count, c)
 
-    def train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int) -> None:
+    def train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
+                     side: float | None = None) -> None:
         """A matmul run `forward` times as x @ W (the forward and its recomputation) and `backward` times as each of
         the backward's two: the input gradient dy @ W^T (M x N by N x K) and the weight gradient x^T @ dy (K x M by
         M x N). All run at the plain rate: compilers give the transposed operand the layout the matmul wants
         (XLA:CPU copies x to x^T, a T x D transpose, and runs the weight gradient as a plain matmul, as a cpu-2
         step's optimized HLO shows), so a library's slower rate for a transposed operand does not apply."""
-        self.matmul(name, M, K, N, forward, c)
-        self.matmul(name, M, N, K, backward, c)
-        self.matmul(name, K, M, N, backward, c)
+        self.matmul(name, M, K, N, forward, c, side)
+        self.matmul(name, M, N, K, backward, c, side)
+        self.matmul(name, K, M, N, backward, c, side)
 
     def memory(self, name: str, nbytes: float) -> None:
         """Memory-bound elementwise work: at HBM bandwidth, or where one was measured (CPU devices) at the rate of a
@@ -240,8 +243,13 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
         elif attention_rate:  # measured whole (CPU devices): scores, softmax and context, forward and backward
             cpu.measured_attention(table.add, attention_rate, 2 * a.L * L * Dh * (scores_fwd + context_fwd + 4) * count)
         else:
-            table.train_matmul("attention scores", a.L, Dh, L, scores_fwd * count, count, c)
-            table.train_matmul("attention context", a.L, L, Dh, context_fwd * count, count, c)
+            # one batched einsum over B x H: its head-dim-wide side is a contraction or an output width that tensor
+            # cores and MXUs tile whole, so the thin-matmul term takes its sequence-wide sides (on an H100, scaled-1
+            # at B 8, L 2048 with full remat: the dot product measured 89 ms slower than flash, where the
+            # head-dim side made it 247; bench/gpu_measured.py)
+            side = None if chip.kind == "cpu" else min(a.L, L)
+            table.train_matmul("attention scores", a.L, Dh, L, scores_fwd * count, count, c, side)
+            table.train_matmul("attention context", a.L, L, Dh, context_fwd * count, count, c, side)
 
     # memory-bound work
     elementwise_layers = N * micro * (1 + ELEMENTWISE_BACKWARD_FACTOR + (1 if again else 0))
