@@ -29,8 +29,11 @@ CASES = {
     "scaled-1 flash none": ["--model", "scaled-1", "per_device_batch_size=4", "attention=flash", "remat_policy=none"],
     "qwen3-0.6b flash full": ["--model", "qwen3-0.6b", "per_device_batch_size=16", "attention=flash",
                               "remat_policy=full"],
-    "gemma2-2b flash full": ["--model", "gemma2-2b", "per_device_batch_size=4", "attention=flash",
-                             "remat_policy=full"],
+    "gemma2-2b auto full": ["--model", "gemma2-2b", "per_device_batch_size=4", "remat_policy=full"],
+    "qwen3-0.6b dot full": ["--model", "qwen3-0.6b", "per_device_batch_size=16", "attention=dot_product",
+                            "remat_policy=full"],
+    "scaled-2 dot minimal": ["--model", "scaled-2", "per_device_batch_size=4", "attention=dot_product",
+                             "remat_policy=minimal"],
     "scaled-4 flash full": ["--model", "scaled-4", "per_device_batch_size=4", "attention=flash", "remat_policy=full"],
 }
 
