@@ -33,9 +33,11 @@ def windows_of(model) -> tuple[int, ...]:
 
 
 def unserved(impl: str, *, L: int, Dh: int, windows: tuple[int, ...], softcap: float | None,
-             blocks: Sequence[int]) -> str | None:
+             blocks: Sequence[int], Dv: int | None = None) -> str | None:
     """Why a kernel cannot serve the setting (a phrase that names it and what would do), or None where it can;
-    `windows` as `windows_of` gives them, `blocks` the splash block sizes in SPLASH_BLOCKS order."""
+    `windows` as `windows_of` gives them, `blocks` the splash block sizes in SPLASH_BLOCKS order, Dh the query and
+    key head dim and Dv the value's (None: Dh; latent attention's differ). Splash attention takes separate qk and v
+    head dims; the GPU kernel takes one, and is given the narrower side padded with zeros."""
     if impl == "splash":
         for name, value in zip(SPLASH_BLOCKS, blocks):
             if L % min(value, L):
@@ -50,8 +52,8 @@ def unserved(impl: str, *, L: int, Dh: int, windows: tuple[int, ...], softcap: f
                     "valid: attention=dot_product")
         if softcap is not None:
             return f"has no logit soft-capping (attn_logit_softcap={softcap}); valid: attention=dot_product"
-        if Dh > 256:
-            return f"takes head_dim up to 256, got {Dh}; valid: attention=dot_product"
+        if max(Dh, Dv or Dh) > 256:
+            return f"takes head_dim up to 256, got {max(Dh, Dv or Dh)}; valid: attention=dot_product"
         if L % min(L, 128) or L % 32:  # its tiles: 128 rows forward, 32 in the backward
             return f"needs seq_len a multiple of 128 (or of 32 below 128), got {L}; valid: attention=dot_product"
     return None
@@ -71,6 +73,15 @@ def choose(kernel, platform: str, **setting) -> str:
 
 def for_config(model, train, platform: str) -> str:
     """The implementation for a model and train config (or perfmodel's shapes of them) on a platform kind."""
-    return choose(getattr(train, "attention", "auto"), platform, L=train.seq_len, Dh=model.head_dim,
+    Dh, Dv = head_dims(model)
+    return choose(getattr(train, "attention", "auto"), platform, L=train.seq_len, Dh=Dh, Dv=Dv,
                   windows=windows_of(model), softcap=getattr(model, "attn_logit_softcap", None),
                   blocks=tuple(getattr(train, name, 512) for name in SPLASH_BLOCKS))
+
+
+def head_dims(model) -> tuple[int, int]:
+    """(query and key head dim, value head dim) the kernel sees: latent attention's (qk_nope_head_dim +
+    qk_rope_head_dim, v_head_dim), else (head_dim, head_dim)."""
+    if _value(getattr(model, "attention_type", "global")) == "mla":
+        return model.qk_nope_head_dim + model.qk_rope_head_dim, model.v_head_dim
+    return model.head_dim, model.head_dim

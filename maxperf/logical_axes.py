@@ -41,6 +41,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "mlp": ("fsdp_transpose", "tensor"),
     "embed": ("fsdp", "fsdp_transpose", "sequence", "expert"),
+    # latent attention's compressed q and kv widths, input side of the up-projections: sharded as D (MaxText's
+    # q_lora and kv_lora rules)
+    "q_lora": ("fsdp", "fsdp_transpose", "sequence", "expert"),
+    "kv_lora": ("fsdp", "fsdp_transpose", "sequence", "expert"),
     "norm": ("tensor",),
     "position": (),
     "layers": (),

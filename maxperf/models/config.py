@@ -136,6 +136,19 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN (Peng et al. 2023), as DeepSeek-V2/V3 and Kimi K2 extend RoPE past their pretraining length (the
+    `rope_scaling` of their Hugging Face config.json; MaxText's rope_type=yarn with rope_factor, beta_fast, beta_slow,
+    original_max_position_embeddings, mscale)."""
+
+    factor: float = 40.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    original_max_position: int = 4096
+    mscale: float = 1.0  # HF's mscale_all_dim: the softmax scale grows by (0.1 mscale ln(factor) + 1)^2
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     vocab_size: int  # V
@@ -150,7 +163,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     positions: Positions = Positions.ROPE
     rope_theta: float = 10_000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     max_position: int = 8192  # size of the learned position table
     tie_embeddings: bool = False
     scale_embeddings: bool = False  # multiply embeddings by sqrt(D), as Gemma does
@@ -218,7 +231,7 @@ class ModelConfig:
             self.num_heads % self.num_kv_heads == 0,
             f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",
         )
-        if self.attention_type is not AttentionType.GLOBAL:
+        if self.attention_type not in (AttentionType.GLOBAL, AttentionType.MLA):
             _require(
                 self.window is not None and self.window >= 1,
                 f"attention_type={self.attention_type} needs window=W with W >= 1, got window={self.window}",
@@ -239,6 +252,31 @@ class ModelConfig:
                      f"1 <= topk_routing_group <= n_routing_groups, got {self.n_routing_groups} and "
                      f"{self.topk_routing_group}")
 
+        if self.attention_type is AttentionType.MLA:
+            _require(self.num_kv_heads == self.num_heads,
+                     f"attention_type=mla gives every query head its own key and value: num_kv_heads must equal "
+                     f"num_heads ({self.num_heads}), got {self.num_kv_heads}")
+            _require(self.q_lora_rank >= 0, f"q_lora_rank must be >= 0 (0: q projected directly), got "
+                     f"{self.q_lora_rank}")
+            for field in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+                value = getattr(self, field)
+                _require(value >= 1, f"attention_type=mla needs {field} >= 1, got {value}")
+            _require(self.qk_rope_head_dim >= 2 and self.qk_rope_head_dim % 2 == 0,
+                     f"attention_type=mla needs an even qk_rope_head_dim >= 2, got {self.qk_rope_head_dim}")
+            _require(not self.fused_qkv, "attention_type=mla has no fused q, k and v projection; set fused_qkv=false")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The query and key head dim: MLA's qk_nope_head_dim + qk_rope_head_dim, else head_dim."""
+        if self.attention_type is AttentionType.MLA:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """The value (and context) head dim: MLA's v_head_dim, else head_dim."""
+        return self.v_head_dim if self.attention_type is AttentionType.MLA else self.head_dim
+
     @property
     def kv_groups(self) -> int:
         """Query heads per kv head (H / K)."""
@@ -246,7 +284,7 @@ class ModelConfig:
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """The attention window of each layer, None where the layer attends to the whole causal prefix."""
-        if self.attention_type is AttentionType.GLOBAL:
+        if self.attention_type in (AttentionType.GLOBAL, AttentionType.MLA):
             return (None,) * self.num_layers
         if self.attention_type is AttentionType.LOCAL_SLIDING:
             return (self.window,) * self.num_layers
@@ -408,6 +446,10 @@ def from_dict(cls, data: dict):
             continue
         kind, value = hints[f.name], data[f.name]
         options = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, types.UnionType) else (kind,)
+        dataclass_options = [o for o in options if dataclasses.is_dataclass(o)]
+        if isinstance(value, dict) and len(dataclass_options) > 1:
+            # a union of configs (rope_scaling): the one whose fields are the stored keys
+            options = [o for o in dataclass_options if {f.name for f in dataclasses.fields(o)} == set(value)]
         if value is not None:
             for option in options:
                 if isinstance(option, type) and issubclass(option, enum.Enum):

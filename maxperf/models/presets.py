@@ -122,6 +122,17 @@ register(
     ),
 )
 
+# Dense multi-head latent attention small enough for tests: q through a rank-32 latent, kv through 32, query and key
+# heads of 16 + 8 (position-free and RoPE) beside values of 16
+register(
+    "tiny-mla",
+    lambda: ModelConfig(
+        name="tiny-mla", vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=24, d_ff=128,
+        max_position=512, attention_type=AttentionType.MLA, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16,
+    ),
+)
+
 
 def scaled(size: int) -> ModelConfig:
     """`scaled-S`: with log2(S) = 3b + r, heads and F grow by 2^(b+[r>0]), D by 2^(b+[r>1]), N by 2^b."""

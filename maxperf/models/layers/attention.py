@@ -2,7 +2,8 @@
 
 Tensors carry MaxText's checkpoint names (query_proj, key_proj, value_proj, context, out_proj), which the remat
 policies save or offload by name; the scores themselves are computed by the kernel `attention=` picks
-(layers/attention_kernels.py)."""
+(layers/attention_kernels.py). `make_attention` gives a decoder layer its block: this one, or multi-head latent
+attention (layers/mla.py) for attention_type=mla."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxperf.models.config import ModelConfig, Positions
+from maxperf.models.config import AttentionType, ModelConfig, Positions
 from maxperf.models.layers.attention_kernels import AttentionOptions, attend
+from maxperf.models.layers.mla import LatentAttention
 from maxperf.models.layers.norms import RMSNorm
 from maxperf.models.layers.params import param
 from maxperf.models.layers.rope import apply_rope, inverse_frequencies
@@ -74,3 +76,11 @@ class Attention(nnx.Module):
         o_BxLxHxDh = checkpoint_name(o_BxLxHxDh, "context")
         out_BxLxD = jnp.einsum("BLHd,HdD->BLD", o_BxLxHxDh, self.o_HxDhxD[...].astype(dtype))
         return checkpoint_name(out_BxLxD, "out_proj")
+
+
+def make_attention(cfg: ModelConfig, dtype, rngs: nnx.Rngs,
+                   options: AttentionOptions = AttentionOptions()) -> Attention | LatentAttention:
+    """A decoder layer's attention block: latent attention for attention_type=mla, else grouped-query attention."""
+    if cfg.attention_type is AttentionType.MLA:
+        return LatentAttention(cfg, dtype, rngs, options)
+    return Attention(cfg, dtype, rngs, options)

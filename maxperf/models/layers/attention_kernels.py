@@ -1,9 +1,10 @@
 """Attention kernels behind `attention=auto|dot_product|flash`: the materialized dot product, Pallas splash attention
 on TPU, Pallas (Triton) flash attention on GPU, and a blockwise online-softmax attention on CPU.
 
-Every kernel takes the query already scaled, q [B, L, K, G, Dh] (G = H / K query heads per kv head), k and v
-[B, L, K, Dh], and a window W (an int, or a traced int32 for interleaved local and global layers; 0: no window):
-query i sees key j when j <= i and, for W > 0, i - j < W. It returns the context [B, L, K, G, Dh].
+Every kernel takes the query already scaled, q [B, L, K, G, Dh] (G = H / K query heads per kv head), k [B, L, K, Dh]
+and v [B, L, K, Dv] (Dv = Dh but for latent attention's 128 beside Dh 192), and a window W (an int, or a traced int32
+for interleaved local and global layers; 0: no window): query i sees key j when j <= i and, for W > 0, i - j < W.
+It returns the context [B, L, K, G, Dv].
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def attend(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, *, softcap: float | Non
            windows: tuple[int, ...] = (0,)) -> jax.Array:
     """`windows`: every window the model's layers use (0 for global), for kernels whose masks must be static."""
     _, L, _, _, Dh = q_BxLxKxGxDh.shape
-    impl = choose(options.kernel, platform_of_mesh(), L=L, Dh=Dh, windows=windows, softcap=softcap,
-                  blocks=options.splash_blocks)
+    impl = choose(options.kernel, platform_of_mesh(), L=L, Dh=Dh, Dv=v_BxLxKxDh.shape[-1], windows=windows,
+                  softcap=softcap, blocks=options.splash_blocks)
     if impl == "dot_product":
         return dot_product(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=softcap,
                            float32_qk_product=options.float32_qk_product, float32_logits=options.float32_logits)
@@ -132,12 +133,13 @@ def _kv_blocks(x_BxSxKxDh, b):
 
 
 def _blockwise_forward(q, k, v, window, softcap):
-    B, L, K, G, Dh = q.shape
+    B, L, K, G, _ = q.shape
+    Dv = v.shape[-1]
     b = _block(k.shape[1])
     i = jnp.arange(L)
 
     def body(carry, xs):
-        o, m, l = carry  # o [B, K, G, L, Dh], running max m and sum l [B, K, G, L], all float32
+        o, m, l = carry  # o [B, K, G, L, Dv], running max m and sum l [B, K, G, L], all float32
         kj, vj, j0 = xs
         s, _, mask = _scores(q, kj, i, j0 + jnp.arange(b), window, softcap)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -147,7 +149,7 @@ def _blockwise_forward(q, k, v, window, softcap):
         pv = jnp.einsum("BKGLS,BSKd->BKGLd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
         return (o * correction[..., None] + pv, m_new, l), None
 
-    init = (jnp.zeros((B, K, G, L, Dh), jnp.float32), jnp.full((B, K, G, L), _MASKED, jnp.float32),
+    init = (jnp.zeros((B, K, G, L, Dv), jnp.float32), jnp.full((B, K, G, L), _MASKED, jnp.float32),
             jnp.zeros((B, K, G, L), jnp.float32))
     starts = jnp.arange(0, k.shape[1], b)
     (o, m, l), _ = jax.lax.scan(body, init, (_kv_blocks(k, b), _kv_blocks(v, b), starts))
@@ -245,7 +247,7 @@ def splash(q, k, v, window, *, softcap, blocks: tuple[int, ...], windows: tuple[
         choices = sorted(set(windows))
         index = jnp.searchsorted(jnp.asarray(choices, jnp.int32), window)
         o_BxHxLxDh = jax.lax.switch(index, [functools.partial(run, w) for w in choices])
-    return jnp.einsum("BKGLd->BLKGd", o_BxHxLxDh.reshape(B, K, G, L, Dh))
+    return jnp.einsum("BKGLd->BLKGd", o_BxHxLxDh.reshape(B, K, G, L, v.shape[-1]))
 
 
 def _splash_kernel(H: int, L: int, window: int, softcap, blocks: dict, interpret: bool):
@@ -267,9 +269,18 @@ def _splash_kernel(H: int, L: int, window: int, softcap, blocks: dict, interpret
 
 def gpu_flash(q, k, v) -> jax.Array:
     """jax.experimental.pallas.ops.gpu.attention.mha, causal, kv heads repeated to the query heads (the kernel
-    has no grouped-query form), under shard_map over batch and heads. The query comes scaled, so sm_scale is 1."""
+    has no grouped-query form), under shard_map over batch and heads. The query comes scaled, so sm_scale is 1.
+    The kernel takes one head dim for q, k and v: the narrower side (latent attention's v, 128 beside q and k's
+    192) is padded with zeros, which add nothing to the scores, and the context's padded columns are cut off."""
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
+    Dv = v.shape[-1]
+    width = max(q.shape[-1], Dv)
+
+    def pad(x):
+        return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+    q, k, v = pad(q), pad(k), pad(v)
     B, L, K, G, Dh = q.shape
     q_BxLxHxDh = q.reshape(B, L, K * G, Dh)
     k_BxLxHxDh, v_BxLxHxDh = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
@@ -284,4 +295,4 @@ def gpu_flash(q, k, v) -> jax.Array:
         q_spec, _ = _head_specs(B, K * G, K)
         spec = P(q_spec[0], None, q_spec[1], None)
         fn = jax.shard_map(local, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
-    return fn(q_BxLxHxDh, k_BxLxHxDh, v_BxLxHxDh).reshape(B, L, K, G, Dh)
+    return fn(q_BxLxHxDh, k_BxLxHxDh, v_BxLxHxDh)[..., :Dv].reshape(B, L, K, G, Dv)

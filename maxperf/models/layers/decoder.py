@@ -7,7 +7,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxperf.models.config import LayerKind, ModelConfig
-from maxperf.models.layers.attention import Attention
+from maxperf.models.layers.attention import make_attention
 from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.mlp import MLP
 from maxperf.models.layers.norms import make_norm
@@ -22,7 +22,7 @@ class DenseDecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, options: AttentionOptions = AttentionOptions()):
         D, eps = cfg.d_model, cfg.norm_eps
         self.attn_norm = make_norm(cfg.norm, D, eps, dtype, rngs)
-        self.attention = Attention(cfg, dtype, rngs, options)
+        self.attention = make_attention(cfg, dtype, rngs, options)
         self.mlp_norm = make_norm(cfg.norm, D, eps, dtype, rngs)
         self.mlp = MLP(D, cfg.d_ff, cfg.activation, dtype, rngs, fused=cfg.fused_mlp)
         self.post_norms = cfg.post_norms
