@@ -98,6 +98,14 @@ def test_dot_product_of_zero_padded_heads_is_the_narrow_one():
     np.testing.assert_array_equal(wide[..., 16:], 0)
 
 
+@pytest.mark.parametrize("Dh, itemsize, block", [(128, 2, 128), (192, 2, 64), (256, 2, 64), (128, 4, 64), (192, 4, 32)])
+def test_gpu_tiles_fit_shared_memory(Dh, itemsize, block):
+    # latent attention's qk head dim 192 is padded to 256: the Triton kernel's default 128-row tile overran an
+    # H100's shared memory there (measured), 64 rows ran
+    blocks = ak.gpu_blocks(Dh, itemsize)
+    assert blocks["block_q"] == blocks["block_k"] == block and blocks["block_q_dkv"] == 32
+
+
 def test_each_platform_takes_a_kernel_that_serves_mla():
     cfg = overrides.apply(presets.get("tiny-mla"), ["seq_len=256"])
     picks = {p: attention_rule.for_config(cfg.model, cfg.train, p) for p in ("tpu", "gpu", "cpu")}
