@@ -66,6 +66,11 @@ class Topology:
         return self.chips_per_slice * self.num_slices
 
     @property
+    def display_name(self) -> str:
+        """`v5p-128`, or `2 x v5p-128` over two slices (`name` is one slice's)."""
+        return f"{self.num_slices} x {self.name}" if self.num_slices > 1 else self.name
+
+    @property
     def hosts(self) -> int:
         return self.hosts_per_slice * self.num_slices
 

@@ -20,7 +20,7 @@ def cmd_estimate(args) -> int:
     if args.json:
         _print_json(estimate_summary(p, est))
         return 0 if est.fits else 3
-    print(f"{p.model.name} on {p.topology.name} ({p.topology.chips} {est.chip} chips), mesh "
+    print(f"{p.model.name} on {p.topology.display_name} ({p.topology.chips} {est.chip} chips), mesh "
           + " x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1))
     print(f"  step time        {est.step_time_s:.4f} s, bound by {est.bottleneck}")
     print(f"  tokens/s         {est.tokens_per_s:,.0f}")
@@ -101,6 +101,8 @@ def _host_total(compiler: dict | None) -> int | None:
 
 
 def _print_comparison(cmp) -> None:
+    from maxperf.reports import memory as memory_parts
+
     p, a, c = cmp.plan, cmp.analytical, cmp.compiler
     t = p.configs.train
     print(f"{p.model.name} on {p.topology.name}" + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1
@@ -108,16 +110,21 @@ def _print_comparison(cmp) -> None:
           + ", mesh " + (" x ".join(f"{k}={n}" for k, n in p.mesh_shape.axes.items() if n > 1) or "1")
           + f"; B={t.per_device_batch_size}, L={t.seq_len}, remat {t.remat_policy.value}")
     print(f"  {'analytical (perfmodel)':<28} {'GiB':>9}    {'compiler (XLA memory_analysis)':<30} {'GiB':>9}")
-    staged = [("optimizer_staged", a.optimizer_staged)] if a.optimizer_staged else []  # offloaded, back for the update
-    left = ([(name, getattr(a, name)) for name in _ANALYTICAL_ROWS] + staged
-            + [(f"peak phase: {a.peak_phase}", None)])
-    right = [(name.removesuffix("_bytes"), c.get(name)) for name in _COMPILER_ROWS] if c else []
+    # the total is the state and the peak phase's parts: those are listed first and sum to it; the parts live only
+    # in the other phases of the step follow, in parentheses
+    peak, inside, outside = memory_parts.peak_parts(a.as_dict())
+    left = ([(name, getattr(a, name)) for name in inside if getattr(a, name) or name in _ANALYTICAL_ROWS]
+            + [("(only in other phases:)", None)]
+            + [(f"({name})", getattr(a, name)) for name in outside if getattr(a, name) or name in _ANALYTICAL_ROWS])
+    # aliased outputs are the donated arguments, counted once: subtracted, so that the column sums to its total
+    right = [("alias (subtracted)", -c[name]) if name == "alias_bytes" and c.get(name) is not None
+             else (name.removesuffix("_bytes"), c.get(name)) for name in _COMPILER_ROWS] if c else []
     for i in range(max(len(left), len(right))):
         ln, lv = left[i] if i < len(left) else ("", None)
         rn, rv = right[i] if i < len(right) else ("", None)
         print(f"  {ln:<28} {_gib(lv):>9}    {rn:<30} {_gib(rv):>9}")
     total_c = c.get("per_device_total_bytes") if c else None
-    print(f"  {'per-device total':<28} {_gib(a.per_device_total_bytes):>9}    {'per-device total':<30} "
+    print(f"  {f'total ({peak} phase)':<28} {_gib(a.per_device_total_bytes):>9}    {'per-device total':<30} "
           f"{_gib(total_c) if c else 'not compiled':>9}")
     host_c = _host_total(c)
     if a.host_bytes or host_c:
