@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from maxperf.reports import figures
 from maxperf.reports.page import Page, Section
 from maxperf.reports.steps import Step
 
@@ -75,6 +76,15 @@ def section(page: Page, steps: list[Step]) -> None:
             table.best[len(table.rows) - 1] = 1 + values.index(best)
     table.emphasis = set(range(settings_rows))
     s = Section("comparison", "comparison", tables=[table])
+    letters = [h.split(":")[0] for h in heads]
+    predicted = [st.figures.get("predicted step time (s)") for st in steps]
+    measured = [st.figures.get("measured step time (s)") for st in steps]
+    if any(v is not None for v in predicted + measured):
+        series = {"predicted": predicted, **({"measured": measured} if any(v is not None for v in measured) else {})}
+        svg = figures.grouped_bars(letters, series, unit="seconds per step",
+                                   alt="Step time of each compared step, predicted and measured")
+        s.figures.append((svg, page.table("step time of each (s)", ["step", *series], [
+            [letter, *[v[i] for v in series.values()]] for i, letter in enumerate(letters)])))
     s.facts = [(h.split(":")[0], st.section.title.split(": ", 1)[1]) for h, st in zip(heads, steps)]
     s.facts.append(("differ in", ", ".join([*config, *shown]) or "nothing but their directories"))
     s.facts.append(("best value", "marked ★ in each row (lowest time, memory and loss; highest throughput and MFU)"))

@@ -72,8 +72,9 @@ def read(page: Page, directory: Path) -> None:
                       (frame["overrides"] if "overrides" in frame else [""] * len(frame))])
     ok = frame[frame["status"] == "ok"] if has_chips else frame.iloc[0:0]
     s.headline = _headline(model, frame, ok)
-    s.verdict = "fits" if len(frame) and (frame["status"] == "ok").all() else "does not fit" if len(frame) and (
-        frame["status"] == "does not fit").any() else ""
+    fitting = (frame["status"] == "ok").sum()
+    s.verdict = ("fits" if len(frame) and fitting == len(frame) else "does not fit" if len(frame) and fitting == 0
+                 else "")  # some points fit and some do not: neither colour
     s.facts = [("points", str(len(frame))), ("finished and fit", str(len(ok))),
                ("chip types", ", ".join(map(str, frame["chip"].unique())) if has_chips else "")]
     if len(ok):
