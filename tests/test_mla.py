@@ -188,6 +188,16 @@ def test_softmax_scale_is_deepseeks():
     assert softmax_scale(yarn) == pytest.approx(24**-0.5 * (0.0707 * math.log(40) + 1) ** 2)
 
 
+def test_rope_scalings_survive_the_manifest():
+    # an artifact's manifest holds the model config as JSON; `maxperf run` rebuilds it from there
+    from maxperf.aot.artifacts import to_json
+    from maxperf.models.config import ModelConfig, RopeScaling, from_dict
+
+    for scaling in (YarnScaling(factor=32, beta_fast=1, mscale=0.707), RopeScaling(), None):
+        cfg = dataclasses.replace(presets.get("tiny-mla"), rope_scaling=scaling)
+        assert from_dict(ModelConfig, json.loads(json.dumps(to_json(cfg)))) == cfg
+
+
 @pytest.mark.parametrize(
     "words, message",
     [
