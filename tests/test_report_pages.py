@@ -64,11 +64,12 @@ def test_scaling_lines_stay_within_one_chip_type(mixed_sweep, mixed_report):
                   "tokens-s-against-chips"):
         rows = tables(mixed_report)[title]
         assert {"chip", "topology"} <= set(rows[0]), title
-        lines: dict[tuple, set] = {}
-        for r in rows:
-            assert chip_of[r["topology"]] == r["chip"]
-            lines.setdefault((r["chip"], r["settings"]), set()).add(r["chip"])
-        assert len(lines) == 3 * 2  # three chip types, two settings
+        assert len(rows) == 8 and all(chip_of[r["topology"]] == r["chip"] for r in rows)
+        for r in rows:  # a line's ideal starts from its own fewest chips: none for a chip swept at one size
+            assert (r["ideal"] == "") == (r["chip"] != "tpu-v5p"), (title, r)
+            if r["topology"] == "v5p-8":
+                assert float(r["ideal"]) == pytest.approx(float(r[next(iter(r.keys() - {
+                    "chip", "settings", "topology", "chips", "global batch", "ideal"}))]))
 
 
 def test_efficiency_compares_only_the_same_chip(mixed_sweep, mixed_report):
@@ -285,6 +286,7 @@ def test_a_run_shows_what_it_measured(h100_run, tmp_path):
     for alt in ("Loss at each step", "Step time of each timed step", "Profiled time"):
         assert f'aria-label="{alt}' in html
     [line] = headlines(html)
+    assert html.index('class="headline') < html.index("<svg")
     assert "0.2953 s measured (0.84x predicted)" in line and "step 0.3505 s predicted" in line
     assert "MFU 37.2% measured" in line and "ran in 18.88 GiB per device at its peak (measured)" in line
 

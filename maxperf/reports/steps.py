@@ -78,13 +78,13 @@ def read(page: Page, kind: str, directory: Path) -> Step:
     verdict = _verdict(estimate, memory, topo, run)
     s.verdict = "" if verdict[0] is None else "fits" if verdict[0] else "does not fit"
     s.headline = _headline(label, verdict[1], estimate, run, manifest)
+    if run:  # what was measured first, the prediction's details after it
+        _measured(page, s, run, estimate, memory, topo, label)
     if estimate.get("breakdown"):
         _time(page, s, estimate, label)
     if estimate.get("memory") or memory:
         _memory(page, s, estimate.get("memory") or {}, memory, topo, label)
-    if run:
-        _measured(page, s, run, estimate, memory, topo, label)
-    s.notes += [*(estimate.get("notes") or []), *((run or {}).get("notes") or [])]
+    s.notes = list(dict.fromkeys([*s.notes, *(estimate.get("notes") or []), *((run or {}).get("notes") or [])]))
     if manifest and not manifest.get("compiled", True) and not estimate:
         s.notes.append("the step was not compiled (it does not fit), so no step time was predicted for it")
     if run and not manifest:
