@@ -15,6 +15,7 @@ from maxperf.plan import plan
 from maxperf.reports import memory as parts, render
 from maxperf.reports.page import fmt
 from maxperf.studies.sweep import sweep
+from reports_browser import CHROMIUM, check_in_chromium
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MIXED = ["v5p-8", "v5p-16", "v5e-16", "h100-8"]
@@ -211,6 +212,8 @@ def test_a_step_that_does_not_fit_says_so_first(tmp_path):
     assert "- s/step" not in html and "? s" not in html
     rows = {r["part"]: r for r in tables(result)["memory-per-device-by-phase-gib"]}
     assert rows["verdict"]["compiler (XLA)"] == "does not fit"
+    if CHROMIUM:
+        check_in_chromium(result.html_path, tmp_path)
 
 
 # defect 5: runs told apart, slices named
@@ -254,6 +257,16 @@ def test_two_slices_are_named_as_such(tmp_path, capsys):
     assert {r["topology"] for r in rows} == {"v5p-8", "v5p-16", "2 x v5p-8", "2 x v5p-16"}
     lines = {r["settings"] for r in rows}  # v5p-16 and 2 x v5p-8 have 8 chips each: two lines, not a jump
     assert lines == {"defaults, slices 1", "defaults, slices 2"}
+
+
+@pytest.mark.slow
+def test_a_two_slice_compile_is_named_as_such(tmp_path):
+    out = aot.compile("v5p-8", "tiny", ["seq_len=128"], num_slices=2, out=tmp_path / "two").out_dir
+    html = render([out], tmp_path / "two.html").html_path.read_text()
+    assert re.findall(r"<h2>(.*?)</h2>", html) == ["tiny / 2 x v5p-8"]
+    assert headlines(html)[0].startswith("tiny / 2 x v5p-8: fits: ")
+    assert "<dd>data=2 (2 over DCN) x fsdp=4</dd>" in html
+    assert "<dd>2 x v5p-8: 8 tpu-v5p chips, 8 devices, 2 hosts</dd>" in html
 
 
 # defect 6 and the headline: what a run measured
@@ -310,3 +323,5 @@ def test_a_profiled_run_compares_components_and_shows_its_checkpoint(compiled, t
     assert 'aria-label="Measured against predicted seconds per step' in html
     [line] = headlines(html)
     assert "measured (" in line and "predicted" in line and "bound by" in line
+    if CHROMIUM:
+        check_in_chromium(result.html_path, tmp_path)
