@@ -219,6 +219,7 @@ def test_a_step_that_does_not_fit_says_so_first(tmp_path):
 # defect 5: runs told apart, slices named
 
 
+@pytest.mark.slow
 def test_compared_runs_are_told_apart(compiled, tmp_path):
     same = tmp_path / "again"
     shutil.copytree(compiled, same)
@@ -232,6 +233,23 @@ def test_compared_runs_are_told_apart(compiled, tmp_path):
     side = {r["figure"]: r for r in tables(result)["side-by-side"]}
     assert side["remat_policy"]["A"] == side["remat_policy"]["B"] == "full" and side["remat_policy"]["C"] == "none"
     assert side["directory"]["A"] == str(compiled) and side["directory"]["C"] == str(other)
+
+
+def test_a_comparison_names_the_config_values_that_differ():
+    from maxperf.reports.compare import names
+    from maxperf.reports.page import Section
+    from maxperf.reports.steps import Step
+
+    def step(directory, kind="compile", **train):
+        config = {"model": {"name": "tiny"}, "train": {"seq_len": "64", **train}, "parallelism": {}}
+        return Step("tiny / cpu-8", {"topology": "cpu-8", "kind": kind}, config, {}, Section("", ""), Path(directory))
+
+    assert names([step("x/a", remat_policy="full"), step("y/a", remat_policy="full"),
+                  step("z", remat_policy="none"), step("x/a/run", "measured run", remat_policy="full")]) == [
+        "A: tiny / cpu-8 (remat_policy=full; x/a)", "B: tiny / cpu-8 (remat_policy=full; y/a)",
+        "C: tiny / cpu-8 (remat_policy=none)", "D: tiny / cpu-8 (remat_policy=full)"]
+    many = [step(str(i), **{f"k{j}": str(i) for j in range(6)}) for i in range(2)]
+    assert names(many)[1] == "B: tiny / cpu-8 (k0=1; k1=1; k2=1; k3=1; ...)"
 
 
 def test_names_in_a_comparison_say_what_differs(compiled, tmp_path):
