@@ -55,17 +55,25 @@ def cmd_models(args) -> int:
     rows = []
     for name in presets.names():
         m = presets.get(name)
-        rows.append({"name": name, "params": count_params(m).total, "V": m.vocab_size, "D": m.d_model,
-                     "N": m.num_layers, "H": m.num_heads, "K": m.num_kv_heads, "Dh": m.head_dim, "F": m.d_ff,
+        counts = count_params(m)
+        rows.append({"name": name, "params": counts.total, "active_params": counts.active, "V": m.vocab_size,
+                     "D": m.d_model, "N": m.num_layers, "H": m.num_heads, "K": m.num_kv_heads, "Dh": m.head_dim,
+                     "F": m.d_ff, "E": m.num_experts, "top_k": m.num_experts_per_tok,
                      "activation": m.activation.value, "attention_type": m.attention_type.value})
     if args.json:
         _print_json(rows)
         return 0
-    print(f"{'model':<15} {'params':>9} {'V':>7} {'D':>6} {'N':>4} {'H':>4} {'K':>4} {'Dh':>4} {'F':>7}  attention_type")
+    print(f"{'model':<24} {'params':>9} {'active':>9} {'V':>7} {'D':>6} {'N':>4} {'H':>4} {'K':>4} {'Dh':>4} {'F':>7} "
+          f"{'E':>4} {'k':>2}  attention_type")
     for r in rows:
-        print(f"{r['name']:<15} {r['params'] / 1e9:>8.2f}B {r['V']:>7} {r['D']:>6} {r['N']:>4} {r['H']:>4} "
-              f"{r['K']:>4} {r['Dh']:>4} {r['F']:>7}  {r['attention_type']}")
+        print(f"{r['name']:<24} {_billions(r['params']):>9} {_billions(r['active_params']):>9} {r['V']:>7} {r['D']:>6} "
+              f"{r['N']:>4} {r['H']:>4} {r['K']:>4} {r['Dh']:>4} {r['F']:>7} {r['E']:>4} {r['top_k']:>2}  "
+              f"{r['attention_type']}")
     return 0
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e7 else f"{n / 1e6:.3f}M"
 
 
 def cmd_topologies(args) -> int:

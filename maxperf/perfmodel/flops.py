@@ -3,12 +3,17 @@
 Parameters match the Flax model's shapes exactly (maxperf.models.layers): per layer q D x H x Dh, k and v D x K x Dh,
 o H x Dh x D, MLP gate/up D x F and down F x D (no gate for GELU), two norms (four with post-norms) of D (LayerNorm
 has a scale and a bias, RMSNorm a scale), QK-norm two RMSNorm scales of Dh; a final norm; the embedding V x D; the
-unembedding D x V unless tied; learned positions max_position x D. No biases.
+unembedding D x V unless tied; learned positions max_position x D. No biases. Latent attention (MLA, layers/mla.py):
+q through D x R, an RMSNorm of R and R x H x Dq (or D x H x Dq where R = q_lora_rank is 0), the kv latent and the
+shared RoPE key D x (C + Dr), an RMSNorm of C, C x H x (Dn + Dv), o H x Dv x D. A MoE layer (perfmodel.moe): the
+router D x E (+ E with DeepSeek's selection bias), E experts and S shared experts, each an MLP of width Fe.
+Active parameters are those one token passes through: the router, top-k of the E experts, the rest whole.
 
-Model FLOPs follow MaxText's `calculate_tflops_training_per_device` (maxtext_utils.py): 6 x tokens x matmul weights
-(the unembedding included, the embedding lookup not), plus attention 4 x B x L^2 x H x Dh x 3 halved for the causal
-mask, remat excluded; Megatron (Narayanan et al. 2021, eq. 3) counts the same terms. Per device means per
-`per_device_batch_size` B (MaxText's convention: global batch = B x devices).
+Model FLOPs follow MaxText's `calculate_tflops_training_per_device` (maxtext_utils.py): 6 x tokens x active matmul
+weights (the unembedding and the router included, the embedding lookup not), plus attention 2 x B x L^2 x H x
+(Dq + Dv) x 3 halved for the causal mask (4 x ... x Dh where the query and value head dims agree; MLA's
+calculate_mla_tflops_per_device), remat excluded; Megatron (Narayanan et al. 2021, eq. 3) counts the same terms. Per
+device means per `per_device_batch_size` B (MaxText's convention: global batch = B x devices).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from maxperf import attention_rule  # plain Python: the kernel rule the model applies
+from maxperf.perfmodel.moe import MoeShape, dispatch, expert_capacity, moe_shape, rows_per_token
 from maxperf.perfmodel.shapes import ModelShape, TrainShape, check_model, check_train
 
 # Training costs forward + backward = 3 x forward: the backward computes grads w.r.t. inputs and weights, each as
@@ -87,16 +93,20 @@ def resolve_attention(model: ModelShape, train: TrainShape, platform: str) -> Tr
     return resolved
 
 
-def recomputed(model: ModelShape, train: TrainShape) -> frozenset[str]:
+def recomputed(model: ModelShape, train: TrainShape, moe_layer: bool = False) -> frozenset[str]:
     """The forward pieces the backward pass computes again under the remat policy: the projections "query_proj",
     "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1" (or "mlpwi"), "mlpwo", and the attention's "scores"
-    (Q K^T and softmax) and "context" (P V; with flash, the whole forward kernel).
+    (Q K^T and softmax) and "context" (P V; with flash, the whole forward kernel); in a MoE layer (`moe_layer`) also
+    "router" (the gate's logits, which no policy names) and, with the einsum dispatch, "dispatch" (its one-hot
+    einsum).
 
     What the backward reads: the attention backward q, k, v and (flash) the kernel's residuals, named "context", or
     (dot product) the probabilities, which no policy names; the output projection's weight gradient the context;
     the MLP block's norm the residual stream after attention, so the output projection; the MLP's backward its
-    wi outputs; only a post-norm (Gemma 2) reads the wo output. XLA drops recomputation nothing reads (measured
-    here: full remat recomputes no MLP down projection, tests/test_perfmodel_xla_flops.py)."""
+    wi outputs; only a post-norm (Gemma 2) reads the wo output, but in a MoE layer the gradient of the routing
+    weights reads the experts' outputs (the combine is a weighted sum), so there the wo output is recomputed unless
+    kept. XLA drops recomputation nothing reads (measured here: full remat recomputes no MLP down projection,
+    tests/test_perfmodel_xla_flops.py)."""
     names = remat_names(train)
     if names is None:
         return frozenset()
@@ -107,21 +117,52 @@ def recomputed(model: ModelShape, train: TrainShape) -> frozenset[str]:
         kept |= {"mlpwi_0", "mlpwi_1"}
     wi = ("mlpwi_0", "mlpwi_1") if gated(model) else ("mlpwi",)
     out = {n for n in ("query_proj", "key_proj", "value_proj", "out_proj", *wi) if n not in kept}
-    if model.post_norms and "mlpwo" not in kept:
+    if (model.post_norms or moe_layer) and "mlpwo" not in kept:
         out.add("mlpwo")
     if "context" not in kept:
         out.add("context")
     if attention_kernel(train) == "dot_product" or "context" not in kept:
         out.add("scores")
+    if moe_layer:
+        out.add("router")
+        if dispatch(train) != "sparse":  # the experts' input is the dispatch einsum's output, named by no policy
+            out.add("dispatch")
     return frozenset(out)
 
 
-def projection_flops_per_token(model: ModelShape) -> dict[str, float]:
-    """Forward FLOPs per token of each named projection of one layer."""
+def is_mla(model: ModelShape) -> bool:
+    return str(getattr(model, "attention_type", "global")) == "mla"
+
+
+def head_dims(model: ModelShape) -> tuple[int, int]:
+    """(Dq, Dv): the query and key head dim, and the value's; latent attention's differ, elsewhere both Dh."""
+    return attention_rule.head_dims(model)
+
+
+def projection_flops_per_token(model: ModelShape, moe_rows: float | None = None) -> dict[str, float]:
+    """Forward FLOPs per token of each named projection of one layer. `moe_rows`: for a MoE layer, the routed rows a
+    token costs (perfmodel.moe.rows_per_token); its MLP names then cover the routed and shared experts, and "router"
+    the gate."""
     D, H, K, Dh, F = model.d_model, model.num_heads, model.num_kv_heads, model.head_dim, model.d_ff
-    return {"query_proj": 2 * D * H * Dh, "key_proj": 2 * D * K * Dh, "value_proj": 2 * D * K * Dh,
-            "out_proj": 2 * H * Dh * D, "mlpwi_0": 2 * D * F, "mlpwi_1": 2 * D * F, "mlpwi": 2 * D * F,
-            "mlpwo": 2 * F * D}
+    if is_mla(model):
+        R, C, Dn, Dr, Dv = (model.q_lora_rank, model.kv_lora_rank, model.qk_nope_head_dim, model.qk_rope_head_dim,
+                            model.v_head_dim)
+        Dq = Dn + Dr
+        # the kv latent (and the shared RoPE key) feeds keys and values alike: counted with the keys
+        attention = {"query_proj": 2 * (D * R + R * H * Dq) if R else 2 * D * H * Dq,
+                     "key_proj": 2 * (D * (C + Dr) + C * H * Dn), "value_proj": 2 * C * H * Dv,
+                     "out_proj": 2 * H * Dv * D}
+    else:
+        attention = {"query_proj": 2 * D * H * Dh, "key_proj": 2 * D * K * Dh, "value_proj": 2 * D * K * Dh,
+                     "out_proj": 2 * H * Dh * D}
+    moe = moe_shape(model) if moe_rows is not None else None
+    if moe is None:
+        return {**attention, "mlpwi_0": 2 * D * F, "mlpwi_1": 2 * D * F, "mlpwi": 2 * D * F, "mlpwo": 2 * F * D}
+    width = (moe_rows + moe.S) * moe.Fe
+    return {**attention, "mlpwi_0": 2 * D * width, "mlpwi_1": 2 * D * width, "mlpwi": 2 * D * width,
+            "mlpwo": 2 * width * D, "router": 2 * D * moe.E}
+
+
 # AdamW elementwise work per parameter (optax.adamw): m update 3, v update 4, bias corrections 2, sqrt+eps+divide 3,
 # weight decay 2, learning-rate scale and apply 2; the global-norm clip adds 3 (square, sum, scale).
 OPTIMIZER_FLOPS_PER_PARAM = 19
@@ -136,10 +177,36 @@ def gated(model: ModelShape) -> bool:
     return str(model.activation) != "gelu"
 
 
+def mlp_params(model: ModelShape, width: int) -> int:
+    """An MLP of hidden width `width`: gate (gated activations only), up and down."""
+    return (3 if gated(model) else 2) * model.d_model * width
+
+
+def attention_params(model: ModelShape) -> tuple[int, int]:
+    """(matmul weights, other parameters) of one layer's attention block: q, k, v, o (MLA: its latent projections);
+    QK-norm's two RMSNorm scales of Dh, MLA's RMSNorm scales of R and C, gpt-oss's per-head sink logits."""
+    D, H, K, Dh = model.d_model, model.num_heads, model.num_kv_heads, model.head_dim
+    sinks = H if getattr(model, "attention_sinks", False) else 0
+    if is_mla(model):
+        R, C, Dn, Dr, Dv = (model.q_lora_rank, model.kv_lora_rank, model.qk_nope_head_dim, model.qk_rope_head_dim,
+                            model.v_head_dim)
+        q = D * R + R * H * (Dn + Dr) if R else D * H * (Dn + Dr)
+        return q + D * (C + Dr) + C * H * (Dn + Dv) + H * Dv * D, R + C + sinks
+    return D * H * Dh + 2 * D * K * Dh + H * Dh * D, (2 * Dh if model.qk_norm else 0) + sinks
+
+
 def layer_matmul_params(model: ModelShape) -> int:
-    """The weights of one layer that enter matmuls: q, k, v, o and the MLP."""
-    D, H, K, Dh, F = model.d_model, model.num_heads, model.num_kv_heads, model.head_dim, model.d_ff
-    return D * H * Dh + 2 * D * K * Dh + H * Dh * D + (3 if gated(model) else 2) * D * F
+    """The weights of one dense layer that enter matmuls: the attention's and the MLP."""
+    return attention_params(model)[0] + mlp_params(model, model.d_ff)
+
+
+def moe_block_params(model: ModelShape, moe: MoeShape) -> tuple[int, int, int]:
+    """(matmul weights, active matmul weights, other parameters) of one MoE block: the router D x E, E routed and S
+    shared experts (top-k and S active), DeepSeek's selection bias of E."""
+    expert = mlp_params(model, moe.Fe)
+    router = model.d_model * moe.E
+    return (router + (moe.E + moe.S) * expert, router + (moe.k + moe.S) * expert,
+            moe.E if moe.router_bias else 0)
 
 
 @dataclass(frozen=True)
@@ -147,9 +214,13 @@ class ParamCounts:
     total: int
     embedding: int  # token table (+ learned position table)
     unembedding: int  # D x V when untied, else 0 (the embedding table serves)
-    per_layer: int  # matmul weights and norms of one decoder layer
-    layer_matmul: int  # matmul weights of one decoder layer
+    per_layer: int  # matmul weights and norms of one decoder layer (a MoE layer's, all experts, where there are any)
+    layer_matmul: int  # matmul weights of that layer
     final_norm: int
+    active: int = 0  # what one token passes through: the router, top-k experts and shared experts, the rest whole
+    attention: int = 0  # the attention blocks of all layers (their projections, and QK-norm, latent norms, sinks)
+    experts: int = 0  # the MoE blocks of all layers: routers, routed and shared experts
+    active_layer_matmul: int = 0  # matmul weights a token passes through in all decoder layers (router included)
 
     @property
     def non_embedding(self) -> int:
@@ -159,16 +230,28 @@ class ParamCounts:
 
 def count_params(model: ModelShape) -> ParamCounts:
     check_model(model)
-    V, D, N, Dh = model.vocab_size, model.d_model, model.num_layers, model.head_dim
+    V, D, N = model.vocab_size, model.d_model, model.num_layers
     per_norm = norm_params(model)
-    layer_norms = (4 if model.post_norms else 2) * per_norm + (2 * Dh if model.qk_norm else 0)  # QK-norm: RMSNorm
-    matmul = layer_matmul_params(model)
-    per_layer = matmul + layer_norms
+    attn_matmul, attn_other = attention_params(model)
+    layer_norms = (4 if model.post_norms else 2) * per_norm
+    dense_mlp = mlp_params(model, model.d_ff)
+    moe = moe_shape(model)
+    n_moe = moe.moe_layers if moe else 0
+    block, block_active, block_other = moe_block_params(model, moe) if moe else (0, 0, 0)
+    fixed = attn_matmul + attn_other + layer_norms  # in every layer
+    layers = N * fixed + (N - n_moe) * dense_mlp + n_moe * (block + block_other)
+    layers_active = N * fixed + (N - n_moe) * dense_mlp + n_moe * (block_active + block_other)
     embedding = V * D + (model.max_position * D if str(model.positions) == "learned" else 0)
     unembedding = 0 if model.tie_embeddings else D * V
-    total = embedding + unembedding + N * per_layer + per_norm
-    return ParamCounts(total=total, embedding=embedding, unembedding=unembedding, per_layer=per_layer,
-                       layer_matmul=matmul, final_norm=per_norm)
+    total = embedding + unembedding + layers + per_norm
+    layer_matmul = attn_matmul + (block if n_moe else dense_mlp)
+    return ParamCounts(
+        total=total, embedding=embedding, unembedding=unembedding,
+        per_layer=layer_matmul + attn_other + layer_norms + (block_other if n_moe else 0), layer_matmul=layer_matmul,
+        final_norm=per_norm, active=embedding + unembedding + layers_active + per_norm,
+        attention=N * (attn_matmul + attn_other), experts=n_moe * (block + block_other),
+        active_layer_matmul=N * attn_matmul + (N - n_moe) * dense_mlp + n_moe * block_active,
+    )
 
 
 def attention_pairs(L: int, W: int | None) -> float:
@@ -178,26 +261,57 @@ def attention_pairs(L: int, W: int | None) -> float:
     return L * w - w * w / 2
 
 
+def chunk_pairs(L: int, C: int) -> float:
+    """Pairs of a causal layer that attends within chunks of C tokens (Llama 4's local layers): half the sum of the
+    chunks' squares, MaxText's _calculate_chunked_attention_flops_per_layer halved for the causal mask."""
+    return ((L // C) * C * C + (L % C) ** 2) / 2
+
+
+def layer_pairs(model: ModelShape, L: int) -> tuple[float, ...]:
+    """The pairs each layer attends to: attention_type=chunk's local layers within chunks of
+    chunk_attn_window_size, every other layer within its window (or the whole causal prefix)."""
+    chunked = str(getattr(model, "attention_type", "global")) == "chunk"
+    C = getattr(model, "chunk_attn_window_size", None)
+    return tuple(chunk_pairs(L, C) if chunked and W is not None else attention_pairs(L, W)
+                 for W in model.layer_windows())
+
+
 @dataclass(frozen=True)
 class FlopCounts:
     """FLOPs per device per step (forward + backward over all microbatches)."""
 
     tokens: int  # B x L
-    weight_flops: float  # 6 x tokens x matmul weights (unembedding included)
+    weight_flops: float  # 6 x tokens x active matmul weights (unembedding and router included)
     attention_flops: float  # causal / windowed score and context einsums, x 3
     model_flops: float  # weight_flops + attention_flops: what MFU divides
     attention_executed_flops: float  # the attention einsums as executed (see ATTENTION_SKIPS_MASKED), fwd + bwd
     recompute_flops: float  # the forward work the remat policy does again in the backward pass
     optimizer_flops: float  # AdamW on this device's parameter shard
-    hardware_flops: float  # weight + executed attention + recompute + optimizer
+    hardware_flops: float  # weight + executed attention + recompute + optimizer + expert padding + dispatch
+    expert_padding_flops: float = 0.0  # routed-expert rows computed beyond top-k: the einsum dispatch's empty slots
+    #                                    (negative where its capacity drops more than it pads)
+    dispatch_flops: float = 0.0  # the einsum dispatch's one-hot dispatch and combine einsums, fwd + bwd
 
 
 def attention_fwd_flops(model: ModelShape, B: int, L: int, executed: bool, kernel: str = "dot_product") -> float:
-    """Forward score (Q K^T) and context (P V) einsums over all layers: 2 x 2 x B x pairs x H x Dh per layer."""
-    H, Dh = model.num_heads, model.head_dim
+    """Forward score (Q K^T) and context (P V) einsums over all layers: 2 x B x pairs x H x (Dq + Dv) per layer."""
+    H = model.num_heads
+    Dq, Dv = head_dims(model)
     if executed and not ATTENTION_SKIPS_MASKED[kernel]:
-        return model.num_layers * 4 * B * L * L * H * Dh
-    return sum(4 * B * attention_pairs(L, W) * H * Dh for W in model.layer_windows())
+        return model.num_layers * 2 * B * L * L * H * (Dq + Dv)
+    return sum(2 * B * pairs * H * (Dq + Dv) for pairs in layer_pairs(model, L))
+
+
+def dispatch_einsum_fwd_flops(model: ModelShape, moe: MoeShape, train: TrainShape) -> float:
+    """The einsum dispatch, per sequence and MoE layer: the dispatch einsum BLEC,BLD->BECD and the combine einsum
+    BECD,BLEC->BLD each 2 x L x D x E x C (models/layers/moe.py dense_dispatch; MaxText's dense_matmul)."""
+    return 2 * (2 * train.seq_len * model.d_model * moe.E * expert_capacity(moe, train))
+
+
+# The dispatch einsums' backward: the dispatch mask is one-hot (no gradient), so the dispatch einsum's backward is
+# one einsum (the inputs' gradient); the combine weights carry the router's gradient, so the combine's is two.
+DISPATCH_BACKWARD_EINSUMS = 1
+COMBINE_BACKWARD_EINSUMS = 2
 
 
 def count_flops(model: ModelShape, train: TrainShape, params_per_device: float | None = None) -> FlopCounts:
@@ -206,10 +320,11 @@ def count_flops(model: ModelShape, train: TrainShape, params_per_device: float |
     check_train(train)
     B, L, N = train.per_device_batch_size, train.seq_len, model.num_layers
     params = count_params(model)
+    moe = moe_shape(model)
+    n_moe = moe.moe_layers if moe else 0
     tokens = B * L
     # every forward matmul does 2 FLOPs per weight per token; the unembedding uses a D x V table, tied or not
-    layer_weight_fwd = 2 * tokens * params.layer_matmul
-    weight_fwd = N * layer_weight_fwd + 2 * tokens * model.d_model * model.vocab_size
+    weight_fwd = 2 * tokens * params.active_layer_matmul + 2 * tokens * model.d_model * model.vocab_size
     attn_model_fwd = attention_fwd_flops(model, B, L, executed=False)
     kernel = attention_kernel(train)
     attn_exec_fwd = attention_fwd_flops(model, B, L, executed=True, kernel=kernel)
@@ -221,10 +336,21 @@ def count_flops(model: ModelShape, train: TrainShape, params_per_device: float |
     # count (tests/test_perfmodel_xla_flops.py)
     again = recomputed(model, train)
     per_token = projection_flops_per_token(model)
-    recompute = N * tokens * sum(per_token[n] for n in again if n in per_token)
+    recompute = (N - n_moe) * tokens * sum(per_token[n] for n in again if n in per_token)
     recompute += attn_exec_fwd * (("scores" in again) + ("context" in again)) / 2
     if getattr(train, "num_vocab_tiling", 1) > 1:  # each chunk's logits computed again in the backward
         recompute += 2 * tokens * model.d_model * model.vocab_size
+    padding = dispatched = 0.0
+    if moe:
+        rows = rows_per_token(moe, train)
+        again_moe = recomputed(model, train, moe_layer=True)
+        moe_token = projection_flops_per_token(model, rows)
+        recompute += n_moe * tokens * sum(moe_token[n] for n in again_moe if n in moe_token)
+        padding = TRAIN_FACTOR * n_moe * 2 * tokens * (rows - moe.k) * mlp_params(model, moe.Fe)
+        if dispatch(train) != "sparse":
+            einsums = n_moe * B * dispatch_einsum_fwd_flops(model, moe, train)  # forward: dispatch + combine
+            dispatched = einsums + einsums / 2 * (DISPATCH_BACKWARD_EINSUMS + COMBINE_BACKWARD_EINSUMS)
+            recompute += einsums / 2 * ("dispatch" in again_moe)
     shard = params.total if params_per_device is None else params_per_device
     optimizer = OPTIMIZER_FLOPS_PER_PARAM * shard
     weight = TRAIN_FACTOR * weight_fwd
@@ -232,5 +358,6 @@ def count_flops(model: ModelShape, train: TrainShape, params_per_device: float |
         tokens=tokens, weight_flops=weight, attention_flops=TRAIN_FACTOR * attn_model_fwd,
         model_flops=weight + TRAIN_FACTOR * attn_model_fwd,
         attention_executed_flops=attn_exec_fwd + attn_exec_bwd, recompute_flops=recompute, optimizer_flops=optimizer,
-        hardware_flops=weight + attn_exec_fwd + attn_exec_bwd + recompute + optimizer,
+        hardware_flops=weight + attn_exec_fwd + attn_exec_bwd + recompute + optimizer + padding + dispatched,
+        expert_padding_flops=padding, dispatch_flops=dispatched,
     )

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from maxperf.perfmodel.flops import attention_kernel, gated, remat_names
+from maxperf.perfmodel.flops import attention_kernel, gated, head_dims, is_mla, remat_names
+from maxperf.perfmodel.moe import MoeShape, dispatch, moe_shape, ragged_buffer_factor, rows_per_token
 from maxperf.perfmodel.shapes import (
     Mesh,
     ModelShape,
@@ -22,7 +23,15 @@ from maxperf.perfmodel.shapes import (
     check_train,
     dtype_bytes,
 )
-from maxperf.perfmodel.sharding import activation_split, gathered_size, local_size, param_arrays
+from maxperf.perfmodel.sharding import (
+    activation_split,
+    gathered_size,
+    held,
+    held_gathered,
+    layer_weights,
+    local_size,
+    param_arrays,
+)
 
 # optax.adamw keeps mu and nu with the parameters' dtype (optax scale_by_adam: mu_dtype=None, nu like params).
 OPTIMIZER_STATES_PER_PARAM = 2
@@ -104,6 +113,15 @@ UNSHARDED_GRAD_LAYERS = 1
 # 10.67 GiB, two score gradients and two float32 B x L x D buffers live.)
 BACKWARD_SCORE_GRADIENTS = 1
 BACKWARD_D_FLOAT32 = 0
+# A MoE layer keeps (models/layers/moe.py; counted from its tensors, not yet measured): per token the router's
+# float32 logits and probabilities over the E experts and the float32 top-k weights; per routed row the experts'
+# input (D) and MLP internals (GATED_MLP_SAVED_F x Fe), the rows of the sorted dispatch being the worst-case receive
+# buffer under expert parallelism (perfmodel.moe.ragged_buffer_factor), those of the einsum dispatch its E x C slots
+# per sequence; the combine reads the top-k expert outputs per token (sorted dispatch), or every slot's output and
+# the [L, E, C] dispatch and combine masks (einsum dispatch).
+ROUTER_FLOAT32_PER_EXPERT = 2
+# The checkpoint names of the attention block's tensors and of the MLP's (a MoE layer's experts'), for the breakdown
+ATTENTION_NAMES = ("query_proj", "key_proj", "value_proj", "qkv_proj", "context", "out_proj")
 
 
 @dataclass(frozen=True)
@@ -125,6 +143,11 @@ class MemoryBreakdown:
     # between steps (not in HBM), and the part of an offloaded optimizer state in HBM at the step's peak
     host_state: float = 0.0
     optimizer_staged: float = 0.0
+    # what the parameters, gradients and optimizer state of each part take ("experts": the MoE blocks' routers, routed
+    # and shared experts; "attention": the attention blocks; "rest": embeddings, dense MLPs, norms), and what the
+    # saved activations of each take (the MLP's part under "experts" in MoE layers, under "rest" in dense ones)
+    state_blocks: tuple[tuple[str, float], ...] = ()
+    activation_blocks: tuple[tuple[str, float], ...] = ()
 
     def phases(self) -> dict[str, float]:
         """What is live beside the state (params, optimizer, accumulator) in each phase of the step: "loss" (the
@@ -173,74 +196,159 @@ class MemoryBreakdown:
             "hbm_bytes": self.hbm_bytes, "headroom_bytes": self.headroom_bytes, "fits": self.fits,
             "host_offload": self.host_offload, "host_state": self.host_state,
             "optimizer_staged": self.optimizer_staged, "host_bytes": self.host_bytes,
+            "state_blocks": dict(self.state_blocks), "activation_blocks": dict(self.activation_blocks),
         }
 
 
 def params_per_device(model: ModelShape, mesh: Mesh) -> float:
     """Parameters held by one device after sharding (the optimizer and gradients are sharded alike)."""
-    return sum(a.count * local_size(a.shape, a.logical, mesh) for a in param_arrays(model))
+    return sum(a.count * held(a, mesh) for a in param_arrays(model))
 
 
-def named_per_token(model: ModelShape, train: TrainShape, mesh: Mesh) -> dict[str, float]:
+def params_per_block(model: ModelShape, mesh: Mesh) -> dict[str, float]:
+    """params_per_device split into "experts" (MoE blocks), "attention" and "rest"."""
+    out = {"experts": 0.0, "attention": 0.0, "rest": 0.0}
+    for x in param_arrays(model):
+        part = "experts" if x.block == "moe" else "attention" if x.block == "attention" else "rest"
+        out[part] += x.count * held(x, mesh)
+    return out
+
+
+def routed_rows_held(moe: MoeShape, train: TrainShape, mesh: Mesh) -> float:
+    """Rows of the routed experts' buffers per local token: top-k (dropless, in MaxText's worst-case receive buffer
+    under expert parallelism), E x C / L capacity slots, or E (dense dropless)."""
+    if dispatch(train) == "sparse":
+        return moe.k * ragged_buffer_factor(mesh.axes.get("expert", 1))
+    return rows_per_token(moe, train)
+
+
+def named_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, moe_layer: bool = False) -> dict[str, float]:
     """Bytes per local token of each checkpoint name's tensor that the backward reads back, in one layer (the layer
     input is the scan carry, counted apart; qkv_proj only under fused_qkv, mlpwi of a gated MLP only under
-    fused_mlp; the MLP's output, mlpwo,
-    only a post-norm reads: elsewhere a policy that names it keeps nothing, tests/test_remat.py)."""
+    fused_mlp; the MLP's output, mlpwo, only a post-norm reads, or in a MoE layer (`moe_layer`) the routing
+    weights' gradient: elsewhere a policy that names it keeps nothing, tests/test_remat.py). A MoE layer's MLP names
+    are its experts' tensors over the rows they hold, and its shared experts'."""
     c = dtype_bytes(train.compute_dtype, "compute_dtype")
     D, Dh = model.d_model, model.head_dim
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
     # a flash kernel's residuals carry the context's name too: its output in the kernel's [B, H, L, Dh] layout (beside
     # the context in the model's) and the float32 log-sum-exp (measured here: jax's saved_residuals of a layer)
     flash = attention_kernel(train) == "flash"
-    kernel = c * a.H * Dh + FLASH_LSE_BYTES * a.H if flash else 0.0
+    moe = moe_shape(model) if moe_layer else None
+    F = a.F if moe is None else (routed_rows_held(moe, train, mesh) + moe.S) * a.Fe
     # MaxText's fused_mlp names the gate and up outputs together mlpwi, its fused_qkv q, k and v together qkv_proj
     if gated(model) and getattr(model, "fused_mlp", False):
-        wi = {"mlpwi": 2 * c * a.F}
+        wi = {"mlpwi": 2 * c * F}
     else:
-        wi = {"mlpwi_0": c * a.F, "mlpwi_1": c * a.F} if gated(model) else {"mlpwi": c * a.F}
+        wi = {"mlpwi_0": c * F, "mlpwi_1": c * F} if gated(model) else {"mlpwi": c * F}
+    if moe is not None:
+        wo = c * a.D * (routed_rows_held(moe, train, mesh) + (1 if moe.S else 0))
+    else:
+        wo = c * a.D if model.post_norms else 0.0
+    if is_mla(model):
+        Dq, Dv = head_dims(model)
+        kernel = c * a.H * Dv + FLASH_LSE_BYTES * a.H if flash else 0.0
+        return {"query_proj": c * a.H * Dq, "key_proj": c * a.H * Dq, "value_proj": c * a.H * Dv,
+                "context": c * a.H * Dv + kernel, "out_proj": c * a.D, **wi, "mlpwo": wo}
+    kernel = c * a.H * Dh + FLASH_LSE_BYTES * a.H if flash else 0.0
     if getattr(model, "fused_qkv", False):
         qkv = {"qkv_proj": c * (a.H + 2 * a.K) * Dh}
     else:
         qkv = {"query_proj": c * a.H * Dh, "key_proj": c * a.K * Dh, "value_proj": c * a.K * Dh}
-    return {**qkv, "context": c * a.H * Dh + kernel, "out_proj": c * a.D, **wi,
-            "mlpwo": c * a.D if model.post_norms else 0.0}
+    return {**qkv, "context": c * a.H * Dh + kernel, "out_proj": c * a.D, **wi, "mlpwo": wo}
 
 
-def layer_saved_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat: str) -> float:
+def layer_saved_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat: str,
+                          moe_layer: bool = False) -> float:
     """Bytes one layer keeps in device memory per local token for its backward, beyond the layer input, under a
-    remat policy (`custom` reads the train config's per-tensor keys)."""
+    remat policy (`custom` reads the train config's per-tensor keys); `moe_layer`: a MoE layer's."""
+    return sum(layer_saved_parts(model, train, mesh, remat=remat, moe_layer=moe_layer).values())
+
+
+def layer_saved_parts(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat: str,
+                      moe_layer: bool = False) -> dict[str, float]:
+    """layer_saved_per_token split into the attention block's ("attention"), the MLP's or experts' ("mlp") and the
+    norms' and residual's ("rest")."""
     if remat != "none":
         names = remat_names(train, remat)
-        sizes = named_per_token(model, train, mesh)
-        return sum(sizes.get(n, 0.0) for n in names[0])
+        sizes = named_per_token(model, train, mesh, moe_layer)
+        attention = sum(sizes.get(n, 0.0) for n in names[0] if n in ATTENTION_NAMES)
+        return {"attention": attention, "mlp": sum(sizes.get(n, 0.0) for n in names[0] if n not in ATTENTION_NAMES),
+                "rest": 0.0}
     c = dtype_bytes(train.compute_dtype, "compute_dtype")
     D, Dh = model.d_model, model.head_dim
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
-    mlp_f = (GATED_MLP_SAVED_F if gated(model) else PLAIN_MLP_SAVED_F) * a.F
+    moe = moe_shape(model) if moe_layer else None
+    if moe is None:
+        mlp = c * (GATED_MLP_SAVED_F if gated(model) else PLAIN_MLP_SAVED_F) * a.F
+    else:
+        mlp = moe_saved_per_token(model, moe, train, mesh)
     # the residual stream and its float32 norm values are split over tensor (MaxText's activation_embed rule); a
     # norm's compute-dtype output is the next matmul's input, gathered to the full width D for it
     norms = (4 if model.post_norms else 2) * (NORM_SAVED_BYTES * a.D + c * D)
     residual = c * a.D  # the sum after attention, input of the MLP block
-    qkv = c * (a.H + 2 * a.K) * Dh
-    qk_norm = (NORM_SAVED_BYTES + c) * (a.H + a.K) * Dh if model.qk_norm else 0.0
-    rope = c * (a.H + a.K) * Dh if str(model.positions) == "rope" else 0.0
-    scaled_q_and_context = 2 * c * a.H * Dh
+    if is_mla(model):
+        Dq, Dv = head_dims(model)
+        projections = mla_saved_per_token(model, c, a.H)
+    else:
+        Dq = Dv = Dh
+        qkv = c * (a.H + 2 * a.K) * Dh
+        qk_norm = (NORM_SAVED_BYTES + c) * (a.H + a.K) * Dh if model.qk_norm else 0.0
+        rope = c * (a.H + a.K) * Dh if str(model.positions) == "rope" else 0.0
+        projections = qkv + qk_norm + rope + 2 * c * a.H * Dh  # and the scaled q and the context
     if attention_kernel(train) == "flash":  # the kernel's residuals: its output in its own layout, the log-sum-exp
-        scores = c * a.H * Dh + FLASH_LSE_BYTES * a.H
+        scores = c * a.H * Dv + FLASH_LSE_BYTES * a.H
     else:  # each local query attends over all L keys (the full matrix, masked)
         product, logits = score_bytes(train)
         saved = SCORE_SAVED * logits + (c if logits > c else 0)
         scores = a.H * train.seq_len * (saved + (SOFTCAP_SAVED * product if _softcapped(model) else 0))
-    return norms + residual + qkv + qk_norm + rope + scaled_q_and_context + scores + c * mlp_f
+    return {"attention": projections + scores, "mlp": mlp, "rest": norms + residual}
 
 
-def layer_offloaded_per_token(model: ModelShape, train: TrainShape, mesh: Mesh) -> float:
+def mla_saved_per_token(model: ModelShape, c: int, H: float) -> float:
+    """Latent attention's tensors per token (models/layers/mla.py), H the local heads: the q latent and its float32
+    norm, the kv latent with the shared RoPE key and the latent's norm, then per head q, its rotated RoPE part, the
+    up-projected keys' and values' product, the assembled keys, the scaled q and the context."""
+    R, C, Dn, Dr, Dv = (model.q_lora_rank, model.kv_lora_rank, model.qk_nope_head_dim, model.qk_rope_head_dim,
+                        model.v_head_dim)
+    Dq = Dn + Dr
+    latents = c * R + (NORM_SAVED_BYTES + c) * R + c * (C + Dr) + (NORM_SAVED_BYTES + c) * C + c * Dr
+    heads = c * H * (Dq + Dr + (Dn + Dv) + Dq + Dq + Dv)
+    return latents + heads
+
+
+def moe_saved_per_token(model: ModelShape, moe: MoeShape, train: TrainShape, mesh: Mesh) -> float:
+    """A MoE block's tensors per local token without remat (see ROUTER_FLOAT32_PER_EXPERT's note)."""
+    c = dtype_bytes(train.compute_dtype, "compute_dtype")
+    D = model.d_model
+    a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
+    rows = routed_rows_held(moe, train, mesh)
+    mlp_f = GATED_MLP_SAVED_F if gated(model) else PLAIN_MLP_SAVED_F
+    router = 4 * ROUTER_FLOAT32_PER_EXPERT * moe.E + 4 * moe.k
+    experts = c * D * rows + c * mlp_f * rows * a.Fe  # the experts' input rows and MLP internals
+    if dispatch(train) == "sparse":  # the combine reads each token's top-k expert outputs
+        outputs = c * D * moe.k
+    else:  # the combine reads the experts' output slots, and the dispatch and combine masks [L, E, C] per sequence
+        outputs = c * D * rows + 2 * c * rows
+    shared = c * mlp_f * moe.S * a.Fe
+    return router + experts + outputs + shared
+
+
+def layer_offloaded_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, moe_layer: bool = False) -> float:
     """Bytes one layer offloads to pinned host memory per local token under the step's remat policy."""
     names = remat_names(train)
     if names is None:
         return 0.0
-    sizes = named_per_token(model, train, mesh)
+    sizes = named_per_token(model, train, mesh, moe_layer)
     return sum(sizes.get(n, 0.0) for n in names[1])
+
+
+def over_layers(model: ModelShape, per_layer) -> float:
+    """The sum of `per_layer(moe_layer)` over the decoder layers: dense layers' and MoE layers'."""
+    moe = moe_shape(model)
+    n_moe = moe.moe_layers if moe else 0
+    dense = model.num_layers - n_moe
+    return (dense * per_layer(False) if dense else 0.0) + (n_moe * per_layer(True) if n_moe else 0.0)
 
 
 def score_bytes(train: TrainShape) -> tuple[int, int]:
@@ -272,6 +380,7 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     gradients = local_params * p
     # models/train_step.py accumulates microbatch gradients in float32 whatever the param dtype
     accumulator = local_params * GRAD_ACCUMULATOR_BYTES if micro > 1 else 0.0
+    state_per_param = p * (2 + OPTIMIZER_STATES_PER_PARAM) + (GRAD_ACCUMULATOR_BYTES if micro > 1 else 0)
     if not STATE_DONATED:
         params, optimizer = 2 * params, 2 * optimizer
     # state in pinned host memory between steps: the parameters come to HBM for the whole step (the forward and
@@ -287,10 +396,13 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
 
     # scanned or not, the backward reads every layer's input: N x T x D (Korthikanti's 2sbh per layer for "full")
     carry = N * T * a.D * c
-    saved = N * T * layer_saved_per_token(model, train, mesh, remat=remat)
+    parts = {k: T * over_layers(model, lambda m: layer_saved_parts(model, train, mesh, remat=remat, moe_layer=m)[k])
+             for k in ("attention", "mlp", "rest")}
+    saved = T * over_layers(model, lambda m: layer_saved_per_token(model, train, mesh, remat=remat, moe_layer=m))
     activations = carry + saved
     saved_copy = (MINIMAL_SAVED_COPIES - 1) * saved if remat != "none" else 0.0
-    host_offload = N * T * layer_offloaded_per_token(model, train, mesh)
+    offloaded = over_layers(model, lambda m: layer_offloaded_per_token(model, train, mesh, m))
+    host_offload = T * offloaded
     tiles = vocab_tiles(train)
     if tiles == 1:
         logits = T * a.V * (c + 4 * LOGITS_FLOAT32_BUFFERS)
@@ -300,7 +412,7 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
                   + p * local_size(table.shape, table.logical, mesh))
 
     arrays = param_arrays(model)
-    layer_full = sum(gathered_size(x.shape, x.logical, mesh) for x in arrays if x.count == N and x.matmul)
+    layer_full = layer_weights(arrays, lambda x: held_gathered(x, mesh))
     gathered = GATHERED_LAYERS * layer_full * c
     grads_unsharded = UNSHARDED_GRAD_LAYERS * layer_full * c
     table = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
@@ -313,16 +425,30 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     working = gradient_buffers
     if remat != "none":  # the layer being differentiated is rematerialized: one layer's full set of saved tensors,
         # its norms without their float32 values
+        # (a MoE layer's where the model has them, its dispatch buffers among them)
         norms_float32 = (4 if model.post_norms else 2) * (NORM_SAVED_BYTES - RECOMPUTED_NORM_BYTES) * a.D
-        working += T * (D * c + layer_saved_per_token(model, train, mesh, remat="none") - norms_float32)
-    staged = OFFLOAD_STAGED_LAYERS * T * layer_offloaded_per_token(model, train, mesh)
+        largest = max(layer_saved_per_token(model, train, mesh, remat="none", moe_layer=m) for m in layer_kinds(model))
+        working += T * (D * c + largest - norms_float32)
+    staged = OFFLOAD_STAGED_LAYERS * T * max(layer_offloaded_per_token(model, train, mesh, m)
+                                             for m in layer_kinds(model))
     temporaries = gathered + grads_unsharded + working + staged
     return MemoryBreakdown(
         params=params, optimizer=optimizer, gradients=gradients, grad_accumulator=accumulator,
         activations=activations, saved_copy=saved_copy, logits=logits + vocab_table, temporaries=temporaries,
         optimizer_temporaries=OPTIMIZER_GRADIENT_COPIES * gradients, hbm_bytes=hbm_bytes, host_offload=host_offload,
         host_state=host_state, optimizer_staged=optimizer_staged,
+        state_blocks=tuple((k, n * state_per_param) for k, n in params_per_block(model, mesh).items()),
+        activation_blocks=(("experts", parts["mlp"] if moe_shape(model) else 0.0), ("attention", parts["attention"]),
+                           ("rest", carry + parts["rest"] + (0.0 if moe_shape(model) else parts["mlp"]))),
     )
+
+
+def layer_kinds(model: ModelShape) -> tuple[bool, ...]:
+    """The kinds of decoder layer the model has, as `moe_layer` flags: (False,), (True,) or both."""
+    moe = moe_shape(model)
+    if moe is None:
+        return (False,)
+    return tuple(kind for kind, n in ((False, moe.dense_layers), (True, moe.moe_layers)) if n)
 
 
 def vocab_tiles(train: TrainShape) -> int:

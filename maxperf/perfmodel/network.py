@@ -4,6 +4,11 @@ A ring collective over n members moves (n-1)/n of the full buffer through each m
 reduce-scatter and 2(n-1)/n for an all-reduce (Patarasuk & Yuan 2009; the NCCL "bus bandwidth" convention).
 Over several networks the collective is hierarchical: the part inside the fast network moves the full buffer, the
 part across the slow one moves 1/a of it, a being the members inside the fast network (as XLA and NCCL do).
+
+An all-to-all over n members sends each member's buffer out in n equal parts, one to each member: through a switch
+(NVLink, a host network) (n-1)/n of the buffer leaves each member at its own bandwidth; on a torus the parts travel
+several hops and share the links, so a member's traffic is its buffer times the mean hops, spread over its links
+(bisection-bound for a large ring, as Dally & Towles 2004, sec. 3.3, derive for uniform traffic on a torus).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class AxisNetwork:
     torus: bool = False  # on a torus, axes on different dimensions use different links, so bandwidths add
     kind_efficiency: tuple[tuple[str, float], ...] = ()  # (collective, bandwidth relative to inner_bandwidth)
     inner_latency: float = LATENCY_S["ici"]  # fixed seconds per collective on the chip-to-chip network
+    torus_dims: int = 1  # on a torus, the dimensions the axis spans (inner_bandwidth counts the links of all of them)
 
     def efficiency(self, kind: str) -> float:
         return next((e for k, e in self.kind_efficiency if k == kind), 1.0)
@@ -75,7 +81,7 @@ def axis_networks(mesh: Mesh, chip: Chip, topology: TopologyShape) -> dict[str, 
         spanned = _torus_dims_spanned(torus, ici)
         return {
             a: AxisNetwork(a, ici[a], mesh.dcn.get(a, 1), LINKS_PER_TORUS_DIM * spanned[a] * chip.link_bandwidth,
-                           host_bw, torus=True)
+                           host_bw, torus=True, torus_dims=spanned[a])
             for a in MESH_AXES
         }
     if chip.kind == "gpu":
@@ -117,4 +123,35 @@ def collective_time(kind: str, nbytes: float, axes: tuple[str, ...], nets: dict[
     if outer > 1:
         bw = min(nets[a].outer_bandwidth for a in axes if nets[a].outer > 1)
         dcn = f(outer) * nbytes / inner / bw + pieces * LATENCY_S["dcn"]
+    return CollectiveTime(ici, dcn)
+
+
+def torus_mean_hops(members: int, dims: int) -> float:
+    """Mean hops from a member of a `dims`-dimensional torus of `members` to all members (itself included), a ring
+    of k = members^(1/dims) per dimension: k/4 per dimension, both directions round each ring."""
+    k = members ** (1 / dims)
+    return dims * k / 4
+
+
+def all_to_all_time(nbytes: float, axes: tuple[str, ...], nets: dict[str, AxisNetwork]) -> CollectiveTime:
+    """One all-to-all in which each member sends `nbytes` (its whole buffer, its own share included) over the
+    product of `axes`: the parts for members inside the fast network over it (a torus: times the mean hops, over
+    all its links), the parts for the other slices or hosts over the host network."""
+    inner = math.prod(nets[a].inner for a in axes)
+    outer = math.prod(nets[a].outer for a in axes)
+    n = inner * outer
+    ici = dcn = 0.0
+    if inner > 1:
+        local = nbytes * inner / n
+        fast = [nets[a] for a in axes if nets[a].inner > 1]
+        if all(x.torus for x in fast):
+            bw = sum(x.inner_bandwidth for x in fast)
+            traffic = local * torus_mean_hops(inner, sum(x.torus_dims for x in fast))
+        else:
+            bw = min(x.inner_bandwidth for x in fast)
+            traffic = local * (inner - 1) / inner
+        ici = traffic / bw + max(x.inner_latency for x in fast)
+    if outer > 1:
+        bw = min(nets[a].outer_bandwidth for a in axes if nets[a].outer > 1)
+        dcn = nbytes * (outer - 1) / outer / bw + LATENCY_S["dcn"]
     return CollectiveTime(ici, dcn)

@@ -16,16 +16,34 @@ from maxperf.perfmodel.chips import MATMUL_FRACTION_ORIGIN, Chip
 from maxperf.perfmodel.cpu import FRESH_MAPPING_THRESHOLD  # noqa: F401 (profiler.calibrate sizes buffers by it)
 from maxperf.perfmodel.flops import (
     ATTENTION_SKIPS_MASKED,
+    COMBINE_BACKWARD_EINSUMS,
+    DISPATCH_BACKWARD_EINSUMS,
     FLASH_BACKWARD_MATMULS,
     attention_kernel,
-    attention_pairs,
     gated,
+    head_dims,
+    is_mla,
+    layer_pairs,
     recomputed,
 )
-from maxperf.perfmodel.memory import OPTIMIZER_STATES_PER_PARAM, layer_offloaded_per_token, params_per_device
-from maxperf.perfmodel.network import LATENCY_S, axis_networks, collective_time
+from maxperf.perfmodel.memory import (
+    OPTIMIZER_STATES_PER_PARAM,
+    layer_offloaded_per_token,
+    over_layers,
+    params_per_device,
+)
+from maxperf.perfmodel.moe import (
+    LOAD_IMBALANCE,
+    PERMUTE_PASSES,
+    dispatch,
+    expert_capacity,
+    load_imbalance,
+    moe_shape,
+    rows_per_token,
+)
+from maxperf.perfmodel.network import LATENCY_S, CollectiveTime, all_to_all_time, axis_networks, collective_time
 from maxperf.perfmodel.shapes import Mesh, ModelShape, TopologyShape, TrainShape, check, dtype_bytes
-from maxperf.perfmodel.sharding import activation_split, gather_axes, gathered_size, local_size, param_arrays
+from maxperf.perfmodel.sharding import activation_split, gather_axes, held, held_gathered, param_arrays
 
 # Matmul efficiency = chip.matmul_fraction x m / (m + HALF), m the smallest of the matmul's dimensions: the rate a
 # large matmul sustains on the chip (chips.MATMUL_FRACTION), less for a thinner one, which fills the 128/256-wide
@@ -83,24 +101,27 @@ class Overlap:
     parallel collectives are decomposed by XLA into collective matmuls that overlap the matmuls they feed (Wang et
     al., ASPLOS 2023), all but hidden (fitted 0.99, 22 TPU rows with a tensor axis); the data-parallel gradient
     all-reduce runs once after the scanned backward, with nothing left to hide behind (fitted 0.0, 36 rows with a
-    data axis); sequence-parallel collectives half hidden (assumed: no row has a sequence axis)."""
+    data axis); sequence-parallel collectives half hidden (assumed: no row has a sequence axis); the expert-parallel
+    all-to-alls of a MoE layer exposed (assumed: the experts' matmuls wait for the rows the dispatch brings, the
+    layer's next work for what the combine brings back; no published row has an expert axis)."""
 
     fsdp: float = 0.51
     tensor: float = 0.99
     sequence: float = 0.5
     data: float = 0.0
+    expert: float = 0.0
 
     @classmethod
     def uniform(cls, fraction: float) -> Overlap:
-        return cls(fraction, fraction, fraction, fraction)
+        return cls(fraction, fraction, fraction, fraction, fraction)
 
     def __post_init__(self) -> None:
-        for name in ("fsdp", "tensor", "sequence", "data"):
+        for name in ("fsdp", "tensor", "sequence", "data", "expert"):
             value = getattr(self, name)
             check(0.0 <= value <= 1.0, f"overlap {name} must be between 0 and 1, got {value}")
 
 
-OVERLAP_ORIGIN = {"fsdp": "fitted", "tensor": "fitted", "sequence": "assumed", "data": "fitted"}
+OVERLAP_ORIGIN = {"fsdp": "fitted", "tensor": "fitted", "sequence": "assumed", "data": "fitted", "expert": "assumed"}
 
 
 @dataclass(frozen=True)
@@ -197,9 +218,10 @@ class _Table:
 
 
 def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topology: TopologyShape,
-              overlap: Overlap, temporaries: float = 0.0) -> StepTime:
+              overlap: Overlap, temporaries: float = 0.0, imbalance: float | None = None) -> StepTime:
     """`temporaries`: bytes per device live beside the state at the step's peak (the memory model's), which CPU
-    devices fault in afresh every step (perfmodel.cpu)."""
+    devices fault in afresh every step (perfmodel.cpu); `imbalance`: the MoE load imbalance (perfmodel.moe
+    load_imbalance; None: the train config's moe_load_imbalance where it has one, else LOAD_IMBALANCE)."""
     c = dtype_bytes(train.compute_dtype, "compute_dtype")
     p = dtype_bytes(train.param_dtype, "param_dtype")
     D, N, Dh, L = model.d_model, model.num_layers, model.head_dim, train.seq_len
@@ -211,16 +233,29 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     # matmuls: forward, backward (2 x forward), and the forward again where remat recomputes it
     again = recomputed(model, train)
     once, bwd = N * micro, N * micro
+    moe = moe_shape(model)
+    n_dense = N - (moe.moe_layers if moe else 0)
 
-    def fwd(*names: str) -> float:
-        return sum(once * (1 + (name in again)) for name in names)
+    def fwd(*names: str, layers: int = N, recomputing: frozenset[str] = again) -> float:
+        return sum(layers * micro * (1 + (name in recomputing)) for name in names)
 
-    table.train_matmul("q projection", T, D, a.H * Dh, fwd("query_proj"), bwd, c)
-    table.train_matmul("k, v projections", T, D, a.K * Dh, fwd("key_proj", "value_proj"), 2 * bwd, c)
-    table.train_matmul("attention output projection", T, a.H * Dh, D, fwd("out_proj"), bwd, c)
+    Dq, Dv = head_dims(model)
+    if is_mla(model):
+        _mla_matmuls(table, model, T, a.H, fwd, bwd, c)
+    else:
+        table.train_matmul("q projection", T, D, a.H * Dh, fwd("query_proj"), bwd, c)
+        table.train_matmul("k, v projections", T, D, a.K * Dh, fwd("key_proj", "value_proj"), 2 * bwd, c)
+        table.train_matmul("attention output projection", T, a.H * Dh, D, fwd("out_proj"), bwd, c)
     wi = ("mlpwi_0", "mlpwi_1") if gated(model) else ("mlpwi",)
-    table.train_matmul("mlp up" + (" and gate" if gated(model) else ""), T, D, a.F, fwd(*wi), len(wi) * bwd, c)
-    table.train_matmul("mlp down", T, a.F, D, fwd("mlpwo"), bwd, c)
+    if n_dense:
+        dense = n_dense * micro
+        table.train_matmul("mlp up" + (" and gate" if gated(model) else ""), T, D, a.F, fwd(*wi, layers=n_dense),
+                           len(wi) * dense, c)
+        table.train_matmul("mlp down", T, a.F, D, fwd("mlpwo", layers=n_dense), dense, c)
+    f = 1.0
+    if moe:
+        f = load_imbalance(train, mesh.axes["expert"], imbalance)
+        _moe_matmuls(table, model, train, mesh, moe, T, Bm, a, f, fwd, c)
     # num_vocab_tiling: each chunk's logits are computed again in the backward
     table.train_matmul("unembedding", T, D, a.V, micro * (1 + (getattr(train, "num_vocab_tiling", 1) > 1)), micro, c)
     # attention per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh. The dot product computes all
@@ -229,27 +264,28 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     kernel = attention_kernel(train)
     flash_rate = FLASH_EFFICIENCY.get(chip.kind) if kernel == "flash" else None
     skips = ATTENTION_SKIPS_MASKED[kernel] and (chip.kind != "cpu" or cpu.SKIPS_MASKED_BLOCKS)
-    attention_rate = chip.attention_rate(train.compute_dtype, Dh)
-    for W in model.layer_windows():
-        share = attention_pairs(L, W) / (L * L) if skips else 1.0
+    attention_rate = chip.attention_rate(train.compute_dtype, Dq)
+    for pairs in layer_pairs(model, L):
+        share = pairs / (L * L) if skips else 1.0
         count = Bm * a.H * micro * share
         scores_fwd, context_fwd = 1 + ("scores" in again), 1 + ("context" in again)
         if flash_rate:
             # the forward kernel (2 matmuls), again where remat recomputes it, and the backward kernel's
-            flops = 2 * a.L * L * Dh * (2 * context_fwd + FLASH_BACKWARD_MATMULS) * count
+            flops = 2 * a.L * L * (Dq + Dv) / 2 * (2 * context_fwd + FLASH_BACKWARD_MATMULS) * count
             table.assume("flash", f"flash attention at {flash_rate:.2f} of the matmul rate (fitted)")
             table.add("attention (flash kernel)", "compute", flops / (table.peak * chip.matmul_fraction * flash_rate),
                       flops)
         elif attention_rate:  # measured whole (CPU devices): scores, softmax and context, forward and backward
-            cpu.measured_attention(table.add, attention_rate, 2 * a.L * L * Dh * (scores_fwd + context_fwd + 4) * count)
+            cpu.measured_attention(table.add, attention_rate,
+                                   2 * a.L * L * (Dq + Dv) / 2 * (scores_fwd + context_fwd + 4) * count)
         else:
             # one batched einsum over B x H: its head-dim-wide side is a contraction or an output width that tensor
             # cores and MXUs tile whole, so the thin-matmul term takes its sequence-wide sides (on an H100, scaled-1
             # at B 8, L 2048 with full remat: the dot product measured 89 ms slower than flash, where the
             # head-dim side made it 247; bench/gpu_measured.py)
             side = None if chip.kind == "cpu" else min(a.L, L)
-            table.train_matmul("attention scores", a.L, Dh, L, scores_fwd * count, count, c, side)
-            table.train_matmul("attention context", a.L, L, Dh, context_fwd * count, count, c, side)
+            table.train_matmul("attention scores", a.L, Dq, L, scores_fwd * count, count, c, side)
+            table.train_matmul("attention context", a.L, L, Dv, context_fwd * count, count, c, side)
 
     # memory-bound work
     elementwise_layers = N * micro * (1 + ELEMENTWISE_BACKWARD_FACTOR + (1 if again else 0))
@@ -257,10 +293,21 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     if chip.kind != "cpu":
         table.assume("elementwise", f"{d_passes:g} elementwise HBM passes over D per token and layer (fitted), "
                                     f"{ELEMENTWISE_F_PASSES} over F (assumed)")
-    per_token = c * (d_passes * D + ELEMENTWISE_F_PASSES * a.F)
-    if str(model.positions) == "rope":
+    if moe is None:
+        per_token = c * (d_passes * D + ELEMENTWISE_F_PASSES * a.F)
+    else:  # the activation's passes over each layer's MLP width: a dense layer's F, a MoE layer's routed and shared
+        F_moe = (rows_per_token(moe, train) + moe.S) * a.Fe
+        per_token = c * (d_passes * D + ELEMENTWISE_F_PASSES * over_layers(model, lambda m: F_moe if m else a.F) / N)
+    if is_mla(model):  # the RoPE parts: each head's query part and the shared key
+        per_token += 2 * c * (a.H + 1) * model.qk_rope_head_dim
+    elif str(model.positions) == "rope":
         per_token += 2 * c * (a.H + a.K) * Dh  # rotate q and k: read and write
     table.memory("norms, residuals, activations", elementwise_layers * T * per_token)
+    if moe is not None and dispatch(train) == "sparse":
+        permutes = moe.moe_layers * micro * (1 + ELEMENTWISE_BACKWARD_FACTOR + (1 if again else 0))
+        table.assume("moe permute", f"{PERMUTE_PASSES} HBM passes over the routed rows (top-k x D per token) to sort "
+                                    "and unsort them, forward (assumed)")
+        table.memory("moe dispatch permutes", permutes * T * moe.k * f * D * c * PERMUTE_PASSES)
     scores = Bm * a.H * a.L * L * N * micro
     softmax_fwd = (4 * SOFTMAX_FWD_FLOAT32 + c) * (1 + ("scores" in again))
     if not attention_rate and not flash_rate:
@@ -287,24 +334,29 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     # collectives
     nets = axis_networks(mesh, chip, topology)
     arrays = param_arrays(model)
-    layer_arrays = [x for x in arrays if x.count == N and x.matmul]
+    layer_arrays = [x for x in arrays if x.block and x.matmul and not x.expert_parallel]
     table_array = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
     fsdp_axes = gather_axes([*layer_arrays, table_array], mesh)
     if fsdp_axes:
-        gathered = sum(gathered_size(x.shape, x.logical, mesh) for x in layer_arrays)
-        vocab = gathered_size(table_array.shape, table_array.logical, mesh)
+        # per layer: the mean over the layers where dense and MoE layers differ
+        gathered = sum(held_gathered(x, mesh) * (x.count / N) for x in layer_arrays)
+        vocab = held_gathered(table_array, mesh)
         # forward gather, backward gather again, gradient reduce-scatter: per layer and microbatch, each weight
         # gathered by a collective of its own and a layer's gradients reduced by one combined collective
         g_bytes, rs = cpu.fsdp_collectives(p) if chip.kind == "cpu" else (c, "reduce-scatter")
-        for kind, nbytes, count, pieces in (("all-gather", gathered * g_bytes, 2 * N * micro, len(layer_arrays)),
+        per_layer = sum(x.count / N for x in layer_arrays)
+        for kind, nbytes, count, pieces in (("all-gather", gathered * g_bytes, 2 * N * micro, per_layer),
                                             ("all-gather", vocab * g_bytes, 2 * micro, 1),
                                             (rs, gathered * p, N * micro, 1),
                                             (rs, vocab * p, micro, 1)):
             _collective(table, "fsdp " + kind, kind, nbytes, fsdp_axes, nets, count, overlap.fsdp, pieces)
         if chip.kind == "cpu":
-            last = sum(local_size(x.shape, x.logical, mesh) for x in layer_arrays if x.logical[-1] == "embed")
-            first = sum(local_size(x.shape, x.logical, mesh) for x in layer_arrays if x.logical[0] == "embed")
+            last = sum(held(x, mesh) * (x.count / N) for x in layer_arrays if x.logical[-1] == "embed")
+            first = sum(held(x, mesh) * (x.count / N) for x in layer_arrays if x.logical[0] == "embed")
             cpu.weight_layout_copies(table.add, chip, last, first, p, N * micro)
+    if moe is not None:
+        experts = [x for x in arrays if x.expert_parallel]
+        _moe_collectives(table, model, train, mesh, moe, T, f, experts, nets, overlap, c, p)
     if mesh.axes["tensor"] > 1:
         # Megatron-style: 2 all-reduces of T x D in the forward, 2 in the backward (Shoeybi et al. 2019, sec. 3)
         count = N * micro * (2 + 2 + ("out_proj" in again) + ("mlpwo" in again))
@@ -322,9 +374,91 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     return _settle(table)
 
 
+def _mla_matmuls(table: _Table, model: ModelShape, T: float, H: float, fwd, bwd: float, c: int) -> None:
+    """Latent attention's projections (models/layers/mla.py), H the local heads: q through its latent (or straight
+    from D), the kv latent with the shared RoPE key, its up-projection to keys and values, the output."""
+    D, R, C = model.d_model, model.q_lora_rank, model.kv_lora_rank
+    Dn, Dr, Dv = model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
+    if R:
+        table.train_matmul("q projection", T, D, R, fwd("query_proj"), bwd, c)
+        table.train_matmul("q projection", T, R, H * (Dn + Dr), fwd("query_proj"), bwd, c)
+    else:
+        table.train_matmul("q projection", T, D, H * (Dn + Dr), fwd("query_proj"), bwd, c)
+    kv = max(fwd("key_proj"), fwd("value_proj"))  # one latent and one up-projection serve keys and values
+    table.train_matmul("k, v projections", T, D, C + Dr, kv, bwd, c)
+    table.train_matmul("k, v projections", T, C, H * (Dn + Dv), kv, bwd, c)
+    table.train_matmul("attention output projection", T, H * Dv, D, fwd("out_proj"), bwd, c)
+
+
+def _moe_matmuls(table: _Table, model: ModelShape, train: TrainShape, mesh: Mesh, moe, T: float, Bm: float, a,
+                 f: float, fwd, c: int) -> None:
+    """A MoE layer's matmuls on one device: the router, the routed experts' grouped matmul as one matmul per local
+    expert over its rows (the device's tokens x rows per token among its E / ep experts, f times the mean on the
+    busiest device), each reading its own weights, the shared experts, and with the einsum dispatch its one-hot
+    dispatch and combine einsums (models/layers/moe.py)."""
+    D, micro, layers = model.d_model, train.grad_accum_steps, moe.moe_layers
+    again = recomputed(model, train, moe_layer=True)
+    bwd = layers * micro
+    kind = dispatch(train)
+    rows = rows_per_token(moe, train)
+    ep = mesh.axes["expert"] if moe.E % mesh.axes["expert"] == 0 else 1
+    local = moe.E / ep
+    # the rows one expert's matmul takes: the device's rows (from all ep devices' tokens) among its local experts
+    group = T * rows * f / local
+    table.assume("grouped matmul", f"routed experts' grouped matmuls as one matmul per expert of its rows "
+                                   f"({group:.0f} here), at that matmul's efficiency (the term above)")
+    if f > 1:
+        origin = "assumed" if f == LOAD_IMBALANCE else "as given"
+        table.assume("moe imbalance", f"the busiest of the expert-parallel devices computes and receives {f:g}x the "
+                                      f"mean of the routed rows ({origin}; perfmodel.estimate's load_imbalance)")
+
+    def moe_fwd(*names: str) -> float:
+        return fwd(*names, layers=layers, recomputing=again)
+
+    wi = ("mlpwi_0", "mlpwi_1") if gated(model) else ("mlpwi",)
+    table.train_matmul("experts up and gate" if gated(model) else "experts up", group, D, a.Fe, local * moe_fwd(*wi),
+                       local * len(wi) * bwd, c)
+    table.train_matmul("experts down", group, a.Fe, D, local * moe_fwd("mlpwo"), local * bwd, c)
+    table.train_matmul("router", T, D, moe.E, moe_fwd("router"), bwd, c)
+    if moe.S:
+        table.train_matmul("shared experts up" + (" and gate" if gated(model) else ""), T, D, moe.S * a.Fe,
+                           moe_fwd(*wi), len(wi) * bwd, c)
+        table.train_matmul("shared experts down", T, moe.S * a.Fe, D, moe_fwd("mlpwo"), bwd, c)
+    if kind != "sparse":  # per sequence: [E C, L] x [L, D] to dispatch, [L, E C] x [E C, D] to combine
+        slots = moe.E * expert_capacity(moe, train)
+        count = Bm * layers * micro
+        table.matmul("expert dispatch and combine einsums", slots, a.L, D,
+                     count * (1 + ("dispatch" in again) + DISPATCH_BACKWARD_EINSUMS), c)
+        table.matmul("expert dispatch and combine einsums", a.L, slots, D, count * (1 + COMBINE_BACKWARD_EINSUMS), c)
+
+
+def _moe_collectives(table: _Table, model: ModelShape, train: TrainShape, mesh: Mesh, moe, T: float, f: float,
+                     expert_arrays, nets, overlap: Overlap, c: int, p: int) -> None:
+    """The routed experts' FSDP gathers (over the FSDP axes other than `expert`, each device gathering its own
+    experts) and the expert-parallel all-to-alls: per MoE layer the dispatch and the combine in the forward, their
+    gradients in the backward, and the dispatch again where remat recomputes the layer."""
+    micro, layers = train.grad_accum_steps, moe.moe_layers
+    axes = gather_axes(expert_arrays, mesh)
+    if axes:
+        gathered = sum(held_gathered(x, mesh) for x in expert_arrays)  # one MoE layer's
+        g_bytes, rs = cpu.fsdp_collectives(p) if table.chip.kind == "cpu" else (c, "reduce-scatter")
+        _collective(table, "fsdp all-gather", "all-gather", gathered * g_bytes, axes, nets, 2 * layers * micro,
+                    overlap.fsdp, len(expert_arrays))
+        _collective(table, "fsdp " + rs, rs, gathered * p, axes, nets, layers * micro, overlap.fsdp)
+    kind = dispatch(train)
+    if mesh.axes["expert"] > 1:
+        # what one device sends (and, on the busiest, receives): its routed rows of D (the einsum dispatch's [B, E,
+        # C, D] slots go from batch-split to expert-split, an all-to-all too)
+        sent = T * (moe.k * f if kind == "sparse" else rows_per_token(moe, train)) * model.d_model * c
+        count = layers * micro * (4 + (recomputed(model, train) != frozenset()))
+        _collective(table, "expert all-to-all", "all-to-all", sent, ("expert",), nets, count, overlap.expert,
+                    time=all_to_all_time(sent, ("expert",), nets))
+
+
 def _collective(table: _Table, name: str, kind: str, nbytes: float, axes: tuple[str, ...], nets, count: float,
-                overlap: float, pieces: int = 1) -> None:
-    t = collective_time(kind, nbytes, axes, nets, pieces)
+                overlap: float, pieces: int = 1, time: CollectiveTime | None = None) -> None:
+    """`time`: one collective's time where `collective_time` does not model its kind (the all-to-all)."""
+    t = collective_time(kind, nbytes, axes, nets, pieces) if time is None else time
     if table.chip.kind != "cpu" and (t.ici_s or t.dcn_s):  # CPU collectives: measured rates, latency and overlap
         family = name.split()[0]
         origin = OVERLAP_ORIGIN[family] if overlap == getattr(Overlap(), family) else "as given"
