@@ -16,6 +16,8 @@ from maxperf.models.config import (
     Norm,
     Positions,
     RopeScaling,
+    RoutedScoreFunc,
+    YarnScaling,
 )
 
 _REGISTRY: dict[str, Callable[[], ModelConfig]] = {}
@@ -131,6 +133,46 @@ register(
         max_position=512, attention_type=AttentionType.MLA, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16,
     ),
+)
+
+
+# DeepSeek's multi-head latent attention and mixture of experts (the Hugging Face config.json of each release; MaxText's
+# configs/models/deepseek2-16b.yml, deepseek3-671b.yml and kimi-k2-1t.yml): q through a rank-1536 latent (none in
+# V2-Lite), kv through 512, heads of 128 position-free and 64 RoPE features for q and k and 128 for v; the first layers
+# dense, the rest 1 or 2 shared experts beside the routed ones; RoPE extended with YaRN. MTP is off
+# (mtp_num_layers=1 adds V3's one module). head_dim holds the q and k head dim.
+def _deepseek(name: str, V: int, D: int, N: int, H: int, F: int, q_lora: int, experts: int, top_k: int, moe_F: int,
+              shared: int, dense: int, theta: float, yarn: YarnScaling, **kw) -> ModelConfig:
+    return ModelConfig(
+        name=name, vocab_size=V, d_model=D, num_layers=N, num_heads=H, num_kv_heads=H, head_dim=192, d_ff=F,
+        norm_eps=1e-6, rope_theta=theta, rope_scaling=yarn, attention_type=AttentionType.MLA, q_lora_rank=q_lora,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_experts=experts,
+        num_experts_per_tok=top_k, base_moe_mlp_dim=moe_F, shared_experts=shared, first_num_dense_layers=dense, **kw,
+    )
+
+
+# deepseek-ai/DeepSeek-V2-Lite: 64 experts, top-6 softmax routing without renormalization
+register(
+    "deepseek-v2-lite",
+    lambda: _deepseek("deepseek-v2-lite", 102400, 2048, 27, 16, 10944, 0, 64, 6, 1408, 2, 1, 1e4,
+                      YarnScaling(factor=40, beta_fast=32, beta_slow=1, original_max_position=4096, mscale=0.707)),
+)
+# deepseek-ai/DeepSeek-V3: 256 experts, top-8 of the best 4 of 8 groups, sigmoid scores with a selection bias,
+# renormalized and scaled by 2.5
+register(
+    "deepseek-v3",
+    lambda: _deepseek("deepseek-v3", 129280, 7168, 61, 128, 18432, 1536, 256, 8, 2048, 1, 3, 1e4,
+                      YarnScaling(factor=40, beta_fast=32, beta_slow=1, original_max_position=4096, mscale=1.0),
+                      routed_score_func=RoutedScoreFunc.SIGMOID, routed_bias=True, routed_scaling_factor=2.5,
+                      n_routing_groups=8, topk_routing_group=4, norm_topk_prob=True),
+)
+# moonshotai/Kimi-K2-Instruct: DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer, no groups
+register(
+    "kimi-k2",
+    lambda: _deepseek("kimi-k2", 163840, 7168, 61, 64, 18432, 1536, 384, 8, 2048, 1, 1, 5e4,
+                      YarnScaling(factor=32, beta_fast=1, beta_slow=1, original_max_position=4096, mscale=1.0),
+                      routed_score_func=RoutedScoreFunc.SIGMOID, routed_bias=True, routed_scaling_factor=2.827,
+                      norm_topk_prob=True),
 )
 
 
