@@ -30,10 +30,16 @@ RULES: dict[str, tuple[str, ...]] = {
     "activation_heads": ("tensor",),
     "activation_kv_heads": ("tensor",),
     "activation_mlp": ("tensor",),
+    # a mixture of experts' [B, E, C, ...] dispatch: E over `expert`, the batch over the other data-like axes
+    # (MaxText's activation_exp and activation_batch_no_exp)
+    "activation_exp": ("expert",),
+    "activation_batch_no_exp": ("data", "fsdp", "fsdp_transpose"),
     "activation_batch": ("data", "fsdp", "fsdp_transpose", "expert"),
     "activation_length": ("sequence",),
     "activation_embed": ("tensor",),
-    # parameters: tensor parallelism splits the vocabulary, heads and MLP width (fsdp_transpose the MLP width too);
+    # parameters: a mixture of experts' weights [E, ...] put E over `expert` first (MaxText's exp rule)
+    "exp": ("expert",),
+    # tensor parallelism splits the vocabulary, heads and MLP width (fsdp_transpose the MLP width too);
     # FSDP splits the model width D
     "vocab": ("tensor",),
     "heads": ("tensor",),

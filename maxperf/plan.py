@@ -74,6 +74,7 @@ def plan(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT_MO
     configs = overrides_mod.apply(model_cfg, list(overrides))
     mesh_shape = resolve_mesh(configs.parallelism, topo)
     configs.train.global_batch(mesh_shape.devices)  # whole, and split evenly into microbatches
+    _check_experts(configs.model, mesh_shape)
     notes: tuple[str, ...] = ()
     if configs.parallelism == ParallelismConfig() and (keep := _fsdp_dividing_width(configs, mesh_shape)):
         # the default mesh would replicate every weight along fsdp: fsdp takes what divides D, data the rest
@@ -83,6 +84,16 @@ def plan(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT_MO
         configs = dataclasses.replace(configs, parallelism=ParallelismConfig(ici_data=-1, ici_fsdp=keep))
         mesh_shape = resolve_mesh(configs.parallelism, topo)
     return Plan(topo, configs, mesh_shape, notes + replication_warnings(configs, mesh_shape))
+
+
+def _check_experts(model: ModelConfig, mesh: MeshShape) -> None:
+    """A mixture of experts puts E / (ici_expert x dcn_expert) whole experts on each device: the axis must divide E."""
+    ep = mesh.axes["expert"]
+    if model.is_moe and model.num_experts % ep:
+        fits = [n for n in range(1, ep + 1) if model.num_experts % n == 0 and mesh.devices % n == 0]
+        raise MaxperfError(f"the expert axis ({mesh.ici['expert']} ICI x {mesh.dcn['expert']} DCN = {ep}) does not "
+                           f"divide num_experts={model.num_experts}; choose an ici_expert x dcn_expert product that "
+                           f"does, e.g. {fits[-1]}")
 
 
 def _fsdp_dividing_width(configs: Configs, mesh: MeshShape) -> int | None:

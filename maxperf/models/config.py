@@ -344,10 +344,11 @@ class TrainConfig:
     parameter_memory_host_offload: bool = False
     scan_layers: bool = True
     seed: int = 0
-    # mixture-of-experts dispatch (MaxText's keys): capacity_factor <= 0 is dropless (MaxText's -1 default); a
-    # positive one gives each expert capacity_factor x its even share of the tokens, dropping those past it, with
-    # dense einsums. sparse_matmul: dropless tokens sorted by expert and multiplied group by group
-    # (jax.lax.ragged_dot; megablox picks the Pallas grouped matmul on TPU); false: dense one-hot einsums.
+    # mixture-of-experts dispatch (MaxText's keys): capacity_factor=-1 is dropless (MaxText's default); a positive
+    # one gives each expert capacity_factor x its even share of each sequence's tokens, dropping those past it, in
+    # the dense dispatch (sparse_matmul=false). sparse_matmul: dropless, tokens sorted by expert and multiplied group
+    # by group (jax.lax.ragged_dot, on every platform); false: dense one-hot einsums. megablox is accepted for
+    # MaxText's configs and changes nothing here.
     capacity_factor: float = -1.0
     sparse_matmul: bool = True
     megablox: bool = True
@@ -389,6 +390,14 @@ class TrainConfig:
             value = getattr(self, name)
             _require(value >= 128 and value % 128 == 0, f"{name} must be a positive multiple of 128, got {value}")
         _require(self.grad_accum_steps >= 1, f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
+        _require(self.capacity_factor == -1 or self.capacity_factor > 0,
+                 f"capacity_factor must be -1 (dropless, MaxText's default) or > 0 (each expert takes that many "
+                 f"times its even share of the tokens), got {self.capacity_factor:g}")
+        _require(self.capacity_factor == -1 or not self.sparse_matmul,
+                 f"capacity_factor={self.capacity_factor:g} drops tokens in the dense dispatch: set "
+                 "sparse_matmul=false with it, or capacity_factor=-1 for the dropless sparse one")
+        _require(self.load_balance_loss_weight >= 0,
+                 f"load_balance_loss_weight must be >= 0, got {self.load_balance_loss_weight:g}")
         _require(self.num_vocab_tiling >= 1 and self.seq_len % self.num_vocab_tiling == 0,
                  f"num_vocab_tiling must be >= 1 and divide seq_len ({self.seq_len}), got {self.num_vocab_tiling}")
         _require(

@@ -50,6 +50,7 @@ ALIASES = {
     "attn_logits_soft_cap": "attn_logit_softcap",
     "use_qk_norm": "qk_norm",
     "normalization_layer_epsilon": "norm_eps",
+    "moe_mlp_dim": "base_moe_mlp_dim",
 }
 
 # Upper bounds of the numeric keys: beyond any model or step trained today by orders of magnitude, and low enough
@@ -64,6 +65,11 @@ LIMITS: dict[str, float] = {
     "learning_rate": 10.0, "weight_decay": 10.0, "min_lr_ratio": 1.0, "adam_b1": 1.0, "adam_b2": 1.0,
     "adam_eps": 1.0, "grad_clip_norm": 1e6, "norm_eps": 1.0, "rope_theta": 1e12, "query_scale": 1e3,
     "attn_logit_softcap": 1e6, "final_logit_softcap": 1e6,
+    # mixtures of experts (E, top-k, F of an expert); Kimi K2 has 384 experts, DeepSeek-V3 8 routing groups
+    "num_experts": 1 << 14, "num_experts_per_tok": 1 << 10, "base_moe_mlp_dim": 1 << 20, "shared_experts": 1 << 10,
+    "first_num_dense_layers": 1 << 12, "interleave_moe_layer_step": 1 << 12, "n_routing_groups": 1 << 14,
+    "topk_routing_group": 1 << 14, "routed_scaling_factor": 1e3, "capacity_factor": 1e3,
+    "load_balance_loss_weight": 1e3,
 }
 DEVICE_LIMIT = 1 << 20  # a mesh axis (ici_*, dcn_*): more devices than any machine has
 OTHER_INT_LIMIT = 1 << 21  # any integer key not named above (splash attention tiles: at most a sequence)

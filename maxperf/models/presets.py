@@ -176,6 +176,52 @@ register(
 )
 
 
+# Mixtures of experts with grouped-query attention (the Hugging Face config.json of each release; MaxText's
+# configs/models/*.yml): every layer's MLP is num_experts experts of width base_moe_mlp_dim, top-k per token.
+def _moe(name: str, V: int, D: int, N: int, H: int, K: int, Dh: int, E: int, top_k: int, moe_F: int, theta: float,
+         **kw) -> ModelConfig:
+    return ModelConfig(
+        name=name, vocab_size=V, d_model=D, num_layers=N, num_heads=H, num_kv_heads=K, head_dim=Dh, d_ff=moe_F,
+        rope_theta=theta, num_experts=E, num_experts_per_tok=top_k, base_moe_mlp_dim=moe_F, **kw,
+    )
+
+
+# mistralai/Mixtral-8x7B-v0.1 and Mixtral-8x22B-v0.1: top-2 of 8, the two weights a softmax over the picked logits
+# (norm_topk_prob); their config.json sets no sliding window ("sliding_window": null), as MaxText's configs run them
+register("mixtral-8x7b", lambda: _moe("mixtral-8x7b", 32000, 4096, 32, 32, 8, 128, 8, 2, 14336, 1e6,
+                                      norm_topk_prob=True))
+register("mixtral-8x22b", lambda: _moe("mixtral-8x22b", 32768, 6144, 56, 48, 8, 128, 8, 2, 16384, 1e6,
+                                       norm_topk_prob=True))
+# Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B: 128 experts of width 768 or 1536, top-8 renormalized, QK-norm
+register("qwen3-30b-a3b", lambda: _moe("qwen3-30b-a3b", 151936, 2048, 48, 32, 4, 128, 128, 8, 768, 1e6,
+                                       norm_eps=1e-6, qk_norm=True, norm_topk_prob=True))
+register("qwen3-235b-a22b", lambda: _moe("qwen3-235b-a22b", 151936, 4096, 94, 64, 4, 128, 128, 8, 1536, 1e6,
+                                         norm_eps=1e-6, qk_norm=True, norm_topk_prob=True))
+
+
+# openai/gpt-oss-20b and gpt-oss-120b: 32 or 128 experts of width 2880, top-4 (a softmax over the picked logits);
+# sliding-window (128) and full layers alternate, the sliding one first; RoPE extended by YaRN (factor 32 over 4096).
+# Their attention sinks, attention and expert biases and clamped SwiGLU are not modelled (the biases are under 0.01%
+# of the parameters).
+def _gpt_oss(name: str, N: int, E: int) -> ModelConfig:
+    return _moe(name, 201088, 2880, N, 64, 8, 64, E, 4, 2880, 150000.0, norm_topk_prob=True,
+                attention_type=AttentionType.LOCAL_GLOBAL, window=128, local_per_global=1,
+                rope_scaling=YarnScaling(factor=32, beta_fast=32, beta_slow=1, original_max_position=4096))
+
+
+register("gpt-oss-20b", lambda: _gpt_oss("gpt-oss-20b", 24, 32))
+register("gpt-oss-120b", lambda: _gpt_oss("gpt-oss-120b", 36, 128))
+
+# A mixture of experts small enough for tests: 4 experts of width 64, top-2
+register(
+    "tiny-moe",
+    lambda: ModelConfig(
+        name="tiny-moe", vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=128,
+        max_position=512, num_experts=4, num_experts_per_tok=2, base_moe_mlp_dim=64, norm_topk_prob=True,
+    ),
+)
+
+
 def scaled(size: int) -> ModelConfig:
     """`scaled-S`: with log2(S) = 3b + r, heads and F grow by 2^(b+[r>0]), D by 2^(b+[r>1]), N by 2^b."""
     log2 = size.bit_length() - 1
@@ -209,4 +255,25 @@ PUBLISHED_PARAMS = {
     "qwen3-8b": 8.2e9,
     "qwen3-32b": 32.8e9,
     "gpt3-175b": 175.0e9,
+    # mixtures of experts: the totals their publishers state (Mistral's Mixtral announcements, the Qwen3 model cards,
+    # OpenAI's gpt-oss model card)
+    "mixtral-8x7b": 46.7e9,
+    "mixtral-8x22b": 141e9,
+    "qwen3-30b-a3b": 30.5e9,
+    "qwen3-235b-a22b": 235e9,
+    "gpt-oss-20b": 20.9e9,
+    "gpt-oss-120b": 116.8e9,
+}
+
+# The parameters a token passes through (its top-k routed experts, the shared ones and everything else) of each
+# mixture of experts, as its publisher states them. OpenAI counts gpt-oss's without the input embedding table (its
+# model card: 3.61B and 5.13B); Mistral and Qwen count both embedding tables.
+ACTIVE_WITHOUT_INPUT_EMBEDDING = frozenset({"gpt-oss-20b", "gpt-oss-120b"})
+PUBLISHED_ACTIVE_PARAMS = {
+    "mixtral-8x7b": 12.9e9,
+    "mixtral-8x22b": 39e9,
+    "qwen3-30b-a3b": 3.3e9,
+    "qwen3-235b-a22b": 22e9,
+    "gpt-oss-20b": 3.61e9,
+    "gpt-oss-120b": 5.13e9,
 }

@@ -21,6 +21,7 @@ from maxperf.models.config import ModelConfig, TrainConfig
 from maxperf.models.layers import attention_kernels
 from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.decoder import RESIDUAL
+from maxperf.models.layers.moe import MoEOptions
 from maxperf.models.sharding import constrain, partition_spec
 from maxperf.models.transformer import Transformer
 
@@ -32,7 +33,7 @@ def build_model(model: ModelConfig, train: TrainConfig, rngs: nnx.Rngs) -> Trans
     return Transformer(
         model, param_dtype=jnp.dtype(train.param_dtype), compute_dtype=jnp.dtype(train.compute_dtype),
         scan_layers=train.scan_layers, remat=train.remat_names(), rngs=rngs,
-        attention=AttentionOptions.from_train(train),
+        attention=AttentionOptions.from_train(train), moe=MoEOptions.from_train(train),
     )
 
 
@@ -114,15 +115,22 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
     A = train.grad_accum_steps
 
     def loss_sum(params, batch):
+        """The masked cross-entropy summed over tokens, plus (for a mixture of experts) the load-balancing loss
+        weighted and scaled by the token count, so that dividing by the tokens gives MaxText's loss + weight x
+        moe_lb_loss; with the token count and the unweighted load-balancing loss."""
         net = nnx.merge(graphdef, params)
         inputs_BxL = batch["inputs"]
         positions_BxL = jnp.broadcast_to(jnp.arange(inputs_BxL.shape[1], dtype=jnp.int32), inputs_BxL.shape)
         mask_BxL = batch["mask"].astype(jnp.float32)
+        tokens = jnp.sum(mask_BxL)
+        x_BxLxD, lb_loss = net.hidden_and_aux(inputs_BxL, positions_BxL)
         if train.num_vocab_tiling > 1:
-            x_BxLxD = net.hidden(inputs_BxL, positions_BxL)
-            return tiled_nll_sum(net, x_BxLxD, batch["targets"], mask_BxL, train.num_vocab_tiling), jnp.sum(mask_BxL)
-        logits_BxLxV = net(inputs_BxL, positions_BxL)
-        return jnp.sum(cross_entropy(logits_BxLxV, batch["targets"]) * mask_BxL), jnp.sum(mask_BxL)
+            total = tiled_nll_sum(net, x_BxLxD, batch["targets"], mask_BxL, train.num_vocab_tiling)
+        else:
+            total = jnp.sum(cross_entropy(net.logits(x_BxLxD), batch["targets"]) * mask_BxL)
+        if model.is_moe and train.load_balance_loss_weight > 0:
+            total = total + train.load_balance_loss_weight * lb_loss * tokens
+        return total, (tokens, lb_loss)
 
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
@@ -134,18 +142,18 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         if train.parameter_memory_host_offload:
             params = jax.device_put(params, jax.memory.Space.Device)
         if A == 1:
-            (total, tokens), grads = grad_fn(params, batch)
+            (total, (tokens, lb_loss)), grads = grad_fn(params, batch)
         else:
             # microbatch a takes rows a, a+A, ...: every device keeps 1/A of its own rows in each
             micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // A, A, *x.shape[1:]), 0, 1), batch)
 
             def accumulate(carry, mb):
-                (t, n), g = grad_fn(params, mb)
-                c_total, c_tokens, c_grads = carry
-                return (c_total + t, c_tokens + n, jax.tree.map(jnp.add, c_grads, g)), None
+                (t, (n, lb)), g = grad_fn(params, mb)
+                c_total, c_tokens, c_lb, c_grads = carry
+                return (c_total + t, c_tokens + n, c_lb + lb / A, jax.tree.map(jnp.add, c_grads, g)), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            (total, tokens, grads), _ = jax.lax.scan(accumulate, (0.0, 0.0, zeros), micro)
+            (total, tokens, lb_loss, grads), _ = jax.lax.scan(accumulate, (0.0, 0.0, 0.0, zeros), micro)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         denom = jnp.maximum(tokens, 1.0)
         grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
@@ -159,6 +167,8 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
             "tokens": tokens.astype(jnp.int32),
             "learning_rate": schedule(state["step"]),
         }
+        if model.is_moe:  # the router's load-balancing loss, unweighted (1 when balanced); `loss` includes it weighted
+            metrics["moe_lb_loss"] = lb_loss
         return new_state, metrics
 
     return step

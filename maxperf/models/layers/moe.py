@@ -1,0 +1,282 @@
+"""Mixture of experts (Shazeer et al. 2017; Fedus et al. 2021, "Switch Transformers"): a router picks the top-k of E
+experts for each token, each expert is a gated MLP of width F, and the picked experts' outputs are summed with the
+router's weights; shared experts (DeepSeek-MoE, Llama 4) see every token.
+
+T tokens (B x L flattened), E experts, K experts per token (top-k), F each expert's width, C an expert's capacity.
+
+Dispatch, as MaxText chooses it (`sparse_matmul`, `capacity_factor`):
+- dropless (capacity_factor=-1, sparse_matmul=true): each device sorts its own tokens by expert and multiplies them
+  group by group with `jax.lax.ragged_dot`, inside `jax.shard_map`. With experts sharded over the `expert` mesh axis
+  (expert parallelism), the sorted tokens go to the device holding their expert by `all_to_all` and come back the
+  same way. The exchange buffers hold each device's T x K routed tokens for every expert shard: nothing is dropped.
+- capacity (sparse_matmul=false): dense one-hot dispatch and combine einsums over [B, L, E, C]; an expert takes at
+  most C = ceil(L K / E x capacity_factor) tokens of each sequence, in token order, and drops the rest (C = L when
+  dropless). The partitioner moves tokens between expert shards.
+
+Checkpoint names as MaxText gives them (layers/moe.py): the expert projections carry both MaxText's MLP names
+(mlpwi_0, mlpwi_1, mlpwo) and its MoE ones (moe_mlpwi_0, moe_mlpwi_1, moe_mlpwo), so the remat policies save them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
+
+from maxperf.errors import MaxperfError
+from maxperf.models.config import Activation, ModelConfig, RoutedScoreFunc, TrainConfig
+from maxperf.models.layers.mlp import _ACT, MLP
+from maxperf.models.layers.params import param
+from maxperf.models.sharding import constrain, mesh_axes_for
+
+BATCH_TOKENS = ("activation_batch", "activation_length", None)
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """What the MoE layer needs of the train config: how tokens reach their experts."""
+
+    capacity_factor: float = -1.0  # -1: dropless
+    sparse_matmul: bool = True
+
+    @classmethod
+    def from_train(cls, train: TrainConfig) -> MoEOptions:
+        return cls(capacity_factor=train.capacity_factor, sparse_matmul=train.sparse_matmul)
+
+
+@dataclass(frozen=True)
+class Routing:
+    weights_TxK: jax.Array  # float32 combine weights of the picked experts
+    experts_TxK: jax.Array  # int32 expert ids
+    probs_TxE: jax.Array  # float32 router probabilities over all experts (each row sums to 1), for the aux loss
+
+
+def route(logits_TxE: jax.Array, cfg: ModelConfig, bias_E: jax.Array | None = None) -> Routing:
+    """Top-k routing as the models' reference code does it.
+
+    softmax (Mixtral, Qwen3-MoE, gpt-oss) or sigmoid (DeepSeek-V3, Llama 4) scores; the bias (DeepSeek-V3's
+    e_score_correction_bias) and the group limit (the best `topk_routing_group` of `n_routing_groups` groups, a
+    group scored by the sum of its two best experts; DeepSeek-V3's modeling code) steer the choice only; the weights
+    are the unbiased scores of the chosen experts, renormalized to sum to 1 with norm_topk_prob, then multiplied by
+    routed_scaling_factor."""
+    E, K = cfg.num_experts, cfg.num_experts_per_tok
+    logits_TxE = logits_TxE.astype(jnp.float32)
+    if cfg.routed_score_func is RoutedScoreFunc.SIGMOID:
+        scores_TxE = jax.nn.sigmoid(logits_TxE)
+        probs_TxE = scores_TxE / jnp.sum(scores_TxE, axis=-1, keepdims=True)
+    else:
+        scores_TxE = probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
+    if bias_E is None:
+        choice_TxE = scores_TxE
+    else:
+        choice_TxE = scores_TxE + bias_E.astype(jnp.float32).reshape((1,) * (scores_TxE.ndim - 1) + (E,))
+    choice_TxE = jax.lax.stop_gradient(choice_TxE)
+    if cfg.n_routing_groups > 0:
+        G = cfg.n_routing_groups
+        grouped_TxGxS = choice_TxE.reshape(*choice_TxE.shape[:-1], G, E // G)
+        best_TxGx2, _ = jax.lax.top_k(grouped_TxGxS, min(2, E // G))
+        _, groups_TxR = jax.lax.top_k(jnp.sum(best_TxGx2, axis=-1), cfg.topk_routing_group)
+        keep_TxG = jnp.sum(jax.nn.one_hot(groups_TxR, G, dtype=jnp.bool_), axis=-2, dtype=jnp.bool_)
+        keep_TxE = jnp.repeat(keep_TxG, E // G, axis=-1)
+        choice_TxE = jnp.where(keep_TxE, choice_TxE, -jnp.inf)
+    _, experts_TxK = jax.lax.top_k(choice_TxE, K)
+    weights_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
+    if cfg.norm_topk_prob:
+        weights_TxK = weights_TxK / (jnp.sum(weights_TxK, axis=-1, keepdims=True) + 1e-20)
+    weights_TxK = weights_TxK * cfg.routed_scaling_factor
+    return Routing(weights_TxK, experts_TxK.astype(jnp.int32), probs_TxE)
+
+
+def load_balance_loss(routing: Routing, E: int) -> jax.Array:
+    """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4): E sum_e f_e P_e, f_e the fraction of the
+    T x K assignments that go to expert e, P_e the mean router probability of e; 1 when perfectly balanced."""
+    K = routing.experts_TxK.shape[-1]
+    counts_E = jnp.sum(jax.nn.one_hot(routing.experts_TxK, E, dtype=jnp.float32), axis=tuple(range(routing.experts_TxK.ndim)))
+    f_E = counts_E / (routing.experts_TxK.size // K * K)
+    P_E = jnp.mean(routing.probs_TxE.reshape(-1, E), axis=0)
+    return E * jnp.sum(f_E * P_E)
+
+
+def capacity(L: int, K: int, E: int, capacity_factor: float) -> int:
+    """An expert's capacity C per sequence of L tokens (MaxText's dense dispatch): its even share L K / E times the
+    capacity factor, rounded up; L (nothing dropped) when dropless."""
+    if capacity_factor <= 0:
+        return L
+    return max(1, min(L, math.ceil(L * K / E * capacity_factor)))
+
+
+class Router(nnx.Module):
+    def __init__(self, D: int, E: int, dtype, rngs: nnx.Rngs, bias: bool):
+        self.kernel_DxE = param(rngs, (D, E), ("embed", None), dtype)
+        if bias:  # selection only, no gradient; named `bias` so that weight decay skips it
+            self.bias = param(rngs, (E,), (None,), dtype, init="zeros")
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        return jnp.einsum("BLD,DE->BLE", x_BxLxD, self.kernel_DxE[...].astype(x_BxLxD.dtype))
+
+
+class MoE(nnx.Module):
+    """The routed experts, and the shared experts where the model has them. Returns the output and the
+    load-balancing loss of this layer's routing."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, options: MoEOptions = MoEOptions()):
+        D, E, F = cfg.d_model, cfg.num_experts, cfg.moe_mlp_dim
+        self.cfg = cfg
+        self.options = options
+        self.router = Router(D, E, dtype, rngs, cfg.routed_bias)
+        if cfg.activation.gated:
+            self.wi_0_ExDxF = param(rngs, (E, D, F), ("exp", "embed", "mlp"), dtype, fan_in=D)
+        self.wi_1_ExDxF = param(rngs, (E, D, F), ("exp", "embed", "mlp"), dtype, fan_in=D)
+        self.wo_ExFxD = param(rngs, (E, F, D), ("exp", "mlp", "embed"), dtype, fan_in=F)
+        if cfg.shared_experts:
+            self.shared = MLP(D, cfg.shared_experts * F, cfg.activation, dtype, rngs)
+
+    def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        cfg, dtype = self.cfg, x_BxLxD.dtype
+        bias = self.router.bias[...] if cfg.routed_bias else None
+        routing = route(self.router(x_BxLxD), cfg, bias)
+        aux = load_balance_loss(routing, cfg.num_experts)
+        weights = (self.wi_0_ExDxF[...].astype(dtype) if cfg.activation.gated else None,
+                   self.wi_1_ExDxF[...].astype(dtype), self.wo_ExFxD[...].astype(dtype))
+        if self.options.sparse_matmul:
+            out_BxLxD = sparse_dispatch(x_BxLxD, routing.experts_TxK, routing.weights_TxK, weights, cfg)
+        else:
+            out_BxLxD = dense_dispatch(x_BxLxD, routing.experts_TxK, routing.weights_TxK, weights, cfg,
+                                       self.options.capacity_factor)
+        if cfg.shared_experts:
+            out_BxLxD = out_BxLxD + self.shared(x_BxLxD)
+        return out_BxLxD, aux
+
+
+def _expert_mlp(x_TxD, group_sizes_E, weights, activation: Activation):
+    """The experts' gated MLP over tokens sorted by expert, `group_sizes_E` rows each (rows past them give 0)."""
+    wi_0, wi_1, wo = weights
+    h_TxF = checkpoint_name(jax.lax.ragged_dot(x_TxD, wi_1, group_sizes_E), "moe_mlpwi_1")
+    if wi_0 is not None:
+        h_TxF = checkpoint_name(h_TxF, "mlpwi_1")
+        g_TxF = checkpoint_name(checkpoint_name(jax.lax.ragged_dot(x_TxD, wi_0, group_sizes_E), "mlpwi_0"),
+                                "moe_mlpwi_0")
+        h_TxF = _ACT[activation](g_TxF) * h_TxF
+    else:
+        h_TxF = _ACT[activation](checkpoint_name(h_TxF, "mlpwi"))
+    out_TxD = jax.lax.ragged_dot(h_TxF, wo, group_sizes_E)
+    return checkpoint_name(checkpoint_name(out_TxD, "mlpwo"), "moe_mlpwo")
+
+
+def _counts(ids, n: int) -> jax.Array:
+    """How many of `ids` equal each of 0..n-1 (ids outside are not counted)."""
+    return jnp.sum(ids[:, None] == jnp.arange(n, dtype=ids.dtype)[None, :], axis=0, dtype=jnp.int32)
+
+
+def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activation: Activation,
+                   ep_axis: str | None, ep: int, tensor_axis: str | None):
+    """One device's routed experts over its own T tokens: sort the T x K assignments by expert and, with experts
+    split over `ep` devices along `ep_axis`, exchange them with all_to_all so that each device multiplies the tokens
+    of its E / ep experts."""
+    T, D = x_TxD.shape
+    K = experts_TxK.shape[-1]
+    flat_A = experts_TxK.reshape(-1)  # A = T K assignments, token-major
+    order_A = jnp.argsort(flat_A, stable=True)
+    inverse_A = jnp.argsort(order_A)
+    x_AxD = x_TxD[order_A // K]
+    e_A = flat_A[order_A]
+    if ep == 1:
+        y_AxD = _expert_mlp(x_AxD, _counts(e_A, E), weights, activation)
+    else:
+        El, A = E // ep, T * K
+        shard_A = e_A // El
+        counts_S = _counts(shard_A, ep)
+        slot_A = jnp.arange(A, dtype=jnp.int32) - (jnp.cumsum(counts_S) - counts_S)[shard_A]
+        # a buffer of A rows for each shard: dropless even if all of this device's tokens pick one shard
+        send_SxAxD = jnp.zeros((ep, A, D), x_AxD.dtype).at[shard_A, slot_A].set(x_AxD)
+        send_SxA = jnp.full((ep, A), El, jnp.int32).at[shard_A, slot_A].set(e_A % El)  # El marks an empty row
+        recv_SxAxD = jax.lax.all_to_all(send_SxAxD, ep_axis, 0, 0)
+        recv_R = jax.lax.all_to_all(send_SxA, ep_axis, 0, 0).reshape(-1)  # R = ep A rows, from every source
+        order_R = jnp.argsort(recv_R, stable=True)
+        y_RxD = _expert_mlp(recv_SxAxD.reshape(ep * A, D)[order_R], _counts(recv_R, El), weights, activation)
+        y_SxAxD = y_RxD[jnp.argsort(order_R)].reshape(ep, A, D)
+        y_AxD = jax.lax.all_to_all(y_SxAxD, ep_axis, 0, 0)[shard_A, slot_A]
+    y_TxKxD = y_AxD[inverse_A].reshape(T, K, D)
+    out_TxD = jnp.einsum("TKD,TK->TD", y_TxKxD, weights_TxK.astype(y_TxKxD.dtype))
+    if tensor_axis is not None:  # each device held a slice of every expert's F: partial sums
+        out_TxD = jax.lax.psum(out_TxD, tensor_axis)
+    return out_TxD
+
+
+def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelConfig) -> jax.Array:
+    """Dropless routed experts: ragged_dot over each device's tokens sorted by expert, all_to_all between expert
+    shards. Without a mesh (one device), the same computation on all tokens."""
+    B, L, D = x_BxLxD.shape
+    E = cfg.num_experts
+    kw = dict(E=E, activation=cfg.activation)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        out_TxD = _local_experts(x_BxLxD.reshape(B * L, D), experts_BxLxK.reshape(B * L, -1),
+                                 weights_BxLxK.reshape(B * L, -1), weights, ep_axis=None, ep=1, tensor_axis=None, **kw)
+        return out_TxD.reshape(B, L, D)
+    sizes = dict(mesh.shape)
+    ep, tp = sizes.get("expert", 1), sizes.get("tensor", 1)
+    if E % ep:
+        raise MaxperfError(f"num_experts={E} is not divisible by the expert axis ({ep}); choose ici_expert and "
+                           f"dcn_expert whose product divides {E}")
+    tokens = mesh_axes_for((B, L, D), BATCH_TOKENS, sizes)
+    batch_axes = tokens[0] if isinstance(tokens[0], tuple) else (tokens[0],) if tokens[0] else ()
+    if ep > 1 and "expert" not in batch_axes:
+        raise MaxperfError(f"expert parallelism splits the batch over the expert axis ({ep}), but the global batch "
+                           f"of {B} examples does not divide over it; choose a per_device_batch_size that gives a "
+                           "whole number of examples per device")
+    F = cfg.moe_mlp_dim
+    f_axis = "tensor" if tp > 1 and F % tp == 0 else None
+    e_axis = "expert" if ep > 1 else None
+    wi_spec, wo_spec = PartitionSpec(e_axis, None, f_axis), PartitionSpec(e_axis, f_axis, None)
+    x_spec, routed_spec = PartitionSpec(*tokens), PartitionSpec(*tokens[:2], None)
+
+    gated = weights[0] is not None
+    w_specs = (wi_spec, wi_spec, wo_spec)[0 if gated else 1:]
+
+    def shard(x_bxlxD, experts_bxlxK, weights_bxlxK, ws):
+        b, l, _ = x_bxlxD.shape
+        out_TxD = _local_experts(x_bxlxD.reshape(b * l, D), experts_bxlxK.reshape(b * l, -1),
+                                 weights_bxlxK.reshape(b * l, -1), ws if gated else (None, *ws), ep_axis=e_axis,
+                                 ep=ep, tensor_axis=f_axis, **kw)
+        return out_TxD.reshape(b, l, D)
+
+    return jax.shard_map(shard, mesh=mesh, in_specs=(x_spec, routed_spec, routed_spec, w_specs),
+                         out_specs=x_spec)(x_BxLxD, experts_BxLxK, weights_BxLxK, weights[0 if gated else 1:])
+
+
+def dense_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelConfig,
+                   capacity_factor: float) -> jax.Array:
+    """Routed experts by one-hot dispatch and combine einsums over [B, L, E, C]: per sequence, expert e takes the
+    first C of the tokens that picked it (token order, then the token's k-th choice), the rest are dropped."""
+    B, L, D = x_BxLxD.shape
+    E, K = cfg.num_experts, experts_BxLxK.shape[-1]
+    C = capacity(L, K, E, capacity_factor)
+    dtype = x_BxLxD.dtype
+    picked_BxAxE = jax.nn.one_hot(experts_BxLxK.reshape(B, L * K), E, dtype=jnp.int32)
+    slot_BxAxE = jnp.cumsum(picked_BxAxE, axis=1) * picked_BxAxE - 1  # -1 where not picked
+    slot_BxA = jnp.max(slot_BxAxE, axis=-1)  # the assignment's place in its expert's queue
+    kept_BxAxC = jax.nn.one_hot(slot_BxA, C, dtype=dtype)  # all zero past the capacity (or not picked)
+    dispatch_BxLxExC = jnp.einsum("BAE,BAC->BAEC", picked_BxAxE.astype(dtype), kept_BxAxC).reshape(B, L, K, E, C)
+    combine_BxLxExC = jnp.einsum("BLKEC,BLK->BLEC", dispatch_BxLxExC, weights_BxLxK.astype(dtype))
+    dispatch_BxLxExC = jnp.sum(dispatch_BxLxExC, axis=2)  # a token picks an expert at most once
+    x_BxExCxD = jnp.einsum("BLEC,BLD->BECD", dispatch_BxLxExC, x_BxLxD)
+    x_BxExCxD = constrain(x_BxExCxD, ("activation_batch_no_exp", "activation_exp", None, None))
+    wi_0, wi_1, wo = weights
+    h_BxExCxF = checkpoint_name(jnp.einsum("BECD,EDF->BECF", x_BxExCxD, wi_1), "moe_mlpwi_1")
+    if wi_0 is not None:
+        h_BxExCxF = checkpoint_name(h_BxExCxF, "mlpwi_1")
+        g_BxExCxF = jnp.einsum("BECD,EDF->BECF", x_BxExCxD, wi_0)
+        g_BxExCxF = checkpoint_name(checkpoint_name(g_BxExCxF, "mlpwi_0"), "moe_mlpwi_0")
+        h_BxExCxF = _ACT[cfg.activation](g_BxExCxF) * h_BxExCxF
+    else:
+        h_BxExCxF = _ACT[cfg.activation](checkpoint_name(h_BxExCxF, "mlpwi"))
+    h_BxExCxF = constrain(h_BxExCxF, ("activation_batch_no_exp", "activation_exp", None, "activation_mlp"))
+    y_BxExCxD = jnp.einsum("BECF,EFD->BECD", h_BxExCxF, wo)
+    y_BxExCxD = checkpoint_name(checkpoint_name(y_BxExCxD, "mlpwo"), "moe_mlpwo")
+    return jnp.einsum("BECD,BLEC->BLD", y_BxExCxD, combine_BxLxExC)

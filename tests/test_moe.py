@@ -1,0 +1,299 @@
+"""Mixture of experts: routing, the load-balancing loss, dropless and capacity dispatch, expert parallelism against
+one device, the decoder's dense and MoE layers, presets against their published sizes, and refusals."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxperf.aot import topologies
+from maxperf.errors import MaxperfError
+from maxperf.models import overrides, presets, train_step
+from maxperf.models.config import Activation, ModelConfig, RoutedScoreFunc
+from maxperf.models.layers import moe
+from maxperf.models.sharding import make_mesh
+from maxperf.models.transformer import stacks
+from maxperf.plan import plan, resolve_mesh
+
+BASE = ["seq_len=16", "compute_dtype=float32", "warmup_steps=0"]
+
+
+@pytest.fixture(autouse=True)
+def strict_ranks():
+    with jax.numpy_rank_promotion("raise"):
+        yield
+
+
+def tiny_moe(**kw) -> ModelConfig:
+    return dataclasses.replace(presets.get("tiny-moe"), **kw)
+
+
+def loss_and_grads(words, devices: int, model: ModelConfig | None = None, params=None):
+    """The training loss (cross-entropy + weighted load-balancing loss) and its gradients on one seeded batch of 4
+    sequences, over a mesh of `devices` CPU devices; and the parameters it used (seed 0 unless given)."""
+    B = 4 / devices
+    cfg = overrides.apply(model or presets.get("tiny-moe"), [*BASE, f"per_device_batch_size={B:g}", *words])
+    mesh = make_mesh(jax.devices()[:devices], resolve_mesh(cfg.parallelism, topologies.get(f"cpu-{devices}")).axes)
+    spec = train_step.abstract_step(cfg.model, cfg.train, mesh)
+    graphdef = train_step.model_def(cfg.model, cfg.train).graphdef
+    if params is None:
+        params = jax.device_get(train_step.init_state(spec, seed=0)["params"])
+    tokens = np.random.default_rng(1).integers(0, cfg.model.vocab_size, (4, 17), dtype=np.int32)
+    batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, spec.batch_shardings["inputs"])
+    weight = cfg.train.load_balance_loss_weight
+
+    def loss(params, batch):
+        net = nnx.merge(graphdef, params)
+        positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), batch["inputs"].shape)
+        x, lb = net.hidden_and_aux(batch["inputs"], positions)
+        return jnp.mean(train_step.cross_entropy(net.logits(x), batch["targets"])) + weight * lb
+
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(params, spec.state_shardings["params"])
+        value, grads = jax.jit(jax.value_and_grad(loss))(placed, batch)
+    return float(value), jax.device_get(grads), params
+
+
+def max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+# --- routing -------------------------------------------------------------------------------------------------------
+
+def test_softmax_routing_picks_the_best_and_renormalizes():
+    cfg = tiny_moe(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, routed_scaling_factor=2.0)
+    logits = jnp.asarray([[0.0, 3.0, 1.0, 2.0]])
+    r = moe.route(logits, cfg)
+    assert r.experts_TxK.tolist() == [[1, 3]]
+    # the picked experts' softmax, renormalized: a softmax over the picked logits, times the scaling factor
+    expected = 2.0 * jax.nn.softmax(jnp.asarray([3.0, 2.0]))
+    np.testing.assert_allclose(r.weights_TxK[0], expected, rtol=1e-6)
+    unnormalized = moe.route(logits, dataclasses.replace(cfg, norm_topk_prob=False, routed_scaling_factor=1.0))
+    np.testing.assert_allclose(unnormalized.weights_TxK[0], jax.nn.softmax(logits[0])[jnp.asarray([1, 3])], rtol=1e-6)
+
+
+def test_the_bias_steers_sigmoid_selection_but_not_the_weights():
+    cfg = tiny_moe(num_experts=4, num_experts_per_tok=1, routed_score_func=RoutedScoreFunc.SIGMOID,
+                   norm_topk_prob=False)
+    logits = jnp.asarray([[2.0, 1.0, 0.0, -1.0]])
+    bias = jnp.asarray([0.0, 0.0, 0.0, 1.0])  # sigmoid(-1) + 1 beats sigmoid(2)
+    r = moe.route(logits, cfg, bias)
+    assert r.experts_TxK.tolist() == [[3]]
+    np.testing.assert_allclose(r.weights_TxK[0, 0], jax.nn.sigmoid(-1.0), rtol=1e-6)
+    np.testing.assert_allclose(jnp.sum(r.probs_TxE), 1.0, rtol=1e-6)
+
+
+def test_group_limited_routing_takes_experts_from_the_best_groups_only():
+    cfg = tiny_moe(num_experts=8, num_experts_per_tok=2, n_routing_groups=4, topk_routing_group=1,
+                   routed_score_func=RoutedScoreFunc.SIGMOID)
+    # expert 0 is the best alone, but group 3 (experts 6, 7) has the best sum of its two best
+    logits = jnp.asarray([[5.0, -5.0, 0.0, 0.0, 0.0, 0.0, 2.0, 2.0]])
+    assert sorted(moe.route(logits, cfg).experts_TxK[0].tolist()) == [6, 7]
+    ungrouped = dataclasses.replace(cfg, n_routing_groups=-1, topk_routing_group=-1)
+    assert 0 in moe.route(logits, ungrouped).experts_TxK[0].tolist()
+
+
+def test_load_balance_loss_is_one_when_balanced_and_grows_when_collapsed():
+    E = 4
+    even = moe.Routing(jnp.ones((4, 1)), jnp.arange(4)[:, None], jnp.full((4, E), 1 / E))
+    assert float(moe.load_balance_loss(even, E)) == pytest.approx(1.0)
+    collapsed = moe.Routing(jnp.ones((4, 1)), jnp.zeros((4, 1), jnp.int32), jnp.eye(E)[jnp.zeros(4, jnp.int32)])
+    assert float(moe.load_balance_loss(collapsed, E)) == pytest.approx(E)
+
+
+@pytest.mark.slow
+def test_the_load_balancing_loss_enters_the_training_loss_with_its_weight():
+    with_lb, _, params = loss_and_grads(["load_balance_loss_weight=0.5"], 1)
+    without, _, _ = loss_and_grads(["load_balance_loss_weight=0"], 1, params=params)
+    assert with_lb > without + 0.4  # the unweighted loss is at least 1
+
+
+# --- dispatch ------------------------------------------------------------------------------------------------------
+
+def test_capacity_drops_the_tokens_past_it_in_token_order():
+    cfg = tiny_moe(num_experts=4, num_experts_per_tok=1, activation=Activation.GELU)
+    B, L, D, E, F = 1, 8, 4, 4, 3
+    x = jnp.ones((B, L, D))
+    experts = jnp.zeros((B, L, 1), jnp.int32)  # every token picks expert 0
+    w = (None, jnp.ones((E, D, F)), jnp.ones((E, F, D)))
+    out = moe.dense_dispatch(x, experts, jnp.ones((B, L, 1)), w, cfg, capacity_factor=1.0)
+    C = moe.capacity(L, 1, E, 1.0)
+    assert C == 2
+    kept = np.asarray(jnp.any(out[0] != 0, axis=-1))
+    assert kept.tolist() == [True] * C + [False] * (L - C)
+    # dropless dense dispatch keeps them all, equal to the sparse one
+    full = moe.dense_dispatch(x, experts, jnp.ones((B, L, 1)), w, cfg, capacity_factor=-1)
+    sparse = moe.sparse_dispatch(x, experts, jnp.ones((B, L, 1)), w, cfg)
+    np.testing.assert_allclose(full, sparse, rtol=1e-6)
+    np.testing.assert_allclose(full[0], jnp.broadcast_to(out[0, 0], (L, D)), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_dense_capacity_dispatch_with_room_for_all_equals_dropless():
+    sparse, g_sparse, params = loss_and_grads([], 1)
+    dense, g_dense, _ = loss_and_grads(["sparse_matmul=false", "capacity_factor=8"], 1, params=params)
+    assert dense == pytest.approx(sparse, rel=1e-5)
+    assert max_diff(g_dense, g_sparse) < 1e-5
+    dropping, _, _ = loss_and_grads(["sparse_matmul=false", "capacity_factor=0.25"], 1, params=params)
+    assert dropping != pytest.approx(sparse, rel=1e-4)  # tokens past the capacity lose their experts
+
+
+# --- expert parallelism --------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [["ici_expert=4", "ici_fsdp=1"], ["ici_expert=2", "ici_fsdp=2"],
+                                  ["ici_expert=2", "ici_tensor=2", "ici_fsdp=1"],
+                                  ["ici_expert=2", "ici_data=2", "ici_fsdp=1"]])
+def test_an_expert_parallel_step_equals_one_device(mesh):
+    """Tolerance: float32 loss within 1e-5 relative, every gradient within 1e-5 absolute (they are O(1e-2))."""
+    one, g_one, params = loss_and_grads(["shared_experts=1"], 1)
+    ep, g_ep, _ = loss_and_grads(["shared_experts=1", *mesh], 4, params=params)
+    assert ep == pytest.approx(one, rel=1e-5)
+    assert max_diff(g_ep, g_one) < 1e-5
+
+
+@pytest.mark.slow
+def test_dense_dispatch_over_the_expert_axis_equals_one_device():
+    words = ["sparse_matmul=false", "capacity_factor=1.5"]
+    one, g_one, params = loss_and_grads(words, 1)
+    ep, g_ep, _ = loss_and_grads([*words, "ici_expert=4", "ici_fsdp=1"], 4, params=params)
+    assert ep == pytest.approx(one, rel=1e-5)
+    assert max_diff(g_ep, g_one) < 1e-5
+
+
+def test_expert_weights_shard_their_experts_over_the_expert_axis():
+    cfg = overrides.apply(presets.get("tiny-moe"), [*BASE, "per_device_batch_size=1", "ici_expert=2", "ici_fsdp=2"])
+    mesh = make_mesh(jax.devices()[:4], resolve_mesh(cfg.parallelism, topologies.get("cpu-4")).axes)
+    spec = train_step.abstract_step(cfg.model, cfg.train, mesh)
+    mlp = spec.state_shardings["params"]["layers"]["mlp"]
+    assert tuple(mlp["wi_0_ExDxF"].spec) == (None, "expert", "fsdp", None)  # [N, E, D, F]
+    assert tuple(mlp["wo_ExFxD"].spec) == (None, "expert", None, "fsdp")
+
+
+# --- the decoder ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("N,dense,step", [(2, 0, 1), (5, 1, 2), (6, 2, 3), (4, 0, 2), (3, 3, 1)])
+def test_stacks_follow_the_moe_layers(N, dense, step):
+    cfg = tiny_moe(num_layers=N, first_num_dense_layers=dense, interleave_moe_layer_step=step)
+    flat, start = [], 0
+    for st in stacks(cfg):
+        assert st.start == start
+        flat += list(st.pattern) * st.count
+        start += st.count * len(st.pattern)
+    assert tuple(flat) == cfg.moe_layers()
+
+
+@pytest.mark.slow
+def test_scanned_and_unrolled_interleaved_layers_agree():
+    model = tiny_moe(num_layers=5, first_num_dense_layers=1, interleave_moe_layer_step=2)
+    scanned, g_scanned, params = loss_and_grads([], 1, model=model)
+    abstract = train_step.model_def(model, overrides.apply(model, ["scan_layers=false"]).train)
+    unrolled_params = unstack(params, model)
+    assert jax.tree.structure(unrolled_params) == jax.tree.structure(abstract.params)
+    unrolled, g_unrolled, _ = loss_and_grads(["scan_layers=false"], 1, model=model, params=unrolled_params)
+    assert unrolled == pytest.approx(scanned, rel=1e-5)
+    assert max_diff(unstack(g_scanned, model), g_unrolled) < 1e-5
+
+
+def unstack(params, model):
+    """Scanned parameters (a leading repeat axis per stack) as the unrolled model holds them."""
+    out = {k: v for k, v in params.items() if k not in {st.name for st in stacks(model)}}
+    for st in stacks(model):
+        out[st.name] = {i: jax.tree.map(lambda x, i=i: x[i], params[st.name]) for i in range(st.count)}
+    return out
+
+
+def test_remat_keeps_the_expert_projections_by_name():
+    """minimal saves MaxText's MLP names, which the expert projections carry: with it, the backward of a MoE layer
+    recomputes no ragged_dot; with full remat it does."""
+    def ragged_dots(policy):
+        cfg = overrides.apply(presets.get("tiny-moe"), [*BASE, "per_device_batch_size=1", f"remat_policy={policy}"])
+        spec = train_step.abstract_step(cfg.model, cfg.train, make_mesh(jax.devices()[:1], {"data": 1}))
+        jaxpr = jax.make_jaxpr(train_step.make_train_step(cfg.model, cfg.train))(spec.state, spec.batch)
+        return str(jaxpr).count("ragged_dot")
+
+    assert ragged_dots("full") > ragged_dots("minimal")
+
+
+# --- presets -------------------------------------------------------------------------------------------------------
+
+def counted(name: str) -> tuple[int, int]:
+    """(total, active) parameters of a preset from its abstract model state: active counts top-k of the E routed
+    experts in each MoE layer."""
+    model = presets.get(name)
+    md = train_step.model_def(model, overrides.apply(model, []).train)
+    total = md.param_count
+    routed = sum(math.prod(x.shape) for path, x in _flat(md.params) if "_ExDxF" in path[-1] or "_ExFxD" in path[-1])
+    return total, total - routed * (model.num_experts - model.num_experts_per_tok) // model.num_experts
+
+
+def _flat(tree, path=()):
+    for k, v in tree.items():
+        yield from _flat(v, (*path, str(k))) if isinstance(v, dict) else [((*path, str(k)), v)]
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-20b",
+                                  "gpt-oss-120b"])
+def test_moe_presets_have_their_published_total_and_active_parameters(name):
+    total, active = counted(name)
+    if name in presets.ACTIVE_WITHOUT_INPUT_EMBEDDING:
+        model = presets.get(name)
+        active -= model.vocab_size * model.d_model
+    assert total == pytest.approx(presets.PUBLISHED_PARAMS[name], rel=0.01)
+    # Qwen's 3.3B is two digits: the 3.35B counted here rounds to it, 1.6% off
+    rel = 0.02 if name == "qwen3-30b-a3b" else 0.01
+    assert active == pytest.approx(presets.PUBLISHED_ACTIVE_PARAMS[name], rel=rel)
+
+
+# --- refusals ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("words,match", [
+    (["ici_expert=8", "ici_fsdp=1"], r"expert axis \(8 ICI x 1 DCN = 8\) does not divide num_experts=4.*e\.g\. 4"),
+    (["num_experts_per_tok=5"], r"num_experts_per_tok \(top-k\) must be between 1 and num_experts \(4\), got 5"),
+    (["capacity_factor=0", "sparse_matmul=false"], r"capacity_factor must be -1 \(dropless.*or > 0.*got 0"),
+    (["capacity_factor=1.25"], r"capacity_factor=1.25 drops tokens in the dense dispatch: set sparse_matmul=false"),
+    (["n_routing_groups=3", "topk_routing_group=1"], r"n_routing_groups dividing num_experts \(4\)"),
+])
+def test_bad_moe_settings_are_refused(words, match):
+    with pytest.raises(MaxperfError, match=match):
+        plan("cpu-8", "tiny-moe", words)
+
+
+def test_a_refusal_is_one_line_and_exit_2():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "maxperf.cli", "estimate", "--topology", "v5p-16", "--model",
+                           "tiny-moe", "ici_expert_parallelism=8"], capture_output=True, text=True, env=env, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "does not divide num_experts=4" in lines[0]
+
+
+# --- training ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_tiny_moe_trains_with_expert_parallelism_through_compile_and_run(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+    def maxperf(*args):
+        return subprocess.run([sys.executable, "-m", "maxperf.cli", *args], capture_output=True, text=True, env=env,
+                              timeout=600)
+
+    out = tmp_path / "tiny-moe"
+    proc = maxperf("compile", "--topology", "cpu-4", "--model", "tiny-moe", "seq_len=64", "per_device_batch_size=2",
+                   "learning_rate=1e-2", "warmup_steps=0", "ici_expert_parallelism=2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    # a learnable stream: each token is the last one plus 7, mod 256
+    np.save(tmp_path / "tokens.npy", (np.arange(64 * 65, dtype=np.int32) * 7) % 256)
+    proc = maxperf("run", str(out / "compiled.pkl"), "--steps", "10", "--warmup", "0", "--data",
+                   str(tmp_path / "tokens.npy"), "--out", str(tmp_path / "run"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    losses = json.loads(proc.stdout)["losses"]
+    assert len(losses) == 10 and losses[-1] < 0.5 * losses[0], losses
