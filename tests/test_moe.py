@@ -160,6 +160,26 @@ def test_an_expert_parallel_step_equals_one_device(mesh):
     assert max_diff(g_ep, g_one) < 1e-5
 
 
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_dispatch_drops_nothing_when_every_token_picks_one_shard(ep):
+    """The worst case of the exchange buffers: all tokens of every device route to experts 0 and 1 (one shard for
+    ep=2, two full shards for ep=4)."""
+    cfg = tiny_moe()  # E = 4, K = 2
+    B, L, D, F = 4, 8, 8, 16
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    x = jax.random.normal(keys[0], (B, L, D))
+    experts = jnp.broadcast_to(jnp.asarray([0, 1], jnp.int32), (B, L, 2))
+    weights = jax.random.uniform(keys[1], (B, L, 2))
+    w = (jax.random.normal(keys[2], (4, D, F)), jax.random.normal(keys[3], (4, D, F)),
+         jax.random.normal(keys[4], (4, F, D)))
+    expected = moe.sparse_dispatch(x, experts, weights, w, cfg)
+    sizes = {"data": 1, "fsdp": 4 // ep, "fsdp_transpose": 1, "sequence": 1, "tensor": 1, "expert": ep}
+    with jax.set_mesh(make_mesh(jax.devices()[:4], sizes)):
+        got = jax.jit(lambda *a: moe.sparse_dispatch(*a, cfg))(x, experts, weights, w)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert float(jnp.min(jnp.abs(got))) > 0  # every token got its experts' output
+
+
 @pytest.mark.slow
 def test_dense_dispatch_over_the_expert_axis_equals_one_device():
     words = ["sparse_matmul=false", "capacity_factor=1.5"]

@@ -8,7 +8,8 @@ Dispatch, as MaxText chooses it (`sparse_matmul`, `capacity_factor`):
 - dropless (capacity_factor=-1, sparse_matmul=true): each device sorts its own tokens by expert and multiplies them
   group by group with `jax.lax.ragged_dot`, inside `jax.shard_map`. With experts sharded over the `expert` mesh axis
   (expert parallelism), the sorted tokens go to the device holding their expert by `all_to_all` and come back the
-  same way. The exchange buffers hold each device's T x K routed tokens for every expert shard: nothing is dropped.
+  same way. The exchange buffers hold, for every expert shard, as many rows as one device's tokens could send it
+  (T min(K, E / expert)): nothing is dropped.
 - capacity (sparse_matmul=false): dense one-hot dispatch and combine einsums over [B, L, E, C]; an expert takes at
   most C = ceil(L K / E x capacity_factor) tokens of each sequence, in token order, and drops the rest (C = L when
   dropless). The partitioner moves tokens between expert shards.
@@ -189,18 +190,20 @@ def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activati
         y_AxD = _expert_mlp(x_AxD, _counts(e_A, E), weights, activation)
     else:
         El, A = E // ep, T * K
+        # a token sends at most min(K, El) of its assignments to one shard: a buffer of M = T min(K, El) rows for
+        # each shard is dropless even if all of this device's tokens pick the same shard (MaxText's worst case)
+        M = T * min(K, El)
         shard_A = e_A // El
         counts_S = _counts(shard_A, ep)
         slot_A = jnp.arange(A, dtype=jnp.int32) - (jnp.cumsum(counts_S) - counts_S)[shard_A]
-        # a buffer of A rows for each shard: dropless even if all of this device's tokens pick one shard
-        send_SxAxD = jnp.zeros((ep, A, D), x_AxD.dtype).at[shard_A, slot_A].set(x_AxD)
-        send_SxA = jnp.full((ep, A), El, jnp.int32).at[shard_A, slot_A].set(e_A % El)  # El marks an empty row
-        recv_SxAxD = jax.lax.all_to_all(send_SxAxD, ep_axis, 0, 0)
-        recv_R = jax.lax.all_to_all(send_SxA, ep_axis, 0, 0).reshape(-1)  # R = ep A rows, from every source
+        send_SxMxD = jnp.zeros((ep, M, D), x_AxD.dtype).at[shard_A, slot_A].set(x_AxD)
+        send_SxM = jnp.full((ep, M), El, jnp.int32).at[shard_A, slot_A].set(e_A % El)  # El marks an empty row
+        recv_SxMxD = jax.lax.all_to_all(send_SxMxD, ep_axis, 0, 0)
+        recv_R = jax.lax.all_to_all(send_SxM, ep_axis, 0, 0).reshape(-1)  # R = ep M rows, from every source
         order_R = jnp.argsort(recv_R, stable=True)
-        y_RxD = _expert_mlp(recv_SxAxD.reshape(ep * A, D)[order_R], _counts(recv_R, El), weights, activation)
-        y_SxAxD = y_RxD[jnp.argsort(order_R)].reshape(ep, A, D)
-        y_AxD = jax.lax.all_to_all(y_SxAxD, ep_axis, 0, 0)[shard_A, slot_A]
+        y_RxD = _expert_mlp(recv_SxMxD.reshape(ep * M, D)[order_R], _counts(recv_R, El), weights, activation)
+        y_SxMxD = y_RxD[jnp.argsort(order_R)].reshape(ep, M, D)
+        y_AxD = jax.lax.all_to_all(y_SxMxD, ep_axis, 0, 0)[shard_A, slot_A]
     y_TxKxD = y_AxD[inverse_A].reshape(T, K, D)
     out_TxD = jnp.einsum("TKD,TK->TD", y_TxKxD, weights_TxK.astype(y_TxKxD.dtype))
     if tensor_axis is not None:  # each device held a slice of every expert's F: partial sums
