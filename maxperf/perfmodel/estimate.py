@@ -156,7 +156,7 @@ def estimate(model: ModelShape, train: TrainShape, mesh_axes: Mapping[str, int],
     per_chip = devices_per_chip(topology)
     params = count_params(model)
     flops = count_flops(model, train, params_per_device(model, mesh))
-    memory = estimate_memory(model, train, mesh, chip.hbm_bytes)
+    memory = estimate_memory(model, train, mesh, chip.hbm_bytes, chip.kind)
     time = step_time(model, train, mesh, chip, topology, overlap, max(memory.phases().values()), load_imbalance)
     peak = chip.peak_flops(train.compute_dtype)
     step = time.step_time_s

@@ -67,6 +67,10 @@ FLASH_LSE_BYTES = 4 * 128
 # 2.4 bytes per logit beside the gradients, the carry and the gathered vocabulary table (6 before the one-hot
 # cross-entropy, with the float32 softmax live).
 LOGITS_FLOAT32_BUFFERS = 0
+# XLA:GPU does not fuse the float32 upcast into the loss's reductions: at the loss the float32 [T, V] logits are live
+# and the compute-dtype ones are not. Measured on an H100 (bench/gpu_measured.py, 2026-11-23): qwen3-0.6b
+# (V = 151936), B=16, L=2048, full remat compiles to 27.44 GiB = the state (8.88) + 18.55 GiB, 4 bytes per logit.
+GPU_LOGIT_BYTES = 4
 # num_vocab_tiling > 1 (models/train_step.py tiled_nll_sum): inside the loss's scan a chunk's logits keep one float32
 # buffer beside the compute-dtype ones (the gradient of the chunk's logits, computed by the scan's backward), and the
 # table's gradient, summed over the chunks, is in the param dtype and split like the table. Measured here: gemma-2b
@@ -78,6 +82,9 @@ TILED_LOGITS_FLOAT32_BUFFERS = 1
 # gradients) beside the gradients themselves. Measured here: llama2-7b v5p-8, B=1, L=2048, full remat: temp
 # 12.77 GiB = 2 x 6.28 GiB of gradients + 0.2 GiB.
 OPTIMIZER_GRADIENT_COPIES = 1
+# XLA:GPU updates in place without it: scaled-4 (4.15B), B=4, L=2048 on an H100 compiles to 64.01 GiB against a
+# state of 61.92 GiB (bench/gpu_measured.py, 2026-11-23), where one more gradient copy would make 77.4.
+GPU_OPTIMIZER_GRADIENT_COPIES = 0
 # Saved tensors are written per layer into stacked [N, ...] buffers by the forward scan and read by the backward
 # scan. Under the former "minimal" (jax's dots_with_no_batch_dims_saveable) XLA also held a second, partial copy of
 # them in the loss phase (1.83 x the saved bytes for qwen3-0.6b on v5p-8, B=1, L=2048; bench/memory_accuracy.py).
@@ -363,7 +370,10 @@ def _softcapped(model: ModelShape) -> bool:
     return getattr(model, "attn_logit_softcap", None) is not None
 
 
-def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes: float) -> MemoryBreakdown:
+def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes: float,
+                    platform: str = "tpu") -> MemoryBreakdown:
+    """`platform` ("tpu", "gpu", "cpu"): whose compiler's buffer choices to follow where they differ (GPU: the loss's
+    float32 logits, the optimizer's gradient copy); CPU follows the TPU's."""
     check_model(model)
     check_train(train)
     c = dtype_bytes(train.compute_dtype, "compute_dtype")
@@ -405,7 +415,7 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     host_offload = T * offloaded
     tiles = vocab_tiles(train)
     if tiles == 1:
-        logits = T * a.V * (c + 4 * LOGITS_FLOAT32_BUFFERS)
+        logits = T * a.V * (GPU_LOGIT_BYTES if platform == "gpu" else c + 4 * LOGITS_FLOAT32_BUFFERS)
     else:  # one chunk's logits at a time, and the vocabulary table's gradient summed over the chunks
         table = next(x for x in param_arrays(model) if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
         logits = (T / tiles * a.V * (c + 4 * TILED_LOGITS_FLOAT32_BUFFERS)
@@ -435,7 +445,8 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     return MemoryBreakdown(
         params=params, optimizer=optimizer, gradients=gradients, grad_accumulator=accumulator,
         activations=activations, saved_copy=saved_copy, logits=logits + vocab_table, temporaries=temporaries,
-        optimizer_temporaries=OPTIMIZER_GRADIENT_COPIES * gradients, hbm_bytes=hbm_bytes, host_offload=host_offload,
+        optimizer_temporaries=(GPU_OPTIMIZER_GRADIENT_COPIES if platform == "gpu" else OPTIMIZER_GRADIENT_COPIES)
+        * gradients, hbm_bytes=hbm_bytes, host_offload=host_offload,
         host_state=host_state, optimizer_staged=optimizer_staged,
         state_blocks=tuple((k, n * state_per_param) for k, n in params_per_block(model, mesh).items()),
         activation_blocks=(("experts", parts["mlp"] if moe_shape(model) else 0.0), ("attention", parts["attention"]),

@@ -99,7 +99,7 @@ def analytical(p: Plan) -> MemoryBreakdown:
     mesh = make_mesh(p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
     chip = device_for(p.topology)
     train = resolve_attention(p.configs.model, p.configs.train, chip.kind)
-    return estimate_memory(p.configs.model, train, mesh, chip.hbm_bytes)
+    return estimate_memory(p.configs.model, train, mesh, chip.hbm_bytes, chip.kind)
 
 
 def compare(topology: str, model: str, overrides: Sequence[str] = (), *, num_slices: int = 1,
