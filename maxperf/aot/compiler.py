@@ -225,7 +225,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Plan, say: Progress, star
                   calibration: StoredCalibration | None = None) -> CompileResult:
     topo, out_dir = p.topology, writer.out
     say(f"devices: {topo.name} ({topo.num_devices} devices, mesh "
-        + " x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1) + ")")
+        + (" x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1) or "1") + ")")
     if topo.platform == "tpu":
         topologies.quiet_libtpu()
     import jax

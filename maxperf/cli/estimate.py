@@ -21,7 +21,7 @@ def cmd_estimate(args) -> int:
         _print_json(estimate_summary(p, est))
         return 0 if est.fits else 3
     print(f"{p.model.name} on {p.topology.display_name} ({p.topology.chips} {est.chip} chips), mesh "
-          + " x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1))
+          + (" x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1) or "1 (one device)"))
     print(f"  step time        {est.step_time_s:.4f} s, bound by {est.bottleneck}")
     print(f"  tokens/s         {est.tokens_per_s:,.0f}")
     print(f"  TFLOP/s per chip {est.tflops_per_chip:.1f}  (MFU {est.mfu:.1%})")
