@@ -34,6 +34,13 @@ CASES = {
                             "remat_policy=full"],
     "scaled-2 dot minimal": ["--model", "scaled-2", "per_device_batch_size=4", "attention=dot_product",
                              "remat_policy=minimal"],
+    # mixtures of experts and latent attention, cut to a few layers so that one GPU holds them
+    "qwen3-30b-a3b 4 layers": ["--model", "qwen3-30b-a3b", "num_layers=4", "per_device_batch_size=4",
+                               "remat_policy=full"],
+    "mixtral-8x7b 2 layers": ["--model", "mixtral-8x7b", "num_layers=2", "per_device_batch_size=4",
+                              "remat_policy=full"],
+    "deepseek-v2-lite 4 layers": ["--model", "deepseek-v2-lite", "num_layers=4", "per_device_batch_size=4",
+                                  "remat_policy=full"],
     "scaled-4 flash full": ["--model", "scaled-4", "per_device_batch_size=4", "attention=flash", "remat_policy=full"],
 }
 
