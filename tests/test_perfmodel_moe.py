@@ -38,6 +38,15 @@ def test_moe_parameters_by_hand():
     assert counts.attention == 3 * attention == 36864
 
 
+def test_multi_token_prediction_modules_count_apart():
+    """Each MTP module: 3 norms of D, the 2D x D projection, one more layer like the last (a MoE layer here)."""
+    with_mtp = count_params(replace(SMALL, mtp_num_layers=2))
+    layer = 12288 + 128 + 30980  # attention, norms, the MoE block
+    assert with_mtp.mtp == 2 * (3 * 64 + 2 * 64 * 64 + layer) == 103560
+    assert (with_mtp.total, with_mtp.active) == (count_params(SMALL).total, count_params(SMALL).active)
+    assert count_params(SMALL).mtp == 0
+
+
 def test_latent_attention_parameters_by_hand():
     m = presets.get("tiny-mla")  # D 64, H 4, R 32, C 32, Dn 16, Dr 8, Dv 16
     attention = 64 * 32 + 32 + 32 * 4 * 24 + 64 * (32 + 8) + 32 + 32 * 4 * (16 + 16) + 4 * 16 * 64

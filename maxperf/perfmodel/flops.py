@@ -221,6 +221,11 @@ class ParamCounts:
     attention: int = 0  # the attention blocks of all layers (their projections, and QK-norm, latent norms, sinks)
     experts: int = 0  # the MoE blocks of all layers: routers, routed and shared experts
     active_layer_matmul: int = 0  # matmul weights a token passes through in all decoder layers (router included)
+    # DeepSeek-V3's multi-token-prediction modules (mtp_num_layers), outside total and active: each an RMSNorm of the
+    # hidden state and of the next token's embedding, their 2D x D projection, one decoder layer of the last layer's
+    # kind and the head's RMSNorm, the embedding and output head shared (DeepSeek-AI 2024, sec. 2.2; the
+    # enorm/hnorm/eh_proj/shared_head.norm of its Hugging Face checkpoint)
+    mtp: int = 0
 
     @property
     def non_embedding(self) -> int:
@@ -245,13 +250,21 @@ def count_params(model: ModelShape) -> ParamCounts:
     unembedding = 0 if model.tie_embeddings else D * V
     total = embedding + unembedding + layers + per_norm
     layer_matmul = attn_matmul + (block if n_moe else dense_mlp)
+    last_moe = bool(moe) and moe_layers_of(model)[-1]
+    last_layer = fixed + (block + block_other if last_moe else dense_mlp)
+    mtp = int(getattr(model, "mtp_num_layers", 0) or 0) * (3 * per_norm + 2 * D * D + last_layer)
     return ParamCounts(
         total=total, embedding=embedding, unembedding=unembedding,
         per_layer=layer_matmul + attn_other + layer_norms + (block_other if n_moe else 0), layer_matmul=layer_matmul,
         final_norm=per_norm, active=embedding + unembedding + layers_active + per_norm,
         attention=N * (attn_matmul + attn_other), experts=n_moe * (block + block_other),
-        active_layer_matmul=N * attn_matmul + (N - n_moe) * dense_mlp + n_moe * block_active,
+        active_layer_matmul=N * attn_matmul + (N - n_moe) * dense_mlp + n_moe * block_active, mtp=mtp,
     )
+
+
+def moe_layers_of(model: ModelShape) -> tuple[bool, ...]:
+    """Whether each decoder layer is a MoE layer (all False for a dense model)."""
+    return tuple(model.moe_layers()) if moe_shape(model) else (False,) * model.num_layers
 
 
 def attention_pairs(L: int, W: int | None) -> float:
