@@ -167,6 +167,9 @@ class ModelConfig:
     max_position: int = 8192  # size of the learned position table
     tie_embeddings: bool = False
     scale_embeddings: bool = False  # multiply embeddings by sqrt(D), as Gemma does
+    # MaxText's use_iota_embed: the lookup as a one-hot [B, L, V] matmul against the table (its backward a matmul,
+    # not a scatter), as MaxText's TPU configs run it; the same values
+    use_iota_embed: bool = False
     attention_type: AttentionType = AttentionType.GLOBAL
     window: int | None = None  # W, for local_sliding and for the local layers of local_global
     local_per_global: int = 1

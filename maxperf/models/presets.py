@@ -67,9 +67,10 @@ register(
 
 
 # Gemma (google/gemma-2b, gemma-7b config.json): GeGLU, tied, embeddings scaled by sqrt(D)
-def _gemma(name: str, D: int, N: int, H: int, K: int, Dh: int, F: int, **kw) -> ModelConfig:
+def _gemma(name: str, D: int, N: int, H: int, K: int, Dh: int, F: int, vocab_size: int = 256000,
+           **kw) -> ModelConfig:
     return ModelConfig(
-        name=name, vocab_size=256000, d_model=D, num_layers=N, num_heads=H, num_kv_heads=K, head_dim=Dh, d_ff=F,
+        name=name, vocab_size=vocab_size, d_model=D, num_layers=N, num_heads=H, num_kv_heads=K, head_dim=Dh, d_ff=F,
         activation=Activation.GEGLU, norm_eps=1e-6, tie_embeddings=True, scale_embeddings=True, **kw,
     )
 
@@ -91,6 +92,17 @@ def _gemma2(name: str, D: int, N: int, H: int, K: int, Dh: int, F: int, query_pr
 register("gemma2-2b", lambda: _gemma2("gemma2-2b", 2304, 26, 8, 4, 256, 9216, 256))
 register("gemma2-9b", lambda: _gemma2("gemma2-9b", 3584, 42, 16, 8, 256, 14336, 256))
 register("gemma2-27b", lambda: _gemma2("gemma2-27b", 4608, 46, 32, 16, 128, 36864, 144))
+
+
+# Gemma 3 27B, text only (Gemma Team 2025; google/gemma-3-27b-pt config.json; MaxText's gemma3-27b.yml): five local
+# layers (window 1024, RoPE base 1e4) to each global one (base 1e6), QK-norm, norms after attention and MLP too, no
+# soft-capping; query scaled by (D / H)^-1/2. The global layers' linear RoPE scaling (8) changes no shape or FLOP.
+register(
+    "gemma3-27b",
+    lambda: _gemma("gemma3-27b", 5376, 62, 32, 16, 128, 21504, vocab_size=262144,
+                   attention_type=AttentionType.LOCAL_GLOBAL, window=1024, local_per_global=5, qk_norm=True,
+                   post_norms=True, query_scale=168**-0.5, rope_theta=1e6, local_rope_theta=1e4),
+)
 
 
 # Qwen3 (Qwen/Qwen3-* config.json): QK-norm, RoPE theta 1e6, head dim 128 throughout
@@ -251,6 +263,7 @@ PUBLISHED_PARAMS = {
     "gemma2-2b": 2.61e9,
     "gemma2-9b": 9.24e9,
     "gemma2-27b": 27.2e9,
+    "gemma3-27b": 27.0e9,  # Gemma 3 report, table 1: 1,416M embedding + 25,600M other (the vision encoder apart)
     "qwen3-0.6b": 0.6e9,
     "qwen3-8b": 8.2e9,
     "qwen3-32b": 32.8e9,

@@ -110,7 +110,7 @@ class Transformer(nnx.Module):
         """The final-normed hidden states [B, L, D], and the mixture of experts' load-balancing loss averaged over
         the MoE layers (MaxText's moe_lb_loss, unweighted; 0 for a dense model)."""
         cfg = self.cfg
-        x_BxLxD = self.embed(tokens_BxL, self.compute_dtype)
+        x_BxLxD = self.embed(tokens_BxL, self.compute_dtype, iota=cfg.use_iota_embed)
         if cfg.scale_embeddings:
             x_BxLxD = x_BxLxD * jnp.asarray(math.sqrt(cfg.d_model), self.compute_dtype)
         if cfg.positions is Positions.LEARNED:

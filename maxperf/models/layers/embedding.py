@@ -13,10 +13,15 @@ class Embed(nnx.Module):
     def __init__(self, V: int, D: int, dtype, rngs: nnx.Rngs):
         self.table_VxD = param(rngs, (V, D), ("vocab", "embed"), dtype, fan_in=D)
 
-    def __call__(self, tokens_BxL: jax.Array, compute_dtype) -> jax.Array:
+    def __call__(self, tokens_BxL: jax.Array, compute_dtype, iota: bool = False) -> jax.Array:
+        """The rows of `tokens_BxL`; `iota`: as a one-hot matmul (MaxText's use_iota_embed), else a gather."""
         # the table is cast before the lookup, as MaxText's Embed does: a float32 gather keeps a float32 [B, L, D]
         # (of the whole global batch, under FSDP's split of D) live, and its backward scatters in float32
-        return jnp.take(self.table_VxD[...].astype(compute_dtype), tokens_BxL, axis=0)
+        table_VxD = self.table_VxD[...].astype(compute_dtype)
+        if iota:
+            one_hot_BxLxV = jax.nn.one_hot(tokens_BxL, table_VxD.shape[0], dtype=compute_dtype)
+            return jnp.einsum("BLV,VD->BLD", one_hot_BxLxV, table_VxD)
+        return jnp.take(table_VxD, tokens_BxL, axis=0)
 
     def attend(self, x_BxLxD: jax.Array) -> jax.Array:
         """Logits against the embedding table (tied unembedding)."""
