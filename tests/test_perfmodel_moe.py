@@ -204,11 +204,11 @@ def _row(e, name):
 
 def test_all_to_all_rows_of_the_step():
     """Per MoE layer: dispatch and combine forward, their gradients, the dispatch again under remat; each device sends
-    its tokens' top-k rows of D, the busiest receiving the imbalance times that."""
+    its exchange buffers whole: from its 64 tokens, min(k, E / expert) = 1 row of D for each of the 4 shards."""
     topo = Topo("h100-sxm", 8, chips_per_host=8)
     train = TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="full")
     e = estimate(SMALL, train, {"expert": 4, "fsdp": 2}, {}, topo, load_imbalance=1.5)
-    sent = 64 * 2 * 1.5 * 64 * 2  # tokens x top-k x imbalance x D x bfloat16
+    sent = 64 * 4 * 64 * 2  # tokens x buffer rows x D x bfloat16
     nets = axis_networks(make_mesh({"expert": 4, "fsdp": 2}, {}, topo), get_chip("h100-sxm"), topo)
     assert _row(e, "expert all-to-all (ici)").seconds == pytest.approx(
         2 * 5 * all_to_all_time(sent, ("expert",), nets).ici_s, rel=1e-12)
@@ -253,3 +253,17 @@ def test_estimate_memory_breaks_down_experts_attention_and_the_rest():
     assert sum(d["activation_blocks"].values()) == pytest.approx(e.memory.activations, rel=1e-12)
     assert d["activation_blocks"]["experts"] > 0 and d["state_blocks"]["attention"] > 0
     assert math.isfinite(e.step_time_s) and e.params.active == 132040
+
+
+def test_saved_expert_tensors_fill_the_worst_case_exchange_buffer():
+    """Under expert=4 each device receives, for each of its 64 tokens, min(k, E / expert) = 1 row from each of the 4
+    devices: 4 rows, however routing falls; the shared expert adds its own. remat minimal keeps mlpwi_0, mlpwi_1
+    and, read by the routing weights' gradient in a MoE layer, mlpwo."""
+    from maxperf.perfmodel.memory import named_per_token
+
+    mesh = make_mesh({"expert": 4, "fsdp": 2}, {}, Topo("tpu-v5p", 8, torus=(2, 2, 2)))
+    train = TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="minimal")
+    sizes = named_per_token(SMALL, train, mesh, moe_layer=True)
+    assert (sizes["mlpwi_0"], sizes["mlpwi_1"], sizes["mlpwo"]) == (2 * (4 + 1) * 32, 2 * (4 + 1) * 32, 2 * 64 * 5)
+    dense = named_per_token(SMALL, train, mesh)
+    assert (dense["mlpwi_0"], dense["mlpwo"]) == (2 * 128, 0.0)

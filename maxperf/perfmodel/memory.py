@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from maxperf.perfmodel.flops import attention_kernel, gated, head_dims, is_mla, remat_names
-from maxperf.perfmodel.moe import MoeShape, dispatch, moe_shape, ragged_buffer_factor, rows_per_token
+from maxperf.perfmodel.moe import MoeShape, dispatch, moe_shape, routed_buffer_rows, rows_per_token
 from maxperf.perfmodel.shapes import (
     Mesh,
     ModelShape,
@@ -123,7 +123,7 @@ BACKWARD_D_FLOAT32 = 0
 # A MoE layer keeps (models/layers/moe.py; counted from its tensors, not yet measured): per token the router's
 # float32 logits and probabilities over the E experts and the float32 top-k weights; per routed row the experts'
 # input (D) and MLP internals (GATED_MLP_SAVED_F x Fe), the rows of the sorted dispatch being the worst-case receive
-# buffer under expert parallelism (perfmodel.moe.ragged_buffer_factor), those of the einsum dispatch its E x C slots
+# buffer under expert parallelism (perfmodel.moe.routed_buffer_rows), those of the einsum dispatch its E x C slots
 # per sequence; the combine reads the top-k expert outputs per token (sorted dispatch), or every slot's output and
 # the [L, E, C] dispatch and combine masks (einsum dispatch).
 ROUTER_FLOAT32_PER_EXPERT = 2
@@ -222,10 +222,10 @@ def params_per_block(model: ModelShape, mesh: Mesh) -> dict[str, float]:
 
 
 def routed_rows_held(moe: MoeShape, train: TrainShape, mesh: Mesh) -> float:
-    """Rows of the routed experts' buffers per local token: top-k (dropless, in MaxText's worst-case receive buffer
-    under expert parallelism), E x C / L capacity slots, or E (dense dropless)."""
+    """Rows of the routed experts' buffers per local token: the sorted dispatch's (top-k, in the worst-case receive
+    buffer under expert parallelism), or the einsum dispatch's E x C / L slots."""
     if dispatch(train) == "sparse":
-        return moe.k * ragged_buffer_factor(mesh.axes.get("expert", 1))
+        return routed_buffer_rows(moe, mesh.axes.get("expert", 1))
     return rows_per_token(moe, train)
 
 

@@ -30,14 +30,6 @@ LOAD_IMBALANCE = 1.25
 PERMUTE_PASSES = 4
 
 
-def ragged_buffer_factor(ep: int) -> int:
-    """The dropless receive buffer under expert parallelism over a device's tokens x top-k rows: the worst case, all
-    of them from every source for this shard, so that no token is dropped however routing falls: EP
-    (models/layers/moe.py _local_experts: ep x T k rows; MaxText's get_ragged_buffer_size caps it at
-    min(EP, E / top-k)); 1 without expert parallelism (the sorted rows only)."""
-    return max(ep, 1)
-
-
 @dataclass(frozen=True)
 class MoeShape:
     E: int  # routed experts
@@ -62,6 +54,16 @@ def moe_shape(model: ModelShape) -> MoeShape | None:
     Fe = getattr(model, "moe_mlp_dim", None) or getattr(model, "base_moe_mlp_dim", None) or model.d_ff
     return MoeShape(E=E, k=k, Fe=int(Fe), S=int(getattr(model, "shared_experts", 0) or 0), moe_layers=n_moe,
                     dense_layers=model.num_layers - n_moe, router_bias=bool(getattr(model, "routed_bias", False)))
+
+
+def routed_buffer_rows(moe: MoeShape, ep: int) -> float:
+    """Rows per local token of the dropless receive buffer under expert parallelism, sized for the worst case so that
+    no token is dropped however routing falls: from each of the ep devices, every token's assignments to this shard's
+    E / ep experts, min(k, E / ep) of them (models/layers/moe.py _local_experts: ep x T min(k, E / ep) rows; MaxText's
+    get_ragged_buffer_size sizes it alike, T k min(ep, E / k)); top-k without expert parallelism."""
+    if ep <= 1:
+        return float(moe.k)
+    return ep * min(moe.k, moe.E / ep)
 
 
 def capacity_factor(train: TrainShape) -> float:

@@ -39,6 +39,7 @@ from maxperf.perfmodel.moe import (
     expert_capacity,
     load_imbalance,
     moe_shape,
+    routed_buffer_rows,
     rows_per_token,
 )
 from maxperf.perfmodel.network import LATENCY_S, CollectiveTime, all_to_all_time, axis_networks, collective_time
@@ -409,8 +410,8 @@ def _moe_matmuls(table: _Table, model: ModelShape, train: TrainShape, mesh: Mesh
                                    f"({group:.0f} here), at that matmul's efficiency (the term above)")
     if f > 1:
         origin = "assumed" if f == LOAD_IMBALANCE else "as given"
-        table.assume("moe imbalance", f"the busiest of the expert-parallel devices computes and receives {f:g}x the "
-                                      f"mean of the routed rows ({origin}; perfmodel.estimate's load_imbalance)")
+        table.assume("moe imbalance", f"the busiest of the expert-parallel devices computes {f:g}x the mean of the "
+                                      f"routed rows ({origin}; perfmodel.estimate's load_imbalance)")
 
     def moe_fwd(*names: str) -> float:
         return fwd(*names, layers=layers, recomputing=again)
@@ -436,7 +437,7 @@ def _moe_collectives(table: _Table, model: ModelShape, train: TrainShape, mesh: 
                      expert_arrays, nets, overlap: Overlap, c: int, p: int) -> None:
     """The routed experts' FSDP gathers (over the FSDP axes other than `expert`, each device gathering its own
     experts) and the expert-parallel all-to-alls: per MoE layer the dispatch and the combine in the forward, their
-    gradients in the backward, and the dispatch again where remat recomputes the layer."""
+    gradients in the backward, and the dispatch again where remat recomputes the layer (models/layers/moe.py)."""
     micro, layers = train.grad_accum_steps, moe.moe_layers
     axes = gather_axes(expert_arrays, mesh)
     if axes:
@@ -447,9 +448,10 @@ def _moe_collectives(table: _Table, model: ModelShape, train: TrainShape, mesh: 
         _collective(table, "fsdp " + rs, rs, gathered * p, axes, nets, layers * micro, overlap.fsdp)
     kind = dispatch(train)
     if mesh.axes["expert"] > 1:
-        # what one device sends (and, on the busiest, receives): its routed rows of D (the einsum dispatch's [B, E,
-        # C, D] slots go from batch-split to expert-split, an all-to-all too)
-        sent = T * (moe.k * f if kind == "sparse" else rows_per_token(moe, train)) * model.d_model * c
+        # what one device sends: the sorted dispatch's exchange buffers, whole (sized for the worst case, so however
+        # routing falls), or the einsum dispatch's [B, E, C, D] slots, from batch-split to expert-split
+        rows = routed_buffer_rows(moe, mesh.axes["expert"]) if kind == "sparse" else rows_per_token(moe, train)
+        sent = T * rows * model.d_model * c
         count = layers * micro * (4 + (recomputed(model, train) != frozenset()))
         _collective(table, "expert all-to-all", "all-to-all", sent, ("expert",), nets, count, overlap.expert,
                     time=all_to_all_time(sent, ("expert",), nets))
