@@ -357,7 +357,7 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
             cpu.weight_layout_copies(table.add, chip, last, first, p, N * micro)
     if moe is not None:
         experts = [x for x in arrays if x.expert_parallel]
-        _moe_collectives(table, model, train, mesh, moe, T, f, experts, nets, overlap, c, p)
+        _moe_collectives(table, model, train, mesh, moe, T, experts, nets, overlap, c, p)
     if mesh.axes["tensor"] > 1:
         # Megatron-style: 2 all-reduces of T x D in the forward, 2 in the backward (Shoeybi et al. 2019, sec. 3)
         count = N * micro * (2 + 2 + ("out_proj" in again) + ("mlpwo" in again))
@@ -433,8 +433,8 @@ def _moe_matmuls(table: _Table, model: ModelShape, train: TrainShape, mesh: Mesh
         table.matmul("expert dispatch and combine einsums", a.L, slots, D, count * (1 + COMBINE_BACKWARD_EINSUMS), c)
 
 
-def _moe_collectives(table: _Table, model: ModelShape, train: TrainShape, mesh: Mesh, moe, T: float, f: float,
-                     expert_arrays, nets, overlap: Overlap, c: int, p: int) -> None:
+def _moe_collectives(table: _Table, model: ModelShape, train: TrainShape, mesh: Mesh, moe, T: float, expert_arrays,
+                     nets, overlap: Overlap, c: int, p: int) -> None:
     """The routed experts' FSDP gathers (over the FSDP axes other than `expert`, each device gathering its own
     experts) and the expert-parallel all-to-alls: per MoE layer the dispatch and the combine in the forward, their
     gradients in the backward, and the dispatch again where remat recomputes the layer (models/layers/moe.py)."""
