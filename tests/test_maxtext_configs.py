@@ -1,0 +1,114 @@
+"""bench/maxtext_configs.py reads MaxText's published TPU scripts into maxperf command lines, and maxperf takes every
+flag of them (no compile here: the bench compiles)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from maxperf.models import overrides, presets
+
+ROOT = Path(__file__).resolve().parent.parent
+TPU_DIR = Path(__file__).resolve().parent / "data" / "maxtext_configs" / "tpu"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("maxtext_configs", ROOT / "bench" / "maxtext_configs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+
+
+def _parse(path: str):
+    return bench.parse(TPU_DIR / path, TPU_DIR)
+
+
+def test_scaled_script_becomes_scaled_preset_on_its_slice():
+    config = _parse("v5p/32b.sh")
+    assert config.argv() == [
+        "compile", "--topology", "v5p-128", "--model", "scaled-32", "per_device_batch_size=6",
+        "remat_policy=minimal", "ici_fsdp_parallelism=-1", "ici_tensor_parallelism=4", "max_target_length=2048",
+        "use_iota_embed=true", "attention=flash", "--json"]
+    assert {w.partition("=")[0] for w, _ in config.dropped} == {
+        "steps", "enable_checkpointing", "base_output_directory", "reuse_example_batch", "dataset_type",
+        "gcs_metrics", "quantization"}
+    assert config.skip is None
+
+
+def test_script_variables_and_stated_batch_topology():
+    """$DATASET_TYPE and $REUSE_EXAMPLE_BATCH come from the script's exports; "on 1 x v5p-512" is the topology."""
+    config = _parse("v5p/llama2_7b.sh")
+    assert (config.model, config.topology, config.num_slices) == ("llama2-7b", "v5p-512", 1)
+    assert config.flags == ("remat_policy=minimal", "per_device_batch_size=4", "use_iota_embed=true",
+                            "max_target_length=4096")
+    dropped = dict(config.dropped)
+    assert "dataset_type=synthetic" in dropped and "reuse_example_batch=1" in dropped
+    assert "profiler=xplane" in dropped
+
+
+def test_trillium_script_keeps_fsdp_transpose_and_splash_blocks():
+    config = _parse("v6e/gemma2_27b.sh")
+    assert (config.model, config.topology) == ("gemma2-27b", "v6e-256")
+    assert config.flags == ("per_device_batch_size=2", "remat_policy=full", "ici_fsdp_transpose_parallelism=256",
+                            "ici_fsdp_parallelism=-1", "max_target_length=8192", "attention=flash", "sa_block_q=2048",
+                            "sa_block_q_dkv=2048", "sa_block_q_dq=2048")
+
+
+@pytest.mark.parametrize("path", ["v5p/32b.sh", "v5p/llama2_7b.sh", "v6e/gemma2_27b.sh"])
+def test_maxperf_takes_every_flag_passed(path):
+    config = _parse(path)
+    configs = overrides.apply(presets.get(config.model), list(config.flags))
+    flags = dict(w.split("=", 1) for w in config.flags)
+    assert configs.train.per_device_batch_size == float(flags["per_device_batch_size"])
+    assert configs.train.remat_policy == flags["remat_policy"]
+
+
+def test_folder_lists_every_script():
+    assert [c.path for c in bench.configs(TPU_DIR)] == ["v5p/32b.sh", "v5p/llama2_7b.sh", "v6e/gemma2_27b.sh"]
+
+
+def test_expand_nested_defaults_and_positional_arguments():
+    env = {"1": "4", "B": "x"}
+    assert bench._expand("${1:-${PER_DEVICE_BATCH_SIZE:-8}}", env) == "4"
+    assert bench._expand("${2:-${REMAT:-full}}", env) == "full"
+    assert bench._expand("$B/${UNSET}y", env) == "x/y"
+
+
+def test_wrapper_script_passes_its_arguments_to_the_base_script(tmp_path):
+    folder = tmp_path / "v5p" / "big"
+    folder.mkdir(parents=True)
+    (folder / "base.sh").write_text(
+        'B=${1:-${B:-4}}\nREMAT=${2:-${REMAT:-full}}\n'
+        'python3 -m maxtext.trainers.pre_train.train base.yml model_name=llama2-7b \\\n'
+        '  per_device_batch_size="${B}" remat_policy="${REMAT}" steps=5\n')
+    (folder / "v5p_256.sh").write_text("# Train on v5p-256 slice.\n./big/base.sh 2 minimal\n")
+    config = bench.parse(folder / "v5p_256.sh", tmp_path, {"llama2-7b"})
+    assert (config.topology, config.flags) == ("v5p-256", ("per_device_batch_size=2", "remat_policy=minimal"))
+
+
+def test_iota_embed_matches_the_gather_and_its_gradient():
+    """use_iota_embed (MaxText's one-hot matmul lookup) gives the gather's rows and the same table gradient."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from maxperf.models.layers.embedding import Embed
+
+    embed = Embed(50, 8, jnp.float32, nnx.Rngs(0))
+    tokens_BxL = jnp.array([[1, 3, 49], [0, 3, 3]])
+    weights_BxLxD = jax.random.normal(jax.random.key(1), (2, 3, 8))
+
+    def loss(module, iota):
+        return jnp.sum(module(tokens_BxL, jnp.float32, iota=iota) * weights_BxLxD)
+
+    with jax.numpy_rank_promotion("raise"):
+        (gather, d_gather), (iota, d_iota) = (nnx.value_and_grad(loss)(embed, i) for i in (False, True))
+    d_gather, d_iota = d_gather["table_VxD"][...], d_iota["table_VxD"][...]
+    assert jnp.allclose(gather, iota, rtol=1e-6)
+    assert jnp.allclose(d_gather, d_iota, atol=1e-6)
+    assert float(jnp.abs(d_iota[3]).sum()) > 0 and float(jnp.abs(d_iota[2]).sum()) == 0
