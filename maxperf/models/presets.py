@@ -276,6 +276,11 @@ PUBLISHED_PARAMS = {
     "qwen3-235b-a22b": 235e9,
     "gpt-oss-20b": 20.9e9,
     "gpt-oss-120b": 116.8e9,
+    # DeepSeek-V2-Lite's model card (deepseek-ai/DeepSeek-V2-Lite): 15.7B; the DeepSeek-V3 technical report: 671B
+    # without its 14B multi-token-prediction module. Kimi K2 is left out: its config.json gives 1.026T, Moonshot's
+    # report states 1.04T and its model card 1T
+    "deepseek-v2-lite": 15.7e9,
+    "deepseek-v3": 671e9,
 }
 
 # The parameters a token passes through (its top-k routed experts, the shared ones and everything else) of each
