@@ -56,3 +56,23 @@ def test_no_attached_gpu_means_a_compile_without_one(monkeypatch):
     assert gpu_targets.attached_gpus("h100-sxm", 1) is None
     assert topologies.compiles_on_attached_gpus(topologies.get("h100-1")) is None
     assert any("without a GPU" in note for note in topologies.limitations(topologies.get("h100-1")))
+
+
+def test_an_autotuner_failure_is_not_called_out_of_memory():
+    from maxperf.aot.compiler import out_of_memory_figures
+
+    assert out_of_memory_figures("NOT_FOUND: All configs failed during profiling or were excluded from selection. "
+                                 "(one config: RESOURCE_EXHAUSTED: out of memory)") is None
+    assert out_of_memory_figures("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+                                 "space hbm. Used 103.53G of 95.74G hbm.") == {
+        "per_device_total_bytes": int(103.53 * 2**30), "compiler_available_bytes": int(95.74 * 2**30)}
+
+
+def test_a_gpu_step_compiled_without_the_gpu_says_its_timings_are_not_productions(capsys):
+    from maxperf.profiler.run import untuned_gpu_step
+
+    notes = untuned_gpu_step({"gpu_autotuned": False})
+    assert len(notes) == 1 and "without a GPU" in notes[0] and "13-24x" in notes[0]
+    assert "without a GPU" in capsys.readouterr().err
+    assert untuned_gpu_step({"gpu_autotuned": True}) == [] and untuned_gpu_step({"gpu_autotuned": None}) == []
+    assert untuned_gpu_step({}) == []

@@ -84,11 +84,20 @@ def _bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else 0
 
 
+# The status code an XLA error starts with (absl's canonical codes).
+_STATUS = re.compile(r"\b(CANCELLED|UNKNOWN|INVALID_ARGUMENT|DEADLINE_EXCEEDED|NOT_FOUND|ALREADY_EXISTS|"
+                     r"PERMISSION_DENIED|RESOURCE_EXHAUSTED|FAILED_PRECONDITION|ABORTED|OUT_OF_RANGE|UNIMPLEMENTED|"
+                     r"INTERNAL|UNAVAILABLE|DATA_LOSS|UNAUTHENTICATED):")
+
+
 def out_of_memory_figures(message: str) -> dict[str, int] | None:
     """What XLA's out-of-memory compile error says, in bytes; None when the error is not about memory.
 
     Two forms seen from libtpu: 'Used 103.53G of 95.74G hbm' (the total) and 'the total memory required for HLO
     temporaries (122.60G) exceeds available HBM (15.75G)' (temporaries only)."""
+    status = _STATUS.search(message)
+    if status is not None and status.group(1) != "RESOURCE_EXHAUSTED":
+        return None  # another failure whose details mention memory (the GPU autotuner's NOT_FOUND, say)
     if "RESOURCE_EXHAUSTED" not in message and "out of memory" not in message.lower():
         return None
     size = r"([\d.]+\s*[KMGT]?i?B?)"
@@ -349,6 +358,9 @@ def _write_manifest(writer: artifacts.ArtifactWriter, p: Plan, spec, argv, compi
         "warnings": list(p.warnings),
         "topology": p.topology.as_dict(),
         "devices": device_summary(spec.mesh),
+        # GPU: compiled on the attached GPUs (autotuned), or without a GPU (XLA's untuned defaults)
+        "gpu_autotuned": (topologies.compiles_on_attached_gpus(p.topology) is not None
+                          if p.topology.platform == "gpu" else None),
         "param_count": spec.param_count,
         "global_batch": spec.global_batch,
         "tokens_per_step": spec.global_batch * p.configs.train.seq_len,

@@ -519,8 +519,10 @@ def limitations(topology: Topology) -> list[str]:
         notes += [
             "the GPU compiler gives no cost analysis without a GPU: FLOPs and bytes come from another source, "
             "labelled as such",
-            "no autotuning without a GPU: GEMM and fusion configurations are XLA's defaults, so kernels (and timings) "
-            "can differ from a compile on the GPU itself",
+            "no autotuning without a GPU: GEMM and fusion configurations are XLA's defaults, so this executable is not "
+            "the production step: on an H100 such steps ran 13-24x slower than compiled on the GPU, and memory can "
+            "differ (qwen3-0.6b B 16: 18.2 GiB without the GPU, 27.4 GiB compiled on it); compile on the GPU host "
+            "for a run's timings",
             f"compiled for {topology.gpu_target} "
             + (f"from {topology.target_config_path}" if topology.target_config_path else "(the CUDA plugin's spec)"),
         ]

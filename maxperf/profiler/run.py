@@ -258,7 +258,8 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         median = statistics.median(times)
         estimate = artifact.json("estimate.json")
         record = calibration.record() if calibration is not None else None
-        notes = [*fallback_notes(p.topology, chip, calibration), *calibration_mismatch(estimate, record)]
+        notes = [*fallback_notes(p.topology, chip, calibration), *calibration_mismatch(estimate, record),
+                 *untuned_gpu_step(artifact.manifest)]
         predicted = estimate.get("step_time_s") if estimate else None
         memory = {"compiler_per_device_bytes": (artifact.json("memory.json") or {}).get("per_device_total_bytes"),
                   **device_memory(devices)}
@@ -291,6 +292,26 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         if watchdog:
             watchdog.stop()
     return result
+
+
+# Measured on an H100 (jax 0.11.2, bench/gpu_measured.py and `maxperf compile --target-config`, 2026-11-23): the same
+# step compiled without the GPU against compiled on it: qwen3-0.6b B 16 L 2048 7.85 s against 0.578 s per step,
+# scaled-1 B 8 6.97 s against 0.296 s.
+UNTUNED_GPU_SLOWDOWN = "13-24x"
+
+
+def untuned_gpu_step(manifest: dict[str, Any]) -> list[str]:
+    """A note, said on stderr too, when a GPU step compiled without a GPU runs: its kernels are XLA's untuned
+    defaults, far slower than the step a compile on the GPU makes, so its timings are not production's."""
+    from maxperf.notes import note
+
+    if manifest.get("gpu_autotuned") is not False:
+        return []
+    line = (f"this step was compiled without a GPU, so with XLA's untuned kernel configurations: on an H100 such "
+            f"steps ran {UNTUNED_GPU_SLOWDOWN} slower than the same step compiled on the GPU; for production timings "
+            f"run `maxperf compile` for this topology on a machine with its GPUs attached")
+    note(line)
+    return [line]
 
 
 def calibration_mismatch(estimate: dict[str, Any] | None, record: dict[str, Any] | None) -> list[str]:
