@@ -60,6 +60,12 @@ MATMUL_HALF = {
     "gpu": 760,  # fitted (32 GPU rows)
     "cpu": cpu.MATMUL_HALF,
 }
+# XLA:GPU's jax.lax.ragged_dot (the dropless grouped matmul, sparse_matmul=true) runs far below a plain matmul of the
+# same rows: on an H100 (jax 0.11.2, compiled on the GPU, bench/gpu_measured.py, 2026-11-23) mixtral-8x7b cut to 2
+# layers, B 4, L 2048 took 591 ms where the model gave its experts 103 ms of a 166 ms step: 0.2 of the modelled rate.
+# The same step with sparse_matmul=false capacity_factor=1.25 took 169 ms (predicted 193), and qwen3-30b-a3b (128
+# experts) with ragged_dot failed XLA:GPU's autotuner.
+GPU_RAGGED_DOT_RATE = 0.2
 # Memory-bound elementwise passes per token per layer over D-wide vectors (reads + writes, forward), in compute-dtype
 # passes, on TPUs and GPUs (XLA:CPU's: perfmodel.cpu). Unfused, two norms with float32 internals (6 each) and two
 # residual adds (3 each) would make 18; XLA fuses norms and residual adds into the neighbouring matmuls' operand and
@@ -182,13 +188,13 @@ class _Table:
         self.overlap[name] = overlap
 
     def matmul(self, name: str, M: float, K: float, N: float, count: float, c: int,
-               side: float | None = None) -> None:
+               side: float | None = None, rate: float = 1.0) -> None:
         """`count` matmuls of M x K by K x N in compute dtype (c bytes): a roofline of FLOPs and HBM traffic (and on
         CPU devices what XLA:CPU's dot kernels add, perfmodel.cpu). `side` replaces the smallest side in the
-        efficiency (`matmul_efficiency`)."""
+        efficiency (`matmul_efficiency`); `rate` scales it (a kernel slower than a plain matmul of the shape)."""
         flops = 2 * M * K * N * count
         nbytes = c * (M * K + K * N + M * N) * count
-        efficiency = matmul_efficiency(self.chip, min(M, K, N) if side is None else side, self.half)
+        efficiency = rate * matmul_efficiency(self.chip, min(M, K, N) if side is None else side, self.half)
         if self.chip.kind != "cpu":
             origin = MATMUL_FRACTION_ORIGIN[self.chip.name]
             self.assume("matmul", f"matmuls at {self.chip.matmul_fraction:.2f} of peak ({origin}) x m / (m + "
@@ -202,15 +208,15 @@ class _Table:
             cpu.dot_accumulator_faults(self.add, self.chip, M, K, N, count, c)
 
     def train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
-                     side: float | None = None) -> None:
+                     side: float | None = None, rate: float = 1.0) -> None:
         """A matmul run `forward` times as x @ W (the forward and its recomputation) and `backward` times as each of
         the backward's two: the input gradient dy @ W^T (M x N by N x K) and the weight gradient x^T @ dy (K x M by
         M x N). All run at the plain rate: compilers give the transposed operand the layout the matmul wants
         (XLA:CPU copies x to x^T, a T x D transpose, and runs the weight gradient as a plain matmul, as a cpu-2
         step's optimized HLO shows), so a library's slower rate for a transposed operand does not apply."""
-        self.matmul(name, M, K, N, forward, c, side)
-        self.matmul(name, M, N, K, backward, c, side)
-        self.matmul(name, K, M, N, backward, c, side)
+        self.matmul(name, M, K, N, forward, c, side, rate)
+        self.matmul(name, M, N, K, backward, c, side, rate)
+        self.matmul(name, K, M, N, backward, c, side, rate)
 
     def memory(self, name: str, nbytes: float) -> None:
         """Memory-bound elementwise work: at HBM bandwidth, or where one was measured (CPU devices) at the rate of a
@@ -416,10 +422,15 @@ def _moe_matmuls(table: _Table, model: ModelShape, train: TrainShape, mesh: Mesh
     def moe_fwd(*names: str) -> float:
         return fwd(*names, layers=layers, recomputing=again)
 
+    rate = 1.0
+    if kind == "sparse" and table.chip.kind == "gpu":
+        rate = GPU_RAGGED_DOT_RATE
+        table.assume("ragged dot", f"XLA:GPU's ragged_dot at {rate:g} of a plain matmul's rate (measured once, on an "
+                                   f"H100; sparse_matmul=false ran its einsums at the plain rate)")
     wi = ("mlpwi_0", "mlpwi_1") if gated(model) else ("mlpwi",)
     table.train_matmul("experts up and gate" if gated(model) else "experts up", group, D, a.Fe, local * moe_fwd(*wi),
-                       local * len(wi) * bwd, c)
-    table.train_matmul("experts down", group, a.Fe, D, local * moe_fwd("mlpwo"), local * bwd, c)
+                       local * len(wi) * bwd, c, rate=rate)
+    table.train_matmul("experts down", group, a.Fe, D, local * moe_fwd("mlpwo"), local * bwd, c, rate=rate)
     table.train_matmul("router", T, D, moe.E, moe_fwd("router"), bwd, c)
     if moe.S:
         table.train_matmul("shared experts up" + (" and gate" if gated(model) else ""), T, D, moe.S * a.Fe,
