@@ -60,12 +60,14 @@ MATMUL_HALF = {
     "gpu": 760,  # fitted (32 GPU rows)
     "cpu": cpu.MATMUL_HALF,
 }
-# XLA:GPU's jax.lax.ragged_dot (the dropless grouped matmul, sparse_matmul=true) runs far below a plain matmul of the
-# same rows: on an H100 (jax 0.11.2, compiled on the GPU, bench/gpu_measured.py, 2026-11-23) mixtral-8x7b cut to 2
-# layers, B 4, L 2048 took 591 ms where the model gave its experts 103 ms of a 166 ms step: 0.2 of the modelled rate.
-# The same step with sparse_matmul=false capacity_factor=1.25 took 169 ms (predicted 193), and qwen3-30b-a3b (128
-# experts) with ragged_dot failed XLA:GPU's autotuner.
-GPU_RAGGED_DOT_RATE = 0.2
+# XLA:GPU's jax.lax.ragged_dot (the dropless grouped matmul, sparse_matmul=true) runs as if each local expert's matmul
+# took every row, not its own: at GPU_RAGGED_DOT_RATE / (local experts) of the modelled per-expert rate. Fitted on
+# two steps compiled and run on an H100 (jax 0.11.2, bench/gpu_measured.py, 2026-11-23), B 4, L 2048, full remat:
+# mixtral-8x7b cut to 2 layers (8 experts) took 591 ms where the model at the plain rate gave its experts 103 ms of a
+# 166 ms step (0.195 of the rate, 1.56 / 8); deepseek-v2-lite cut to 4 layers (64 experts) 1279 ms, its experts 33 ms
+# of 117 (0.028, 1.77 / 64). With sparse_matmul=false capacity_factor=1.25 the same steps took 169 and 133 ms
+# (predicted 193 and 140), and qwen3-30b-a3b (128 experts) with ragged_dot failed XLA:GPU's autotuner.
+GPU_RAGGED_DOT_RATE = 1.6
 # Memory-bound elementwise passes per token per layer over D-wide vectors (reads + writes, forward), in compute-dtype
 # passes, on TPUs and GPUs (XLA:CPU's: perfmodel.cpu). Unfused, two norms with float32 internals (6 each) and two
 # residual adds (3 each) would make 18; XLA fuses norms and residual adds into the neighbouring matmuls' operand and
@@ -424,9 +426,10 @@ def _moe_matmuls(table: _Table, model: ModelShape, train: TrainShape, mesh: Mesh
 
     rate = 1.0
     if kind == "sparse" and table.chip.kind == "gpu":
-        rate = GPU_RAGGED_DOT_RATE
-        table.assume("ragged dot", f"XLA:GPU's ragged_dot at {rate:g} of a plain matmul's rate (measured once, on an "
-                                   f"H100; sparse_matmul=false ran its einsums at the plain rate)")
+        rate = min(1.0, GPU_RAGGED_DOT_RATE / local)
+        table.assume("ragged dot", f"XLA:GPU's ragged_dot at {GPU_RAGGED_DOT_RATE:g} / {local:g} local experts of the "
+                                   f"per-expert matmul rate (fitted on two H100 steps; sparse_matmul=false "
+                                   f"capacity_factor=1.25 ran 3.5-9.6x faster there)")
     wi = ("mlpwi_0", "mlpwi_1") if gated(model) else ("mlpwi",)
     table.train_matmul("experts up and gate" if gated(model) else "experts up", group, D, a.Fe, local * moe_fwd(*wi),
                        local * len(wi) * bwd, c, rate=rate)
