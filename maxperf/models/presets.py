@@ -117,13 +117,15 @@ register("qwen3-0.6b", lambda: _qwen3("qwen3-0.6b", 1024, 28, 16, 8, 3072, tied=
 register("qwen3-8b", lambda: _qwen3("qwen3-8b", 4096, 36, 32, 8, 12288, tied=False))
 register("qwen3-32b", lambda: _qwen3("qwen3-32b", 5120, 64, 64, 8, 25600, tied=False))
 
-# GPT-3 175B (Brown et al. 2020, table 2.1): learned positions over 2048 tokens, LayerNorm, GELU, F = 4D, tied
+# GPT-3 175B (Brown et al. 2020, table 2.1): learned positions over 2048 tokens, LayerNorm, GELU, F = 4D, tied. As
+# MaxText's gpt3-175b.yml runs it: the 50257-token vocabulary padded to 50304 (a multiple of 128, so tensor
+# parallelism splits it), q, k and v in one matmul, the embedding lookup as a one-hot matmul.
 register(
     "gpt3-175b",
     lambda: ModelConfig(
-        name="gpt3-175b", vocab_size=50257, d_model=12288, num_layers=96, num_heads=96, num_kv_heads=96, head_dim=128,
+        name="gpt3-175b", vocab_size=50304, d_model=12288, num_layers=96, num_heads=96, num_kv_heads=96, head_dim=128,
         d_ff=49152, activation=Activation.GELU, norm=Norm.LAYERNORM, positions=Positions.LEARNED, max_position=2048,
-        tie_embeddings=True,
+        tie_embeddings=True, fused_qkv=True, use_iota_embed=True,
     ),
 )
 
