@@ -261,6 +261,28 @@ def test_tensor_parallel_step_matches_one_device():
     np.testing.assert_allclose(_two_step_losses(sharded, batch), _two_step_losses(single, batch), rtol=0, atol=1e-5)
 
 
+# DeepSeek-V3's shape in miniature: latent attention, a first dense layer, then sigmoid routing over two groups of
+# experts with a selection bias, renormalized and scaled, beside a shared expert
+DEEPSEEK_TINY = ("num_experts=4", "num_experts_per_tok=2", "shared_experts=1", "first_num_dense_layers=1",
+                 "base_moe_mlp_dim=32", "routed_score_func=sigmoid", "routed_bias=true", "n_routing_groups=2",
+                 "topk_routing_group=1", "norm_topk_prob=true", "routed_scaling_factor=2.5")
+
+
+@pytest.mark.slow
+def test_latent_attention_with_experts_learns_under_expert_and_tensor_parallelism():
+    _, spec = tiny_mla(*DEEPSEEK_TINY, "seq_len=64", "learning_rate=1e-2", "attention=flash", "ici_expert=2",
+                       "ici_tensor=2", "ici_fsdp=1", devices=4)
+    step = train_step.jit_step(spec)
+    state = train_step.init_state(spec, seed=0)
+    batch = train_step.synthetic_batch(spec, seed=1)
+    losses = []
+    with jax.set_mesh(spec.mesh):
+        for _ in range(20):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
 def maxperf(*args, timeout=600):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each command sets its own device count
     return subprocess.run([sys.executable, "-m", "maxperf.cli", *args], capture_output=True, text=True, env=env,
