@@ -142,11 +142,11 @@ class MoE(nnx.Module):
         bias = self.router.bias[...] if cfg.routed_bias else None
         routing = route(self.router(x_BxLxD), cfg, bias)
         aux = load_balance_loss(routing, cfg.num_experts)
-        weights = (self.wi_0_ExDxF[...].astype(dtype) if cfg.activation.gated else None,
-                   self.wi_1_ExDxF[...].astype(dtype), self.wo_ExFxD[...].astype(dtype))
+        weights = (self.wi_0_ExDxF[...] if cfg.activation.gated else None, self.wi_1_ExDxF[...], self.wo_ExFxD[...])
         if self.options.sparse_matmul:
             out_BxLxD = sparse_dispatch(x_BxLxD, routing.experts_TxK, routing.weights_TxK, weights, cfg)
         else:
+            weights = tuple(None if w is None else w.astype(dtype) for w in weights)
             out_BxLxD = dense_dispatch(x_BxLxD, routing.experts_TxK, routing.weights_TxK, weights, cfg,
                                        self.options.capacity_factor)
         if cfg.shared_experts:
@@ -213,12 +213,16 @@ def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activati
 
 def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelConfig) -> jax.Array:
     """Dropless routed experts: ragged_dot over each device's tokens sorted by expert, all_to_all between expert
-    shards. Without a mesh (one device), the same computation on all tokens."""
+    shards. Without a mesh (one device), the same computation on all tokens. The expert weights (wi_0 or None,
+    wi_1, wo) come in their parameter dtype and are cast to the tokens' dtype on each device's shard before their
+    FSDP all-gather, so that only one layer's weights exist in the compute dtype at a time."""
     B, L, D = x_BxLxD.shape
     E = cfg.num_experts
     kw = dict(E=E, activation=cfg.activation)
     mesh = jax.sharding.get_abstract_mesh()
+    dtype = x_BxLxD.dtype
     if mesh.empty:
+        weights = tuple(None if w is None else w.astype(dtype) for w in weights)
         out_TxD = _local_experts(x_BxLxD.reshape(B * L, D), experts_BxLxK.reshape(B * L, -1),
                                  weights_BxLxK.reshape(B * L, -1), weights, ep_axis=None, ep=1, tensor_axis=None, **kw)
         return out_TxD.reshape(B, L, D)
@@ -236,13 +240,22 @@ def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCo
     F = cfg.moe_mlp_dim
     f_axis = "tensor" if tp > 1 and F % tp == 0 else None
     e_axis = "expert" if ep > 1 else None
-    wi_spec, wo_spec = PartitionSpec(e_axis, None, f_axis), PartitionSpec(e_axis, f_axis, None)
+    # each weight enters with its D dimension as the parameter holds it (FSDP) and is gathered inside, cast first
+    d_axes = mesh_axes_for(weights[1].shape, ("exp", "embed", "mlp"), sizes)[1]
+    d_axes = () if d_axes is None else d_axes if isinstance(d_axes, tuple) else (d_axes,)
+    d_axes = tuple(a for a in d_axes if a not in (e_axis, f_axis))
+    d_spec = d_axes or None
+    wi_spec, wo_spec = PartitionSpec(e_axis, d_spec, f_axis), PartitionSpec(e_axis, f_axis, d_spec)
     x_spec, routed_spec = PartitionSpec(*tokens), PartitionSpec(*tokens[:2], None)
 
     gated = weights[0] is not None
     w_specs = (wi_spec, wi_spec, wo_spec)[0 if gated else 1:]
+    d_dims = (1, 1, 2)[0 if gated else 1:]
 
     def shard(x_bxlxD, experts_bxlxK, weights_bxlxK, ws):
+        ws = tuple(w.astype(dtype) for w in ws)
+        if d_axes:
+            ws = tuple(jax.lax.all_gather(w, d_axes, axis=dim, tiled=True) for w, dim in zip(ws, d_dims))
         b, l, _ = x_bxlxD.shape
         out_TxD = _local_experts(x_bxlxD.reshape(b * l, D), experts_bxlxK.reshape(b * l, -1),
                                  weights_bxlxK.reshape(b * l, -1), ws if gated else (None, *ws), ep_axis=e_axis,
