@@ -1,5 +1,5 @@
-"""Multi-head latent attention (DeepSeek-AI 2024, "DeepSeek-V2", section 2.1.2-2.1.3): queries and keys/values through low-rank
-latents, and a RoPE key shared by all heads beside each head's position-free key.
+"""Multi-head latent attention (DeepSeek-AI 2024, "DeepSeek-V2", sections 2.1.2 and 2.1.3): queries and keys/values
+through low-rank latents, and a RoPE key shared by all heads beside each head's position-free key.
 
 R q_lora_rank (0: q straight from D), C kv_lora_rank, Dn qk_nope_head_dim, Dr qk_rope_head_dim, Dv v_head_dim,
 Dq = Dn + Dr the query and key head dim. Every query head has its own key and value (K = H), so the kernels see
