@@ -59,15 +59,17 @@ class Attention(nnx.Module):
             q_BxLxHxDh = constrain(q_BxLxHxDh, ("activation_batch", "activation_length", "activation_heads", None))
             k_BxLxKxDh = constrain(k_BxLxKxDh, ("activation_batch", "activation_length", "activation_kv_heads", None))
             v_BxLxKxDh = constrain(v_BxLxKxDh, ("activation_batch", "activation_length", "activation_kv_heads", None))
-            q_BxLxHxDh = checkpoint_name(q_BxLxHxDh, "query_proj")
-            k_BxLxKxDh = checkpoint_name(k_BxLxKxDh, "key_proj")
-            v_BxLxKxDh = checkpoint_name(v_BxLxKxDh, "value_proj")
         if cfg.qk_norm:
             q_BxLxHxDh, k_BxLxKxDh = self.q_norm(q_BxLxHxDh), self.k_norm(k_BxLxKxDh)
         if cfg.positions is Positions.ROPE:
             inv_freq = inverse_frequencies(Dh, cfg.rope_theta, cfg.rope_scaling)
             q_BxLxHxDh = apply_rope(q_BxLxHxDh, positions_BxL, inv_freq)
             k_BxLxKxDh = apply_rope(k_BxLxKxDh, positions_BxL, inv_freq)
+        # named where MaxText names them (layers/attentions.py): the kernel's inputs, after the norms and RoPE, the
+        # fused projection too; a policy that saves or offloads them spares the backward the projections and RoPE
+        q_BxLxHxDh = checkpoint_name(q_BxLxHxDh, "query_proj")
+        k_BxLxKxDh = checkpoint_name(k_BxLxKxDh, "key_proj")
+        v_BxLxKxDh = checkpoint_name(v_BxLxKxDh, "value_proj")
         scale = cfg.query_scale if cfg.query_scale is not None else Dh**-0.5
         q_BxLxKxGxDh = (q_BxLxHxDh * jnp.asarray(scale, dtype)).reshape(B, L, K, G, Dh)
         o_BxLxKxGxDh = attend(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=cfg.attn_logit_softcap,
