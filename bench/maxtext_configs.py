@@ -74,6 +74,7 @@ class Config:
     flags: tuple[str, ...] = ()  # key=value passed to maxperf as written
     dropped: tuple[tuple[str, str], ...] = ()  # (key=value, why)
     skip: str | None = None  # why it is not compiled
+    libtpu_args: str = ""  # the LIBTPU_INIT_ARGS the script exports (XLA TPU compiler flags)
 
     def argv(self) -> list[str]:
         """`maxperf compile`'s arguments for this config."""
@@ -143,6 +144,11 @@ def train_command(text: str, positional: list[str] = ()) -> list[str] | None:
     return [w for w in words if re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", w)]
 
 
+def libtpu_args(text: str, positional: list[str] = ()) -> str:
+    """The LIBTPU_INIT_ARGS the script exports before its train command ("" if none)."""
+    return _environment(_logical_lines(text), list(positional)).get("LIBTPU_INIT_ARGS", "")
+
+
 _SCRIPT_CALL = re.compile(r"^\S*/([A-Za-z0-9_]+\.sh)\s+(.*)$")
 
 
@@ -193,7 +199,8 @@ def parse(path: Path, tpu_dir: Path, presets: set[str] | None = None) -> Config:
         return Config(name, skip="a yml config; only the train scripts are read")
     text = path.read_text()
     called = _called_script(text, path.parent)
-    words = train_command(called[0].read_text(), called[1]) if called else train_command(text)
+    script, positional = (called[0].read_text(), called[1]) if called else (text, [])
+    words = train_command(script, positional)
     if words is None:
         return Config(name, skip="no maxtext train command in the script")
     topology = stated_topology(text)
@@ -215,7 +222,8 @@ def parse(path: Path, tpu_dir: Path, presets: set[str] | None = None) -> Config:
             dropped.append((word, "empty: no quantization, MaxText's default and maxperf's"))
         else:
             flags.append(word)
-    config = Config(name, model, topology_name, slices, tuple(flags), tuple(dropped))
+    config = Config(name, model, topology_name, slices, tuple(flags), tuple(dropped),
+                    libtpu_args=libtpu_args(script, positional))
     if model not in presets:
         moe = model.startswith(("mixtral", "deepseek", "qwen3-moe", "llama4", "gpt-oss"))
         return dataclasses.replace(config, skip="MoE: pending" if moe else f"no maxperf preset {model}")
@@ -269,11 +277,13 @@ class Row:
     error: str | None = None
 
 
-def compile_one(config: Config, work: Path) -> Row:
+def compile_one(config: Config, work: Path, with_libtpu_args: bool = False) -> Row:
     python = os.environ.get("MAXPERF_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
     out = work / config.path.replace("/", "_")
     argv = [python, "-m", "maxperf.cli", *config.argv()[:-1], "--out", str(out), "--force", "--json"]
     env = {**os.environ, "MAXPERF_NO_CACHE": "1", "PYTHONPATH": str(ROOT)}
+    if with_libtpu_args and config.libtpu_args:
+        env["LIBTPU_INIT_ARGS"] = config.libtpu_args
     start = time.perf_counter()
     proc = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -351,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", type=Path, help="MaxText's configs/tpu folder, instead of --venv's")
     parser.add_argument("--list", action="store_true", help="print each config's maxperf command, compile nothing")
     parser.add_argument("--json", type=Path, help="write the rows to this JSON file too")
+    parser.add_argument("--with-libtpu-args", action="store_true",
+                        help="compile under each script's LIBTPU_INIT_ARGS (its XLA flags, e.g. a larger scoped VMEM)")
     args = parser.parse_args(argv)
     tpu_dir = args.configs or find_tpu_dir(args.venv)
     chosen = [c for c in configs(tpu_dir) if not args.only or any(c.path.startswith(o) for o in args.only)]
@@ -365,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="maxtext-configs-") as work:
         for c in chosen:
-            row = Row(c) if c.skip else compile_one(c, Path(work))
+            row = Row(c) if c.skip else compile_one(c, Path(work), args.with_libtpu_args)
             print_row(row)
             rows.append(row)
             if args.json:

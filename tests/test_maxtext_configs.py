@@ -112,3 +112,9 @@ def test_iota_embed_matches_the_gather_and_its_gradient():
     assert jnp.allclose(gather, iota, rtol=1e-6)
     assert jnp.allclose(d_gather, d_iota, atol=1e-6)
     assert float(jnp.abs(d_iota[3]).sum()) > 0 and float(jnp.abs(d_iota[2]).sum()) == 0
+
+
+def test_script_compiler_flags_are_read():
+    """The XLA flags a script exports (LIBTPU_INIT_ARGS), which --with-libtpu-args compiles under."""
+    args = _parse("v6e/gemma2_27b.sh").libtpu_args.split()
+    assert "--xla_tpu_scoped_vmem_limit_kib=122880" in args and len(args) == 8
