@@ -285,3 +285,20 @@ def test_moe_steps_on_an_h100_follow_the_dispatch_they_measured(name, layers, ov
     train = TrainConfig(per_device_batch_size=4, seq_len=2048, **overrides)
     h100 = Topo("h100-sxm", 1, chips_per_host=1, torus=(1, 1))
     assert estimate(model, train, {"fsdp": 1}, {}, h100).step_time_s == pytest.approx(measured_s, rel=0.15)
+
+
+def test_the_load_imbalance_key_reaches_the_step_time():
+    from perfmodel_util import Topo
+
+    model = presets.get("mixtral-8x7b")
+    v5p = Topo("tpu-v5p", 64, hosts=16, torus=(4, 4, 4))
+
+    def step(**kw):
+        return estimate(model, TrainConfig(per_device_batch_size=1, seq_len=2048, **kw), {"fsdp": 8, "expert": 8}, {},
+                        v5p)
+
+    assumed, balanced, skewed = step(), step(moe_load_imbalance=1.0), step(moe_load_imbalance=2.0)
+    assert balanced.step_time_s < assumed.step_time_s < skewed.step_time_s
+    assert any("moe_load_imbalance" in line for line in skewed.as_dict()["assumptions"])
+    with pytest.raises(Exception, match="moe_load_imbalance"):
+        TrainConfig(moe_load_imbalance=0.5)

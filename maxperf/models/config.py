@@ -356,6 +356,8 @@ class TrainConfig:
     sparse_matmul: bool = True
     megablox: bool = True
     load_balance_loss_weight: float = 0.01  # the router's auxiliary loss (Switch Transformer's form)
+    # perfmodel only: the busiest expert-parallel device's routed rows over the mean (None: perfmodel's assumption)
+    moe_load_imbalance: float | None = None
 
     def remat_names(self) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
         """(names saved on device, names offloaded to pinned host memory) under the remat policy; None for `none`
@@ -401,6 +403,9 @@ class TrainConfig:
                  "sparse_matmul=false with it, or capacity_factor=-1 for the dropless sparse one")
         _require(self.load_balance_loss_weight >= 0,
                  f"load_balance_loss_weight must be >= 0, got {self.load_balance_loss_weight:g}")
+        _require(self.moe_load_imbalance is None or self.moe_load_imbalance >= 1,
+                 f"moe_load_imbalance (the busiest expert shard's rows over the mean) must be >= 1, got "
+                 f"{self.moe_load_imbalance}")
         _require(self.num_vocab_tiling >= 1 and self.seq_len % self.num_vocab_tiling == 0,
                  f"num_vocab_tiling must be >= 1 and divide seq_len ({self.seq_len}), got {self.num_vocab_tiling}")
         _require(

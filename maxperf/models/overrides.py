@@ -69,7 +69,7 @@ LIMITS: dict[str, float] = {
     "num_experts": 1 << 14, "num_experts_per_tok": 1 << 10, "base_moe_mlp_dim": 1 << 20, "shared_experts": 1 << 10,
     "first_num_dense_layers": 1 << 12, "interleave_moe_layer_step": 1 << 12, "n_routing_groups": 1 << 14,
     "topk_routing_group": 1 << 14, "routed_scaling_factor": 1e3, "capacity_factor": 1e3,
-    "load_balance_loss_weight": 1e3,
+    "load_balance_loss_weight": 1e3, "moe_load_imbalance": 1e3,
 }
 DEVICE_LIMIT = 1 << 20  # a mesh axis (ici_*, dcn_*): more devices than any machine has
 OTHER_INT_LIMIT = 1 << 21  # any integer key not named above (splash attention tiles: at most a sequence)

@@ -419,7 +419,7 @@ def _moe_matmuls(table: _Table, model: ModelShape, train: TrainShape, mesh: Mesh
     if f > 1:
         origin = "assumed" if f == LOAD_IMBALANCE else "as given"
         table.assume("moe imbalance", f"the busiest of the expert-parallel devices computes {f:g}x the mean of the "
-                                      f"routed rows ({origin}; perfmodel.estimate's load_imbalance)")
+                                      f"routed rows ({origin}; the key moe_load_imbalance sets it)")
 
     def moe_fwd(*names: str) -> float:
         return fwd(*names, layers=layers, recomputing=again)
