@@ -131,3 +131,15 @@ def test_a_compile_cache_hit_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path / "cache"))
     again = memory_fit.compare("cpu-8", "tiny", args[4:])
     assert again.cache_hit is True and again.as_dict()["cache_hit"] is True
+
+
+def test_a_mixture_of_experts_breakdown_names_experts_attention_and_the_rest():
+    r = maxperf("--topology", "v5p-128", "--model", "deepseek-v3", "ici_expert_parallelism=8", "--analytical-only")
+    assert r.returncode == 3, r.stderr
+    lines = r.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("by block"))
+    rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in lines[at + 1:at + 4]}
+    assert list(rows) == ["experts", "attention", "rest"]
+    assert rows["experts"][0] > 10 * rows["attention"][0] > 0  # 256 experts hold almost all of DeepSeek-V3's state
+    dense = maxperf("--topology", "v5p-8", "--model", "llama2-7b", "--analytical-only")
+    assert "by block" not in dense.stdout

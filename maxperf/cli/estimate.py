@@ -130,6 +130,11 @@ def _print_comparison(cmp) -> None:
     if a.host_bytes or host_c:
         print(f"  {'pinned host memory':<28} {_gib(a.host_bytes):>9}    {'pinned host memory':<30} "
               f"{_gib(host_c) if c else 'not compiled':>9}")
+    state, saved = dict(a.state_blocks), dict(a.activation_blocks)
+    if state.get("experts") or saved.get("experts"):  # a mixture of experts: where the state and activations sit
+        print("  by block (analytical)        state    saved activations")
+        for block in ("experts", "attention", "rest"):
+            print(f"    {block:<24} {_gib(state.get(block)):>9} {_gib(saved.get(block)):>9}")
     if cmp.difference is not None:
         print(f"  analytical vs compiler     {cmp.difference:+.1%}")
     if c and c.get("compiler_message"):
