@@ -317,3 +317,44 @@ def test_tiny_moe_trains_with_expert_parallelism_through_compile_and_run(tmp_pat
     assert proc.returncode == 0, proc.stderr
     losses = json.loads(proc.stdout)["losses"]
     assert len(losses) == 10 and losses[-1] < 0.5 * losses[0], losses
+
+
+def test_megablox_tiles_follow_maxtext_clipped_to_the_matmul():
+    from maxperf.models.layers.moe import _megablox_tiling
+
+    assert _megablox_tiling(65536, 4096, 14336) == (512, 1024, 1024)  # MaxText's wi tiles
+    assert _megablox_tiling(1024 + 256, 4096, 384) == (256, 1024, 384)
+    assert _megablox_tiling(1000, 4096, 4096) is None  # no row tile divides the rows: ragged_dot
+    assert _megablox_tiling(1024, 64, 4096) is None  # narrower than the TPU's 128 lanes
+
+
+def test_on_tpu_the_megablox_kernel_gives_ragged_dots_values_and_gradients(monkeypatch):
+    """The TPU path (jax's Pallas megablox kernel, run here in interpret mode) against jax.lax.ragged_dot."""
+    import functools
+
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
+
+    from maxperf.models.layers import attention_kernels, moe
+
+    gmm, calls = megablox_ops.gmm, []
+
+    def interpreted(*args):
+        calls.append(args[4])  # the tiling
+        return gmm(*args, None, None, False, True)  # interpret=True
+
+    monkeypatch.setattr(megablox_ops, "gmm", interpreted)
+    monkeypatch.setattr(attention_kernels, "platform_of_mesh", lambda: "tpu")
+    x = jax.random.normal(jax.random.PRNGKey(0), (1024, 256), jnp.float32)
+    w = jax.random.normal(jax.random.PRNGKey(1), (4, 256, 384), jnp.float32)
+    sizes = jnp.array([100, 300, 0, 624], jnp.int32)
+
+    def loss(fn, x, w):
+        return jnp.sum(fn(x, w) ** 2)
+
+    mega = functools.partial(lambda x, w: moe.grouped_matmul(x, w, sizes, megablox=True))
+    ragged = functools.partial(lambda x, w: jax.lax.ragged_dot(x, w, sizes))
+    np.testing.assert_allclose(mega(x, w), ragged(x, w), rtol=1e-5, atol=1e-3)
+    for a, b in zip(jax.grad(functools.partial(loss, mega), (0, 1))(x, w),
+                    jax.grad(functools.partial(loss, ragged), (0, 1))(x, w)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-2)
+    assert calls and set(calls) == {(512, 256, 384)}

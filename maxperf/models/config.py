@@ -350,8 +350,8 @@ class TrainConfig:
     # mixture-of-experts dispatch (MaxText's keys): capacity_factor=-1 is dropless (MaxText's default); a positive
     # one gives each expert capacity_factor x its even share of each sequence's tokens, dropping those past it, in
     # the dense dispatch (sparse_matmul=false). sparse_matmul: dropless, tokens sorted by expert and multiplied group
-    # by group (jax.lax.ragged_dot, on every platform); false: dense one-hot einsums. megablox is accepted for
-    # MaxText's configs and changes nothing here.
+    # by group; false: dense one-hot einsums. megablox (MaxText's default): on TPU the groups run in jax's Pallas
+    # megablox grouped-matmul kernel with MaxText's tiles; false, and on GPU and CPU: jax.lax.ragged_dot.
     capacity_factor: float = -1.0
     sparse_matmul: bool = True
     megablox: bool = True

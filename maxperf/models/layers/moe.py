@@ -44,10 +44,12 @@ class MoEOptions:
 
     capacity_factor: float = -1.0  # -1: dropless
     sparse_matmul: bool = True
+    megablox: bool = True  # on TPU, the Pallas megablox grouped matmul (as MaxText); elsewhere ragged_dot
 
     @classmethod
     def from_train(cls, train: TrainConfig) -> MoEOptions:
-        return cls(capacity_factor=train.capacity_factor, sparse_matmul=train.sparse_matmul)
+        return cls(capacity_factor=train.capacity_factor, sparse_matmul=train.sparse_matmul,
+                   megablox=train.megablox)
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,8 @@ class MoE(nnx.Module):
         aux = load_balance_loss(routing, cfg.num_experts)
         weights = (self.wi_0_ExDxF[...] if cfg.activation.gated else None, self.wi_1_ExDxF[...], self.wo_ExFxD[...])
         if self.options.sparse_matmul:
-            out_BxLxD = sparse_dispatch(x_BxLxD, routing.experts_TxK, routing.weights_TxK, weights, cfg)
+            out_BxLxD = sparse_dispatch(x_BxLxD, routing.experts_TxK, routing.weights_TxK, weights, cfg,
+                                        megablox=self.options.megablox)
         else:
             weights = tuple(None if w is None else w.astype(dtype) for w in weights)
             out_BxLxD = dense_dispatch(x_BxLxD, routing.experts_TxK, routing.weights_TxK, weights, cfg,
@@ -154,18 +157,43 @@ class MoE(nnx.Module):
         return out_BxLxD, aux
 
 
-def _expert_mlp(x_TxD, group_sizes_E, weights, activation: Activation):
+# MaxText's megablox tiles (configs/base.yml wi_tile_* / wo_tile_*: 512 rows, 1024 wide), clipped to the matmul
+MEGABLOX_TILES = (512, 1024, 1024)
+
+
+def _megablox_tiling(m: int, k: int, n: int) -> tuple[int, int, int] | None:
+    """The megablox kernel's (rows, contraction, output) tiles for an m x k by k x n group matmul: the row tile
+    must divide m and every tile be a multiple of 128 (the TPU's lanes); None where the shapes allow none."""
+    tm = next((t for t in (MEGABLOX_TILES[0], 256, 128) if m % t == 0), None)
+    tk, tn = (min(tile, (dim // 128) * 128) for tile, dim in zip(MEGABLOX_TILES[1:], (k, n)))
+    return None if tm is None or tk < 128 or tn < 128 else (tm, tk, tn)
+
+
+def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, megablox: bool) -> jax.Array:
+    """Rows of `x_MxK` sorted by group times their group's weight. On TPU with `megablox`, jax's Pallas megablox
+    kernel (MaxText's default there: `megablox=true`) where the shapes tile; else jax.lax.ragged_dot."""
+    from maxperf.models.layers.attention_kernels import platform_of_mesh
+
+    tiling = _megablox_tiling(x_MxK.shape[0], x_MxK.shape[1], w_GxKxN.shape[2])
+    if megablox and tiling is not None and platform_of_mesh() == "tpu":
+        from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
+
+        return megablox_ops.gmm(x_MxK, w_GxKxN, group_sizes_G.astype(jnp.int32), x_MxK.dtype, tiling)
+    return jax.lax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G)
+
+
+def _expert_mlp(x_TxD, group_sizes_E, weights, activation: Activation, megablox: bool = False):
     """The experts' gated MLP over tokens sorted by expert, `group_sizes_E` rows each (rows past them give 0)."""
     wi_0, wi_1, wo = weights
-    h_TxF = checkpoint_name(jax.lax.ragged_dot(x_TxD, wi_1, group_sizes_E), "moe_mlpwi_1")
+    h_TxF = checkpoint_name(grouped_matmul(x_TxD, wi_1, group_sizes_E, megablox), "moe_mlpwi_1")
     if wi_0 is not None:
         h_TxF = checkpoint_name(h_TxF, "mlpwi_1")
-        g_TxF = checkpoint_name(checkpoint_name(jax.lax.ragged_dot(x_TxD, wi_0, group_sizes_E), "mlpwi_0"),
+        g_TxF = checkpoint_name(checkpoint_name(grouped_matmul(x_TxD, wi_0, group_sizes_E, megablox), "mlpwi_0"),
                                 "moe_mlpwi_0")
         h_TxF = _ACT[activation](g_TxF) * h_TxF
     else:
         h_TxF = _ACT[activation](checkpoint_name(h_TxF, "mlpwi"))
-    out_TxD = jax.lax.ragged_dot(h_TxF, wo, group_sizes_E)
+    out_TxD = grouped_matmul(h_TxF, wo, group_sizes_E, megablox)
     return checkpoint_name(checkpoint_name(out_TxD, "mlpwo"), "moe_mlpwo")
 
 
@@ -174,7 +202,7 @@ def _counts(ids, n: int) -> jax.Array:
     return jnp.sum(ids[:, None] == jnp.arange(n, dtype=ids.dtype)[None, :], axis=0, dtype=jnp.int32)
 
 
-def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activation: Activation,
+def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activation: Activation, megablox: bool,
                    ep_axis: str | None, ep: int, tensor_axis: str | None):
     """One device's routed experts over its own T tokens: sort the T x K assignments by expert and, with experts
     split over `ep` devices along `ep_axis`, exchange them with all_to_all so that each device multiplies the tokens
@@ -187,7 +215,7 @@ def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activati
     x_AxD = x_TxD[order_A // K]
     e_A = flat_A[order_A]
     if ep == 1:
-        y_AxD = _expert_mlp(x_AxD, _counts(e_A, E), weights, activation)
+        y_AxD = _expert_mlp(x_AxD, _counts(e_A, E), weights, activation, megablox)
     else:
         El, A = E // ep, T * K
         # a token sends at most min(K, El) of its assignments to one shard: a buffer of M = T min(K, El) rows for
@@ -201,7 +229,8 @@ def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activati
         recv_SxMxD = jax.lax.all_to_all(send_SxMxD, ep_axis, 0, 0)
         recv_R = jax.lax.all_to_all(send_SxM, ep_axis, 0, 0).reshape(-1)  # R = ep M rows, from every source
         order_R = jnp.argsort(recv_R, stable=True)
-        y_RxD = _expert_mlp(recv_SxMxD.reshape(ep * M, D)[order_R], _counts(recv_R, El), weights, activation)
+        y_RxD = _expert_mlp(recv_SxMxD.reshape(ep * M, D)[order_R], _counts(recv_R, El), weights, activation,
+                            megablox)
         y_SxMxD = y_RxD[jnp.argsort(order_R)].reshape(ep, M, D)
         y_AxD = jax.lax.all_to_all(y_SxMxD, ep_axis, 0, 0)[shard_A, slot_A]
     y_TxKxD = y_AxD[inverse_A].reshape(T, K, D)
@@ -211,14 +240,15 @@ def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activati
     return out_TxD
 
 
-def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelConfig) -> jax.Array:
+def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelConfig,
+                    megablox: bool = False) -> jax.Array:
     """Dropless routed experts: ragged_dot over each device's tokens sorted by expert, all_to_all between expert
     shards. Without a mesh (one device), the same computation on all tokens. The expert weights (wi_0 or None,
     wi_1, wo) come in their parameter dtype and are cast to the tokens' dtype on each device's shard before their
     FSDP all-gather, so that only one layer's weights exist in the compute dtype at a time."""
     B, L, D = x_BxLxD.shape
     E = cfg.num_experts
-    kw = dict(E=E, activation=cfg.activation)
+    kw = dict(E=E, activation=cfg.activation, megablox=megablox)
     mesh = jax.sharding.get_abstract_mesh()
     dtype = x_BxLxD.dtype
     if mesh.empty:
@@ -262,8 +292,10 @@ def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCo
                                  ep=ep, tensor_axis=f_axis, **kw)
         return out_TxD.reshape(b, l, D)
 
+    # check_vma=False as MaxText's MoE shard_map has it (configs/base.yml check_vma): the megablox Pallas kernel's
+    # outputs carry no varying-axes types
     return jax.shard_map(shard, mesh=mesh, in_specs=(x_spec, routed_spec, routed_spec, w_specs),
-                         out_specs=x_spec)(x_BxLxD, experts_BxLxK, weights_BxLxK, weights[0 if gated else 1:])
+                         out_specs=x_spec, check_vma=False)(x_BxLxD, experts_BxLxK, weights_BxLxK, weights[0 if gated else 1:])
 
 
 def dense_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelConfig,
