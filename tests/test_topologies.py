@@ -292,7 +292,8 @@ def test_compiler_options_and_limitations():
     assert T.compiler_options(T.get("h100-8")) == {}
     assert T.compiler_options(T.get("v5p-1024")) == {}
     notes = " ".join(T.limitations(T.get("h100-8x16")))
-    assert "cost analysis" in notes and "autotuning" in notes and "cuDNN" in notes
+    assert "cost analysis" in notes and "autotuning" in notes and "not the production step" in notes
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in notes
     assert any("2 JAX devices" in n for n in T.limitations(T.get("tpu7x-8")))
 
 
