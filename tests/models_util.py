@@ -10,19 +10,20 @@ from maxperf.models.sharding import make_mesh
 from maxperf.plan import resolve_mesh
 
 
-def tiny(*words: str, devices: int = 8):
-    """The tiny preset in float32 with the given overrides, and a mesh over the first `devices` CPU devices."""
+def tiny(*words: str, devices: int = 8, preset: str = "tiny"):
+    """A tiny preset in float32 with the given overrides, and its abstract step over the first `devices` CPU
+    devices."""
     cfg = overrides.apply(
-        presets.get("tiny"),
+        presets.get(preset),
         ["seq_len=16", "per_device_batch_size=2", "compute_dtype=float32", "warmup_steps=0", *words],
     )
     mesh = make_mesh(jax.devices()[:devices], resolve_mesh(cfg.parallelism, topologies.get(f"cpu-{devices}")).axes)
     return cfg, train_step.abstract_step(cfg.model, cfg.train, mesh)
 
 
-def loss_and_grads(*words: str):
-    """The tiny model's mean next-token loss on one seeded batch, and its gradients, on one device."""
-    cfg, spec = tiny(*words, devices=1)
+def loss_and_grads(*words: str, preset: str = "tiny"):
+    """A tiny model's mean next-token loss on one seeded batch, and its gradients, on one device."""
+    cfg, spec = tiny(*words, devices=1, preset=preset)
     params = train_step.init_state(spec, seed=0)["params"]
     batch = jax.device_get(train_step.synthetic_batch(spec, seed=1))
     graphdef = train_step.model_def(cfg.model, cfg.train).graphdef
@@ -33,3 +34,14 @@ def loss_and_grads(*words: str):
         return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1))
 
     return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def two_step_losses(spec, batch_np) -> tuple[float, float]:
+    """The losses of two jitted steps of `spec` on the same batch (numpy arrays, placed as the step shards them)."""
+    step = train_step.jit_step(spec)
+    state = train_step.init_state(spec, seed=0)
+    batch = jax.device_put({k: jnp.asarray(v) for k, v in batch_np.items()}, spec.batch_shardings)
+    with jax.set_mesh(spec.mesh):
+        state, m1 = step(state, batch)
+        _, m2 = step(state, batch)
+    return float(m1["loss"]), float(m2["loss"])

@@ -3,6 +3,7 @@ checkpoint names, YaRN, flash against the dot product, tensor parallelism agains
 platform takes, a TPU compile, and tiny-mla training through `maxperf compile` and `maxperf run`."""
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -15,9 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from models_util import loss_and_grads, tiny, two_step_losses
 
 from maxperf import attention_rule
-from maxperf.aot import topologies
 from maxperf.errors import MaxperfError
 from maxperf.models import overrides, presets, train_step
 from maxperf.models.config import AttentionKernel, YarnScaling
@@ -25,8 +26,6 @@ from maxperf.models.layers import attention_kernels as ak
 from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.mla import LatentAttention, softmax_scale
 from maxperf.models.layers.rope import inverse_frequencies, yarn_softmax_factor
-from maxperf.models.sharding import make_mesh
-from maxperf.plan import resolve_mesh
 
 # float32 throughout: flash and the dot product agree to float32 rounding of sums that the blockwise kernel adds in
 # another order
@@ -39,14 +38,7 @@ def strict_ranks():
         yield
 
 
-def tiny_mla(*words: str, devices: int = 1):
-    """tiny-mla in float32 with the given overrides, and its abstract step over the first `devices` CPU devices."""
-    cfg = overrides.apply(
-        presets.get("tiny-mla"),
-        ["seq_len=16", "per_device_batch_size=2", "compute_dtype=float32", "warmup_steps=0", *words],
-    )
-    mesh = make_mesh(jax.devices()[:devices], resolve_mesh(cfg.parallelism, topologies.get(f"cpu-{devices}")).axes)
-    return cfg, train_step.abstract_step(cfg.model, cfg.train, mesh)
+tiny_mla = functools.partial(tiny, preset="tiny-mla", devices=1)
 
 
 def _qkv(L=256, B=1, H=2, Dq=24, Dv=16):
@@ -212,39 +204,15 @@ def test_inconsistent_mla_settings_are_refused(words, message):
         overrides.apply(presets.get("tiny-mla"), words)
 
 
-def _loss_and_grads(*words):
-    cfg, spec = tiny_mla(*words)
-    params = train_step.init_state(spec, seed=0)["params"]
-    batch = jax.device_get(train_step.synthetic_batch(spec, seed=1))
-    graphdef = train_step.model_def(cfg.model, cfg.train).graphdef
-
-    def loss(params):
-        positions = jnp.broadcast_to(jnp.arange(cfg.train.seq_len, dtype=jnp.int32), batch["inputs"].shape)
-        logits = nnx.merge(graphdef, params)(batch["inputs"], positions)
-        return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1))
-
-    return jax.jit(jax.value_and_grad(loss))(params)
-
-
 @pytest.mark.slow
 def test_flash_and_dot_product_give_the_same_loss_and_gradients():
     # seq_len 1024: two key blocks of the blockwise kernel, its masked and its unmasked tiles
     words = ("seq_len=1024", "per_device_batch_size=1")
-    flash_loss, flash_grads = _loss_and_grads(*words, "attention=flash")
-    dot_loss, dot_grads = _loss_and_grads(*words, "attention=dot_product")
+    flash_loss, flash_grads = loss_and_grads(*words, "attention=flash", preset="tiny-mla")
+    dot_loss, dot_grads = loss_and_grads(*words, "attention=dot_product", preset="tiny-mla")
     np.testing.assert_allclose(flash_loss, dot_loss, **TOLERANCE)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(flash_grads), jax.tree.leaves(dot_grads)):
         np.testing.assert_allclose(a, b, **TOLERANCE, err_msg=jax.tree_util.keystr(path))
-
-
-def _two_step_losses(spec, batch_np):
-    step = train_step.jit_step(spec)
-    state = train_step.init_state(spec, seed=0)
-    batch = jax.device_put({k: jnp.asarray(v) for k, v in batch_np.items()}, spec.batch_shardings)
-    with jax.set_mesh(spec.mesh):
-        state, m1 = step(state, batch)
-        _, m2 = step(state, batch)
-    return float(m1["loss"]), float(m2["loss"])
 
 
 @pytest.mark.slow
@@ -258,7 +226,7 @@ def test_tensor_parallel_step_matches_one_device():
     assert attention["o_HxDvxD"].spec == P(None, "tensor", None, None)
     assert sharded.batch["inputs"].shape == single.batch["inputs"].shape
     batch = jax.device_get(train_step.synthetic_batch(single, seed=3))
-    np.testing.assert_allclose(_two_step_losses(sharded, batch), _two_step_losses(single, batch), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(two_step_losses(sharded, batch), two_step_losses(single, batch), rtol=0, atol=1e-5)
 
 
 # DeepSeek-V3's shape in miniature: latent attention, a first dense layer, then sigmoid routing over two groups of

@@ -13,7 +13,7 @@ from maxperf.models.config import ModelConfig, ParallelismConfig
 from maxperf.aot import topologies
 from maxperf.models.sharding import RULES, make_mesh, mesh_axes_for
 from maxperf.plan import resolve_mesh
-from models_util import tiny
+from models_util import tiny, two_step_losses
 
 
 @pytest.fixture(autouse=True)
@@ -70,23 +70,13 @@ def test_loss_falls_on_a_fixed_batch():
     assert int(metrics["tokens"]) == spec.batch["inputs"].size
 
 
-def _one_step_loss(spec, batch_np):
-    step = train_step.jit_step(spec)
-    state = train_step.init_state(spec, seed=0)
-    batch = jax.device_put({k: jnp.asarray(v) for k, v in batch_np.items()}, spec.batch_shardings)
-    with jax.set_mesh(spec.mesh):
-        state, m1 = step(state, batch)
-        _, m2 = step(state, batch)
-    return float(m1["loss"]), float(m2["loss"])
-
-
 @pytest.mark.slow
 def test_sharded_step_matches_one_device():
     _, sharded = tiny("ici_data=2", "ici_fsdp=2", "ici_tensor=2")
     _, single = tiny("per_device_batch_size=16", devices=1)
     assert sharded.batch["inputs"].shape == single.batch["inputs"].shape
     batch = jax.device_get(train_step.synthetic_batch(single, seed=3))
-    a, b = _one_step_loss(sharded, batch), _one_step_loss(single, batch)
+    a, b = two_step_losses(sharded, batch), two_step_losses(single, batch)
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
@@ -156,7 +146,7 @@ def test_gradient_accumulation_matches_one_big_batch():
     _, whole = tiny(devices=2)
     _, accumulated = tiny("grad_accum_steps=2", devices=2)
     batch = jax.device_get(train_step.synthetic_batch(whole, seed=5))
-    np.testing.assert_allclose(_one_step_loss(whole, batch), _one_step_loss(accumulated, batch), rtol=1e-5)
+    np.testing.assert_allclose(two_step_losses(whole, batch), two_step_losses(accumulated, batch), rtol=1e-5)
 
 
 def test_405b_abstract_state_allocates_nothing():  # how long it takes: bench/quick_paths.py
