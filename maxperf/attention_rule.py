@@ -27,17 +27,26 @@ def implementation(kernel, platform: str) -> str:
     return {"tpu": "splash", "gpu": "gpu_flash"}.get(platform, "blockwise")
 
 
+def layer_masks(model) -> tuple[int, ...]:
+    """Each layer's mask as the kernels take it: 0 causal over the whole prefix, W > 0 a sliding window of W tokens,
+    -C causal within chunks of C tokens (attention_type=chunk's local layers)."""
+    sign = -1 if _value(getattr(model, "attention_type", "global")) == "chunk" else 1
+    return tuple(sign * (w or 0) for w in model.layer_windows())
+
+
 def windows_of(model) -> tuple[int, ...]:
-    """Every window the model's layers use, sorted, 0 for a global layer (the attention layer's `windows`)."""
-    return tuple(sorted({w or 0 for w in model.layer_windows()}))
+    """Every mask the model's layers use (`layer_masks`), sorted: the attention layer's `windows`."""
+    return tuple(sorted(set(layer_masks(model))))
 
 
 def unserved(impl: str, *, L: int, Dh: int, windows: tuple[int, ...], softcap: float | None,
-             blocks: Sequence[int], Dv: int | None = None) -> str | None:
+             blocks: Sequence[int], Dv: int | None = None, sinks: bool = False) -> str | None:
     """Why a kernel cannot serve the setting (a phrase that names it and what would do), or None where it can;
     `windows` as `windows_of` gives them, `blocks` the splash block sizes in SPLASH_BLOCKS order, Dh the query and
-    key head dim and Dv the value's (None: Dh; latent attention's differ). Splash attention takes separate qk and v
-    head dims; the GPU kernel takes one, and is given the narrower side padded with zeros."""
+    key head dim and Dv the value's (None: Dh; latent attention's differ), `sinks` whether the softmax has attention
+    sinks. Splash attention takes separate qk and v head dims, chunked masks and sinks; the GPU kernel takes one head
+    dim (the narrower side is padded with zeros) and chunks (as segments), but no sliding window and no sinks (MaxText
+    serves sinks on GPU with cuDNN through Transformer Engine only)."""
     if impl == "splash":
         for name, value in zip(SPLASH_BLOCKS, blocks):
             if L % min(value, L):
@@ -46,10 +55,12 @@ def unserved(impl: str, *, L: int, Dh: int, windows: tuple[int, ...], softcap: f
         if L % 128:  # the kernel's tiles are multiples of the 128 lanes (any head dim compiles: it is padded)
             return f"needs seq_len a multiple of 128, got {L}; valid: attention=dot_product"
     if impl == "gpu_flash":
-        if windows != (0,):
-            sliding = ", ".join(str(w) for w in windows if w)
-            return (f"serves attention_type=global only, got sliding windows of {sliding} tokens; "
+        if any(w > 0 for w in windows):
+            sliding = ", ".join(str(w) for w in windows if w > 0)
+            return (f"serves attention_type=global and chunk only, got sliding windows of {sliding} tokens; "
                     "valid: attention=dot_product")
+        if sinks:
+            return "has no attention sinks (attention_sinks=true); valid: attention=dot_product"
         if softcap is not None:
             return f"has no logit soft-capping (attn_logit_softcap={softcap}); valid: attention=dot_product"
         if max(Dh, Dv or Dh) > 256:
@@ -76,7 +87,8 @@ def for_config(model, train, platform: str) -> str:
     Dh, Dv = head_dims(model)
     return choose(getattr(train, "attention", "auto"), platform, L=train.seq_len, Dh=Dh, Dv=Dv,
                   windows=windows_of(model), softcap=getattr(model, "attn_logit_softcap", None),
-                  blocks=tuple(getattr(train, name, 512) for name in SPLASH_BLOCKS))
+                  blocks=tuple(getattr(train, name, 512) for name in SPLASH_BLOCKS),
+                  sinks=bool(getattr(model, "attention_sinks", False)))
 
 
 def head_dims(model) -> tuple[int, int]:

@@ -35,23 +35,72 @@ def _qkv(L=256, B=1, K=2, G=2, Dh=16):
     return q, k, v
 
 
-def _value_and_grads(kernel, q, k, v):
-    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(kernel(q, k, v))), argnums=(0, 1, 2)))(q, k, v)
+def _value_and_grads(kernel, q, k, v, *more):
+    """sum(sin(attention)) and its gradients with respect to q, k, v (and sinks, where given)."""
+    def f(q, k, v, *more):
+        return jnp.sum(jnp.sin(kernel(q, k, v, *more)))
+
+    return jax.jit(jax.value_and_grad(f, argnums=tuple(range(3 + len(more)))))(q, k, v, *more)
 
 
 def _dot(window, softcap):
-    return lambda q, k, v: ak.dot_product(q, k, v, window, softcap=softcap, float32_qk_product=False,
-                                          float32_logits=False)
+    return lambda q, k, v, sinks=None: ak.dot_product(q, k, v, window, softcap=softcap, float32_qk_product=False,
+                                                      float32_logits=False, sinks_KxG=sinks)
 
 
-@pytest.mark.parametrize("window, softcap", [(0, None), (100, None), (0, 5.0), (100, 5.0)])
-def test_blockwise_matches_dot_product(window, softcap):
-    q, k, v = _qkv(L=1024)  # two key blocks of CPU_BLOCK
-    ref = _value_and_grads(_dot(window, softcap), q, k, v)
-    got = _value_and_grads(lambda q, k, v: ak.blockwise(q, k, v, jnp.int32(window), softcap), q, k, v)
+def _assert_all_close(got, ref):
     np.testing.assert_allclose(got[0], ref[0], **TOLERANCE)
     for a, b in zip(got[1], ref[1]):
         np.testing.assert_allclose(a, b, **TOLERANCE)
+
+
+# masks: causal, a sliding window of 100, chunks of 384 (Llama 4's chunked attention; not a divisor of the block)
+@pytest.mark.parametrize("window, softcap", [(0, None), (100, None), (0, 5.0), (100, 5.0), (-384, None)])
+def test_blockwise_matches_dot_product(window, softcap):
+    q, k, v = _qkv(L=1024)  # two key blocks of CPU_BLOCK
+    ref = _value_and_grads(_dot(window, softcap), q, k, v)
+    got = _value_and_grads(lambda q, k, v: ak.blockwise(q, k, v, jnp.int32(window), None, softcap), q, k, v)
+    _assert_all_close(got, ref)
+
+
+SINKS_KxG = jnp.asarray([[0.5, -1.0], [2.0, 0.0]])  # one learned logit per query head (K 2 x G 2)
+
+
+@pytest.mark.parametrize("window", [0, 100, -384])
+def test_blockwise_with_sinks_matches_dot_product_and_their_gradient(window):
+    q, k, v = _qkv(L=1024)
+    ref = _value_and_grads(_dot(window, None), q, k, v, SINKS_KxG)
+    got = _value_and_grads(lambda q, k, v, s: ak.blockwise(q, k, v, jnp.int32(window), s, None), q, k, v,
+                           SINKS_KxG)
+    _assert_all_close(got, ref)
+    assert float(jnp.max(jnp.abs(ref[1][3]))) > 1e-3  # the sinks' gradient is there, and equal
+
+
+def test_sinks_join_only_the_softmax_denominator():
+    """softmax over [scores, sink] without the sink's column: each query's weights sum to 1 / (1 + e^(sink - lse))."""
+    q, k, v = _qkv(L=32)
+    got = _dot(0, None)(q, k, v, SINKS_KxG)
+    s_BxKxGxLxS = jnp.einsum("BLKGd,BSKd->BKGLS", q, k)
+    s_BxKxGxLxS = jnp.where(jnp.tril(jnp.ones((32, 32), bool)), s_BxKxGxLxS, -jnp.inf)
+    sink_1xKxGxLx1 = jnp.broadcast_to(SINKS_KxG[None, :, :, None, None], (1, 2, 2, 32, 1))
+    p = jax.nn.softmax(jnp.concatenate([s_BxKxGxLxS, sink_1xKxGxLx1], axis=-1), axis=-1)[..., :-1]
+    ref = jnp.einsum("BKGLS,BSKd->BLKGd", p, v)
+    np.testing.assert_allclose(got, ref, **TOLERANCE)
+    plain = _dot(0, None)(q, k, v)
+    assert float(jnp.max(jnp.abs(got - plain))) > 1e-2  # the sink shrinks every query's weights
+
+
+def test_a_chunk_cannot_see_across_its_boundary():
+    """Gradients of chunked attention (chunks of 8): query i's output moves with key j exactly when j <= i in i's
+    chunk."""
+    q, k, v = _qkv(L=32)
+    for kernel in (_dot(-8, None), lambda q, k, v: ak.blockwise(q, k, v, jnp.int32(-8), None, None)):
+        dk = jax.jacrev(lambda k: kernel(q, k, v)[0, :, 0, 0, 0])(k)  # [L queries, B, L keys, K, Dh]
+        seen = np.asarray(jnp.any(dk[:, 0, :, 0] != 0, axis=-1))  # [query, key]
+        i, j = np.arange(32)[:, None], np.arange(32)[None, :]
+        # a chunk's first query sees only its own key: its output does not move with it (no gradient to check)
+        rows = np.arange(32) % 8 != 0
+        np.testing.assert_array_equal(seen[rows], ((j <= i) & (i // 8 == j // 8))[rows])
 
 
 @pytest.mark.slow
@@ -61,9 +110,17 @@ def test_splash_in_interpret_mode_matches_dot_product(window, softcap):
     ref = _value_and_grads(_dot(window, softcap), q, k, v)
     got = _value_and_grads(lambda q, k, v: ak.splash(q, k, v, window, softcap=softcap, blocks=(128,) * 8,
                                                      interpret=True), q, k, v)
-    np.testing.assert_allclose(got[0], ref[0], **TOLERANCE)
-    for a, b in zip(got[1], ref[1]):
-        np.testing.assert_allclose(a, b, **TOLERANCE)
+    _assert_all_close(got, ref)
+
+
+@pytest.mark.slow
+def test_splash_chunks_and_sinks_in_interpret_mode_match_dot_product():
+    # splash's ChunkedCausalMask (chunks of 128) with sinks, and the sinks' gradient
+    q, k, v = _qkv(L=256)
+    ref = _value_and_grads(_dot(-128, None), q, k, v, SINKS_KxG)
+    got = _value_and_grads(lambda q, k, v, s: ak.splash(q, k, v, -128, softcap=None, blocks=(128,) * 8,
+                                                        interpret=True, sinks_KxG=s), q, k, v, SINKS_KxG)
+    _assert_all_close(got, ref)
 
 
 @pytest.mark.slow
@@ -126,7 +183,7 @@ def test_maxtext_keys_and_values():
       "sa_block_q_dkv=128", "sa_block_kv_dkv=128", "sa_block_kv_dkv_compute=128", "sa_block_q_dq=128",
       "sa_block_kv_dq=128"], "tpu", "needs sa_block_q .* to divide seq_len=200"),
     (["attention=flash", "attention_type=local_sliding", "window=64"], "gpu",
-     "serves attention_type=global only, got sliding windows of 64 tokens; valid: attention=dot_product"),
+     "serves attention_type=global and chunk only, got sliding windows of 64 tokens; valid: attention=dot_product"),
     (["attention=flash", "attn_logit_softcap=30"], "gpu", "has no logit soft-capping"),
     (["attention=flash", "seq_len=200"], "gpu", "needs seq_len a multiple of 128 .or of 32 below 128., got 200"),
 ])

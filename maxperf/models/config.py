@@ -18,6 +18,9 @@ class Activation(enum.StrEnum):
     SWIGLU = "swiglu"
     GEGLU = "geglu"
     GELU = "gelu"
+    # gpt-oss (MaxText's gpt_oss MoE activation): gate g clipped above and up u clipped both ways at
+    # mlp_activations_limit, then g sigmoid(1.702 g) (u + 1)
+    CLAMPED_SWIGLU = "clamped_swiglu"
 
     @property
     def gated(self) -> bool:
@@ -40,8 +43,8 @@ class AttentionType(enum.StrEnum):
     GLOBAL = "global"  # every layer full causal
     LOCAL_SLIDING = "local_sliding"  # every layer sees the last W tokens
     LOCAL_GLOBAL = "local_global"  # Gemma 2: `local_per_global` sliding-window layers, then one global, repeated
-    CHUNK = "chunk"  # Llama 4: local layers attend within chunks of `chunk_attn_window_size` tokens, every
-    #                  `local_per_global + 1`-th layer is global (and, for Llama 4, without RoPE)
+    CHUNK = "chunk"  # Llama 4: local layers attend causally within chunks of `chunk_attn_window_size` tokens; the
+    #                  global layers are the RoPE-free ones (nope_layer_interval), else every local_per_global + 1-th
     MLA = "mla"  # DeepSeek's multi-head latent attention: low-rank q and kv, decoupled RoPE keys; causal
 
 
@@ -76,6 +79,14 @@ class RematPolicy(enum.StrEnum):
     MINIMAL_OFFLOADED = "minimal_offloaded"  # minimal's set in host memory
     CUSTOM = "custom"  # each named tensor as its own key says (RematLocation)
     FULL = "full"  # keep only each layer's input, recompute the whole layer
+
+
+class Quantization(enum.StrEnum):
+    """MaxText's `quantization` of the decoder layers' matmuls (its "" is `none`). MaxText's other values (fp8,
+    nanoo_fp8, fp8_full, aqt_fp8, intmp, te_*, int8w, int4w, ...) are not implemented and refused."""
+
+    NONE = "none"
+    INT8 = "int8"  # AQT config_v3: int8 forward and input gradient, the weight gradient per local_shard_count
 
 
 class RematLocation(enum.StrEnum):
@@ -204,11 +215,27 @@ class ModelConfig:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
-    # --- Llama 4 / gpt-oss
+    # --- Llama 4 (MaxText's keys and its llama4 decoder)
     chunk_attn_window_size: int = 8192  # attention_type=chunk: the local layers' chunk
-    nope_layer_interval: int = -1  # Llama 4: every this-many-th layer uses no RoPE (-1: all use RoPE)
-    attention_sinks: bool = False  # gpt-oss: a learned per-head logit joining each softmax's denominator
-    local_rope_theta: float | None = None  # Gemma 3: the local layers' RoPE base (None: rope_theta)
+    nope_layer_interval: int = -1  # every this-many-th layer uses no RoPE (-1: all use RoPE)
+    # a parameter-free L2 norm of q and k after RoPE, on RoPE layers only (MaxText's use_qk_norm in its llama4
+    # decoder); qk_norm is the RMSNorm with a scale before RoPE (Qwen3, Gemma 3)
+    qk_l2_norm: bool = False
+    # the RoPE-free layers scale the query by 1 + 0.1 ln(floor((position + 1) / 8192) + 1) (Llama 4's attention
+    # temperature tuning, which MaxText applies in training too)
+    temperature_tuning: bool = False
+    # the router's sigmoid weight multiplies each token before its expert, whose output then joins with weight 1
+    # (MaxText's llama4 MoE)
+    routed_input_scaling: bool = False
+    # --- gpt-oss (MaxText's keys)
+    attention_sinks: bool = False  # a learned per-head logit joining each softmax's denominator (attention_sink)
+    attention_bias: bool = False  # biases on the q, k, v and output projections
+    mlp_bias: bool = False  # biases on each expert's wi_0, wi_1 and wo
+    mlp_activations_limit: float = 7.0  # activation=clamped_swiglu's clip
+    # --- Gemma 3
+    local_rope_theta: float | None = None  # the sliding-window layers' RoPE base (None: rope_theta)
+    # positions divided by this on the other layers (MaxText's rope_linear_scaling_factor; Gemma 3's global layers)
+    rope_linear_scaling_factor: float = 1.0
     mtp_num_layers: int = 0  # DeepSeek-V3's multi-token-prediction modules, counted separately
 
     @property
@@ -234,7 +261,10 @@ class ModelConfig:
             self.num_heads % self.num_kv_heads == 0,
             f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",
         )
-        if self.attention_type not in (AttentionType.GLOBAL, AttentionType.MLA):
+        if self.attention_type is AttentionType.CHUNK:
+            _require(self.chunk_attn_window_size >= 1,
+                     f"attention_type=chunk needs chunk_attn_window_size >= 1, got {self.chunk_attn_window_size}")
+        elif self.attention_type not in (AttentionType.GLOBAL, AttentionType.MLA):
             _require(
                 self.window is not None and self.window >= 1,
                 f"attention_type={self.attention_type} needs window=W with W >= 1, got window={self.window}",
@@ -267,6 +297,15 @@ class ModelConfig:
             _require(self.qk_rope_head_dim >= 2 and self.qk_rope_head_dim % 2 == 0,
                      f"attention_type=mla needs an even qk_rope_head_dim >= 2, got {self.qk_rope_head_dim}")
             _require(not self.fused_qkv, "attention_type=mla has no fused q, k and v projection; set fused_qkv=false")
+            _require(self.nope_layer_interval <= 0 and not self.attention_bias and not self.qk_l2_norm,
+                     "attention_type=mla always applies its decoupled RoPE and has no projection biases or L2 "
+                     "QK-norm; set nope_layer_interval=-1, attention_bias=false, qk_l2_norm=false")
+        _require(self.rope_linear_scaling_factor > 0,
+                 f"rope_linear_scaling_factor must be > 0, got {self.rope_linear_scaling_factor}")
+        _require(self.mlp_activations_limit > 0,
+                 f"mlp_activations_limit must be > 0, got {self.mlp_activations_limit}")
+        _require(not (self.fused_qkv and self.attention_bias),
+                 "attention_bias has no fused q, k and v form; set fused_qkv=false")
 
     @property
     def qk_head_dim(self) -> int:
@@ -285,14 +324,24 @@ class ModelConfig:
         """Query heads per kv head (H / K)."""
         return self.num_heads // self.num_kv_heads
 
+    def nope_layers(self) -> tuple[bool, ...]:
+        """Whether each layer goes without RoPE (MaxText's determine_is_nope_layer)."""
+        n = self.nope_layer_interval
+        return tuple(n > 0 and (i + 1) % n == 0 for i in range(self.num_layers))
+
     def layer_windows(self) -> tuple[int | None, ...]:
-        """The attention window of each layer, None where the layer attends to the whole causal prefix."""
+        """The attention span of each layer: its sliding window, or for attention_type=chunk's local layers their
+        chunk; None where the layer attends to the whole causal prefix."""
         if self.attention_type in (AttentionType.GLOBAL, AttentionType.MLA):
             return (None,) * self.num_layers
         if self.attention_type is AttentionType.LOCAL_SLIDING:
             return (self.window,) * self.num_layers
+        if self.attention_type is AttentionType.CHUNK and self.nope_layer_interval > 0:
+            # MaxText's llama4 decoder: a RoPE-free layer is global, every other one chunked
+            return tuple(None if nope else self.chunk_attn_window_size for nope in self.nope_layers())
+        span = self.chunk_attn_window_size if self.attention_type is AttentionType.CHUNK else self.window
         period = self.local_per_global + 1
-        return tuple(None if (i + 1) % period == 0 else self.window for i in range(self.num_layers))
+        return tuple(None if (i + 1) % period == 0 else span for i in range(self.num_layers))
 
 
 @dataclass(frozen=True)
@@ -358,6 +407,10 @@ class TrainConfig:
     load_balance_loss_weight: float = 0.01  # the router's auxiliary loss (Switch Transformer's form)
     # perfmodel only: the busiest expert-parallel device's routed rows over the mean (None: perfmodel's assumption)
     moe_load_imbalance: float | None = None
+    # MaxText's keys: int8 matmuls (models/layers/quantization.py); the weight gradient's token axis in this many
+    # separately scaled shards, 0 for that gradient in the compute dtype, -1 MaxText's default: the chips of one host
+    quantization: Quantization = Quantization.NONE
+    quantization_local_shard_count: int = -1
 
     def remat_names(self) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
         """(names saved on device, names offloaded to pinned host memory) under the remat policy; None for `none`
@@ -406,6 +459,9 @@ class TrainConfig:
         _require(self.moe_load_imbalance is None or self.moe_load_imbalance >= 1,
                  f"moe_load_imbalance (the busiest expert shard's rows over the mean) must be >= 1, got "
                  f"{self.moe_load_imbalance}")
+        _require(self.quantization_local_shard_count >= -1,
+                 f"quantization_local_shard_count must be -1 (the chips of one host, MaxText's default), 0 (the weight "
+                 f"gradient unquantized) or a positive shard count, got {self.quantization_local_shard_count}")
         _require(self.num_vocab_tiling >= 1 and self.seq_len % self.num_vocab_tiling == 0,
                  f"num_vocab_tiling must be >= 1 and divide seq_len ({self.seq_len}), got {self.num_vocab_tiling}")
         _require(

@@ -94,15 +94,22 @@ register("gemma2-9b", lambda: _gemma2("gemma2-9b", 3584, 42, 16, 8, 256, 14336, 
 register("gemma2-27b", lambda: _gemma2("gemma2-27b", 4608, 46, 32, 16, 128, 36864, 144))
 
 
-# Gemma 3 27B, text only (Gemma Team 2025; google/gemma-3-27b-pt config.json; MaxText's gemma3-27b.yml): five local
-# layers (window 1024, RoPE base 1e4) to each global one (base 1e6), QK-norm, norms after attention and MLP too, no
-# soft-capping; query scaled by (D / H)^-1/2. The global layers' linear RoPE scaling (8) changes no shape or FLOP.
-register(
-    "gemma3-27b",
-    lambda: _gemma("gemma3-27b", 5376, 62, 32, 16, 128, 21504, vocab_size=262144,
-                   attention_type=AttentionType.LOCAL_GLOBAL, window=1024, local_per_global=5, qk_norm=True,
-                   post_norms=True, query_scale=168**-0.5, rope_theta=1e6, local_rope_theta=1e4),
-)
+# Gemma 3, text only (Gemma Team 2025, "Gemma 3 Technical Report", table 1; google/gemma-3-{1b,4b,12b,27b}-pt
+# config.json; MaxText's configs/models/gemma3-{4b,12b,27b}.yml and models/gemma3.py): five sliding-window layers
+# (RoPE base 1e4, local_rope_theta) to each global one (base 1e6, positions divided by 8 except in 1B), QK-norm, norms
+# after attention and MLP too, no soft-capping; query scaled by Dh^-1/2 (1B, 4B, 12B) or (D / H)^-1/2 (27B, as
+# MaxText's get_query_pre_attn_scalar). Windows: 512 tokens in 1B, 1024 in the others.
+def _gemma3(name: str, D: int, N: int, H: int, K: int, Dh: int, F: int, window: int, query_scale: float,
+            linear_scaling: float = 8.0) -> ModelConfig:
+    return _gemma(name, D, N, H, K, Dh, F, vocab_size=262144, attention_type=AttentionType.LOCAL_GLOBAL,
+                  window=window, local_per_global=5, qk_norm=True, post_norms=True, query_scale=query_scale,
+                  rope_theta=1e6, local_rope_theta=1e4, rope_linear_scaling_factor=linear_scaling)
+
+
+register("gemma3-1b", lambda: _gemma3("gemma3-1b", 1152, 26, 4, 1, 256, 6912, 512, 256**-0.5, linear_scaling=1.0))
+register("gemma3-4b", lambda: _gemma3("gemma3-4b", 2560, 34, 8, 4, 256, 10240, 1024, 256**-0.5))
+register("gemma3-12b", lambda: _gemma3("gemma3-12b", 3840, 48, 16, 8, 256, 15360, 1024, 256**-0.5))
+register("gemma3-27b", lambda: _gemma3("gemma3-27b", 5376, 62, 32, 16, 128, 21504, 1024, 168**-0.5))
 
 
 # Qwen3 (Qwen/Qwen3-* config.json): QK-norm, RoPE theta 1e6, head dim 128 throughout
@@ -194,9 +201,10 @@ register(
 # configs/models/*.yml): every layer's MLP is num_experts experts of width base_moe_mlp_dim, top-k per token.
 def _moe(name: str, V: int, D: int, N: int, H: int, K: int, Dh: int, E: int, top_k: int, moe_F: int, theta: float,
          **kw) -> ModelConfig:
+    kw.setdefault("d_ff", moe_F)  # the dense layers' MLP, where some layers are dense (Llama 4 Maverick)
     return ModelConfig(
-        name=name, vocab_size=V, d_model=D, num_layers=N, num_heads=H, num_kv_heads=K, head_dim=Dh, d_ff=moe_F,
-        rope_theta=theta, num_experts=E, num_experts_per_tok=top_k, base_moe_mlp_dim=moe_F, **kw,
+        name=name, vocab_size=V, d_model=D, num_layers=N, num_heads=H, num_kv_heads=K, head_dim=Dh, rope_theta=theta,
+        num_experts=E, num_experts_per_tok=top_k, base_moe_mlp_dim=moe_F, **kw,
     )
 
 
@@ -213,18 +221,38 @@ register("qwen3-235b-a22b", lambda: _moe("qwen3-235b-a22b", 151936, 4096, 94, 64
                                          norm_eps=1e-6, qk_norm=True, norm_topk_prob=True))
 
 
-# openai/gpt-oss-20b and gpt-oss-120b: 32 or 128 experts of width 2880, top-4 (a softmax over the picked logits);
-# sliding-window (128) and full layers alternate, the sliding one first; RoPE extended by YaRN (factor 32 over 4096).
-# Their attention sinks, attention and expert biases and clamped SwiGLU are not modelled (the biases are under 0.01%
-# of the parameters).
+# openai/gpt-oss-20b and gpt-oss-120b (their config.json; MaxText's configs/models/gpt-oss-{20b,120b}.yml and
+# models/gpt_oss.py): 32 or 128 experts of width 2880, top-4 of the router's biased logits, weighted by a softmax over
+# the picked ones; sliding-window (128) and full layers alternate, the sliding one first; attention sinks, biases on
+# q, k, v, o and on every expert's projections, the clamped SwiGLU (limit 7); RoPE extended by YaRN (factor 32 over
+# 4096).
 def _gpt_oss(name: str, N: int, E: int) -> ModelConfig:
     return _moe(name, 201088, 2880, N, 64, 8, 64, E, 4, 2880, 150000.0, norm_topk_prob=True,
                 attention_type=AttentionType.LOCAL_GLOBAL, window=128, local_per_global=1,
-                rope_scaling=YarnScaling(factor=32, beta_fast=32, beta_slow=1, original_max_position=4096))
+                rope_scaling=YarnScaling(factor=32, beta_fast=32, beta_slow=1, original_max_position=4096),
+                attention_sinks=True, attention_bias=True, mlp_bias=True, routed_bias=True,
+                activation=Activation.CLAMPED_SWIGLU, mlp_activations_limit=7.0)
 
 
 register("gpt-oss-20b", lambda: _gpt_oss("gpt-oss-20b", 24, 32))
 register("gpt-oss-120b", lambda: _gpt_oss("gpt-oss-120b", 36, 128))
+
+# Llama 4's text decoders (meta-llama/Llama-4-Scout-17B-16E and Llama-4-Maverick-17B-128E config.json; MaxText's
+# configs/models/llama4-17b-16e.yml and llama4-17b-128e.yml, models/llama4.py): every 4th layer global and RoPE-free
+# (nope_layer_interval 4, with attention temperature tuning), the others attend within chunks of 8192; top-1 of E
+# experts of width 8192 by a sigmoid weight on the token, plus one shared expert. Scout: 16 experts in every layer, L2
+# QK-norm on the RoPE layers, RoPE scaled as MaxText's llama3.1 rope does it (its fixed factor 8, low 1, high 4 over
+# 8192; Meta's config gives factor 16, high 1). Maverick: 128 experts in every other layer, dense MLPs of 16384
+# between, no QK-norm, unscaled RoPE (rope_use_scale false).
+def _llama4(name: str, E: int, F: int, step: int, qk_l2_norm: bool, rope_scaling: RopeScaling | None) -> ModelConfig:
+    return _moe(name, 202048, 5120, 48, 40, 8, 128, E, 1, 8192, 5e5, d_ff=F, interleave_moe_layer_step=step,
+                shared_experts=1, routed_score_func=RoutedScoreFunc.SIGMOID, routed_input_scaling=True,
+                attention_type=AttentionType.CHUNK, chunk_attn_window_size=8192, nope_layer_interval=4,
+                temperature_tuning=True, qk_l2_norm=qk_l2_norm, rope_scaling=rope_scaling)
+
+
+register("llama4-scout-17b-16e", lambda: _llama4("llama4-scout-17b-16e", 16, 8192, 1, True, RopeScaling()))
+register("llama4-maverick-17b-128e", lambda: _llama4("llama4-maverick-17b-128e", 128, 16384, 2, False, None))
 
 # A mixture of experts small enough for tests: 4 experts of width 64, top-2
 register(
@@ -251,6 +279,17 @@ for _log2 in range(11):
     register(f"scaled-{2**_log2}", lambda s=2**_log2: scaled(s))
 
 
+def llama4_vision_params() -> int:
+    """Llama 4's vision encoder and projector, which Meta's totals include and the text presets leave out, counted
+    from their config (MaxText's llama4 yml and base.yml *_for_vit keys; its models/llama4.py modules): a 14 x 14
+    patch embedding of 3 channels to 1408, a class embedding and 577 learned positions, LayerNorms before and after,
+    34 layers of LayerNorm-ed attention (q, k, v, o with biases) and a GELU MLP of 5632 (with biases), the pixel
+    shuffle's MLP 5632 -> 4096 -> 4096 and the projector 4096 -> 5120, no biases there."""
+    D, F, N, patches = 1408, 5632, 34, (336 // 14) ** 2 + 1
+    layer = 2 * 2 * D + 4 * (D * D + D) + (D * F + F) + (F * D + D)
+    return 3 * 14 * 14 * D + D + patches * D + 2 * 2 * D + N * layer + F * 4096 + 4096 * 4096 + 4096 * 5120
+
+
 # The publisher's total parameter count of each published preset (their model cards and papers).
 PUBLISHED_PARAMS = {
     "llama2-7b": 6.74e9,
@@ -265,7 +304,11 @@ PUBLISHED_PARAMS = {
     "gemma2-2b": 2.61e9,
     "gemma2-9b": 9.24e9,
     "gemma2-27b": 27.2e9,
-    "gemma3-27b": 27.0e9,  # Gemma 3 report, table 1: 1,416M embedding + 25,600M other (the vision encoder apart)
+    # the Gemma 3 report, table 1: embedding + non-embedding parameters, the vision encoder (417M) apart
+    "gemma3-1b": 1.0e9,  # 302M + 698M
+    "gemma3-4b": 3.884e9,  # 675M + 3,209M
+    "gemma3-12b": 11.771e9,  # 1,012M + 10,759M
+    "gemma3-27b": 27.016e9,  # 1,416M + 25,600M
     "qwen3-0.6b": 0.6e9,
     "qwen3-8b": 8.2e9,
     "qwen3-32b": 32.8e9,
@@ -283,6 +326,10 @@ PUBLISHED_PARAMS = {
     # report states 1.04T and its model card 1T
     "deepseek-v2-lite": 15.7e9,
     "deepseek-v3": 671e9,
+    # Meta's Llama 4 model cards: 109B and 400B total, with the vision encoder (llama4_vision_params, 0.87B) that
+    # these text decoders leave out
+    "llama4-scout-17b-16e": 109e9 - llama4_vision_params(),
+    "llama4-maverick-17b-128e": 400e9 - llama4_vision_params(),
 }
 
 # The parameters a token passes through (its top-k routed experts, the shared ones and everything else) of each
@@ -296,4 +343,6 @@ PUBLISHED_ACTIVE_PARAMS = {
     "qwen3-235b-a22b": 22e9,
     "gpt-oss-20b": 3.61e9,
     "gpt-oss-120b": 5.13e9,
+    "llama4-scout-17b-16e": 17e9,  # Meta's model cards: 17B active
+    "llama4-maverick-17b-128e": 17e9,
 }

@@ -9,11 +9,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxperf import attention_rule
 from maxperf.models.config import ModelConfig, Positions
 from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.decoder import RESIDUAL, DecoderBlock, make_layer
 from maxperf.models.layers.embedding import Embed, LearnedPositions, Unembed
 from maxperf.models.layers.moe import MoEOptions
+from maxperf.models.layers import quantization as quant
 from maxperf.models.layers.norms import make_norm
 from maxperf.models.sharding import constrain
 
@@ -75,9 +77,12 @@ def _unit_maker(pattern: tuple[bool, ...], cfg: ModelConfig, dtype, attention: A
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, scan_layers: bool,
                  remat: tuple | None, rngs: nnx.Rngs, attention: AttentionOptions = AttentionOptions(),
-                 moe: MoEOptions = MoEOptions()):
-        """`remat`: TrainConfig.remat_names(), the checkpoint names each layer saves and offloads; None: no remat."""
+                 moe: MoEOptions = MoEOptions(), quantization: quant.Int8 | None = None):
+        """`remat`: TrainConfig.remat_names(), the checkpoint names each layer saves and offloads; None: no remat.
+        `quantization`: the layers' matmuls in int8 (layers/quantization.py); None: in the compute dtype."""
+        quant.check_moe(quantization, cfg.is_moe, moe.sparse_matmul)
         self.cfg = cfg
+        self.quantization = quantization
         self.compute_dtype = compute_dtype
         self.scan_layers = scan_layers
         self.remat = remat
@@ -106,9 +111,11 @@ class Transformer(nnx.Module):
         """The final-normed hidden states [B, L, D] that the logits are computed from."""
         return self.hidden_and_aux(tokens_BxL, positions_BxL)[0]
 
-    def hidden_and_aux(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def hidden_and_aux(self, tokens_BxL: jax.Array, positions_BxL: jax.Array,
+                       key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """The final-normed hidden states [B, L, D], and the mixture of experts' load-balancing loss averaged over
-        the MoE layers (MaxText's moe_lb_loss, unweighted; 0 for a dense model)."""
+        the MoE layers (MaxText's moe_lb_loss, unweighted; 0 for a dense model). `key`: the int8 matmuls' stochastic
+        rounding noise (a fresh one each step; None: a fixed one)."""
         cfg = self.cfg
         x_BxLxD = self.embed(tokens_BxL, self.compute_dtype, iota=cfg.use_iota_embed)
         if cfg.scale_embeddings:
@@ -116,7 +123,7 @@ class Transformer(nnx.Module):
         if cfg.positions is Positions.LEARNED:
             x_BxLxD = x_BxLxD + self.positions(positions_BxL, self.compute_dtype)
         x_BxLxD = constrain(x_BxLxD, RESIDUAL)
-        x_BxLxD, aux = self._layers(x_BxLxD, positions_BxL)
+        x_BxLxD, aux = self._layers(x_BxLxD, positions_BxL, key)
         return self.final_norm(x_BxLxD), aux / max(1, sum(cfg.moe_layers()))
 
     def logits(self, x_BxLxD: jax.Array) -> jax.Array:
@@ -130,41 +137,56 @@ class Transformer(nnx.Module):
             logits_BxLxV = cfg.final_logit_softcap * jnp.tanh(logits_BxLxV / cfg.final_logit_softcap)
         return logits_BxLxV
 
-    def _layers(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
-        windows = [w or 0 for w in self.cfg.layer_windows()]
-        # one window for every layer stays a Python constant, so the mask is static; only interleaved
-        # local and global layers pass each layer's window through the scan
-        static = len(set(windows)) == 1
+    def _layers(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
+                key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        windows = list(attention_rule.layer_masks(self.cfg))
+        ropes = [not nope for nope in self.cfg.nope_layers()]
+        # a mask (or RoPE choice) shared by every layer stays a Python constant, so the kernel's mask is static;
+        # only layers that differ pass theirs through the scan
+        static = (windows[0] if len(set(windows)) == 1 else None, ropes[0] if len(set(ropes)) == 1 else None)
         aux = jnp.zeros((), jnp.float32)
         for st in self.stacks:
             P = len(st.pattern)
-            per_unit = jnp.asarray(windows[st.start:st.start + st.count * P], jnp.int32).reshape(st.count, P)
+            span = slice(st.start, st.start + st.count * P)
+            per_unit = (jnp.asarray(windows[span], jnp.int32).reshape(st.count, P),
+                        jnp.asarray(ropes[span], jnp.bool_).reshape(st.count, P))
+            if self.quantization is not None:  # each unit's own noise key
+                base = jax.random.key(0, impl=quant.NOISE_IMPL) if key is None else key
+                per_unit = (*per_unit, jax.random.split(jax.random.fold_in(base, st.start), st.count))
             layers = getattr(self, st.name)
             if self.scan_layers:
                 graphdef, state = nnx.split(layers)
-                apply = self._unit_fn(graphdef, positions_BxL, windows[0] if static else None, P)
+                apply = self._unit_fn(graphdef, positions_BxL, static, P)
 
                 def body(carry, sw, apply=apply):
                     x, a = carry
                     x, a_unit = apply(x, *sw)
                     return (x, a + a_unit), None
 
-                (x_BxLxD, aux), _ = jax.lax.scan(body, (x_BxLxD, aux), (state, per_unit))
+                (x_BxLxD, aux), _ = jax.lax.scan(body, (x_BxLxD, aux), (state, *per_unit))
                 continue
             for i, unit in enumerate(layers):
                 graphdef, state = nnx.split(unit)
-                apply = self._unit_fn(graphdef, positions_BxL, windows[0] if static else None, P)
-                x_BxLxD, a_unit = apply(x_BxLxD, state, per_unit[i])
+                apply = self._unit_fn(graphdef, positions_BxL, static, P)
+                x_BxLxD, a_unit = apply(x_BxLxD, state, *(u[i] for u in per_unit))
                 aux = aux + a_unit
         return x_BxLxD, aux
 
-    def _unit_fn(self, graphdef, positions_BxL: jax.Array, static_window: int | None, P: int):
-        """(x, state, windows of the unit's P layers) -> (x, aux), rematerialized per the policy."""
+    def _unit_fn(self, graphdef, positions_BxL: jax.Array, static: tuple[int | None, bool | None], P: int):
+        """(x, state, masks and RoPE flags of the unit's P layers) -> (x, aux), rematerialized per the policy.
+        `static`: the mask and RoPE flag every layer shares (None where they differ)."""
 
-        def apply(x_BxLxD, state, windows_P):
+        def apply(x_BxLxD, state, windows_P, ropes_P, key=None):
+            with quant.scope(self.quantization, key):
+                return unit_with_aux(x_BxLxD, state, windows_P, ropes_P)
+
+        def unit_with_aux(x_BxLxD, state, windows_P, ropes_P):
             unit = nnx.merge(graphdef, state)
-            windows = [static_window if static_window is not None else windows_P[j] for j in range(P)]
-            return unit.with_aux(x_BxLxD, positions_BxL, windows[0] if P == 1 else windows)
+            windows = [static[0] if static[0] is not None else windows_P[j] for j in range(P)]
+            ropes = [static[1] if static[1] is not None else ropes_P[j] for j in range(P)]
+            if P == 1:
+                return unit.with_aux(x_BxLxD, positions_BxL, windows[0], ropes[0])
+            return unit.with_aux(x_BxLxD, positions_BxL, windows, ropes)
 
         if self.remat is None:
             return apply

@@ -3,7 +3,8 @@
 Parameters match the Flax model's shapes exactly (maxperf.models.layers): per layer q D x H x Dh, k and v D x K x Dh,
 o H x Dh x D, MLP gate/up D x F and down F x D (no gate for GELU), two norms (four with post-norms) of D (LayerNorm
 has a scale and a bias, RMSNorm a scale), QK-norm two RMSNorm scales of Dh; a final norm; the embedding V x D; the
-unembedding D x V unless tied; learned positions max_position x D. No biases. Latent attention (MLA, layers/mla.py):
+unembedding D x V unless tied; learned positions max_position x D; gpt-oss's biases (q H x Dh, k and v K x Dh, o D; each expert's wi_0 and wi_1 Fe and
+wo D) and attention sinks (H). Latent attention (MLA, layers/mla.py):
 q through D x R, an RMSNorm of R and R x H x Dq (or D x H x Dq where R = q_lora_rank is 0), the kv latent and the
 shared RoPE key D x (C + Dr), an RMSNorm of C, C x H x (Dn + Dv), o H x Dv x D. A MoE layer (perfmodel.moe): the
 router D x E (+ E with DeepSeek's selection bias), E experts and S shared experts, each an MLP of width Fe.
@@ -184,9 +185,11 @@ def mlp_params(model: ModelShape, width: int) -> int:
 
 def attention_params(model: ModelShape) -> tuple[int, int]:
     """(matmul weights, other parameters) of one layer's attention block: q, k, v, o (MLA: its latent projections);
-    QK-norm's two RMSNorm scales of Dh, MLA's RMSNorm scales of R and C, gpt-oss's per-head sink logits."""
+    QK-norm's two RMSNorm scales of Dh, MLA's RMSNorm scales of R and C, gpt-oss's per-head sink logits and q, k, v,
+    o biases."""
     D, H, K, Dh = model.d_model, model.num_heads, model.num_kv_heads, model.head_dim
     sinks = H if getattr(model, "attention_sinks", False) else 0
+    sinks += (H * Dh + 2 * K * Dh + D) if getattr(model, "attention_bias", False) else 0
     if is_mla(model):
         R, C, Dn, Dr, Dv = (model.q_lora_rank, model.kv_lora_rank, model.qk_nope_head_dim, model.qk_rope_head_dim,
                             model.v_head_dim)
@@ -200,13 +203,22 @@ def layer_matmul_params(model: ModelShape) -> int:
     return attention_params(model)[0] + mlp_params(model, model.d_ff)
 
 
-def moe_block_params(model: ModelShape, moe: MoeShape) -> tuple[int, int, int]:
-    """(matmul weights, active matmul weights, other parameters) of one MoE block: the router D x E, E routed and S
-    shared experts (top-k and S active), DeepSeek's selection bias of E."""
+def expert_bias_params(model: ModelShape, moe: MoeShape) -> int:
+    """One routed expert's biases (gpt-oss's mlp_bias): wi_0 (gated only) and wi_1 of Fe, wo of D."""
+    if not getattr(model, "mlp_bias", False):
+        return 0
+    return (2 if gated(model) else 1) * moe.Fe + model.d_model
+
+
+def moe_block_params(model: ModelShape, moe: MoeShape) -> tuple[int, int, int, int]:
+    """(matmul weights, active matmul weights, other parameters, active other parameters) of one MoE block: the
+    router D x E, E routed and S shared experts (top-k and S active); the router's bias of E (DeepSeek's selection
+    bias, gpt-oss's logit bias), the routed experts' biases (top-k active)."""
     expert = mlp_params(model, moe.Fe)
     router = model.d_model * moe.E
+    bias = moe.E if moe.router_bias else 0
     return (router + (moe.E + moe.S) * expert, router + (moe.k + moe.S) * expert,
-            moe.E if moe.router_bias else 0)
+            bias + moe.E * expert_bias_params(model, moe), bias + moe.k * expert_bias_params(model, moe))
 
 
 @dataclass(frozen=True)
@@ -242,10 +254,10 @@ def count_params(model: ModelShape) -> ParamCounts:
     dense_mlp = mlp_params(model, model.d_ff)
     moe = moe_shape(model)
     n_moe = moe.moe_layers if moe else 0
-    block, block_active, block_other = moe_block_params(model, moe) if moe else (0, 0, 0)
+    block, block_active, block_other, block_other_active = moe_block_params(model, moe) if moe else (0, 0, 0, 0)
     fixed = attn_matmul + attn_other + layer_norms  # in every layer
     layers = N * fixed + (N - n_moe) * dense_mlp + n_moe * (block + block_other)
-    layers_active = N * fixed + (N - n_moe) * dense_mlp + n_moe * (block_active + block_other)
+    layers_active = N * fixed + (N - n_moe) * dense_mlp + n_moe * (block_active + block_other_active)
     embedding = V * D + (model.max_position * D if str(model.positions) == "learned" else 0)
     unembedding = 0 if model.tie_embeddings else D * V
     total = embedding + unembedding + layers + per_norm

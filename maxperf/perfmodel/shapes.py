@@ -16,7 +16,7 @@ from maxperf.errors import MaxperfError
 from maxperf.logical_axes import DCN_AXES, MESH_AXES  # the one table, shared with the models
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-ACTIVATIONS = ("swiglu", "geglu", "gelu")
+ACTIVATIONS = ("swiglu", "geglu", "gelu", "clamped_swiglu")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
 REMAT_POLICIES = ("none", "minimal", "minimal_with_context", "save_dot_with_context_except_mlp",

@@ -123,6 +123,10 @@ def param_arrays(model: ModelShape) -> list[ParamArray]:
         arrays.append(ParamArray("qk_norms", (Dh,), ("norm",), 2 * N, False, "attention"))
     if getattr(model, "attention_sinks", False):
         arrays.append(ParamArray("sinks", (H,), ("heads",), N, False, "attention"))
+    if getattr(model, "attention_bias", False):  # gpt-oss (models/layers/attention.py)
+        arrays += [ParamArray("q_bias", (H, Dh), ("heads", "head_dim"), N, False, "attention"),
+                   ParamArray("kv_bias", (K, Dh), ("kv_heads", "head_dim"), 2 * N, False, "attention"),
+                   ParamArray("o_bias", (D,), ("embed",), N, False, "attention")]
     if not model.tie_embeddings:
         arrays.append(ParamArray("unembedding", (D, V), ("embed", "vocab"), 1, True))
     if str(model.positions) == "learned":
@@ -160,6 +164,9 @@ def moe_arrays(model: ModelShape, moe) -> list[ParamArray]:
         arrays.append(ParamArray("experts_gate", (E, D, Fe), ("exp", "embed", "mlp"), n, True, "moe", True))
     if moe.router_bias:
         arrays.append(ParamArray("router_bias", (E,), (None,), n, False, "moe"))
+    if getattr(model, "mlp_bias", False):  # gpt-oss's expert biases
+        arrays += [ParamArray("experts_wi_bias", (E, Fe), ("exp", "mlp"), n * (2 if gated(model) else 1), False, "moe"),
+                   ParamArray("experts_wo_bias", (E, D), ("exp", "embed"), n, False, "moe")]
     if moe.S:
         width = moe.S * Fe
         arrays += [ParamArray("shared_up", (D, width), ("embed", "mlp"), n, True, "moe"),

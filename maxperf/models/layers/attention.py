@@ -1,4 +1,6 @@
-"""Causal self-attention with grouped-query heads, rotary positions, sliding windows, QK-norm and soft-capping.
+"""Causal self-attention with grouped-query heads, rotary positions, sliding windows and chunks, QK-norm,
+soft-capping, and the pieces of Llama 4 (RoPE-free global layers, L2 QK-norm, attention temperature tuning), gpt-oss
+(projection biases, attention sinks) and Gemma 3 (a RoPE base of the local layers' own).
 
 Tensors carry MaxText's checkpoint names (query_proj, key_proj, value_proj, context, out_proj), which the remat
 policies save or offload by name; the scores themselves are computed by the kernel `attention=` picks
@@ -13,9 +15,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxperf.models.config import AttentionType, ModelConfig, Positions
+from maxperf import attention_rule
 from maxperf.models.layers.attention_kernels import AttentionOptions, attend
 from maxperf.models.layers.mla import LatentAttention
 from maxperf.models.layers.norms import RMSNorm
+from maxperf.models.layers import quantization
 from maxperf.models.layers.params import param
 from maxperf.models.layers.rope import apply_rope, inverse_frequencies
 from maxperf.models.sharding import constrain
@@ -25,7 +29,7 @@ class Attention(nnx.Module):
         D, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg = cfg
         self.options = options
-        self.windows = tuple(sorted({w or 0 for w in cfg.layer_windows()}))
+        self.windows = attention_rule.windows_of(cfg)
         if cfg.fused_qkv:
             # one [D, K, G + 2, Dh] weight: each kv head beside its G query heads, its key and its value, so that
             # splitting the fused output stays within each tensor shard (MaxText splits its [D, H + 2K, Dh] in a
@@ -37,47 +41,103 @@ class Attention(nnx.Module):
             self.k_DxKxDh = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
             self.v_DxKxDh = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
         self.o_HxDhxD = param(rngs, (H, Dh, D), ("heads", "head_dim", "embed"), dtype, fan_in=H * Dh)
+        if cfg.attention_bias:
+            self.q_bias_HxDh = param(rngs, (H, Dh), ("heads", "head_dim"), dtype, init="zeros")
+            self.k_bias_KxDh = param(rngs, (K, Dh), ("kv_heads", "head_dim"), dtype, init="zeros")
+            self.v_bias_KxDh = param(rngs, (K, Dh), ("kv_heads", "head_dim"), dtype, init="zeros")
+            self.o_bias_D = param(rngs, (D,), ("embed",), dtype, init="zeros")
+        if cfg.attention_sinks:
+            self.sinks_H = param(rngs, (H,), ("heads",), dtype, init="zeros")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(Dh, cfg.norm_eps, dtype, rngs)
             self.k_norm = RMSNorm(Dh, cfg.norm_eps, dtype, rngs)
 
-    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, window: int | jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, window: int | jax.Array,
+                 rope: bool | jax.Array = True) -> jax.Array:
+        """`window`: the layer's mask (attention_rule.layer_masks); `rope`: whether the layer applies RoPE (False on
+        Llama 4's RoPE-free layers); either a Python value, or traced where layers of a scanned stack differ."""
         cfg, dtype = self.cfg, x_BxLxD.dtype
         B, L, _ = x_BxLxD.shape
         K, G, Dh = cfg.num_kv_heads, cfg.kv_groups, cfg.head_dim
         if cfg.fused_qkv:
-            qkv_BxLxKxExDh = jnp.einsum("BLD,DKed->BLKed", x_BxLxD, self.qkv_DxKxExDh[...].astype(dtype))
+            qkv_BxLxKxExDh = quantization.einsum("BLD,DKed->BLKed", x_BxLxD, self.qkv_DxKxExDh[...].astype(dtype))
             qkv_BxLxKxExDh = constrain(qkv_BxLxKxExDh, ("activation_batch", "activation_length",
                                                         "activation_kv_heads", None, None))
             qkv_BxLxKxExDh = checkpoint_name(qkv_BxLxKxExDh, "qkv_proj")
             q_BxLxHxDh = qkv_BxLxKxExDh[:, :, :, :G].reshape(B, L, cfg.num_heads, Dh)
             k_BxLxKxDh, v_BxLxKxDh = qkv_BxLxKxExDh[:, :, :, G], qkv_BxLxKxExDh[:, :, :, G + 1]
         else:
-            q_BxLxHxDh = jnp.einsum("BLD,DHd->BLHd", x_BxLxD, self.q_DxHxDh[...].astype(dtype))
-            k_BxLxKxDh = jnp.einsum("BLD,DKd->BLKd", x_BxLxD, self.k_DxKxDh[...].astype(dtype))
-            v_BxLxKxDh = jnp.einsum("BLD,DKd->BLKd", x_BxLxD, self.v_DxKxDh[...].astype(dtype))
+            q_BxLxHxDh = quantization.einsum("BLD,DHd->BLHd", x_BxLxD, self.q_DxHxDh[...].astype(dtype))
+            k_BxLxKxDh = quantization.einsum("BLD,DKd->BLKd", x_BxLxD, self.k_DxKxDh[...].astype(dtype))
+            v_BxLxKxDh = quantization.einsum("BLD,DKd->BLKd", x_BxLxD, self.v_DxKxDh[...].astype(dtype))
             q_BxLxHxDh = constrain(q_BxLxHxDh, ("activation_batch", "activation_length", "activation_heads", None))
             k_BxLxKxDh = constrain(k_BxLxKxDh, ("activation_batch", "activation_length", "activation_kv_heads", None))
             v_BxLxKxDh = constrain(v_BxLxKxDh, ("activation_batch", "activation_length", "activation_kv_heads", None))
+        if cfg.attention_bias:
+            q_BxLxHxDh = q_BxLxHxDh + self.q_bias_HxDh[...].astype(dtype)[None, None]
+            k_BxLxKxDh = k_BxLxKxDh + self.k_bias_KxDh[...].astype(dtype)[None, None]
+            v_BxLxKxDh = v_BxLxKxDh + self.v_bias_KxDh[...].astype(dtype)[None, None]
         if cfg.qk_norm:
             q_BxLxHxDh, k_BxLxKxDh = self.q_norm(q_BxLxHxDh), self.k_norm(k_BxLxKxDh)
         if cfg.positions is Positions.ROPE:
-            inv_freq = inverse_frequencies(Dh, cfg.rope_theta, cfg.rope_scaling)
-            q_BxLxHxDh = apply_rope(q_BxLxHxDh, positions_BxL, inv_freq)
-            k_BxLxKxDh = apply_rope(k_BxLxKxDh, positions_BxL, inv_freq)
+            q_BxLxHxDh, k_BxLxKxDh = self._rope(q_BxLxHxDh, k_BxLxKxDh, positions_BxL, window, rope)
         # named where MaxText names them (layers/attentions.py): the kernel's inputs, after the norms and RoPE, the
         # fused projection too; a policy that saves or offloads them spares the backward the projections and RoPE
         q_BxLxHxDh = checkpoint_name(q_BxLxHxDh, "query_proj")
         k_BxLxKxDh = checkpoint_name(k_BxLxKxDh, "key_proj")
         v_BxLxKxDh = checkpoint_name(v_BxLxKxDh, "value_proj")
         scale = cfg.query_scale if cfg.query_scale is not None else Dh**-0.5
-        q_BxLxKxGxDh = (q_BxLxHxDh * jnp.asarray(scale, dtype)).reshape(B, L, K, G, Dh)
+        q_BxLxHxDh = q_BxLxHxDh * jnp.asarray(scale, dtype)
+        if cfg.temperature_tuning and rope is not True:
+            q_BxLxHxDh = _tune_temperature(q_BxLxHxDh, positions_BxL, rope)
+        q_BxLxKxGxDh = q_BxLxHxDh.reshape(B, L, K, G, Dh)
+        sinks_KxG = self.sinks_H[...].astype(jnp.float32).reshape(K, G) if cfg.attention_sinks else None
         o_BxLxKxGxDh = attend(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=cfg.attn_logit_softcap,
-                              options=self.options, windows=self.windows)
+                              options=self.options, windows=self.windows, sinks_KxG=sinks_KxG)
         o_BxLxHxDh = o_BxLxKxGxDh.reshape(B, L, cfg.num_heads, Dh)
         o_BxLxHxDh = checkpoint_name(o_BxLxHxDh, "context")
-        out_BxLxD = jnp.einsum("BLHd,HdD->BLD", o_BxLxHxDh, self.o_HxDhxD[...].astype(dtype))
+        out_BxLxD = quantization.einsum("BLHd,HdD->BLD", o_BxLxHxDh, self.o_HxDhxD[...].astype(dtype))
+        if cfg.attention_bias:
+            out_BxLxD = out_BxLxD + self.o_bias_D[...].astype(dtype)[None, None]
         return checkpoint_name(out_BxLxD, "out_proj")
+
+    def _rope(self, q_BxLxHxDh, k_BxLxKxDh, positions_BxL, window, rope):
+        """RoPE with the layer's base (Gemma 3's local_rope_theta on sliding-window layers, as MaxText's
+        local_rope_max_timescale; the others' positions divided by rope_linear_scaling_factor), then Llama 4's L2
+        QK-norm; neither on a RoPE-free layer."""
+        cfg, Dh = self.cfg, self.cfg.head_dim
+        if rope is False:
+            return q_BxLxHxDh, k_BxLxKxDh
+        inv_freq = inverse_frequencies(Dh, cfg.rope_theta, cfg.rope_scaling) / cfg.rope_linear_scaling_factor
+        if cfg.local_rope_theta is not None and any(w > 0 for w in self.windows):
+            local = inverse_frequencies(Dh, cfg.local_rope_theta, None)
+            inv_freq = jnp.where(jnp.asarray(window) > 0, local, inv_freq) if not isinstance(window, int) else (
+                local if window > 0 else inv_freq)
+        q, k = apply_rope(q_BxLxHxDh, positions_BxL, inv_freq), apply_rope(k_BxLxKxDh, positions_BxL, inv_freq)
+        if cfg.qk_l2_norm:
+            q, k = _l2_norm(q, cfg.norm_eps), _l2_norm(k, cfg.norm_eps)
+        if rope is True:
+            return q, k
+        return jnp.where(rope, q, q_BxLxHxDh), jnp.where(rope, k, k_BxLxKxDh)
+
+
+def _l2_norm(x: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(mean(x^2) + eps) over the head dim, no scale (MaxText's L2Norm, in float32)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+# Llama 4's attention temperature tuning (MaxText's llama4 decoder: temperature_tuning_scale 0.1, floor 8192)
+TEMPERATURE_SCALE, TEMPERATURE_FLOOR = 0.1, 8192.0
+
+
+def _tune_temperature(q_BxLxHxDh, positions_BxL, rope):
+    """The query of a RoPE-free layer times 1 + 0.1 ln(floor((position + 1) / 8192) + 1); 1 on RoPE layers."""
+    p = positions_BxL.astype(jnp.float32)
+    scale_BxL = jnp.log(jnp.floor((p + 1.0) / TEMPERATURE_FLOOR) + 1.0) * TEMPERATURE_SCALE + 1.0
+    if rope is not False:
+        scale_BxL = jnp.where(rope, 1.0, scale_BxL)
+    return q_BxLxHxDh * scale_BxL[:, :, None, None].astype(q_BxLxHxDh.dtype)
 
 
 def make_attention(cfg: ModelConfig, dtype, rngs: nnx.Rngs,

@@ -2,8 +2,10 @@
 on TPU, Pallas (Triton) flash attention on GPU, and a blockwise online-softmax attention on CPU.
 
 Every kernel takes the query already scaled, q [B, L, K, G, Dh] (G = H / K query heads per kv head), k [B, L, K, Dh]
-and v [B, L, K, Dv] (Dv = Dh but for latent attention's 128 beside Dh 192), and a window W (an int, or a traced int32
-for interleaved local and global layers; 0: no window): query i sees key j when j <= i and, for W > 0, i - j < W.
+and v [B, L, K, Dv] (Dv = Dh but for latent attention's 128 beside Dh 192), and a mask W (an int, or a traced int32
+for interleaved local and global layers; `attention_rule.layer_masks`): query i sees key j when j <= i and, for
+W > 0, i - j < W (a sliding window), for W < 0, i // C = j // C with C = -W (Llama 4's chunks). Attention sinks
+(gpt-oss), where given, are a float32 logit per query head [K, G] that joins each softmax's denominator only.
 It returns the context [B, L, K, G, Dv].
 """
 
@@ -61,35 +63,45 @@ def check(model: ModelConfig, train: TrainConfig, platform: str) -> str:
 
 
 def attend(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, *, softcap: float | None, options: AttentionOptions,
-           windows: tuple[int, ...] = (0,)) -> jax.Array:
-    """`windows`: every window the model's layers use (0 for global), for kernels whose masks must be static."""
+           windows: tuple[int, ...] = (0,), sinks_KxG: jax.Array | None = None) -> jax.Array:
+    """`windows`: every mask the model's layers use (`attention_rule.windows_of`), for kernels whose masks must be
+    static."""
     _, L, _, _, Dh = q_BxLxKxGxDh.shape
     impl = choose(options.kernel, platform_of_mesh(), L=L, Dh=Dh, Dv=v_BxLxKxDh.shape[-1], windows=windows,
-                  softcap=softcap, blocks=options.splash_blocks)
+                  softcap=softcap, blocks=options.splash_blocks, sinks=sinks_KxG is not None)
     if impl == "dot_product":
         return dot_product(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=softcap,
-                           float32_qk_product=options.float32_qk_product, float32_logits=options.float32_logits)
+                           float32_qk_product=options.float32_qk_product, float32_logits=options.float32_logits,
+                           sinks_KxG=sinks_KxG)
     if impl == "splash":
         return splash(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=softcap, blocks=options.splash_blocks,
-                      windows=windows, interpret=options.interpret)
+                      windows=windows, interpret=options.interpret, sinks_KxG=sinks_KxG)
     if impl == "gpu_flash":
-        return gpu_flash(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh)
-    return blockwise(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, jnp.asarray(window, jnp.int32), softcap)
+        return gpu_flash(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window)
+    return blockwise(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, jnp.asarray(window, jnp.int32), sinks_KxG, softcap)
 
 
 def visible(i, j, window):
-    """Query positions i see key positions j (broadcast): causal, and within the window where W > 0."""
+    """Query positions i see key positions j (broadcast): causal, within the window where W > 0, within the same
+    chunk of -W tokens where W < 0."""
     if isinstance(window, int):
-        return (j <= i) & (i - j < window) if window > 0 else j <= i
-    return (j <= i) & ((window <= 0) | (i - j < window))
+        if window > 0:
+            return (j <= i) & (i - j < window)
+        if window < 0:
+            return (j <= i) & (i // -window == j // -window)
+        return j <= i
+    chunk = jnp.maximum(-window, 1)
+    return (j <= i) & ((window == 0) | ((window > 0) & (i - j < window)) | ((window < 0) & (i // chunk == j // chunk)))
 
 
 # --- the materialized dot product (MaxText's apply_attention_dot) ---------------------------------------------
 
 
-def dot_product(q, k, v, window, *, softcap, float32_qk_product: bool, float32_logits: bool) -> jax.Array:
+def dot_product(q, k, v, window, *, softcap, float32_qk_product: bool, float32_logits: bool,
+                sinks_KxG: jax.Array | None = None) -> jax.Array:
     """Scores [B, K, G, L, L] in the compute dtype (float32 with float32_qk_product), softmax in float32 with
-    float32_logits, as MaxText's defaults (both off) and switches."""
+    float32_logits, as MaxText's defaults (both off) and switches; a sink logit joins each row's max and sum (MaxText
+    appends it to the scores as one more column that meets no value)."""
     L, dtype = q.shape[1], q.dtype
     if float32_qk_product:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
@@ -103,8 +115,15 @@ def dot_product(q, k, v, window, *, softcap, float32_qk_product: bool, float32_l
     s_BxKxGxLxS = jnp.where(visible(i, j, window)[None, None, None], s_BxKxGxLxS, masked)
     # MaxText's compute_local_attention: unnormalized exponentials times v, the output divided by their sum; the
     # backward then holds one score-sized buffer fewer than a normalized softmax's
-    e_BxKxGxLxS = jnp.exp(s_BxKxGxLxS - jnp.max(s_BxKxGxLxS, axis=-1, keepdims=True))
-    l_BxLxKxGx1 = jnp.einsum("BKGLx->BLKGx", jnp.sum(e_BxKxGxLxS, axis=-1, keepdims=True))
+    m_BxKxGxLx1 = jnp.max(s_BxKxGxLxS, axis=-1, keepdims=True)
+    if sinks_KxG is not None:
+        sink_1xKxGx1x1 = sinks_KxG.astype(s_BxKxGxLxS.dtype)[None, :, :, None, None]
+        m_BxKxGxLx1 = jnp.maximum(m_BxKxGxLx1, sink_1xKxGx1x1)
+    e_BxKxGxLxS = jnp.exp(s_BxKxGxLxS - m_BxKxGxLx1)
+    l_BxKxGxLx1 = jnp.sum(e_BxKxGxLxS, axis=-1, keepdims=True)
+    if sinks_KxG is not None:
+        l_BxKxGxLx1 = l_BxKxGxLx1 + jnp.exp(sink_1xKxGx1x1 - m_BxKxGxLx1)
+    l_BxLxKxGx1 = jnp.einsum("BKGLx->BLKGx", l_BxKxGxLx1)
     o_BxLxKxGxDh = jnp.einsum("BKGLS,BSKd->BLKGd", e_BxKxGxLxS.astype(dtype), v)
     return (o_BxLxKxGxDh / l_BxLxKxGx1).astype(dtype)
 
@@ -132,7 +151,7 @@ def _kv_blocks(x_BxSxKxDh, b):
     return jnp.moveaxis(x_BxSxKxDh.reshape(B, S // b, b, K, Dh), 1, 0)
 
 
-def _blockwise_forward(q, k, v, window, softcap):
+def _blockwise_forward(q, k, v, window, sinks_KxG, softcap):
     B, L, K, G, _ = q.shape
     Dv = v.shape[-1]
     b = _block(k.shape[1])
@@ -149,30 +168,34 @@ def _blockwise_forward(q, k, v, window, softcap):
         pv = jnp.einsum("BKGLS,BSKd->BKGLd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
         return (o * correction[..., None] + pv, m_new, l), None
 
-    init = (jnp.zeros((B, K, G, L, Dv), jnp.float32), jnp.full((B, K, G, L), _MASKED, jnp.float32),
-            jnp.zeros((B, K, G, L), jnp.float32))
+    if sinks_KxG is None:
+        m0, l0 = jnp.full((B, K, G, L), _MASKED, jnp.float32), jnp.zeros((B, K, G, L), jnp.float32)
+    else:  # the sink starts the running max and adds exp(sink - max) = 1 to the sum
+        m0 = jnp.broadcast_to(sinks_KxG.astype(jnp.float32)[None, :, :, None], (B, K, G, L))
+        l0 = jnp.ones((B, K, G, L), jnp.float32)
+    init = (jnp.zeros((B, K, G, L, Dv), jnp.float32), m0, l0)
     starts = jnp.arange(0, k.shape[1], b)
     (o, m, l), _ = jax.lax.scan(body, init, (_kv_blocks(k, b), _kv_blocks(v, b), starts))
     out_BxLxKxGxDh = jnp.einsum("BKGLd->BLKGd", o / l[..., None]).astype(q.dtype)
     return out_BxLxKxGxDh, m + jnp.log(l)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def blockwise(q, k, v, window, softcap):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def blockwise(q, k, v, window, sinks_KxG, softcap):
     """Flash attention's algorithm (Dao et al. 2022) in plain JAX: no [L, L] scores forward or backward."""
-    return _blockwise_forward(q, k, v, window, softcap)[0]
+    return _blockwise_forward(q, k, v, window, sinks_KxG, softcap)[0]
 
 
-def _blockwise_fwd(q, k, v, window, softcap):
-    out, lse = _blockwise_forward(q, k, v, window, softcap)
+def _blockwise_fwd(q, k, v, window, sinks_KxG, softcap):
+    out, lse = _blockwise_forward(q, k, v, window, sinks_KxG, softcap)
     # the residuals beyond q, k, v carry the context's checkpoint name: a remat policy that keeps the context keeps
     # them too, and the backward needs no second forward (as MaxText names splash attention's)
     out, lse = checkpoint_name(out, "context"), checkpoint_name(lse, "context")
-    return out, (q, k, v, window, out, lse)
+    return out, (q, k, v, window, sinks_KxG, out, lse)
 
 
 def _blockwise_bwd(softcap, residuals, do_BxLxKxGxDh):
-    q, k, v, window, out, lse = residuals
+    q, k, v, window, sinks_KxG, out, lse = residuals
     L = q.shape[1]
     b = _block(k.shape[1])
     i = jnp.arange(L)
@@ -198,7 +221,11 @@ def _blockwise_bwd(softcap, residuals, do_BxLxKxGxDh):
     def unblock(x, like):
         return jnp.moveaxis(x, 0, 1).reshape(like.shape).astype(like.dtype)
 
-    return dq.astype(q.dtype), unblock(dk, k), unblock(dv, v), None
+    dsinks = None
+    if sinks_KxG is not None:  # the sink's probability exp(sink - lse) meets no value: d sink = -sum p_sink delta
+        p_sink = jnp.exp(sinks_KxG.astype(jnp.float32)[None, :, :, None] - lse)
+        dsinks = (-jnp.sum(p_sink * delta, axis=(0, 3))).astype(sinks_KxG.dtype)
+    return dq.astype(q.dtype), unblock(dk, k), unblock(dv, v), None, dsinks
 
 
 blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
@@ -222,22 +249,30 @@ def _head_specs(B: int, H: int, K: int):
 
 
 def splash(q, k, v, window, *, softcap, blocks: tuple[int, ...], windows: tuple[int, ...] = (0,),
-           interpret: bool = False) -> jax.Array:
+           interpret: bool = False, sinks_KxG: jax.Array | None = None) -> jax.Array:
     B, L, K, G, Dh = q.shape
     q_BxHxLxDh = jnp.einsum("BLKGd->BKGLd", q).reshape(B, K * G, L, Dh)
     k_BxKxLxDh, v_BxKxLxDh = jnp.einsum("BLKd->BKLd", k), jnp.einsum("BLKd->BKLd", v)
     kernel_blocks = dict(zip(SPLASH_BLOCKS, (min(x, L) for x in blocks)))
 
-    def local(window_value, q_BxHxLxDh, k_BxKxLxDh, v_BxKxLxDh):
+    sinks_H = None if sinks_KxG is None else sinks_KxG.astype(jnp.float32).reshape(K * G)
+
+    sinks = () if sinks_H is None else (sinks_H,)
+
+    def local(window_value, q_BxHxLxDh, k_BxKxLxDh, v_BxKxLxDh, *sinks_H):
         kernel = _splash_kernel(q_BxHxLxDh.shape[1], L, window_value, softcap, kernel_blocks, interpret)
-        return jax.vmap(kernel)(q_BxHxLxDh, k_BxKxLxDh, v_BxKxLxDh)
+        sinks = sinks_H[0] if sinks_H else None
+        return jax.vmap(lambda q, k, v: kernel(q, k, v, sinks=sinks))(q_BxHxLxDh, k_BxKxLxDh, v_BxKxLxDh)
 
     def run(window_value):
         fn = functools.partial(local, window_value)
         if not jax.sharding.get_abstract_mesh().empty:
+            from jax.sharding import PartitionSpec as P
+
             q_spec, kv_spec = _head_specs(B, K * G, K)
-            fn = jax.shard_map(fn, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)
-        return fn(q_BxHxLxDh, k_BxKxLxDh, v_BxKxLxDh)
+            fn = jax.shard_map(fn, in_specs=(q_spec, kv_spec, kv_spec, *(P(q_spec[1]) for _ in sinks)),
+                               out_specs=q_spec, check_vma=False)
+        return fn(q_BxHxLxDh, k_BxKxLxDh, v_BxKxLxDh, *sinks)
 
     if isinstance(window, int):
         o_BxHxLxDh = run(window)
@@ -256,6 +291,8 @@ def _splash_kernel(H: int, L: int, window: int, softcap, blocks: dict, interpret
 
     if window > 0:
         mask = sm.LocalMask((L, L), window_size=(window - 1, 0), offset=0)
+    elif window < 0:
+        mask = sm.ChunkedCausalMask((L, L), chunk_size=-window)
     else:
         mask = sm.CausalMask((L, L))
     sizes = sk.BlockSizes(**{name.removeprefix("sa_"): value for name, value in blocks.items()})
@@ -278,9 +315,10 @@ def gpu_blocks(Dh: int, itemsize: int) -> dict[str, int]:
             "block_kv_dq": 32}
 
 
-def gpu_flash(q, k, v) -> jax.Array:
+def gpu_flash(q, k, v, window=0) -> jax.Array:
     """jax.experimental.pallas.ops.gpu.attention.mha, causal, kv heads repeated to the query heads (the kernel
     has no grouped-query form), under shard_map over batch and heads. The query comes scaled, so sm_scale is 1.
+    Chunks (a mask W < 0) are the kernel's segments: position // C, which keeps each query within its chunk.
     The kernel takes one head dim for q, k and v: the narrower side (latent attention's v, 128 beside q and k's
     192) is padded with zeros, which add nothing to the scores, and the context's padded columns are cut off."""
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
@@ -297,9 +335,18 @@ def gpu_flash(q, k, v) -> jax.Array:
     k_BxLxHxDh, v_BxLxHxDh = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
 
     blocks = gpu_attention.BlockSizes(**gpu_blocks(Dh, q.dtype.itemsize))
+    chunked = not isinstance(window, int) or window < 0
+    segments_BxL = None
+    if chunked:
+        chunk = jnp.maximum(-jnp.asarray(window, jnp.int32), 1)
+        segments_L = jnp.where(jnp.asarray(window) < 0, jnp.arange(L, dtype=jnp.int32) // chunk, 0)
+        segments_BxL = jnp.broadcast_to(segments_L[None, :], (B, L))
 
-    def local(q_, k_, v_):
-        return gpu_attention.mha(q_, k_, v_, segment_ids=None, sm_scale=1.0, causal=True, block_sizes=blocks)
+    segments = () if segments_BxL is None else (segments_BxL,)
+
+    def local(q_, k_, v_, *segments_):
+        return gpu_attention.mha(q_, k_, v_, segment_ids=segments_[0] if segments_ else None, sm_scale=1.0,
+                                 causal=True, block_sizes=blocks)
 
     fn = local
     if not jax.sharding.get_abstract_mesh().empty:
@@ -307,5 +354,6 @@ def gpu_flash(q, k, v) -> jax.Array:
 
         q_spec, _ = _head_specs(B, K * G, K)
         spec = P(q_spec[0], None, q_spec[1], None)
-        fn = jax.shard_map(local, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
-    return fn(q_BxLxHxDh, k_BxLxHxDh, v_BxLxHxDh)[..., :Dv].reshape(B, L, K, G, Dv)
+        fn = jax.shard_map(local, in_specs=(spec, spec, spec, *(P(q_spec[0], None) for _ in segments)),
+                           out_specs=spec, check_vma=False)
+    return fn(q_BxLxHxDh, k_BxLxHxDh, v_BxLxHxDh, *segments)[..., :Dv].reshape(B, L, K, G, Dv)

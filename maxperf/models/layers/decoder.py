@@ -34,15 +34,17 @@ class DenseDecoderLayer(nnx.Module):
             self.mlp_post_norm = make_norm(cfg.norm, D, eps, dtype, rngs)
 
     def _feed_forward(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> nnx.Module:
-        return MLP(cfg.d_model, cfg.d_ff, cfg.activation, dtype, rngs, fused=cfg.fused_mlp)
+        return MLP(cfg.d_model, cfg.d_ff, cfg.activation, dtype, rngs, fused=cfg.fused_mlp,
+                   limit=cfg.mlp_activations_limit)
 
-    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, window: jax.Array) -> jax.Array:
-        return self.with_aux(x_BxLxD, positions_BxL, window)[0]
+    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, window: jax.Array, rope=True) -> jax.Array:
+        return self.with_aux(x_BxLxD, positions_BxL, window, rope)[0]
 
-    def with_aux(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, window) -> tuple[jax.Array, jax.Array]:
-        """The layer's output and its auxiliary loss (the router's load-balancing loss; 0 for a dense MLP)."""
+    def with_aux(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, window, rope=True) -> tuple[jax.Array, jax.Array]:
+        """The layer's output and its auxiliary loss (the router's load-balancing loss; 0 for a dense MLP).
+        `window` is the layer's mask (attention_rule.layer_masks), `rope` whether it applies RoPE."""
         x_BxLxD = checkpoint_name(x_BxLxD, "decoder_layer_input")
-        h_BxLxD = self.attention(self.attn_norm(x_BxLxD), positions_BxL, window)
+        h_BxLxD = self.attention(self.attn_norm(x_BxLxD), positions_BxL, window, rope)
         if self.post_norms:
             h_BxLxD = self.attn_post_norm(h_BxLxD)
         x_BxLxD = constrain(x_BxLxD + h_BxLxD, RESIDUAL)
@@ -73,10 +75,10 @@ class DecoderBlock(nnx.Module):
                  options: AttentionOptions = AttentionOptions(), moe: MoEOptions = MoEOptions()):
         self.layers = nnx.List([make_layer(is_moe, cfg, dtype, rngs, options, moe) for is_moe in pattern])
 
-    def with_aux(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, windows) -> tuple[jax.Array, jax.Array]:
+    def with_aux(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, windows, ropes) -> tuple[jax.Array, jax.Array]:
         aux = jnp.zeros((), jnp.float32)
         for i, layer in enumerate(self.layers):
-            x_BxLxD, a = layer.with_aux(x_BxLxD, positions_BxL, windows[i])
+            x_BxLxD, a = layer.with_aux(x_BxLxD, positions_BxL, windows[i], ropes[i])
             aux = aux + a
         return x_BxLxD, aux
 

@@ -19,6 +19,7 @@ from maxperf.models.config import ModelConfig
 from maxperf.models.layers.attention_kernels import AttentionOptions, attend
 from maxperf.models.layers.norms import RMSNorm
 from maxperf.models.layers.params import param
+from maxperf.models.layers import quantization
 from maxperf.models.layers.rope import apply_rope, inverse_frequencies, yarn_softmax_factor
 from maxperf.models.sharding import constrain
 
@@ -52,28 +53,30 @@ class LatentAttention(nnx.Module):
         self.wkv_b_CxHxE = param(rngs, (C, H, Dn + Dv), ("kv_lora", "heads", "head_dim"), dtype, fan_in=C)
         self.o_HxDvxD = param(rngs, (H, Dv, D), ("heads", "head_dim", "embed"), dtype, fan_in=H * Dv)
 
-    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, window: int | jax.Array) -> jax.Array:
-        """`window` is taken for the decoder layer's signature: MLA layers attend to the whole causal prefix."""
+    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, window: int | jax.Array,
+                 rope: bool | jax.Array = True) -> jax.Array:
+        """`window` and `rope` are taken for the decoder layer's signature: MLA layers attend to the whole causal
+        prefix, always with their decoupled RoPE key (the config refuses RoPE-free layers with MLA)."""
         cfg, dtype = self.cfg, x_BxLxD.dtype
         B, L, _ = x_BxLxD.shape
         H, C, Dn, Dr, Dv = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         inv_freq = inverse_frequencies(Dr, cfg.rope_theta, cfg.rope_scaling)
 
         if cfg.q_lora_rank:
-            cq_BxLxR = jnp.einsum("BLD,DR->BLR", x_BxLxD, self.wq_a_DxR[...].astype(dtype))
+            cq_BxLxR = quantization.einsum("BLD,DR->BLR", x_BxLxD, self.wq_a_DxR[...].astype(dtype))
             cq_BxLxR = self.q_norm(constrain(cq_BxLxR, LATENT))
-            q_BxLxHxDq = jnp.einsum("BLR,RHd->BLHd", cq_BxLxR, self.wq_b_RxHxDq[...].astype(dtype))
+            q_BxLxHxDq = quantization.einsum("BLR,RHd->BLHd", cq_BxLxR, self.wq_b_RxHxDq[...].astype(dtype))
         else:
-            q_BxLxHxDq = jnp.einsum("BLD,DHd->BLHd", x_BxLxD, self.q_DxHxDq[...].astype(dtype))
+            q_BxLxHxDq = quantization.einsum("BLD,DHd->BLHd", x_BxLxD, self.q_DxHxDq[...].astype(dtype))
         q_BxLxHxDq = constrain(q_BxLxHxDq, HEADS)
         q_rope_BxLxHxDr = apply_rope(q_BxLxHxDq[..., Dn:], positions_BxL, inv_freq)
         q_BxLxHxDq = jnp.concatenate([q_BxLxHxDq[..., :Dn], q_rope_BxLxHxDr], axis=-1)
         q_BxLxHxDq = q_BxLxHxDq * jnp.asarray(softmax_scale(cfg), dtype)
 
-        ckv_BxLxE = constrain(jnp.einsum("BLD,DE->BLE", x_BxLxD, self.wkv_a_DxE[...].astype(dtype)), LATENT)
+        ckv_BxLxE = constrain(quantization.einsum("BLD,DE->BLE", x_BxLxD, self.wkv_a_DxE[...].astype(dtype)), LATENT)
         c_BxLxC = self.kv_norm(ckv_BxLxE[..., :C])
         k_rope_BxLx1xDr = apply_rope(ckv_BxLxE[:, :, None, C:], positions_BxL, inv_freq)
-        kv_BxLxHxE = jnp.einsum("BLC,CHe->BLHe", c_BxLxC, self.wkv_b_CxHxE[...].astype(dtype))
+        kv_BxLxHxE = quantization.einsum("BLC,CHe->BLHe", c_BxLxC, self.wkv_b_CxHxE[...].astype(dtype))
         kv_BxLxHxE = constrain(kv_BxLxHxE, HEADS)
         k_BxLxHxDq = jnp.concatenate([kv_BxLxHxE[..., :Dn], jnp.broadcast_to(k_rope_BxLx1xDr, (B, L, H, Dr))],
                                      axis=-1)
@@ -85,5 +88,5 @@ class LatentAttention(nnx.Module):
         o_BxLxHx1xDv = attend(q_BxLxHxDq[:, :, :, None, :], k_BxLxHxDq, v_BxLxHxDv, 0, softcap=None,
                               options=self.options)
         o_BxLxHxDv = checkpoint_name(o_BxLxHx1xDv.reshape(B, L, H, Dv), "context")
-        out_BxLxD = jnp.einsum("BLHd,HdD->BLD", o_BxLxHxDv, self.o_HxDvxD[...].astype(dtype))
+        out_BxLxD = quantization.einsum("BLHd,HdD->BLD", o_BxLxHxDv, self.o_HxDvxD[...].astype(dtype))
         return checkpoint_name(out_BxLxD, "out_proj")

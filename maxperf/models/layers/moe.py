@@ -1,6 +1,8 @@
 """Mixture of experts (Shazeer et al. 2017; Fedus et al. 2021, "Switch Transformers"): a router picks the top-k of E
 experts for each token, each expert is a gated MLP of width F, and the picked experts' outputs are summed with the
-router's weights; shared experts (DeepSeek-MoE, Llama 4) see every token.
+router's weights; shared experts (DeepSeek-MoE, Llama 4) see every token. Llama 4's router instead scales each
+token by its weight before the expert (`routed_input_scaling`); gpt-oss's experts carry biases (`mlp_bias`) and
+a clamped SwiGLU.
 
 T tokens (B x L flattened), E experts, K experts per token (top-k), F each expert's width, C an expert's capacity.
 
@@ -31,8 +33,9 @@ from jax.sharding import PartitionSpec
 
 from maxperf.errors import MaxperfError
 from maxperf.models.config import Activation, ModelConfig, RoutedScoreFunc, TrainConfig
-from maxperf.models.layers.mlp import _ACT, MLP
+from maxperf.models.layers.mlp import _ACT, MLP, gate
 from maxperf.models.layers.params import param
+from maxperf.models.layers import quantization
 from maxperf.models.sharding import constrain, mesh_axes_for
 
 BATCH_TOKENS = ("activation_batch", "activation_length", None)
@@ -62,13 +65,17 @@ class Routing:
 def route(logits_TxE: jax.Array, cfg: ModelConfig, bias_E: jax.Array | None = None) -> Routing:
     """Top-k routing as the models' reference code does it.
 
-    softmax (Mixtral, Qwen3-MoE, gpt-oss) or sigmoid (DeepSeek-V3, Llama 4) scores; the bias (DeepSeek-V3's
-    e_score_correction_bias) and the group limit (the best `topk_routing_group` of `n_routing_groups` groups, a
-    group scored by the sum of its two best experts; DeepSeek-V3's modeling code) steer the choice only; the weights
-    are the unbiased scores of the chosen experts, renormalized to sum to 1 with norm_topk_prob, then multiplied by
-    routed_scaling_factor."""
+    softmax (Mixtral, Qwen3-MoE, gpt-oss) or sigmoid (DeepSeek-V3, Llama 4) scores. With softmax scores the bias is
+    the router's own (gpt-oss), added to the logits; with sigmoid scores it is DeepSeek-V3's e_score_correction_bias,
+    which like the group limit (the best `topk_routing_group` of `n_routing_groups` groups, a group scored by the sum
+    of its two best experts; DeepSeek-V3's modeling code) steers the choice only (MaxText's GateLogit and
+    get_topk do the same by model). The weights are the unbiased scores of the chosen experts, renormalized to sum to
+    1 with norm_topk_prob, then multiplied by routed_scaling_factor."""
     E, K = cfg.num_experts, cfg.num_experts_per_tok
     logits_TxE = logits_TxE.astype(jnp.float32)
+    if bias_E is not None and cfg.routed_score_func is RoutedScoreFunc.SOFTMAX:
+        logits_TxE = logits_TxE + bias_E.astype(jnp.float32).reshape((1,) * (logits_TxE.ndim - 1) + (E,))
+        bias_E = None
     if cfg.routed_score_func is RoutedScoreFunc.SIGMOID:
         scores_TxE = jax.nn.sigmoid(logits_TxE)
         probs_TxE = scores_TxE / jnp.sum(scores_TxE, axis=-1, keepdims=True)
@@ -116,11 +123,11 @@ def capacity(L: int, K: int, E: int, capacity_factor: float) -> int:
 class Router(nnx.Module):
     def __init__(self, D: int, E: int, dtype, rngs: nnx.Rngs, bias: bool):
         self.kernel_DxE = param(rngs, (D, E), ("embed", None), dtype)
-        if bias:  # selection only, no gradient; named `bias` so that weight decay skips it
+        if bias:  # named `bias` so that weight decay skips it (`route` says how each model uses it)
             self.bias = param(rngs, (E,), (None,), dtype, init="zeros")
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        return jnp.einsum("BLD,DE->BLE", x_BxLxD, self.kernel_DxE[...].astype(x_BxLxD.dtype))
+        return quantization.einsum("BLD,DE->BLE", x_BxLxD, self.kernel_DxE[...].astype(x_BxLxD.dtype))
 
 
 class MoE(nnx.Module):
@@ -136,8 +143,13 @@ class MoE(nnx.Module):
             self.wi_0_ExDxF = param(rngs, (E, D, F), ("exp", "embed", "mlp"), dtype, fan_in=D)
         self.wi_1_ExDxF = param(rngs, (E, D, F), ("exp", "embed", "mlp"), dtype, fan_in=D)
         self.wo_ExFxD = param(rngs, (E, F, D), ("exp", "mlp", "embed"), dtype, fan_in=F)
+        if cfg.mlp_bias:
+            if cfg.activation.gated:
+                self.wi_0_bias_ExF = param(rngs, (E, F), ("exp", "mlp"), dtype, init="zeros")
+            self.wi_1_bias_ExF = param(rngs, (E, F), ("exp", "mlp"), dtype, init="zeros")
+            self.wo_bias_ExD = param(rngs, (E, D), ("exp", "embed"), dtype, init="zeros")
         if cfg.shared_experts:
-            self.shared = MLP(D, cfg.shared_experts * F, cfg.activation, dtype, rngs)
+            self.shared = MLP(D, cfg.shared_experts * F, cfg.activation, dtype, rngs, limit=cfg.mlp_activations_limit)
 
     def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg, dtype = self.cfg, x_BxLxD.dtype
@@ -145,13 +157,18 @@ class MoE(nnx.Module):
         routing = route(self.router(x_BxLxD), cfg, bias)
         aux = load_balance_loss(routing, cfg.num_experts)
         weights = (self.wi_0_ExDxF[...] if cfg.activation.gated else None, self.wi_1_ExDxF[...], self.wo_ExFxD[...])
+        biases = None
+        if cfg.mlp_bias:
+            biases = tuple(None if b is None else b.astype(dtype) for b in (
+                self.wi_0_bias_ExF[...] if cfg.activation.gated else None, self.wi_1_bias_ExF[...],
+                self.wo_bias_ExD[...]))
         if self.options.sparse_matmul:
             out_BxLxD = sparse_dispatch(x_BxLxD, routing.experts_TxK, routing.weights_TxK, weights, cfg,
-                                        megablox=self.options.megablox)
+                                        megablox=self.options.megablox, biases=biases)
         else:
             weights = tuple(None if w is None else w.astype(dtype) for w in weights)
             out_BxLxD = dense_dispatch(x_BxLxD, routing.experts_TxK, routing.weights_TxK, weights, cfg,
-                                       self.options.capacity_factor)
+                                       self.options.capacity_factor, biases=biases)
         if cfg.shared_experts:
             out_BxLxD = out_BxLxD + self.shared(x_BxLxD)
         return out_BxLxD, aux
@@ -182,18 +199,42 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, megablox: bool) -> jax.Array:
     return jax.lax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G)
 
 
-def _expert_mlp(x_TxD, group_sizes_E, weights, activation: Activation, megablox: bool = False):
-    """The experts' gated MLP over tokens sorted by expert, `group_sizes_E` rows each (rows past them give 0)."""
+@dataclass(frozen=True)
+class ExpertBias:
+    """gpt-oss's expert biases for rows sorted by expert: each row's expert (`ids_T`, local to the device), the
+    biases of wi_0 (or None), wi_1 [E, F] and wo [E, D], and whether this device adds wo's (one tensor shard does)."""
+
+    ids_T: jax.Array
+    wi_0: jax.Array | None
+    wi_1: jax.Array
+    wo: jax.Array
+    add_wo: jax.Array | bool = True
+
+    def rows(self, b_ExN: jax.Array) -> jax.Array:
+        return b_ExN[jnp.clip(self.ids_T, 0, b_ExN.shape[0] - 1)]
+
+
+def _expert_mlp(x_TxD, group_sizes_E, weights, activation: Activation, megablox: bool = False,
+                bias: ExpertBias | None = None, limit: float = 7.0):
+    """The experts' gated MLP over tokens sorted by expert, `group_sizes_E` rows each (rows past them give 0, or
+    with biases what the bias makes of them; no combine weight reads them)."""
     wi_0, wi_1, wo = weights
-    h_TxF = checkpoint_name(grouped_matmul(x_TxD, wi_1, group_sizes_E, megablox), "moe_mlpwi_1")
+    h_TxF = grouped_matmul(x_TxD, wi_1, group_sizes_E, megablox)
+    if bias is not None:
+        h_TxF = h_TxF + bias.rows(bias.wi_1)
+    h_TxF = checkpoint_name(h_TxF, "moe_mlpwi_1")
     if wi_0 is not None:
         h_TxF = checkpoint_name(h_TxF, "mlpwi_1")
-        g_TxF = checkpoint_name(checkpoint_name(grouped_matmul(x_TxD, wi_0, group_sizes_E, megablox), "mlpwi_0"),
-                                "moe_mlpwi_0")
-        h_TxF = _ACT[activation](g_TxF) * h_TxF
+        g_TxF = grouped_matmul(x_TxD, wi_0, group_sizes_E, megablox)
+        if bias is not None:
+            g_TxF = g_TxF + bias.rows(bias.wi_0)
+        g_TxF = checkpoint_name(checkpoint_name(g_TxF, "mlpwi_0"), "moe_mlpwi_0")
+        h_TxF = gate(activation, g_TxF, h_TxF, limit)
     else:
         h_TxF = _ACT[activation](checkpoint_name(h_TxF, "mlpwi"))
     out_TxD = grouped_matmul(h_TxF, wo, group_sizes_E, megablox)
+    if bias is not None:
+        out_TxD = out_TxD + bias.rows(bias.wo) * jnp.asarray(bias.add_wo, out_TxD.dtype)
     return checkpoint_name(checkpoint_name(out_TxD, "mlpwo"), "moe_mlpwo")
 
 
@@ -203,19 +244,30 @@ def _counts(ids, n: int) -> jax.Array:
 
 
 def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activation: Activation, megablox: bool,
-                   ep_axis: str | None, ep: int, tensor_axis: str | None):
+                   ep_axis: str | None, ep: int, tensor_axis: str | None, biases=None, scale_input: bool = False,
+                   limit: float = 7.0):
     """One device's routed experts over its own T tokens: sort the T x K assignments by expert and, with experts
     split over `ep` devices along `ep_axis`, exchange them with all_to_all so that each device multiplies the tokens
-    of its E / ep experts."""
+    of its E / ep experts. `biases`: the experts' (wi_0 or None, wi_1, wo) biases, local like the weights;
+    `scale_input`: each assignment's weight multiplies the token before its expert and the outputs add with weight
+    1 (Llama 4)."""
     T, D = x_TxD.shape
     K = experts_TxK.shape[-1]
     flat_A = experts_TxK.reshape(-1)  # A = T K assignments, token-major
     order_A = jnp.argsort(flat_A, stable=True)
     inverse_A = jnp.argsort(order_A)
     x_AxD = x_TxD[order_A // K]
+    if scale_input:
+        x_AxD = x_AxD * weights_TxK.reshape(-1)[order_A][:, None].astype(x_AxD.dtype)
+        weights_TxK = jnp.ones_like(weights_TxK)
     e_A = flat_A[order_A]
+    add_wo = True if tensor_axis is None else jax.lax.axis_index(tensor_axis) == 0  # wo's bias once, not per shard
+
+    def bias_for(ids):
+        return None if biases is None else ExpertBias(ids, *biases, add_wo=add_wo)
+
     if ep == 1:
-        y_AxD = _expert_mlp(x_AxD, _counts(e_A, E), weights, activation, megablox)
+        y_AxD = _expert_mlp(x_AxD, _counts(e_A, E), weights, activation, megablox, bias_for(e_A), limit)
     else:
         El, A = E // ep, T * K
         # a token sends at most min(K, El) of its assignments to one shard: a buffer of M = T min(K, El) rows for
@@ -230,7 +282,7 @@ def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activati
         recv_R = jax.lax.all_to_all(send_SxM, ep_axis, 0, 0).reshape(-1)  # R = ep M rows, from every source
         order_R = jnp.argsort(recv_R, stable=True)
         y_RxD = _expert_mlp(recv_SxMxD.reshape(ep * M, D)[order_R], _counts(recv_R, El), weights, activation,
-                            megablox)
+                            megablox, bias_for(recv_R[order_R]), limit)
         y_SxMxD = y_RxD[jnp.argsort(order_R)].reshape(ep, M, D)
         y_AxD = jax.lax.all_to_all(y_SxMxD, ep_axis, 0, 0)[shard_A, slot_A]
     y_TxKxD = y_AxD[inverse_A].reshape(T, K, D)
@@ -241,20 +293,22 @@ def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activati
 
 
 def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelConfig,
-                    megablox: bool = False) -> jax.Array:
+                    megablox: bool = False, biases=None) -> jax.Array:
     """Dropless routed experts: ragged_dot over each device's tokens sorted by expert, all_to_all between expert
     shards. Without a mesh (one device), the same computation on all tokens. The expert weights (wi_0 or None,
     wi_1, wo) come in their parameter dtype and are cast to the tokens' dtype on each device's shard before their
     FSDP all-gather, so that only one layer's weights exist in the compute dtype at a time."""
     B, L, D = x_BxLxD.shape
     E = cfg.num_experts
-    kw = dict(E=E, activation=cfg.activation, megablox=megablox)
+    kw = dict(E=E, activation=cfg.activation, megablox=megablox, scale_input=cfg.routed_input_scaling,
+              limit=cfg.mlp_activations_limit)
     mesh = jax.sharding.get_abstract_mesh()
     dtype = x_BxLxD.dtype
     if mesh.empty:
         weights = tuple(None if w is None else w.astype(dtype) for w in weights)
         out_TxD = _local_experts(x_BxLxD.reshape(B * L, D), experts_BxLxK.reshape(B * L, -1),
-                                 weights_BxLxK.reshape(B * L, -1), weights, ep_axis=None, ep=1, tensor_axis=None, **kw)
+                                 weights_BxLxK.reshape(B * L, -1), weights, ep_axis=None, ep=1, tensor_axis=None,
+                                 biases=biases, **kw)
         return out_TxD.reshape(B, L, D)
     sizes = dict(mesh.shape)
     ep, tp = sizes.get("expert", 1), sizes.get("tensor", 1)
@@ -281,27 +335,34 @@ def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCo
     gated = weights[0] is not None
     w_specs = (wi_spec, wi_spec, wo_spec)[0 if gated else 1:]
     d_dims = (1, 1, 2)[0 if gated else 1:]
+    b_specs = ()
+    if biases is not None:
+        b_specs = (PartitionSpec(e_axis, f_axis), PartitionSpec(e_axis, f_axis), PartitionSpec(e_axis, None))
+        b_specs, biases = b_specs[0 if gated else 1:], biases[0 if gated else 1:]
 
-    def shard(x_bxlxD, experts_bxlxK, weights_bxlxK, ws):
+    def shard(x_bxlxD, experts_bxlxK, weights_bxlxK, ws, bs):
         ws = tuple(w.astype(dtype) for w in ws)
         if d_axes:
             ws = tuple(jax.lax.all_gather(w, d_axes, axis=dim, tiled=True) for w, dim in zip(ws, d_dims))
         b, l, _ = x_bxlxD.shape
         out_TxD = _local_experts(x_bxlxD.reshape(b * l, D), experts_bxlxK.reshape(b * l, -1),
                                  weights_bxlxK.reshape(b * l, -1), ws if gated else (None, *ws), ep_axis=e_axis,
-                                 ep=ep, tensor_axis=f_axis, **kw)
+                                 ep=ep, tensor_axis=f_axis, biases=None if not bs else bs if gated else (None, *bs),
+                                 **kw)
         return out_TxD.reshape(b, l, D)
 
     # check_vma=False as MaxText's MoE shard_map has it (configs/base.yml check_vma): the megablox Pallas kernel's
     # outputs carry no varying-axes types
-    return jax.shard_map(shard, mesh=mesh, in_specs=(x_spec, routed_spec, routed_spec, w_specs),
-                         out_specs=x_spec, check_vma=False)(x_BxLxD, experts_BxLxK, weights_BxLxK, weights[0 if gated else 1:])
+    return jax.shard_map(shard, mesh=mesh, in_specs=(x_spec, routed_spec, routed_spec, w_specs, b_specs),
+                         out_specs=x_spec, check_vma=False)(x_BxLxD, experts_BxLxK, weights_BxLxK,
+                                                            weights[0 if gated else 1:], biases or ())
 
 
 def dense_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelConfig,
-                   capacity_factor: float) -> jax.Array:
+                   capacity_factor: float, biases=None) -> jax.Array:
     """Routed experts by one-hot dispatch and combine einsums over [B, L, E, C]: per sequence, expert e takes the
-    first C of the tokens that picked it (token order, then the token's k-th choice), the rest are dropped."""
+    first C of the tokens that picked it (token order, then the token's k-th choice), the rest are dropped. With
+    routed_input_scaling (Llama 4) the weighted tensor dispatches and the one-hot one combines."""
     B, L, D = x_BxLxD.shape
     E, K = cfg.num_experts, experts_BxLxK.shape[-1]
     C = capacity(L, K, E, capacity_factor)
@@ -313,18 +374,25 @@ def dense_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCon
     dispatch_BxLxExC = jnp.einsum("BAE,BAC->BAEC", picked_BxAxE.astype(dtype), kept_BxAxC).reshape(B, L, K, E, C)
     combine_BxLxExC = jnp.einsum("BLKEC,BLK->BLEC", dispatch_BxLxExC, weights_BxLxK.astype(dtype))
     dispatch_BxLxExC = jnp.sum(dispatch_BxLxExC, axis=2)  # a token picks an expert at most once
-    x_BxExCxD = jnp.einsum("BLEC,BLD->BECD", dispatch_BxLxExC, x_BxLxD)
+    if cfg.routed_input_scaling:
+        dispatch_BxLxExC, combine_BxLxExC = combine_BxLxExC, dispatch_BxLxExC
+    x_BxExCxD = quantization.einsum("BLEC,BLD->BECD", dispatch_BxLxExC, x_BxLxD)
     x_BxExCxD = constrain(x_BxExCxD, ("activation_batch_no_exp", "activation_exp", None, None))
     wi_0, wi_1, wo = weights
-    h_BxExCxF = checkpoint_name(jnp.einsum("BECD,EDF->BECF", x_BxExCxD, wi_1), "moe_mlpwi_1")
+    b0, b1, bo = (None, None, None) if biases is None else biases
+
+    def biased(y_BxExCxN, b_ExN):
+        return y_BxExCxN if b_ExN is None else y_BxExCxN + b_ExN[None, :, None, :]
+
+    h_BxExCxF = checkpoint_name(biased(quantization.einsum("BECD,EDF->BECF", x_BxExCxD, wi_1), b1), "moe_mlpwi_1")
     if wi_0 is not None:
         h_BxExCxF = checkpoint_name(h_BxExCxF, "mlpwi_1")
-        g_BxExCxF = jnp.einsum("BECD,EDF->BECF", x_BxExCxD, wi_0)
+        g_BxExCxF = biased(quantization.einsum("BECD,EDF->BECF", x_BxExCxD, wi_0), b0)
         g_BxExCxF = checkpoint_name(checkpoint_name(g_BxExCxF, "mlpwi_0"), "moe_mlpwi_0")
-        h_BxExCxF = _ACT[cfg.activation](g_BxExCxF) * h_BxExCxF
+        h_BxExCxF = gate(cfg.activation, g_BxExCxF, h_BxExCxF, cfg.mlp_activations_limit)
     else:
         h_BxExCxF = _ACT[cfg.activation](checkpoint_name(h_BxExCxF, "mlpwi"))
     h_BxExCxF = constrain(h_BxExCxF, ("activation_batch_no_exp", "activation_exp", None, "activation_mlp"))
-    y_BxExCxD = jnp.einsum("BECF,EFD->BECD", h_BxExCxF, wo)
+    y_BxExCxD = biased(quantization.einsum("BECF,EFD->BECD", h_BxExCxF, wo), bo)
     y_BxExCxD = checkpoint_name(checkpoint_name(y_BxExCxD, "mlpwo"), "moe_mlpwo")
-    return jnp.einsum("BECD,BLEC->BLD", y_BxExCxD, combine_BxLxExC)
+    return quantization.einsum("BECD,BLEC->BLD", y_BxExCxD, combine_BxLxExC)
