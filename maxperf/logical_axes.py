@@ -8,6 +8,7 @@ part turns the result into PartitionSpecs; perfmodel uses it to count what each 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -70,6 +71,20 @@ def undivided_axes(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Mappi
 
 
 def _assign(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Mapping[str, int]) -> tuple[tuple, list]:
+    # cached: perfmodel asks about the same few arrays on the same mesh hundreds of times per estimate, and
+    # `maxperf plan` estimates thousands of meshes
+    spec, skipped = _assign_cached(tuple(shape), tuple(logical), tuple(mesh_sizes.items()))
+    return spec, list(skipped)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _assign_cached(shape: tuple[int, ...], logical: LogicalAxes, sizes: tuple[tuple[str, int], ...]
+                   ) -> tuple[tuple, tuple]:
+    spec, skipped = _assign_uncached(shape, logical, dict(sizes))
+    return spec, tuple(skipped)
+
+
+def _assign_uncached(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Mapping[str, int]) -> tuple[tuple, list]:
     if len(shape) != len(logical):
         raise ValueError(f"shape {tuple(shape)} has {len(shape)} dims but logical axes {logical} name {len(logical)}")
     for name in logical:

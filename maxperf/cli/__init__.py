@@ -230,7 +230,7 @@ def _extra_commands():
     """Each command module adds its subcommands to the parser."""
     import importlib
 
-    for module in ("maxperf.cli.estimate", "maxperf.cli.run", "maxperf.cli.reports"):
+    for module in ("maxperf.cli.estimate", "maxperf.cli.run", "maxperf.cli.reports", "maxperf.cli.plan"):
         yield from importlib.import_module(module).COMMANDS
 
 

@@ -5,6 +5,7 @@ The rules are `maxperf.logical_axes`, the same table the models part shards its 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,9 +23,15 @@ FSDP_AXES = ("fsdp", "fsdp_transpose", "sequence", "expert")
 
 def split(shape: Iterable[int], logical: Iterable[str | None], mesh: Mesh) -> tuple[int, ...]:
     """The number of shards along each dimension of an array with these logical axis names."""
-    shape = tuple(shape)
-    entries = mesh_axes_for(shape, tuple(logical), mesh.axes)
-    return tuple(math.prod(mesh.axes[a] for a in ((e,) if isinstance(e, str) else e or ())) for e in entries)
+    return _split(tuple(shape), tuple(logical), tuple(mesh.axes.items()))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the same few arrays on the same mesh, hundreds of times per estimate
+def _split(shape: tuple[int, ...], logical: tuple[str | None, ...], sizes: tuple[tuple[str, int], ...]
+           ) -> tuple[int, ...]:
+    axes = dict(sizes)
+    entries = mesh_axes_for(shape, logical, axes)
+    return tuple(math.prod(axes[a] for a in ((e,) if isinstance(e, str) else e or ())) for e in entries)
 
 
 def local_size(shape: tuple[int, ...], logical: tuple[str | None, ...], mesh: Mesh) -> float:

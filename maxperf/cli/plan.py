@@ -1,0 +1,145 @@
+"""`maxperf plan`: search the configurations of a model on a topology, rank them, compile the best."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from maxperf.errors import DoesNotFit, MaxperfError
+
+GIB = 1 << 30
+RESULT_SCHEMA = "maxperf.plan-result/1"  # `maxperf plan --json`
+SHOWN = 12  # rows of the ranked table printed (plan.json holds them all)
+
+
+def parse_tokens(text: str) -> int:
+    """'4194304', '4M', '4Mi' or '512K' tokens: M and K are powers of two, as global batches are counted."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?\s*", text, flags=re.I)
+    if not m:
+        raise MaxperfError(f"--global-batch {text!r} is not a token count; give e.g. 4194304 or 4M (M = 2^20 tokens)")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+
+
+def cmd_plan(args) -> int:
+    from maxperf.cli import _print_json, _progress
+    from maxperf.studies import search
+
+    if args.verify < 0:
+        raise MaxperfError(f"--verify must be >= 0 (0: no compile), got {args.verify}")
+    if args.workers is not None and args.workers < 1:
+        raise MaxperfError(f"--workers must be >= 1, got {args.workers}")
+    if args.per_device_batch is not None and args.per_device_batch <= 0:
+        raise MaxperfError(f"--per-device-batch must be > 0, got {args.per_device_batch:g}")
+    say = _progress()
+    request = search.Request(args.model, args.topology, args.num_slices,
+                             None if args.global_batch is None else parse_tokens(args.global_batch),
+                             args.per_device_batch, args.objective, tuple(args.overrides))
+    result = search.search(request, progress=say)
+    say(f"estimated in {result.search_seconds:.2f} s")
+    slices = f"_x{args.num_slices}" if args.num_slices > 1 else ""
+    out = Path(args.out) if args.out else Path("artifacts") / f"plan_{result.model_name}_{result.topology_name}{slices}"
+    if args.verify and result.fitting:
+        search.verify(result, args.verify, out, workers=args.workers, progress=say)
+    path = search.write(result, out)
+    code = 0 if result.winner is not None else 3
+    if args.json:
+        _print_json(summary(result, path))
+        return code
+    print_plan(result, path)
+    return code
+
+
+def summary(result, path: Path) -> dict:
+    """What `maxperf plan --json` prints: plan.json's header, the winner and the first rows of the ranking."""
+    full = result.as_dict()
+    shown = {k: v for k, v in full.items() if k not in ("candidates", "pruned")}
+    return {**shown, "schema": RESULT_SCHEMA, "plan_json": str(path),
+            "winner": None if result.winner is None else result.winner.as_dict(),
+            "top": [c.as_dict() for c in result.candidates[:SHOWN]]}
+
+
+def print_plan(result, path: Path) -> None:
+    d = result.as_dict()
+    counts = d["counts"]
+    r = result.request
+    batch = (f"global batch {r.global_batch_tokens:,} tokens ({result.global_batch_rows} x {result.seq_len})"
+             if r.global_batch_tokens else f"per-device batch {r.per_device_batch:g}" if r.per_device_batch
+             else "per-device batch searched")
+    print(f"{result.model_name} on {result.topology_name}" + (f" x {r.num_slices}" if r.num_slices > 1 else "")
+          + f" ({result.devices} devices), {batch}, L={result.seq_len}, objective {r.objective}")
+    print(f"  {counts['enumerated']:,} candidates: {counts['indivisible']:,} indivisible, "
+          f"{counts['does_not_fit']:,} do not fit, {counts['fit']:,} fit and ranked, "
+          f"{counts['more_accumulation']:,} need less accumulation; searched in {result.search_seconds:.2f} s"
+          + (f", {result.compiles} compiled in {result.verify_seconds:.0f} s" if result.compiles else ""))
+    print(f"  memory margin {result.margin.value:.1%}: {result.margin.source}")
+    for note in result.notes:
+        print(f"  note: {note}")
+    ranked = result.fitting[:SHOWN]
+    if ranked:
+        print(f"  {'#':>2} {'mesh':<40} {'remat':<20} {'kernel':<11} {'B':>5} {'A':>3} {'step':>9} {'tokens/s':>10} "
+              f"{'MFU':>6} {'GiB':>7} {'bound':<7} verified")
+        for i, c in enumerate(ranked, 1):
+            mem = f"{c.memory_shown_bytes() / GIB:.2f}" + ("*" if c.compiler_memory_bytes is not None else "")
+            verified = {None: "-", True: "fits", False: "NO"}[c.verified]
+            print(f"  {i:>2} {c.mesh_shown():<40} {c.remat_policy:<20} {c.attention:<11} "
+                  f"{c.per_device_batch_size:>5g} {c.grad_accum_steps:>3} {c.step_time_s:>8.4g}s "
+                  f"{c.tokens_per_s:>10,.0f} {c.mfu:>6.1%} {mem:>7} {c.bottleneck:<7} {verified}")
+        print(f"  (GiB: per device, * the compiler's; HBM {result.hbm_bytes / GIB:.2f} GiB)")
+    rejected = [c for c in result.candidates if c.verified is False]
+    for c in rejected:
+        print(f"  compiled, does not fit: {c.mesh_shown()} {c.remat_policy} {c.attention} ({c.reason})")
+    winner = result.winner
+    if winner is not None:
+        cmd = result.command(winner)
+        proof = "compiled and fits" if winner.verified else "not compiled (--verify 0)" if not result.compiles \
+            else "not verified"
+        print(f"winner ({proof}): {winner.mesh_shown()}, remat {winner.remat_policy}, {winner.attention}, "
+              f"B={winner.per_device_batch_size:g} A={winner.grad_accum_steps}: {winner.step_time_s:.4g} s/step, "
+              f"{winner.tokens_per_s:,.0f} tokens/s, MFU {winner.mfu:.1%}")
+        print(f"  {cmd['maxperf']}")
+        print(f"  MaxText: {cmd['maxtext']}")
+    else:
+        print_miss(result)
+    print(f"wrote {path}")
+
+
+def print_miss(result) -> None:
+    miss = result.closest_miss
+    if miss is None:
+        compiled = [c for c in result.candidates if c.verified is False]
+        print("no candidate fits" + (f": the {len(compiled)} compiled did not fit" if compiled else ""),
+              file=sys.stderr)
+        return
+    c = miss["candidate"]
+    print(f"no candidate fits. closest: {c['mesh']}, remat {c['remat_policy']}, {c['attention']}, "
+          f"B={c['per_device_batch_size']:g} A={c['grad_accum_steps']} needs {miss['memory_with_margin_bytes'] / GIB:.2f}"
+          f" GiB with the margin, of {miss['hbm_bytes'] / GIB:.2f} GiB", file=sys.stderr)
+    for option in miss["would_need"]:
+        print(f"  {option}", file=sys.stderr)
+
+
+def _plan_parser(sub) -> None:
+    from maxperf.cli import JSON_HELP
+
+    p = sub.add_parser("plan", help="find the fastest mesh, remat, kernel and batch that fit; compile the best")
+    p.add_argument("--model", required=True, help="a preset name (see `maxperf models`)")
+    p.add_argument("--topology", required=True, help="e.g. v5p-256, v5e-256, h100-8x16, cpu-8")
+    p.add_argument("--num-slices", type=int, default=1, help="slices side by side over DCN")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch", help="tokens per step (e.g. 4194304 or 4M), reached with per-device batch "
+                                              "and gradient accumulation")
+    batch.add_argument("--per-device-batch", type=float, help="examples per device per step (fractions allowed)")
+    p.add_argument("--objective", default="tokens_per_s", help="tokens_per_s (default) or mfu")
+    p.add_argument("--verify", type=int, default=3, help="compile the best K until K fit (default 3; 0: none)")
+    p.add_argument("--workers", type=int, help="compile worker processes (default: bounded by cores and memory)")
+    p.add_argument("--out", help="directory for plan.json and the compiled candidates (default "
+                                 "artifacts/plan_MODEL_TOPOLOGY)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="pin a searched key (ici_tensor=4, remat_policy=full, attention=flash, grad_accum_steps=2) "
+                        "or set any other (seq_len=8192)")
+    p.set_defaults(func=cmd_plan)
+
+
+COMMANDS = [_plan_parser]
