@@ -86,8 +86,8 @@ def _sweep_parser(sub) -> None:
 
 
 def _report_parser(sub) -> None:
-    p = sub.add_parser("report", help="an HTML report from compile, run and sweep directories")
-    p.add_argument("paths", nargs="+", help="compile, run or sweep directories")
+    p = sub.add_parser("report", help="an HTML report from compile, run, sweep and plan directories")
+    p.add_argument("paths", nargs="+", help="compile, run, sweep or plan directories")
     p.add_argument("-o", "--out", required=True, help="the HTML file to write")
     p.set_defaults(func=cmd_report)
 

@@ -33,8 +33,10 @@ def _classify(path: Path) -> tuple[str, Path]:
         return "compile", path
     if (path / "results.csv").is_file() or (path / "sweep.json").is_file():
         return "sweep", path
-    raise MaxperfError(f"{path} is not a maxperf compile, run or sweep directory (no manifest.json, run.json or "
-                       "results.csv)")
+    if (path / "plan.json").is_file():
+        return "plan", path
+    raise MaxperfError(f"{path} is not a maxperf compile, run, sweep or plan directory (no manifest.json, run.json, "
+                       "results.csv or plan.json)")
 
 
 def _installed_versions() -> dict[str, str | None]:
@@ -65,6 +67,10 @@ def render(paths: list[str | os.PathLike], out_html: str | os.PathLike,
         kind, directory = _classify(path)
         if kind == "sweep":
             scaling.read(report, directory)
+        elif kind == "plan":
+            from maxperf.reports import plan as plan_section
+
+            plan_section.read(report, directory)
         else:
             steps.append(step_sections.read(report, kind, directory))
     if len(steps) >= 2:

@@ -551,7 +551,7 @@ def rank(result: SearchResult) -> None:
         else:
             c.status, c.reason = "slower", ""
     fits = sorted((c for c in result.candidates if c.status != "does not fit" and not c.skipped),
-                  key=lambda c: (-getattr(c, objective), c.memory_shown_bytes()))
+                  key=lambda c: (-getattr(c, objective), c.verified is not True, c.memory_shown_bytes()))
     skipped = [c for c in result.candidates if c.skipped]
     misses = sorted((c for c in result.candidates if c.status == "does not fit"),
                     key=lambda c: (bool(c.unfit), c.memory_shown_bytes()))
