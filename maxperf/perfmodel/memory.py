@@ -11,7 +11,9 @@ Every assumption is a named constant; the figures are to be checked against XLA'
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from importlib import resources
 
 from maxperf.perfmodel.flops import attention_kernel, gated, head_dims, is_mla, remat_names
 from maxperf.perfmodel.moe import MoeShape, dispatch, moe_shape, routed_buffer_rows, rows_per_token
@@ -39,27 +41,45 @@ OPTIMIZER_STATES_PER_PARAM = 2
 GRAD_ACCUMULATOR_BYTES = 4
 # The train step donates the state, so the updated params and optimizer state reuse the input buffers.
 STATE_DONATED = True
-# Norms upcast to float32; the backward reads the float32 input and the normalized float32 value (8 bytes/elem).
+# Norms upcast to float32; the backward reads the float32 input and the normalized float32 value (8 bytes/elem), at
+# the residual stream's width on the device (a.D); the compute-dtype output, gathered over tensor for the next
+# matmul, is not kept (the shape of GATED_MLP_SAVED_F's note: four f32[4,8,2048,1024] per layer for two norms, no
+# bf16[.., 4096]).
 NORM_SAVED_BYTES = 8
 # A rematerialized layer's norms keep no float32 [B, L, D] value: XLA recomputes them into fusions that write the
 # per-token float32 statistic and the compute-dtype output only. Measured here with libtpu 0.0.52: llama2-7b on
 # v5p-128, B=4, L=2048, remat_policy=full and minimal: the backward scan's body has (f32[4,2048], bf16[4,2048,4096])
 # norm fusions and no f32[4,2048,4096] buffer.
 RECOMPUTED_NORM_BYTES = 0
-# Gated MLP (SwiGLU/GeGLU) keeps gate, up, activation internals (sigmoid or tanh), activation and product: 5 x F;
-# the plain GELU MLP keeps its input, the tanh internals and the output: 3 x F.
-GATED_MLP_SAVED_F = 5
+# Gated MLP (SwiGLU/GeGLU) keeps gate, up, the activation's internals (sigmoid s and its derivative s (1 - s)), the
+# activation and the product: 6 x F (measured here with libtpu 0.0.52: llama2-7b widths at 4 layers on v5p-32,
+# tensor 4, B 2, L 2048, remat_policy=none: the forward scan stacks six bf16[4,8,2048,2752] per layer); the plain
+# GELU MLP keeps its input, the tanh internals and the output: 3 x F.
+GATED_MLP_SAVED_F = 6
 PLAIN_MLP_SAVED_F = 3
-# Per attention score under the dot product: the softmax output in the logits' dtype (float32 with MaxText's
-# float32_qk_product or float32_logits, else the compute dtype) and, when that is wider, its compute-dtype copy (for
-# P V); soft-capping adds the tanh output in the product's dtype. The mask is one shared [L, L] boolean, negligible.
-SCORE_SAVED = 1
+# Per attention score under the dot product: two buffers in the logits' dtype (float32 with MaxText's
+# float32_qk_product or float32_logits, else the compute dtype): the exponentials and the normalized probabilities,
+# and, when that dtype is wider, a compute-dtype copy (for P V); soft-capping adds the tanh output in the product's
+# dtype. The mask is one shared [L, L] boolean, negligible. Measured here with libtpu 0.0.52 (the shape of
+# GATED_MLP_SAVED_F's note, attention=dot_product): the forward scan stacks two bf16[4,8,8,1,2048,2048] per layer.
+SCORE_SAVED = 2
 SOFTCAP_SAVED = 1
-# Flash kernels keep, per query and head, the float32 log-sum-exp of the softmax beside their output; splash
-# attention keeps it broadcast over the 128 lanes of a TPU vector register (its forward's residuals in the optimized
-# HLO of llama2-7b on v5p-128, libtpu 0.0.50.1 and 0.0.52 alike: bf16[4,32,2048,128] and f32[4,32,2048,128]). The
-# TPU's figure, for every platform.
-FLASH_LSE_BYTES = 4 * 128
+# Flash kernels keep, per query and head, the float32 log-sum-exp of the softmax beside their output (the shape of
+# GATED_MLP_SAVED_F's note, attention=flash: the forward scan stacks f32[4,8,8,2048], [N, B, H, L], beside the
+# kernel's bf16[4,8,8,2048,128] output). The TPU's figure, for every platform.
+FLASH_LSE_BYTES = 4
+# Splash attention's forward, recomputed inside the backward of a rematerialized layer, writes its log-sum-exp
+# broadcast over the 128 lanes of a TPU vector register (the same case with remat_policy=minimal: the backward
+# scan's body holds the kernel's (bf16[8,8,2048,128], f32[8,8,2048,128]) outputs).
+RECOMPUTED_LSE_LANES = 128
+# Recomputed inside the backward, the dot product's softmax writes its probabilities only (the exponentials fuse into
+# them), beside the one score gradient (BACKWARD_SCORE_GRADIENTS). Measured here: llama2-7b widths at 4 layers on
+# v5p-32, tensor 1, B 1, L 8192, remat_policy=full, attention=dot_product: the backward scan's body holds two
+# bf16[1,32,1,8192,8192], 10.81 GiB per device compiled.
+RECOMPUTED_SCORE_BUFFERS = 1
+# ... and where the policy keeps neither of the MLP's input projections, their recomputed outputs with the
+# activation's, three F-wide buffers (the same case: a rematted_computation fusion writing three bf16[1,8192,11008]).
+RECOMPUTED_MLP_F = 3
 # Logits: the compute-dtype unembedding output; since the cross-entropy picks the target logit by a one-hot
 # reduction (models/train_step.py cross_entropy), XLA fuses the float32 upcast, the log-softmax and its gradient, and
 # Gemma 2's final soft-capping, into reductions over it, so no float32 [T, V] buffer is live. Measured here:
@@ -105,8 +125,15 @@ OFFLOAD_STAGED_LAYERS = 1
 # device against 8.74e9 without (0.84e9 of optimizer state in host memory, 0.43 of it back in HBM at the peak); the
 # parameters offloaded too, the same 8.26e9
 OFFLOADED_OPTIMIZER_STAGED = 0.43
-# FSDP all-gathers one layer's weights in compute dtype while the next one is prefetched: two layers' worth.
+# FSDP all-gathers one layer's weights in compute dtype while the next one is prefetched: two layers' worth, where
+# the model gathers them itself (a MoE layer's experts, inside the dispatch's shard_map).
 GATHERED_LAYERS = 2
+# Elsewhere XLA:TPU turns each weight's FSDP all-gather (and its gradient's reduce-scatter) into a windowed einsum, a
+# loop that multiplies one shard at a time while the next arrives: a few local shards live, never the gathered
+# weight. Measured here with libtpu 0.0.52, llama2-7b widths at 4 layers on v5p-32, remat none, flash: tensor 4,
+# B 2 (fsdp 4) and tensor 1, B 1 (fsdp 16) both run every layer matmul in windowed_dot_general loops holding
+# bf16[2,1024,2752] and bf16[2,256,11008] (two shards) beside the shard in flight, for weight and gradient alike.
+WINDOWED_SHARDS = 4
 # Gradients of one layer's weights exist unsharded before their reduction, in the compute dtype: the weight-gradient
 # matmuls write it and it is all-reduced so, converted to the param dtype only into the stacked gradients (libtpu
 # 0.0.52, llama2-7b on v5p-128, B=4, L=2048: bf16[4096,11008] all-reduces in the backward scan's body).
@@ -120,6 +147,13 @@ UNSHARDED_GRAD_LAYERS = 1
 # 10.67 GiB, two score gradients and two float32 B x L x D buffers live.)
 BACKWARD_SCORE_GRADIENTS = 1
 BACKWARD_D_FLOAT32 = 0
+# Beside them the layer being differentiated holds, per token, compute-dtype buffers of the full width D (the norms'
+# outputs gathered over tensor for the weight gradients, or their copies, and the partial input gradients of q, k
+# and v before their sum and reduce-scatter) and three of the MLP's local width (the product's, the activation's and
+# the gate's gradients). Measured here (the case of WINDOWED_SHARDS): the backward scan's body holds five
+# bf16[8,2048,4096] at tensor 4 and five bf16[1,2048,4096] with three bf16[1,2048,11008] at tensor 1.
+BACKWARD_D_BUFFERS = 5
+BACKWARD_F_BUFFERS = 3
 # A MoE layer keeps (models/layers/moe.py; counted from its tensors, not yet measured): per token the router's
 # float32 logits and probabilities over the E experts and the float32 top-k weights; per routed row the experts'
 # input (D) and MLP internals (GATED_MLP_SAVED_F x Fe), the rows of the sorted dispatch being the worst-case receive
@@ -290,9 +324,8 @@ def layer_saved_parts(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat
         mlp = c * (GATED_MLP_SAVED_F if gated(model) else PLAIN_MLP_SAVED_F) * a.F
     else:
         mlp = moe_saved_per_token(model, moe, train, mesh)
-    # the residual stream and its float32 norm values are split over tensor (MaxText's activation_embed rule); a
-    # norm's compute-dtype output is the next matmul's input, gathered to the full width D for it
-    norms = (4 if model.post_norms else 2) * (NORM_SAVED_BYTES * a.D + c * D)
+    # the residual stream and its float32 norm values are split over tensor (MaxText's activation_embed rule)
+    norms = (4 if model.post_norms else 2) * NORM_SAVED_BYTES * a.D
     residual = c * a.D  # the sum after attention, input of the MLP block
     if is_mla(model):
         Dq, Dv = head_dims(model)
@@ -301,15 +334,31 @@ def layer_saved_parts(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat
         Dq = Dv = Dh
         qkv = c * (a.H + 2 * a.K) * Dh
         qk_norm = (NORM_SAVED_BYTES + c) * (a.H + a.K) * Dh if model.qk_norm else 0.0
-        rope = c * (a.H + a.K) * Dh if str(model.positions) == "rope" else 0.0
-        projections = qkv + qk_norm + rope + 2 * c * a.H * Dh  # and the scaled q and the context
+        # q, k and v as the kernel takes them (RoPE is linear: its backward needs no input) and the context
+        projections = qkv + qk_norm + c * a.H * Dh
     if attention_kernel(train) == "flash":  # the kernel's residuals: its output in its own layout, the log-sum-exp
         scores = c * a.H * Dv + FLASH_LSE_BYTES * a.H
-    else:  # each local query attends over all L keys (the full matrix, masked)
+    else:  # each local query attends over all L keys (the full matrix, masked), and the scaled q
         product, logits = score_bytes(train)
         saved = SCORE_SAVED * logits + (c if logits > c else 0)
         scores = a.H * train.seq_len * (saved + (SOFTCAP_SAVED * product if _softcapped(model) else 0))
+        scores += 0.0 if is_mla(model) else c * a.H * Dq  # (latent attention's is among its projections)
     return {"attention": projections + scores, "mlp": mlp, "rest": norms + residual}
+
+
+def recomputed_attention_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, remat: str) -> float:
+    """Bytes per local token the backward of a rematerialized layer holds of its recomputed attention: the flash
+    kernel's forward residuals (its output and the log-sum-exp over RECOMPUTED_LSE_LANES), or the dot product's
+    probabilities (RECOMPUTED_SCORE_BUFFERS in the logits' dtype); nothing for flash where the policy keeps the
+    context."""
+    c = dtype_bytes(train.compute_dtype, "compute_dtype")
+    a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
+    Dv = head_dims(model)[1] if is_mla(model) else model.head_dim
+    if attention_kernel(train) == "flash":
+        names = remat_names(train, remat)
+        kept = names is not None and "context" in (names[0] | names[1])
+        return 0.0 if kept else a.H * (c * Dv + 4 * RECOMPUTED_LSE_LANES)
+    return a.H * train.seq_len * RECOMPUTED_SCORE_BUFFERS * score_bytes(train)[1]
 
 
 def mla_saved_per_token(model: ModelShape, c: int, H: float) -> float:
@@ -422,23 +471,30 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
                   + p * local_size(table.shape, table.logical, mesh))
 
     arrays = param_arrays(model)
-    layer_full = layer_weights(arrays, lambda x: held_gathered(x, mesh))
-    gathered = GATHERED_LAYERS * layer_full * c
-    grads_unsharded = UNSHARDED_GRAD_LAYERS * layer_full * c
+    # weights the model gathers itself (a MoE layer's experts) are whole; the rest stream through windowed einsums
+    layer_full = layer_weights(arrays, lambda x: held_gathered(x, mesh) if x.expert_parallel else 0.0)
+    shard = max((held(x, mesh) for x in arrays if x.matmul and x.block and not x.expert_parallel), default=0.0)
+    gathered = GATHERED_LAYERS * layer_full * c + WINDOWED_SHARDS * shard * c
+    grads_unsharded = UNSHARDED_GRAD_LAYERS * layer_full * c + WINDOWED_SHARDS * shard * c
     table = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
     vocab_table = gathered_size(table.shape, table.logical, mesh) * c  # gathered for the logits
     # the gradient of the scores, in the logits' dtype: the dot product's only (flash keeps its tiles on chip)
     score_grads = 0.0 if attention_kernel(train) == "flash" else score_bytes(train)[1] * a.H * train.seq_len
     # the input gradients of a layer's matmuls are partial sums over the tensor shards, full width D until their
     # reduce-scatter; the layer's input is gathered to full width for its matmuls
-    gradient_buffers = T * (BACKWARD_SCORE_GRADIENTS * score_grads + BACKWARD_D_FLOAT32 * 4 * D)
+    F_local = max(a.F, a.Fe * (routed_rows_held(moe_shape(model), train, mesh) + moe_shape(model).S)
+                  if moe_shape(model) else 0.0)
+    gradient_buffers = T * (BACKWARD_SCORE_GRADIENTS * score_grads + BACKWARD_D_FLOAT32 * 4 * D
+                            + c * (BACKWARD_D_BUFFERS * D + BACKWARD_F_BUFFERS * F_local))
     working = gradient_buffers
-    if remat != "none":  # the layer being differentiated is rematerialized: one layer's full set of saved tensors,
-        # its norms without their float32 values
-        # (a MoE layer's where the model has them, its dispatch buffers among them)
-        norms_float32 = (4 if model.post_norms else 2) * (NORM_SAVED_BYTES - RECOMPUTED_NORM_BYTES) * a.D
-        largest = max(layer_saved_per_token(model, train, mesh, remat="none", moe_layer=m) for m in layer_kinds(model))
-        working += T * (D * c + largest - norms_float32)
+    if remat != "none":  # the layer being differentiated is recomputed piece by piece as its backward needs it:
+        # beside the gradients above, the attention's recomputed forward (the flash kernel's residuals, or the dot
+        # product's scores) unless the policy keeps the context, and the MLP's recomputed gate and up with the
+        # activation unless it keeps them
+        working += T * recomputed_attention_per_token(model, train, mesh, remat)
+        names = remat_names(train, remat)
+        if not ({"mlpwi", "mlpwi_0", "mlpwi_1"} & (names[0] | names[1])):
+            working += T * c * RECOMPUTED_MLP_F * F_local
     staged = OFFLOAD_STAGED_LAYERS * T * max(layer_offloaded_per_token(model, train, mesh, m)
                                              for m in layer_kinds(model))
     temporaries = gathered + grads_unsharded + working + staged
@@ -465,3 +521,36 @@ def layer_kinds(model: ModelShape) -> tuple[bool, ...]:
 def vocab_tiles(train: TrainShape) -> int:
     """MaxText's num_vocab_tiling: the chunks the loss's tokens are cut into (1: the whole [B, L, V] logits)."""
     return int(getattr(train, "num_vocab_tiling", 1) or 1)
+
+
+# The analytical total's measured error against XLA's memory_analysis, per platform kind (bench/memory_accuracy.py
+# --error-json writes it; the file ships inside the package).
+MEASURED_ERROR_FILE = "memory_error.json"
+
+
+@dataclass(frozen=True)
+class MeasuredError:
+    """How far estimate_memory's per-device total fell from the compiler's over a benchmark grid: absolute relative
+    errors (median, worst) and the 90th percentile of the signed underestimate ((compiler - analytical) / compiler:
+    negative where nine in ten cases over-estimate), over `cases` compiles made by `command` on `date`. A safety
+    margin: plan for analytical x (1 + max(p90_underestimate, 0)), or x (1 + worst) to be sure."""
+
+    platform: str
+    median: float
+    worst: float
+    p90_underestimate: float
+    cases: int
+    command: str
+    date: str
+
+
+def measured_error(platform: str) -> MeasuredError | None:
+    """The measured error of the analytical memory on a platform kind ("tpu", "gpu", "cpu"); None where it has not
+    been measured."""
+    text = resources.files("maxperf.perfmodel").joinpath(MEASURED_ERROR_FILE).read_text()
+    entry = json.loads(text).get(platform)
+    if entry is None:
+        return None
+    return MeasuredError(platform=platform, median=float(entry["median"]), worst=float(entry["worst"]),
+                         p90_underestimate=float(entry["p90_underestimate"]), cases=int(entry["cases"]),
+                         command=str(entry["command"]), date=str(entry["date"]))
