@@ -1,0 +1,193 @@
+"""`maxperf plan`: the enumeration and its pruning, pins, the ranking against a brute-force grid, the memory margin,
+no fit (exit 3 with the closest miss), plan.json, verification by real compiles, the report page, and bad input."""
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from maxperf import perfmodel
+from maxperf.cli import main
+from maxperf.plan import plan
+from maxperf.reports.plan import pareto
+from maxperf.reports.render import render
+from maxperf.studies import search
+from reports_browser import CHROMIUM, check_in_chromium
+
+TINY = search.Request("tiny", "cpu-8", per_device_batch=1, pins=("seq_len=64",))
+
+
+def run_main(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return search.search(TINY)
+
+
+def test_factorizations_are_every_ordered_split_once():
+    found = search.factorizations(8, 6)
+    assert len(found) == math.comb(3 + 5, 5)  # 2^3 over 6 axes: stars and bars
+    assert len(set(found)) == len(found) and all(math.prod(f) == 8 for f in found)
+
+
+def test_enumeration_and_divisibility_counts_on_cpu_8(tiny):
+    # 56 meshes x 11 remat policies x 2 kernels x one batch; tiny has H=4, K=2, no experts: tensor must be 1 or 2
+    # and expert 1, which leaves 35 - 5 = 30 meshes (tensor=4: 4 ways, tensor=8: 1)
+    d = tiny.as_dict()["counts"]
+    assert d["enumerated"] == 56 * 11 * 2
+    assert len(tiny.candidates) == 30 * 22 and d["indivisible"] == 26 * 22
+    assert {p.reason.split("=")[0] for p in tiny.pruned} == {"expert", "tensor"}
+    assert all(c.axes["tensor"] in (1, 2) and c.axes["expert"] == 1 for c in tiny.candidates)
+
+
+def test_pins_fix_what_they_name(tiny):
+    pinned = search.search(search.Request("tiny", "cpu-8", per_device_batch=1,
+                                          pins=("seq_len=64", "ici_tensor_parallelism=2", "remat_policy=full")))
+    assert pinned.candidates and all(c.ici["tensor"] == 2 and c.remat_policy == "full" for c in pinned.candidates)
+    # with tensor=2 the other 4 devices spread over five axes, expert pruned: 4 x 2 ways... counted directly
+    assert len(pinned.candidates) == sum(1 for c in tiny.candidates if c.ici["tensor"] == 2
+                                         and c.remat_policy == "full")
+    assert pinned.fixed == ("seq_len=64",)
+
+
+def test_the_winner_is_as_good_as_a_brute_force_grid_through_plan():
+    req = search.Request("tiny", "cpu-8", global_batch_tokens=16 * 64, pins=("seq_len=64", "attention=flash"))
+    result = search.search(req)
+    best = None
+    hbm, factor = result.hbm_bytes, 1 + result.margin.value
+    for c in result.candidates:  # every candidate through plan() and estimate(), no ordering shortcut
+        p = plan("cpu-8", "tiny", ["seq_len=64", *c.overrides()])
+        assert p.mesh_shape.ici == c.ici and p.mesh_shape.dcn == c.dcn
+        est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+        if est.memory_per_device_bytes * factor <= hbm and (best is None or est.tokens_per_s > best):
+            best = est.tokens_per_s
+        if c.step_time_s:  # where the search estimated, it agrees with plan() + estimate() exactly
+            assert c.step_time_s == est.step_time_s and c.memory_bytes == est.memory_per_device_bytes
+    assert result.winner.tokens_per_s == pytest.approx(best, rel=1e-12)
+    ranked = [c.tokens_per_s for c in result.fitting]
+    assert ranked == sorted(ranked, reverse=True) and result.candidates[0] is result.winner
+
+
+def test_the_margin_comes_from_measured_error(tmp_path):
+    path = tmp_path / "memory_error.json"
+    path.write_text(json.dumps({"tpu": {"median": 0.05, "worst": -0.21, "cases": 7}}))
+    tpu = search.load_margin("tpu", path)
+    assert tpu.value == pytest.approx(0.21) and "7 cases" in tpu.source and path.name in tpu.source
+    gpu = search.load_margin("gpu", path)
+    assert gpu.value == pytest.approx(0.21) and "no gpu figure" in gpu.source
+    missing = search.load_margin("tpu", tmp_path / "absent.json")
+    assert missing.value == search.FALLBACK_MARGIN and "not found" in missing.source
+
+
+def test_a_candidate_fits_only_with_the_margin_to_spare(tiny):
+    result = search.search(search.Request("tiny", "cpu-8", per_device_batch=1,
+                                          pins=("seq_len=64", "remat_policy=none", "attention=dot_product")))
+    memory = sorted(c.memory_bytes for c in result.candidates)
+    # an HBM between the smallest and largest need, with the margin: those above it do not fit
+    result.hbm_bytes = memory[len(memory) // 2] * (1 + result.margin.value)
+    search.rank(result)
+    factor = 1 + result.margin.value
+    assert all(c.memory_bytes * factor <= result.hbm_bytes for c in result.fitting)
+    missed = [c for c in result.candidates if c.status == "does not fit"]
+    assert missed and all(c.memory_bytes * factor > result.hbm_bytes for c in missed)
+
+
+def test_a_compiler_no_fit_drops_the_candidate_and_the_next_is_chosen(tiny):
+    result = search.search(TINY)
+    first, second = result.fitting[:2]
+    first.verified, first.compiler_memory_bytes = False, 2 * result.hbm_bytes
+    second.verified, second.compiler_memory_bytes = True, 1e6
+    search.rank(result)
+    assert first.status == "does not fit" and first.reason.startswith("compiler:")
+    assert result.winner is second and second.memory_shown_bytes() == 1e6
+
+
+def test_no_fit_exits_3_with_the_closest_miss(capsys, tmp_path):
+    code, out, err = run_main(capsys, "plan", "--model", "llama3-70b", "--topology", "v5p-8", "--verify", "0",
+                              "--out", str(tmp_path / "p"))
+    assert code == 3, err
+    assert "no candidate fits. closest:" in err and "more chips" in err and "offload" in err and "seq_len" in err
+    doc = json.loads((tmp_path / "p" / "plan.json").read_text())
+    miss = doc["closest_miss"]
+    assert doc["chosen"] is None and miss["memory_with_margin_bytes"] > miss["hbm_bytes"]
+    assert len(miss["would_need"]) == 3
+    # the closest miss needs the least memory of every candidate estimated
+    needs = [c["analytical_memory_bytes"] for c in doc["candidates"] if c["analytical_memory_bytes"]]
+    assert miss["candidate"]["analytical_memory_bytes"] == min(needs)
+
+
+def test_plan_json_schema(capsys, tmp_path):
+    code, out, _ = run_main(capsys, "plan", "--model", "tiny", "--topology", "cpu-8", "--per-device-batch", "1",
+                            "--verify", "0", "--out", str(tmp_path / "p"), "--json", "seq_len=64")
+    assert code == 0
+    summary = json.loads(out)
+    assert summary["schema"] == "maxperf.plan-result/1" and summary["winner"]["status"] == "chosen"
+    doc = json.loads(Path(summary["plan_json"]).read_text())
+    assert doc["schema"] == "maxperf.plan/1" and not list((tmp_path / "p").glob(".*partial"))
+    n = doc["counts"]
+    assert n["indivisible"] + len(doc["candidates"]) == n["enumerated"]
+    assert sum(p["candidates"] for p in doc["pruned"]) == n["indivisible"]
+    assert {c["status"] for c in doc["candidates"]} <= {"chosen", "slower", "does not fit"}
+    chosen = doc["candidates"][doc["chosen"]]
+    assert chosen["status"] == "chosen" and "--model tiny --topology cpu-8" in doc["command"]["maxperf"]
+    assert "per_device_batch_size=1" in doc["command"]["maxtext"] and "max_target_length=64" in doc["command"][
+        "maxtext"]
+    assert doc["margin"]["value"] > 0 and doc["margin"]["source"]
+
+
+def test_maxtext_spelling_counts_one_microbatch():
+    c = search.Candidate({"data": 1, "fsdp": 4, "fsdp_transpose": 1, "sequence": 2, "tensor": 1, "expert": 1},
+                         {a: 1 for a in search.MESH_AXES}, "full", "flash", 8, 4)
+    assert "per_device_batch_size=2" in c.maxtext_flags() and "gradient_accumulation_steps=4" in c.maxtext_flags()
+    assert "ici_context_parallelism=2" in c.maxtext_flags()
+    assert "per_device_batch_size=8" in c.overrides() and "grad_accum_steps=4" in c.overrides()
+
+
+@pytest.mark.slow
+def test_verify_compiles_the_best_and_the_report_shows_it(capsys, tmp_path):
+    code, out, err = run_main(capsys, "plan", "--model", "tiny", "--topology", "cpu-8", "--per-device-batch", "1",
+                              "--verify", "1", "--workers", "1", "--out", str(tmp_path / "p"), "seq_len=64",
+                              "remat_policy=full", "attention=flash")
+    assert code == 0, err
+    doc = json.loads((tmp_path / "p" / "plan.json").read_text())
+    chosen = doc["candidates"][doc["chosen"]]
+    assert chosen["verified"] is True and chosen["compiler_memory_bytes"] > 0
+    assert (Path(chosen["artifact"]) / "manifest.json").is_file() and doc["counts"]["compiled"] == 1
+    assert "compiled and fits" in out and "*" in out  # the compiler's memory in the table
+    result = render([tmp_path / "p"], tmp_path / "r" / "plan.html")
+    html = result.html_path.read_text()
+    assert "Pareto" in html and html.count("<svg ") == 1 and "compiled and fits" in html
+    with open(next(p for p in result.csv_paths if "pareto" in p.name), newline="") as f:
+        front = list(csv.DictReader(f))
+    assert [r["chosen"] for r in front].count("True") <= 1 and front
+    memory = [float(r["memory GiB"]) for r in front]
+    tokens = [float(r["tokens/s"]) for r in front]
+    assert memory == sorted(memory) and tokens == sorted(tokens)  # a front: more memory buys more speed
+    if CHROMIUM:
+        check_in_chromium(result.html_path, tmp_path)
+
+
+def test_pareto_front():
+    points = [(1.0, 10.0), (2.0, 5.0), (2.0, 20.0), (3.0, 15.0), (4.0, 30.0)]
+    assert [points[i] for i in pareto(points)] == [(1.0, 10.0), (2.0, 20.0), (4.0, 30.0)]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--objective", "speed"], ["speed", "tokens_per_s", "mfu"]),
+    (["--global-batch", "1000", "seq_len=64"], ["1000", "not reachable", "L=64"]),
+    (["--global-batch", "lots"], ["lots", "4M"]),
+    (["--verify", "-1"], ["--verify", ">= 0"]),
+    (["remat_policy=fast"], ["remat_policy=fast", "full"]),
+])
+def test_bad_input_is_one_line_exit_2(capsys, tmp_path, argv, words):
+    code, out, err = run_main(capsys, "plan", "--model", "tiny", "--topology", "cpu-8", "--verify", "0",
+                              "--out", str(tmp_path / "p"), *argv)
+    lines = [line for line in err.splitlines() if line.startswith("maxperf: error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert all(w in lines[0] for w in words), lines[0]
