@@ -252,7 +252,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Plan, say: Progress, star
     lower_seconds = time.perf_counter() - t
     capacity = device_memory_bytes(topo)
     writer.write_text("hlo/lowered.stablehlo.mlir", lowered.as_text())
-    options = topologies.compiler_options(topo)
+    options = topologies.compiler_options(topo, random_bits=str(p.configs.train.quantization) != "none")
     key = cache.key(lowered.as_text(), _target_identity(topo), options, library_versions())
     entry = cache.get(key)
     cache_hit = entry is not None

@@ -496,15 +496,21 @@ def _domain_mesh(shape: list[int], group: list):
 # ---------------------------------------------------------------------------------------------------------------
 # What compiling for a topology needs and cannot give
 
-def compiler_options(topology: Topology) -> dict[str, Any]:
+def compiler_options(topology: Topology, random_bits: bool = False) -> dict[str, Any]:
     """XLA options to pass as `.compile(compiler_options=...)` for this topology.
 
     GPU across hosts: the one-shot all-reduce kernel works only among GPUs that share NVLink, and compiling it for
     hundreds of GPUs hit an LLVM error (DESIGN.md); it is turned off there. Checked: the compile-only CUDA plugin
     accepts it as a compile option.
+    TPU, for a step that draws random bits (`random_bits`: int8's stochastic rounding): MaxText's train and
+    train_compile set --xla_tpu_spmd_rng_bit_generator_unsafe=true, which lets each device generate its own shard of
+    a sharded RngBitGenerator; without it every device generated the whole array (gpt3-175b on v5p-1024, int8:
+    800.70 GiB per device). Checked: libtpu takes it as a compile option.
     """
     if topology.platform == "gpu" and topology.ici_domains > 1:
         return {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}
+    if topology.platform == "tpu" and random_bits:
+        return {"xla_tpu_spmd_rng_bit_generator_unsafe": True}
     return {}
 
 def limitations(topology: Topology) -> list[str]:

@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass
 
 from maxperf.errors import MaxperfError, closest
-from maxperf.models.config import AttentionKernel, ModelConfig, ParallelismConfig, TrainConfig
+from maxperf.models.config import AttentionKernel, ModelConfig, ParallelismConfig, Quantization, TrainConfig
 
 # MaxText's names (MaxText/configs/base.yml) for the same settings.
 ALIASES = {
@@ -77,8 +77,8 @@ OTHER_FLOAT_LIMIT = 1e12
 
 _CONFIGS = {"model": ModelConfig, "train": TrainConfig, "parallelism": ParallelismConfig}
 _FIXED = {"name", "rope_scaling"}  # not settable from the command line
-# MaxText's spellings of values: its `attention=autoselected` is maxperf's `auto`.
-VALUE_ALIASES = {(AttentionKernel, "autoselected"): "auto"}
+# MaxText's spellings of values: its `attention=autoselected` is maxperf's `auto`, its `quantization=""` `none`.
+VALUE_ALIASES = {(AttentionKernel, "autoselected"): "auto", (Quantization, ""): "none"}
 
 
 def _fields() -> dict[str, tuple[str, type]]:

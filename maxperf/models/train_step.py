@@ -21,6 +21,7 @@ from maxperf.models.config import ModelConfig, TrainConfig
 from maxperf.models.layers import attention_kernels
 from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.decoder import RESIDUAL
+from maxperf.models.layers import quantization
 from maxperf.models.layers.moe import MoEOptions
 from maxperf.models.sharding import constrain, partition_spec
 from maxperf.models.transformer import Transformer
@@ -34,6 +35,7 @@ def build_model(model: ModelConfig, train: TrainConfig, rngs: nnx.Rngs) -> Trans
         model, param_dtype=jnp.dtype(train.param_dtype), compute_dtype=jnp.dtype(train.compute_dtype),
         scan_layers=train.scan_layers, remat=train.remat_names(), rngs=rngs,
         attention=AttentionOptions.from_train(train), moe=MoEOptions.from_train(train),
+        quantization=quantization.from_train(train),
     )
 
 
@@ -114,7 +116,7 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
     optimizer, schedule = make_optimizer(train)
     A = train.grad_accum_steps
 
-    def loss_sum(params, batch):
+    def loss_sum(params, batch, key):
         """The masked cross-entropy summed over tokens, plus (for a mixture of experts) the load-balancing loss
         weighted and scaled by the token count, so that dividing by the tokens gives MaxText's loss + weight x
         moe_lb_loss; with the token count and the unweighted load-balancing loss."""
@@ -123,7 +125,7 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         positions_BxL = jnp.broadcast_to(jnp.arange(inputs_BxL.shape[1], dtype=jnp.int32), inputs_BxL.shape)
         mask_BxL = batch["mask"].astype(jnp.float32)
         tokens = jnp.sum(mask_BxL)
-        x_BxLxD, lb_loss = net.hidden_and_aux(inputs_BxL, positions_BxL)
+        x_BxLxD, lb_loss = net.hidden_and_aux(inputs_BxL, positions_BxL, key)
         if train.num_vocab_tiling > 1:
             total = tiled_nll_sum(net, x_BxLxD, batch["targets"], mask_BxL, train.num_vocab_tiling)
         else:
@@ -141,19 +143,22 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         # the out shardings send the updated state back
         if train.parameter_memory_host_offload:
             params = jax.device_put(params, jax.memory.Space.Device)
+        key = quantization.step_key(train, state["step"])  # int8's stochastic rounding; None without it
         if A == 1:
-            (total, (tokens, lb_loss)), grads = grad_fn(params, batch)
+            (total, (tokens, lb_loss)), grads = grad_fn(params, batch, key)
         else:
             # microbatch a takes rows a, a+A, ...: every device keeps 1/A of its own rows in each
             micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // A, A, *x.shape[1:]), 0, 1), batch)
 
-            def accumulate(carry, mb):
-                (t, (n, lb)), g = grad_fn(params, mb)
+            def accumulate(carry, mb_a):
+                mb, a = mb_a
+                (t, (n, lb)), g = grad_fn(params, mb, None if key is None else jax.random.fold_in(key, a))
                 c_total, c_tokens, c_lb, c_grads = carry
                 return (c_total + t, c_tokens + n, c_lb + lb / A, jax.tree.map(jnp.add, c_grads, g)), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            (total, tokens, lb_loss, grads), _ = jax.lax.scan(accumulate, (0.0, 0.0, 0.0, zeros), micro)
+            (total, tokens, lb_loss, grads), _ = jax.lax.scan(accumulate, (0.0, 0.0, 0.0, zeros),
+                                                              (micro, jnp.arange(A)))
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         denom = jnp.maximum(tokens, 1.0)
         grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
@@ -224,6 +229,7 @@ class AbstractStep:
 
 def abstract_step(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> AbstractStep:
     attention_kernels.check(model, train, attention_kernels.platform_kind(mesh.devices.flat[0].platform))
+    train = quantization.resolve_local_shards(train, mesh)
     sizes = dict(mesh.shape)
     md = model_def(model, train)
     state = jax.eval_shape(init_fn(model, train), jax.ShapeDtypeStruct((2,), jnp.uint32))

@@ -74,6 +74,12 @@ GPU_RAGGED_DOT_RATE = 1.6
 # output fusions, so few reach HBM on their own: fitted 2.7 (bench/published.py, 2026-11-23, 81 rows). Over F-wide
 # vectors: the activation and gating product (read gate and up, write product), assumed.
 ELEMENTWISE_D_PASSES = 2.7
+# quantization=int8 (models/layers/quantization.py, AQT's config_v3): each quantized operand is read twice in the
+# compute dtype (its absmax, then scale and round) and written once as int8; a gradient's stochastic rounding adds
+# its noise, 4-byte random bits that XLA's RngBitGenerator writes and the quantize fusion reads (counted from the
+# operations, each assumed one pass over HBM). The int8 x int8 -> int32 dot reads 1-byte operands and writes its
+# dequantized output in the compute dtype (the int32 result scaled in the dot's output fusion, assumed).
+INT8_NOISE_BYTES = 8
 ELEMENTWISE_F_PASSES = 3
 # Backward elementwise work reads saved values and gradients and writes gradients: about twice the forward (assumed).
 ELEMENTWISE_BACKWARD_FACTOR = 2
@@ -160,6 +166,21 @@ class StepTime:
     assumptions: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Int8Matmuls:
+    """quantization=int8: the layers' matmuls in int8; `weight_gradient`: the weight gradient too
+    (quantization_local_shard_count other than 0)."""
+
+    weight_gradient: bool
+
+
+def int8_matmuls(train: TrainShape) -> Int8Matmuls | None:
+    """The train config's quantization as steptime models it (optional keys, read where present)."""
+    if str(getattr(train, "quantization", "none")) != "int8":
+        return None
+    return Int8Matmuls(weight_gradient=getattr(train, "quantization_local_shard_count", -1) != 0)
+
+
 def matmul_efficiency(chip: Chip, m: float, half: float | None = None) -> float:
     """chip.matmul_fraction x m / (m + HALF); `half` (a calibrated HALF) replaces the kind's."""
     half = MATMUL_HALF[chip.kind] if half is None else half
@@ -169,8 +190,9 @@ def matmul_efficiency(chip: Chip, m: float, half: float | None = None) -> float:
 class _Table:
     """Accumulates work by row name: seconds split into compute-bound, memory-bound and network parts."""
 
-    def __init__(self, chip: Chip, dtype: str):
+    def __init__(self, chip: Chip, dtype: str, int8: Int8Matmuls | None = None):
         self.chip, self.peak = chip, chip.peak_flops(dtype)
+        self.int8 = int8
         self.half = chip.measured_matmul_half(dtype)
         self.rows: dict[str, dict[str, float]] = {}
         self.overlap: dict[str, float] = {}
@@ -190,12 +212,13 @@ class _Table:
         self.overlap[name] = overlap
 
     def matmul(self, name: str, M: float, K: float, N: float, count: float, c: int,
-               side: float | None = None, rate: float = 1.0) -> None:
+               side: float | None = None, rate: float = 1.0, operand_bytes: float | None = None) -> None:
         """`count` matmuls of M x K by K x N in compute dtype (c bytes): a roofline of FLOPs and HBM traffic (and on
         CPU devices what XLA:CPU's dot kernels add, perfmodel.cpu). `side` replaces the smallest side in the
-        efficiency (`matmul_efficiency`); `rate` scales it (a kernel slower than a plain matmul of the shape)."""
+        efficiency (`matmul_efficiency`); `rate` scales it (a kernel slower than a plain matmul of the shape);
+        `operand_bytes`: the two operands' element size where it is not c (1 for int8)."""
         flops = 2 * M * K * N * count
-        nbytes = c * (M * K + K * N + M * N) * count
+        nbytes = ((c if operand_bytes is None else operand_bytes) * (M * K + K * N) + c * M * N) * count
         efficiency = rate * matmul_efficiency(self.chip, min(M, K, N) if side is None else side, self.half)
         if self.chip.kind != "cpu":
             origin = MATMUL_FRACTION_ORIGIN[self.chip.name]
@@ -210,15 +233,42 @@ class _Table:
             cpu.dot_accumulator_faults(self.add, self.chip, M, K, N, count, c)
 
     def train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
-                     side: float | None = None, rate: float = 1.0) -> None:
+                     side: float | None = None, rate: float = 1.0, quantized: bool = True) -> None:
         """A matmul run `forward` times as x @ W (the forward and its recomputation) and `backward` times as each of
         the backward's two: the input gradient dy @ W^T (M x N by N x K) and the weight gradient x^T @ dy (K x M by
         M x N). All run at the plain rate: compilers give the transposed operand the layout the matmul wants
         (XLA:CPU copies x to x^T, a T x D transpose, and runs the weight gradient as a plain matmul, as a cpu-2
-        step's optimized HLO shows), so a library's slower rate for a transposed operand does not apply."""
+        step's optimized HLO shows), so a library's slower rate for a transposed operand does not apply.
+        Under quantization=int8 (`self.int8`) a `quantized` one runs as `int8_train_matmul`."""
+        if quantized and self.int8 is not None:
+            self.int8_train_matmul(name, M, K, N, forward, backward, c, side, rate)
+            return
         self.matmul(name, M, K, N, forward, c, side, rate)
         self.matmul(name, M, N, K, backward, c, side, rate)
         self.matmul(name, K, M, N, backward, c, side, rate)
+
+    def int8_train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
+                          side: float | None, rate: float) -> None:
+        """train_matmul under quantization=int8: the forward and the input gradient as int8 dots at the chip's int8
+        peak (its bf16 one where it has none), the weight gradient too unless local_shard_count is 0; and the
+        quantize passes over every quantized operand (INT8_NOISE_BYTES)."""
+        speedup = (self.chip.peak_int8_ops or self.peak) / self.peak
+        self.assume("int8", f"int8 matmuls at {speedup:g}x the {self.chip.name} bf16 rate (datasheet peaks); "
+                            f"each quantized operand read twice and written once as int8, gradients' noise "
+                            f"{INT8_NOISE_BYTES} bytes per element (assumed)")
+        int8_rate = rate * speedup
+        self.matmul(name, M, K, N, forward, c, side, int8_rate, operand_bytes=1)
+        self.matmul(name, M, N, K, backward, c, side, int8_rate, operand_bytes=1)
+        quantize = c + c + 1  # absmax read, scale-and-round read, int8 write
+        # forward: x [M, K] and W [K, N]; input gradient: dy [M, N] with noise, W again
+        elements = forward * quantize * (M * K + K * N) + backward * ((quantize + INT8_NOISE_BYTES) * M * N
+                                                                      + quantize * K * N)
+        if self.int8.weight_gradient:
+            self.matmul(name, K, M, N, backward, c, side, int8_rate, operand_bytes=1)
+            elements += backward * ((quantize + INT8_NOISE_BYTES) * M * N + quantize * M * K)
+        else:
+            self.matmul(name, K, M, N, backward, c, side, rate)
+        self.memory("int8 quantize", elements)
 
     def memory(self, name: str, nbytes: float) -> None:
         """Memory-bound elementwise work: at HBM bandwidth, or where one was measured (CPU devices) at the rate of a
@@ -237,7 +287,7 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     micro = train.grad_accum_steps
     a = activation_split(model, train.per_device_batch_size, L, mesh)
     T, Bm = a.T / micro, a.B / micro  # tokens and examples of one microbatch on this device
-    table = _Table(chip, train.compute_dtype)
+    table = _Table(chip, train.compute_dtype, int8_matmuls(train))
 
     # matmuls: forward, backward (2 x forward), and the forward again where remat recomputes it
     again = recomputed(model, train)
@@ -266,7 +316,9 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
         f = load_imbalance(train, mesh.axes["expert"], imbalance)
         _moe_matmuls(table, model, train, mesh, moe, T, Bm, a, f, fwd, c)
     # num_vocab_tiling: each chunk's logits are computed again in the backward
-    table.train_matmul("unembedding", T, D, a.V, micro * (1 + (getattr(train, "num_vocab_tiling", 1) > 1)), micro, c)
+    # MaxText does not quantize the logits (its logits_dense and the embedding's attend take no quantization)
+    table.train_matmul("unembedding", T, D, a.V, micro * (1 + (getattr(train, "num_vocab_tiling", 1) > 1)), micro, c,
+                       quantized=False)
     # attention per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh. The dot product computes all
     # L x L scores; the TPU and GPU flash kernels skip masked blocks (ATTENTION_SKIPS_MASKED) and run at a kernel
     # rate with no softmax passes over HBM
@@ -293,8 +345,8 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
             # at B 8, L 2048 with full remat: the dot product measured 89 ms slower than flash, where the
             # head-dim side made it 247; bench/gpu_measured.py)
             side = None if chip.kind == "cpu" else min(a.L, L)
-            table.train_matmul("attention scores", a.L, Dq, L, scores_fwd * count, count, c, side)
-            table.train_matmul("attention context", a.L, L, Dv, context_fwd * count, count, c, side)
+            table.train_matmul("attention scores", a.L, Dq, L, scores_fwd * count, count, c, side, quantized=False)
+            table.train_matmul("attention context", a.L, L, Dv, context_fwd * count, count, c, side, quantized=False)
 
     # memory-bound work
     elementwise_layers = N * micro * (1 + ELEMENTWISE_BACKWARD_FACTOR + (1 if again else 0))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -38,8 +39,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from maxperf.errors import MaxperfError
+
 INT8_BOUND = 127.5  # AQT's int8 quant bound (preserve_zero, not preserve_max_val): scale = absmax / 127.5
 INT8_CLIP = 127.0  # values are clipped to the last bucket's edge less half a bucket before rounding
+# the noise keys' generator: MaxText's train and train_compile set jax_default_prng_impl=unsafe_rbg, which on TPU is
+# XLA's RngBitGenerator
+NOISE_IMPL = "unsafe_rbg"
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,41 @@ class Int8:
     gradient in the compute dtype, not int8)."""
 
     local_shard_count: int = 1
+
+
+def from_train(train) -> Int8 | None:
+    """The train config's quantization (TrainConfig.quantization); local_shard_count -1 is jax.local_device_count(),
+    MaxText's reading, unless the step's planner resolved it for the target (`resolve_local_shards`)."""
+    if str(train.quantization) == "none":
+        return None
+    count = train.quantization_local_shard_count
+    return Int8(jax.local_device_count() if count == -1 else count)
+
+
+def resolve_local_shards(train, mesh):
+    """The train config with quantization_local_shard_count -1 read as MaxText reads it where the step runs:
+    jax.local_device_count() of one host of `mesh`'s devices (4 on a v5p host)."""
+    if str(train.quantization) == "none" or train.quantization_local_shard_count != -1:
+        return train
+    devices = list(mesh.devices.flat)
+    per_host = sum(d.process_index == devices[0].process_index for d in devices)
+    return dataclasses.replace(train, quantization_local_shard_count=per_host)
+
+
+def step_key(train, step: jax.Array) -> jax.Array | None:
+    """The step's stochastic-rounding key (None without quantization): the seed's key folded with the step."""
+    if str(train.quantization) == "none":
+        return None
+    return jax.random.fold_in(jax.random.key(train.seed, impl=NOISE_IMPL), step)
+
+
+def check_moe(config: Int8 | None, is_moe: bool, sparse_matmul: bool) -> None:
+    """int8 reaches a mixture of experts' dense (capacity) dispatch; MaxText quantizes the sparse path's grouped
+    matmul inside its megablox kernel, which maxperf does not."""
+    if config is not None and is_moe and sparse_matmul:
+        raise MaxperfError("quantization=int8 with a mixture of experts needs sparse_matmul=false (the capacity "
+                           "einsums, which it quantizes as MaxText does); the dropless grouped matmul is not quantized "
+                           "here")
 
 
 @dataclass(frozen=True)
@@ -151,7 +192,7 @@ def _split_first_contracting(x: jax.Array, contract, batch, shards: int):
     ax = contract[0]
     shape = list(x.shape)
     if shape[ax] % shards:
-        raise ValueError(f"quantization_local_shard_count={shards} must divide the weight gradient's contracting "
+        raise MaxperfError(f"quantization_local_shard_count={shards} must divide the weight gradient's contracting "
                          f"axis of {shape[ax]}")
     shape[ax:ax + 1] = [shards, shape[ax] // shards]
     new_contract = tuple(c + (c >= ax) for c in contract)
