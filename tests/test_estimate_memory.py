@@ -143,3 +143,53 @@ def test_a_mixture_of_experts_breakdown_names_experts_attention_and_the_rest():
     assert rows["experts"][0] > 10 * rows["attention"][0] > 0  # 256 experts hold almost all of DeepSeek-V3's state
     dense = maxperf("--topology", "v5p-8", "--model", "llama2-7b", "--analytical-only")
     assert "by block" not in dense.stdout
+
+
+# The forward scan's stacked saved tensors, read by memory_fit.scan_saved_bytes from the optimized HLO of compiles of
+# llama2-7b's widths at 4 layers on v5p-32 (libtpu 0.0.52; `bench/memory_accuracy.py`'s cases): bytes per device.
+# They pin perfmodel's saved set per policy and kernel to what the compiled step keeps.
+LLAMA_4 = ["num_layers=4"]
+
+
+@pytest.mark.parametrize("overrides, stacked", [
+    (["ici_tensor_parallelism=4", "per_device_batch_size=2", "remat_policy=none", "attention=flash"], 4197449728),
+    (["ici_tensor_parallelism=4", "per_device_batch_size=2", "remat_policy=none", "attention=dot_product"],
+     8493465600),
+    (["ici_tensor_parallelism=1", "per_device_batch_size=1", "remat_policy=none", "attention=flash"], 2090074112),
+    (["ici_tensor_parallelism=4", "per_device_batch_size=2", "remat_policy=minimal", "attention=flash"], 1400897536),
+    (["ici_tensor_parallelism=1", "per_device_batch_size=1", "seq_len=8192", "remat_policy=full",
+      "attention=dot_product"], 268435456),
+])
+def test_saved_activations_are_what_the_compiled_forward_scan_stacks(overrides, stacked):
+    a = memory_fit.compare("v5p-32", "llama2-7b", [*LLAMA_4, *overrides], analytical_only=True).analytical
+    # the compiler's stacks also hold each norm's float32 per-token statistic (4 bytes a token), not counted
+    assert a.activations == pytest.approx(stacked, rel=0.01)
+
+
+def test_scan_saved_bytes_reads_the_forward_loop_stacks_only():
+    hlo = ("HloModule m\n\nENTRY %main (p: f32[2]) -> f32[2] {\n"
+           "  %while.1 = (s32[], bf16[8,16,32]{2,1,0}, bf16[4,8,16,32]{3,2,1,0:T(8,128)}, f32[4,64,128], "
+           "f32[4,8,16,2,8]) while(%t), condition=%c, body=%b\n"
+           "  %while.2 = (s32[], bf16[4,8,16,32]) while(%u), condition=%c2, body=%b2\n}\n")
+    # the [4, 8, ...] stacks of the first loop: bf16 4x8x16x32 and f32 4x8x16x2x8; not the carry, not the weights
+    assert memory_fit.scan_saved_bytes(hlo, num_layers=4, local_batch=8) == 4 * 8 * 16 * 32 * 2 + 4 * 8 * 16 * 2 * 8 * 4
+
+
+def test_measured_error_is_packaged_for_the_tpu():
+    from maxperf.perfmodel.memory import measured_error
+
+    tpu = measured_error("tpu")
+    assert tpu is not None and tpu.cases >= 5 and 0 <= tpu.median <= tpu.worst
+    assert tpu.p90_underestimate <= tpu.worst and "bench/memory_accuracy.py" in tpu.command
+    assert measured_error("no-such-platform") is None
+
+
+@pytest.mark.slow
+def test_a_tiny_compile_keeps_the_saved_activations_perfmodel_counts(tmp_path):
+    """The same property as the llama2-7b figures above on a compile made now: tiny on v5p-8, tensor 2."""
+    overrides = ["seq_len=128", "per_device_batch_size=2", "ici_tensor_parallelism=2", "remat_policy=none"]
+    cmp = memory_fit.compare("v5p-8", "tiny", overrides, out=tmp_path / "artifact")
+    hlo = (tmp_path / "artifact" / "hlo" / "optimized.hlo.txt").read_text()
+    local_batch = 2 * 2  # MaxText's per-device batch counts the tensor-parallel devices: B x tensor examples each
+    stacked = memory_fit.scan_saved_bytes(hlo, num_layers=2, local_batch=local_batch)
+    assert cmp.analytical.activations == pytest.approx(stacked, rel=0.03)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -242,3 +243,22 @@ def _next_batch(trials: Sequence[Trial], lo: int, hi: int, slope: float, hbm: fl
         return (lo + hi) // 2 if hi <= MAX_BATCH_LIMIT else max(2 * lo, lo + 1)
     b = math.floor(anchor + (hbm - points[anchor]) / slope)
     return min(max(b, lo + 1), hi - 1)
+
+
+def scan_saved_bytes(optimized_hlo: str, num_layers: int, local_batch: int) -> int:
+    """Bytes of the tensors a scanned step's forward keeps for its backward, read from the optimized HLO: the
+    elements of the entry's first while loop (the forward scan over the layers) stacked per layer and example,
+    [num_layers, local_batch, ...]; the scan's weights ([num_layers, D, ...]) and carries are not among them. The
+    compiler's side of perfmodel's `activations`."""
+    entry = optimized_hlo[optimized_hlo.index("\nENTRY "):]
+    loop = next(line for line in entry.splitlines() if " while(" in line)
+    shape = loop.split(" = ", 1)[1].split(" while(", 1)[0]
+    total = 0
+    for dtype, dims in re.findall(r"\b(bf16|f32|f16|s32|pred)\[([0-9,]+)\]", shape):
+        sizes = [int(d) for d in dims.split(",")]
+        if len(sizes) > 2 and sizes[0] == num_layers and sizes[1] == local_batch:
+            total += math.prod(sizes) * _DTYPE_BYTES[dtype]
+    return total
+
+
+_DTYPE_BYTES = {"bf16": 2, "f32": 4, "f16": 2, "s32": 4, "pred": 1}
