@@ -1,0 +1,153 @@
+"""`maxperf plan` against its targets: the analytical search's speed, and its winner against a brute-force grid.
+
+    .venv/bin/python bench/plan_search.py [--only NAME] [--compile] [--grid-workers N]
+
+For each case it runs `maxperf plan --verify 0` as its own process (the whole process timed, wall and CPU, against
+the 5 s target), then estimates a brute-force grid with the same model through `maxperf.plan.plan()` and
+`perfmodel.estimate()` one point at a time, none of the search's shortcuts: every mesh over data, fsdp, tensor and
+sequence (and expert for a mixture of experts) with fsdp_transpose 1, every remat policy, both attention kernels and
+every gradient accumulation that reaches the global batch, a point fitting when its memory with the plan's margin is
+within HBM. The plan's winner must be at least as good, predicted, as the grid's best. `--compile` then compiles the
+winner for the virtual topology (`maxperf compile`, minutes for llama3-70b on v5p-256) and prints whether it fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+GIB = 1 << 30
+SPEED_TARGET_S = 5.0
+# (name, model, topology, global batch tokens)
+CASES = (
+    ("llama2-7b", "llama2-7b", "v5p-32", 1 << 20),
+    ("llama3-70b", "llama3-70b", "v5p-256", 4 << 20),
+    ("mixtral-8x7b", "mixtral-8x7b", "v5p-64", 1 << 20),
+)
+
+
+def run_plan(model: str, topology: str, tokens: int, out: Path) -> tuple[dict, float, float]:
+    """`maxperf plan --verify 0 --json` in a child process: its summary, wall seconds and CPU seconds."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "maxperf.cli", "plan", "--model", model, "--topology", topology,
+                           "--global-batch", str(tokens), "--verify", "0", "--json", "--out", str(out)],
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode not in (0, 3):
+        raise SystemExit(f"maxperf plan failed: {proc.stderr.strip().splitlines()[-1]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return json.loads(proc.stdout), wall, cpu
+
+
+def grid_best(model: str, topology: str, tokens: int, margin: float) -> tuple[dict | None, int, int]:
+    """The brute-force grid's best point that fits with the margin: (point, points estimated, points refused by
+    plan() as invalid)."""
+    from maxperf import perfmodel
+    from maxperf.errors import MaxperfError
+    from maxperf.plan import plan
+    from maxperf.studies import search
+
+    base = plan(topology, model, [])
+    topo, m = base.topology, base.configs.model
+    rows = tokens // base.configs.train.seq_len
+    b = rows / topo.num_devices
+    axes = ("data", "fsdp", "tensor", "sequence") + (("expert",) if m.is_moe else ())
+    best, estimated, refused = None, 0, 0
+    for sizes in search.factorizations(topo.devices_per_ici_domain, len(axes)):
+        mesh = dict(zip(axes, sizes))
+        for accum in [a for a in range(1, rows + 1) if rows % a == 0 and (not b.is_integer() or int(b) % a == 0)]:
+            for remat, kernel in itertools.product(search.REMAT_POLICIES, search.KERNELS):
+                words = [f"ici_{a}={n}" for a, n in mesh.items()] + [
+                    "ici_fsdp_transpose=1", f"remat_policy={remat}",
+                    f"attention={kernel}", f"per_device_batch_size={int(b) if b.is_integer() else b}",
+                    f"grad_accum_steps={accum}"]
+                try:
+                    p = plan(topology, model, words)
+                except MaxperfError:
+                    refused += 1
+                    continue
+                est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn,
+                                         p.topology)
+                estimated += 1
+                if est.memory_per_device_bytes * (1 + margin) > est.memory.hbm_bytes:
+                    continue
+                if best is None or est.tokens_per_s > best["tokens_per_s"]:
+                    best = {"mesh": p.mesh_shape.shown(), "remat": remat, "kernel": kernel, "A": accum,
+                            "tokens_per_s": est.tokens_per_s, "memory_gib": est.memory_per_device_bytes / GIB}
+    return best, estimated, refused
+
+
+def compile_winner(summary: dict, out: Path) -> str:
+    cmd = summary["command"]["maxperf"].split()[1:]  # drop the program name
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "maxperf.cli", *cmd, "--json", "--out", str(out)],
+                          capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if proc.returncode not in (0, 3):
+        return f"compile failed ({proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode})"
+    doc = json.loads(proc.stdout)
+    mem = doc["memory"]
+    return (f"compiled in {seconds:.0f} s: {mem['per_device_total_bytes'] / GIB:.2f} GiB of "
+            f"{mem['hbm_bytes'] / GIB:.2f} GiB per device, {'fits' if doc['fits'] else 'DOES NOT FIT'}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="run only cases whose name contains this text")
+    ap.add_argument("--compile", action="store_true", help="also compile each winner (minutes for large ones)")
+    ap.add_argument("--no-grid", action="store_true", help="skip the brute-force grid")
+    args = ap.parse_args()
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="maxperf-plan-bench-") as tmp:
+        for name, model, topology, tokens in CASES:
+            if args.only not in name:
+                continue
+            summary, wall, cpu = run_plan(model, topology, tokens, Path(tmp) / name)
+            n = summary["counts"]
+            w = summary["winner"]
+            fast = wall < SPEED_TARGET_S
+            print(f"{name} on {topology}, {tokens:,} tokens: {n['enumerated']:,} candidates "
+                  f"({n['indivisible']:,} indivisible, {n['memory_estimated']:,} memory and {n['step_estimated']:,} "
+                  f"step-time estimates), whole process {wall:.2f} s wall, {cpu:.2f} s CPU "
+                  f"(target < {SPEED_TARGET_S:g} s: {'met' if fast else 'MISSED'}; search alone "
+                  f"{summary['search_seconds']:.2f} s)")
+            print(f"  margin {summary['margin']['value']:.1%} ({summary['margin']['source']})")
+            if w is None:
+                print("  no candidate fits")
+                ok = False
+                continue
+            print(f"  plan winner: {w['mesh']}, {w['remat_policy']}, {w['attention']}, B={w['per_device_batch_size']:g} "
+                  f"A={w['grad_accum_steps']}: {w['tokens_per_s']:,.0f} tokens/s, "
+                  f"{w['analytical_memory_bytes'] / GIB:.2f} GiB")
+            if not args.no_grid:
+                start = time.perf_counter()
+                best, estimated, refused = grid_best(model, topology, tokens, summary["margin"]["value"])
+                verdict = ("no grid point fits" if best is None else
+                           "met" if w["tokens_per_s"] >= best["tokens_per_s"] * (1 - 1e-9) else "MISSED")
+                ok &= verdict != "MISSED"
+                shown = "" if best is None else (f"{best['mesh']}, {best['remat']}, {best['kernel']}, A={best['A']}: "
+                                                 f"{best['tokens_per_s']:,.0f} tokens/s, {best['memory_gib']:.2f} GiB")
+                print(f"  grid best ({estimated:,} points estimated, {refused:,} refused by plan(), "
+                      f"{time.perf_counter() - start:.0f} s): {shown}")
+                print(f"  winner at least as good as the grid: {verdict}"
+                      + ("" if best is None else f" ({w['tokens_per_s'] / best['tokens_per_s']:.4f}x)"))
+            if args.compile:
+                print(f"  {compile_winner(summary, Path(tmp) / (name + '-compile'))}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
