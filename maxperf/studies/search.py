@@ -685,12 +685,10 @@ def _calibration(result: SearchResult):
 
 
 def write(result: SearchResult, out: str | os.PathLike) -> Path:
-    """plan.json into `out`, atomically."""
-    from maxperf.aot.artifacts import to_json
-
+    """plan.json into `out`, atomically (plain JSON values throughout: no conversion pass over the candidates)."""
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / ".plan.json.partial"
-    tmp.write_text(json.dumps(to_json(result.as_dict())) + "\n")
+    tmp.write_text(json.dumps(result.as_dict(), allow_nan=False) + "\n")
     os.replace(tmp, directory / "plan.json")
     return directory / "plan.json"
