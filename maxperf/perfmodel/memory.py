@@ -125,19 +125,19 @@ OFFLOAD_STAGED_LAYERS = 1
 # device against 8.74e9 without (0.84e9 of optimizer state in host memory, 0.43 of it back in HBM at the peak); the
 # parameters offloaded too, the same 8.26e9
 OFFLOADED_OPTIMIZER_STAGED = 0.43
-# FSDP all-gathers one layer's weights in compute dtype while the next one is prefetched: two layers' worth, where
-# the model gathers them itself (a MoE layer's experts, inside the dispatch's shard_map).
-GATHERED_LAYERS = 2
+# A MoE layer's experts are all-gathered over FSDP by the model itself (inside the dispatch's shard_map), in compute
+# dtype: one layer's worth live, the gradients taking their place for the reduce-scatter; and XLA hoists the
+# compute-dtype copies of every layer's local expert shards out of the scans. Measured here with libtpu 0.0.52:
+# mixtral-8x7b at 4 layers on v5p-32 (fsdp 16), B 2, L 2048, remat full, flash: the backward scan's body holds three
+# all-gathered bf16[1,8,4096,14336] at its peak, the entry three bf16[4,8,256,14336] converts; 10.31 GiB per device.
+GATHERED_LAYERS = 1
+HOISTED_EXPERT_COPIES = 1
 # Elsewhere XLA:TPU turns each weight's FSDP all-gather (and its gradient's reduce-scatter) into a windowed einsum, a
 # loop that multiplies one shard at a time while the next arrives: a few local shards live, never the gathered
 # weight. Measured here with libtpu 0.0.52, llama2-7b widths at 4 layers on v5p-32, remat none, flash: tensor 4,
 # B 2 (fsdp 4) and tensor 1, B 1 (fsdp 16) both run every layer matmul in windowed_dot_general loops holding
 # bf16[2,1024,2752] and bf16[2,256,11008] (two shards) beside the shard in flight, for weight and gradient alike.
 WINDOWED_SHARDS = 4
-# Gradients of one layer's weights exist unsharded before their reduction, in the compute dtype: the weight-gradient
-# matmuls write it and it is all-reduced so, converted to the param dtype only into the stacked gradients (libtpu
-# 0.0.52, llama2-7b on v5p-128, B=4, L=2048: bf16[4096,11008] all-reduces in the backward scan's body).
-UNSHARDED_GRAD_LAYERS = 1
 # Backward of one layer under the dot product: one score-sized gradient in the logits' dtype (the softmax's dS, with
 # dP = dO V^T fused into it) beside the recomputed exponentials (counted with the recomputed layer, SCORE_SAVED); no
 # float32 B x L x D buffer (the norms' float32 values stay inside fusions). Measured here with libtpu 0.0.52:
@@ -474,8 +474,9 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     # weights the model gathers itself (a MoE layer's experts) are whole; the rest stream through windowed einsums
     layer_full = layer_weights(arrays, lambda x: held_gathered(x, mesh) if x.expert_parallel else 0.0)
     shard = max((held(x, mesh) for x in arrays if x.matmul and x.block and not x.expert_parallel), default=0.0)
-    gathered = GATHERED_LAYERS * layer_full * c + WINDOWED_SHARDS * shard * c
-    grads_unsharded = UNSHARDED_GRAD_LAYERS * layer_full * c + WINDOWED_SHARDS * shard * c
+    hoisted = HOISTED_EXPERT_COPIES * c * sum(x.count * held(x, mesh) for x in arrays if x.expert_parallel)
+    gathered = GATHERED_LAYERS * layer_full * c + WINDOWED_SHARDS * shard * c + (hoisted if c < p else 0.0)
+    grads_unsharded = WINDOWED_SHARDS * shard * c
     table = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
     vocab_table = gathered_size(table.shape, table.logical, mesh) * c  # gathered for the logits
     # the gradient of the scores, in the logits' dtype: the dot product's only (flash keeps its tiles on chip)
