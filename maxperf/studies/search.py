@@ -20,7 +20,8 @@ mixtral-8x7b and llama2-7b meshes, no exception), so once a policy does not fit,
 estimated. Step time: of two policies that fit, the one keeping more recomputes less and is at least as fast (4,224
 pairs checked over five presets and TPU and CPU meshes, no exception), so only the fitting policies no other fitting
 one keeps more than are timed; and gradient accumulation beyond the smallest A that fits only repeats each
-microbatch's weight gathers, so a configuration's larger A are not estimated once one fits. All are counted in
+microbatch's weight gathers, so a configuration's larger A are not estimated once one fits (720 successive pairs of A
+checked over the same presets, no exception). All are counted in
 plan.json (more_accumulation, keeps_less_than_fitting, keeps_more_than_unfit).
 """
 
@@ -295,7 +296,15 @@ def _divisors(n: int) -> list[int]:
 
 def _split_pins(model, pins: Sequence[str]) -> tuple[dict[str, str], tuple[str, ...]]:
     """Pins of searched keys (by canonical name) and the other key=value words; every word validated first."""
-    overrides_mod.apply(model, list(pins))  # an unknown key or a bad value: one line naming what is valid
+    # an unknown key or a bad value: one line naming what is valid (the batch and accumulation are checked against
+    # each other once the batch is known)
+    batch_words = {"per_device_batch_size", "grad_accum_steps", "gradient_accumulation_steps"}
+    overrides_mod.apply(model, [w for w in pins if w.partition("=")[0] not in batch_words])
+    for word in pins:
+        key, _, value = word.partition("=")
+        if key in batch_words:  # alone, beside a batch that it divides or an accumulation that divides it
+            overrides_mod.apply(model, [word, "grad_accum_steps=1" if "batch" in key else
+                                        f"per_device_batch_size={value}"])
     searched: dict[str, str] = {}
     fixed = []
     for word in pins:
@@ -361,10 +370,12 @@ def _batches(req: Request, devices: int, seq_len: int, pinned: dict[str, str]
             accums = [1]  # with B free, accumulation only trades speed for nothing: a smaller B does the same
         else:
             accums = [a for a in _divisors(g) if not float(b).is_integer() or int(b) % a == 0]
-        pairs += [(b, a) for a in accums if g % a == 0]
+        pairs += [(b, a) for a in accums if g % a == 0 and (not float(b).is_integer() or int(b) % a == 0)]
     if not pairs:
-        raise MaxperfError(f"grad_accum_steps={pinned_a} does not divide the global batch of {rows} rows; choose a "
-                           "divisor of it")
+        b = bs[0]
+        valid = [a for a in _divisors(int(b * devices)) if not float(b).is_integer() or int(b) % a == 0]
+        raise MaxperfError(f"grad_accum_steps={pinned_a} does not divide the per-device batch B={_number(b)} (global "
+                           f"batch {int(b * devices)} rows); valid: {', '.join(map(str, valid))}")
     return pairs, rows
 
 
