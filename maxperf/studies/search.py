@@ -311,6 +311,8 @@ def _split_pins(model, pins: Sequence[str]) -> tuple[dict[str, str], tuple[str, 
         key, _, value = word.partition("=")
         name = overrides_mod.ALIASES.get(key, key)
         if name in SEARCHED_KEYS:
+            if name in ("remat_policy", "attention"):  # its canonical value (MaxText's `autoselected` is auto)
+                value = getattr(overrides_mod.apply(model, [f"{name}={value}"]).train, name).value
             if not (name.startswith(("ici_", "dcn_")) and value.strip() == "-1"):  # -1: left to the search
                 searched[name] = value
         else:
@@ -369,7 +371,8 @@ def _batches(req: Request, devices: int, seq_len: int, pinned: dict[str, str]
         elif rows is None:
             accums = [1]  # with B free, accumulation only trades speed for nothing: a smaller B does the same
         else:
-            accums = [a for a in _divisors(g) if not float(b).is_integer() or int(b) % a == 0]
+            accums = _divisors(g)
+        # A microbatches of the global batch, each a whole number of rows per device where B is whole
         pairs += [(b, a) for a in accums if g % a == 0 and (not float(b).is_integer() or int(b) % a == 0)]
     if not pairs:
         b = bs[0]
