@@ -3,6 +3,7 @@ tokens/s over the candidates that fit (the chosen one marked), the ranked table 
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -97,10 +98,11 @@ def read(page: Page, directory: Path) -> None:
           "compiler" if c.get("compiler_memory_bytes") is not None else "analytical", c["bottleneck"],
           c["verified"], c["status"]] for c in ranked],
         emphasis={i for i, c in enumerate(ranked) if c is chosen}))
-    reasons = Counter(("indivisible", p["reason"].split(" (")[0]) for p in data["pruned"])
+    # a rule, not each instance of it: the sizes in a reason become N
+    reasons = Counter(("indivisible", re.sub(r"\d+(\.\d+)?", "N", p["reason"])) for p in data["pruned"])
     counted = Counter()
     for p in data["pruned"]:
-        counted[("indivisible", p["reason"].split(" (")[0])] += p["candidates"]
+        counted[("indivisible", re.sub(r"\d+(\.\d+)?", "N", p["reason"]))] += p["candidates"]
     for c in cands:
         if c["status"] == "does not fit":
             why = "compiler: does not fit" if c["verified"] is False else (
