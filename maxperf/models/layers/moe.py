@@ -376,7 +376,8 @@ def dense_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCon
     dispatch_BxLxExC = jnp.sum(dispatch_BxLxExC, axis=2)  # a token picks an expert at most once
     if cfg.routed_input_scaling:
         dispatch_BxLxExC, combine_BxLxExC = combine_BxLxExC, dispatch_BxLxExC
-    x_BxExCxD = quantization.einsum("BLEC,BLD->BECD", dispatch_BxLxExC, x_BxLxD)
+    # the tokens first, as MaxText's dispatch einsum takes them: under int8 their gradient is the input gradient
+    x_BxExCxD = quantization.einsum("BLD,BLEC->BECD", x_BxLxD, dispatch_BxLxExC)
     x_BxExCxD = constrain(x_BxExCxD, ("activation_batch_no_exp", "activation_exp", None, None))
     wi_0, wi_1, wo = weights
     b0, b1, bo = (None, None, None) if biases is None else biases
