@@ -23,9 +23,9 @@ all on v5p-32 (16 chips; the rest of the mesh is FSDP):
   times or more, every step within v5p's 95 GiB (past it the compiler's own rematerialization changes the step);
 - "moe": every MoE preset of the MoE issue at 4 layers (DeepSeek's first dense layers included) on a v5p topology
   where the full-depth model fits, B 2, L 2048, remat full, flash, with expert parallelism for those with 128 or
-  more experts of 100B parameters or more (9 compiles); "depth": mixtral-8x7b at 8 layers beside its 4, to check
-  that the error does not depend on the depth (1 compile).
-The groups run interleaved (policies, shapes, moe), then depth, then rest, so that a run cut short covers each.
+  more experts of 100B parameters or more (9 compiles); "depth": deepseek-v2-lite at 8 layers beside its 4, to
+  check that the error does not depend on the depth (1 compile).
+The groups run interleaved (policies, shapes, moe with depth), then rest, so that a run cut short covers each.
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ GIB = 1 << 30
 DENSE = "llama2-7b"
 DENSE_TOPOLOGY = "v5p-32"
 LAYERS = "num_layers=4"
-POLICIES = ("none", "minimal", "minimal_with_context", "save_dot_with_context_except_mlp", "save_dot_except_mlpwi",
-            "save_dot_except_mlp", "save_qkv_proj", "save_out_proj", "qkv_proj_offloaded", "minimal_offloaded",
-            "custom", "full")
+# MaxText's remat policies, those least like the others first (a run cut short still covers offload and custom)
+POLICIES = ("none", "minimal", "qkv_proj_offloaded", "minimal_offloaded", "custom", "minimal_with_context",
+            "save_dot_with_context_except_mlp", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj",
+            "save_out_proj", "full")
 # remat_policy=custom: a mix of all three locations
 CUSTOM = ("query_proj=device", "key_proj=offload", "value_proj=offload", "context=device", "mlpwi_0=device",
           "mlpwo=offload")
@@ -83,14 +84,16 @@ def dense(tp: int, b: int, length: int, policy: str, kernel: str) -> tuple[str, 
 
 def cases() -> list[tuple[str, str, str, tuple[str, ...]]]:
     """(group, model, topology, overrides) of every case, in the order they run: the three groups interleaved, so
-    that a run cut short has covered each, then the "rest" (the other kernel of each policy) and "depth"."""
-    policies = [("policies", DENSE, DENSE_TOPOLOGY, dense(*BASE, p, KERNELS[(i + 1) % 2])) for i, p in enumerate(POLICIES)]
+    that a run cut short has covered each (the "depth" case after the MoE preset it deepens), then the "rest" (the
+    other kernel of each policy)."""
+    policies = [("policies", DENSE, DENSE_TOPOLOGY, dense(*BASE, p, KERNELS[(i + 1) % 2]))
+                for i, p in enumerate(POLICIES)]
     shapes = [("shapes", DENSE, DENSE_TOPOLOGY, dense(*shape)) for shape in SHAPES]
     moe = [("moe", m, t, (LAYERS, *MOE_COMMON, *extra)) for m, t, extra in MOE]
-    first = [c for trio in itertools.zip_longest(policies, shapes, moe) for c in trio if c is not None]
+    depth = [("depth", m, t, (f"num_layers={n}", *MOE_COMMON, *extra)) for m, t, extra in MOE[1:2] for n in DEPTHS]
+    first = [c for trio in itertools.zip_longest(policies, shapes, moe[:2] + depth + moe[2:]) for c in trio if c]
     rest = [("rest", DENSE, DENSE_TOPOLOGY, dense(*BASE, p, KERNELS[i % 2])) for i, p in enumerate(POLICIES)]
-    depth = [("depth", MOE[0][0], MOE[0][1], (f"num_layers={n}", *MOE_COMMON)) for n in DEPTHS]
-    return first + depth + rest
+    return first + rest
 
 
 def key(model: str, topology: str, overrides: tuple[str, ...]) -> str:
