@@ -185,7 +185,7 @@ def test_pareto_front():
     (["--verify", "-1"], ["--verify", ">= 0"]),
     (["remat_policy=fast"], ["remat_policy=fast", "full"]),
     (["--per-device-batch", "4", "grad_accum_steps=3"], ["grad_accum_steps=3", "valid: 1, 2, 4"]),
-    (["ici_tensor=3"], ["tensor=3", "does not divide the 8 devices"]),
+    (["ici_tensor=3"], ["ici_tensor=3", "does not divide the 8 devices"]),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, tmp_path, argv, words):
     code, out, err = run_main(capsys, "plan", "--model", "tiny", "--topology", "cpu-8", "--verify", "0",

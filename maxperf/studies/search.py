@@ -56,6 +56,7 @@ FREE_BATCHES = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
 # What the search decides; a pin (key=value) fixes it. Names after MaxText's aliases are resolved.
 SEARCHED_KEYS = {*(f"ici_{a}" for a in MESH_AXES), *(f"dcn_{a}" for a in MESH_AXES), "remat_policy", "attention",
                  "per_device_batch_size", "grad_accum_steps"}
+DCN_SEARCHED = ("data", "fsdp")  # the axes searched across slices (others only where pinned)
 MAX_COMPILES_PER_FIT = 4  # verification gives up after K x this many compiles
 
 MEMORY_ERROR_PATH = Path(__file__).resolve().parent.parent / "perfmodel" / "memory_error.json"
@@ -323,14 +324,14 @@ def _split_pins(model, pins: Sequence[str]) -> tuple[dict[str, str], tuple[str, 
 def _axis_choices(total: int, pinned: dict[str, int], what: str) -> list[tuple[int, ...]]:
     """Sizes of the six axes over `total` devices, with the pinned ones fixed."""
     fixed = math.prod(pinned.values())
+    room = f"{total} devices of each slice" if what == "ici" else f"{total} slice{'s' if total > 1 else ''}"
     if total % fixed:
-        shown = " x ".join(f"{a}={n}" for a, n in pinned.items())
-        raise MaxperfError(f"the pinned {what} axes {shown} multiply to {fixed}, which does not divide the {total} "
-                           f"devices of each {'slice' if what == 'ici' else 'step'}")
+        shown = " x ".join(f"{what}_{a}={n}" for a, n in pinned.items() if n > 1)
+        raise MaxperfError(f"the pinned {shown} multiply to {fixed}, which does not divide the {room}")
     free = [a for a in MESH_AXES if a not in pinned]
     if not free:
         if fixed != total:
-            raise MaxperfError(f"the pinned {what} axes multiply to {fixed}, not the {total} devices they must cover")
+            raise MaxperfError(f"the pinned {what}_* axes multiply to {fixed}, not the {room} they must cover")
         return [tuple(pinned[a] for a in MESH_AXES)]
     out = []
     for sizes in factorizations(total // fixed, len(free)):
@@ -464,8 +465,10 @@ def search(req: Request, progress: Callable[[str], None] | None = None) -> Searc
 
     ici_choices = _axis_choices(per_domain, {a: int(pinned[f"ici_{a}"]) for a in MESH_AXES
                                              if f"ici_{a}" in pinned}, "ici")
-    dcn_choices = _axis_choices(domains, {a: int(pinned[f"dcn_{a}"]) for a in MESH_AXES
-                                          if f"dcn_{a}" in pinned}, "dcn")
+    # across slices only data and fsdp, as MaxText advises (its dcn_*_parallelism notes); a pin may choose others
+    dcn_pins = {a: int(pinned[f"dcn_{a}"]) if f"dcn_{a}" in pinned else 1 for a in MESH_AXES if a not in DCN_SEARCHED
+                or f"dcn_{a}" in pinned}
+    dcn_choices = _axis_choices(domains, dcn_pins, "dcn")
     pairs, rows = _batches(req, devices, train0.seq_len, pinned)
     remats = _choices(pinned, "remat_policy", REMAT_POLICIES)
     kernels = _choices(pinned, "attention", KERNELS)
