@@ -106,6 +106,11 @@ def test_a_compiler_no_fit_drops_the_candidate_and_the_next_is_chosen(tiny):
     search.rank(result)
     assert first.status == "does not fit" and first.reason.startswith("compiler:")
     assert result.winner is second and second.memory_shown_bytes() == 1e6
+    second.verified, second.compile_error = False, "compile failed: ValueError: bad"
+    third = result.fitting[0]
+    third.verified = True
+    search.rank(result)
+    assert second.status == "compile failed" and result.candidates[-1] is second and result.winner is third
 
 
 def test_no_fit_exits_3_with_the_closest_miss(capsys, tmp_path):
@@ -133,7 +138,7 @@ def test_plan_json_schema(capsys, tmp_path):
     n = doc["counts"]
     assert n["indivisible"] + len(doc["candidates"]) == n["enumerated"]
     assert sum(p["candidates"] for p in doc["pruned"]) == n["indivisible"]
-    assert {c["status"] for c in doc["candidates"]} <= {"chosen", "slower", "does not fit"}
+    assert {c["status"] for c in doc["candidates"]} <= {"chosen", "slower", "does not fit", "compile failed"}
     chosen = doc["candidates"][doc["chosen"]]
     assert chosen["status"] == "chosen" and "--model tiny --topology cpu-8" in doc["command"]["maxperf"]
     assert "per_device_batch_size=1" in doc["command"]["maxtext"] and "max_target_length=64" in doc["command"][

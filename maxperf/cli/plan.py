@@ -88,7 +88,7 @@ def print_plan(result, path: Path) -> None:
         print(f"  (GiB: per device, * the compiler's; HBM {result.hbm_bytes / GIB:.2f} GiB)")
     rejected = [c for c in result.candidates if c.verified is False]
     for c in rejected:
-        print(f"  compiled, does not fit: {c.mesh_shown()} {c.remat_policy} {c.attention} ({c.reason})")
+        print(f"  compiled, {c.status}: {c.mesh_shown()} {c.remat_policy} {c.attention} ({c.reason})")
     winner = result.winner
     if winner is not None:
         cmd = result.command(winner)

@@ -109,6 +109,8 @@ def read(page: Page, directory: Path) -> None:
                 "keeps more than a policy that does not fit" if c["reason"].startswith("keeps") else
                 "analytical memory with the margin over HBM")
             counted[("does not fit", why)] += 1
+        elif c["status"] == "compile failed":
+            counted[("compile failed", c["reason"][:120])] += 1
         elif c["status"] == "slower":
             counted[("slower", "more accumulation than needed" if c["reason"].startswith("A=") else
                      "fits, lower objective")] += 1

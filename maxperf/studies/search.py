@@ -126,7 +126,7 @@ class Candidate:
     mfu: float = 0.0
     memory_bytes: float = 0.0  # perfmodel's, per device
     bottleneck: str = ""
-    status: str = ""  # "chosen", "slower", "does not fit"
+    status: str = ""  # "chosen", "slower", "does not fit", "compile failed"
     reason: str = ""
     # set where the search needs no step time: a smaller accumulation of the same configuration fits (why)
     skipped: str = ""
@@ -136,6 +136,7 @@ class Candidate:
     verified: bool | None = None  # None: not compiled; True: the compiler says it fits; False: it does not
     compile_seconds: float | None = None
     artifact: str | None = None
+    compile_error: str = ""  # the compile failed (not for memory): why
 
     @property
     def axes(self) -> dict[str, int]:
@@ -226,7 +227,7 @@ class SearchResult:
     @property
     def fitting(self) -> list[Candidate]:
         """The candidates that fit and were ranked by their step time (best first)."""
-        return [c for c in self.candidates if c.status != "does not fit" and not c.skipped]
+        return [c for c in self.candidates if c.status in ("chosen", "slower") and not c.skipped]
 
     @property
     def winner(self) -> Candidate | None:
@@ -571,6 +572,8 @@ def rank(result: SearchResult) -> None:
             c.status, c.reason = "slower", c.skipped
         elif c.unfit:
             c.status, c.reason = "does not fit", c.unfit
+        elif c.compile_error:
+            c.status, c.reason = "compile failed", c.compile_error
         elif c.verified is False:
             c.status = "does not fit"
             c.reason = (f"compiler: {c.compiler_memory_bytes / GIB:.2f} GiB of {limit / GIB:.2f} GiB"
@@ -581,12 +584,13 @@ def rank(result: SearchResult) -> None:
                         f"{limit / GIB:.2f} GiB")
         else:
             c.status, c.reason = "slower", ""
-    fits = sorted((c for c in result.candidates if c.status != "does not fit" and not c.skipped),
+    fits = sorted((c for c in result.candidates if c.status == "slower" and not c.skipped),
                   key=lambda c: (-getattr(c, objective), c.verified is not True, c.memory_shown_bytes()))
     skipped = [c for c in result.candidates if c.skipped]
     misses = sorted((c for c in result.candidates if c.status == "does not fit"),
                     key=lambda c: (bool(c.unfit), c.memory_shown_bytes()))
-    result.candidates = fits + skipped + misses
+    failed = [c for c in result.candidates if c.status == "compile failed"]
+    result.candidates = fits + skipped + misses + failed
     if not fits:
         return
     compiled = [c for c in fits if c.verified]
@@ -662,9 +666,9 @@ def verify(result: SearchResult, k: int, out: str | os.PathLike, workers: int | 
             tried.add(id(c))
             row = json.loads((out_dir / "points" / point.name / "point.json").read_text())
             result.compiles += 1
-            if row["status"] == "error":
-                raise MaxperfError(f"compiling {c.mesh_shown()} {c.remat_policy} {c.attention} failed: "
-                                   f"{row['reason']}")
+            if row["status"] == "error":  # recorded, and the next candidate compiled in its place
+                c.verified, c.compile_error = False, f"compile failed: {row['reason']}"
+                continue
             c.verified = bool(row.get("fits"))
             c.compiler_memory_bytes = row.get("compiler_memory_bytes")
             if c.compiler_memory_bytes is None and not c.verified:
