@@ -21,6 +21,7 @@ all on v5p-32 (16 chips; the rest of the mesh is FSDP):
   alternating (12 compiles), and "rest": each policy with the other kernel (12 more, run last);
 - "shapes": SHAPES, 7 compiles: every tensor-parallel degree, batch and length at least once, each kernel three
   times or more, every step within v5p's 95 GiB (past it the compiler's own rematerialization changes the step);
+  and WIDE_FSDP, the same widths on v5p-128 (FSDP over 64 devices, as MaxText's llama2-7b runs it);
 - "moe": every MoE preset of the MoE issue at 4 layers (DeepSeek's first dense layers included) on a v5p topology
   where the full-depth model fits, B 2, L 2048, remat full, flash, with expert parallelism for those with 128 or
   more experts of 100B parameters or more (9 compiles); "depth": deepseek-v2-lite at 8 layers beside its 4, to
@@ -66,6 +67,8 @@ SHAPES = ((1, 1, 8192, "full", "dot_product"), (2, 4, 4096, "minimal", "dot_prod
           (4, 32, 2048, "full", "flash"), (8, 16, 4096, "full", "flash"),
           (16, 2, 8192, "save_dot_except_mlp", "flash"), (8, 8, 2048, "save_out_proj", "dot_product"),
           (1, 1, 2048, "none", "flash"))
+# and one on a wider FSDP axis (64), the issue's reference step (llama2-7b, v5p-128, B 4, L 2048) at 4 layers
+WIDE_FSDP = ("v5p-128", 1, 4, 2048, "full", "flash")
 # MoE presets, a v5p topology where each fits at full depth (its state and one step's activations in 95 GiB) and
 # the expert parallelism MaxText's users give the ones with many experts (else FSDP gathers every expert)
 MOE = (("mixtral-8x7b", "v5p-32", ()), ("deepseek-v2-lite", "v5p-8", ()), ("qwen3-30b-a3b", "v5p-32", ()),
@@ -89,6 +92,7 @@ def cases() -> list[tuple[str, str, str, tuple[str, ...]]]:
     policies = [("policies", DENSE, DENSE_TOPOLOGY, dense(*BASE, p, KERNELS[(i + 1) % 2]))
                 for i, p in enumerate(POLICIES)]
     shapes = [("shapes", DENSE, DENSE_TOPOLOGY, dense(*shape)) for shape in SHAPES]
+    shapes.insert(2, ("shapes", DENSE, WIDE_FSDP[0], dense(*WIDE_FSDP[1:])))
     moe = [("moe", m, t, (LAYERS, *MOE_COMMON, *extra)) for m, t, extra in MOE]
     depth = [("depth", m, t, (f"num_layers={n}", *MOE_COMMON, *extra)) for m, t, extra in MOE[1:2] for n in DEPTHS]
     first = [c for trio in itertools.zip_longest(policies, shapes, moe[:2] + depth + moe[2:]) for c in trio if c]
