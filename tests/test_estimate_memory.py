@@ -148,7 +148,7 @@ def test_a_mixture_of_experts_breakdown_names_experts_attention_and_the_rest():
 # The forward scan's stacked saved tensors, read by memory_fit.scan_saved_bytes from the optimized HLO of compiles of
 # llama2-7b's widths at 4 layers on v5p-32 (libtpu 0.0.52; `bench/memory_accuracy.py`'s cases): bytes per device.
 # They pin perfmodel's saved set per policy and kernel to what the compiled step keeps.
-LLAMA_4 = ["num_layers=4"]
+LLAMA_4 = ["num_layers=4", "seq_len=2048"]
 
 
 @pytest.mark.parametrize("overrides, stacked", [
@@ -157,8 +157,8 @@ LLAMA_4 = ["num_layers=4"]
      8493465600),
     (["ici_tensor_parallelism=1", "per_device_batch_size=1", "remat_policy=none", "attention=flash"], 2090074112),
     (["ici_tensor_parallelism=4", "per_device_batch_size=2", "remat_policy=minimal", "attention=flash"], 1400897536),
-    (["ici_tensor_parallelism=1", "per_device_batch_size=1", "seq_len=8192", "remat_policy=full",
-      "attention=dot_product"], 268435456),
+    (["ici_tensor_parallelism=1", "per_device_batch_size=1", "remat_policy=full", "attention=dot_product",
+      "seq_len=8192"], 268435456),
 ])
 def test_saved_activations_are_what_the_compiled_forward_scan_stacks(overrides, stacked):
     a = memory_fit.compare("v5p-32", "llama2-7b", [*LLAMA_4, *overrides], analytical_only=True).analytical
@@ -193,3 +193,23 @@ def test_a_tiny_compile_keeps_the_saved_activations_perfmodel_counts(tmp_path):
     local_batch = 2 * 2  # MaxText's per-device batch counts the tensor-parallel devices: B x tensor examples each
     stacked = memory_fit.scan_saved_bytes(hlo, num_layers=2, local_batch=local_batch)
     assert cmp.analytical.activations == pytest.approx(stacked, rel=0.03)
+
+
+# XLA's per-device totals (argument + output - alias + temp + code) of compiles in bench/memory_accuracy.py's design
+# (libtpu 0.0.52): the analytical total stays within the issue's 10% of each; a change to a formula that moves one
+# past it must come with the compiled step that justifies it.
+@pytest.mark.parametrize("model, topology, overrides, compiled", [
+    ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=4", "per_device_batch_size=2", "remat_policy=none",
+                             "attention=flash"], 6240366272),
+    ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=1", "per_device_batch_size=1", "seq_len=8192",
+                             "remat_policy=full", "attention=dot_product"], 11610941120),
+    ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=2", "per_device_batch_size=4", "seq_len=4096",
+                             "remat_policy=minimal", "attention=dot_product"], 17233176256),
+    ("mixtral-8x7b", "v5p-32", [*LLAMA_4, "per_device_batch_size=2", "remat_policy=full", "attention=flash"],
+     11073532608),
+    ("deepseek-v2-lite", "v5p-8", [*LLAMA_4, "per_device_batch_size=2", "remat_policy=full", "attention=flash"],
+     12006144896),
+])
+def test_analytical_total_is_within_ten_percent_of_recorded_compiles(model, topology, overrides, compiled):
+    a = memory_fit.compare(topology, model, overrides, analytical_only=True).analytical
+    assert abs(a.per_device_total_bytes / compiled - 1) <= 0.10
