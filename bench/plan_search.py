@@ -96,12 +96,11 @@ def compile_winner(summary: dict, out: Path) -> str:
     proc = subprocess.run([sys.executable, "-m", "maxperf.cli", *cmd, "--json", "--out", str(out)],
                           capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    if proc.returncode not in (0, 3):
+    if proc.returncode not in (0, 3) or not (out / "memory.json").is_file():
         return f"compile failed ({proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode})"
-    doc = json.loads(proc.stdout)
-    mem = doc["memory"]
+    mem = json.loads((out / "memory.json").read_text())  # written before a does-not-fit error too
     return (f"compiled in {seconds:.0f} s: {mem['per_device_total_bytes'] / GIB:.2f} GiB of "
-            f"{mem['hbm_bytes'] / GIB:.2f} GiB per device, {'fits' if doc['fits'] else 'DOES NOT FIT'}")
+            f"{mem['hbm_bytes'] / GIB:.2f} GiB per device, {'fits' if mem['fits'] else 'DOES NOT FIT'}")
 
 
 def main() -> int:
