@@ -7,14 +7,14 @@ the 5 s target), then estimates a brute-force grid with the same model through `
 `perfmodel.estimate()` one point at a time, none of the search's shortcuts: every mesh over data, fsdp, tensor and
 sequence (and expert for a mixture of experts) with fsdp_transpose 1, every remat policy, both attention kernels and
 every gradient accumulation that reaches the global batch, a point fitting when its memory with the plan's margin is
-within HBM. The plan's winner must be at least as good, predicted, as the grid's best. `--compile` then compiles the
-winner for the virtual topology (`maxperf compile`, minutes for llama3-70b on v5p-256) and prints whether it fits.
+within HBM. The plan's winner must be at least as good, predicted, as the grid's best. `--compile` then runs
+`maxperf plan --verify 1`, which compiles the best candidate for the virtual topology, and the next while the compiler
+says one does not fit (minutes per compile for llama3-70b on v5p-256), and prints what fit and its memory.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
@@ -90,23 +90,33 @@ def grid_best(model: str, topology: str, tokens: int, margin: float) -> tuple[di
     return best, estimated, refused
 
 
-def compile_winner(summary: dict, out: Path) -> str:
-    cmd = summary["command"]["maxperf"].split()[1:]  # drop the program name
+def verify(model: str, topology: str, tokens: int, out: Path) -> str:
+    """`maxperf plan --verify 1`: compiles the best candidate, and the next where the compiler says it does not fit,
+    until one fits; says which fit, the compiler's memory and how many compiles it took."""
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "maxperf.cli", *cmd, "--json", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "maxperf.cli", "plan", "--model", model, "--topology", topology,
+                           "--global-batch", str(tokens), "--verify", "1", "--json", "--out", str(out)],
                           capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    if proc.returncode not in (0, 3) or not (out / "memory.json").is_file():
-        return f"compile failed ({proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode})"
-    mem = json.loads((out / "memory.json").read_text())  # written before a does-not-fit error too
-    return (f"compiled in {seconds:.0f} s: {mem['per_device_total_bytes'] / GIB:.2f} GiB of "
-            f"{mem['hbm_bytes'] / GIB:.2f} GiB per device, {'fits' if mem['fits'] else 'DOES NOT FIT'}")
+    if proc.returncode not in (0, 3):
+        return f"plan --verify 1 failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
+    doc = json.loads(proc.stdout)
+    w = doc["winner"]
+    dropped = [c for c in doc["top"] if c["verified"] is False]
+    if w is None or not w["verified"]:
+        return f"no compiled candidate fits ({doc['counts']['compiled']} compiles, {seconds:.0f} s)"
+    return (f"verified: {doc['counts']['compiled']} compile(s) in {seconds:.0f} s ({len(dropped)} dropped by the "
+            f"compiler); winner {w['mesh']}, {w['remat_policy']}, A={w['grad_accum_steps']}: "
+            f"{w['compiler_memory_bytes'] / GIB:.2f} GiB by the compiler (analytical "
+            f"{w['analytical_memory_bytes'] / GIB:.2f}) of {doc['hbm_bytes'] / GIB:.2f} GiB, "
+            f"{w['tokens_per_s']:,.0f} tokens/s predicted")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="run only cases whose name contains this text")
-    ap.add_argument("--compile", action="store_true", help="also compile each winner (minutes for large ones)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also run `maxperf plan --verify 1` (compiles until one fits; minutes for large ones)")
     ap.add_argument("--no-grid", action="store_true", help="skip the brute-force grid")
     args = ap.parse_args()
     ok = True
@@ -144,7 +154,7 @@ def main() -> int:
                 print(f"  winner at least as good as the grid: {verdict}"
                       + ("" if best is None else f" ({w['tokens_per_s'] / best['tokens_per_s']:.4f}x)"))
             if args.compile:
-                print(f"  {compile_winner(summary, Path(tmp) / (name + '-compile'))}", flush=True)
+                print(f"  {verify(model, topology, tokens, Path(tmp) / (name + '-verify'))}", flush=True)
     return 0 if ok else 1
 
 
