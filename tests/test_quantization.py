@@ -235,3 +235,21 @@ def test_perfmodel_int8_on_v4_only_adds_the_quantize_passes():
     bf16, int8 = _rows("tpu-v4"), _rows("tpu-v4", "quantization=int8")
     assert int8["mlp down"].seconds == pytest.approx(bf16["mlp down"].seconds, rel=0.02)
     assert int8["int8 quantize"].seconds > 0
+
+
+@pytest.mark.parametrize("topology", ["v5p-64", "v6e-256"])
+def test_local_shard_count_default_is_the_targets_chips_per_host(topology):
+    """MaxText's -1 is jax.local_device_count() where the step runs: one host of the target (4 chips on these VMs),
+    read from the compile-only devices' process indices."""
+    from jax.sharding import Mesh
+
+    from maxperf.aot import topologies
+
+    per_host = topologies.get(topology).chips_per_host
+    assert per_host == 4
+    devices = topologies.devices(topologies.get(topology))
+    mesh = Mesh(np.array(devices).reshape(-1), ("fsdp",))
+    train = overrides.apply(presets.get("tiny"), ["quantization=int8"]).train
+    assert quantization.resolve_local_shards(train, mesh).quantization_local_shard_count == per_host
+    explicit = overrides.apply(presets.get("tiny"), ["quantization=int8", "quantization_local_shard_count=0"]).train
+    assert quantization.resolve_local_shards(explicit, mesh) is explicit
