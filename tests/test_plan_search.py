@@ -197,3 +197,15 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path, argv, words):
     lines = [line for line in err.splitlines() if line.startswith("maxperf: error:")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert all(w in lines[0] for w in words), lines[0]
+
+
+def test_a_compile_that_needs_more_than_predicted_raises_the_margin_and_searches_again():
+    result = search.search(TINY)
+    first = result.fitting[0]
+    first.verified, first.compiler_memory_bytes = False, first.memory_bytes * 3  # perfmodel 67% under
+    assert search._raise_margin(result, [first])
+    search._search_again(result, {first.overrides(): first}, None)
+    search.rank(result)
+    assert result.margin.value == pytest.approx(2.0) and "this plan's compile" in result.margin.source
+    assert "margin raised from" in result.notes[0] and first in result.candidates and first.status == "does not fit"
+    assert all(c.memory_bytes * 3 <= result.hbm_bytes for c in result.fitting)

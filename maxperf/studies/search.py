@@ -438,8 +438,10 @@ def batch_axes(axes: dict[str, int]) -> int:
     return axes["data"] * axes["fsdp"] * axes["fsdp_transpose"] * axes["expert"]
 
 
-def search(req: Request, progress: Callable[[str], None] | None = None) -> SearchResult:
-    """Enumerates, prunes, estimates and ranks every candidate; compiles nothing."""
+def search(req: Request, progress: Callable[[str], None] | None = None, margin: Margin | None = None
+           ) -> SearchResult:
+    """Enumerates, prunes, estimates and ranks every candidate; compiles nothing. `margin`: instead of the measured
+    one (load_margin), as verification raises it."""
     from maxperf import perfmodel
     from maxperf.perfmodel import estimate_memory, make_mesh
     from maxperf.perfmodel.estimate import device_for
@@ -462,7 +464,7 @@ def search(req: Request, progress: Callable[[str], None] | None = None) -> Searc
     topo, model, train0 = base.topology, base.configs.model, base.configs.train
     devices, per_domain, domains = topo.num_devices, topo.devices_per_ici_domain, topo.ici_domains
     calibration = calibration_for(topo)
-    margin = load_margin(topo.platform)
+    margin = margin or load_margin(topo.platform)
 
     ici_choices = _axis_choices(per_domain, {a: int(pinned[f"ici_{a}"]) for a in MESH_AXES
                                              if f"ici_{a}" in pinned}, "ici")
@@ -648,12 +650,12 @@ def verify(result: SearchResult, k: int, out: str | os.PathLike, workers: int | 
     say = progress or (lambda _: None)
     start = time.perf_counter()
     out_dir = Path(out)
-    tried: set[int] = set()
+    compiled: dict[tuple[str, ...], Candidate] = {}  # by overrides: what the compiler said, kept across re-searches
     budget = k * MAX_COMPILES_PER_FIT
     while True:
         verified = [c for c in result.candidates if c.verified]
         want = k - len(verified)
-        todo = [c for c in result.fitting if id(c) not in tried][:want]
+        todo = [c for c in result.fitting if c.overrides() not in compiled][:want]
         if want <= 0 or not todo or result.compiles >= budget:
             break
         todo = todo[:budget - result.compiles]
@@ -663,7 +665,7 @@ def verify(result: SearchResult, k: int, out: str | os.PathLike, workers: int | 
         sweep._run_points(result.request.model, list(points), out_dir, False, _calibration(result),
                           workers or sweep.default_workers(len(points)), say, time.perf_counter())
         for point, c in points.items():
-            tried.add(id(c))
+            compiled[c.overrides()] = c
             row = json.loads((out_dir / "points" / point.name / "point.json").read_text())
             result.compiles += 1
             if row["status"] == "error":  # recorded, and the next candidate compiled in its place
@@ -674,6 +676,10 @@ def verify(result: SearchResult, k: int, out: str | os.PathLike, workers: int | 
             if c.compiler_memory_bytes is None and not c.verified:
                 c.compiler_memory_bytes = _memory_from_artifact(row.get("artifact"))
             c.compile_seconds, c.artifact = row.get("compile_seconds"), row.get("artifact")
+        if _raise_margin(result, [c for c in points.values() if c.compiler_memory_bytes and c.memory_bytes]):
+            # the orderings that spared estimates held under the old margin: search again under the new one
+            say(f"margin raised to {result.margin.value:.1%}; searching again")
+            _search_again(result, compiled, progress)
         rank(result)
     if result.compiles >= budget and len([c for c in result.candidates if c.verified]) < k:
         result.notes.append(f"verification stopped after {result.compiles} compiles ({MAX_COMPILES_PER_FIT} per "
@@ -685,6 +691,34 @@ def verify(result: SearchResult, k: int, out: str | os.PathLike, workers: int | 
                 c.status, c.reason = "slower", "not verified: every compiled candidate failed to fit"
     result.verify_seconds += time.perf_counter() - start
     return result
+
+
+def _search_again(result: SearchResult, compiled: dict[tuple[str, ...], Candidate], progress) -> None:
+    """The search under the result's (raised) margin, with what the compiler said of each candidate kept."""
+    again = search(result.request, progress, margin=result.margin)
+    for i, c in enumerate(again.candidates):
+        if (done := compiled.get(c.overrides())) is not None:
+            again.candidates[i] = done
+    result.candidates, result.pruned, result.closest_miss = again.candidates, again.pruned, again.closest_miss
+    result.search_seconds += again.search_seconds
+
+
+def _raise_margin(result: SearchResult, compiled: list[Candidate]) -> bool:
+    """A compile measures perfmodel's memory error on this very model and topology: where it exceeds the margin,
+    the margin becomes it, so that the candidates ranked next are those that fit by the error just seen. Whether
+    it rose."""
+    worst = max(compiled, key=lambda c: c.compiler_memory_bytes / c.memory_bytes, default=None)
+    if worst is None:
+        return False
+    error = worst.compiler_memory_bytes / worst.memory_bytes - 1
+    if error <= result.margin.value:
+        return False
+    result.notes.append(f"margin raised from {result.margin.value:.1%} to {error:.1%}: the compiler gave "
+                        f"{worst.compiler_memory_bytes / GIB:.2f} GiB for {worst.mesh_shown()} {worst.remat_policy} "
+                        f"A={worst.grad_accum_steps}, perfmodel {worst.memory_bytes / GIB:.2f} GiB")
+    result.margin = Margin(error, f"measured by this plan's compile of {worst.mesh_shown()} (was "
+                                  f"{result.margin.value:.1%}: {result.margin.source})")
+    return True
 
 
 def _memory_from_artifact(artifact: str | None) -> float | None:
