@@ -33,6 +33,7 @@ from maxperf.perfmodel.sharding import (
     layer_weights,
     local_size,
     param_arrays,
+    split,
 )
 
 # optax.adamw keeps mu and nu with the parameters' dtype (optax scale_by_adam: mu_dtype=None, nu like params).
@@ -137,7 +138,12 @@ HOISTED_EXPERT_COPIES = 1
 # weight. Measured here with libtpu 0.0.52, llama2-7b widths at 4 layers on v5p-32, remat none, flash: tensor 4,
 # B 2 (fsdp 4) and tensor 1, B 1 (fsdp 16) both run every layer matmul in windowed_dot_general loops holding
 # bf16[2,1024,2752] and bf16[2,256,11008] (two shards) beside the shard in flight, for weight and gradient alike.
+# Not where the shards are thin: at fsdp 64 (v5p-128, B 4, remat full) the scans all-gather each weight whole
+# (all-reduces of bf16[1,4096,11008]) and hold one layer's worth, its unsharded gradients taking the weights' place
+# (2.35 GiB per device compiled, 2.02 analytical with windowed weights). Between the measured 256 (windowed) and 64
+# (gathered) rows of D per shard, the boundary is taken at the 128 rows of the TPU's matrix unit.
 WINDOWED_SHARDS = 4
+WINDOWED_MIN_ROWS = 128
 # Backward of one layer under the dot product: one score-sized gradient in the logits' dtype (the softmax's dS, with
 # dP = dO V^T fused into it) beside the recomputed exponentials (counted with the recomputed layer, SCORE_SAVED); no
 # float32 B x L x D buffer (the norms' float32 values stay inside fusions). Measured here with libtpu 0.0.52:
@@ -472,8 +478,12 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
 
     arrays = param_arrays(model)
     # weights the model gathers itself (a MoE layer's experts) are whole; the rest stream through windowed einsums
-    layer_full = layer_weights(arrays, lambda x: held_gathered(x, mesh) if x.expert_parallel else 0.0)
-    shard = max((held(x, mesh) for x in arrays if x.matmul and x.block and not x.expert_parallel), default=0.0)
+    # where their shards are thick enough, else are gathered whole too
+    windowed = D / split((D,), ("embed",), mesh)[0] >= WINDOWED_MIN_ROWS
+    layer_full = layer_weights(arrays, lambda x: held_gathered(x, mesh) if x.expert_parallel or not windowed
+                               else 0.0)
+    shard = max((held(x, mesh) for x in arrays if x.matmul and x.block and not x.expert_parallel),
+                default=0.0) if windowed else 0.0
     hoisted = HOISTED_EXPERT_COPIES * c * sum(x.count * held(x, mesh) for x in arrays if x.expert_parallel)
     gathered = GATHERED_LAYERS * layer_full * c + WINDOWED_SHARDS * shard * c + (hoisted if c < p else 0.0)
     grads_unsharded = WINDOWED_SHARDS * shard * c
