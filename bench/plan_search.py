@@ -102,14 +102,14 @@ def verify(model: str, topology: str, tokens: int, out: Path) -> str:
         return f"plan --verify 1 failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
     doc = json.loads(proc.stdout)
     w = doc["winner"]
-    dropped = [c for c in doc["top"] if c["verified"] is False]
+    compiled = doc["counts"]["compiled"]
+    notes = "".join(f"\n    {note}" for note in doc["notes"])
     if w is None or not w["verified"]:
-        return f"no compiled candidate fits ({doc['counts']['compiled']} compiles, {seconds:.0f} s)"
-    return (f"verified: {doc['counts']['compiled']} compile(s) in {seconds:.0f} s ({len(dropped)} dropped by the "
-            f"compiler); winner {w['mesh']}, {w['remat_policy']}, A={w['grad_accum_steps']}: "
-            f"{w['compiler_memory_bytes'] / GIB:.2f} GiB by the compiler (analytical "
-            f"{w['analytical_memory_bytes'] / GIB:.2f}) of {doc['hbm_bytes'] / GIB:.2f} GiB, "
-            f"{w['tokens_per_s']:,.0f} tokens/s predicted")
+        return f"no compiled candidate fits ({compiled} compiles, {seconds:.0f} s){notes}"
+    return (f"verified: {compiled} compile(s) in {seconds:.0f} s ({compiled - 1} dropped by the compiler); winner "
+            f"{w['mesh']}, {w['remat_policy']}, A={w['grad_accum_steps']}: {w['compiler_memory_bytes'] / GIB:.2f} GiB "
+            f"by the compiler (analytical {w['analytical_memory_bytes'] / GIB:.2f}) of {doc['hbm_bytes'] / GIB:.2f} "
+            f"GiB, {w['tokens_per_s']:,.0f} tokens/s predicted{notes}")
 
 
 def main() -> int:
