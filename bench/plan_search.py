@@ -138,8 +138,8 @@ def main() -> int:
                 print("  no candidate fits")
                 ok = False
                 continue
-            print(f"  plan winner: {w['mesh']}, {w['remat_policy']}, {w['attention']}, B={w['per_device_batch_size']:g} "
-                  f"A={w['grad_accum_steps']}: {w['tokens_per_s']:,.0f} tokens/s, "
+            print(f"  plan winner: {w['mesh']}, {w['remat_policy']}, {w['attention']}, "
+                  f"B={w['per_device_batch_size']:g} A={w['grad_accum_steps']}: {w['tokens_per_s']:,.0f} tokens/s, "
                   f"{w['analytical_memory_bytes'] / GIB:.2f} GiB")
             if not args.no_grid:
                 start = time.perf_counter()

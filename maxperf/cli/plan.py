@@ -6,7 +6,7 @@ import re
 import sys
 from pathlib import Path
 
-from maxperf.errors import DoesNotFit, MaxperfError
+from maxperf.errors import MaxperfError
 
 GIB = 1 << 30
 RESULT_SCHEMA = "maxperf.plan-result/1"  # `maxperf plan --json`
@@ -113,8 +113,9 @@ def print_miss(result) -> None:
         return
     c = miss["candidate"]
     print(f"no candidate fits. closest: {c['mesh']}, remat {c['remat_policy']}, {c['attention']}, "
-          f"B={c['per_device_batch_size']:g} A={c['grad_accum_steps']} needs {miss['memory_with_margin_bytes'] / GIB:.2f}"
-          f" GiB with the margin, of {miss['hbm_bytes'] / GIB:.2f} GiB", file=sys.stderr)
+          f"B={c['per_device_batch_size']:g} A={c['grad_accum_steps']} needs "
+          f"{miss['memory_with_margin_bytes'] / GIB:.2f} GiB with the margin, of {miss['hbm_bytes'] / GIB:.2f} GiB",
+          file=sys.stderr)
     for option in miss["would_need"]:
         print(f"  {option}", file=sys.stderr)
 
