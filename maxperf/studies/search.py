@@ -237,13 +237,14 @@ class SearchResult:
         slices = f" --num-slices {self.request.num_slices}" if self.request.num_slices > 1 else ""
         fixed = "".join(f" {w}" for w in self.fixed)
         maxtext_fixed = "".join(f" {w}" for w in _maxtext_fixed(self.fixed))
-        return {
-            "maxperf": f"maxperf compile --model {self.model_name} --topology {self.topology_name}{slices}{fixed} "
-                       + " ".join(c.overrides()),
-            "maxtext": f"python3 -m maxtext.train_compile maxtext/configs/base.yml model_name={self.model_name} "
-                       f"compile_topology={self.topology_name} compile_topology_num_slices={self.request.num_slices} "
-                       f"max_target_length={self.seq_len}{maxtext_fixed} " + " ".join(c.maxtext_flags()),
-        }
+        flags = f"max_target_length={self.seq_len}{maxtext_fixed} " + " ".join(c.maxtext_flags())
+        # MaxText's train_compile names TPU topologies as maxperf does; elsewhere its flags alone
+        start = (f"python3 -m maxtext.train_compile maxtext/configs/base.yml model_name={self.model_name} "
+                 f"compile_topology={self.topology_name} compile_topology_num_slices={self.request.num_slices} "
+                 if self.platform == "tpu" else f"model_name={self.model_name} ")
+        return {"maxperf": f"maxperf compile --model {self.model_name} --topology {self.topology_name}{slices}{fixed} "
+                           + " ".join(c.overrides()),
+                "maxtext": start + flags}
 
     def as_dict(self) -> dict[str, Any]:
         r = self.request
