@@ -21,8 +21,12 @@ estimated. Step time: of two policies that fit, the one keeping more recomputes 
 pairs checked over five presets and TPU and CPU meshes, no exception), so only the fitting policies no other fitting
 one keeps more than are timed; and gradient accumulation beyond the smallest A that fits only repeats each
 microbatch's weight gathers, so a configuration's larger A are not estimated once one fits (720 successive pairs of A
-checked over the same presets, no exception). All are counted in
-plan.json (more_accumulation, keeps_less_than_fitting, keeps_more_than_unfit).
+checked over the same presets, no exception). All are counted in plan.json (more_accumulation,
+keeps_less_than_fitting, keeps_more_than_unfit).
+
+Verification compiles the best K; a compile that needs more memory than perfmodel said raises the margin to the error
+it measured, and the search runs again under it before the next compile, so a model perfmodel underestimates does
+not cost a compile per near-identical candidate.
 """
 
 from __future__ import annotations
