@@ -47,11 +47,6 @@ STATE_DONATED = True
 # matmul, is not kept (the shape of GATED_MLP_SAVED_F's note: four f32[4,8,2048,1024] per layer for two norms, no
 # bf16[.., 4096]).
 NORM_SAVED_BYTES = 8
-# A rematerialized layer's norms keep no float32 [B, L, D] value: XLA recomputes them into fusions that write the
-# per-token float32 statistic and the compute-dtype output only. Measured here with libtpu 0.0.52: llama2-7b on
-# v5p-128, B=4, L=2048, remat_policy=full and minimal: the backward scan's body has (f32[4,2048], bf16[4,2048,4096])
-# norm fusions and no f32[4,2048,4096] buffer.
-RECOMPUTED_NORM_BYTES = 0
 # Gated MLP (SwiGLU/GeGLU) keeps gate, up, the activation's internals (sigmoid s and its derivative s (1 - s)), the
 # activation and the product: 6 x F (measured here with libtpu 0.0.52: llama2-7b widths at 4 layers on v5p-32,
 # tensor 4, B 2, L 2048, remat_policy=none: the forward scan stacks six bf16[4,8,2048,2752] per layer); the plain
@@ -115,11 +110,12 @@ GPU_OPTIMIZER_GRADIENT_COPIES = 0
 # bf16[32,4,2048,11008], the out_proj and the carry bf16[32,4,2048,4096]: the 20.75 GiB counted); libtpu 0.0.50.1
 # compiled it to 26.22 GiB (39 GiB analytical with the former 1.8 copies).
 MINIMAL_SAVED_COPIES = 1.0
-# Offloaded tensors come back to device memory for the layer being differentiated: about one layer's worth staged in
-# HBM. Measured here with libtpu 0.0.50.1 (not yet with 0.0.52, which compiles remat_policy=full to 5.87 GiB):
-# llama2-7b on v5p-128, B=4, L=2048, attention=flash: remat_policy=minimal_offloaded compiles to 8.45 GiB per device,
-# remat_policy=full to 8.14, a difference of 0.53 layers' offloaded tensors (0.59 GiB each).
-OFFLOAD_STAGED_LAYERS = 1
+# Offloaded tensors of two layers are in device memory during the backward: the last layer's, which the forward
+# leaves on device for the backward that starts with it, and the next layer's, brought back while the current one is
+# differentiated. Measured here with libtpu 0.0.52: llama2-7b widths at 4 layers on v5p-32, tensor 4, B 2, L 2048,
+# remat_policy=minimal_offloaded, flash: at the backward scan the entry holds the last layer's bf16[8,2048,2752]
+# pair beside the prefetched (dynamic-slice) pair of the next, 2.72 GiB per device (1.17 GiB of it in host memory).
+OFFLOAD_STAGED_LAYERS = 2
 # optimizer_memory_host_offload: the fraction of the offloaded optimizer state in HBM at the step's peak (XLA brings
 # it in leaf by leaf for the update). Measured here with libtpu 0.0.50.1 (not yet with 0.0.52): llama2-7b on
 # v5p-128, B=4, L=2048, attention=flash, remat full: optimizer_memory_host_offload compiles to 8.26e9 bytes per
@@ -160,6 +156,7 @@ BACKWARD_D_FLOAT32 = 0
 # bf16[8,2048,4096] at tensor 4 and five bf16[1,2048,4096] with three bf16[1,2048,11008] at tensor 1.
 BACKWARD_D_BUFFERS = 5
 BACKWARD_F_BUFFERS = 3
+BACKWARD_MLP_D_BUFFERS = 2
 # A MoE layer keeps (models/layers/moe.py; counted from its tensors, not yet measured): per token the router's
 # float32 logits and probabilities over the E experts and the float32 top-k weights; per routed row the experts'
 # input (D) and MLP internals (GATED_MLP_SAVED_F x Fe), the rows of the sorted dispatch being the worst-case receive
@@ -491,21 +488,21 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     vocab_table = gathered_size(table.shape, table.logical, mesh) * c  # gathered for the logits
     # the gradient of the scores, in the logits' dtype: the dot product's only (flash keeps its tiles on chip)
     score_grads = 0.0 if attention_kernel(train) == "flash" else score_bytes(train)[1] * a.H * train.seq_len
-    # the input gradients of a layer's matmuls are partial sums over the tensor shards, full width D until their
-    # reduce-scatter; the layer's input is gathered to full width for its matmuls
     F_local = max(a.F, a.Fe * (routed_rows_held(moe_shape(model), train, mesh) + moe_shape(model).S)
                   if moe_shape(model) else 0.0)
-    gradient_buffers = T * (BACKWARD_SCORE_GRADIENTS * score_grads + BACKWARD_D_FLOAT32 * 4 * D
-                            + c * (BACKWARD_D_BUFFERS * D + BACKWARD_F_BUFFERS * F_local))
-    working = gradient_buffers
-    if remat != "none":  # the layer being differentiated is recomputed piece by piece as its backward needs it:
-        # beside the gradients above, the attention's recomputed forward (the flash kernel's residuals, or the dot
-        # product's scores) unless the policy keeps the context, and the MLP's recomputed gate and up with the
-        # activation unless it keeps them
-        working += T * recomputed_attention_per_token(model, train, mesh, remat)
-        names = remat_names(train, remat)
-        if not ({"mlpwi", "mlpwi_0", "mlpwi_1"} & (names[0] | names[1])):
-            working += T * c * RECOMPUTED_MLP_F * F_local
+    # the backward of a layer runs its MLP's part, then its attention's; what a rematerialized layer recomputes of
+    # its attention (q, k, v and the kernel's residuals, or the scores) is live through both, the MLP's recomputed
+    # gate and up through the MLP's part only; the larger part counts
+    names = remat_names(train, remat)
+    recomputed_mlp = (RECOMPUTED_MLP_F * F_local if names is not None
+                      and not ({"mlpwi", "mlpwi_0", "mlpwi_1"} & (names[0] | names[1])) else 0.0)
+    Dq, Dv = head_dims(model) if is_mla(model) else (model.head_dim, model.head_dim)
+    qkv = c * ((a.H + a.K) * Dq + a.K * Dv)  # q, k and v, or their gradients
+    recomputed = (recomputed_attention_per_token(model, train, mesh, remat) + qkv) if names is not None else 0.0
+    mlp_phase = c * (BACKWARD_F_BUFFERS * F_local + recomputed_mlp + BACKWARD_MLP_D_BUFFERS * D) + recomputed
+    attention_phase = (BACKWARD_SCORE_GRADIENTS * score_grads + c * BACKWARD_D_BUFFERS * D + qkv + recomputed
+                       + BACKWARD_D_FLOAT32 * 4 * D)
+    working = T * max(mlp_phase, attention_phase)
     staged = OFFLOAD_STAGED_LAYERS * T * max(layer_offloaded_per_token(model, train, mesh, m)
                                              for m in layer_kinds(model))
     temporaries = gathered + grads_unsharded + working + staged
