@@ -129,6 +129,11 @@ OFFLOADED_OPTIMIZER_STAGED = 0.43
 # all-gathered bf16[1,8,4096,14336] at its peak, the entry three bf16[4,8,256,14336] converts; 10.31 GiB per device.
 GATHERED_LAYERS = 1
 HOISTED_EXPERT_COPIES = 1
+# Beside the gathered experts, the experts' backward writes their weight gradients whole before reduce-scattering
+# them: two of the layer's expert matrices live at its peak where the experts are many and narrow (qwen3-30b-a3b at
+# 4 layers on v5p-32, B 2, L 2048, remat full, flash: the backward scan's body holds the three all-gathered
+# bf16[1,128,2048,768] beside a tgmm output bf16[128,2048,768] and the all-reduce of another; 5.56 GiB per device).
+EXPERT_GRAD_MATRICES = 2
 # Elsewhere XLA:TPU turns each weight's FSDP all-gather (and its gradient's reduce-scatter) into a windowed einsum, a
 # loop that multiplies one shard at a time while the next arrives: a few local shards live, never the gathered
 # weight. Measured here with libtpu 0.0.52, llama2-7b widths at 4 layers on v5p-32, remat none, flash: tensor 4,
@@ -502,7 +507,9 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     mlp_phase = c * (BACKWARD_F_BUFFERS * F_local + recomputed_mlp + BACKWARD_MLP_D_BUFFERS * D) + recomputed
     attention_phase = (BACKWARD_SCORE_GRADIENTS * score_grads + c * BACKWARD_D_BUFFERS * D + qkv + recomputed
                        + BACKWARD_D_FLOAT32 * 4 * D)
-    working = T * max(mlp_phase, attention_phase)
+    expert_grads = EXPERT_GRAD_MATRICES * c * max(
+        (held_gathered(x, mesh) for x in arrays if x.expert_parallel), default=0.0)
+    working = max(T * mlp_phase, T * attention_phase, expert_grads)
     staged = OFFLOAD_STAGED_LAYERS * T * max(layer_offloaded_per_token(model, train, mesh, m)
                                              for m in layer_kinds(model))
     temporaries = gathered + grads_unsharded + working + staged
