@@ -288,13 +288,34 @@ def test_mesh_that_does_not_divide_the_devices_is_refused():
 
 
 def test_compiler_options_and_limitations():
-    assert T.compiler_options(T.get("h100-8x16")) == {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}
-    assert T.compiler_options(T.get("h100-8")) == {}
+    no_gpu = T.compiles_on_attached_gpus(T.get("h100-8")) is None
+    cub = {"xla_gpu_enable_cub_radix_sort": False} if no_gpu else {}
+    assert T.compiler_options(T.get("h100-8x16")) == {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False,
+                                                      "xla_gpu_enable_cub_radix_sort": False}
+    assert T.compiler_options(T.get("h100-8")) == cub
     assert T.compiler_options(T.get("v5p-1024")) == {}
     notes = " ".join(T.limitations(T.get("h100-8x16")))
     assert "cost analysis" in notes and "autotuning" in notes and "not the production step" in notes
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in notes
     assert any("2 JAX devices" in n for n in T.limitations(T.get("tpu7x-8")))
+
+
+@needs_cuda_plugin
+def test_a_large_sort_compiles_for_a_gpu_without_the_gpu():
+    """XLA's CUB radix sort asks the CUDA runtime for its scratch size while compiling: without a GPU the compile
+    failed ("invalid device ordinal") until compiler_options turned it off there."""
+    import jax
+    import jax.numpy as jnp
+
+    t = T.get("h100-1")
+    if T.compiles_on_attached_gpus(t) is not None:
+        pytest.skip("a GPU is attached: the compile uses CUB's sort")
+    mesh = T.device_mesh(t, ici={"data": 1}, dcn={}, axis_names=("data",))
+    keys = jax.ShapeDtypeStruct((1 << 20,), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, jax.P()))
+    lowered = jax.jit(lambda k: jnp.argsort(k, stable=True)).lower(keys)
+    with pytest.raises(Exception, match="invalid device ordinal"):
+        lowered.compile()
+    assert lowered.compile(compiler_options=T.compiler_options(t)).memory_analysis() is not None
 
 
 def _toy_compile(topology, mesh):

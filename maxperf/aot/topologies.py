@@ -502,13 +502,22 @@ def compiler_options(topology: Topology, random_bits: bool = False) -> dict[str,
     GPU across hosts: the one-shot all-reduce kernel works only among GPUs that share NVLink, and compiling it for
     hundreds of GPUs hit an LLVM error (DESIGN.md); it is turned off there. Checked: the compile-only CUDA plugin
     accepts it as a compile option.
+    GPU without the GPU attached: XLA rewrites large sorts into CUB's radix sort and asks the CUDA runtime for its
+    scratch size while compiling, which fails with no GPU ("cudaErrorInvalidDevice: invalid device ordinal"; a MoE
+    step under expert parallelism sorts the rows it receives: tiny-moe with 64 experts over ici_expert=8 on h100-8
+    failed so). Those compiles keep XLA's own sort; `limitations` says so.
     TPU, for a step that draws random bits (`random_bits`: int8's stochastic rounding): MaxText's train and
     train_compile set --xla_tpu_spmd_rng_bit_generator_unsafe=true, which lets each device generate its own shard of
     a sharded RngBitGenerator; without it every device generated the whole array (gpt3-175b on v5p-1024, int8:
     800.70 GiB per device). Checked: libtpu takes it as a compile option.
     """
-    if topology.platform == "gpu" and topology.ici_domains > 1:
-        return {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}
+    if topology.platform == "gpu":
+        options: dict[str, Any] = {}
+        if topology.ici_domains > 1:
+            options["xla_gpu_unsupported_use_all_reduce_one_shot_kernel"] = False
+        if compiles_on_attached_gpus(topology) is None:
+            options["xla_gpu_enable_cub_radix_sort"] = False
+        return options
     if topology.platform == "tpu" and random_bits:
         return {"xla_tpu_spmd_rng_bit_generator_unsafe": True}
     return {}
@@ -532,8 +541,11 @@ def limitations(topology: Topology) -> list[str]:
             f"compiled for {topology.gpu_target} "
             + (f"from {topology.target_config_path}" if topology.target_config_path else "(the CUDA plugin's spec)"),
         ]
-        if compiler_options(topology):
+        if topology.ici_domains > 1:
             notes.append("the one-shot all-reduce kernel is disabled (multi-host compile); a GPU run matches that")
+        notes.append("sorts (a mixture of experts' token sort under expert parallelism) use XLA's own sort kernel: "
+                     "CUB's radix sort, which a GPU compile picks for large sorts, needs the GPU to size its scratch "
+                     "memory")
     if topology.platform == "tpu" and topology.devices_per_chip > 1:
         notes.append(f"each {topology.chip} chip is {topology.devices_per_chip} JAX devices; memory is per device, "
                      f"{topology.devices_per_chip} per chip")
