@@ -269,3 +269,31 @@ def test_gemma3_presets_have_the_reports_text_parameters(name):
     assert [w is None for w in model.layer_windows()][:6] == [False] * 5 + [True]
     assert count_params(model).total == pytest.approx(presets.PUBLISHED_PARAMS[name], rel=0.01)
     assert train_step.param_count(model) == count_params(model).total
+
+
+@pytest.mark.parametrize("sizes", [{"expert": 2, "tensor": 2, "fsdp": 1}, {"expert": 4, "tensor": 1, "fsdp": 1},
+                                   {"expert": 1, "tensor": 2, "fsdp": 2}])
+@pytest.mark.parametrize("family", [GPT_OSS, LLAMA4])
+def test_expert_parallel_dispatch_with_biases_and_token_weights_equals_one_device(sizes, family):
+    """The expert biases travel with their experts (wo's added once over the tensor shards' partial sums) and the
+    token weights before the experts, across expert and tensor shards."""
+    from maxperf.models.layers import moe
+    from maxperf.models.sharding import make_mesh
+
+    cfg = overrides.apply(presets.get("tiny-moe"), [*family, "mlp_bias=true"]).model
+    B, L, D, F, E, K = 4, 8, 8, 16, 4, cfg.num_experts_per_tok
+    keys = jax.random.split(jax.random.PRNGKey(0), 9)
+    x = jax.random.normal(keys[0], (B, L, D))
+    experts = jax.random.randint(keys[1], (B, L, K), 0, E)
+    if K == 2:
+        experts = experts.at[..., 1].set((experts[..., 0] + 1) % E)  # two different experts per token
+    weights = jax.random.uniform(keys[2], (B, L, K))
+    w = tuple(jax.random.normal(k, s) for k, s in zip(keys[3:6], [(E, D, F), (E, D, F), (E, F, D)]))
+    b = tuple(jax.random.normal(k, s) for k, s in zip(keys[6:9], [(E, F), (E, F), (E, D)]))
+    expected = moe.sparse_dispatch(x, experts, weights, w, cfg, biases=b)
+    dense = moe.dense_dispatch(x, experts, weights, w, cfg, -1, biases=b)
+    np.testing.assert_allclose(dense, expected, rtol=1e-5, atol=1e-5)
+    mesh = {"data": 1, "fsdp_transpose": 1, "sequence": 1, **sizes}
+    with jax.set_mesh(make_mesh(jax.devices()[:4], mesh)):
+        got = jax.jit(lambda *a: moe.sparse_dispatch(*a[:4], cfg, biases=a[4]))(x, experts, weights, w, b)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
