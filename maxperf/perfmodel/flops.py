@@ -3,8 +3,8 @@
 Parameters match the Flax model's shapes exactly (maxperf.models.layers): per layer q D x H x Dh, k and v D x K x Dh,
 o H x Dh x D, MLP gate/up D x F and down F x D (no gate for GELU), two norms (four with post-norms) of D (LayerNorm
 has a scale and a bias, RMSNorm a scale), QK-norm two RMSNorm scales of Dh; a final norm; the embedding V x D; the
-unembedding D x V unless tied; learned positions max_position x D; gpt-oss's biases (q H x Dh, k and v K x Dh, o D; each expert's wi_0 and wi_1 Fe and
-wo D) and attention sinks (H). Latent attention (MLA, layers/mla.py):
+unembedding D x V unless tied; learned positions max_position x D; gpt-oss's biases (q H x Dh, k and v K x Dh,
+o D; each expert's wi_0 and wi_1 Fe and wo D) and attention sinks (H). Latent attention (MLA, layers/mla.py):
 q through D x R, an RMSNorm of R and R x H x Dq (or D x H x Dq where R = q_lora_rank is 0), the kv latent and the
 shared RoPE key D x (C + Dr), an RMSNorm of C, C x H x (Dn + Dv), o H x Dv x D. A MoE layer (perfmodel.moe): the
 router D x E (+ E with DeepSeek's selection bias), E experts and S shared experts, each an MLP of width Fe.
