@@ -346,7 +346,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    # B; fractional as in MaxText (0.5: a global batch of half the devices), the global batch B x devices whole
+    # B: one microbatch per device, as in MaxText: a microbatch of B x devices examples, a step of
+    # gradient_accumulation_steps (A) of them; fractional as in MaxText (0.5: a microbatch of half the devices)
     per_device_batch_size: float = 1
     seq_len: int = 2048  # L
     compute_dtype: str = "bfloat16"
@@ -360,7 +361,7 @@ class TrainConfig:
     adam_b2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip_norm: float | None = 1.0
-    grad_accum_steps: int = 1
+    grad_accum_steps: int = 1  # A: microbatches of B per device in each step (MaxText's gradient_accumulation_steps)
     remat_policy: RematPolicy = RematPolicy.FULL
     # remat_policy=custom: where each named tensor is kept (MaxText's keys and defaults)
     decoder_layer_input: RematLocation = RematLocation.DEVICE
@@ -464,22 +465,19 @@ class TrainConfig:
                  f"gradient unquantized) or a positive shard count, got {self.quantization_local_shard_count}")
         _require(self.num_vocab_tiling >= 1 and self.seq_len % self.num_vocab_tiling == 0,
                  f"num_vocab_tiling must be >= 1 and divide seq_len ({self.seq_len}), got {self.num_vocab_tiling}")
-        _require(
-            not isinstance(self.per_device_batch_size, int) or self.per_device_batch_size % self.grad_accum_steps == 0,
-            f"grad_accum_steps ({self.grad_accum_steps}) must divide per_device_batch_size "
-            f"({self.per_device_batch_size})",
-        )
 
-    def global_batch(self, devices: int) -> int:
-        """B x devices examples per step (MaxText's global_batch_size_to_train_on): a whole number that the
-        microbatches divide; a MaxperfError otherwise."""
+    def micro_batch(self, devices: int) -> int:
+        """B x devices examples per microbatch (MaxText's micro_batch_size_to_train_on): a whole number; a
+        MaxperfError otherwise."""
         rows = self.per_device_batch_size * devices
         _require(float(rows).is_integer() and rows >= 1,
-                 f"per_device_batch_size={self.per_device_batch_size} over {devices} devices gives a global batch of "
+                 f"per_device_batch_size={self.per_device_batch_size} over {devices} devices gives a microbatch of "
                  f"{rows:g} examples, which must be a whole number; choose B so that B x {devices} is whole")
-        _require(int(rows) % self.grad_accum_steps == 0,
-                 f"grad_accum_steps={self.grad_accum_steps} must divide the global batch of {int(rows)} examples")
         return int(rows)
+
+    def global_batch(self, devices: int) -> int:
+        """B x devices x A examples per step (MaxText's global_batch_size_to_train_on): A microbatches."""
+        return self.micro_batch(devices) * self.grad_accum_steps
 
 
 
