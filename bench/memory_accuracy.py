@@ -75,7 +75,8 @@ MOE = (("mixtral-8x7b", "v5p-32", ()), ("deepseek-v2-lite", "v5p-8", ()), ("qwen
        ("gpt-oss-20b", "v5p-16", ()), ("mixtral-8x22b", "v5p-128", ()),
        ("gpt-oss-120b", "v5p-64", ("ici_expert_parallelism=8",)),
        ("qwen3-235b-a22b", "v5p-256", ("ici_expert_parallelism=16",)),
-       ("deepseek-v3", "v5p-512", ("ici_expert_parallelism=32",)), ("kimi-k2", "v5p-1024", ("ici_expert_parallelism=32",)))
+       ("deepseek-v3", "v5p-512", ("ici_expert_parallelism=32",)),
+       ("kimi-k2", "v5p-1024", ("ici_expert_parallelism=32",)))
 MOE_COMMON = ("per_device_batch_size=2", "seq_len=2048", "remat_policy=full", "attention=flash")
 DEPTHS = (8,)
 
