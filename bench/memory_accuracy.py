@@ -8,8 +8,9 @@ temporary directory; one compile at a time) and prints the analytical per-device
 beside the compiler's (argument + output - alias + temp + code, from memory_analysis), the signed error of the
 analytical figure, and per group the median and worst absolute error. `--cache FILE` keeps the compiler's figures
 in a JSON file keyed by the case, so that a second run after a change to perfmodel's formulas recompiles nothing
-(the compiler's figures depend on the step, not on perfmodel); delete the file to measure again. `--error-json`
-writes the dense grid's summary in the schema of maxperf/perfmodel/memory_error.json.
+(the compiler's figures depend on the step, not on perfmodel); delete the file to measure again; `--cached-only`
+reports the cached cases alone. `--error-json` writes the summary of every case reported (median and worst absolute
+error, the 90th percentile of the signed underestimate) as maxperf/perfmodel/memory_error.json's entry for "tpu".
 
 The design. A full factorial of tensor parallelism (1, 2, 4, 8, 16) x per-device batch (1 to 32) x sequence length
 (2048, 4096, 8192) x 12 remat policies x 2 kernels is 2160 compiles; on a shared 2-core machine one TPU compile of
@@ -26,7 +27,8 @@ all on v5p-32 (16 chips; the rest of the mesh is FSDP):
   where the full-depth model fits, B 2, L 2048, remat full, flash, with expert parallelism for those with 128 or
   more experts of 100B parameters or more (9 compiles); "depth": deepseek-v2-lite at 8 layers beside its 4, to
   check that the error does not depend on the depth (1 compile).
-The groups run interleaved (policies, shapes, moe with depth), then rest, so that a run cut short covers each.
+42 compiles in all. The groups run interleaved (policies, shapes, moe with depth), then rest, so that a run cut
+short covers each.
 """
 
 from __future__ import annotations
