@@ -14,7 +14,8 @@ Model FLOPs follow MaxText's `calculate_tflops_training_per_device` (maxtext_uti
 weights (the unembedding and the router included, the embedding lookup not), plus attention 2 x B x L^2 x H x
 (Dq + Dv) x 3 halved for the causal mask (4 x ... x Dh where the query and value head dims agree; MLA's
 calculate_mla_tflops_per_device), remat excluded; Megatron (Narayanan et al. 2021, eq. 3) counts the same terms. Per
-device means per `per_device_batch_size` B (MaxText's convention: global batch = B x devices).
+device means per `per_device_batch_size` B per microbatch, A = grad_accum_steps microbatches a step (MaxText's
+convention: global batch = B x devices x A).
 """
 
 from __future__ import annotations
@@ -305,7 +306,7 @@ def layer_pairs(model: ModelShape, L: int) -> tuple[float, ...]:
 class FlopCounts:
     """FLOPs per device per step (forward + backward over all microbatches)."""
 
-    tokens: int  # B x L
+    tokens: int  # B x A x L: the step's A microbatches of B examples per device
     weight_flops: float  # 6 x tokens x active matmul weights (unembedding and router included)
     attention_flops: float  # causal / windowed score and context einsums, x 3
     model_flops: float  # weight_flops + attention_flops: what MFU divides
@@ -343,7 +344,8 @@ def count_flops(model: ModelShape, train: TrainShape, params_per_device: float |
     """`params_per_device`: the parameters this device's optimizer updates (its shard); all of them if None."""
     check_model(model)
     check_train(train)
-    B, L, N = train.per_device_batch_size, train.seq_len, model.num_layers
+    # a step is A microbatches of B examples per device (MaxText's per_device_batch_size is one microbatch)
+    B, L, N = train.per_device_batch_size * train.grad_accum_steps, train.seq_len, model.num_layers
     params = count_params(model)
     moe = moe_shape(model)
     n_moe = moe.moe_layers if moe else 0

@@ -439,7 +439,7 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     D, N = model.d_model, model.num_layers
     micro = train.grad_accum_steps
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
-    T = a.T / micro  # tokens of one microbatch on this device
+    T = a.T  # tokens of one microbatch on this device: B (MaxText's per_device_batch_size) x L
 
     local_params = params_per_device(model, mesh)
     params = local_params * p

@@ -46,12 +46,12 @@ class ModelShape(Protocol):
 
 @runtime_checkable
 class TrainShape(Protocol):
-    per_device_batch_size: float  # B: fractional as in MaxText, B x devices whole (global_batch)
+    per_device_batch_size: float  # B: one microbatch per device (MaxText's), fractional as in MaxText, B x devices whole
     seq_len: int  # L
     compute_dtype: str
     param_dtype: str
     remat_policy: str
-    grad_accum_steps: int
+    grad_accum_steps: int  # A: microbatches per step (MaxText's gradient_accumulation_steps)
     scan_layers: bool
 
 
@@ -110,17 +110,17 @@ def check_train(train: TrainShape) -> None:
     check(isinstance(L, int) and L >= 1, f"seq_len must be a positive integer, got {L!r}")
     check(str(train.remat_policy) in REMAT_POLICIES,
           f"remat_policy must be one of {', '.join(REMAT_POLICIES)}, got {str(train.remat_policy)!r}")
-    check(train.grad_accum_steps >= 1 and (not float(B).is_integer() or B % train.grad_accum_steps == 0),
-          f"grad_accum_steps ({train.grad_accum_steps}) must be >= 1 and divide per_device_batch_size ({B})")
+    check(isinstance(train.grad_accum_steps, int) and train.grad_accum_steps >= 1,
+          f"grad_accum_steps must be a positive integer, got {train.grad_accum_steps!r}")
     dtype_bytes(train.compute_dtype, "compute_dtype")
     dtype_bytes(train.param_dtype, "param_dtype")
 
 
-def global_batch(B: float, devices: int) -> int:
-    """B x devices examples per step (MaxText's convention), which must be whole."""
+def micro_batch(B: float, devices: int) -> int:
+    """B x devices examples per microbatch (MaxText's micro_batch_size_to_train_on), which must be whole."""
     rows = B * devices
-    check(float(rows).is_integer() and rows >= 1, f"per_device_batch_size={B} over {devices} devices gives a global "
-          f"batch of {rows:g} examples, which must be a whole number")
+    check(float(rows).is_integer() and rows >= 1, f"per_device_batch_size={B} over {devices} devices gives a "
+          f"microbatch of {rows:g} examples, which must be a whole number")
     return int(rows)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from maxperf.logical_axes import mesh_axes_for
 from maxperf.perfmodel.flops import gated, is_mla
 from maxperf.perfmodel.moe import moe_shape
-from maxperf.perfmodel.shapes import Mesh, ModelShape, global_batch
+from maxperf.perfmodel.shapes import Mesh, ModelShape, micro_batch
 
 # Mesh axes that split the weights for storage only: they split the batch (fsdp, fsdp_transpose, expert) or the
 # sequence too, so each weight is gathered over them before its matmul (FSDP; ZeRO-3). `tensor` splits weights and
@@ -197,7 +197,7 @@ def layer_weights(arrays: Iterable[ParamArray], size) -> float:
 class ActivationSplit:
     """Local sizes of the activation dimensions on one device."""
 
-    B: float  # examples: global batch (B x devices, MaxText's convention) over the data-like axes that divide it
+    B: float  # examples: one microbatch (B x devices, MaxText's convention) over the data-like axes that divide it
     L: float  # sequence over `sequence`
     D: float  # model width of the residual stream over tensor (MaxText's activation_embed)
     H: float  # query heads over tensor
@@ -208,14 +208,15 @@ class ActivationSplit:
 
     @property
     def T(self) -> float:
-        """Tokens on this device."""
+        """Tokens of one microbatch on this device."""
         return self.B * self.L
 
 
 def activation_split(model: ModelShape, B: float, L: int, mesh: Mesh) -> ActivationSplit:
-    """With a fractional B the global batch may not divide every data-like axis: it is split over those that divide
-    it and the devices along the others compute the same examples (B here is what one device computes)."""
-    rows = global_batch(B, mesh.devices)
+    """One microbatch's activations (B per device: MaxText's per_device_batch_size). With a fractional B the
+    microbatch may not divide every data-like axis: it is split over those that divide it and the devices along the
+    others compute the same examples (B here is what one device computes)."""
+    rows = micro_batch(B, mesh.devices)
     (nb, nl) = split((rows, L), ("activation_batch", "activation_length"), mesh)
 
     def one(size: int, name: str) -> float:

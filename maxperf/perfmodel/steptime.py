@@ -286,7 +286,7 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     D, N, Dh, L = model.d_model, model.num_layers, model.head_dim, train.seq_len
     micro = train.grad_accum_steps
     a = activation_split(model, train.per_device_batch_size, L, mesh)
-    T, Bm = a.T / micro, a.B / micro  # tokens and examples of one microbatch on this device
+    T, Bm = a.T, a.B  # tokens and examples of one microbatch on this device: B (per_device_batch_size) of them
     table = _Table(chip, train.compute_dtype, int8_matmuls(train))
 
     # matmuls: forward, backward (2 x forward), and the forward again where remat recomputes it
