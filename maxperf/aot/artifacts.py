@@ -24,7 +24,7 @@ from typing import Any
 
 from maxperf.errors import MaxperfError
 
-MANIFEST_SCHEMA = "maxperf.manifest/1"
+MANIFEST_SCHEMA = "maxperf.manifest/2"  # 2: per_device_batch_size is one microbatch (MaxText's meaning)
 COMPILED_SCHEMA = "maxperf.compiled/1"
 
 

@@ -54,7 +54,7 @@ class CompileResult:
     out_dir: Path
     plan: Plan
     param_count: int
-    global_batch: int
+    global_batch: int  # examples per step: grad_accum_steps microbatches of per_device_batch_size x devices
     fits: bool
     memory: dict[str, Any]
     cost: dict[str, Any]
@@ -362,7 +362,8 @@ def _write_manifest(writer: artifacts.ArtifactWriter, p: Plan, spec, argv, compi
         "gpu_autotuned": (topologies.compiles_on_attached_gpus(p.topology) is not None
                           if p.topology.platform == "gpu" else None),
         "param_count": spec.param_count,
-        "global_batch": spec.global_batch,
+        "global_batch": spec.global_batch,  # examples per step (MaxText's global_batch_size_to_train_on)
+        "micro_batch": spec.micro_batch,  # examples per microbatch: per_device_batch_size x devices
         "tokens_per_step": spec.global_batch * p.configs.train.seq_len,
         "versions": library_versions(),
         "compile_seconds": round(compile_seconds, 3),

@@ -141,8 +141,8 @@ def cmd_compile(args) -> int:
         return 0 if result.fits else 3
     print(f"compiled {p.model.name} for {p.topology.name}"
           + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1 else "") + f" -> {result.out_dir}")
-    print(f"  parameters       {_count(result.param_count)}; global batch {result.global_batch} x "
-          f"{p.configs.train.seq_len} tokens")
+    print(f"  parameters       {_count(result.param_count)}; global batch "
+          f"{batch_words(p.configs.train, result.global_batch)}")
     print(f"  mesh             " + " x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1))
     print(f"  memory/device    {mem['per_device_total_bytes'] / GIB:.2f} GiB of {mem['hbm_bytes'] / GIB:.2f} GiB "
           f"({'fits' if mem['fits'] else 'DOES NOT FIT'}, headroom {mem['headroom_bytes'] / GIB:.2f} GiB)")
@@ -159,6 +159,13 @@ def cmd_compile(args) -> int:
     return 0 if result.fits else 3
 
 
+def batch_words(train, global_batch: int) -> str:
+    """The step's batch in words: "256 x 2048 tokens (4 microbatches of 64)" under gradient accumulation."""
+    A = train.grad_accum_steps
+    micro = f" ({A} microbatches of {global_batch // A})" if A > 1 else ""
+    return f"{global_batch} x {train.seq_len} tokens{micro}"
+
+
 COMPILE_SCHEMA = "maxperf.compile/1"  # `maxperf compile --json`
 JSON_HELP = "print the result as one JSON document on stdout (progress stays on stderr); same exit codes"
 
@@ -170,6 +177,7 @@ def compile_summary(result) -> dict:
             "topology": p.topology.name, "num_slices": p.topology.num_slices,
             "mesh": {"axes": p.mesh_shape.axes, "ici": p.mesh_shape.ici, "dcn": p.mesh_shape.dcn},
             "per_device_batch_size": p.configs.train.per_device_batch_size, "global_batch": result.global_batch,
+            "grad_accum_steps": p.configs.train.grad_accum_steps,
             "seq_len": p.configs.train.seq_len, "param_count": result.param_count, "fits": result.fits,
             "memory": result.memory, "cost": result.cost, "estimate": result.estimate,
             "cache_hit": result.cache_hit, "compile_seconds": result.compile_seconds,

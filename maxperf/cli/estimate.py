@@ -10,7 +10,7 @@ GIB = 1 << 30
 def cmd_estimate(args) -> int:
     from maxperf import perfmodel
     from maxperf.plan import plan
-    from maxperf.cli import _print_json
+    from maxperf.cli import _print_json, batch_words
     from maxperf.user_cache import calibration_for
 
     p = plan(args.topology, args.model, args.overrides, num_slices=args.num_slices)
@@ -22,6 +22,7 @@ def cmd_estimate(args) -> int:
         return 0 if est.fits else 3
     print(f"{p.model.name} on {p.topology.display_name} ({p.topology.chips} {est.chip} chips), mesh "
           + (" x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1) or "1 (one device)"))
+    print(f"  global batch     {batch_words(p.configs.train, p.configs.train.global_batch(p.mesh_shape.devices))}")
     print(f"  step time        {est.step_time_s:.4f} s, bound by {est.bottleneck}")
     print(f"  tokens/s         {est.tokens_per_s:,.0f}")
     print(f"  TFLOP/s per chip {est.tflops_per_chip:.1f}  (MFU {est.mfu:.1%})")
@@ -44,8 +45,9 @@ def estimate_summary(p, est) -> dict:
     return {**est.as_dict(), "topology": p.topology.name, "num_slices": p.topology.num_slices,
             "mesh": {"axes": p.mesh_shape.axes, "ici": p.mesh_shape.ici, "dcn": p.mesh_shape.dcn},
             "warnings": list(p.warnings),
-            "per_device_batch_size": t.per_device_batch_size, "global_batch": t.per_device_batch_size
-            * p.topology.num_devices, "seq_len": t.seq_len, "remat_policy": t.remat_policy.value}
+            "per_device_batch_size": t.per_device_batch_size, "grad_accum_steps": t.grad_accum_steps,
+            "global_batch": t.global_batch(p.mesh_shape.devices), "seq_len": t.seq_len,
+            "remat_policy": t.remat_policy.value}
 
 
 def warn(p) -> None:
@@ -108,7 +110,8 @@ def _print_comparison(cmp) -> None:
     print(f"{p.model.name} on {p.topology.name}" + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1
                                                    else "")
           + ", mesh " + (" x ".join(f"{k}={n}" for k, n in p.mesh_shape.axes.items() if n > 1) or "1")
-          + f"; B={t.per_device_batch_size}, L={t.seq_len}, remat {t.remat_policy.value}")
+          + f"; B={t.per_device_batch_size}" + (f" x A={t.grad_accum_steps} microbatches" if t.grad_accum_steps > 1
+                                                  else "") + f", L={t.seq_len}, remat {t.remat_policy.value}")
     print(f"  {'analytical (perfmodel)':<28} {'GiB':>9}    {'compiler (XLA memory_analysis)':<30} {'GiB':>9}")
     # the total is the state and the peak phase's parts: those are listed first and sum to it; the parts live only
     # in the other phases of the step follow, in parentheses

@@ -147,7 +147,8 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         if A == 1:
             (total, (tokens, lb_loss)), grads = grad_fn(params, batch, key)
         else:
-            # microbatch a takes rows a, a+A, ...: every device keeps 1/A of its own rows in each
+            # the step's A x B x devices rows, microbatch a the rows a, a+A, ...: every device keeps 1/A of its own
+            # rows in each, B of them per device (MaxText's per_device_batch_size is one microbatch)
             micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // A, A, *x.shape[1:]), 0, 1), batch)
 
             def accumulate(carry, mb_a):
@@ -224,7 +225,13 @@ class AbstractStep:
 
     @property
     def global_batch(self) -> int:
+        """Examples per step: grad_accum_steps microbatches."""
         return self.batch["inputs"].shape[0]
+
+    @property
+    def micro_batch(self) -> int:
+        """Examples per microbatch: per_device_batch_size x devices."""
+        return self.global_batch // self.train.grad_accum_steps
 
 
 def abstract_step(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> AbstractStep:
@@ -248,13 +255,16 @@ def abstract_step(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> Abstrac
     if train.optimizer_memory_host_offload:
         opt_shardings = jax.tree.map(_on_host, opt_shardings)
     state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
-    shape = (train.global_batch(mesh.size), train.seq_len)
+    shape = (train.global_batch(mesh.size), train.seq_len)  # A microbatches of B x devices rows
     batch = {
         "inputs": jax.ShapeDtypeStruct(shape, jnp.int32),
         "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
         "mask": jax.ShapeDtypeStruct(shape, jnp.bool_),
     }
-    batch_sharding = NamedSharding(mesh, partition_spec(shape, BATCH_AXES, sizes))
+    # sharded as one microbatch would be, over the batch axes that divide its rows: each device's share of the step
+    # is then A whole shares of the microbatches, and taking one needs no communication
+    batch_sharding = NamedSharding(mesh, partition_spec((train.micro_batch(mesh.size), train.seq_len), BATCH_AXES,
+                                                        sizes))
     return AbstractStep(
         model=model, train=train, mesh=mesh, state=state, state_shardings=state_shardings, batch=batch,
         batch_shardings={k: batch_sharding for k in batch}, param_count=md.param_count,
