@@ -72,7 +72,7 @@ def grid_best(model: str, topology: str, tokens: int, margin: float) -> tuple[di
             for remat, kernel in itertools.product(search.REMAT_POLICIES, search.KERNELS):
                 words = [f"ici_{a}={n}" for a, n in mesh.items()] + [
                     "ici_fsdp_transpose=1", f"remat_policy={remat}",
-                    f"attention={kernel}", f"per_device_batch_size={int(b) if b.is_integer() else b}",
+                    f"attention={kernel}", f"per_device_batch_size={search._number(b / accum)}",
                     f"grad_accum_steps={accum}"]
                 try:
                     p = plan(topology, model, words)

@@ -73,7 +73,7 @@ def plan(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT_MO
     model_cfg = model if isinstance(model, ModelConfig) else presets.get(model)
     configs = overrides_mod.apply(model_cfg, list(overrides))
     mesh_shape = resolve_mesh(configs.parallelism, topo)
-    configs.train.global_batch(mesh_shape.devices)  # whole, and split evenly into microbatches
+    configs.train.micro_batch(mesh_shape.devices)  # B x devices examples per microbatch: a whole number
     _check_experts(configs.model, mesh_shape)
     notes: tuple[str, ...] = ()
     if configs.parallelism == ParallelismConfig() and (keep := _fsdp_dividing_width(configs, mesh_shape)):
@@ -155,7 +155,7 @@ def replication_warnings(configs: Configs, mesh: MeshShape) -> tuple[str, ...]:
     model, train, axes = configs.model, configs.train, mesh.axes
     found: dict[tuple[str, str], tuple[int, int, bool]] = {}  # (letter, axis) -> (size, axis size, a weight?)
     arrays = [(x.shape, x.logical, True) for x in param_arrays(model)]
-    arrays += [((train.global_batch(mesh.devices), train.seq_len), ("activation_batch", "activation_length"), False)]
+    arrays += [((train.micro_batch(mesh.devices), train.seq_len), ("activation_batch", "activation_length"), False)]
     arrays += [((size,), (name,), False) for size, name in (
         (model.num_heads, "activation_heads"), (model.num_kv_heads, "activation_kv_heads"),
         (model.d_ff, "activation_mlp"), (model.vocab_size, "activation_vocab"))]

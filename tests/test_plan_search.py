@@ -131,9 +131,9 @@ def test_plan_json_schema(capsys, tmp_path):
                             "--verify", "0", "--out", str(tmp_path / "p"), "--json", "seq_len=64")
     assert code == 0
     summary = json.loads(out)
-    assert summary["schema"] == "maxperf.plan-result/1" and summary["winner"]["status"] == "chosen"
+    assert summary["schema"] == "maxperf.plan-result/2" and summary["winner"]["status"] == "chosen"
     doc = json.loads(Path(summary["plan_json"]).read_text())
-    assert doc["schema"] == "maxperf.plan/1" and not list((tmp_path / "p").glob(".*partial"))
+    assert doc["schema"] == "maxperf.plan/2" and not list((tmp_path / "p").glob(".*partial"))
     n = doc["counts"]
     assert n["indivisible"] + len(doc["candidates"]) == n["enumerated"]
     assert sum(p["candidates"] for p in doc["pruned"]) == n["indivisible"]
@@ -145,12 +145,39 @@ def test_plan_json_schema(capsys, tmp_path):
     assert doc["margin"]["value"] > 0 and doc["margin"]["source"]
 
 
-def test_maxtext_spelling_counts_one_microbatch():
+def test_maxtext_and_maxperf_spell_the_same_microbatch():
     c = search.Candidate({"data": 1, "fsdp": 4, "fsdp_transpose": 1, "sequence": 2, "tensor": 1, "expert": 1},
-                         {a: 1 for a in search.MESH_AXES}, "full", "flash", 8, 4)
+                         {a: 1 for a in search.MESH_AXES}, "full", "flash", 2, 4)
     assert "per_device_batch_size=2" in c.maxtext_flags() and "gradient_accumulation_steps=4" in c.maxtext_flags()
     assert "ici_context_parallelism=2" in c.maxtext_flags()
-    assert "per_device_batch_size=8" in c.overrides() and "grad_accum_steps=4" in c.overrides()
+    assert "per_device_batch_size=2" in c.overrides() and "grad_accum_steps=4" in c.overrides()
+
+
+def test_plan_splits_the_global_batch_into_microbatches_of_b():
+    # 256 rows of L=64 on 8 devices: 32 examples per device per step, A microbatches of B = 32 / A
+    result = search.search(search.Request("tiny", "cpu-8", global_batch_tokens=256 * 64,
+                                          pins=("seq_len=64", "grad_accum_steps=4", "remat_policy=full",
+                                                "attention=flash")))
+    assert result.global_batch_rows == 256
+    assert {(c.per_device_batch_size, c.grad_accum_steps) for c in result.candidates} == {(8, 4)}
+    command = result.command(result.winner)
+    assert "per_device_batch_size=8" in command["maxperf"].split() and "grad_accum_steps=4" in command["maxperf"]
+    assert "per_device_batch_size=8" in command["maxtext"].split()
+    assert "gradient_accumulation_steps=4" in command["maxtext"].split()
+    # a pinned B (MaxText's meaning) gives the A that reaches the global batch
+    pinned = search.search(search.Request("tiny", "cpu-8", global_batch_tokens=256 * 64,
+                                          pins=("seq_len=64", "per_device_batch_size=4", "remat_policy=full",
+                                                "attention=flash")))
+    assert {(c.per_device_batch_size, c.grad_accum_steps) for c in pinned.candidates} == {(4, 8)}
+    p = plan("cpu-8", "tiny", [*pinned.fixed, *pinned.winner.overrides()])
+    assert p.configs.train.global_batch(p.mesh_shape.devices) == 256
+
+
+def test_every_searched_accumulation_keeps_the_global_batch():
+    result = search.search(search.Request("tiny", "cpu-8", per_device_batch=4,
+                                          pins=("seq_len=64", "remat_policy=full", "attention=flash")))
+    pairs = {(c.per_device_batch_size, c.grad_accum_steps) for c in result.candidates}
+    assert pairs == {(4, 1), (2, 2), (1, 4)}
 
 
 @pytest.mark.slow
@@ -189,6 +216,7 @@ def test_pareto_front():
     (["--verify", "-1"], ["--verify", ">= 0"]),
     (["remat_policy=fast"], ["remat_policy=fast", "full"]),
     (["--per-device-batch", "4", "grad_accum_steps=3"], ["grad_accum_steps=3", "valid: 1, 2, 4"]),
+    (["--per-device-batch", "4", "per_device_batch_size=3"], ["per_device_batch_size=3", "B x A must be 4"]),
     (["ici_tensor=3"], ["ici_tensor=3", "does not divide the 8 devices"]),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, tmp_path, argv, words):

@@ -9,7 +9,7 @@ from pathlib import Path
 from maxperf.errors import MaxperfError
 
 GIB = 1 << 30
-RESULT_SCHEMA = "maxperf.plan-result/1"  # `maxperf plan --json`
+RESULT_SCHEMA = "maxperf.plan-result/2"  # `maxperf plan --json`; 2: B is one microbatch
 SHOWN = 12  # rows of the ranked table printed (plan.json holds them all)
 
 
@@ -64,7 +64,7 @@ def print_plan(result, path: Path) -> None:
     counts = d["counts"]
     r = result.request
     batch = (f"global batch {r.global_batch_tokens:,} tokens ({result.global_batch_rows} x {result.seq_len})"
-             if r.global_batch_tokens else f"per-device batch {r.per_device_batch:g}" if r.per_device_batch
+             if r.global_batch_tokens else f"per-device batch {r.per_device_batch:g} per step" if r.per_device_batch
              else "per-device batch searched")
     print(f"{result.model_name} on {result.topology_name}" + (f" x {r.num_slices}" if r.num_slices > 1 else "")
           + f" ({result.devices} devices), {batch}, L={result.seq_len}, objective {r.objective}")
@@ -128,9 +128,11 @@ def _plan_parser(sub) -> None:
     p.add_argument("--topology", required=True, help="e.g. v5p-256, v5e-256, h100-8x16, cpu-8")
     p.add_argument("--num-slices", type=int, default=1, help="slices side by side over DCN")
     batch = p.add_mutually_exclusive_group()
-    batch.add_argument("--global-batch", help="tokens per step (e.g. 4194304 or 4M), reached with per-device batch "
-                                              "and gradient accumulation")
-    batch.add_argument("--per-device-batch", type=float, help="examples per device per step (fractions allowed)")
+    batch.add_argument("--global-batch", help="tokens per step (e.g. 4194304 or 4M): B x devices x A x L, with "
+                                              "per_device_batch_size B and grad_accum_steps A searched")
+    batch.add_argument("--per-device-batch", type=float,
+                       help="examples per device per step, B x A (fractions allowed): the search splits them into A "
+                            "microbatches of per_device_batch_size B")
     p.add_argument("--objective", default="tokens_per_s", help="tokens_per_s (default) or mfu")
     p.add_argument("--verify", type=int, default=3, help="compile the best K until K fit (default 3; 0: none)")
     p.add_argument("--workers", type=int, help="compile worker processes (default: bounded by cores and memory)")

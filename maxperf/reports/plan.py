@@ -11,7 +11,7 @@ from maxperf.errors import MaxperfError
 from maxperf.reports import figures
 from maxperf.reports.page import GIB, Page, Section, percent, read_json, seconds, topology_label
 
-SCHEMA = "maxperf.plan/1"
+SCHEMA = "maxperf.plan/2"
 RANKED_ROWS = 25  # rows of the ranked table on the page (the CSV beside it holds the same)
 
 

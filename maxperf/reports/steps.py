@@ -69,8 +69,9 @@ def read(page: Page, kind: str, directory: Path) -> Step:
     mesh = " x ".join(f"{a}={n}" + (f" ({dcn[a]} over DCN)" if dcn.get(a, 1) > 1 else "")
                       for a, n in manifest.get("mesh", {}).get("axes", {}).items() if n > 1) or "1"
     settings = {"topology": where, "mesh": mesh if manifest else "",
-                "batch": (f"B={train.get('per_device_batch_size')} per device, global {manifest.get('global_batch')}"
-                          if manifest else ""),
+                "batch": (f"B={train.get('per_device_batch_size')} per device"
+                          + (f" x A={train['grad_accum_steps']} microbatches" if train.get("grad_accum_steps", 1) > 1
+                             else "") + f", global {manifest.get('global_batch')}" if manifest else ""),
                 "sequence": f"L={train.get('seq_len')}" if manifest else "", "directory": str(directory),
                 "kind": "measured run" if run else "compile"}
     s = Section(label + (" (measured)" if run else ""), "mfu")

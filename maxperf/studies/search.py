@@ -48,7 +48,7 @@ from maxperf.logical_axes import undivided_axes
 from maxperf.models import overrides as overrides_mod
 from maxperf.models.config import CHECKPOINT_NAMES, MESH_AXES, REMAT_SAVED, AttentionKernel, RematPolicy
 
-SCHEMA = "maxperf.plan/1"
+SCHEMA = "maxperf.plan/2"  # 2: per_device_batch_size is one microbatch, as in MaxText
 GIB = 1 << 30
 OBJECTIVES = ("tokens_per_s", "mfu")
 # The remat policies searched: every named policy of MaxText's (custom needs its per-tensor keys: pin it to use it).
@@ -123,8 +123,8 @@ class Candidate:
     dcn: dict[str, int]
     remat_policy: str
     attention: str
-    per_device_batch_size: float
-    grad_accum_steps: int
+    per_device_batch_size: float  # B: one microbatch per device (MaxText's meaning)
+    grad_accum_steps: int  # A: microbatches per step
     step_time_s: float = 0.0
     tokens_per_s: float = 0.0
     mfu: float = 0.0
@@ -165,7 +165,7 @@ class Candidate:
                 f"grad_accum_steps={self.grad_accum_steps}")
 
     def maxtext_flags(self) -> tuple[str, ...]:
-        """The same in MaxText's spellings: its per_device_batch_size is one microbatch's (B / A), its
+        """The same in MaxText's spellings: per_device_batch_size (one microbatch, in both), its
         gradient_accumulation_steps the microbatches (A); mesh axes as *_parallelism, sequence as context."""
         words = []
         for prefix, sizes in (("ici", self.ici), ("dcn", self.dcn)):
@@ -173,7 +173,7 @@ class Candidate:
                 if n > 1 or (prefix == "ici" and a == "fsdp"):  # MaxText's ici_fsdp defaults to -1: always say it
                     words.append(f"{prefix}_{'context' if a == 'sequence' else a}_parallelism={n}")
         words += [f"remat_policy={self.remat_policy}", f"attention={self.attention}",
-                  f"per_device_batch_size={_number(self.per_device_batch_size / self.grad_accum_steps)}"]
+                  f"per_device_batch_size={_number(self.per_device_batch_size)}"]
         if self.grad_accum_steps > 1:
             words.append(f"gradient_accumulation_steps={self.grad_accum_steps}")
         return tuple(words)
@@ -303,15 +303,7 @@ def _divisors(n: int) -> list[int]:
 
 def _split_pins(model, pins: Sequence[str]) -> tuple[dict[str, str], tuple[str, ...]]:
     """Pins of searched keys (by canonical name) and the other key=value words; every word validated first."""
-    # an unknown key or a bad value: one line naming what is valid (the batch and accumulation are checked against
-    # each other once the batch is known)
-    batch_words = {"per_device_batch_size", "grad_accum_steps", "gradient_accumulation_steps"}
-    overrides_mod.apply(model, [w for w in pins if w.partition("=")[0] not in batch_words])
-    for word in pins:
-        key, _, value = word.partition("=")
-        if key in batch_words:  # alone, beside a batch that it divides or an accumulation that divides it
-            overrides_mod.apply(model, [word, "grad_accum_steps=1" if "batch" in key else
-                                        f"per_device_batch_size={value}"])
+    overrides_mod.apply(model, list(pins))  # an unknown key or a bad value: one line naming what is valid
     searched: dict[str, str] = {}
     fixed = []
     for word in pins:
@@ -346,10 +338,15 @@ def _axis_choices(total: int, pinned: dict[str, int], what: str) -> list[tuple[i
     return out
 
 
+def _whole(x: float) -> float:
+    return int(x) if float(x).is_integer() else x
+
+
 def _batches(req: Request, devices: int, seq_len: int, pinned: dict[str, str]
              ) -> tuple[list[tuple[float, int]], int | None]:
-    """(B, A) pairs to search, and the global batch in rows where it is fixed."""
-    pinned_b = float(pinned["per_device_batch_size"]) if "per_device_batch_size" in pinned else None
+    """(B, A) pairs to search, B one microbatch per device (per_device_batch_size) and A the microbatches, and the
+    global batch in rows where it is fixed (--global-batch, or --per-device-batch: B x A per device)."""
+    pinned_b = _whole(float(pinned["per_device_batch_size"])) if "per_device_batch_size" in pinned else None
     pinned_a = int(pinned["grad_accum_steps"]) if "grad_accum_steps" in pinned else None
     if req.global_batch_tokens is not None:
         tokens = req.global_batch_tokens
@@ -357,36 +354,34 @@ def _batches(req: Request, devices: int, seq_len: int, pinned: dict[str, str]
             raise MaxperfError(f"--global-batch {tokens} tokens is not reachable: it must be a positive multiple "
                                f"of the sequence length L={seq_len} (e.g. {max(1, round(tokens / seq_len)) * seq_len})")
         rows = tokens // seq_len
-        b = rows / devices
-        if pinned_b is not None and pinned_b != b:
-            raise MaxperfError(f"per_device_batch_size={_number(pinned_b)} contradicts --global-batch {tokens}: "
-                               f"{rows} rows over {devices} devices is B={_number(b)}")
-        bs = [int(b) if b.is_integer() else b]
-    elif req.per_device_batch is not None or pinned_b is not None:
-        b = req.per_device_batch if req.per_device_batch is not None else pinned_b
-        if b <= 0 or not float(b * devices).is_integer():
-            raise MaxperfError(f"per-device batch {_number(b)} over {devices} devices gives {b * devices:g} rows, "
+        fixed = f"--global-batch {tokens} ({rows} rows over {devices} devices)"
+    elif req.per_device_batch is not None:
+        s = req.per_device_batch
+        if s <= 0 or not float(s * devices).is_integer():
+            raise MaxperfError(f"per-device batch {_number(s)} over {devices} devices gives {s * devices:g} rows, "
                                "which must be a positive whole number")
-        bs, rows = [int(b) if float(b).is_integer() else b], int(b * devices)
+        rows = int(s * devices)
+        fixed = f"--per-device-batch {_number(s)} ({rows} rows over {devices} devices)"
     else:
-        bs, rows = [b for b in FREE_BATCHES if float(b * devices).is_integer()], None
-    pairs = []
-    for b in bs:
-        g = int(b * devices)
-        if pinned_a is not None:
-            accums = [pinned_a]
-        elif rows is None:
-            accums = [1]  # with B free, accumulation only trades speed for nothing: a smaller B does the same
-        else:
-            accums = _divisors(g)
-        # A microbatches of the global batch, each a whole number of rows per device where B is whole
-        pairs += [(b, a) for a in accums if g % a == 0 and (not float(b).is_integer() or int(b) % a == 0)]
-    if not pairs:
-        b = bs[0]
-        valid = [a for a in _divisors(int(b * devices)) if not float(b).is_integer() or int(b) % a == 0]
-        raise MaxperfError(f"grad_accum_steps={pinned_a} does not divide the per-device batch B={_number(b)} (global "
-                           f"batch {int(b * devices)} rows); valid: {', '.join(map(str, valid))}")
-    return pairs, rows
+        rows = None
+    if rows is None:  # the step's batch free: no accumulation unless pinned (a smaller B does the same, faster)
+        bs = [pinned_b] if pinned_b is not None else [b for b in FREE_BATCHES if float(b * devices).is_integer()]
+        return [(b, pinned_a or 1) for b in bs], None
+    s = _whole(rows / devices)  # examples per device per step: B x A
+    if pinned_b is not None:
+        a = rows / (pinned_b * devices)
+        if not a.is_integer() or (pinned_a is not None and pinned_a != a):
+            steps = f" x grad_accum_steps={pinned_a}" if pinned_a is not None else ""
+            raise MaxperfError(f"per_device_batch_size={_number(pinned_b)}{steps} contradicts {fixed}: B x A must be "
+                               f"{_number(s)} per device (per_device_batch_size={_number(s)} grad_accum_steps=1, "
+                               "or a divisor of it with its A)")
+        return [(pinned_b, int(a))], rows
+    # A microbatches of the step's batch, each a whole number of rows, and of rows per device where B x A is whole
+    valid = [a for a in _divisors(rows) if not float(s).is_integer() or int(s) % a == 0]
+    if pinned_a is not None and pinned_a not in valid:
+        raise MaxperfError(f"grad_accum_steps={pinned_a} does not divide the per-device batch per step {_number(s)} "
+                           f"({fixed}); valid: {', '.join(map(str, valid))}")
+    return [(_whole(s / a), a) for a in ([pinned_a] if pinned_a is not None else valid)], rows
 
 
 _OFFLOADED = {p for p in REMAT_POLICIES if p != "none" and REMAT_SAVED[RematPolicy(p)][1]}
@@ -495,11 +490,11 @@ def search(req: Request, progress: Callable[[str], None] | None = None, margin: 
             pruned.append(Pruned(ici, dcn, why, per_mesh * len(pairs)))
             continue
         split = batch_axes(axes)
-        ok = [(b, a) for b, a in pairs if (int(b * devices) // a) % split == 0]
+        ok = [(b, a) for b, a in pairs if round(b * devices) % split == 0]
         if len(ok) < len(pairs):
             bad = [(b, a) for b, a in pairs if (b, a) not in ok]
             pruned.append(Pruned(ici, dcn, f"the batch axes ({split} ways) do not divide the microbatch of "
-                                           f"{int(bad[0][0] * devices) // bad[0][1]} rows (B={_number(bad[0][0])}, "
+                                           f"{round(bad[0][0] * devices)} rows (B={_number(bad[0][0])}, "
                                            f"A={bad[0][1]})", per_mesh * len(bad)))
         for (b, a), remat, kernel in itertools.product(ok, remats, kernels):
             candidates.append(Candidate(ici, dcn, remat, kernel, b, a))
@@ -509,8 +504,9 @@ def search(req: Request, progress: Callable[[str], None] | None = None, margin: 
     chip = device_for(topo, calibration)
     trains: dict[tuple, Any] = {}
     resolved: dict[tuple, Any] = {}
-    index = {(tuple(c.ici.values()), tuple(c.dcn.values()), c.per_device_batch_size, c.attention,
-              c.grad_accum_steps, c.remat_policy): c for c in candidates}
+    # by mesh, the step's rows (B x devices x A), kernel; then A and remat: a bucket's A split one step's batch
+    index = {(tuple(c.ici.values()), tuple(c.dcn.values()), round(c.per_device_batch_size * devices)
+              * c.grad_accum_steps, c.attention, c.grad_accum_steps, c.remat_policy): c for c in candidates}
     accums = sorted({a for _, a in pairs})
     order = sorted(remats, key=lambda r: (r in _OFFLOADED, len(_saved(r))))  # least kept first, offloads last
     limit_factor = 1 + margin.value

@@ -33,7 +33,7 @@ from maxperf.errors import MaxperfError
 from maxperf.perfmodel.calibration import StoredCalibration
 from maxperf.user_cache import load_calibration
 
-POINT_SCHEMA = "maxperf.sweep-point/2"  # 2: `key`, what the resume compares
+POINT_SCHEMA = "maxperf.sweep-point/3"  # 2: `key`, what the resume compares; 3: B is one microbatch
 SWEEP_SCHEMA = "maxperf.sweep/1"
 RESULT_SCHEMA = "maxperf.sweep-result/1"  # `maxperf sweep --json`
 HOST_BYTES_PER_COMPILE = 3 << 30  # peak host RSS seen per compile here (llama2-7b 1.5 GiB, 405B 1.8 GiB), with margin
@@ -116,7 +116,7 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
         est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology,
                                  calibration=calibration)
         row.update(chips=p.topology.chips, devices=p.topology.num_devices, platform=p.topology.platform,
-                   chip=p.topology.chip, global_batch=p.configs.train.per_device_batch_size * p.topology.num_devices,
+                   chip=p.topology.chip, global_batch=p.configs.train.global_batch(p.mesh_shape.devices),
                    seq_len=p.configs.train.seq_len, hbm_bytes=est.memory.hbm_bytes,
                    predicted_step_time_s=est.step_time_s, predicted_tokens_per_s=est.tokens_per_s,
                    predicted_tflops_per_chip=est.tflops_per_chip, predicted_mfu=est.mfu,

@@ -318,7 +318,7 @@ def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCo
     tokens = mesh_axes_for((B, L, D), BATCH_TOKENS, sizes)
     batch_axes = tokens[0] if isinstance(tokens[0], tuple) else (tokens[0],) if tokens[0] else ()
     if ep > 1 and "expert" not in batch_axes:
-        raise MaxperfError(f"expert parallelism splits the batch over the expert axis ({ep}), but the global batch "
+        raise MaxperfError(f"expert parallelism splits the batch over the expert axis ({ep}), but the microbatch "
                            f"of {B} examples does not divide over it; choose a per_device_batch_size that gives a "
                            "whole number of examples per device")
     F = cfg.moe_mlp_dim
