@@ -62,6 +62,45 @@ def test_cpu_artifact_loads_and_runs_one_step(cpu8):
     assert int(metrics["tokens"]) == 8 * 2 * 64
 
 
+MAXTEXT_ACCUMULATION = ["seq_len=16", "per_device_batch_size=8", "gradient_accumulation_steps=4"]
+
+
+def test_the_lowered_step_takes_a_microbatches_of_b_per_device():
+    # MaxText: global batch = devices x per_device_batch_size x gradient_accumulation_steps = 8 x 8 x 4
+    from maxperf.aot.compiler import build_mesh
+    from maxperf.models import train_step
+    from maxperf.plan import plan
+
+    p = plan("cpu-8", "tiny", MAXTEXT_ACCUMULATION)
+    assert p.configs.train.global_batch(8) == 256 and p.configs.train.micro_batch(8) == 64
+    mesh = build_mesh(p, jax.devices()[:8])
+    spec = train_step.abstract_step(p.configs.model, p.configs.train, mesh)
+    assert spec.batch["inputs"].shape == (256, 16) and spec.micro_batch == 64
+    with jax.set_mesh(mesh):
+        lowered = train_step.jit_step(spec).lower(spec.state, spec.batch).as_text()
+    main = next(line for line in lowered.splitlines() if "func.func public @main" in line)
+    assert main.count("tensor<256x16xi32>") == 2 and "tensor<256x16xi1>" in main  # inputs, targets, mask
+    assert "tensor<4x64x16xi32>" in lowered  # 4 microbatches of 64 rows
+
+
+@pytest.mark.slow
+def test_per_device_batch_size_is_one_microbatch_as_in_maxtext(tmp_path):
+    from maxperf.models import train_step
+
+    result = aot.compile("cpu-8", "tiny", MAXTEXT_ACCUMULATION, out=tmp_path / "a")
+    assert result.global_batch == 256
+    manifest = json.loads((result.out_dir / "manifest.json").read_text())
+    assert (manifest["global_batch"], manifest["micro_batch"], manifest["tokens_per_step"]) == (256, 64, 256 * 16)
+    lowered = (result.out_dir / "hlo/lowered.stablehlo.mlir").read_text()
+    main = next(line for line in lowered.splitlines() if "func.func public @main" in line)
+    assert main.count("tensor<256x16xi32>") == 2 and "tensor<256x16xi1>" in main  # inputs, targets, mask
+    assert "tensor<4x64x16xi32>" in lowered  # 4 microbatches of 64 rows
+    spec, step = aot.load(result.out_dir / "compiled.pkl").step(jax.devices()[:8])
+    assert spec.batch["inputs"].shape == (256, 16) and spec.micro_batch == 64
+    _, metrics = step(train_step.init_state(spec, seed=0), train_step.synthetic_batch(spec, seed=0))
+    assert int(metrics["tokens"]) == 256 * 16
+
+
 def _copy(src: Path, dst: Path) -> Path:
     import shutil
 

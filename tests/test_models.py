@@ -144,7 +144,8 @@ def test_remat_and_scan_do_not_change_gradients():
 @pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch():
     _, whole = tiny(devices=2)
-    _, accumulated = tiny("grad_accum_steps=2", devices=2)
+    _, accumulated = tiny("per_device_batch_size=1", "grad_accum_steps=2", devices=2)  # 2 microbatches of 1
+    assert accumulated.batch["inputs"].shape == whole.batch["inputs"].shape
     batch = jax.device_get(train_step.synthetic_batch(whole, seed=5))
     np.testing.assert_allclose(two_step_losses(whole, batch), two_step_losses(accumulated, batch), rtol=1e-5)
 
@@ -195,7 +196,7 @@ def test_parameters_are_sharded_by_their_logical_axes():
         ("per_device_bach_size=2", "did you mean per_device_batch_size"),
         ("scan_layers=maybe", "true or false"),
         ("seq_len=many", "integer"),
-        ("grad_accum_steps=3", "must divide per_device_batch_size"),
+        ("grad_accum_steps=0", "grad_accum_steps must be >= 1"),
         ("noequals", "key=value"),
     ],
 )

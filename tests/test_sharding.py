@@ -81,10 +81,11 @@ def test_fractional_batch_is_maxtexts():
     assert overrides.apply(presets.get("tiny"), ["per_device_batch_size=4"]).train.per_device_batch_size == 4
     assert isinstance(overrides.apply(presets.get("tiny"), ["per_device_batch_size=4.0"]).train.per_device_batch_size,
                       int)
-    with pytest.raises(MaxperfError, match="global batch of 2.4 examples, which must be a whole number"):
+    with pytest.raises(MaxperfError, match="microbatch of 2.4 examples, which must be a whole number"):
         plan("v5p-8", "tiny", ["per_device_batch_size=0.6"])
-    with pytest.raises(MaxperfError, match="grad_accum_steps=4 must divide the global batch of 2"):
-        TrainConfig(per_device_batch_size=0.5, grad_accum_steps=4).global_batch(4)
+    # a fractional B is the microbatch, as in MaxText: A of them make the step
+    accumulated = TrainConfig(per_device_batch_size=0.5, grad_accum_steps=4)
+    assert (accumulated.micro_batch(4), accumulated.global_batch(4)) == (2, 8)
 
 
 def test_fractional_batch_splits_over_the_axes_that_divide_it():
