@@ -155,11 +155,14 @@ WINDOWED_MIN_ROWS = 128
 BACKWARD_SCORE_GRADIENTS = 1
 BACKWARD_D_FLOAT32 = 0
 # Beside them the layer being differentiated holds, per token, compute-dtype buffers of the full width D (the norms'
-# outputs gathered over tensor for the weight gradients, or their copies, and the partial input gradients of q, k
-# and v before their sum and reduce-scatter) and three of the MLP's local width (the product's, the activation's and
-# the gate's gradients). Measured here (the case of WINDOWED_SHARDS): the backward scan's body holds five
-# bf16[8,2048,4096] at tensor 4 and five bf16[1,2048,4096] with three bf16[1,2048,11008] at tensor 1.
-BACKWARD_D_BUFFERS = 5
+# outputs gathered over tensor for the weight gradients, the partial input gradients of q, k and v before their sum
+# and reduce-scatter) and three of the MLP's local width (the product's, the activation's and the gate's gradients).
+# Which of the full-width ones exist depends on where XLA turns the gather or the reduce-scatter into a windowed
+# einsum; measured here (llama2-7b widths at 4 layers on v5p-32, libtpu 0.0.52), the backward scan's body holds five
+# (tensor 4, B 2, L 2048: two gathered, three partial), three (tensor 8, B 16, L 4096: the partial ones, the gathers
+# windowed) and two (tensor 16, B 2, L 8192: the gathered ones, the reduce-scatters windowed); three is the middle
+# (errors of -7%, -14% and 0% on those steps, where five gave -3%, +8% and +37%).
+BACKWARD_D_BUFFERS = 3
 BACKWARD_F_BUFFERS = 3
 BACKWARD_MLP_D_BUFFERS = 2
 # A MoE layer keeps (models/layers/moe.py; counted from its tensors, not yet measured): per token the router's
