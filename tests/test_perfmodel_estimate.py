@@ -12,7 +12,7 @@ import pytest
 from maxperf.errors import MaxperfError
 from maxperf.models import presets
 from maxperf.models.config import TrainConfig
-from maxperf.perfmodel import Overlap, estimate
+from maxperf.perfmodel import Overlap, count_flops, estimate
 from maxperf.perfmodel.memory import layer_saved_per_token
 from maxperf.perfmodel.shapes import make_mesh
 from perfmodel_util import Topo
@@ -42,6 +42,25 @@ def test_mfu_and_throughput_follow_from_step_time():
     assert e.tokens_per_s == pytest.approx(2 * 2048 * 64 / e.step_time_s, rel=1e-12)
     assert e.tflops_per_chip == pytest.approx(e.mfu * 459, rel=1e-12)
     assert e.hardware_flops_per_device > e.model_flops_per_device
+
+
+def test_accumulation_runs_a_microbatches_of_b_per_device():
+    # MaxText's meaning: per_device_batch_size is one microbatch, the step A of them (B x A x L tokens per device)
+    one = TrainConfig(per_device_batch_size=2, seq_len=2048)
+    four = replace(one, grad_accum_steps=4)
+    e1, e4 = estimate(LLAMA, one, {"fsdp": 64}, {}, v5p(64)), estimate(LLAMA, four, {"fsdp": 64}, {}, v5p(64))
+    assert count_flops(LLAMA, four).tokens == 2 * 4 * 2048
+    assert e4.model_flops_per_device == pytest.approx(4 * e1.model_flops_per_device, rel=1e-12)
+    assert e4.tokens_per_s == pytest.approx(2 * 4 * 2048 * 64 / e4.step_time_s, rel=1e-12)
+    # the activations are one microbatch's, as without accumulation; the float32 accumulator is added
+    assert e4.memory.activations == e1.memory.activations and e4.memory.logits == e1.memory.logits
+    assert e1.memory.grad_accumulator == 0 < e4.memory.grad_accumulator
+    rows = {r.name: r for r in e1.breakdown}
+    for r in e4.breakdown:  # each microbatch's matmuls once per microbatch; the optimizer's update once per step
+        if r.kind == "compute":
+            assert r.flops == pytest.approx(4 * rows[r.name].flops, rel=1e-12), r.name
+    update = next(r for r in e4.breakdown if r.name == "optimizer update")
+    assert update.bytes == rows["optimizer update"].bytes
 
 
 def test_the_largest_preset_on_a_full_pod_adds_up():
