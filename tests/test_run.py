@@ -108,6 +108,26 @@ def test_token_file_feeds_the_step(artifact, tmp_path):
         runner.run(artifact, steps=1, warmup=0, data=tmp_path / "bad.npy", out=tmp_path / "e")
 
 
+def test_each_step_reads_the_global_batch_of_rows_under_accumulation(tmp_path):
+    # per_device_batch_size=2 x 8 devices x 4 microbatches: 64 rows a step (MaxText's global batch)
+    import jax
+    import numpy as np
+
+    from maxperf.aot.compiler import build_mesh
+    from maxperf.models import train_step
+    from maxperf.plan import plan
+
+    p = plan("cpu-8", "tiny", ["seq_len=8", "per_device_batch_size=2", "gradient_accumulation_steps=4"])
+    spec = train_step.abstract_step(p.configs.model, p.configs.train, build_mesh(p, jax.devices()[:8]))
+    rows = np.arange(200 * 9, dtype=np.int32).reshape(200, 9) % 256
+    np.save(tmp_path / "tokens.npy", rows)
+    batch_for = runner.batches(spec, tmp_path / "tokens.npy", first_step=0, seed=0)
+    first, second = (jax.device_get(batch_for(i)) for i in (0, 1))
+    assert first["inputs"].shape == second["inputs"].shape == (64, 8)
+    np.testing.assert_array_equal(first["inputs"], rows[:64, :-1])
+    np.testing.assert_array_equal(second["inputs"], rows[64:128, :-1])
+
+
 def test_bad_step_counts_are_refused(artifact):
     with pytest.raises(MaxperfError, match="--steps must be >= 1"):
         runner.run(artifact, steps=0)

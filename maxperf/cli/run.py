@@ -132,7 +132,8 @@ def _run_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10); the median is reported")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps run first (default 2)")
     p.add_argument("--profile", action="store_true", help="capture an xprof trace of a few steps and summarize it")
-    p.add_argument("--data", help="a .npy file of token ids: rows of L+1 tokens, or one 1-D stream")
+    p.add_argument("--data", help="a .npy file of token ids: rows of L+1 tokens, or one 1-D stream; each step reads "
+                                  "the global batch, per_device_batch_size x devices x grad_accum_steps rows")
     p.add_argument("--checkpoint", help="save the state here (orbax, asynchronous) after the run")
     p.add_argument("--restore", help="start from the state saved here")
     p.add_argument("--out", help="where run.json (and trace/) go (default: DIR/run); an existing one must be an "
