@@ -36,6 +36,17 @@ def test_key_values_on_both_sides_of_an_option(capsys):
     assert code == 0 and est["per_device_batch_size"] == 2 and est["seq_len"] == 1024
 
 
+def test_estimate_counts_maxtexts_global_batch_under_accumulation(capsys):
+    words = ["--topology", "cpu-8", "--model", "tiny", "seq_len=16", "per_device_batch_size=8",
+             "gradient_accumulation_steps=4"]
+    code, out, _ = run_main(capsys, "estimate", *words)
+    assert code == 0 and "global batch     256 x 16 tokens (4 microbatches of 64)" in out
+    code, out, _ = run_main(capsys, "estimate", *words, "--json")
+    est = json.loads(out)
+    assert (est["per_device_batch_size"], est["grad_accum_steps"], est["global_batch"]) == (8, 4, 256)
+    assert est["tokens_per_s"] * est["step_time_s"] == pytest.approx(256 * 16, rel=1e-12)
+
+
 @pytest.mark.parametrize("command", [["compile"], ["estimate-memory", "--max-batch"], ["sweep", "--out", "o"]])
 def test_every_plan_command_reads_intermixed_overrides(command):
     topology = ["--topologies", "v5p-8"] if command[0] == "sweep" else ["--topology", "v5p-8"]
