@@ -46,7 +46,7 @@ class ModelShape(Protocol):
 
 @runtime_checkable
 class TrainShape(Protocol):
-    per_device_batch_size: float  # B: one microbatch per device (MaxText's), fractional as in MaxText, B x devices whole
+    per_device_batch_size: float  # B: one microbatch per device, fractional as in MaxText, B x devices whole
     seq_len: int  # L
     compute_dtype: str
     param_dtype: str
