@@ -134,6 +134,14 @@ HOISTED_EXPERT_COPIES = 1
 # 4 layers on v5p-32, B 2, L 2048, remat full, flash: the backward scan's body holds the three all-gathered
 # bf16[1,128,2048,768] beside a tgmm output bf16[128,2048,768] and the all-reduce of another; 5.56 GiB per device).
 EXPERT_GRAD_MATRICES = 2
+# The experts' backward over its routed rows (the dropless receive buffer, perfmodel.moe.routed_buffer_rows) holds
+# six D-wide row buffers (the dispatched input and its gather, the grouped matmul's output, the combine's scatter-add
+# and its gradient) and three Fe-wide ones (the recomputed gate and up and their product). Measured here with libtpu
+# 0.0.52: qwen3-235b-a22b at 4 layers on v5p-256, expert 16, B 2, L 2048, remat full, flash: six bf16[524288,4096]
+# and a (bf16[524288,1536] x 3) fusion at the backward scan's peak (524288 = 16 x 4096 tokens x 8); 33.21 GiB per
+# device compiled, 11.30 analytical without them.
+MOE_ROW_D_BUFFERS = 6
+MOE_ROW_F_BUFFERS = 3
 # Elsewhere XLA:TPU turns each weight's FSDP all-gather (and its gradient's reduce-scatter) into a windowed einsum, a
 # loop that multiplies one shard at a time while the next arrives: a few local shards live, never the gathered
 # weight. Measured here with libtpu 0.0.52, llama2-7b widths at 4 layers on v5p-32, remat none, flash: tensor 4,
@@ -508,6 +516,11 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     qkv = c * ((a.H + a.K) * Dq + a.K * Dv)  # q, k and v, or their gradients
     recomputed = (recomputed_attention_per_token(model, train, mesh, remat) + qkv) if names is not None else 0.0
     mlp_phase = c * (BACKWARD_F_BUFFERS * F_local + recomputed_mlp + BACKWARD_MLP_D_BUFFERS * D) + recomputed
+    if (moe := moe_shape(model)) is not None:  # a MoE layer's part: its routed rows, each D wide and Fe wide
+        rows = routed_rows_held(moe, train, mesh)
+        shared = moe.S * a.Fe * (BACKWARD_F_BUFFERS + (RECOMPUTED_MLP_F if recomputed_mlp else 0))
+        mlp_phase = max(mlp_phase, c * (rows * (MOE_ROW_D_BUFFERS * D + MOE_ROW_F_BUFFERS * a.Fe) + shared
+                                         + BACKWARD_MLP_D_BUFFERS * D) + recomputed)
     attention_phase = (BACKWARD_SCORE_GRADIENTS * score_grads + c * BACKWARD_D_BUFFERS * D + qkv + recomputed
                        + BACKWARD_D_FLOAT32 * 4 * D)
     expert_grads = EXPERT_GRAD_MATRICES * c * max(
