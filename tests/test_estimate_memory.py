@@ -217,6 +217,9 @@ def test_a_tiny_compile_keeps_the_saved_activations_perfmodel_counts(tmp_path):
      2520668352),
     ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=4", "per_device_batch_size=2",
                              "remat_policy=qkv_proj_offloaded", "attention=dot_product"], 3318496960),
+    # expert parallelism: the experts' backward over the dropless receive buffer's rows
+    ("qwen3-235b-a22b", "v5p-256", [*LLAMA_4, "per_device_batch_size=2", "remat_policy=full", "attention=flash",
+                                    "ici_expert_parallelism=16"], 35656062176),
 ])
 def test_analytical_total_is_within_ten_percent_of_recorded_compiles(model, topology, overrides, compiled):
     a = memory_fit.compare(topology, model, overrides, analytical_only=True).analytical
