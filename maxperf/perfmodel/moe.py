@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from maxperf.perfmodel.shapes import ModelShape, TrainShape, check
+from maxperf.perfmodel.shapes import ModelShape, TrainShape, check, per_model
 
 # The busiest of the expert-parallel devices processes this many times the mean of the routed rows (dropless
 # dispatch): the step waits for it, in its grouped matmuls and in the all-to-all it receives. An assumption: Switch
@@ -41,6 +41,7 @@ class MoeShape:
     router_bias: bool  # DeepSeek-V3's per-expert selection bias, a parameter of E
 
 
+@per_model
 def moe_shape(model: ModelShape) -> MoeShape | None:
     """The model's mixture of experts, or None for a dense model (num_experts 1, or no such attributes)."""
     E = int(getattr(model, "num_experts", 1) or 1)

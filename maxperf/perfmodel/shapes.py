@@ -7,10 +7,11 @@ read through `str(...)`, so a StrEnum member and its plain string value are the 
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from maxperf.errors import MaxperfError
 from maxperf.logical_axes import DCN_AXES, MESH_AXES  # the one table, shared with the models
@@ -74,6 +75,29 @@ def dcn_domains(topology: TopologyShape) -> int:
 def devices_per_chip(topology: TopologyShape) -> int:
     """JAX devices per chip: 2 on tpu7x (one per chiplet), else 1. Optional: read only where the topology has it."""
     return int(getattr(topology, "devices_per_chip", 1) or 1)
+
+
+def per_model(fn: Callable) -> Callable:
+    """Caches a function of the model alone: a search estimates thousands of meshes, batches and remat policies of one
+    model. Only a frozen dataclass (which cannot change) is cached, by identity; any other model is computed afresh.
+    Callers must not mutate what comes back."""
+    cache: dict[int, tuple[Any, Any]] = {}  # id(model) -> (model, value): the model held so its id stays its own
+
+    @functools.wraps(fn)
+    def wrapper(model):
+        hit = cache.get(id(model))
+        if hit is not None and hit[0] is model:
+            return hit[1]
+        value = fn(model)
+        params = getattr(type(model), "__dataclass_params__", None)
+        if params is not None and params.frozen:
+            if len(cache) >= 64:
+                cache.clear()
+            cache[id(model)] = (model, value)
+        return value
+
+    wrapper.cache_clear = cache.clear
+    return wrapper
 
 
 def check(ok: bool, message: str) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from maxperf.logical_axes import mesh_axes_for
 from maxperf.perfmodel.flops import gated, is_mla
 from maxperf.perfmodel.moe import moe_shape
-from maxperf.perfmodel.shapes import Mesh, ModelShape, micro_batch
+from maxperf.perfmodel.shapes import Mesh, ModelShape, micro_batch, per_model
 
 # Mesh axes that split the weights for storage only: they split the batch (fsdp, fsdp_transpose, expert) or the
 # sequence too, so each weight is gathered over them before its matmul (FSDP; ZeRO-3). `tensor` splits weights and
@@ -93,6 +93,11 @@ def held_gathered(x: ParamArray, mesh: Mesh) -> float:
 
 def param_arrays(model: ModelShape) -> list[ParamArray]:
     """Every parameter array of the Flax model with its logical axes (models/layers/*.py)."""
+    return list(_param_arrays(model))
+
+
+@per_model
+def _param_arrays(model: ModelShape) -> tuple[ParamArray, ...]:
     V, D, N, H, K, Dh, F = (model.vocab_size, model.d_model, model.num_layers, model.num_heads, model.num_kv_heads,
                             model.head_dim, model.d_ff)
     norm_arrays = 2 if str(model.norm) == "layernorm" else 1  # scale (+ bias)
@@ -140,7 +145,7 @@ def param_arrays(model: ModelShape) -> list[ParamArray]:
         arrays.append(ParamArray("positions", (model.max_position, D), ("position", "embed"), 1, False))
     if moe:
         arrays += moe_arrays(model, moe)
-    return arrays
+    return tuple(arrays)
 
 
 def mla_arrays(model: ModelShape) -> list[ParamArray]:

@@ -220,7 +220,9 @@ class _Table:
         flops = 2 * M * K * N * count
         nbytes = ((c if operand_bytes is None else operand_bytes) * (M * K + K * N) + c * M * N) * count
         efficiency = rate * matmul_efficiency(self.chip, min(M, K, N) if side is None else side, self.half)
-        if self.chip.kind != "cpu":
+        if "matmul" in self.assumed:  # said once per step: spare the line's formatting on every matmul
+            pass
+        elif self.chip.kind != "cpu":
             origin = MATMUL_FRACTION_ORIGIN[self.chip.name]
             self.assume("matmul", f"matmuls at {self.chip.matmul_fraction:.2f} of peak ({origin}) x m / (m + "
                                   f"{MATMUL_HALF[self.chip.kind]:g}), m a matmul's smallest side (HALF fitted)")
