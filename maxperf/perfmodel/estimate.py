@@ -133,7 +133,7 @@ def estimate(model: ModelShape, train: TrainShape, mesh_axes: Mapping[str, int],
              dcn_axes: Mapping[str, int] | None, topology: TopologyShape, *,
              overlap: Overlap | float | None = None,
              calibration: StoredCalibration | Calibration | None = None,
-             load_imbalance: float | None = None) -> Estimate:
+             load_imbalance: float | None = None, memory: MemoryBreakdown | None = None) -> Estimate:
     """Predicts one step of `train` for `model` over a mesh on `topology`.
 
     mesh_axes: sizes of ("data", "fsdp", "sequence", "tensor", "expert"), each the whole axis (ICI x DCN parts);
@@ -141,7 +141,9 @@ def estimate(model: ModelShape, train: TrainShape, mesh_axes: Mapping[str, int],
     takes the chip's default (default_overlap); calibration: this machine's measurements for "cpu" topologies
     (maxperf.user_cache.calibration_for loads them), recorded in the result; without one, labelled defaults;
     load_imbalance: for MoE models under expert parallelism, the busiest device's routed rows over the mean (None:
-    the train config's moe_load_imbalance where it has one, else perfmodel.moe.LOAD_IMBALANCE)."""
+    the train config's moe_load_imbalance where it has one, else perfmodel.moe.LOAD_IMBALANCE); memory: what
+    estimate_memory gave for this very model, train config (its attention resolved), mesh and device, where the caller
+    has it already (a search estimates memory first), so that it is not estimated twice."""
     check_model(model)
     check_train(train)
     check(topology.chips >= 1, f"topology must have at least one chip, got {topology.chips}")
@@ -156,7 +158,8 @@ def estimate(model: ModelShape, train: TrainShape, mesh_axes: Mapping[str, int],
     per_chip = devices_per_chip(topology)
     params = count_params(model)
     flops = count_flops(model, train, params_per_device(model, mesh))
-    memory = estimate_memory(model, train, mesh, chip.hbm_bytes, chip.kind)
+    if memory is None:
+        memory = estimate_memory(model, train, mesh, chip.hbm_bytes, chip.kind)
     time = step_time(model, train, mesh, chip, topology, overlap, max(memory.phases().values()), load_imbalance)
     peak = chip.peak_flops(train.compute_dtype)
     step = time.step_time_s

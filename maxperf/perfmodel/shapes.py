@@ -155,6 +155,11 @@ class Mesh:
     axes: Mapping[str, int]
     dcn: Mapping[str, int]
 
+    @functools.cached_property
+    def sizes(self) -> tuple[tuple[str, int], ...]:
+        """The axes as a hashable key (computed once per mesh: caches key on it)."""
+        return tuple(self.axes.items())
+
     def size(self, *names: str) -> int:
         return math.prod(self.axes[a] for a in names)
 

@@ -23,7 +23,7 @@ FSDP_AXES = ("fsdp", "fsdp_transpose", "sequence", "expert")
 
 def split(shape: Iterable[int], logical: Iterable[str | None], mesh: Mesh) -> tuple[int, ...]:
     """The number of shards along each dimension of an array with these logical axis names."""
-    return _split(tuple(shape), tuple(logical), tuple(mesh.axes.items()))
+    return _split(tuple(shape), tuple(logical), mesh.sizes)
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the same few arrays on the same mesh, hundreds of times per estimate
@@ -221,6 +221,22 @@ def activation_split(model: ModelShape, B: float, L: int, mesh: Mesh) -> Activat
     """One microbatch's activations (B per device: MaxText's per_device_batch_size). With a fractional B the
     microbatch may not divide every data-like axis: it is split over those that divide it and the devices along the
     others compute the same examples (B here is what one device computes)."""
+    memo = _memo(model)
+    key = ("activation_split", B, L, mesh.sizes)
+    if (hit := memo.get(key)) is not None:
+        return hit
+    memo[key] = _activation_split(model, B, L, mesh)
+    return memo[key]
+
+
+@per_model
+def _memo(model: ModelShape) -> dict:
+    """Results of this model's functions of small arguments (a fresh, unshared dict for a model per_model does not
+    cache)."""
+    return {}
+
+
+def _activation_split(model: ModelShape, B: float, L: int, mesh: Mesh) -> ActivationSplit:
     rows = micro_batch(B, mesh.devices)
     (nb, nl) = split((rows, L), ("activation_batch", "activation_length"), mesh)
 

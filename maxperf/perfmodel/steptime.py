@@ -183,8 +183,11 @@ def int8_matmuls(train: TrainShape) -> Int8Matmuls | None:
 
 def matmul_efficiency(chip: Chip, m: float, half: float | None = None) -> float:
     """chip.matmul_fraction x m / (m + HALF); `half` (a calibrated HALF) replaces the kind's."""
-    half = MATMUL_HALF[chip.kind] if half is None else half
-    return chip.matmul_fraction * m / (m + half)
+    return _efficiency(chip.matmul_fraction, m, MATMUL_HALF[chip.kind] if half is None else half)
+
+
+def _efficiency(fraction: float, m: float, half: float) -> float:
+    return fraction * m / (m + half)
 
 
 class _Table:
@@ -194,6 +197,9 @@ class _Table:
         self.chip, self.peak = chip, chip.peak_flops(dtype)
         self.int8 = int8
         self.half = chip.measured_matmul_half(dtype)
+        # matmul_efficiency's figures, read once: a step has hundreds of matmuls
+        self.fraction, self.matmul_half = chip.matmul_fraction, MATMUL_HALF[chip.kind] if self.half is None \
+            else self.half
         self.rows: dict[str, dict[str, float]] = {}
         self.overlap: dict[str, float] = {}
         self.assumed: dict[str, str] = {}
@@ -204,8 +210,10 @@ class _Table:
 
     def add(self, name: str, kind: str, seconds: float, flops: float = 0.0, nbytes: float = 0.0,
             overlap: float = 0.0) -> None:
-        row = self.rows.setdefault(name, {"compute": 0.0, "hbm": 0.0, "ici": 0.0, "dcn": 0.0, "host": 0.0,
-                                          "flops": 0.0, "bytes": 0.0})
+        row = self.rows.get(name)
+        if row is None:
+            row = self.rows[name] = {"compute": 0.0, "hbm": 0.0, "ici": 0.0, "dcn": 0.0, "host": 0.0, "flops": 0.0,
+                                     "bytes": 0.0}
         row[kind] += seconds
         row["flops"] += flops
         row["bytes"] += nbytes
@@ -219,7 +227,7 @@ class _Table:
         `operand_bytes`: the two operands' element size where it is not c (1 for int8)."""
         flops = 2 * M * K * N * count
         nbytes = ((c if operand_bytes is None else operand_bytes) * (M * K + K * N) + c * M * N) * count
-        efficiency = rate * matmul_efficiency(self.chip, min(M, K, N) if side is None else side, self.half)
+        efficiency = rate * _efficiency(self.fraction, min(M, K, N) if side is None else side, self.matmul_half)
         if "matmul" in self.assumed:  # said once per step: spare the line's formatting on every matmul
             pass
         elif self.chip.kind != "cpu":

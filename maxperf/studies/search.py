@@ -504,6 +504,7 @@ def search(req: Request, progress: Callable[[str], None] | None = None, margin: 
     chip = device_for(topo, calibration)
     trains: dict[tuple, Any] = {}
     resolved: dict[tuple, Any] = {}
+    memories: dict[Candidate, Any] = {}  # estimate_memory's breakdown, handed to estimate() for those that fit
     # by mesh, the step's rows (B x devices x A), kernel; then A and remat: a bucket's A split one step's batch
     index = {(tuple(c.ici.values()), tuple(c.dcn.values()), round(c.per_device_batch_size * devices)
               * c.grad_accum_steps, c.attention, c.grad_accum_steps, c.remat_policy): c for c in candidates}
@@ -536,8 +537,8 @@ def search(req: Request, progress: Callable[[str], None] | None = None, margin: 
                     c.unfit = f"keeps all that remat_policy={less} keeps, which does not fit"
                     continue
                 mesh = make_mesh(c.axes, c.dcn, topo)
-                c.memory_bytes = estimate_memory(model, resolved[key], mesh, chip.hbm_bytes,
-                                                 chip.kind).per_device_total_bytes
+                memories[c] = estimate_memory(model, resolved[key], mesh, chip.hbm_bytes, chip.kind)
+                c.memory_bytes = memories[c].per_device_total_bytes
                 if c.memory_bytes * limit_factor > chip.hbm_bytes:
                     if remat not in _OFFLOADED:
                         unfit.append(remat)
@@ -551,7 +552,8 @@ def search(req: Request, progress: Callable[[str], None] | None = None, margin: 
                     c.skipped = f"remat_policy={more} keeps more and fits: less recompute"
                     continue
                 key = (c.remat_policy, c.attention, c.per_device_batch_size, c.grad_accum_steps)
-                est = perfmodel.estimate(model, trains[key], c.axes, c.dcn, topo, calibration=calibration)
+                est = perfmodel.estimate(model, trains[key], c.axes, c.dcn, topo, calibration=calibration,
+                                         memory=memories[c])
                 c.step_time_s, c.tokens_per_s, c.mfu = est.step_time_s, est.tokens_per_s, est.mfu
                 c.memory_bytes, c.bottleneck = est.memory_per_device_bytes, est.bottleneck
     hbm = chip.hbm_bytes
