@@ -203,6 +203,10 @@ class _Table:
         self.rows: dict[str, dict[str, float]] = {}
         self.overlap: dict[str, float] = {}
         self.assumed: dict[str, str] = {}
+        # train_matmul's additions by its arguments, replayed where a layer repeats the last one's (attention per
+        # layer): the same additions in the same order, so the same sums
+        self.repeats: dict[tuple, list[tuple]] = {}
+        self.recording: list[tuple] | None = None
 
     def assume(self, key: str, line: str) -> None:
         """Records that a constant that is fitted or assumed, not measured on this chip, drove this step."""
@@ -210,6 +214,8 @@ class _Table:
 
     def add(self, name: str, kind: str, seconds: float, flops: float = 0.0, nbytes: float = 0.0,
             overlap: float = 0.0) -> None:
+        if self.recording is not None:
+            self.recording.append((name, kind, seconds, flops, nbytes, overlap))
         row = self.rows.get(name)
         if row is None:
             row = self.rows[name] = {"compute": 0.0, "hbm": 0.0, "ici": 0.0, "dcn": 0.0, "host": 0.0, "flops": 0.0,
@@ -250,12 +256,19 @@ class _Table:
         (XLA:CPU copies x to x^T, a T x D transpose, and runs the weight gradient as a plain matmul, as a cpu-2
         step's optimized HLO shows), so a library's slower rate for a transposed operand does not apply.
         Under quantization=int8 (`self.int8`) a `quantized` one runs as `int8_train_matmul`."""
+        key = (name, M, K, N, forward, backward, c, side, rate, quantized)
+        if (adds := self.repeats.get(key)) is not None:
+            for args in adds:
+                self.add(*args)
+            return
+        self.recording = []
         if quantized and self.int8 is not None:
             self.int8_train_matmul(name, M, K, N, forward, backward, c, side, rate)
-            return
-        self.matmul(name, M, K, N, forward, c, side, rate)
-        self.matmul(name, M, N, K, backward, c, side, rate)
-        self.matmul(name, K, M, N, backward, c, side, rate)
+        else:
+            self.matmul(name, M, K, N, forward, c, side, rate)
+            self.matmul(name, M, N, K, backward, c, side, rate)
+            self.matmul(name, K, M, N, backward, c, side, rate)
+        self.repeats[key], self.recording = self.recording, None
 
     def int8_train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
                           side: float | None, rate: float) -> None:
@@ -343,7 +356,8 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
         if flash_rate:
             # the forward kernel (2 matmuls), again where remat recomputes it, and the backward kernel's
             flops = 2 * a.L * L * (Dq + Dv) / 2 * (2 * context_fwd + FLASH_BACKWARD_MATMULS) * count
-            table.assume("flash", f"flash attention at {flash_rate:.2f} of the matmul rate (fitted)")
+            if "flash" not in table.assumed:  # once, not per layer
+                table.assume("flash", f"flash attention at {flash_rate:.2f} of the matmul rate (fitted)")
             table.add("attention (flash kernel)", "compute", flops / (table.peak * chip.matmul_fraction * flash_rate),
                       flops)
         elif attention_rate:  # measured whole (CPU devices): scores, softmax and context, forward and backward
