@@ -2,6 +2,7 @@
 one device, the decoder's dense and MoE layers, presets against their published sizes, and refusals."""
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -273,6 +274,90 @@ def test_moe_presets_have_their_published_total_and_active_parameters(name):
     assert active == pytest.approx(presets.PUBLISHED_ACTIVE_PARAMS[name], rel=rel)
 
 
+# --- auxiliary-loss-free balancing (routed_bias_update_rate) ------------------------------------------------------
+
+def test_the_bias_update_is_rate_times_the_sign_of_mean_minus_load():
+    # 8 assignments over 4 experts: mean 2; over-loaded experts lose the rate, under-loaded gain it, the mean stays
+    update = moe.bias_update(jnp.asarray([5, 1, 2, 0], jnp.int32), 0.001)
+    np.testing.assert_array_equal(update, np.float32([-0.001, 0.001, 0.0, 0.001]))
+    stacked = moe.bias_update(jnp.asarray([[5, 1, 2, 0], [0, 0, 0, 8]], jnp.int32), 0.5)  # a scanned stack [N, E]
+    np.testing.assert_array_equal(stacked, np.float32([[-0.5, 0.5, 0, 0.5], [0.5, 0.5, 0.5, -0.5]]))
+    counts = moe.expert_counts(jnp.asarray([[[0, 1], [0, 2]], [[0, 3], [1, 0]]]), 4)  # [B, L, K]
+    assert counts.tolist() == [4, 2, 1, 1]
+
+
+def balanced_tiny(scan: bool, rate: float = 0.02):
+    model = tiny_moe(routed_score_func=RoutedScoreFunc.SIGMOID, routed_bias=True)
+    train = overrides.apply(model, [*BASE, "per_device_batch_size=4", f"routed_bias_update_rate={rate}",
+                                    f"scan_layers={str(scan).lower()}", "learning_rate=1e-9"]).train
+    tokens = np.random.default_rng(0).integers(0, model.vocab_size, (4, 17), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((4, 16), np.bool_)}
+    return model, train, batch
+
+
+def router_loads(model, train, params, batch) -> dict[str, np.ndarray]:
+    net = nnx.merge(train_step.model_def(model, train).graphdef, params)
+    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), batch["inputs"].shape)
+    return jax.device_get(net.forward(batch["inputs"], positions).counts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [True, False])
+def test_each_step_moves_every_layers_bias_by_its_loads_exactly(scan):
+    model, train, batch = balanced_tiny(scan)
+    state = train_step.init_fn(model, train)(jax.random.PRNGKey(0))
+    loads = router_loads(model, train, state["params"], batch)
+    assert len(loads) == (1 if scan else 2)  # one [N, E] stack, or each layer's [E]
+    new, _ = jax.jit(train_step.make_train_step(model, train))(state, batch)
+    for path, counts in loads.items():
+        assert np.all(counts.sum(-1) == 4 * 16 * 2)  # every token's top-2, the whole batch
+        old_bias, new_bias = (functools.reduce(lambda node, k: node[int(k) if k.isdigit() else k], path.split("/"), p)
+                              for p in (state["params"], new["params"]))
+        mean = counts.sum(-1, keepdims=True) / 4
+        np.testing.assert_array_equal(np.asarray(new_bias) - np.asarray(old_bias),
+                                      (0.02 * np.sign(mean - counts)).astype(np.float32))
+
+
+def test_the_bias_moves_the_loads_towards_balance():
+    model, train, batch = balanced_tiny(True, rate=0.01)
+    state = train_step.init_fn(model, train)(jax.random.PRNGKey(0))
+    step = jax.jit(train_step.make_train_step(model, train))
+
+    def spread(params):  # the busiest expert's load over the mean, worst layer
+        return max(float(c.max() / c.mean()) for c in router_loads(model, train, params, batch).values())
+
+    before = spread(state["params"])
+    for _ in range(30):
+        state, _ = step(state, batch)
+    assert before > 1.3 and spread(state["params"]) < before - 0.2, (before, spread(state["params"]))
+
+
+def test_the_selection_bias_has_no_gradient():
+    model, train, batch = balanced_tiny(True)
+    params = train_step.init_fn(model, train)(jax.random.PRNGKey(0))["params"]
+    params["layers"]["mlp"]["router"]["bias"] = jnp.asarray([[0.3, -0.2, 0.1, 0.0]] * 2, jnp.float32)
+    graphdef = train_step.model_def(model, train).graphdef
+
+    def loss(params):
+        net = nnx.merge(graphdef, params)
+        positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), batch["inputs"].shape)
+        x, lb = net.hidden_and_aux(batch["inputs"], positions)
+        return jnp.mean(train_step.cross_entropy(net.logits(x), batch["targets"])) + lb
+
+    grads = jax.grad(loss)(params)
+    assert np.all(np.asarray(grads["layers"]["mlp"]["router"]["bias"]) == 0)
+    assert np.any(np.asarray(grads["layers"]["mlp"]["router"]["kernel_DxE"]) != 0)
+
+
+def test_without_a_rate_the_bias_stays_and_no_loads_are_taken():
+    model, train, batch = balanced_tiny(True, rate=0.0)
+    state = train_step.init_fn(model, train)(jax.random.PRNGKey(0))
+    assert router_loads(model, train, state["params"], batch) == {}
+    new, _ = jax.jit(train_step.make_train_step(model, train))(state, batch)
+    np.testing.assert_array_equal(new["params"]["layers"]["mlp"]["router"]["bias"],
+                                  state["params"]["layers"]["mlp"]["router"]["bias"])
+
+
 # --- refusals ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("words,match", [
@@ -281,6 +366,7 @@ def test_moe_presets_have_their_published_total_and_active_parameters(name):
     (["capacity_factor=0", "sparse_matmul=false"], r"capacity_factor must be -1 \(dropless.*or > 0.*got 0"),
     (["capacity_factor=1.25"], r"capacity_factor=1.25 drops tokens in the dense dispatch: set sparse_matmul=false"),
     (["n_routing_groups=3", "topk_routing_group=1"], r"n_routing_groups dividing num_experts \(4\)"),
+    (["routed_bias_update_rate=-0.001"], r"routed_bias_update_rate must be >= 0 .*got -0.001"),
 ])
 def test_bad_moe_settings_are_refused(words, match):
     with pytest.raises(MaxperfError, match=match):

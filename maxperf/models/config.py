@@ -406,6 +406,9 @@ class TrainConfig:
     sparse_matmul: bool = True
     megablox: bool = True
     load_balance_loss_weight: float = 0.01  # the router's auxiliary loss (Switch Transformer's form)
+    # DeepSeek-V3's auxiliary-loss-free balancing (MaxText's key; 0: off): with routed_bias, after each step every MoE
+    # layer's selection bias moves by this rate times sign(mean load - expert's load) over the step's tokens
+    routed_bias_update_rate: float = 0.0
     # perfmodel only: the busiest expert-parallel device's routed rows over the mean (None: perfmodel's assumption)
     moe_load_imbalance: float | None = None
     # MaxText's keys: int8 matmuls (models/layers/quantization.py); the weight gradient's token axis in this many
@@ -457,6 +460,9 @@ class TrainConfig:
                  "sparse_matmul=false with it, or capacity_factor=-1 for the dropless sparse one")
         _require(self.load_balance_loss_weight >= 0,
                  f"load_balance_loss_weight must be >= 0, got {self.load_balance_loss_weight:g}")
+        _require(self.routed_bias_update_rate >= 0,
+                 f"routed_bias_update_rate must be >= 0 (0: the selection bias stays as it is), got "
+                 f"{self.routed_bias_update_rate:g}")
         _require(self.moe_load_imbalance is None or self.moe_load_imbalance >= 1,
                  f"moe_load_imbalance (the busiest expert shard's rows over the mean) must be >= 1, got "
                  f"{self.moe_load_imbalance}")

@@ -22,7 +22,7 @@ from maxperf.models.layers import attention_kernels
 from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.decoder import RESIDUAL
 from maxperf.models.layers import quantization
-from maxperf.models.layers.moe import MoEOptions
+from maxperf.models.layers.moe import MoEOptions, bias_update
 from maxperf.models.sharding import constrain, partition_spec
 from maxperf.models.transformer import Transformer
 
@@ -125,14 +125,15 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         positions_BxL = jnp.broadcast_to(jnp.arange(inputs_BxL.shape[1], dtype=jnp.int32), inputs_BxL.shape)
         mask_BxL = batch["mask"].astype(jnp.float32)
         tokens = jnp.sum(mask_BxL)
-        x_BxLxD, lb_loss = net.hidden_and_aux(inputs_BxL, positions_BxL, key)
+        out = net.forward(inputs_BxL, positions_BxL, key)
+        x_BxLxD, lb_loss = out.hidden, out.lb_loss
         if train.num_vocab_tiling > 1:
             total = tiled_nll_sum(net, x_BxLxD, batch["targets"], mask_BxL, train.num_vocab_tiling)
         else:
             total = jnp.sum(cross_entropy(net.logits(x_BxLxD), batch["targets"]) * mask_BxL)
         if model.is_moe and train.load_balance_loss_weight > 0:
             total = total + train.load_balance_loss_weight * lb_loss * tokens
-        return total, (tokens, lb_loss)
+        return total, (tokens, lb_loss, out.counts)
 
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
@@ -145,7 +146,7 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
             params = jax.device_put(params, jax.memory.Space.Device)
         key = quantization.step_key(train, state["step"])  # int8's stochastic rounding; None without it
         if A == 1:
-            (total, (tokens, lb_loss)), grads = grad_fn(params, batch, key)
+            (total, (tokens, lb_loss, counts)), grads = grad_fn(params, batch, key)
         else:
             # the step's A x B x devices rows, microbatch a the rows a, a+A, ...: every device keeps 1/A of its own
             # rows in each, B of them per device (MaxText's per_device_batch_size is one microbatch)
@@ -153,20 +154,28 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
 
             def accumulate(carry, mb_a):
                 mb, a = mb_a
-                (t, (n, lb)), g = grad_fn(params, mb, None if key is None else jax.random.fold_in(key, a))
-                c_total, c_tokens, c_lb, c_grads = carry
-                return (c_total + t, c_tokens + n, c_lb + lb / A, jax.tree.map(jnp.add, c_grads, g)), None
+                (t, (n, lb, c)), g = grad_fn(params, mb, None if key is None else jax.random.fold_in(key, a))
+                c_total, c_tokens, c_lb, c_counts, c_grads = carry
+                return (c_total + t, c_tokens + n, c_lb + lb / A, jax.tree.map(jnp.add, c_counts, c),
+                        jax.tree.map(jnp.add, c_grads, g)), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            (total, tokens, lb_loss, grads), _ = jax.lax.scan(accumulate, (0.0, 0.0, 0.0, zeros),
-                                                              (micro, jnp.arange(A)))
+            # the expert loads summed over the microbatches: one update from the step's whole batch, as MaxText's
+            # gradient accumulation does
+            no_counts = {path: jnp.zeros(c.shape, c.dtype) for path, c in jax.eval_shape(
+                lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro), key)[0][1][2]).items()}
+            (total, tokens, lb_loss, counts, grads), _ = jax.lax.scan(
+                accumulate, (0.0, 0.0, 0.0, no_counts, zeros), (micro, jnp.arange(A)))
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         denom = jnp.maximum(tokens, 1.0)
         grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
         if train.optimizer_memory_host_offload:
             opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt_state": opt_state}
+        new_params = optax.apply_updates(params, updates)
+        if counts:  # after the optimizer's update, as MaxText applies it; the bias has no gradient (route)
+            new_params = update_routed_bias(new_params, counts, train.routed_bias_update_rate)
+        new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
         metrics = {
             "loss": total / denom,
             "grad_norm": optax.tree.norm(grads),
@@ -178,6 +187,20 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         return new_state, metrics
 
     return step
+
+
+def update_routed_bias(params: dict, counts: dict[str, jax.Array], rate: float) -> dict:
+    """`params` with each router's selection bias moved towards balance by its layer's expert loads
+    (moe.bias_update); `counts` maps the "/"-joined path of each bias to loads shaped like it."""
+
+    def moved(node, path: str):
+        if not isinstance(node, dict):
+            if path not in counts:
+                return node
+            return (node.astype(jnp.float32) + bias_update(counts[path], rate)).astype(node.dtype)
+        return {k: moved(v, f"{path}/{k}" if path else str(k)) for k, v in node.items()}
+
+    return moved(params, "")
 
 
 def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:

@@ -14,7 +14,7 @@ from maxperf.models.config import ModelConfig, Positions
 from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.decoder import RESIDUAL, DecoderBlock, make_layer
 from maxperf.models.layers.embedding import Embed, LearnedPositions, Unembed
-from maxperf.models.layers.moe import MoEOptions
+from maxperf.models.layers.moe import EXPERT_COUNTS, MoEOptions
 from maxperf.models.layers import quantization as quant
 from maxperf.models.layers.norms import make_norm
 from maxperf.models.sharding import constrain
@@ -31,6 +31,26 @@ def remat_policy(names: tuple[tuple[str, ...], tuple[str, ...]]):
     if saved:
         return jax.checkpoint_policies.save_only_these_names(*saved)
     return jax.checkpoint_policies.nothing_saveable
+
+
+@dataclass(frozen=True)
+class Forward:
+    """What the loss needs of the decoder (Transformer.forward)."""
+
+    pre_norm: jax.Array  # [B, L, D], the last layer's output (multi-token prediction starts from it)
+    hidden: jax.Array  # [B, L, D], final-normed: the logits' input
+    lb_loss: jax.Array  # the load-balancing loss averaged over MoE layers
+    counts: dict[str, jax.Array]  # int32 expert loads, keyed by the "/"-joined parameter path of the router's bias
+
+
+def collect_counts(module: nnx.Module) -> dict[str, jax.Array]:
+    """Takes the expert loads a forward left on `module`'s routers (moe.EXPERT_COUNTS), keyed by the "/"-joined
+    path of each router's bias inside `module`."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.pop(module, nnx.Intermediate)):
+        if path[-1] == EXPERT_COUNTS:
+            out["/".join(map(str, (*path[:-1], "bias")))] = var.get_value()
+    return out
 
 
 @dataclass(frozen=True)
@@ -116,15 +136,26 @@ class Transformer(nnx.Module):
         """The final-normed hidden states [B, L, D], and the mixture of experts' load-balancing loss averaged over
         the MoE layers (MaxText's moe_lb_loss, unweighted; 0 for a dense model). `key`: the int8 matmuls' stochastic
         rounding noise (a fresh one each step; None: a fixed one)."""
+        out = self.forward(tokens_BxL, positions_BxL, key)
+        return out.hidden, out.lb_loss
+
+    def forward(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, key: jax.Array | None = None) -> Forward:
+        """The decoder's outputs for the loss: hidden states before and after the final norm, the load-balancing
+        loss (as hidden_and_aux), and the expert loads of the layers that record them (MoEOptions.count_experts)."""
+        cfg = self.cfg
+        x_BxLxD = constrain(self.embed_tokens(tokens_BxL, positions_BxL), RESIDUAL)
+        x_BxLxD, aux, counts = self._layers(x_BxLxD, positions_BxL, key)
+        return Forward(x_BxLxD, self.final_norm(x_BxLxD), aux / max(1, sum(cfg.moe_layers())), counts)
+
+    def embed_tokens(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+        """The decoder's input [B, L, D]: token embeddings, scaled (Gemma) and with learned positions (GPT-2)."""
         cfg = self.cfg
         x_BxLxD = self.embed(tokens_BxL, self.compute_dtype, iota=cfg.use_iota_embed)
         if cfg.scale_embeddings:
             x_BxLxD = x_BxLxD * jnp.asarray(math.sqrt(cfg.d_model), self.compute_dtype)
         if cfg.positions is Positions.LEARNED:
             x_BxLxD = x_BxLxD + self.positions(positions_BxL, self.compute_dtype)
-        x_BxLxD = constrain(x_BxLxD, RESIDUAL)
-        x_BxLxD, aux = self._layers(x_BxLxD, positions_BxL, key)
-        return self.final_norm(x_BxLxD), aux / max(1, sum(cfg.moe_layers()))
+        return x_BxLxD
 
     def logits(self, x_BxLxD: jax.Array) -> jax.Array:
         """float32 logits [B, L, V] of hidden states (any leading dims B, L: a chunk of the tokens too)."""
@@ -138,13 +169,15 @@ class Transformer(nnx.Module):
         return logits_BxLxV
 
     def _layers(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
-                key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """(x, summed load-balancing loss, expert loads keyed by the parameter path of their router's bias)."""
         windows = list(attention_rule.layer_masks(self.cfg))
         ropes = [not nope for nope in self.cfg.nope_layers()]
         # a mask (or RoPE choice) shared by every layer stays a Python constant, so the kernel's mask is static;
         # only layers that differ pass theirs through the scan
         static = (windows[0] if len(set(windows)) == 1 else None, ropes[0] if len(set(ropes)) == 1 else None)
         aux = jnp.zeros((), jnp.float32)
+        counts: dict[str, jax.Array] = {}
         for st in self.stacks:
             P = len(st.pattern)
             span = slice(st.start, st.start + st.count * P)
@@ -160,21 +193,24 @@ class Transformer(nnx.Module):
 
                 def body(carry, sw, apply=apply):
                     x, a = carry
-                    x, a_unit = apply(x, *sw)
-                    return (x, a + a_unit), None
+                    x, a_unit, c_unit = apply(x, *sw)
+                    return (x, a + a_unit), c_unit
 
-                (x_BxLxD, aux), _ = jax.lax.scan(body, (x_BxLxD, aux), (state, *per_unit))
+                (x_BxLxD, aux), stacked = jax.lax.scan(body, (x_BxLxD, aux), (state, *per_unit))
+                counts.update({f"{st.name}/{path}": c for path, c in stacked.items()})  # [count, E] as the bias
                 continue
             for i, unit in enumerate(layers):
                 graphdef, state = nnx.split(unit)
                 apply = self._unit_fn(graphdef, positions_BxL, static, P)
-                x_BxLxD, a_unit = apply(x_BxLxD, state, *(u[i] for u in per_unit))
+                x_BxLxD, a_unit, c_unit = apply(x_BxLxD, state, *(u[i] for u in per_unit))
                 aux = aux + a_unit
-        return x_BxLxD, aux
+                counts.update({f"{st.name}/{i}/{path}": c for path, c in c_unit.items()})
+        return x_BxLxD, aux, counts
 
     def _unit_fn(self, graphdef, positions_BxL: jax.Array, static: tuple[int | None, bool | None], P: int):
-        """(x, state, masks and RoPE flags of the unit's P layers) -> (x, aux), rematerialized per the policy.
-        `static`: the mask and RoPE flag every layer shares (None where they differ)."""
+        """(x, state, masks and RoPE flags of the unit's P layers) -> (x, aux, expert loads by the path of their
+        bias in the unit), rematerialized per the policy. `static`: the mask and RoPE flag every layer shares (None
+        where they differ)."""
 
         def apply(x_BxLxD, state, windows_P, ropes_P, key=None):
             with quant.scope(self.quantization, key):
@@ -185,8 +221,10 @@ class Transformer(nnx.Module):
             windows = [static[0] if static[0] is not None else windows_P[j] for j in range(P)]
             ropes = [static[1] if static[1] is not None else ropes_P[j] for j in range(P)]
             if P == 1:
-                return unit.with_aux(x_BxLxD, positions_BxL, windows[0], ropes[0])
-            return unit.with_aux(x_BxLxD, positions_BxL, windows, ropes)
+                x_BxLxD, aux = unit.with_aux(x_BxLxD, positions_BxL, windows[0], ropes[0])
+            else:
+                x_BxLxD, aux = unit.with_aux(x_BxLxD, positions_BxL, windows, ropes)
+            return x_BxLxD, aux, collect_counts(unit)
 
         if self.remat is None:
             return apply

@@ -48,11 +48,13 @@ class MoEOptions:
     capacity_factor: float = -1.0  # -1: dropless
     sparse_matmul: bool = True
     megablox: bool = True  # on TPU, the Pallas megablox grouped matmul (as MaxText); elsewhere ragged_dot
+    # a layer with a selection bias records its experts' loads (`EXPERT_COUNTS`) for the step's bias update
+    count_experts: bool = False
 
     @classmethod
     def from_train(cls, train: TrainConfig) -> MoEOptions:
         return cls(capacity_factor=train.capacity_factor, sparse_matmul=train.sparse_matmul,
-                   megablox=train.megablox)
+                   megablox=train.megablox, count_experts=train.routed_bias_update_rate > 0)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,25 @@ def route(logits_TxE: jax.Array, cfg: ModelConfig, bias_E: jax.Array | None = No
         weights_TxK = weights_TxK / (jnp.sum(weights_TxK, axis=-1, keepdims=True) + 1e-20)
     weights_TxK = weights_TxK * cfg.routed_scaling_factor
     return Routing(weights_TxK, experts_TxK.astype(jnp.int32), probs_TxE)
+
+
+# The router attribute that holds a forward's expert loads (an nnx.Intermediate), beside its `bias`.
+EXPERT_COUNTS = "expert_counts"
+
+
+def expert_counts(experts_TxK: jax.Array, E: int) -> jax.Array:
+    """int32 [E]: how many of the T x K assignments went to each expert (MaxText's calculate_expert_counts). Under
+    jit this counts the whole global batch, however the tokens are sharded."""
+    return jnp.sum(jax.nn.one_hot(experts_TxK.reshape(-1), E, dtype=jnp.int32), axis=0)
+
+
+def bias_update(counts_E: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3's auxiliary-loss-free balancing (DeepSeek-AI 2024, sec. 2.1.2; Wang et al. 2024): each expert's
+    selection bias moves by `rate` towards balance, rate x sign(mean load - its load), as MaxText's
+    load_balance_updates_from_counts computes it; loads of any leading shape [..., E] (a scanned stack's layers)."""
+    counts_E = counts_E.astype(jnp.float32)
+    mean = jnp.sum(counts_E, axis=-1, keepdims=True) / counts_E.shape[-1]
+    return rate * jnp.sign(mean - counts_E)
 
 
 def load_balance_loss(routing: Routing, E: int) -> jax.Array:
@@ -156,6 +177,8 @@ class MoE(nnx.Module):
         bias = self.router.bias[...] if cfg.routed_bias else None
         routing = route(self.router(x_BxLxD), cfg, bias)
         aux = load_balance_loss(routing, cfg.num_experts)
+        if cfg.routed_bias and self.options.count_experts:  # read and cleared by the Transformer (collect_counts)
+            setattr(self.router, EXPERT_COUNTS, nnx.Intermediate(expert_counts(routing.experts_TxK, cfg.num_experts)))
         weights = (self.wi_0_ExDxF[...] if cfg.activation.gated else None, self.wi_1_ExDxF[...], self.wo_ExFxD[...])
         biases = None
         if cfg.mlp_bias:
