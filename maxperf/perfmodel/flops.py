@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from maxperf import attention_rule  # plain Python: the kernel rule the model applies
 from maxperf.perfmodel.moe import MoeShape, dispatch, expert_capacity, moe_shape, rows_per_token
-from maxperf.perfmodel.shapes import ModelShape, TrainShape, check_model, check_train
+from maxperf.perfmodel.shapes import ModelShape, TrainShape, check_model, check_train, model_memo, per_model
 
 # Training costs forward + backward = 3 x forward: the backward computes grads w.r.t. inputs and weights, each as
 # many FLOPs as the forward (Kaplan et al. 2020, sec. 2.1; Narayanan et al. 2021).
@@ -246,6 +246,7 @@ class ParamCounts:
         return self.total - self.embedding - self.unembedding
 
 
+@per_model
 def count_params(model: ModelShape) -> ParamCounts:
     check_model(model)
     V, D, N = model.vocab_size, model.d_model, model.num_layers
@@ -296,10 +297,14 @@ def chunk_pairs(L: int, C: int) -> float:
 def layer_pairs(model: ModelShape, L: int) -> tuple[float, ...]:
     """The pairs each layer attends to: attention_type=chunk's local layers within chunks of
     chunk_attn_window_size, every other layer within its window (or the whole causal prefix)."""
+    memo = model_memo(model)
+    if (hit := memo.get(("layer_pairs", L))) is not None:
+        return hit
     chunked = str(getattr(model, "attention_type", "global")) == "chunk"
     C = getattr(model, "chunk_attn_window_size", None)
-    return tuple(chunk_pairs(L, C) if chunked and W is not None else attention_pairs(L, W)
+    memo["layer_pairs", L] = tuple(chunk_pairs(L, C) if chunked and W is not None else attention_pairs(L, W)
                  for W in model.layer_windows())
+    return memo["layer_pairs", L]
 
 
 @dataclass(frozen=True)

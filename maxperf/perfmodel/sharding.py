@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from maxperf.logical_axes import mesh_axes_for
 from maxperf.perfmodel.flops import gated, is_mla
 from maxperf.perfmodel.moe import moe_shape
-from maxperf.perfmodel.shapes import Mesh, ModelShape, micro_batch, per_model
+from maxperf.perfmodel.shapes import Mesh, ModelShape, micro_batch, model_memo, per_model
 
 # Mesh axes that split the weights for storage only: they split the batch (fsdp, fsdp_transpose, expert) or the
 # sequence too, so each weight is gathered over them before its matmul (FSDP; ZeRO-3). `tensor` splits weights and
@@ -221,19 +221,12 @@ def activation_split(model: ModelShape, B: float, L: int, mesh: Mesh) -> Activat
     """One microbatch's activations (B per device: MaxText's per_device_batch_size). With a fractional B the
     microbatch may not divide every data-like axis: it is split over those that divide it and the devices along the
     others compute the same examples (B here is what one device computes)."""
-    memo = _memo(model)
+    memo = model_memo(model)
     key = ("activation_split", B, L, mesh.sizes)
     if (hit := memo.get(key)) is not None:
         return hit
     memo[key] = _activation_split(model, B, L, mesh)
     return memo[key]
-
-
-@per_model
-def _memo(model: ModelShape) -> dict:
-    """Results of this model's functions of small arguments (a fresh, unshared dict for a model per_model does not
-    cache)."""
-    return {}
 
 
 def _activation_split(model: ModelShape, B: float, L: int, mesh: Mesh) -> ActivationSplit:

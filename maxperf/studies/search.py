@@ -504,6 +504,7 @@ def search(req: Request, progress: Callable[[str], None] | None = None, margin: 
     chip = device_for(topo, calibration)
     trains: dict[tuple, Any] = {}
     resolved: dict[tuple, Any] = {}
+    meshes: dict[tuple, Any] = {}  # by ICI and DCN sizes: one perfmodel Mesh for its candidates
     memories: dict[Candidate, Any] = {}  # estimate_memory's breakdown, handed to estimate() for those that fit
     # by mesh, the step's rows (B x devices x A), kernel; then A and remat: a bucket's A split one step's batch
     index = {(tuple(c.ici.values()), tuple(c.dcn.values()), round(c.per_device_batch_size * devices)
@@ -536,7 +537,9 @@ def search(req: Request, progress: Callable[[str], None] | None = None, margin: 
                 if less is not None:  # keeps all that `less` keeps, which does not fit: needs at least as much
                     c.unfit = f"keeps all that remat_policy={less} keeps, which does not fit"
                     continue
-                mesh = make_mesh(c.axes, c.dcn, topo)
+                mesh_key = (bucket[0], bucket[1])
+                if (mesh := meshes.get(mesh_key)) is None:
+                    mesh = meshes[mesh_key] = make_mesh(c.axes, c.dcn, topo)
                 memories[c] = estimate_memory(model, resolved[key], mesh, chip.hbm_bytes, chip.kind)
                 c.memory_bytes = memories[c].per_device_total_bytes
                 if c.memory_bytes * limit_factor > chip.hbm_bytes:
