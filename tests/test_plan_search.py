@@ -237,3 +237,75 @@ def test_a_compile_that_needs_more_than_predicted_raises_the_margin_and_searches
     assert result.margin.value == pytest.approx(2.0) and "this plan's compile" in result.margin.source
     assert "margin raised from" in result.notes[0] and first in result.candidates and first.status == "does not fit"
     assert all(c.memory_bytes * 3 <= result.hbm_bytes for c in result.fitting)
+
+
+# A mid-sized case: llama2-7b over v5p-8's 4 chips, 8 rows of 4,096 tokens, A of 1, 2, 4 or 8: 1,386 candidates,
+# 990 after divisibility, all three of the search's shortcuts taken
+MID = search.Request("llama2-7b", "v5p-8", global_batch_tokens=8 * 4096)
+
+
+@pytest.fixture(scope="module")
+def mid():
+    return search.search(MID)
+
+
+def _fresh_estimate(result, c):
+    """perfmodel.estimate() of a candidate with every cache perfmodel keeps emptied first."""
+    from maxperf.perfmodel import flops, moe, shapes, sharding
+
+    for cached in (moe.moe_shape, sharding._param_arrays, flops.count_params, shapes.model_memo, sharding._split):
+        cached.cache_clear()
+    p = plan(result.topology_name, result.model_name, list(c.overrides()))
+    return perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+
+
+def test_the_search_with_its_shortcuts_equals_an_exhaustive_one_on_a_mid_sized_case(mid):
+    # every candidate estimated afresh, none skipped: the same best, and no candidate the search did not time beats it
+    hbm, factor = mid.hbm_bytes, 1 + mid.margin.value
+    p = plan(mid.topology_name, mid.model_name, [])
+    exhaustive = {}
+    for c in mid.candidates:
+        q = plan(mid.topology_name, mid.model_name, list(c.overrides()))
+        assert q.configs.train.grad_accum_steps == c.grad_accum_steps and q.mesh_shape.ici == c.ici
+        exhaustive[c] = perfmodel.estimate(p.configs.model, q.configs.train, q.mesh_shape.axes, q.mesh_shape.dcn,
+                                           p.topology)
+    fitting = [c for c, est in exhaustive.items() if est.memory_per_device_bytes * factor <= hbm]
+    best = max(fitting, key=lambda c: exhaustive[c].tokens_per_s)
+    counts = mid.as_dict()["counts"]
+    assert counts["more_accumulation"] and counts["keeps_less_than_fitting"] and counts["keeps_more_than_unfit"]
+    assert mid.winner.tokens_per_s == exhaustive[best].tokens_per_s
+    assert (mid.winner.mesh_shown(), mid.winner.remat_policy, mid.winner.attention, mid.winner.grad_accum_steps) == \
+        (best.mesh_shown(), best.remat_policy, best.attention, best.grad_accum_steps)
+    assert {c for c in fitting if not c.skipped} == set(mid.fitting)  # unfit ones the search skipped do not fit
+    for c in mid.fitting:  # what the search timed, it timed exactly as estimate() does
+        assert (c.step_time_s, c.memory_bytes) == (exhaustive[c].step_time_s, exhaustive[c].memory_per_device_bytes)
+
+
+def test_perfmodel_caches_change_no_figure(mid):
+    # one model estimated over many meshes, batches and policies fills perfmodel's caches as a search does; each
+    # estimate then agrees to the last bit with one made with every cache emptied: none is keyed on less than its
+    # result depends on
+    model = plan(mid.topology_name, mid.model_name, []).configs.model
+    sample = [c for c in mid.candidates if c.memory_bytes][::8]
+    assert len({(c.mesh_shown(), c.per_device_batch_size) for c in sample}) > 20
+    warm = []
+    for c in sample:
+        q = plan(mid.topology_name, mid.model_name, list(c.overrides()))
+        warm.append(perfmodel.estimate(model, q.configs.train, q.mesh_shape.axes, q.mesh_shape.dcn,
+                                       q.topology).as_dict())
+    assert [_fresh_estimate(mid, c).as_dict() for c in sample] == warm
+
+
+def test_estimate_with_the_callers_memory_equals_estimate_alone():
+    from maxperf.perfmodel.estimate import device_for
+    from maxperf.perfmodel.flops import resolve_attention
+
+    p = plan("v5p-8", "llama2-7b", ["ici_fsdp=4", "remat_policy=full"])
+    m, t, axes = p.configs.model, p.configs.train, p.mesh_shape.axes
+    alone = perfmodel.estimate(m, t, axes, p.mesh_shape.dcn, p.topology)
+    chip = device_for(p.topology)
+    resolved = resolve_attention(m, t, chip.kind)
+    memory = perfmodel.estimate_memory(m, resolved, perfmodel.make_mesh(axes, p.mesh_shape.dcn, p.topology),
+                                       chip.hbm_bytes, chip.kind)
+    given = perfmodel.estimate(m, t, axes, p.mesh_shape.dcn, p.topology, memory=memory)
+    assert given.as_dict() == alone.as_dict()
