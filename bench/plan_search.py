@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/plan_search.py [--only NAME] [--compile] [--grid-workers N]
 
-For each case it runs `maxperf plan --verify 0` as its own process (the whole process timed, wall and CPU, against
-the 5 s target), then estimates a brute-force grid with the same model through `maxperf.plan.plan()` and
+For each case it runs `maxperf plan --verify 0` as its own process (the whole process timed, its CPU seconds against
+the 5 s target, and its wall seconds, which on a shared machine also count the waits for a core), then estimates a brute-force grid with the same model through `maxperf.plan.plan()` and
 `perfmodel.estimate()` one point at a time, none of the search's shortcuts: every mesh over data, fsdp, tensor and
 sequence (and expert for a mixture of experts) with fsdp_transpose 1, every remat policy, both attention kernels and
 every gradient accumulation that reaches the global batch, a point fitting when its memory with the plan's margin is
@@ -127,12 +127,13 @@ def main() -> int:
             summary, wall, cpu = run_plan(model, topology, tokens, Path(tmp) / name)
             n = summary["counts"]
             w = summary["winner"]
-            fast = wall < SPEED_TARGET_S
+            fast = cpu < SPEED_TARGET_S
+            ok &= fast
             print(f"{name} on {topology}, {tokens:,} tokens: {n['enumerated']:,} candidates "
                   f"({n['indivisible']:,} indivisible, {n['memory_estimated']:,} memory and {n['step_estimated']:,} "
-                  f"step-time estimates), whole process {wall:.2f} s wall, {cpu:.2f} s CPU "
-                  f"(target < {SPEED_TARGET_S:g} s: {'met' if fast else 'MISSED'}; search alone "
-                  f"{summary['search_seconds']:.2f} s)")
+                  f"step-time estimates), whole process {cpu:.2f} s CPU (target < {SPEED_TARGET_S:g} s: "
+                  f"{'met' if fast else 'MISSED'}), {wall:.2f} s wall; search alone "
+                  f"{summary['search_seconds']:.2f} s")
             print(f"  margin {summary['margin']['value']:.1%} ({summary['margin']['source']})")
             if w is None:
                 print("  no candidate fits")
