@@ -76,9 +76,13 @@ def test_the_winner_is_as_good_as_a_brute_force_grid_through_plan():
 
 def test_the_margin_comes_from_measured_error(tmp_path):
     path = tmp_path / "memory_error.json"
-    path.write_text(json.dumps({"tpu": {"median": 0.05, "worst": -0.21, "cases": 7}}))
+    # the margin is the largest underestimate (compiler over analytical), not the largest error either way: an
+    # over-estimate as large as kimi-k2's +48% needs no margin
+    path.write_text(json.dumps({"tpu": {"median": 0.05, "worst": 0.48, "worst_underestimate": 0.21, "cases": 7},
+                                "cpu": {"median": 0.05, "worst": 0.3, "worst_underestimate": -0.02, "cases": 3}}))
     tpu = search.load_margin("tpu", path)
     assert tpu.value == pytest.approx(0.21) and "7 cases" in tpu.source and path.name in tpu.source
+    assert search.load_margin("cpu", path).value == 0.0
     gpu = search.load_margin("gpu", path)
     assert gpu.value == pytest.approx(0.21) and "no gpu figure" in gpu.source
     missing = search.load_margin("tpu", tmp_path / "absent.json")

@@ -564,12 +564,14 @@ class MeasuredError:
     """How far estimate_memory's per-device total fell from the compiler's over a benchmark grid: absolute relative
     errors (median, worst) and the 90th percentile of the signed underestimate ((compiler - analytical) / compiler:
     negative where nine in ten cases over-estimate), over `cases` compiles made by `command` on `date`. A safety
-    margin: plan for analytical x (1 + max(p90_underestimate, 0)), or x (1 + worst) to be sure."""
+    margin: worst_underestimate is the largest compiler / analytical - 1 of them, the margin under which every
+    measured case's compiler figure stays within analytical x (1 + margin)."""
 
     platform: str
     median: float
     worst: float
     p90_underestimate: float
+    worst_underestimate: float
     cases: int
     command: str
     date: str
@@ -583,5 +585,6 @@ def measured_error(platform: str) -> MeasuredError | None:
     if entry is None:
         return None
     return MeasuredError(platform=platform, median=float(entry["median"]), worst=float(entry["worst"]),
-                         p90_underestimate=float(entry["p90_underestimate"]), cases=int(entry["cases"]),
+                         p90_underestimate=float(entry["p90_underestimate"]),
+                         worst_underestimate=float(entry["worst_underestimate"]), cases=int(entry["cases"]),
                          command=str(entry["command"]), date=str(entry["date"]))
