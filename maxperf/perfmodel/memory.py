@@ -485,7 +485,8 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     if tiles == 1:
         logits = T * a.V * (GPU_LOGIT_BYTES if platform == "gpu" else c + 4 * LOGITS_FLOAT32_BUFFERS)
     else:  # one chunk's logits at a time, and the vocabulary table's gradient summed over the chunks
-        table = next(x for x in param_arrays(model) if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
+        name = "embedding" if model.tie_embeddings else "unembedding"
+        table = next(x for x in param_arrays(model) if x.name == name)
         logits = (T / tiles * a.V * (c + 4 * TILED_LOGITS_FLOAT32_BUFFERS)
                   + p * local_size(table.shape, table.logical, mesh))
 
