@@ -9,6 +9,7 @@ summed per step over all layers and microbatches, by kind, into a breakdown tabl
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from maxperf.perfmodel import cpu
@@ -203,10 +204,7 @@ class _Table:
         self.rows: dict[str, dict[str, float]] = {}
         self.overlap: dict[str, float] = {}
         self.assumed: dict[str, str] = {}
-        # train_matmul's additions by its arguments, replayed where a layer repeats the last one's (attention per
-        # layer): the same additions in the same order, so the same sums
-        self.repeats: dict[tuple, list[tuple]] = {}
-        self.recording: list[tuple] | None = None
+        self.recording: list[tuple] | None = None  # add()'s arguments, kept while a layer is replayed (`replay`)
 
     def assume(self, key: str, line: str) -> None:
         """Records that a constant that is fitted or assumed, not measured on this chip, drove this step."""
@@ -256,19 +254,27 @@ class _Table:
         (XLA:CPU copies x to x^T, a T x D transpose, and runs the weight gradient as a plain matmul, as a cpu-2
         step's optimized HLO shows), so a library's slower rate for a transposed operand does not apply.
         Under quantization=int8 (`self.int8`) a `quantized` one runs as `int8_train_matmul`."""
-        key = (name, M, K, N, forward, backward, c, side, rate, quantized)
-        if (adds := self.repeats.get(key)) is not None:
-            for args in adds:
-                self.add(*args)
-            return
-        self.recording = []
         if quantized and self.int8 is not None:
             self.int8_train_matmul(name, M, K, N, forward, backward, c, side, rate)
-        else:
-            self.matmul(name, M, K, N, forward, c, side, rate)
-            self.matmul(name, M, N, K, backward, c, side, rate)
-            self.matmul(name, K, M, N, backward, c, side, rate)
-        self.repeats[key], self.recording = self.recording, None
+            return
+        self.matmul(name, M, K, N, forward, c, side, rate)
+        self.matmul(name, M, N, K, backward, c, side, rate)
+        self.matmul(name, K, M, N, backward, c, side, rate)
+
+    def replay(self, adds: list[tuple], times: int) -> None:
+        """Applies a layer's additions (add()'s arguments, in order) `times` more times, as the add() calls of that
+        many identical layers would: each sum takes the same terms in the same order, so the same bits."""
+        terms: dict[tuple[str, str], list[float]] = {}
+        for name, kind, seconds, flops, nbytes, overlap in adds:
+            for field, value in ((kind, seconds), ("flops", flops), ("bytes", nbytes)):
+                terms.setdefault((name, field), []).append(value)
+            self.overlap[name] = overlap
+        for (name, field), values in terms.items():
+            total = self.rows[name][field]
+            for _ in range(times):
+                for value in values:
+                    total += value
+            self.rows[name][field] = total
 
     def int8_train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
                           side: float | None, rate: float) -> None:
@@ -349,7 +355,8 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     flash_rate = FLASH_EFFICIENCY.get(chip.kind) if kernel == "flash" else None
     skips = ATTENTION_SKIPS_MASKED[kernel] and (chip.kind != "cpu" or cpu.SKIPS_MASKED_BLOCKS)
     attention_rate = chip.attention_rate(train.compute_dtype, Dq)
-    for pairs in layer_pairs(model, L):
+    for pairs, run in itertools.groupby(layer_pairs(model, L)):
+        table.recording = []  # a run of layers alike: the first computed, the rest replayed
         share = pairs / (L * L) if skips else 1.0
         count = Bm * a.H * micro * share
         scores_fwd, context_fwd = 1 + ("scores" in again), 1 + ("context" in again)
@@ -371,6 +378,8 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
             side = None if chip.kind == "cpu" else min(a.L, L)
             table.train_matmul("attention scores", a.L, Dq, L, scores_fwd * count, count, c, side, quantized=False)
             table.train_matmul("attention context", a.L, L, Dv, context_fwd * count, count, c, side, quantized=False)
+        adds, table.recording = table.recording, None
+        table.replay(adds, sum(1 for _ in run) - 1)
 
     # memory-bound work
     elementwise_layers = N * micro * (1 + ELEMENTWISE_BACKWARD_FACTOR + (1 if again else 0))
