@@ -52,8 +52,7 @@ def cmd_plan(args) -> int:
 
 def summary(result, path: Path) -> dict:
     """What `maxperf plan --json` prints: plan.json's header, the winner and the first rows of the ranking."""
-    full = result.as_dict()
-    shown = {k: v for k, v in full.items() if k not in ("candidates", "pruned")}
+    shown = result.as_dict(rows=False)
     return {**shown, "schema": RESULT_SCHEMA, "plan_json": str(path),
             "winner": None if result.winner is None else result.winner.as_dict(),
             "top": [c.as_dict() for c in result.candidates[:SHOWN]]}

@@ -256,7 +256,8 @@ class SearchResult:
                            + " ".join(c.overrides()),
                 "maxtext": start + flags}
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, rows: bool = True) -> dict[str, Any]:
+        """plan.json; `rows` False leaves out its candidates and pruned meshes (a summary's header, built fast)."""
         r = self.request
         winner = self.winner
         statuses = [c.status for c in self.candidates]
@@ -278,9 +279,8 @@ class SearchResult:
             "chosen": None if winner is None else self.candidates.index(winner),
             "command": None if winner is None else self.command(winner),
             "closest_miss": self.closest_miss, "notes": self.notes,
-            "candidates": [c.as_dict() for c in self.candidates],
-            "pruned": [p.as_dict() for p in self.pruned],
-        }
+        } | ({"candidates": [c.as_dict() for c in self.candidates], "pruned": [p.as_dict() for p in self.pruned]}
+             if rows else {})
 
 
 _MAXTEXT_NAMES = {v: k for k, v in overrides_mod.ALIASES.items() if not k.startswith(("ici_", "dcn_"))}
