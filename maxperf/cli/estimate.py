@@ -26,6 +26,9 @@ def cmd_estimate(args) -> int:
     print(f"  step time        {est.step_time_s:.4f} s, bound by {est.bottleneck}")
     print(f"  tokens/s         {est.tokens_per_s:,.0f}")
     print(f"  TFLOP/s per chip {est.tflops_per_chip:.1f}  (MFU {est.mfu:.1%})")
+    if est.flops.mtp_flops:  # counted in the model FLOPs as MaxText does, its parameters beside the model's
+        print(f"  MTP modules      {p.model.mtp_num_layers}: {est.params.mtp / 1e9:.2f}B parameters beside "
+              f"{est.params.total / 1e9:.2f}B, {est.flops.mtp_flops / est.flops.model_flops:.1%} of the model FLOPs")
     print(f"  memory/device    {est.memory_per_device_bytes / GIB:.2f} GiB of {est.memory.hbm_bytes / GIB:.2f} GiB "
           f"({'fits' if est.fits else 'DOES NOT FIT'})")
     if est.chip_note:

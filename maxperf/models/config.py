@@ -236,7 +236,9 @@ class ModelConfig:
     local_rope_theta: float | None = None  # the sliding-window layers' RoPE base (None: rope_theta)
     # positions divided by this on the other layers (MaxText's rope_linear_scaling_factor; Gemma 3's global layers)
     rope_linear_scaling_factor: float = 1.0
-    mtp_num_layers: int = 0  # DeepSeek-V3's multi-token-prediction modules, counted separately
+    # DeepSeek-V3's multi-token prediction (MaxText's key): this many sequential modules, module k predicting the
+    # token k + 1 ahead, each one decoder layer of the last layer's kind; trained beside the model, counted apart
+    mtp_num_layers: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -272,6 +274,8 @@ class ModelConfig:
         _require(self.local_per_global >= 1, f"local_per_global must be >= 1, got {self.local_per_global}")
         _require(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
         _require(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}")
+        _require(self.mtp_num_layers >= 0, f"mtp_num_layers must be >= 0 (0: no multi-token prediction), got "
+                 f"{self.mtp_num_layers}")
         _require(1 <= self.num_experts_per_tok <= self.num_experts,
                  f"num_experts_per_tok (top-k) must be between 1 and num_experts ({self.num_experts}), got "
                  f"{self.num_experts_per_tok}")
@@ -409,6 +413,8 @@ class TrainConfig:
     # DeepSeek-V3's auxiliary-loss-free balancing (MaxText's key; 0: off): with routed_bias, after each step every MoE
     # layer's selection bias moves by this rate times sign(mean load - expert's load) over the step's tokens
     routed_bias_update_rate: float = 0.0
+    # the multi-token-prediction loss (mtp_num_layers > 0), averaged over its depths, enters the loss times this
+    mtp_loss_scaling_factor: float = 0.1
     # perfmodel only: the busiest expert-parallel device's routed rows over the mean (None: perfmodel's assumption)
     moe_load_imbalance: float | None = None
     # MaxText's keys: int8 matmuls (models/layers/quantization.py); the weight gradient's token axis in this many
@@ -463,6 +469,8 @@ class TrainConfig:
         _require(self.routed_bias_update_rate >= 0,
                  f"routed_bias_update_rate must be >= 0 (0: the selection bias stays as it is), got "
                  f"{self.routed_bias_update_rate:g}")
+        _require(self.mtp_loss_scaling_factor >= 0,
+                 f"mtp_loss_scaling_factor must be >= 0, got {self.mtp_loss_scaling_factor:g}")
         _require(self.moe_load_imbalance is None or self.moe_load_imbalance >= 1,
                  f"moe_load_imbalance (the busiest expert shard's rows over the mean) must be >= 1, got "
                  f"{self.moe_load_imbalance}")

@@ -28,6 +28,7 @@ from maxperf.models.transformer import Transformer
 
 BATCH_AXES = ("activation_batch", "activation_length")
 _NO_DECAY = ("scale", "bias")  # norm parameters are not decayed
+MTP_EPS = 1e-8  # MaxText's EPS (utils/globals.py) under the MTP loss's token count
 
 
 def build_model(model: ModelConfig, train: TrainConfig, rngs: nnx.Rngs) -> Transformer:
@@ -117,23 +118,38 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
     A = train.grad_accum_steps
 
     def loss_sum(params, batch, key):
-        """The masked cross-entropy summed over tokens, plus (for a mixture of experts) the load-balancing loss
-        weighted and scaled by the token count, so that dividing by the tokens gives MaxText's loss + weight x
-        moe_lb_loss; with the token count and the unweighted load-balancing loss."""
+        """The masked cross-entropy summed over tokens, plus the auxiliary losses scaled by the token count so that
+        dividing by the tokens gives MaxText's loss + weight x moe_lb_loss + mtp_loss: for a mixture of experts the
+        load-balancing loss (its weight times the mean over MoE layers, those of the MTP modules too), with
+        multi-token prediction its loss (MaxText's calculate_mtp_loss: the depths' cross-entropy sums over their
+        tokens, times mtp_loss_scaling_factor). With the token count, the unweighted load-balancing loss, the MTP
+        loss and the expert loads of the layers that record them."""
         net = nnx.merge(graphdef, params)
         inputs_BxL = batch["inputs"]
         positions_BxL = jnp.broadcast_to(jnp.arange(inputs_BxL.shape[1], dtype=jnp.int32), inputs_BxL.shape)
         mask_BxL = batch["mask"].astype(jnp.float32)
         tokens = jnp.sum(mask_BxL)
+
+        def nll_sum(x_BxLxD, targets_BxL, m_BxL):
+            if train.num_vocab_tiling > 1:
+                return tiled_nll_sum(net, x_BxLxD, targets_BxL, m_BxL, train.num_vocab_tiling)
+            return jnp.sum(cross_entropy(net.logits(x_BxLxD), targets_BxL) * m_BxL)
+
         out = net.forward(inputs_BxL, positions_BxL, key)
-        x_BxLxD, lb_loss = out.hidden, out.lb_loss
-        if train.num_vocab_tiling > 1:
-            total = tiled_nll_sum(net, x_BxLxD, batch["targets"], mask_BxL, train.num_vocab_tiling)
-        else:
-            total = jnp.sum(cross_entropy(net.logits(x_BxLxD), batch["targets"]) * mask_BxL)
+        total, lb_loss, counts = nll_sum(out.hidden, batch["targets"], mask_BxL), out.lb_loss, out.counts
+        mtp_loss = jnp.zeros((), jnp.float32)
+        if model.mtp_num_layers:
+            ahead = net.predict_ahead(out.pre_norm, inputs_BxL, batch["targets"], mask_BxL, positions_BxL, nll_sum,
+                                      key)
+            mtp_loss = train.mtp_loss_scaling_factor * jnp.sum(ahead.nll_K) / (jnp.sum(ahead.weights_K) + MTP_EPS)
+            total = total + mtp_loss * tokens
+            counts = {**counts, **ahead.counts}
+            n_moe, n_mtp = sum(model.moe_layers()), model.mtp_num_layers * model.moe_layers()[-1]
+            if n_mtp:
+                lb_loss = (lb_loss * n_moe + ahead.lb_sum) / (n_moe + n_mtp)
         if model.is_moe and train.load_balance_loss_weight > 0:
             total = total + train.load_balance_loss_weight * lb_loss * tokens
-        return total, (tokens, lb_loss, out.counts)
+        return total, (tokens, lb_loss, mtp_loss, counts)
 
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
@@ -146,7 +162,7 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
             params = jax.device_put(params, jax.memory.Space.Device)
         key = quantization.step_key(train, state["step"])  # int8's stochastic rounding; None without it
         if A == 1:
-            (total, (tokens, lb_loss, counts)), grads = grad_fn(params, batch, key)
+            (total, (tokens, lb_loss, mtp_loss, counts)), grads = grad_fn(params, batch, key)
         else:
             # the step's A x B x devices rows, microbatch a the rows a, a+A, ...: every device keeps 1/A of its own
             # rows in each, B of them per device (MaxText's per_device_batch_size is one microbatch)
@@ -154,18 +170,18 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
 
             def accumulate(carry, mb_a):
                 mb, a = mb_a
-                (t, (n, lb, c)), g = grad_fn(params, mb, None if key is None else jax.random.fold_in(key, a))
-                c_total, c_tokens, c_lb, c_counts, c_grads = carry
-                return (c_total + t, c_tokens + n, c_lb + lb / A, jax.tree.map(jnp.add, c_counts, c),
+                (t, (n, lb, mtp, c)), g = grad_fn(params, mb, None if key is None else jax.random.fold_in(key, a))
+                c_total, c_tokens, c_lb, c_mtp, c_counts, c_grads = carry
+                return (c_total + t, c_tokens + n, c_lb + lb / A, c_mtp + mtp / A, jax.tree.map(jnp.add, c_counts, c),
                         jax.tree.map(jnp.add, c_grads, g)), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             # the expert loads summed over the microbatches: one update from the step's whole batch, as MaxText's
             # gradient accumulation does
             no_counts = {path: jnp.zeros(c.shape, c.dtype) for path, c in jax.eval_shape(
-                lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro), key)[0][1][2]).items()}
-            (total, tokens, lb_loss, counts, grads), _ = jax.lax.scan(
-                accumulate, (0.0, 0.0, 0.0, no_counts, zeros), (micro, jnp.arange(A)))
+                lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro), key)[0][1][3]).items()}
+            (total, tokens, lb_loss, mtp_loss, counts, grads), _ = jax.lax.scan(
+                accumulate, (0.0, 0.0, 0.0, 0.0, no_counts, zeros), (micro, jnp.arange(A)))
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         denom = jnp.maximum(tokens, 1.0)
         grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
@@ -184,6 +200,8 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         }
         if model.is_moe:  # the router's load-balancing loss, unweighted (1 when balanced); `loss` includes it weighted
             metrics["moe_lb_loss"] = lb_loss
+        if model.mtp_num_layers:  # scaled by mtp_loss_scaling_factor, as MaxText's learning/mtp_loss; in `loss` too
+            metrics["mtp_loss"] = mtp_loss
         return new_state, metrics
 
     return step

@@ -15,6 +15,7 @@ from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.decoder import RESIDUAL, DecoderBlock, make_layer
 from maxperf.models.layers.embedding import Embed, LearnedPositions, Unembed
 from maxperf.models.layers.moe import EXPERT_COUNTS, MoEOptions
+from maxperf.models.layers.mtp import MTPModule, shift_left
 from maxperf.models.layers import quantization as quant
 from maxperf.models.layers.norms import make_norm
 from maxperf.models.sharding import constrain
@@ -41,6 +42,16 @@ class Forward:
     hidden: jax.Array  # [B, L, D], final-normed: the logits' input
     lb_loss: jax.Array  # the load-balancing loss averaged over MoE layers
     counts: dict[str, jax.Array]  # int32 expert loads, keyed by the "/"-joined parameter path of the router's bias
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """What the multi-token-prediction modules give the loss (Transformer.predict_ahead)."""
+
+    nll_K: jax.Array  # [mtp_num_layers] masked cross-entropy sums, depth by depth
+    weights_K: jax.Array  # [mtp_num_layers] the tokens each depth predicts
+    lb_sum: jax.Array  # the load-balancing losses of its MoE layers, summed
+    counts: dict[str, jax.Array]  # expert loads, as Forward.counts
 
 
 def collect_counts(module: nnx.Module) -> dict[str, jax.Array]:
@@ -122,6 +133,9 @@ class Transformer(nnx.Module):
         self.final_norm = make_norm(cfg.norm, D, cfg.norm_eps, param_dtype, rngs)
         if not cfg.tie_embeddings:
             self.unembed = Unembed(D, V, param_dtype, rngs)
+        if cfg.mtp_num_layers:
+            self.mtp = nnx.List([MTPModule(cfg, param_dtype, rngs, attention, moe)
+                                 for _ in range(cfg.mtp_num_layers)])
 
     def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
         """float32 logits [B, L, V]."""
@@ -156,6 +170,31 @@ class Transformer(nnx.Module):
         if cfg.positions is Positions.LEARNED:
             x_BxLxD = x_BxLxD + self.positions(positions_BxL, self.compute_dtype)
         return x_BxLxD
+
+    def predict_ahead(self, pre_norm_BxLxD: jax.Array, tokens_BxL: jax.Array, targets_BxL: jax.Array,
+                      mask_BxL: jax.Array, positions_BxL: jax.Array, nll_sum, key: jax.Array | None = None) -> Ahead:
+        """The multi-token-prediction modules (layers/mtp.py) over the decoder's output: depth k sees the tokens and
+        targets shifted k to the left (the last k positions masked out) and predicts the token k + 1 ahead.
+        `nll_sum(hidden_BxLxD, targets_BxL, mask_BxL)`: the masked cross-entropy sum of final-normed hidden states
+        through the model's head."""
+        cfg = self.cfg
+        mask, rope = attention_rule.layer_masks(cfg)[-1], not cfg.nope_layers()[-1]  # the last layer's
+        masks_P, ropes_P = jnp.asarray([mask], jnp.int32), jnp.asarray([rope], jnp.bool_)
+        h_BxLxD, shifted = pre_norm_BxLxD, (tokens_BxL, targets_BxL, mask_BxL, positions_BxL)
+        losses, weights, aux, counts = [], [], jnp.zeros((), jnp.float32), {}
+        for k, module in enumerate(self.mtp):
+            shifted = tuple(shift_left(x) for x in shifted)
+            tokens_k, targets_k, mask_k, positions_k = shifted
+            x_BxLxD = module.project(h_BxLxD, self.embed_tokens(tokens_k, positions_k))
+            graphdef, state = nnx.split(module.layer)
+            apply = self._unit_fn(graphdef, positions_BxL, (mask, rope), 1, in_scan=False)
+            unit_key = None if key is None else jax.random.fold_in(key, cfg.num_layers + k)
+            h_BxLxD, a, c = apply(x_BxLxD, state, masks_P, ropes_P, unit_key)
+            aux = aux + a
+            counts.update({f"mtp/{k}/layer/{path}": v for path, v in c.items()})
+            losses.append(nll_sum(module.final_norm(h_BxLxD), targets_k, mask_k))
+            weights.append(jnp.sum(mask_k.astype(jnp.float32)))
+        return Ahead(jnp.stack(losses), jnp.stack(weights), aux, counts)
 
     def logits(self, x_BxLxD: jax.Array) -> jax.Array:
         """float32 logits [B, L, V] of hidden states (any leading dims B, L: a chunk of the tokens too)."""
@@ -207,10 +246,11 @@ class Transformer(nnx.Module):
                 counts.update({f"{st.name}/{i}/{path}": c for path, c in c_unit.items()})
         return x_BxLxD, aux, counts
 
-    def _unit_fn(self, graphdef, positions_BxL: jax.Array, static: tuple[int | None, bool | None], P: int):
+    def _unit_fn(self, graphdef, positions_BxL: jax.Array, static: tuple[int | None, bool | None], P: int,
+                 in_scan: bool | None = None):
         """(x, state, masks and RoPE flags of the unit's P layers) -> (x, aux, expert loads by the path of their
         bias in the unit), rematerialized per the policy. `static`: the mask and RoPE flag every layer shares (None
-        where they differ)."""
+        where they differ). `in_scan`: whether the unit runs as a scan's body (default: as the decoder's layers)."""
 
         def apply(x_BxLxD, state, windows_P, ropes_P, key=None):
             with quant.scope(self.quantization, key):
@@ -229,4 +269,5 @@ class Transformer(nnx.Module):
         if self.remat is None:
             return apply
         # inside scan, CSE cannot merge the recomputation into the forward pass, so it need not be prevented
-        return jax.checkpoint(apply, policy=remat_policy(self.remat), prevent_cse=not self.scan_layers)
+        in_scan = self.scan_layers if in_scan is None else in_scan
+        return jax.checkpoint(apply, policy=remat_policy(self.remat), prevent_cse=not in_scan)

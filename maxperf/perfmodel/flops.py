@@ -319,6 +319,9 @@ class FlopCounts:
     recompute_flops: float  # the forward work the remat policy does again in the backward pass
     optimizer_flops: float  # AdamW on this device's parameter shard
     hardware_flops: float  # weight + executed attention + recompute + optimizer + expert padding + dispatch
+    # the multi-token-prediction modules' share of model_flops (inside weight_flops and attention_flops), as MaxText
+    # counts them: each module as one more decoder layer of the last layer's kind, its weights and attention
+    mtp_flops: float = 0.0
     expert_padding_flops: float = 0.0  # routed-expert rows computed beyond top-k: the einsum dispatch's empty slots
     #                                    (negative where its capacity drops more than it pads)
     dispatch_flops: float = 0.0  # the einsum dispatch's one-hot dispatch and combine einsums, fwd + bwd
@@ -383,6 +386,12 @@ def count_flops(model: ModelShape, train: TrainShape, params_per_device: float |
             einsums = n_moe * B * dispatch_einsum_fwd_flops(model, moe, train)  # forward: dispatch + combine
             dispatched = einsums + einsums / 2 * (DISPATCH_BACKWARD_EINSUMS + COMBINE_BACKWARD_EINSUMS)
             recompute += einsums / 2 * ("dispatch" in again_moe)
+    mtp = mtp_fwd_flops(model, train, B)
+    weight_fwd += mtp.weights
+    attn_model_fwd += mtp.attention
+    attn_exec_fwd += mtp.attention_executed
+    attn_exec_bwd += mtp.attention_executed * (FLASH_BACKWARD_MATMULS / 2 if kernel == "flash" else 2)
+    recompute += mtp.recompute
     shard = params.total if params_per_device is None else params_per_device
     optimizer = OPTIMIZER_FLOPS_PER_PARAM * shard
     weight = TRAIN_FACTOR * weight_fwd
@@ -390,6 +399,47 @@ def count_flops(model: ModelShape, train: TrainShape, params_per_device: float |
         tokens=tokens, weight_flops=weight, attention_flops=TRAIN_FACTOR * attn_model_fwd,
         model_flops=weight + TRAIN_FACTOR * attn_model_fwd,
         attention_executed_flops=attn_exec_fwd + attn_exec_bwd, recompute_flops=recompute, optimizer_flops=optimizer,
-        hardware_flops=weight + attn_exec_fwd + attn_exec_bwd + recompute + optimizer + padding + dispatched,
-        expert_padding_flops=padding, dispatch_flops=dispatched,
+        hardware_flops=(weight + attn_exec_fwd + attn_exec_bwd + recompute + optimizer + padding + dispatched
+                        + TRAIN_FACTOR * mtp.uncounted),
+        mtp_flops=TRAIN_FACTOR * (mtp.weights + mtp.attention), expert_padding_flops=padding,
+        dispatch_flops=dispatched,
     )
+
+
+@dataclass(frozen=True)
+class MtpFlops:
+    """Forward FLOPs per device of the multi-token-prediction modules (all mtp_num_layers of them)."""
+
+    weights: float  # the decoder layer's matmuls (MaxText's mtp_weight_flops)
+    attention: float  # its attention's score and context einsums, the causal share (MaxText's mtp_attn_flops)
+    attention_executed: float  # those einsums as the kernel executes them
+    recompute: float  # what the remat policy computes again of the layer in the backward
+    uncounted: float  # the 2D x D projection and the shared head's D x V matmul, which MaxText leaves out
+
+
+def mtp_fwd_flops(model: ModelShape, train: TrainShape, B: float) -> MtpFlops:
+    """Each module costs one more decoder layer of the last layer's kind (a MoE layer at top-k, dropless) and its
+    attention, as MaxText's calculate_tflops_training_per_device adds them (maxtext_utils.py, "MTP FLOPs"), over
+    B x L tokens (B: the step's examples per device); the causal share by the last layer's mask (MaxText takes the
+    full causal one, the same for DeepSeek's global layers). The projection and the head's logits are executed but
+    not model FLOPs."""
+    n = int(getattr(model, "mtp_num_layers", 0) or 0)
+    if not n:
+        return MtpFlops(0.0, 0.0, 0.0, 0.0, 0.0)
+    L, D, H = train.seq_len, model.d_model, model.num_heads
+    tokens = B * L
+    moe = moe_shape(model)
+    last_moe = bool(moe) and moe_layers_of(model)[-1]
+    per_token = projection_flops_per_token(model, moe.k if last_moe else None)
+    wi = ("mlpwi_0", "mlpwi_1") if gated(model) else ("mlpwi",)
+    names = ("query_proj", "key_proj", "value_proj", "out_proj", *wi, "mlpwo", *(("router",) if last_moe else ()))
+    Dq, Dv = head_dims(model)
+    kernel = attention_kernel(train)
+    attention = 2 * B * layer_pairs(model, L)[-1] * H * (Dq + Dv)
+    executed = attention if ATTENTION_SKIPS_MASKED[kernel] else 2 * B * L * L * H * (Dq + Dv)
+    again = recomputed(model, train, moe_layer=last_moe)
+    recompute = tokens * sum(per_token[name] for name in again if name in per_token)
+    recompute += executed * (("scores" in again) + ("context" in again)) / 2
+    return MtpFlops(weights=n * tokens * sum(per_token[name] for name in names), attention=n * attention,
+                    attention_executed=n * executed, recompute=n * recompute,
+                    uncounted=n * 2 * tokens * (2 * D * D + D * model.vocab_size))
