@@ -24,6 +24,7 @@ from maxperf.perfmodel.shapes import (
     check_model,
     check_train,
     dtype_bytes,
+    model_memo,
 )
 from maxperf.perfmodel.sharding import (
     activation_split,
@@ -262,16 +263,21 @@ class MemoryBreakdown:
 
 def params_per_device(model: ModelShape, mesh: Mesh) -> float:
     """Parameters held by one device after sharding (the optimizer and gradients are sharded alike)."""
-    return sum(a.count * held(a, mesh) for a in param_arrays(model))
+    memo = model_memo(model)  # per mesh: a search asks for it again with every batch and policy
+    if (held_here := memo.get(("params_per_device", mesh.sizes))) is None:
+        held_here = memo["params_per_device", mesh.sizes] = sum(a.count * held(a, mesh) for a in param_arrays(model))
+    return held_here
 
 
 def params_per_block(model: ModelShape, mesh: Mesh) -> dict[str, float]:
     """params_per_device split into "experts" (MoE blocks), "attention" and "rest"."""
-    out = {"experts": 0.0, "attention": 0.0, "rest": 0.0}
-    for x in param_arrays(model):
-        part = "experts" if x.block == "moe" else "attention" if x.block == "attention" else "rest"
-        out[part] += x.count * held(x, mesh)
-    return out
+    memo = model_memo(model)
+    if (out := memo.get(("params_per_block", mesh.sizes))) is None:
+        out = memo["params_per_block", mesh.sizes] = {"experts": 0.0, "attention": 0.0, "rest": 0.0}
+        for x in param_arrays(model):
+            part = "experts" if x.block == "moe" else "attention" if x.block == "attention" else "rest"
+            out[part] += x.count * held(x, mesh)
+    return dict(out)
 
 
 def routed_rows_held(moe: MoeShape, train: TrainShape, mesh: Mesh) -> float:
