@@ -3,8 +3,9 @@
     .venv/bin/python bench/plan_search.py [--only NAME] [--compile] [--grid-workers N]
 
 For each case it runs `maxperf plan --verify 0` as its own process (the whole process timed, its CPU seconds against
-the 5 s target, and its wall seconds, which on a shared machine also count the waits for a core), then estimates a brute-force grid with the same model through `maxperf.plan.plan()` and
-`perfmodel.estimate()` one point at a time, none of the search's shortcuts: every mesh over data, fsdp, tensor and
+the 5 s target, and its wall seconds, which on a shared machine also count the waits for a core), then estimates a
+brute-force grid with the same model through `maxperf.plan.plan()` and `perfmodel.estimate()` one point at a time,
+none of the search's shortcuts (`--no-grid` skips it): every mesh over data, fsdp, tensor and
 sequence (and expert for a mixture of experts) with fsdp_transpose 1, every remat policy, both attention kernels and
 every gradient accumulation that reaches the global batch, a point fitting when its memory with the plan's margin is
 within HBM. The plan's winner must be at least as good, predicted, as the grid's best. `--compile` then runs
