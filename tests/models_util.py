@@ -21,10 +21,13 @@ def tiny(*words: str, devices: int = 8, preset: str = "tiny"):
     return cfg, train_step.abstract_step(cfg.model, cfg.train, mesh)
 
 
-def loss_and_grads(*words: str, preset: str = "tiny"):
-    """A tiny model's mean next-token loss on one seeded batch, and its gradients, on one device."""
+def loss_and_grads(*words: str, preset: str = "tiny", perturb=None):
+    """A tiny model's mean next-token loss on one seeded batch, and its gradients, on one device; `perturb` (params ->
+    params), where given, changes the initial parameters first."""
     cfg, spec = tiny(*words, devices=1, preset=preset)
     params = train_step.init_state(spec, seed=0)["params"]
+    if perturb is not None:
+        params = perturb(params)
     batch = jax.device_get(train_step.synthetic_batch(spec, seed=1))
     graphdef = train_step.model_def(cfg.model, cfg.train).graphdef
 
@@ -45,3 +48,17 @@ def two_step_losses(spec, batch_np) -> tuple[float, float]:
         state, m1 = step(state, batch)
         _, m2 = step(state, batch)
     return float(m1["loss"]), float(m2["loss"])
+
+
+def train_losses(spec, steps: int) -> tuple[list[float], dict]:
+    """The loss after each of `steps` jitted steps of `spec` on one seeded synthetic batch, and the last step's
+    metrics."""
+    step = train_step.jit_step(spec)
+    state = train_step.init_state(spec, seed=0)
+    batch = train_step.synthetic_batch(spec, seed=1)
+    losses = []
+    with jax.set_mesh(spec.mesh):
+        for _ in range(steps):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+    return losses, metrics

@@ -6,9 +6,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from models_util import loss_and_grads, tiny, two_step_losses
+from cli_util import maxperf
+from models_util import loss_and_grads, tiny, train_losses, two_step_losses
 
 from maxperf import attention_rule
 from maxperf.errors import MaxperfError
@@ -240,21 +238,8 @@ DEEPSEEK_TINY = ("num_experts=4", "num_experts_per_tok=2", "shared_experts=1", "
 def test_latent_attention_with_experts_learns_under_expert_and_tensor_parallelism():
     _, spec = tiny_mla(*DEEPSEEK_TINY, "seq_len=64", "learning_rate=1e-2", "attention=flash", "ici_expert=2",
                        "ici_tensor=2", "ici_fsdp=1", devices=4)
-    step = train_step.jit_step(spec)
-    state = train_step.init_state(spec, seed=0)
-    batch = train_step.synthetic_batch(spec, seed=1)
-    losses = []
-    with jax.set_mesh(spec.mesh):
-        for _ in range(20):
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
+    losses, _ = train_losses(spec, 20)
     assert losses[-1] < 0.5 * losses[0], losses
-
-
-def maxperf(*args, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each command sets its own device count
-    return subprocess.run([sys.executable, "-m", "maxperf.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from maxperf.models.layers.attention import Attention
 from maxperf.models.layers.mlp import gate
 from maxperf.models.layers.moe import route
 from maxperf.perfmodel.flops import count_flops, count_params
-from models_util import tiny
+from models_util import loss_and_grads, tiny
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
@@ -58,17 +58,7 @@ def _perturbed(params):
 def _loss_and_grads(*words: str):
     """The tiny mixture of experts' mean next-token loss on one seeded batch, and its gradients, on one device, with
     biases and sinks perturbed."""
-    cfg, spec = tiny(*words, devices=1, preset="tiny-moe")
-    params = _perturbed(train_step.init_state(spec, seed=0)["params"])
-    batch = jax.device_get(train_step.synthetic_batch(spec, seed=1))
-    graphdef = train_step.model_def(cfg.model, cfg.train).graphdef
-
-    def loss(params):
-        positions = jnp.broadcast_to(jnp.arange(cfg.train.seq_len, dtype=jnp.int32), batch["inputs"].shape)
-        logits = nnx.merge(graphdef, params)(batch["inputs"], positions)
-        return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1))
-
-    return jax.jit(jax.value_and_grad(loss))(params)
+    return loss_and_grads(*words, preset="tiny-moe", perturb=_perturbed)
 
 
 def _assert_same(got, ref):

@@ -13,7 +13,7 @@ from maxperf.models.config import ModelConfig, ParallelismConfig
 from maxperf.aot import topologies
 from maxperf.models.sharding import RULES, make_mesh, mesh_axes_for
 from maxperf.plan import resolve_mesh
-from models_util import tiny, two_step_losses
+from models_util import tiny, train_losses, two_step_losses
 
 
 @pytest.fixture(autouse=True)
@@ -58,14 +58,7 @@ def test_unknown_model_suggests_close_names():
 @pytest.mark.slow
 def test_loss_falls_on_a_fixed_batch():
     _, spec = tiny("learning_rate=1e-2")
-    step = train_step.jit_step(spec)
-    state = train_step.init_state(spec, seed=0)
-    batch = train_step.synthetic_batch(spec, seed=1)
-    losses = []
-    with jax.set_mesh(spec.mesh):
-        for _ in range(30):
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
+    losses, metrics = train_losses(spec, 30)
     assert losses[-1] < 0.5 * losses[0], losses
     assert int(metrics["tokens"]) == spec.batch["inputs"].size
 

@@ -5,14 +5,12 @@ import dataclasses
 import functools
 import json
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_util import maxperf
 from flax import nnx
 
 from maxperf.aot import topologies
@@ -374,9 +372,7 @@ def test_bad_moe_settings_are_refused(words, match):
 
 
 def test_a_refusal_is_one_line_and_exit_2():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-m", "maxperf.cli", "estimate", "--topology", "v5p-16", "--model",
-                           "tiny-moe", "ici_expert_parallelism=8"], capture_output=True, text=True, env=env, timeout=120)
+    proc = maxperf("estimate", "--topology", "v5p-16", "--model", "tiny-moe", "ici_expert_parallelism=8", timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "does not divide num_experts=4" in lines[0]
@@ -386,12 +382,6 @@ def test_a_refusal_is_one_line_and_exit_2():
 
 @pytest.mark.slow
 def test_tiny_moe_trains_with_expert_parallelism_through_compile_and_run(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-
-    def maxperf(*args):
-        return subprocess.run([sys.executable, "-m", "maxperf.cli", *args], capture_output=True, text=True, env=env,
-                              timeout=600)
-
     out = tmp_path / "tiny-moe"
     proc = maxperf("compile", "--topology", "cpu-4", "--model", "tiny-moe", "seq_len=64", "per_device_batch_size=2",
                    "learning_rate=1e-2", "warmup_steps=0", "ici_expert_parallelism=2", "--out", str(out))

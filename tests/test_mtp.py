@@ -3,14 +3,12 @@ against a direct computation of what each depth predicts, training, perfmodel's 
 and refusals."""
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_util import maxperf
 from flax import nnx
 
 from maxperf.errors import MaxperfError
@@ -153,9 +151,7 @@ def test_bad_mtp_settings_are_refused(words, match):
 
 
 def test_a_negative_mtp_depth_is_one_line_and_exit_2():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-m", "maxperf.cli", "estimate", "--topology", "v5p-8", "--model",
-                           "tiny-mla", "mtp_num_layers=-1"], capture_output=True, text=True, env=env, timeout=120)
+    proc = maxperf("estimate", "--topology", "v5p-8", "--model", "tiny-mla", "mtp_num_layers=-1", timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "mtp_num_layers must be >= 0" in lines[0]

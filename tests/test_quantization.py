@@ -14,7 +14,7 @@ import pytest
 from maxperf.errors import MaxperfError
 from maxperf.models import overrides, presets, train_step
 from maxperf.models.layers import quantization
-from tests.models_util import tiny
+from tests.models_util import tiny, train_losses
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "aqt_int8_dot.npz")
 # the cases tests/data/make_aqt_int8_fixture.py ran AQT on: (name, dimension numbers, local shard count)
@@ -142,14 +142,7 @@ def test_einsum_outside_a_scope_is_plain():
 def test_tiny_model_learns_under_int8():
     _, spec = tiny("learning_rate=1e-2", "quantization=int8", "compute_dtype=bfloat16", devices=2)
     assert spec.train.quantization_local_shard_count == 2  # -1 read as the devices of this host
-    step = train_step.jit_step(spec)
-    state = train_step.init_state(spec, seed=0)
-    batch = train_step.synthetic_batch(spec, seed=1)
-    losses = []
-    with jax.set_mesh(spec.mesh):
-        for _ in range(30):
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
+    losses, _ = train_losses(spec, 30)
     assert losses[-1] < 0.5 * losses[0], losses
 
 

@@ -7,18 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_util import maxperf
 
 from maxperf import aot
 from maxperf.errors import MaxperfError
 from maxperf.profiler import run as runner
 
 LEARNS = ["seq_len=64", "per_device_batch_size=2", "learning_rate=1e-2", "warmup_steps=0"]
-
-
-def maxperf(*args, cwd=None, timeout=600, unset=("XLA_FLAGS",)):
-    env = {k: v for k, v in os.environ.items() if k not in unset}  # the run sets its own device count
-    return subprocess.run([sys.executable, "-m", "maxperf.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
