@@ -1,7 +1,7 @@
 """The same train step compiled by MaxText's train_compile and by `maxperf compile`, side by side in one run.
 
     .venv/bin/python bench/maxtext_compare.py              # every case (about 15 minutes on 2 cores)
-    .venv/bin/python bench/maxtext_compare.py full flash   # some of them: full, flash, main
+    .venv/bin/python bench/maxtext_compare.py full flash   # some of them: full, flash, main, mixtral, mixtral4
 
 MaxText runs from its own venv (PEER_VENV, default /tmp/peer, installed by shared/peer/maxtext_aot.sh) exactly as
 that script runs it: `python -m maxtext.trainers.pre_train.train_compile base.yml compile_topology=... jax_cache_dir=""`.
@@ -17,6 +17,15 @@ Memory per device is the sum MaxText prints (max_utils.print_compiled_memory_sta
 temp, from XLA's memory analysis, in GiB (MaxText labels them GB). Wall seconds are the whole process, from start to
 exit. Targets: maxperf's memory at most 1.10x MaxText's, its wall time at most 0.8x; llama2-7b on
 v5p-1024 under 30 s and no more memory than MaxText's.
+
+Beside them, from libtpu's INFO logs of each side (its processes log to their own TPU_LOG_DIR in the run's work
+directory), for the largest program it compiled (the train step): the backend passes' seconds, the final program's
+bundle count, its overlays, and its HBM temporaries with libtpu's unpadded and padded sizes, where tile padding shows.
+
+The mixtral cases run MaxText's defaults for a mixture of experts, named on both sides: dropless
+(capacity_factor=-1) sorted tokens in the megablox grouped matmul (sparse_matmul, megablox), flash attention, full
+remat, and MaxText's load_balance_loss_weight default 0 (maxperf's is 0.01); MaxText's default mesh on v5p-128,
+ici_fsdp_parallelism=-1 and no expert parallelism, is maxperf's too.
 """
 
 from __future__ import annotations
@@ -47,11 +56,30 @@ class Case:
     settings: tuple[str, ...]  # key=value under the same names in MaxText and maxperf
 
 
+MOE_DEFAULTS = ("attention=flash", "remat_policy=full", "sparse_matmul=true", "megablox=true", "capacity_factor=-1",
+                "load_balance_loss_weight=0")
+
 CASES = (
     Case("full", "llama2-7b", "v5p-128", 4, 2048, ("attention=dot_product", "remat_policy=full")),
     Case("flash", "llama2-7b", "v5p-128", 4, 2048, ("attention=flash", "remat_policy=minimal")),
     Case("main", "llama2-7b", "v5p-1024", 1, 2048, ("attention=flash", "remat_policy=full")),
+    Case("mixtral", "mixtral-8x7b", "v5p-128", 1, 2048, MOE_DEFAULTS),
+    Case("mixtral4", "mixtral-8x7b", "v5p-128", 4, 2048, MOE_DEFAULTS),
 )
+
+
+@dataclass(frozen=True)
+class Backend:
+    """libtpu's account of the largest program one process compiled."""
+
+    passes_s: float
+    bundles: int
+    overlays: str  # e.g. "60 overlays without HLO functions (53.91M)"
+    hbm_temp: str  # the HBM requirement's "HLO temp" line: size, utilization, unpadded and padded sizes
+
+    def __str__(self) -> str:
+        return (f"backend passes {self.passes_s:.1f} s, {self.bundles:,} bundles, {self.overlays}; "
+                f"HBM temp {self.hbm_temp}")
 
 
 @dataclass(frozen=True)
@@ -59,6 +87,33 @@ class Result:
     memory_gib: float | None
     wall_s: float
     note: str = ""
+    backend: Backend | None = None
+
+
+def backend_of(log_dir: Path) -> Backend | None:
+    """The largest program in libtpu's INFO logs under `log_dir`: each compile logs its backend passes' duration,
+    then its bundle count, overlays and, under "Program hbm requirement", its HLO temporaries."""
+    lines = [line for log in sorted(log_dir.glob("tpu_driver.*.log.INFO.*"))
+             for line in log.read_text(errors="replace").splitlines()]
+    programs, current, section = [], {}, ""
+    for line in lines:
+        if m := re.search(r"BACKEND_PASSES stage duration: (?:(\d+)h)?(?:(\d+)m)?([0-9.]+)s", line):  # 2m19.9s
+            hours, minutes, seconds = m.groups()
+            current = {"passes_s": 3600 * int(hours or 0) + 60 * int(minutes or 0) + float(seconds)}
+            programs.append(current)
+        elif m := re.search(r"final program bundle count: ([0-9,]+)", line):
+            current["bundles"] = int(m.group(1).replace(",", ""))
+        elif m := re.search(r"Program divided into (.*)\.$", line):
+            current["overlays"] = m.group(1)
+        elif line.startswith("Program "):
+            section = line.split(" requirement")[0]
+        elif section == "Program hbm" and line.lstrip().startswith("HLO temp"):
+            current["hbm_temp"] = line.split("HLO temp", 1)[1].strip()
+    full = [p for p in programs if {"passes_s", "bundles", "hbm_temp"} <= p.keys()]
+    if not full:
+        return None
+    best = max(full, key=lambda p: p["bundles"])
+    return Backend(best["passes_s"], best["bundles"], best.get("overlays", "no overlays logged"), best["hbm_temp"])
 
 
 def run_timed(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
@@ -77,7 +132,8 @@ def maxtext(case: Case, work: Path) -> Result:
             f"compile_topology={case.topology}", "compile_topology_num_slices=1", f"model_name={case.model}",
             f"per_device_batch_size={case.batch}", f"max_target_length={case.seq}", f"run_name=cmp_{case.name}",
             f"base_output_directory={work / 'maxtext'}", "jax_cache_dir=", "log_config=false", *case.settings]
-    env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    logs = work / f"tpu_logs_maxtext_{case.name}"
+    env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_LOG_DIR": str(logs)}
     proc, wall = run_timed(argv, env, work)
     text = proc.stdout + proc.stderr
     m = re.search(r"CompiledMemoryStats\((.*?)\)", text)
@@ -86,7 +142,7 @@ def maxtext(case: Case, work: Path) -> Result:
     f = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
     total = (f["argument_size_in_bytes"] + f["output_size_in_bytes"] - f["alias_size_in_bytes"]
              + f["temp_size_in_bytes"])
-    return Result(total / GIB, wall)
+    return Result(total / GIB, wall, backend=backend_of(logs))
 
 
 def maxperf(case: Case, work: Path) -> Result:
@@ -95,14 +151,15 @@ def maxperf(case: Case, work: Path) -> Result:
     argv = [python, "-m", "maxperf.cli", "compile", "--topology", case.topology, "--model", case.model,
             "--out", str(out), "--force", f"per_device_batch_size={case.batch}", f"seq_len={case.seq}",
             *case.settings]
-    env = {**os.environ, "MAXPERF_NO_CACHE": "1", "PYTHONPATH": str(ROOT)}
+    logs = work / f"tpu_logs_maxperf_{case.name}"
+    env = {**os.environ, "MAXPERF_NO_CACHE": "1", "PYTHONPATH": str(ROOT), "TPU_LOG_DIR": str(logs)}
     proc, wall = run_timed(argv, env, ROOT)
     memory_path = out / "memory.json"
     if proc.returncode not in (0, 3) or not memory_path.exists():
         return Result(None, wall, f"maxperf exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
     m = json.loads(memory_path.read_text())
     total = m["argument_bytes"] + m["output_bytes"] - m["alias_bytes"] + m["temp_bytes"]
-    return Result(total / GIB, wall)
+    return Result(total / GIB, wall, backend=backend_of(logs))
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -131,9 +188,10 @@ def main(names: list[str]) -> None:
               flush=True)
         mt = maxtext(case, work)
         mp = maxperf(case, work)
-        for r in (mt, mp):
+        for side, r in (("MaxText", mt), ("maxperf", mp)):
             if r.note:
                 print(f"  {r.note}", flush=True)
+            print(f"  {side} libtpu: {r.backend or 'no program in its libtpu logs'}", flush=True)
         rows.append((case, mt, mp))
         print(f"  memory per device: MaxText {gib(mt.memory_gib)} GiB, maxperf {gib(mp.memory_gib)} GiB "
               f"({ratio(mp.memory_gib, mt.memory_gib)}); wall: MaxText {mt.wall_s:.1f} s, maxperf {mp.wall_s:.1f} s "
