@@ -53,6 +53,8 @@ RULES: dict[str, tuple[str, ...]] = {
     "q_lora": ("fsdp", "fsdp_transpose", "sequence", "expert"),
     "kv_lora": ("fsdp", "fsdp_transpose", "sequence", "expert"),
     "norm": ("tensor",),
+    # MaxText's llama2 configs (configs/models/llama2-*.yml) replace the norm rule by ['norm', 'fsdp']
+    "norm_fsdp": ("fsdp",),
     "position": (),
     "layers": (),
 }

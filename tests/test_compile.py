@@ -192,6 +192,20 @@ def test_compiles_for_virtual_topologies(tmp_path, topology, slices, devices):
         assert manifest["mesh"]["dcn"]["data"] == slices
 
 
+def test_tpu_slices_are_the_tori_maxtext_compiles_for():
+    """The ICI rings MaxText's accelerator_to_spec_map gives libtpu (its `wrap`): every side of whole 4x4x4 cubes,
+    the 16-chip sides of v5e/v6e slices; smaller slices are open lines."""
+    from maxperf.aot import topologies
+
+    def wrap(name):
+        return topologies.torus_wrap(topologies.get(name).torus)
+
+    assert wrap("v5p-64") == wrap("v6e-8") == wrap("v5e-64") == (False, False, False)
+    assert wrap("v5p-128") == wrap("v5p-1024") == wrap("v4-128") == wrap("tpu7x-128") == (True, True, True)
+    assert wrap("v5e-128") == (False, True, False) and wrap("v6e-256") == (True, True, False)
+    assert len(topologies.devices(topologies.get("v5p-128"))) == 64  # libtpu takes the rings
+
+
 def test_bad_plans_are_errors_before_compiling():
     with pytest.raises(MaxperfError, match="v5p-1024"):
         aot.plan("v5p-1023", "tiny")

@@ -13,6 +13,7 @@ from maxperf.models.config import ModelConfig, ParallelismConfig
 from maxperf.aot import topologies
 from maxperf.models.sharding import RULES, make_mesh, mesh_axes_for
 from maxperf.plan import resolve_mesh
+from maxperf.models.transformer import stack_axis
 from models_util import tiny, train_losses, two_step_losses
 
 
@@ -107,9 +108,11 @@ def _grads(*words):
     scanned = cfg.train.scan_layers
     _, stacked_spec = tiny(*words, "scan_layers=true", devices=1)
     params = train_step.init_state(stacked_spec, seed=0)["params"]
+    at = lambda ndim: stack_axis(ndim - 1, cfg.train.param_scan_axis)  # noqa: E731 (the stacked array's layer axis)
     if not scanned:
         layers = params["layers"]
-        params = {**params, "layers": {i: jax.tree.map(lambda x: x[i], layers) for i in range(cfg.model.num_layers)}}
+        params = {**params, "layers": {i: jax.tree.map(lambda x: jnp.take(x, i, axis=at(x.ndim)), layers)
+                                       for i in range(cfg.model.num_layers)}}
     batch = jax.device_get(train_step.synthetic_batch(spec, seed=1))
     graphdef = train_step.model_def(cfg.model, cfg.train).graphdef
 
@@ -122,8 +125,20 @@ def _grads(*words):
     grads = jax.jit(jax.grad(loss))(params)
     if not scanned:  # stack the unrolled layers' gradients like the scanned ones
         layers = grads["layers"]
-        grads = {**grads, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in sorted(layers)])}
+        grads = {**grads, "layers": jax.tree.map(lambda *xs: jnp.stack(xs, axis=at(xs[0].ndim + 1)),
+                                                 *[layers[i] for i in sorted(layers)])}
     return grads
+
+
+def test_layer_axis_second_is_the_same_model():
+    """param_scan_axis 1 (MaxText's default) moves the scanned weights' layer axis, nothing else: the same initial
+    values, moved, and the same losses as param_scan_axis 0."""
+    second, first = tiny(devices=1)[1], tiny("param_scan_axis=0", devices=1)[1]
+    up_second = train_step.init_state(second, seed=0)["params"]["layers"]["mlp"]["up_DxF"]
+    up_first = train_step.init_state(first, seed=0)["params"]["layers"]["mlp"]["up_DxF"]
+    assert up_second.shape == (64, 2, 128) and up_first.shape == (2, 64, 128)
+    np.testing.assert_array_equal(np.moveaxis(np.asarray(up_second), 1, 0), np.asarray(up_first))
+    np.testing.assert_allclose(train_losses(second, 2)[0], train_losses(first, 2)[0], rtol=1e-6)
 
 
 @pytest.mark.slow
@@ -175,10 +190,14 @@ def test_logical_rules_are_pinned():
 def test_parameters_are_sharded_by_their_logical_axes():
     _, spec = tiny("ici_fsdp=2", "ici_tensor=4")
     shardings = spec.state_shardings["params"]
-    assert shardings["layers"]["mlp"]["up_DxF"].spec == P(None, "fsdp", "tensor")
+    # a scanned weight carries its layer axis second ([D, N, F]: MaxText's param_scan_axis 1)
+    assert shardings["layers"]["mlp"]["up_DxF"].spec == P("fsdp", None, "tensor")
     assert shardings["embed"]["table_VxD"].spec == P("tensor", "fsdp")
     mu = spec.state_shardings["opt_state"][1][0].mu
-    assert mu["layers"]["mlp"]["up_DxF"].spec == P(None, "fsdp", "tensor")
+    assert mu["layers"]["mlp"]["up_DxF"].spec == P("fsdp", None, "tensor")
+    assert shardings["layers"]["attn_norm"]["scale"].spec == P(None, "tensor")  # a vector keeps its layer axis first
+    _, first = tiny("ici_fsdp=2", "ici_tensor=4", "param_scan_axis=0")
+    assert first.state_shardings["params"]["layers"]["mlp"]["up_DxF"].spec == P(None, "fsdp", "tensor")
 
 
 @pytest.mark.parametrize(

@@ -53,9 +53,9 @@ def test_fsdp_transpose_splits_the_mlp_width_and_the_attention_model_width():
 def test_parameters_and_batch_follow_the_rules_in_the_step():
     _, spec = tiny("ici_fsdp=2", "ici_fsdp_transpose=2", "ici_tensor=2")
     params = spec.state_shardings["params"]
-    assert params["layers"]["mlp"]["up_DxF"].spec == P(None, "fsdp", ("fsdp_transpose", "tensor"))
-    assert params["layers"]["mlp"]["down_FxD"].spec == P(None, ("fsdp_transpose", "tensor"), "fsdp")
-    assert params["layers"]["attention"]["q_DxHxDh"].spec == P(None, ("fsdp", "fsdp_transpose"), "tensor", None)
+    assert params["layers"]["mlp"]["up_DxF"].spec == P("fsdp", None, ("fsdp_transpose", "tensor"))
+    assert params["layers"]["mlp"]["down_FxD"].spec == P(("fsdp_transpose", "tensor"), None, "fsdp")
+    assert params["layers"]["attention"]["q_DxHxDh"].spec == P(("fsdp", "fsdp_transpose"), None, "tensor", None)
     assert spec.batch_shardings["inputs"].spec == P(("fsdp", "fsdp_transpose"), None)
 
 
@@ -226,8 +226,8 @@ def test_fused_projections_compute_what_the_separate_ones_do():
 def test_fused_weights_shard_like_the_separate_ones():
     _, spec = tiny("fused_qkv=true", "fused_mlp=true", "ici_fsdp=4", "ici_tensor=2")
     params = spec.state_shardings["params"]["layers"]
-    assert params["attention"]["qkv_DxKxExDh"].spec == P(None, "fsdp", "tensor", None, None)
-    assert params["mlp"]["wi_Dx2xF"].spec == P(None, "fsdp", None, "tensor")
+    assert params["attention"]["qkv_DxKxExDh"].spec == P("fsdp", None, "tensor", None, None)
+    assert params["mlp"]["wi_Dx2xF"].spec == P("fsdp", None, None, "tensor")
 
 
 def test_perfmodel_counts_fused_weights_and_names():

@@ -189,6 +189,9 @@ class ModelConfig:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     post_norms: bool = False  # norms after attention and MLP too, as in Gemma 2
+    # the D-wide norm scales sharded over fsdp (logical axis norm_fsdp), as MaxText's llama2 configs' logical rule
+    # ['norm', 'fsdp'] does; else over tensor (its base rule)
+    norm_fsdp: bool = False
     # MaxText's fused_qkv and fused_mlp: one projection matmul for q, k and v (checkpoint name qkv_proj), and one for
     # the gated MLP's gate and up (checkpoint name mlpwi); the same FLOPs and parameters, one weight each
     fused_qkv: bool = False
@@ -400,6 +403,8 @@ class TrainConfig:
     optimizer_memory_host_offload: bool = False
     parameter_memory_host_offload: bool = False
     scan_layers: bool = True
+    # MaxText's key and default: the layer axis of scanned weights sits second ([D, N, ...]), not first
+    param_scan_axis: int = 1
     seed: int = 0
     # mixture-of-experts dispatch (MaxText's keys): capacity_factor=-1 is dropless (MaxText's default); a positive
     # one gives each expert capacity_factor x its even share of each sequence's tokens, dropping those past it, in
@@ -458,6 +463,7 @@ class TrainConfig:
             value = getattr(self, name)
             _require(value >= 128 and value % 128 == 0, f"{name} must be a positive multiple of 128, got {value}")
         _require(self.grad_accum_steps >= 1, f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
+        _require(self.param_scan_axis in (0, 1), f"param_scan_axis must be 0 or 1, got {self.param_scan_axis}")
         _require(self.capacity_factor == -1 or self.capacity_factor > 0,
                  f"capacity_factor must be -1 (dropless, MaxText's default) or > 0 (each expert takes that many "
                  f"times its even share of the tokens), got {self.capacity_factor:g}")

@@ -48,9 +48,9 @@ def register(name: str, make: Callable[[], ModelConfig]) -> None:
 
 
 # Llama 2 (Touvron et al. 2023, table 1; meta-llama/Llama-2-*-hf config.json)
-register("llama2-7b", lambda: _llama("llama2-7b", 32000, 4096, 32, 32, 32, 11008, 1e4))
-register("llama2-13b", lambda: _llama("llama2-13b", 32000, 5120, 40, 40, 40, 13824, 1e4))
-register("llama2-70b", lambda: _llama("llama2-70b", 32000, 8192, 80, 64, 8, 28672, 1e4))
+register("llama2-7b", lambda: _llama("llama2-7b", 32000, 4096, 32, 32, 32, 11008, 1e4, norm_fsdp=True))
+register("llama2-13b", lambda: _llama("llama2-13b", 32000, 5120, 40, 40, 40, 13824, 1e4, norm_fsdp=True))
+register("llama2-70b", lambda: _llama("llama2-70b", 32000, 8192, 80, 64, 8, 28672, 1e4, norm_fsdp=True))
 # Llama 3 and 3.1 (meta-llama/Meta-Llama-3-*, Llama-3.1-405B config.json)
 register("llama3-8b", lambda: _llama("llama3-8b", 128256, 4096, 32, 32, 8, 14336, 5e5))
 register("llama3-70b", lambda: _llama("llama3-70b", 128256, 8192, 80, 64, 8, 28672, 5e5))

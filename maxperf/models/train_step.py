@@ -24,17 +24,16 @@ from maxperf.models.layers.decoder import RESIDUAL
 from maxperf.models.layers import quantization
 from maxperf.models.layers.moe import MoEOptions, bias_update
 from maxperf.models.sharding import constrain, partition_spec
-from maxperf.models.transformer import Transformer
+from maxperf.models.transformer import Transformer, stack_axis
 
 BATCH_AXES = ("activation_batch", "activation_length")
-_NO_DECAY = ("scale", "bias")  # norm parameters are not decayed
 MTP_EPS = 1e-8  # MaxText's EPS (utils/globals.py) under the MTP loss's token count
 
 
 def build_model(model: ModelConfig, train: TrainConfig, rngs: nnx.Rngs) -> Transformer:
     return Transformer(
         model, param_dtype=jnp.dtype(train.param_dtype), compute_dtype=jnp.dtype(train.compute_dtype),
-        scan_layers=train.scan_layers, remat=train.remat_names(), rngs=rngs,
+        scan_layers=train.scan_layers, param_scan_axis=train.param_scan_axis, remat=train.remat_names(), rngs=rngs,
         attention=AttentionOptions.from_train(train), moe=MoEOptions.from_train(train),
         quantization=quantization.from_train(train),
     )
@@ -71,8 +70,9 @@ def model_def(model: ModelConfig, train: TrainConfig) -> ModelDef:
     for path, var in nnx.to_flat_state(state):
         axes = tuple(var.get_metadata()["logical_axes"])
         value = var.get_value() if hasattr(var, "get_value") else var.value
-        if len(value.shape) == len(axes) + 1:  # a scanned stack carries a leading layer axis
-            axes = ("layers", *axes)
+        if len(value.shape) == len(axes) + 1:  # a scanned stack carries a layer axis (transformer.stack_axis)
+            at = stack_axis(len(axes), train.param_scan_axis)
+            axes = (*axes[:at], "layers", *axes[at:])
         shapes.append((path, jax.ShapeDtypeStruct(value.shape, value.dtype)))
         logical.append((path, axes))
     return ModelDef(graphdef, _nested(shapes), _nested(logical))
@@ -90,11 +90,9 @@ def make_optimizer(train: TrainConfig) -> tuple[optax.GradientTransformation, op
         decay_steps=train.warmup_steps + train.decay_steps, end_value=train.learning_rate * train.min_lr_ratio,
     )
 
-    def decay_mask(params):
-        return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key not in _NO_DECAY, params)
-
+    # every parameter decays, norm scales and biases too: MaxText's adamw_mask is empty by default
     adamw = optax.adamw(schedule, b1=train.adam_b1, b2=train.adam_b2, eps=train.adam_eps,
-                        weight_decay=train.weight_decay, mask=decay_mask)
+                        weight_decay=train.weight_decay)
     if train.grad_clip_norm is None:
         return adamw, schedule
     return optax.chain(optax.clip_by_global_norm(train.grad_clip_norm), adamw), schedule

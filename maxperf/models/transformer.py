@@ -12,7 +12,7 @@ from flax import nnx
 from maxperf import attention_rule
 from maxperf.models.config import ModelConfig, Positions
 from maxperf.models.layers.attention_kernels import AttentionOptions
-from maxperf.models.layers.decoder import RESIDUAL, DecoderBlock, make_layer
+from maxperf.models.layers.decoder import RESIDUAL, DecoderBlock, make_layer, norm_axis
 from maxperf.models.layers.embedding import Embed, LearnedPositions, Unembed
 from maxperf.models.layers.moe import EXPERT_COUNTS, MoEOptions
 from maxperf.models.layers.mtp import MTPModule, shift_left
@@ -32,6 +32,31 @@ def remat_policy(names: tuple[tuple[str, ...], tuple[str, ...]]):
     if saved:
         return jax.checkpoint_policies.save_only_these_names(*saved)
     return jax.checkpoint_policies.nothing_saveable
+
+
+def stack_axis(per_layer_ndim: int, param_scan_axis: int) -> int:
+    """Where the layer axis of a scanned stack sits in a weight of `per_layer_ndim` dims: at `param_scan_axis`
+    (MaxText's key, default 1: [D, N, F]) in a matrix or wider. A vector ([D] norm scales, biases, a router's bias)
+    keeps its layer axis first, where MaxText moves it too: the same bytes and shardings, in another order.
+    Measured (llama2-7b, v5p-1024, B 1, flash, full remat): the same memory at 0 and 1, and 646,535 TPU bundles at
+    0 against 664,609 at 1 (MaxText's own step: 650,791)."""
+    return min(param_scan_axis, 1) if per_layer_ndim >= 2 else 0
+
+
+def _move_layer_axis(state: nnx.State, source: int, destination: int) -> nnx.State:
+    """The scanned stack's parameters with their layer axis moved from `source` to `destination` (stack_axis's
+    positions; 0 is the scan's). Other variables keep theirs at 0."""
+    if source == destination:
+        return state
+
+    def move(path, var):
+        if not isinstance(var, nnx.Param):
+            return var
+        value = var.get_value()
+        a, b = stack_axis(value.ndim - 1, source), stack_axis(value.ndim - 1, destination)
+        return var.replace(jnp.moveaxis(value, a, b)) if a != b else var
+
+    return nnx.map_state(move, state)
 
 
 @dataclass(frozen=True)
@@ -108,14 +133,16 @@ def _unit_maker(pattern: tuple[bool, ...], cfg: ModelConfig, dtype, attention: A
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, scan_layers: bool,
                  remat: tuple | None, rngs: nnx.Rngs, attention: AttentionOptions = AttentionOptions(),
-                 moe: MoEOptions = MoEOptions(), quantization: quant.Int8 | None = None):
+                 moe: MoEOptions = MoEOptions(), quantization: quant.Int8 | None = None, param_scan_axis: int = 1):
         """`remat`: TrainConfig.remat_names(), the checkpoint names each layer saves and offloads; None: no remat.
-        `quantization`: the layers' matmuls in int8 (layers/quantization.py); None: in the compute dtype."""
+        `quantization`: the layers' matmuls in int8 (layers/quantization.py); None: in the compute dtype.
+        `param_scan_axis`: where a scanned stack's layer axis sits in its weights (`stack_axis`)."""
         quant.check_moe(quantization, cfg.is_moe, moe.sparse_matmul)
         self.cfg = cfg
         self.quantization = quantization
         self.compute_dtype = compute_dtype
         self.scan_layers = scan_layers
+        self.param_scan_axis = param_scan_axis
         self.remat = remat
         D, V = cfg.d_model, cfg.vocab_size
         self.embed = Embed(V, D, param_dtype, rngs)
@@ -125,12 +152,13 @@ class Transformer(nnx.Module):
         for st in self.stacks:
             unit = _unit_maker(st.pattern, cfg, param_dtype, attention, moe)
             if scan_layers:
-                # one set of parameters with a leading layer axis, iterated by lax.scan
-                stack = nnx.split_rngs(splits=st.count)(nnx.vmap(unit, in_axes=(0,), out_axes=0))
-                setattr(self, st.name, stack(rngs))
+                # one set of parameters with a layer axis (stack_axis), iterated by lax.scan
+                stack = nnx.split_rngs(splits=st.count)(nnx.vmap(unit, in_axes=(0,), out_axes=0))(rngs)
+                graphdef, state = nnx.split(stack)
+                setattr(self, st.name, nnx.merge(graphdef, _move_layer_axis(state, 0, param_scan_axis)))
             else:
                 setattr(self, st.name, nnx.List([unit(rngs) for _ in range(st.count)]))
-        self.final_norm = make_norm(cfg.norm, D, cfg.norm_eps, param_dtype, rngs)
+        self.final_norm = make_norm(cfg.norm, D, cfg.norm_eps, param_dtype, rngs, norm_axis(cfg))
         if not cfg.tie_embeddings:
             self.unembed = Unembed(D, V, param_dtype, rngs)
         if cfg.mtp_num_layers:
@@ -228,6 +256,7 @@ class Transformer(nnx.Module):
             layers = getattr(self, st.name)
             if self.scan_layers:
                 graphdef, state = nnx.split(layers)
+                state = _move_layer_axis(state, self.param_scan_axis, 0)  # the scan steps over axis 0
                 apply = self._unit_fn(graphdef, positions_BxL, static, P)
 
                 def body(carry, sw, apply=apply):

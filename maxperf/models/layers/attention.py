@@ -30,14 +30,20 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.options = options
         self.windows = attention_rule.windows_of(cfg)
+        # MaxText's attentions.py (init_query_w) folds 1/sqrt(Dh) into the query weights' initialization, unless QK
+        # norms or a query_pre_attn_scalar set the scale; the step itself then scales nothing
+        self.scale_at_init = not (cfg.qk_norm or cfg.qk_l2_norm) and cfg.query_scale is None
+        gain = Dh**-0.5 if self.scale_at_init else 1.0
         if cfg.fused_qkv:
             # one [D, K, G + 2, Dh] weight: each kv head beside its G query heads, its key and its value, so that
             # splitting the fused output stays within each tensor shard (MaxText splits its [D, H + 2K, Dh] in a
             # shard_map for the same reason)
             self.qkv_DxKxExDh = param(rngs, (D, K, cfg.kv_groups + 2, Dh), ("embed", "kv_heads", None, "head_dim"),
                                       dtype, fan_in=D)
+            gains_E = jnp.asarray([gain] * cfg.kv_groups + [1.0, 1.0], jnp.float32)
+            self.qkv_DxKxExDh[...] = (self.qkv_DxKxExDh[...] * gains_E[None, None, :, None]).astype(dtype)
         else:
-            self.q_DxHxDh = param(rngs, (D, H, Dh), ("embed", "heads", "head_dim"), dtype, fan_in=D)
+            self.q_DxHxDh = param(rngs, (D, H, Dh), ("embed", "heads", "head_dim"), dtype, fan_in=D, gain=gain)
             self.k_DxKxDh = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
             self.v_DxKxDh = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
         self.o_HxDhxD = param(rngs, (H, Dh, D), ("heads", "head_dim", "embed"), dtype, fan_in=H * Dh)
@@ -86,8 +92,9 @@ class Attention(nnx.Module):
         q_BxLxHxDh = checkpoint_name(q_BxLxHxDh, "query_proj")
         k_BxLxKxDh = checkpoint_name(k_BxLxKxDh, "key_proj")
         v_BxLxKxDh = checkpoint_name(v_BxLxKxDh, "value_proj")
-        scale = cfg.query_scale if cfg.query_scale is not None else Dh**-0.5
-        q_BxLxHxDh = q_BxLxHxDh * jnp.asarray(scale, dtype)
+        if not self.scale_at_init:
+            scale = cfg.query_scale if cfg.query_scale is not None else Dh**-0.5
+            q_BxLxHxDh = q_BxLxHxDh * jnp.asarray(scale, dtype)
         if cfg.temperature_tuning and rope is not True:
             q_BxLxHxDh = _tune_temperature(q_BxLxHxDh, positions_BxL, rope)
         q_BxLxKxGxDh = q_BxLxHxDh.reshape(B, L, K, G, Dh)

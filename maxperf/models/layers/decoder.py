@@ -19,19 +19,24 @@ from maxperf.models.sharding import constrain
 RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 
 
+def norm_axis(cfg: ModelConfig) -> str:
+    """The logical axis of the model's D-wide norm scales."""
+    return "norm_fsdp" if cfg.norm_fsdp else "norm"
+
+
 class DenseDecoderLayer(nnx.Module):
     """Pre-norm attention and MLP blocks with residuals; Gemma 2 also normalizes each block's output."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, options: AttentionOptions = AttentionOptions()):
-        D, eps = cfg.d_model, cfg.norm_eps
-        self.attn_norm = make_norm(cfg.norm, D, eps, dtype, rngs)
+        D, eps, axis = cfg.d_model, cfg.norm_eps, norm_axis(cfg)
+        self.attn_norm = make_norm(cfg.norm, D, eps, dtype, rngs, axis)
         self.attention = make_attention(cfg, dtype, rngs, options)
-        self.mlp_norm = make_norm(cfg.norm, D, eps, dtype, rngs)
+        self.mlp_norm = make_norm(cfg.norm, D, eps, dtype, rngs, axis)
         self.mlp = self._feed_forward(cfg, dtype, rngs)
         self.post_norms = cfg.post_norms
         if cfg.post_norms:
-            self.attn_post_norm = make_norm(cfg.norm, D, eps, dtype, rngs)
-            self.mlp_post_norm = make_norm(cfg.norm, D, eps, dtype, rngs)
+            self.attn_post_norm = make_norm(cfg.norm, D, eps, dtype, rngs, axis)
+            self.mlp_post_norm = make_norm(cfg.norm, D, eps, dtype, rngs, axis)
 
     def _feed_forward(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> nnx.Module:
         return MLP(cfg.d_model, cfg.d_ff, cfg.activation, dtype, rngs, fused=cfg.fused_mlp,

@@ -16,21 +16,22 @@ def _last_axis(v: jax.Array, ndim: int) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, width: int, eps: float, dtype, rngs: nnx.Rngs):
+    def __init__(self, width: int, eps: float, dtype, rngs: nnx.Rngs, axis: str = "norm"):
         self.eps = eps
-        self.scale = param(rngs, (width,), ("norm",), dtype, init="ones")
+        self.scale = param(rngs, (width,), (axis,), dtype, init="ones")
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """Normalized in float32 and cast to x's dtype, then scaled in that dtype (MaxText's RMSNorm)."""
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * _last_axis(self.scale[...], x.ndim)).astype(x.dtype)
+        y = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+        return y * self.scale[...].astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
 
 
 class LayerNorm(nnx.Module):
-    def __init__(self, width: int, eps: float, dtype, rngs: nnx.Rngs):
+    def __init__(self, width: int, eps: float, dtype, rngs: nnx.Rngs, axis: str = "norm"):
         self.eps = eps
-        self.scale = param(rngs, (width,), ("norm",), dtype, init="ones")
-        self.bias = param(rngs, (width,), ("norm",), dtype, init="zeros")
+        self.scale = param(rngs, (width,), (axis,), dtype, init="ones")
+        self.bias = param(rngs, (width,), (axis,), dtype, init="zeros")
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -40,5 +41,6 @@ class LayerNorm(nnx.Module):
         return (y * _last_axis(self.scale[...], x.ndim) + _last_axis(self.bias[...], x.ndim)).astype(x.dtype)
 
 
-def make_norm(kind: Norm, width: int, eps: float, dtype, rngs: nnx.Rngs) -> nnx.Module:
-    return {Norm.RMSNORM: RMSNorm, Norm.LAYERNORM: LayerNorm}[kind](width, eps, dtype, rngs)
+def make_norm(kind: Norm, width: int, eps: float, dtype, rngs: nnx.Rngs, axis: str = "norm") -> nnx.Module:
+    """`axis`: the scale's logical axis (norm_fsdp where ModelConfig.norm_fsdp says so)."""
+    return {Norm.RMSNORM: RMSNorm, Norm.LAYERNORM: LayerNorm}[kind](width, eps, dtype, rngs, axis)

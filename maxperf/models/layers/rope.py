@@ -55,10 +55,13 @@ def apply_rope(x_BxLxNxDh: jax.Array, positions_BxL: jax.Array, inv_freq: jax.Ar
     """Rotates the two halves of each head's features by position-dependent angles.
 
     Angles in float32, the rotation in x's dtype, as MaxText's RotaryEmbedding does: a float32 rotation would keep
-    float32 copies of q and k (and of their gradients) live in every layer."""
+    float32 copies of q and k (and of their gradients) live in every layer. MaxText writes the rotation as
+    x cos + rotate_half(x) sin over the whole head width, rotate_half(x1, x2) = (-x2, x1); rotating the halves
+    apart gives the same values in the same dtype (each product rounded, then summed) and a smaller program
+    (llama2-7b on v5p-1024: 663,423 TPU bundles against 686,645, the same memory)."""
     dtype = x_BxLxNxDh.dtype
     angles_BxLxR = positions_BxL[..., None].astype(jnp.float32) * inv_freq[None, None, :]
-    cos = jnp.cos(angles_BxLxR)[:, :, None, :].astype(dtype)
-    sin = jnp.sin(angles_BxLxR)[:, :, None, :].astype(dtype)
+    cos_BxLx1xR = jnp.cos(angles_BxLxR)[:, :, None, :].astype(dtype)
+    sin_BxLx1xR = jnp.sin(angles_BxLxR)[:, :, None, :].astype(dtype)
     x1, x2 = jnp.split(x_BxLxNxDh, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return jnp.concatenate([x1 * cos_BxLx1xR - x2 * sin_BxLx1xR, x2 * cos_BxLx1xR + x1 * sin_BxLx1xR], axis=-1)
