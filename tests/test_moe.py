@@ -193,8 +193,8 @@ def test_expert_weights_shard_their_experts_over_the_expert_axis():
     mesh = make_mesh(jax.devices()[:4], resolve_mesh(cfg.parallelism, topologies.get("cpu-4")).axes)
     spec = train_step.abstract_step(cfg.model, cfg.train, mesh)
     mlp = spec.state_shardings["params"]["layers"]["mlp"]
-    assert tuple(mlp["wi_0_ExDxF"].spec) == (None, "expert", "fsdp", None)  # [N, E, D, F]
-    assert tuple(mlp["wo_ExFxD"].spec) == (None, "expert", None, "fsdp")
+    assert tuple(mlp["wi_0_ExDxF"].spec) == ("expert", None, "fsdp", None)  # [E, N, D, F]: param_scan_axis 1
+    assert tuple(mlp["wo_ExFxD"].spec) == ("expert", None, None, "fsdp")
 
 
 # --- the decoder ---------------------------------------------------------------------------------------------------
