@@ -77,8 +77,22 @@ MOE = (("mixtral-8x7b", "v5p-32", ()), ("deepseek-v2-lite", "v5p-8", ()), ("qwen
        ("gpt-oss-20b", "v5p-16", ()), ("mixtral-8x22b", "v5p-128", ()),
        ("gpt-oss-120b", "v5p-64", ("ici_expert_parallelism=8",)),
        ("qwen3-235b-a22b", "v5p-256", ("ici_expert_parallelism=16",)),
-       ("deepseek-v3", "v5p-512", ("ici_expert_parallelism=32",)),
-       ("kimi-k2", "v5p-1024", ("ici_expert_parallelism=32",)))
+       # DeepSeek-V3 at 5 layers, its 3 first dense ones and 2 MoE layers, so that the MoE layers run as a scan as at
+       # full depth (a stack of one MoE layer compiled to 87.87 GiB per device where kimi-k2's scan of three, the
+       # same widths and exchange buffers, took 67.53)
+       ("deepseek-v3", "v5p-512", ("num_layers=5", "ici_expert_parallelism=32")),
+       ("kimi-k2", "v5p-1024", ("ici_expert_parallelism=32",)),
+       # Llama 4 at 4 layers: scout's fourth is global (nope_layer_interval 4); maverick's interleaving keeps two
+       # dense and two MoE layers. Without expert parallelism, as `maxperf estimate-memory` runs them by default
+       ("llama4-scout-17b-16e", "v5p-256", ()), ("llama4-maverick-17b-128e", "v5p-512", ()),
+       # tensor parallelism on the experts' width: the mesh, policy and accumulation `maxperf plan` chose for
+       # mixtral-8x7b on v5p-64 (1M tokens a step)
+       ("mixtral-8x7b", "v5p-64", ("ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=4",
+                                   "ici_tensor_parallelism=4", "remat_policy=minimal", "grad_accum_steps=8")),
+       # DeepSeek-V3's multi-token prediction: one module (README's compile line; beside the case above, B 2, it
+       # needs 107.90 GiB, past v5p's 95)
+       ("deepseek-v3", "v5p-128", ("per_device_batch_size=1", "seq_len=1024", "ici_expert_parallelism=8",
+                                   "routed_bias_update_rate=0.001", "mtp_num_layers=1")))
 MOE_COMMON = ("per_device_batch_size=2", "seq_len=2048", "remat_policy=full", "attention=flash")
 DEPTHS = (8,)
 
@@ -86,6 +100,12 @@ DEPTHS = (8,)
 def dense(tp: int, b: int, length: int, policy: str, kernel: str) -> tuple[str, ...]:
     return (LAYERS, f"ici_tensor_parallelism={tp}", f"per_device_batch_size={b}", f"seq_len={length}",
             f"remat_policy={policy}", *(CUSTOM if policy == "custom" else ()), f"attention={kernel}")
+
+
+def merged(common: tuple[str, ...], extra: tuple[str, ...]) -> tuple[str, ...]:
+    """`common` less the keys `extra` sets, then `extra`."""
+    mine = {e.split("=", 1)[0] for e in extra}
+    return (*(c for c in common if c.split("=", 1)[0] not in mine), *extra)
 
 
 def cases() -> list[tuple[str, str, str, tuple[str, ...]]]:
@@ -96,7 +116,7 @@ def cases() -> list[tuple[str, str, str, tuple[str, ...]]]:
                 for i, p in enumerate(POLICIES)]
     shapes = [("shapes", DENSE, DENSE_TOPOLOGY, dense(*shape)) for shape in SHAPES]
     shapes.insert(2, ("shapes", DENSE, WIDE_FSDP[0], dense(*WIDE_FSDP[1:])))
-    moe = [("moe", m, t, (LAYERS, *MOE_COMMON, *extra)) for m, t, extra in MOE]
+    moe = [("moe", m, t, merged((LAYERS, *MOE_COMMON), extra)) for m, t, extra in MOE]
     depth = [("depth", m, t, (f"num_layers={n}", *MOE_COMMON, *extra)) for m, t, extra in MOE[1:2] for n in DEPTHS]
     first = [c for trio in itertools.zip_longest(policies, shapes, moe[:2] + depth + moe[2:]) for c in trio if c]
     rest = [("rest", DENSE, DENSE_TOPOLOGY, dense(*BASE, p, KERNELS[i % 2])) for i, p in enumerate(POLICIES)]

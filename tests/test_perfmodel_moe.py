@@ -302,3 +302,63 @@ def test_the_load_imbalance_key_reaches_the_step_time():
     assert any("moe_load_imbalance" in line for line in skewed.as_dict()["assumptions"])
     with pytest.raises(Exception, match="moe_load_imbalance"):
         TrainConfig(moe_load_imbalance=0.5)
+
+
+def test_multi_token_prediction_modules_are_in_the_memory():
+    """Two MTP modules on one device: their parameters (count_params' mtp) in float32, each depth's logits beside the
+    decoder's, and per depth and token its layer's input, the concatenated 2D projection input and three float32
+    norms (full remat keeps nothing else of the layer)."""
+    from maxperf.perfmodel.memory import mtp_arrays
+
+    mesh = make_mesh({}, {}, Topo("tpu-v5p", 1, chips_per_host=1, torus=(1, 1, 1)))
+    train = TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="full")
+    with_mtp = replace(SMALL, mtp_num_layers=2)
+    assert sum(x.count * math.prod(x.shape) for x in mtp_arrays(with_mtp)) == count_params(with_mtp).mtp == 103560
+    assert mtp_arrays(SMALL) == ()
+    base, mtp = estimate_memory(SMALL, train, mesh, 95e9), estimate_memory(with_mtp, train, mesh, 95e9)
+    assert mtp.params - base.params == 103560 * 4
+    assert mtp.logits - base.logits == 2 * 64 * 256 * 2  # T 64 tokens, V 256, bfloat16
+    assert mtp.activations - base.activations == 2 * 64 * (3 * 2 * 64 + 3 * 8 * 64)
+
+
+def test_expert_gradients_keep_the_split_of_the_experts_shard_map():
+    """fsdp_transpose 2 x tensor 2 x fsdp 2: each expert matrix [4, 64, 32] holds F over fsdp_transpose and tensor
+    (8 of 32), D over fsdp; its gradient comes out of the dispatch's shard_map with F over tensor alone (16): 1024
+    more elements per matrix, for 3 matrices in 2 MoE layers, in the gradients and the float32 accumulator."""
+    from maxperf.perfmodel.memory import expert_gradient_excess, params_per_device
+
+    mesh = make_mesh({"fsdp_transpose": 2, "tensor": 2, "fsdp": 2}, {}, Topo("tpu-v5p", 8, torus=(2, 2, 2)))
+    train = TrainConfig(per_device_batch_size=2, seq_len=32, grad_accum_steps=2)
+    assert expert_gradient_excess(SMALL, train, mesh) == 2 * 3 * 1024
+    memory = estimate_memory(SMALL, train, mesh, 95e9)
+    assert memory.gradients == memory.grad_accumulator == (params_per_device(SMALL, mesh) + 6144) * 4
+    einsum = replace(train, sparse_matmul=False, capacity_factor=1.0)  # no shard_map: split as the parameters
+    assert expert_gradient_excess(SMALL, einsum, mesh) == 0.0
+
+
+@pytest.mark.parametrize("L", [32, 256])
+def test_the_exchange_runs_serially_where_overlapping_it_would_not_fit(L):
+    """A TPU whose memory is one byte short of the overlapped estimate: three D-wide row buffers fewer in the
+    experts' backward (T = 2L tokens x 4 receive rows x D 64, bfloat16); a GPU's estimate does not change."""
+    mesh = make_mesh({"expert": 4, "fsdp": 2}, {}, Topo("tpu-v5p", 8, torus=(2, 2, 2)))
+    train = TrainConfig(per_device_batch_size=2, seq_len=L, remat_policy="full")
+    roomy = estimate_memory(SMALL, train, mesh, 95e9)
+    tight = estimate_memory(SMALL, train, mesh, roomy.per_device_total_bytes - 1)
+    assert roomy.temporaries - tight.temporaries == 3 * 2 * L * 4 * 64 * 2
+    gpu = estimate_memory(SMALL, train, mesh, roomy.per_device_total_bytes - 1, platform="gpu")
+    assert gpu.temporaries == estimate_memory(SMALL, train, mesh, 95e9, platform="gpu").temporaries
+
+
+def test_thin_expert_shards_hold_a_gather_in_flight_not_the_gradients(monkeypatch):
+    """D 64 over fsdp 2 is 32 rows a shard, thinner than a windowed gather's: the peak holds the gathered layer and
+    one more gathered matrix (its zero-padded all-reduce input), whatever EXPERT_GRAD_MATRICES says."""
+    from maxperf.perfmodel import memory
+
+    mesh = make_mesh({"expert": 4, "fsdp": 2}, {}, Topo("tpu-v5p", 8, torus=(2, 2, 2)))
+    train = TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="full")
+    base = estimate_memory(SMALL, train, mesh, 95e9).temporaries
+    monkeypatch.setattr(memory, "EXPERT_GRAD_MATRICES", 7)
+    assert estimate_memory(SMALL, train, mesh, 95e9).temporaries == base
+    monkeypatch.setattr(memory, "THIN_EXPERT_GATHER_IN_FLIGHT", 0)
+    # one local expert [1, 64, 32] gathered over fsdp, bfloat16
+    assert base - estimate_memory(SMALL, train, mesh, 95e9).temporaries == 64 * 32 * 2

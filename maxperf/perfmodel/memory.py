@@ -12,10 +12,10 @@ Every assumption is a named constant; the figures are to be checked against XLA'
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 
-from maxperf.perfmodel.flops import attention_kernel, gated, head_dims, is_mla, remat_names
+from maxperf.perfmodel.flops import attention_kernel, gated, head_dims, is_mla, moe_layers_of, remat_names
 from maxperf.perfmodel.moe import MoeShape, dispatch, moe_shape, routed_buffer_rows, rows_per_token
 from maxperf.perfmodel.shapes import (
     Mesh,
@@ -27,6 +27,7 @@ from maxperf.perfmodel.shapes import (
     model_memo,
 )
 from maxperf.perfmodel.sharding import (
+    ParamArray,
     activation_split,
     gathered_size,
     held,
@@ -131,10 +132,21 @@ OFFLOADED_OPTIMIZER_STAGED = 0.43
 GATHERED_LAYERS = 1
 HOISTED_EXPERT_COPIES = 1
 # Beside the gathered experts, the experts' backward writes their weight gradients whole before reduce-scattering
-# them: two of the layer's expert matrices live at its peak where the experts are many and narrow (qwen3-30b-a3b at
+# them, where the shards are thick enough for windowed gathers (THIN_EXPERT_GATHER_IN_FLIGHT for the others): two
+# of the layer's expert matrices live at its peak where the experts are many and narrow (qwen3-30b-a3b at
 # 4 layers on v5p-32, B 2, L 2048, remat full, flash: the backward scan's body holds the three all-gathered
 # bf16[1,128,2048,768] beside a tgmm output bf16[128,2048,768] and the all-reduce of another; 5.56 GiB per device).
 EXPERT_GRAD_MATRICES = 2
+# Where the experts' FSDP shards are thin (fewer than WINDOWED_MIN_ROWS rows of D), XLA gathers each expert matrix
+# as an all-reduce of a zero-padded whole matrix (a broadcast, the shard written in, all-reduced), gathering the
+# layer's matrices one after another and differentiating the weights after they are freed: at the peak the gathered
+# layer and the zero-padded input of the gather in flight, not the gradients beside them. Measured here with libtpu
+# 0.0.52, remat full, flash, B 2, L 2048 at 4 layers: mixtral-8x22b on v5p-128 (fsdp 64: 96 rows) holds three
+# gathered bf16[1,8,6144,16384] and the padded fourth at the backward scan's peak, 11.61 GiB per device;
+# llama4-maverick-17b-128e on v5p-512 (fsdp 256) two gathered bf16[1,128,5120,8192] (one in flight) and its padded
+# input, its weight gradients (tgmm, copy, all-reduce, 10 GiB each) later and alone, 36.97 GiB (52.80 analytical with
+# the gradients beside the gathered layer).
+THIN_EXPERT_GATHER_IN_FLIGHT = 1
 # The experts' backward over its routed rows (the dropless receive buffer, perfmodel.moe.routed_buffer_rows) holds
 # six D-wide row buffers (the dispatched input and its gather, the grouped matmul's output, the combine's scatter-add
 # and its gradient) and three Fe-wide ones (the recomputed gate and up and their product). Measured here with libtpu
@@ -143,6 +155,17 @@ EXPERT_GRAD_MATRICES = 2
 # device compiled, 11.30 analytical without them.
 MOE_ROW_D_BUFFERS = 6
 MOE_ROW_F_BUFFERS = 3
+# XLA:TPU's latency-hiding scheduler keeps its schedule under a memory limit near the device's HBM (libtpu's log:
+# "LatencyHidingScheduler current memory usage ... Current limit: 96.2e9" on v5p). Where the overlapped exchange
+# above would take the step past the device's memory, it runs the exchange, the sort and the experts' matmuls one
+# after another, and three D-wide row buffers are live at a time: the received rows, their sort into expert order
+# and the forward's sorted input kept for the weight gradients, beside the three Fe-wide ones. Measured here with
+# libtpu 0.0.52: kimi-k2 at 4 layers (a scan of 3 MoE layers) on v5p-1024, expert 32, B 2, L 2048, remat full,
+# flash: the backward scan's body holds all_to_all, gather and the sorted input, bf16[1048576,7168] each, beside
+# the gate, up and product bf16[1048576,2048] at its peak, the all-to-alls of the recomputed forward and of the
+# backward not overlapped; HLO temp 66.23 GiB (59.19 GiB unpadded, 10.5% fragmentation), 99.88 GiB analytical with
+# the overlapped buffers. TPU only: the other compilers' schedules were not measured so.
+MOE_ROW_D_BUFFERS_SERIAL = 3
 # Elsewhere XLA:TPU turns each weight's FSDP all-gather (and its gradient's reduce-scatter) into a windowed einsum, a
 # loop that multiplies one shard at a time while the next arrives: a few local shards live, never the gathered
 # weight. Measured here with libtpu 0.0.52, llama2-7b widths at 4 layers on v5p-32, remat none, flash: tensor 4,
@@ -181,6 +204,17 @@ BACKWARD_MLP_D_BUFFERS = 2
 # per sequence; the combine reads the top-k expert outputs per token (sorted dispatch), or every slot's output and
 # the [L, E, C] dispatch and combine masks (einsum dispatch).
 ROUTER_FLOAT32_PER_EXPERT = 2
+# Multi-token prediction (models/layers/mtp.py), per module and token beside its decoder layer's input and saved
+# tensors: the projection's input, the normed embedding and hidden state concatenated (2 x D in the compute dtype),
+# and its three RMSNorms' float32 values (counted from the module). Each depth's logits are live beside the
+# decoder's in the loss phase, and each head's gradient of the vocabulary table is whole, beside the other's, through
+# the decoder's backward: deepseek-v3 at 4 layers with mtp_num_layers=1 on v5p-128 (expert 8), B 1, L 1024, remat
+# full, flash compiles to 19.91 GiB per device, with two bf16[1024,129280] logits fusions live at the loss and two
+# bf16[7168,129280] table gradients (transpose of BLD,DV->BLV, all-reduced) live at the backward scan.
+MTP_SAVED_D = 2
+MTP_SAVED_NORMS = 3
+MTP_LOGITS_PER_DEPTH = 1
+MTP_TABLE_GRADIENTS_PER_HEAD = 1
 # The checkpoint names of the attention block's tensors and of the MLP's (a MoE layer's experts'), for the breakdown
 ATTENTION_NAMES = ("query_proj", "key_proj", "value_proj", "qkv_proj", "context", "out_proj")
 
@@ -265,19 +299,78 @@ def params_per_device(model: ModelShape, mesh: Mesh) -> float:
     """Parameters held by one device after sharding (the optimizer and gradients are sharded alike)."""
     memo = model_memo(model)  # per mesh: a search asks for it again with every batch and policy
     if (held_here := memo.get(("params_per_device", mesh.sizes))) is None:
-        held_here = memo["params_per_device", mesh.sizes] = sum(a.count * held(a, mesh) for a in param_arrays(model))
+        held_here = memo["params_per_device", mesh.sizes] = sum(a.count * held(a, mesh) for a in state_arrays(model))
     return held_here
 
 
 def params_per_block(model: ModelShape, mesh: Mesh) -> dict[str, float]:
-    """params_per_device split into "experts" (MoE blocks), "attention" and "rest"."""
+    """params_per_device split into "experts" (MoE blocks), "attention" and "rest" (the MTP modules' layers with
+    the decoder's blocks of their kind)."""
     memo = model_memo(model)
     if (out := memo.get(("params_per_block", mesh.sizes))) is None:
         out = memo["params_per_block", mesh.sizes] = {"experts": 0.0, "attention": 0.0, "rest": 0.0}
-        for x in param_arrays(model):
+        for x in state_arrays(model):
             part = "experts" if x.block == "moe" else "attention" if x.block == "attention" else "rest"
             out[part] += x.count * held(x, mesh)
     return dict(out)
+
+
+def mtp_depths(model: ModelShape) -> int:
+    """DeepSeek-V3's multi-token-prediction modules (mtp_num_layers; 0: none)."""
+    return int(getattr(model, "mtp_num_layers", 0) or 0)
+
+
+def mtp_arrays(model: ModelShape) -> tuple[ParamArray, ...]:
+    """The parameter arrays of the multi-token-prediction modules (models/layers/mtp.py), which the decoder's
+    param_arrays leave out (published totals do not count them): per module the RMSNorms of the embedding, of the
+    hidden state and before the shared head, the 2D x D projection, and one decoder layer of the last layer's kind,
+    its arrays those of the decoder's layers of that kind, one layer's worth; the counts are perfmodel.flops'
+    ParamCounts.mtp."""
+    n = mtp_depths(model)
+    if not n:
+        return ()
+    moe = moe_shape(model)
+    last_moe = moe_layers_of(model)[-1]
+    layers = {"attention": model.num_layers, "norm": model.num_layers,
+              "mlp": moe.dense_layers if moe else model.num_layers, "moe": moe.moe_layers if moe else 0}
+    kind = "moe" if last_moe else "mlp"
+    arrays = [replace(x, count=n * x.count // layers[x.block]) for x in param_arrays(model)
+              if x.block in ("attention", "norm", kind)]
+    norm = next(x for x in param_arrays(model) if x.name == "final_norm")
+    return tuple(arrays + [replace(norm, name="mtp_norms", count=3 * n * norm.count),
+                           ParamArray("mtp_projection", (2 * model.d_model, model.d_model), ("embed", None), n, True)])
+
+
+def expert_entry_size(x: ParamArray, mesh: Mesh) -> float:
+    """Elements on one device of a routed-expert array as the experts' shard_map takes it in, and gives its gradient
+    back (models/layers/moe.py sparse_dispatch's in_specs): its experts over `expert`, D as the parameter splits it,
+    the expert width over `tensor` alone where the parameter's "mlp" axis spans fsdp_transpose too."""
+    tp = mesh.axes.get("tensor", 1)
+    size = 1.0
+    for n, name, shards in zip(x.shape, x.logical, split(x.shape, x.logical, mesh)):
+        size *= n / ((tp if n % tp == 0 else 1) if name == "mlp" else shards)
+    return size
+
+
+# The routed experts' gradients, and their float32 accumulator under gradient accumulation, keep the split the
+# experts' shard_map gives them (models/layers/moe.py sparse_dispatch: the expert width over tensor alone), not the
+# parameters' (over fsdp_transpose and tensor). Measured here with libtpu 0.0.52: mixtral-8x7b on v5p-64, fsdp 2 x
+# fsdp_transpose 4 x tensor 4, B 2, A 8, L 2048, remat minimal, flash: the parameters f32[32,8,2048,896] beside an
+# accumulator f32[32,8,2048,3584] per expert matrix (x3) and the microbatch's gradients of the same shape; 93.69
+# GiB per device compiled against 52.52 analytical with the gradients split like the parameters.
+def expert_gradient_excess(model: ModelShape, train: TrainShape, mesh: Mesh) -> float:
+    """Elements per device by which the routed experts' gradients exceed their parameters' shards: the gradients of
+    the dropless dispatch come out of its shard_map split as they went in (expert_entry_size), so a width split over
+    fsdp_transpose as well as tensor comes back split over tensor only (the note above)."""
+    if moe_shape(model) is None or dispatch(train) != "sparse":
+        return 0.0
+    return sum(x.count * (expert_entry_size(x, mesh) - held(x, mesh)) for x in state_arrays(model)
+               if x.expert_parallel)
+
+
+def state_arrays(model: ModelShape) -> tuple[ParamArray, ...]:
+    """Every parameter array the train state holds: the decoder's and the MTP modules'."""
+    return (*param_arrays(model), *mtp_arrays(model))
 
 
 def routed_rows_held(moe: MoeShape, train: TrainShape, mesh: Mesh) -> float:
@@ -307,8 +400,9 @@ def named_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, moe_layer:
         wi = {"mlpwi": 2 * c * F}
     else:
         wi = {"mlpwi_0": c * F, "mlpwi_1": c * F} if gated(model) else {"mlpwi": c * F}
-    if moe is not None:
-        wo = c * a.D * (routed_rows_held(moe, train, mesh) + (1 if moe.S else 0))
+    if moe is not None:  # the experts' output rows are whole D wide, partial sums over a tensor-split width (the
+        # forward scan of expert_gradient_excess's compile, at tensor 4, stacks bf16[32,32768,4096] for them)
+        wo = c * (D * routed_rows_held(moe, train, mesh) + (a.D if moe.S else 0))
     else:
         wo = c * a.D if model.post_norms else 0.0
     if is_mla(model):
@@ -461,9 +555,10 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     local_params = params_per_device(model, mesh)
     params = local_params * p
     optimizer = OPTIMIZER_STATES_PER_PARAM * local_params * p
-    gradients = local_params * p
+    local_grads = local_params + expert_gradient_excess(model, train, mesh)
+    gradients = local_grads * p
     # models/train_step.py accumulates microbatch gradients in float32 whatever the param dtype
-    accumulator = local_params * GRAD_ACCUMULATOR_BYTES if micro > 1 else 0.0
+    accumulator = local_grads * GRAD_ACCUMULATOR_BYTES if micro > 1 else 0.0
     state_per_param = p * (2 + OPTIMIZER_STATES_PER_PARAM) + (GRAD_ACCUMULATOR_BYTES if micro > 1 else 0)
     if not STATE_DONATED:
         params, optimizer = 2 * params, 2 * optimizer
@@ -483,17 +578,24 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     parts = {k: T * over_layers(model, lambda m: layer_saved_parts(model, train, mesh, remat=remat, moe_layer=m)[k])
              for k in ("attention", "mlp", "rest")}
     saved = T * over_layers(model, lambda m: layer_saved_per_token(model, train, mesh, remat=remat, moe_layer=m))
-    activations = carry + saved
+    # multi-token prediction: each module's decoder layer keeps what a decoder layer of its kind keeps (its input and
+    # the policy's tensors), and its projection what its backward reads (MTP_SAVED_PER_D)
+    depths = mtp_depths(model)
+    mtp_saved = depths * T * ((1 + MTP_SAVED_D) * c * a.D + MTP_SAVED_NORMS * NORM_SAVED_BYTES * a.D
+                              + layer_saved_per_token(model, train, mesh, remat=remat,
+                                                      moe_layer=moe_layers_of(model)[-1])) if depths else 0.0
+    activations = carry + saved + mtp_saved
     saved_copy = (MINIMAL_SAVED_COPIES - 1) * saved if remat != "none" else 0.0
     offloaded = over_layers(model, lambda m: layer_offloaded_per_token(model, train, mesh, m))
     host_offload = T * offloaded
     tiles = vocab_tiles(train)
+    heads = 1 + MTP_LOGITS_PER_DEPTH * depths  # the decoder's logits, and those of each MTP depth
     if tiles == 1:
-        logits = T * a.V * (GPU_LOGIT_BYTES if platform == "gpu" else c + 4 * LOGITS_FLOAT32_BUFFERS)
+        logits = heads * T * a.V * (GPU_LOGIT_BYTES if platform == "gpu" else c + 4 * LOGITS_FLOAT32_BUFFERS)
     else:  # one chunk's logits at a time, and the vocabulary table's gradient summed over the chunks
         name = "embedding" if model.tie_embeddings else "unembedding"
         table = next(x for x in param_arrays(model) if x.name == name)
-        logits = (T / tiles * a.V * (c + 4 * TILED_LOGITS_FLOAT32_BUFFERS)
+        logits = (heads * T / tiles * a.V * (c + 4 * TILED_LOGITS_FLOAT32_BUFFERS)
                   + p * local_size(table.shape, table.logical, mesh))
 
     arrays = param_arrays(model)
@@ -504,7 +606,8 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
                                else 0.0)
     shard = max((held(x, mesh) for x in arrays if x.matmul and x.block and not x.expert_parallel),
                 default=0.0) if windowed else 0.0
-    hoisted = HOISTED_EXPERT_COPIES * c * sum(x.count * held(x, mesh) for x in arrays if x.expert_parallel)
+    hoisted = HOISTED_EXPERT_COPIES * c * sum(x.count * held(x, mesh) for x in state_arrays(model)
+                                              if x.expert_parallel)
     gathered = GATHERED_LAYERS * layer_full * c + WINDOWED_SHARDS * shard * c + (hoisted if c < p else 0.0)
     grads_unsharded = WINDOWED_SHARDS * shard * c
     table = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
@@ -523,29 +626,52 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     qkv = c * ((a.H + a.K) * Dq + a.K * Dv)  # q, k and v, or their gradients
     recomputed = (recomputed_attention_per_token(model, train, mesh, remat) + qkv) if names is not None else 0.0
     mlp_phase = c * (BACKWARD_F_BUFFERS * F_local + recomputed_mlp + BACKWARD_MLP_D_BUFFERS * D) + recomputed
-    if (moe := moe_shape(model)) is not None:  # a MoE layer's part: its routed rows, each D wide and Fe wide
+    # a MoE layer's part: its routed rows, each D wide and Fe wide, as the exchange overlaps the experts' work, and
+    # as XLA serializes it where that would not fit (MOE_ROW_D_BUFFERS_SERIAL)
+    moe_phases = {}
+    if (moe := moe_shape(model)) is not None:
         rows = routed_rows_held(moe, train, mesh)
         shared = moe.S * a.Fe * (BACKWARD_F_BUFFERS + (RECOMPUTED_MLP_F if recomputed_mlp else 0))
-        mlp_phase = max(mlp_phase, c * (rows * (MOE_ROW_D_BUFFERS * D + MOE_ROW_F_BUFFERS * a.Fe) + shared
-                                         + BACKWARD_MLP_D_BUFFERS * D) + recomputed)
+        moe_phases = {n: max(mlp_phase, c * (rows * (n * D + MOE_ROW_F_BUFFERS * a.Fe) + shared
+                                             + BACKWARD_MLP_D_BUFFERS * D) + recomputed)
+                      for n in (MOE_ROW_D_BUFFERS, MOE_ROW_D_BUFFERS_SERIAL)}
+        mlp_phase = moe_phases[MOE_ROW_D_BUFFERS]
     attention_phase = (BACKWARD_SCORE_GRADIENTS * score_grads + c * BACKWARD_D_BUFFERS * D + qkv + recomputed
                        + BACKWARD_D_FLOAT32 * 4 * D)
-    expert_grads = EXPERT_GRAD_MATRICES * c * max(
-        (held_gathered(x, mesh) for x in arrays if x.expert_parallel), default=0.0)
-    working = max(T * mlp_phase, T * attention_phase, expert_grads)
+    experts = [x for x in arrays if x.expert_parallel]
+    matrix = c * max((held_gathered(x, mesh) for x in experts), default=0.0)
+    # the routed experts' D rows per FSDP shard (THIN_EXPERT_GATHER_IN_FLIGHT)
+    expert_rows = min((n / k for x in experts for n, name, k in zip(x.shape, x.logical, split(x.shape, x.logical, mesh))
+                       if name == "embed"), default=float(D))
+    thin = expert_rows < WINDOWED_MIN_ROWS
+    expert_grads = 0.0 if thin else EXPERT_GRAD_MATRICES * matrix
+    in_flight = THIN_EXPERT_GATHER_IN_FLIGHT * matrix if thin else 0.0
     staged = OFFLOAD_STAGED_LAYERS * T * max(layer_offloaded_per_token(model, train, mesh, m)
                                              for m in layer_kinds(model))
-    temporaries = gathered + grads_unsharded + working + staged
-    return MemoryBreakdown(
-        params=params, optimizer=optimizer, gradients=gradients, grad_accumulator=accumulator,
-        activations=activations, saved_copy=saved_copy, logits=logits + vocab_table, temporaries=temporaries,
-        optimizer_temporaries=(GPU_OPTIMIZER_GRADIENT_COPIES if platform == "gpu" else OPTIMIZER_GRADIENT_COPIES)
-        * gradients, hbm_bytes=hbm_bytes, host_offload=host_offload,
-        host_state=host_state, optimizer_staged=optimizer_staged,
-        state_blocks=tuple((k, n * state_per_param) for k, n in params_per_block(model, mesh).items()),
-        activation_blocks=(("experts", parts["mlp"] if moe_shape(model) else 0.0), ("attention", parts["attention"]),
-                           ("rest", carry + parts["rest"] + (0.0 if moe_shape(model) else parts["mlp"]))),
-    )
+    # with MTP heads, the vocabulary table's gradient of each head (the decoder's and every depth's), whole
+    table_grads = (MTP_TABLE_GRADIENTS_PER_HEAD * (1 + depths) * gathered_size(table.shape, table.logical, mesh) * c
+                   if depths else 0.0)
+
+    def breakdown(mlp_phase: float) -> MemoryBreakdown:
+        working = max(T * mlp_phase, T * attention_phase, expert_grads)
+        return MemoryBreakdown(
+            params=params, optimizer=optimizer, gradients=gradients, grad_accumulator=accumulator,
+            activations=activations, saved_copy=saved_copy, logits=logits + vocab_table,
+            temporaries=gathered + in_flight + grads_unsharded + working + staged + table_grads,
+            optimizer_temporaries=(GPU_OPTIMIZER_GRADIENT_COPIES if platform == "gpu" else OPTIMIZER_GRADIENT_COPIES)
+            * gradients, hbm_bytes=hbm_bytes, host_offload=host_offload,
+            host_state=host_state, optimizer_staged=optimizer_staged,
+            state_blocks=tuple((k, n * state_per_param) for k, n in params_per_block(model, mesh).items()),
+            activation_blocks=(("experts", parts["mlp"] if moe_shape(model) else 0.0),
+                               ("attention", parts["attention"]),
+                               ("rest", carry + parts["rest"] + (0.0 if moe_shape(model) else parts["mlp"])
+                                + mtp_saved)),
+        )
+
+    overlapped = breakdown(mlp_phase)
+    if platform != "tpu" or not moe_phases or overlapped.fits or dispatch(train) != "sparse":
+        return overlapped
+    return breakdown(moe_phases[MOE_ROW_D_BUFFERS_SERIAL])
 
 
 def layer_kinds(model: ModelShape) -> tuple[bool, ...]:
