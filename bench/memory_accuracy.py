@@ -23,11 +23,13 @@ all on v5p-32 (16 chips; the rest of the mesh is FSDP):
 - "shapes": SHAPES, 7 compiles: every tensor-parallel degree, batch and length at least once, each kernel three
   times or more, every step within v5p's 95 GiB (past it the compiler's own rematerialization changes the step);
   and WIDE_FSDP, the same widths on v5p-128 (FSDP over 64 devices, as MaxText's llama2-7b runs it);
-- "moe": every MoE preset of the MoE issue at 4 layers (DeepSeek's first dense layers included) on a v5p topology
-  where the full-depth model fits, B 2, L 2048, remat full, flash, with expert parallelism for those with 128 or
-  more experts of 100B parameters or more (9 compiles); "depth": deepseek-v2-lite at 8 layers beside its 4, to
-  check that the error does not depend on the depth (1 compile).
-42 compiles in all. The groups run interleaved (policies, shapes, moe with depth), then rest, so that a run cut
+- "moe": every MoE preset of the MoE issue at 4 layers (DeepSeek's first dense layers included; deepseek-v3 at 5,
+  so that its MoE layers run as a scan) on a v5p topology where the full-depth model fits, B 2, L 2048, remat full,
+  flash, with expert parallelism for those with 128 or more experts of 100B parameters or more except Llama 4 (run
+  as `maxperf estimate-memory` runs it by default); mixtral-8x7b under tensor parallelism with the mesh, policy and
+  accumulation `maxperf plan` chose; deepseek-v3 with multi-token prediction (13 compiles); "depth":
+  deepseek-v2-lite at 8 layers beside its 4, to check that the error does not depend on the depth (1 compile).
+46 compiles in all. The groups run interleaved (policies, shapes, moe with depth), then rest, so that a run cut
 short covers each.
 """
 

@@ -226,3 +226,29 @@ def test_a_tiny_compile_keeps_the_saved_activations_perfmodel_counts(tmp_path):
 def test_analytical_total_is_within_ten_percent_of_recorded_compiles(model, topology, overrides, compiled):
     a = memory_fit.compare(topology, model, overrides, analytical_only=True).analytical
     assert abs(a.per_device_total_bytes / compiled - 1) <= 0.10
+
+
+# The MoE issue's target, 15% of XLA's per-device total (libtpu 0.0.52, the model code of these compiles), on the
+# compiles whose buffers the MoE formulas were read from: the exchange serialized where it would not fit (kimi-k2,
+# deepseek-v3 at 5 layers), thin expert shards (Llama 4 at full depth, mixtral-8x22b), the experts' gradients under
+# fsdp_transpose (mixtral-8x7b's plan, full depth) and the multi-token-prediction modules.
+@pytest.mark.parametrize("model, topology, overrides, compiled", [
+    ("kimi-k2", "v5p-1024", [*LLAMA_4, "per_device_batch_size=2", "remat_policy=full", "attention=flash",
+                             "ici_expert_parallelism=32"], 72511962016),
+    ("deepseek-v3", "v5p-512", ["num_layers=5", "seq_len=2048", "per_device_batch_size=2", "remat_policy=full",
+                                "attention=flash", "ici_expert_parallelism=32"], 70591613856),
+    ("llama4-maverick-17b-128e", "v5p-512", ["seq_len=2048", "per_device_batch_size=1", "remat_policy=full",
+                                             "attention=flash"],
+     70074460512),
+    ("llama4-scout-17b-16e", "v5p-256", ["seq_len=2048", "per_device_batch_size=1", "remat_policy=full",
+                                         "attention=flash"],
+     24230704352),
+    ("mixtral-8x7b", "v5p-64", ["ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=4",
+                                "ici_tensor_parallelism=4", "seq_len=2048", "per_device_batch_size=2",
+                                "grad_accum_steps=8", "remat_policy=minimal", "attention=flash"], 100599022272),
+    ("deepseek-v3", "v5p-128", [*LLAMA_4, "per_device_batch_size=1", "seq_len=1024", "ici_expert_parallelism=8",
+                                "routed_bias_update_rate=0.001", "mtp_num_layers=1"], 19310236320),
+])
+def test_moe_analytical_total_is_within_fifteen_percent_of_recorded_compiles(model, topology, overrides, compiled):
+    a = memory_fit.compare(topology, model, overrides, analytical_only=True).analytical
+    assert abs(a.per_device_total_bytes / compiled - 1) <= 0.15
