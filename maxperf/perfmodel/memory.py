@@ -580,7 +580,7 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
              for k in ("attention", "mlp", "rest")}
     saved = T * over_layers(model, lambda m: layer_saved_per_token(model, train, mesh, remat=remat, moe_layer=m))
     # multi-token prediction: each module's decoder layer keeps what a decoder layer of its kind keeps (its input and
-    # the policy's tensors), and its projection what its backward reads (MTP_SAVED_PER_D)
+    # the policy's tensors), and its projection what its backward reads (MTP_SAVED_D, MTP_SAVED_NORMS)
     depths = mtp_depths(model)
     mtp_saved = depths * T * ((1 + MTP_SAVED_D) * c * a.D + MTP_SAVED_NORMS * NORM_SAVED_BYTES * a.D
                               + layer_saved_per_token(model, train, mesh, remat=remat,
