@@ -83,6 +83,13 @@ def route(logits_TxE: jax.Array, cfg: ModelConfig, bias_E: jax.Array | None = No
         probs_TxE = scores_TxE / jnp.sum(scores_TxE, axis=-1, keepdims=True)
     else:
         scores_TxE = probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
+    if bias_E is None and cfg.norm_topk_prob and cfg.routed_score_func is RoutedScoreFunc.SOFTMAX \
+            and cfg.n_routing_groups == 0:
+        # a softmax over the top-k logits, as Mixtral's reference code and MaxText's get_topk compute it: the same
+        # weights as the renormalized top-k of the full softmax, with top_k's own gradient for the picked logits
+        top_TxK, experts_TxK = jax.lax.top_k(logits_TxE, K)
+        weights_TxK = jax.nn.softmax(top_TxK, axis=-1) * cfg.routed_scaling_factor
+        return Routing(weights_TxK, experts_TxK.astype(jnp.int32), probs_TxE)
     if bias_E is None:
         choice_TxE = scores_TxE
     else:
@@ -261,6 +268,26 @@ def _expert_mlp(x_TxD, group_sizes_E, weights, activation: Activation, megablox:
     return checkpoint_name(checkpoint_name(out_TxD, "mlpwo"), "moe_mlpwo")
 
 
+@jax.custom_vjp
+def _permute(x_AxN: jax.Array, order_A: jax.Array, inverse_A: jax.Array) -> jax.Array:
+    """Rows of `x_AxN` in the order `order_A`, a permutation whose inverse is `inverse_A`. Its gradient is the
+    inverse permutation of the incoming one, a gather, where autodiff would scatter-add (MaxText's
+    _sort_activations_custom, use_custom_sort_vjp=true: the TPU's scatter is slow and large)."""
+    return x_AxN[order_A]
+
+
+def _permute_fwd(x_AxN, order_A, inverse_A):
+    return x_AxN[order_A], (order_A, inverse_A)
+
+
+def _permute_bwd(residuals, g_AxN):
+    order_A, inverse_A = residuals
+    return g_AxN[inverse_A], None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
 def _counts(ids, n: int) -> jax.Array:
     """How many of `ids` equal each of 0..n-1 (ids outside are not counted)."""
     return jnp.sum(ids[:, None] == jnp.arange(n, dtype=ids.dtype)[None, :], axis=0, dtype=jnp.int32)
@@ -279,9 +306,10 @@ def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activati
     flat_A = experts_TxK.reshape(-1)  # A = T K assignments, token-major
     order_A = jnp.argsort(flat_A, stable=True)
     inverse_A = jnp.argsort(order_A)
-    x_AxD = x_TxD[order_A // K]
+    # each token repeated K times and the copies sorted, as MaxText's permute: the repeat's gradient is a sum
+    x_AxD = _permute(jnp.repeat(x_TxD, K, axis=0), order_A, inverse_A)
     if scale_input:
-        x_AxD = x_AxD * weights_TxK.reshape(-1)[order_A][:, None].astype(x_AxD.dtype)
+        x_AxD = x_AxD * _permute(weights_TxK.reshape(-1), order_A, inverse_A)[:, None].astype(x_AxD.dtype)
         weights_TxK = jnp.ones_like(weights_TxK)
     e_A = flat_A[order_A]
     add_wo = True if tensor_axis is None else jax.lax.axis_index(tensor_axis) == 0  # wo's bias once, not per shard
@@ -308,8 +336,10 @@ def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activati
                             megablox, bias_for(recv_R[order_R]), limit)
         y_SxMxD = y_RxD[jnp.argsort(order_R)].reshape(ep, M, D)
         y_AxD = jax.lax.all_to_all(y_SxMxD, ep_axis, 0, 0)[shard_A, slot_A]
-    y_TxKxD = y_AxD[inverse_A].reshape(T, K, D)
-    out_TxD = jnp.einsum("TKD,TK->TD", y_TxKxD, weights_TxK.astype(y_TxKxD.dtype))
+    y_TxKxD = _permute(y_AxD, inverse_A, order_A).reshape(T, K, D)
+    # the weighted sum in float32 (MaxText's float32_weight_sum, default true)
+    out_TxD = jnp.einsum("TKD,TK->TD", y_TxKxD.astype(jnp.float32), weights_TxK.astype(jnp.float32))
+    out_TxD = out_TxD.astype(x_TxD.dtype)
     if tensor_axis is not None:  # each device held a slice of every expert's F: partial sums
         out_TxD = jax.lax.psum(out_TxD, tensor_axis)
     return out_TxD
@@ -319,8 +349,9 @@ def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCo
                     megablox: bool = False, biases=None) -> jax.Array:
     """Dropless routed experts: ragged_dot over each device's tokens sorted by expert, all_to_all between expert
     shards. Without a mesh (one device), the same computation on all tokens. The expert weights (wi_0 or None,
-    wi_1, wo) come in their parameter dtype and are cast to the tokens' dtype on each device's shard before their
-    FSDP all-gather, so that only one layer's weights exist in the compute dtype at a time."""
+    wi_1, wo) come in their parameter dtype, are cast to the tokens' dtype on their shards and enter the shard_map
+    whole in D, so that the partitioner all-gathers them over FSDP at its boundary (MaxText's sparse_matmul: its
+    weight specs drop the FSDP axes)."""
     B, L, D = x_BxLxD.shape
     E = cfg.num_experts
     kw = dict(E=E, activation=cfg.activation, megablox=megablox, scale_input=cfg.routed_input_scaling,
@@ -347,26 +378,17 @@ def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCo
     F = cfg.moe_mlp_dim
     f_axis = "tensor" if tp > 1 and F % tp == 0 else None
     e_axis = "expert" if ep > 1 else None
-    # each weight enters with its D dimension as the parameter holds it (FSDP) and is gathered inside, cast first
-    d_axes = mesh_axes_for(weights[1].shape, ("exp", "embed", "mlp"), sizes)[1]
-    d_axes = () if d_axes is None else d_axes if isinstance(d_axes, tuple) else (d_axes,)
-    d_axes = tuple(a for a in d_axes if a not in (e_axis, f_axis))
-    d_spec = d_axes or None
-    wi_spec, wo_spec = PartitionSpec(e_axis, d_spec, f_axis), PartitionSpec(e_axis, f_axis, d_spec)
+    wi_spec, wo_spec = PartitionSpec(e_axis, None, f_axis), PartitionSpec(e_axis, f_axis, None)
     x_spec, routed_spec = PartitionSpec(*tokens), PartitionSpec(*tokens[:2], None)
 
     gated = weights[0] is not None
     w_specs = (wi_spec, wi_spec, wo_spec)[0 if gated else 1:]
-    d_dims = (1, 1, 2)[0 if gated else 1:]
     b_specs = ()
     if biases is not None:
         b_specs = (PartitionSpec(e_axis, f_axis), PartitionSpec(e_axis, f_axis), PartitionSpec(e_axis, None))
         b_specs, biases = b_specs[0 if gated else 1:], biases[0 if gated else 1:]
 
     def shard(x_bxlxD, experts_bxlxK, weights_bxlxK, ws, bs):
-        ws = tuple(w.astype(dtype) for w in ws)
-        if d_axes:
-            ws = tuple(jax.lax.all_gather(w, d_axes, axis=dim, tiled=True) for w, dim in zip(ws, d_dims))
         b, l, _ = x_bxlxD.shape
         out_TxD = _local_experts(x_bxlxD.reshape(b * l, D), experts_bxlxK.reshape(b * l, -1),
                                  weights_bxlxK.reshape(b * l, -1), ws if gated else (None, *ws), ep_axis=e_axis,
@@ -378,7 +400,8 @@ def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCo
     # outputs carry no varying-axes types
     return jax.shard_map(shard, mesh=mesh, in_specs=(x_spec, routed_spec, routed_spec, w_specs, b_specs),
                          out_specs=x_spec, check_vma=False)(x_BxLxD, experts_BxLxK, weights_BxLxK,
-                                                            weights[0 if gated else 1:], biases or ())
+                                                            tuple(w.astype(dtype) for w in weights[0 if gated else 1:]),
+                                                            biases or ())
 
 
 def dense_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelConfig,
