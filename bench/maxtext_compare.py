@@ -1,6 +1,6 @@
 """The same train step compiled by MaxText's train_compile and by `maxperf compile`, side by side in one run.
 
-    .venv/bin/python bench/maxtext_compare.py              # every case (about 15 minutes on 2 cores)
+    .venv/bin/python bench/maxtext_compare.py              # every case (about 35 minutes on 2 cores)
     .venv/bin/python bench/maxtext_compare.py full flash   # some of them: full, flash, main, mixtral, mixtral4
 
 MaxText runs from its own venv (PEER_VENV, default /tmp/peer, installed by shared/peer/maxtext_aot.sh) exactly as
@@ -30,6 +30,7 @@ ici_fsdp_parallelism=-1 and no expert parallelism, is maxperf's too.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -166,6 +167,10 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a is not None and b else "-"
 
 
+def bundles(backend: Backend | None) -> str:
+    return f"{backend.bundles:,}" if backend else "-"
+
+
 def gib(x: float | None) -> str:
     return f"{x:.2f}" if x is not None else "failed"
 
@@ -197,16 +202,22 @@ def main(names: list[str]) -> None:
               f"({ratio(mp.memory_gib, mt.memory_gib)}); wall: MaxText {mt.wall_s:.1f} s, maxperf {mp.wall_s:.1f} s "
               f"({ratio(mp.wall_s, mt.wall_s)})", flush=True)
     print()
-    print("| case | topology | B | L | settings | MaxText GiB | maxperf GiB | ratio | MaxText s | maxperf s | ratio |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| case | topology | B | L | settings | MaxText GiB | maxperf GiB | ratio | MaxText s | maxperf s | ratio "
+          "| MaxText bundles | maxperf bundles |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for case, mt, mp in rows:
         print(f"| {case.model} | {case.topology} | {case.batch} | {case.seq} | {' '.join(case.settings)} "
               f"| {gib(mt.memory_gib)} | {gib(mp.memory_gib)} | {ratio(mp.memory_gib, mt.memory_gib)} "
-              f"| {mt.wall_s:.1f} | {mp.wall_s:.1f} | {ratio(mp.wall_s, mt.wall_s)} |")
+              f"| {mt.wall_s:.1f} | {mp.wall_s:.1f} | {ratio(mp.wall_s, mt.wall_s)} "
+              f"| {bundles(mt.backend)} | {bundles(mp.backend)} |")
 
 
 if __name__ == "__main__":
-    unknown = set(sys.argv[1:]) - {c.name for c in CASES}
-    if unknown:
-        raise SystemExit(f"unknown case {sorted(unknown)}; cases: {', '.join(c.name for c in CASES)}")
+    names = [c.name for c in CASES]
+    for name in sys.argv[1:]:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=2)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            print(f"unknown case {name!r}; {hint}cases: {', '.join(names)}", file=sys.stderr)
+            raise SystemExit(2)
     main(sys.argv[1:])
