@@ -27,7 +27,7 @@ from maxperf.models.sharding import constrain, partition_spec
 from maxperf.models.transformer import Transformer, stack_axis
 
 BATCH_AXES = ("activation_batch", "activation_length")
-MTP_EPS = 1e-8  # MaxText's EPS (utils/globals.py) under the MTP loss's token count
+EPS = 1e-8  # MaxText's EPS (utils/globals.py) under a loss's token count
 
 
 def build_model(model: ModelConfig, train: TrainConfig, rngs: nnx.Rngs) -> Transformer:
@@ -139,7 +139,7 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         if model.mtp_num_layers:
             ahead = net.predict_ahead(out.pre_norm, inputs_BxL, batch["targets"], mask_BxL, positions_BxL, nll_sum,
                                       key)
-            mtp_loss = train.mtp_loss_scaling_factor * jnp.sum(ahead.nll_K) / (jnp.sum(ahead.weights_K) + MTP_EPS)
+            mtp_loss = train.mtp_loss_scaling_factor * jnp.sum(ahead.nll_K) / (jnp.sum(ahead.weights_K) + EPS)
             total = total + mtp_loss * tokens
             counts = {**counts, **ahead.counts}
             n_moe, n_mtp = sum(model.moe_layers()), model.mtp_num_layers * model.moe_layers()[-1]
@@ -151,6 +151,15 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
 
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
+    def loss_mean(params, batch, key):
+        """MaxText's objective without gradient accumulation: the summed loss over the tokens (+ EPS), so that the
+        backward pass yields the gradient normalized (1/tokens enters with the logits' gradient), not a sum that is
+        divided afterwards; with accumulation, as MaxText's, the microbatches' sums and then one division."""
+        total, aux = loss_sum(params, batch, key)
+        return total / (aux[0] + EPS), (total, aux)
+
+    mean_grad_fn = jax.value_and_grad(loss_mean, has_aux=True)
+
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         params, opt_state = state["params"], state["opt_state"]
         # state offloaded to pinned host memory (MaxText's *_memory_host_offload) comes to the device where the step
@@ -160,7 +169,7 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
             params = jax.device_put(params, jax.memory.Space.Device)
         key = quantization.step_key(train, state["step"])  # int8's stochastic rounding; None without it
         if A == 1:
-            (total, (tokens, lb_loss, mtp_loss, counts)), grads = grad_fn(params, batch, key)
+            (_, (total, (tokens, lb_loss, mtp_loss, counts))), grads = mean_grad_fn(params, batch, key)
         else:
             # the step's A x B x devices rows, microbatch a the rows a, a+A, ...: every device keeps 1/A of its own
             # rows in each, B of them per device (MaxText's per_device_batch_size is one microbatch)
@@ -181,8 +190,8 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
             (total, tokens, lb_loss, mtp_loss, counts, grads), _ = jax.lax.scan(
                 accumulate, (0.0, 0.0, 0.0, 0.0, no_counts, zeros), (micro, jnp.arange(A)))
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+            grads = jax.tree.map(lambda g: g / (tokens + EPS).astype(g.dtype), grads)
         denom = jnp.maximum(tokens, 1.0)
-        grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
         if train.optimizer_memory_host_offload:
             opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
         updates, opt_state = optimizer.update(grads, opt_state, params)
