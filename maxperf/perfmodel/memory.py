@@ -49,6 +49,11 @@ STATE_DONATED = True
 # matmul, is not kept (the shape of GATED_MLP_SAVED_F's note: four f32[4,8,2048,1024] per layer for two norms, no
 # bf16[.., 4096]).
 NORM_SAVED_BYTES = 8
+# RMSNorm (MaxText's form) rounds the normalized value to the compute dtype before its scale, so the backward keeps the
+# float32 input and the normalized value in the compute dtype: 4 + 2 bytes per element in bf16 (a tiny model on v5p-8,
+# tensor 2, no remat: the forward scan's saved buffers shrank by 2 bytes per element of each norm's width when the
+# norm took that form, tests/test_estimate_memory.py's tiny compile).
+RMS_NORM_SAVED_FLOAT32_BYTES = 4
 # Gated MLP (SwiGLU/GeGLU) keeps gate, up, the activation's internals (sigmoid s and its derivative s (1 - s)), the
 # activation and the product: 6 x F (measured here with libtpu 0.0.52: llama2-7b widths at 4 layers on v5p-32,
 # tensor 4, B 2, L 2048, remat_policy=none: the forward scan stacks six bf16[4,8,2048,2752] per layer); the plain
@@ -445,7 +450,8 @@ def layer_saved_parts(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat
     else:
         mlp = moe_saved_per_token(model, moe, train, mesh)
     # the residual stream and its float32 norm values are split over tensor (MaxText's activation_embed rule)
-    norms = (4 if model.post_norms else 2) * NORM_SAVED_BYTES * a.D
+    per_norm = RMS_NORM_SAVED_FLOAT32_BYTES + c if str(model.norm) == "rmsnorm" else NORM_SAVED_BYTES
+    norms = (4 if model.post_norms else 2) * per_norm * a.D
     residual = c * a.D  # the sum after attention, input of the MLP block
     if is_mla(model):
         Dq, Dv = head_dims(model)
