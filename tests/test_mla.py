@@ -217,11 +217,12 @@ def test_flash_and_dot_product_give_the_same_loss_and_gradients():
 def test_tensor_parallel_step_matches_one_device():
     _, sharded = tiny_mla("ici_tensor=4", "ici_fsdp=1", "per_device_batch_size=1", "seq_len=64", devices=4)
     _, single = tiny_mla("per_device_batch_size=4", "seq_len=64", devices=1)
-    # every head-carrying weight of the latent attention is split over the heads
+    # every head-carrying weight of the latent attention is split over the heads; the stacked weights carry the
+    # layer axis second (param_scan_axis=1): [R, N, H, Dq], [C, N, H, E], [H, N, Dv, D]
     attention = sharded.state_shardings["params"]["layers"]["attention"]
     assert attention["wq_b_RxHxDq"].spec == P(None, None, "tensor", None)
     assert attention["wkv_b_CxHxE"].spec == P(None, None, "tensor", None)
-    assert attention["o_HxDvxD"].spec == P(None, "tensor", None, None)
+    assert attention["o_HxDvxD"].spec == P("tensor", None, None, None)
     assert sharded.batch["inputs"].shape == single.batch["inputs"].shape
     batch = jax.device_get(train_step.synthetic_batch(single, seed=3))
     np.testing.assert_allclose(two_step_losses(sharded, batch), two_step_losses(single, batch), rtol=0, atol=1e-5)
