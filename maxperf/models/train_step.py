@@ -189,8 +189,7 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
                 lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro), key)[0][1][3]).items()}
             (total, tokens, lb_loss, mtp_loss, counts, grads), _ = jax.lax.scan(
                 accumulate, (0.0, 0.0, 0.0, 0.0, no_counts, zeros), (micro, jnp.arange(A)))
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-            grads = jax.tree.map(lambda g: g / (tokens + EPS).astype(g.dtype), grads)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype) / (tokens + EPS).astype(p.dtype), grads, params)
         denom = jnp.maximum(tokens, 1.0)
         if train.optimizer_memory_host_offload:
             opt_state = jax.device_put(opt_state, jax.memory.Space.Device)

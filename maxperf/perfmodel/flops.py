@@ -266,7 +266,7 @@ def count_params(model: ModelShape) -> ParamCounts:
     layer_matmul = attn_matmul + (block if n_moe else dense_mlp)
     last_moe = bool(moe) and moe_layers_of(model)[-1]
     last_layer = fixed + (block + block_other if last_moe else dense_mlp)
-    mtp = int(getattr(model, "mtp_num_layers", 0) or 0) * (3 * per_norm + 2 * D * D + last_layer)
+    mtp = mtp_depths(model) * (3 * per_norm + 2 * D * D + last_layer)
     return ParamCounts(
         total=total, embedding=embedding, unembedding=unembedding,
         per_layer=layer_matmul + attn_other + layer_norms + (block_other if n_moe else 0), layer_matmul=layer_matmul,
@@ -274,6 +274,11 @@ def count_params(model: ModelShape) -> ParamCounts:
         attention=N * (attn_matmul + attn_other), experts=n_moe * (block + block_other),
         active_layer_matmul=N * attn_matmul + (N - n_moe) * dense_mlp + n_moe * block_active, mtp=mtp,
     )
+
+
+def mtp_depths(model: ModelShape) -> int:
+    """DeepSeek-V3's multi-token-prediction modules (mtp_num_layers; 0: none)."""
+    return int(getattr(model, "mtp_num_layers", 0) or 0)
 
 
 def moe_layers_of(model: ModelShape) -> tuple[bool, ...]:
@@ -423,7 +428,7 @@ def mtp_fwd_flops(model: ModelShape, train: TrainShape, B: float) -> MtpFlops:
     B x L tokens (B: the step's examples per device); the causal share by the last layer's mask (MaxText takes the
     full causal one, the same for DeepSeek's global layers). The projection and the head's logits are executed but
     not model FLOPs."""
-    n = int(getattr(model, "mtp_num_layers", 0) or 0)
+    n = mtp_depths(model)
     if not n:
         return MtpFlops(0.0, 0.0, 0.0, 0.0, 0.0)
     L, D, H = train.seq_len, model.d_model, model.num_heads

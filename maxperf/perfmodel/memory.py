@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, replace
 from importlib import resources
 
-from maxperf.perfmodel.flops import attention_kernel, gated, head_dims, is_mla, moe_layers_of, remat_names
+from maxperf.perfmodel.flops import attention_kernel, gated, head_dims, is_mla, moe_layers_of, mtp_depths, remat_names
 from maxperf.perfmodel.moe import MoeShape, dispatch, moe_shape, routed_buffer_rows, rows_per_token
 from maxperf.perfmodel.shapes import (
     Mesh,
@@ -319,11 +319,6 @@ def params_per_block(model: ModelShape, mesh: Mesh) -> dict[str, float]:
             part = "experts" if x.block == "moe" else "attention" if x.block == "attention" else "rest"
             out[part] += x.count * held(x, mesh)
     return dict(out)
-
-
-def mtp_depths(model: ModelShape) -> int:
-    """DeepSeek-V3's multi-token-prediction modules (mtp_num_layers; 0: none)."""
-    return int(getattr(model, "mtp_num_layers", 0) or 0)
 
 
 def mtp_arrays(model: ModelShape) -> tuple[ParamArray, ...]:

@@ -10,9 +10,9 @@ from maxperf.models.config import Norm
 from maxperf.models.layers.params import param
 
 
-def _last_axis(v: jax.Array, ndim: int) -> jax.Array:
-    """A [D] vector shaped to broadcast against an ndim-rank array along its last axis."""
-    return v.astype(jnp.float32).reshape((1,) * (ndim - 1) + (-1,))
+def _last_axis(v: jax.Array, ndim: int, dtype=jnp.float32) -> jax.Array:
+    """A [D] vector in `dtype`, shaped to broadcast against an ndim-rank array along its last axis."""
+    return v.astype(dtype).reshape((1,) * (ndim - 1) + (-1,))
 
 
 class RMSNorm(nnx.Module):
@@ -24,7 +24,7 @@ class RMSNorm(nnx.Module):
         """Normalized in float32 and cast to x's dtype, then scaled in that dtype (MaxText's RMSNorm)."""
         x32 = x.astype(jnp.float32)
         y = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
-        return y * self.scale[...].astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+        return y * _last_axis(self.scale[...], x.ndim, x.dtype)
 
 
 class LayerNorm(nnx.Module):
