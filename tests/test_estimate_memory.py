@@ -12,6 +12,7 @@ import pytest
 from maxperf.studies import memory_fit
 from maxperf.studies.memory_fit import Trial, _next_batch
 from maxperf.errors import MaxperfError
+from maxperf.perfmodel import memory
 from maxperf.perfmodel.memory import MINIMAL_SAVED_COPIES
 
 TINY = ["seq_len=128", "per_device_batch_size=2"]  # TPU flash attention takes L in multiples of 128
@@ -202,8 +203,9 @@ def test_a_tiny_compile_keeps_the_saved_activations_perfmodel_counts(tmp_path):
 # (libtpu 0.0.52; the llama2 ones of the current step, the MoE ones of the step before MaxText's torus target and
 # layer axis): the analytical total stays within the fidelity issue's worst 20% of each and its median 10% over them;
 # a change to a formula that moves one past it must come with the compiled step that justifies it. Under tensor
-# parallelism the compiler keeps the logits and the gathered final hidden state through the backward scan, which
-# perfmodel does not count (the first case: -16.5%).
+# parallelism with the batch split too the compiler keeps the logits' gradient and the gathered final hidden state
+# through the backward scan (perfmodel.memory.LATE_TABLE_GRADIENT_INPUTS); without a batch split (tensor 16 on 16
+# chips) it does not.
 RECORDED_COMPILES = [
     ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=4", "per_device_batch_size=2", "remat_policy=none",
                              "attention=flash"], 6663319744),
@@ -223,6 +225,13 @@ RECORDED_COMPILES = [
      2483404992),
     ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=4", "per_device_batch_size=2",
                              "remat_policy=qkv_proj_offloaded", "attention=dot_product"], 3366803136),
+    ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=4", "per_device_batch_size=2", "remat_policy=custom",
+                             "query_proj=device", "key_proj=offload", "value_proj=offload", "context=device",
+                             "mlpwi_0=device", "mlpwo=offload", "attention=flash"], 3519503552),
+    ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=8", "per_device_batch_size=16", "seq_len=4096",
+                             "remat_policy=full", "attention=flash"], 29085014720),
+    ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=16", "per_device_batch_size=2", "seq_len=8192",
+                             "remat_policy=save_dot_except_mlp", "attention=flash"], 11833242304),
     # expert parallelism: the experts' backward over the dropless receive buffer's rows
     ("qwen3-235b-a22b", "v5p-256", [*LLAMA_4, "per_device_batch_size=2", "remat_policy=full", "attention=flash",
                                     "ici_expert_parallelism=16"], 35656062176),
@@ -239,6 +248,19 @@ def test_analytical_total_median_error_over_recorded_compiles_is_within_ten_perc
     errors = [abs(memory_fit.compare(topology, model, overrides, analytical_only=True).analytical.per_device_total_bytes
                   / compiled - 1) for model, topology, overrides, compiled in RECORDED_COMPILES]
     assert statistics.median(errors) <= 0.10
+
+
+@pytest.mark.parametrize("tensor, late", [(4, True), (16, False)])
+def test_the_unembedding_gradient_inputs_stay_through_the_backward_only_when_tensor_and_batch_split(
+        monkeypatch, tensor, late):
+    overrides = [*LLAMA_4, f"ici_tensor_parallelism={tensor}", "per_device_batch_size=2", "remat_policy=full",
+                 "attention=flash"]
+    counted = memory_fit.compare("v5p-32", "llama2-7b", overrides, analytical_only=True).analytical
+    monkeypatch.setattr(memory, "LATE_TABLE_GRADIENT_INPUTS", 0)
+    without = memory_fit.compare("v5p-32", "llama2-7b", overrides, analytical_only=True).analytical
+    tokens = 2 * 16 // (16 // tensor) * 2048  # one data shard's tokens: the global batch over fsdp = 16 / tensor
+    expected = tokens * (4096 + 32000 // tensor) * 2 if late else 0  # bf16 [T, D] and [T, V / tensor]
+    assert counted.temporaries - without.temporaries == expected
 
 
 # The MoE issue's target, 15% of XLA's per-device total (libtpu 0.0.52, the model code of these compiles), on the
