@@ -211,13 +211,13 @@ BACKWARD_MLP_D_BUFFERS = 2
 # the [L, E, C] dispatch and combine masks (einsum dispatch).
 ROUTER_FLOAT32_PER_EXPERT = 2
 # Multi-token prediction (models/layers/mtp.py), per module and token beside its decoder layer's input and saved
-# tensors: the projection's input, the normed embedding and hidden state concatenated (2 x D in the compute dtype),
-# and its three RMSNorms' float32 values (counted from the module). Each depth's logits are live beside the
+# tensors: the projection's input, the normed embedding and hidden state concatenated (2 x D in the compute dtype), and
+# its three norms' saved values (norm_saved_bytes; counted from the module). Each depth's logits are live beside the
 # decoder's in the loss phase, and each head's gradient of the vocabulary table is whole, beside the other's, through
-# the decoder's backward: deepseek-v3 at 4 layers with mtp_num_layers=1 on v5p-128 (expert 8), B 1, L 1024, remat
-# full, flash compiles with libtpu 0.0.52 to 17.98 GiB per device (19.92 analytical), two bf16[1024,129280] logits
-# fusions live at the loss and two bf16[7168,129280] table gradients (transpose of BLD,DV->BLV, all-reduced) at the
-# backward scan.
+# the decoder's backward: deepseek-v3 at 4 layers with mtp_num_layers=1 on v5p-128 (expert 8), B 1, L 1024, remat full,
+# flash compiles with libtpu 0.0.52 to 17.98 GiB per device (19.88 analytical), two bf16[1024,129280] logits fusions
+# live at the loss and two bf16[7168,129280] table gradients (transpose of BLD,DV->BLV, all-reduced) at the backward
+# scan.
 MTP_SAVED_D = 2
 MTP_SAVED_NORMS = 3
 MTP_LOGITS_PER_DEPTH = 1
@@ -455,8 +455,7 @@ def layer_saved_parts(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat
     else:
         mlp = moe_saved_per_token(model, moe, train, mesh)
     # the residual stream and its float32 norm values are split over tensor (MaxText's activation_embed rule)
-    per_norm = RMS_NORM_SAVED_FLOAT32_BYTES + c if str(model.norm) == "rmsnorm" else NORM_SAVED_BYTES
-    norms = (4 if model.post_norms else 2) * per_norm * a.D
+    norms = (4 if model.post_norms else 2) * norm_saved_bytes(model, c) * a.D
     residual = c * a.D  # the sum after attention, input of the MLP block
     if is_mla(model):
         Dq, Dv = head_dims(model)
@@ -490,6 +489,12 @@ def recomputed_attention_per_token(model: ModelShape, train: TrainShape, mesh: M
         kept = names is not None and "context" in (names[0] | names[1])
         return 0.0 if kept else a.H * (c * Dv + 4 * RECOMPUTED_LSE_LANES)
     return a.H * train.seq_len * RECOMPUTED_SCORE_BUFFERS * score_bytes(train)[1]
+
+
+def norm_saved_bytes(model: ModelShape, c: int) -> int:
+    """What the backward reads of one element of a residual-width norm: RMSNorm's float32 input and its normalized
+    value in the compute dtype (MaxText's form), LayerNorm's two float32 values."""
+    return RMS_NORM_SAVED_FLOAT32_BYTES + c if str(model.norm) == "rmsnorm" else NORM_SAVED_BYTES
 
 
 def mla_saved_per_token(model: ModelShape, c: int, H: float) -> float:
@@ -593,7 +598,7 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     # multi-token prediction: each module's decoder layer keeps what a decoder layer of its kind keeps (its input and
     # the policy's tensors), and its projection what its backward reads (MTP_SAVED_D, MTP_SAVED_NORMS)
     depths = mtp_depths(model)
-    mtp_saved = depths * T * ((1 + MTP_SAVED_D) * c * a.D + MTP_SAVED_NORMS * NORM_SAVED_BYTES * a.D
+    mtp_saved = depths * T * ((1 + MTP_SAVED_D) * c * a.D + MTP_SAVED_NORMS * norm_saved_bytes(model, c) * a.D
                               + layer_saved_per_token(model, train, mesh, remat=remat,
                                                       moe_layer=moe_layers_of(model)[-1])) if depths else 0.0
     activations = carry + saved + mtp_saved
