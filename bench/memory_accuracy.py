@@ -3,14 +3,15 @@
     .venv/bin/python bench/memory_accuracy.py [--cache FILE] [--only SUBSTRING] [--group NAME] [--json FILE]
                                               [--error-json FILE]
 
-For each case it compiles the train step for a TPU topology (compile-only devices, through maxperf.aot, into a
-temporary directory; one compile at a time) and prints the analytical per-device total (perfmodel.estimate_memory)
+For each case it compiles the train step for a TPU or GPU topology (compile-only devices, through maxperf.aot, into
+a temporary directory; one compile at a time) and prints the analytical per-device total (perfmodel.estimate_memory)
 beside the compiler's (argument + output - alias + temp + code, from memory_analysis), the signed error of the
 analytical figure, and per group the median and worst absolute error. `--cache FILE` keeps the compiler's figures
 in a JSON file keyed by the case, so that a second run after a change to perfmodel's formulas recompiles nothing
 (the compiler's figures depend on the step, not on perfmodel); delete the file to measure again; `--cached-only`
-reports the cached cases alone. `--error-json` writes the summary of every case reported (median and worst absolute
-error, the 90th percentile of the signed underestimate) as maxperf/perfmodel/memory_error.json's entry for "tpu".
+reports the cached cases alone. `--error-json` writes the summary of every TPU case reported (median and worst
+absolute error, the 90th percentile of the signed underestimate) as maxperf/perfmodel/memory_error.json's entry for
+"tpu".
 
 The design. A full factorial of tensor parallelism (1, 2, 4, 8, 16) x per-device batch (1 to 32) x sequence length
 (2048, 4096, 8192) x 12 remat policies x 2 kernels is 2160 compiles; on a shared 2-core machine one TPU compile of
@@ -29,8 +30,9 @@ all on v5p-32 (16 chips; the rest of the mesh is FSDP):
   as `maxperf estimate-memory` runs it by default); mixtral-8x7b under tensor parallelism with the mesh, policy and
   accumulation `maxperf plan` chose; deepseek-v3 with multi-token prediction (13 compiles); "depth":
   deepseek-v2-lite at 8 layers beside its 4, to check that the error does not depend on the depth (1 compile).
-46 compiles in all. The groups run interleaved (policies, shapes, moe with depth), then rest, so that a run cut
-short covers each.
+46 TPU compiles in all. The groups run interleaved (policies, shapes, moe with depth), then rest, so that a run cut
+short covers each; then "gpu" (GPU_MOE, 19 compiles for H100s), whose summary stands apart and is not written by
+`--error-json`.
 """
 
 from __future__ import annotations
@@ -96,6 +98,25 @@ MOE = (("mixtral-8x7b", "v5p-32", ()), ("deepseek-v2-lite", "v5p-8", ()), ("qwen
        ("deepseek-v3", "v5p-128", ("per_device_batch_size=1", "seq_len=1024", "ici_expert_parallelism=8",
                                    "routed_bias_update_rate=0.001", "mtp_num_layers=1")))
 MOE_COMMON = ("per_device_batch_size=2", "seq_len=2048", "remat_policy=full", "attention=flash")
+# "gpu": the MoE presets on H100s (jax's CUDA plugin compiling without a GPU; a compile takes 15-60 s here), L 2048,
+# remat full, the attention kernel `auto` picks: at full depth where the step fits an H100's 80 GB, cut to a few
+# layers on one H100 (B 1 to 4) and on eight with expert parallelism, and the two largest presets past it on
+# h100-8x16 (their verdict); the summary counts the steps that fit
+GPU_MOE = (("deepseek-v2-lite", "h100-8", ("per_device_batch_size=1",)),
+           ("deepseek-v2-lite", "h100-8", ("per_device_batch_size=2",)),
+           ("deepseek-v2-lite", "h100-8", ("per_device_batch_size=1", "ici_expert_parallelism=8")),
+           ("gpt-oss-20b", "h100-8", ("per_device_batch_size=1",)),
+           ("gpt-oss-20b", "h100-8", ("per_device_batch_size=2",)),
+           ("qwen3-30b-a3b", "h100-8", ("per_device_batch_size=1", "ici_expert_parallelism=8")),
+           ("deepseek-v2-lite", "h100-1", ("num_layers=3", "per_device_batch_size=1")),
+           ("deepseek-v2-lite", "h100-1", ("num_layers=3", "per_device_batch_size=2")),
+           ("deepseek-v2-lite", "h100-8", ("num_layers=3", "per_device_batch_size=2", "ici_expert_parallelism=8")),
+           ("qwen3-30b-a3b", "h100-1", ("num_layers=2", "per_device_batch_size=1")),
+           ("qwen3-30b-a3b", "h100-8", ("num_layers=2", "per_device_batch_size=2", "ici_expert_parallelism=8")),
+           *(("mixtral-8x7b", "h100-1", ("num_layers=2", f"per_device_batch_size={b}")) for b in (1, 2, 4)),
+           *(("gpt-oss-20b", "h100-1", ("num_layers=2", f"per_device_batch_size={b}")) for b in (1, 2, 4)),
+           *((m, "h100-8x16", ("per_device_batch_size=1", "ici_expert_parallelism=8", "dcn_fsdp_parallelism=16"))
+             for m in ("deepseek-v3", "qwen3-235b-a22b")))
 DEPTHS = (8,)
 
 
@@ -122,7 +143,8 @@ def cases() -> list[tuple[str, str, str, tuple[str, ...]]]:
     depth = [("depth", m, t, (f"num_layers={n}", *MOE_COMMON, *extra)) for m, t, extra in MOE[1:2] for n in DEPTHS]
     first = [c for trio in itertools.zip_longest(policies, shapes, moe[:2] + depth + moe[2:]) for c in trio if c]
     rest = [("rest", DENSE, DENSE_TOPOLOGY, dense(*BASE, p, KERNELS[i % 2])) for i, p in enumerate(POLICIES)]
-    return first + rest
+    gpu = [("gpu", m, t, extra) for m, t, extra in GPU_MOE]
+    return first + rest + gpu
 
 
 def key(model: str, topology: str, overrides: tuple[str, ...]) -> str:
@@ -143,11 +165,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", type=Path, help="JSON file of compiler figures to reuse and extend")
     ap.add_argument("--only", default="", help="run only cases whose key contains this text")
-    ap.add_argument("--group", choices=("policies", "shapes", "moe", "depth", "rest"), action="append",
+    ap.add_argument("--group", choices=("policies", "shapes", "moe", "depth", "rest", "gpu"), action="append",
                     help="run only this group (repeatable)")
     ap.add_argument("--cached-only", action="store_true", help="report only the cases the cache holds")
     ap.add_argument("--json", type=Path, help="also write the rows here")
-    ap.add_argument("--error-json", type=Path, help="write the dense groups' summary (memory_error.json schema)")
+    ap.add_argument("--error-json", type=Path, help="write the TPU groups' summary (memory_error.json schema)")
     args = ap.parse_args()
     cache = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
     rows = []
@@ -182,10 +204,12 @@ def main() -> int:
         rows.append({"group": group, "model": model, "topology": topology, "overrides": list(overrides),
                      "tensor": tp, "batch": train.per_device_batch_size, "seq_len": train.seq_len, "remat": remat,
                      "kernel": kernel, "analytical_bytes": analytical, "compiler_bytes": total, "error": error,
+                     "fits": bool(compiler["fits"]),
                      "compiler": compiler, "analytical": cmp.analytical.as_dict()})
         print(f"{group:<8} {model:<16} {topology:<8} {tp:>2} {train.per_device_batch_size:>2} {train.seq_len:>4} "
               f"{remat:<32} {kernel:<11} {analytical / GIB:>10.2f} {total / GIB:>9.2f} {error:>+7.1%}  "
-              + ("cached" if seconds is None else f"{seconds:.0f} s"), flush=True)
+              + ("cached" if seconds is None else f"{seconds:.0f} s") + ("" if compiler["fits"] else "  (does not fit)")
+              + (f"  [{' '.join(overrides)}]" if group == "gpu" else ""), flush=True)
     if not rows:
         print("no case matched")
         return 1
@@ -206,13 +230,19 @@ def main() -> int:
     moe = [r for r in rows if r["group"] in ("moe", "depth")]
     if moe:
         print(f"MoE worst |error| {summary(moe)['worst']:.1%} (target <= 15%)")
+    gpu = [r for r in rows if r["group"] == "gpu" and r["fits"]]
+    if gpu:
+        s = summary(gpu)
+        print(f"GPU MoE, the {s['cases']} steps that fit: median |error| {s['median']:.1%}, worst {s['worst']:.1%} "
+              f"(target <= 15%)")
     if args.json:
         tmp = args.json.with_name(args.json.name + ".tmp")
         tmp.write_text(json.dumps(rows, indent=1) + "\n")
         tmp.replace(args.json)
-    if args.error_json and rows:
-        every = summary(rows)
-        groups = sorted({r["group"] for r in rows})
+    tpu = [r for r in rows if r["group"] != "gpu"]
+    if args.error_json and tpu:
+        every = summary(tpu)
+        groups = sorted({r["group"] for r in tpu})
         # the compiler's figures do not depend on perfmodel: a run from the cache measures what a fresh one would
         argv = [a for a in sys.argv[1:] if a != "--cached-only"]
         if "--cache" in argv:

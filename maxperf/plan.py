@@ -83,7 +83,23 @@ def plan(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT_MO
                  "choose)",)
         configs = dataclasses.replace(configs, parallelism=ParallelismConfig(ici_data=-1, ici_fsdp=keep))
         mesh_shape = resolve_mesh(configs.parallelism, topo)
-    return Plan(topo, configs, mesh_shape, notes + replication_warnings(configs, mesh_shape))
+    return Plan(topo, configs, mesh_shape, notes + replication_warnings(configs, mesh_shape)
+                + gpu_grouped_matmul_warnings(configs, mesh_shape, topo))
+
+
+def gpu_grouped_matmul_warnings(configs: Configs, mesh: MeshShape, topo: Topology) -> tuple[str, ...]:
+    """On GPU a dropless MoE step's jax.lax.ragged_dot has no grouped GEMM: XLA multiplies every routed row by each
+    local expert (perfmodel.memory.RAGGED_EXPANDED_D_BUFFERS), which MaxText's GPU MoE configs avoid with the dense
+    dispatch."""
+    if topo.platform != "gpu" or not configs.model.is_moe or not configs.train.sparse_matmul:
+        return ()
+    local = configs.model.num_experts // mesh.axes["expert"]
+    if local <= 1:
+        return ()
+    return (f"on GPU XLA runs the dropless experts (sparse_matmul=true) as dense products of every routed row with "
+            f"each of the device's {local} local experts: its buffers and FLOPs are {local}x a grouped matmul's. "
+            f"MaxText's GPU MoE configs set sparse_matmul=false with a capacity_factor (e.g. 1.25); more expert "
+            f"parallelism leaves fewer local experts",)
 
 
 def _check_experts(model: ModelConfig, mesh: MeshShape) -> None:

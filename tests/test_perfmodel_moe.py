@@ -362,3 +362,45 @@ def test_thin_expert_shards_hold_a_gather_in_flight_not_the_gradients(monkeypatc
     monkeypatch.setattr(memory, "THIN_EXPERT_GATHER_IN_FLIGHT", 0)
     # one local expert [1, 64, 32] gathered over fsdp, bfloat16
     assert base - estimate_memory(SMALL, train, mesh, 95e9).temporaries == 64 * 32 * 2
+
+
+@pytest.mark.parametrize("axes, local_experts, rows", [({"fsdp": 8}, 4, 2), ({"expert": 2, "fsdp": 4}, 2, 4)])
+def test_gpu_grouped_matmuls_hold_their_dense_expansion_over_the_local_experts(monkeypatch, axes, local_experts, rows):
+    """XLA:GPU multiplies every routed row by every local expert: two D-wide and three Fe-wide buffers of local experts
+    x rows each in the experts' backward (T = 2 x 256 tokens, D 64, Fe 32, bfloat16; rows per token: top-2, or the
+    receive buffer of expert 2 x min(2, 4 / 2)). TPU's grouped matmuls and the einsum dispatch hold none."""
+    from maxperf.perfmodel import memory
+
+    mesh = make_mesh(axes, {}, Topo("h100-sxm", 8, chips_per_host=8))
+    train = TrainConfig(per_device_batch_size=2, seq_len=256, remat_policy="full")
+    einsum = replace(train, sparse_matmul=False, capacity_factor=1.0)
+    counted = {k: estimate_memory(SMALL, t, mesh, 80e9, platform=p).temporaries
+               for k, (t, p) in {"gpu": (train, "gpu"), "tpu": (train, "tpu"), "einsum": (einsum, "gpu")}.items()}
+    monkeypatch.setattr(memory, "RAGGED_EXPANDED_D_BUFFERS", 0)
+    monkeypatch.setattr(memory, "RAGGED_EXPANDED_F_BUFFERS", 0)
+    assert counted["gpu"] - estimate_memory(SMALL, train, mesh, 80e9, platform="gpu").temporaries == (
+        2 * 256 * rows * local_experts * (2 * 64 + 3 * 32) * 2)
+    assert counted["tpu"] == estimate_memory(SMALL, train, mesh, 80e9, platform="tpu").temporaries
+    assert counted["einsum"] == estimate_memory(SMALL, einsum, mesh, 80e9, platform="gpu").temporaries
+
+
+def test_gpu_holds_a_second_layout_of_fsdp_sharded_expert_gradients(monkeypatch):
+    """Where FSDP shards the experts, their float32 gradients are held twice on GPU: one more copy of 2 MoE layers x
+    local experts x 3 matrices of D 64 x Fe 32 over the FSDP shards, 4 bytes each (4 experts over fsdp 8; 1 over
+    fsdp 2 beside expert 4). With the experts split over the expert axis alone, and on TPU, once."""
+    from maxperf.perfmodel import memory
+
+    train = TrainConfig(per_device_batch_size=2, seq_len=256, remat_policy="full")  # float32 parameters
+    h100 = Topo("h100-sxm", 8, chips_per_host=8)
+    fsdp, expert = make_mesh({"fsdp": 8}, {}, h100), make_mesh({"expert": 4, "fsdp": 2}, {}, h100)
+    ep_only = make_mesh({"expert": 8}, {}, h100)
+    counted = {(m, p): estimate_memory(SMALL, train, mesh, 80e9, platform=p).temporaries
+               for m, mesh in {"fsdp": fsdp, "expert": expert, "ep": ep_only}.items() for p in ("gpu", "tpu")}
+    monkeypatch.setattr(memory, "GPU_EXPERT_GRADIENT_COPIES", 0)
+    assert counted["fsdp", "gpu"] - estimate_memory(SMALL, train, fsdp, 80e9, platform="gpu").temporaries == (
+        2 * 4 * 3 * 64 * 32 / 8 * 4)
+    assert counted["expert", "gpu"] - estimate_memory(SMALL, train, expert, 80e9, platform="gpu").temporaries == (
+        2 * 1 * 3 * 64 * 32 / 2 * 4)
+    assert counted["ep", "gpu"] == estimate_memory(SMALL, train, ep_only, 80e9, platform="gpu").temporaries
+    for m, mesh in {"fsdp": fsdp, "expert": expert}.items():
+        assert counted[m, "tpu"] == estimate_memory(SMALL, train, mesh, 80e9, platform="tpu").temporaries

@@ -223,3 +223,13 @@ def test_the_rules_name_each_axis_they_leave_out_for_not_dividing():
     # fsdp divides 12, fsdp x sequence does not: sequence is the one left out
     assert mesh_axes_for((12,), ("embed",), {"fsdp": 4, "sequence": 2}) == ("fsdp",)
     assert undivided_axes((12,), ("embed",), {"fsdp": 4, "sequence": 2}) == [(0, "sequence")]
+
+
+def test_a_dropless_moe_step_on_gpu_is_warned_of_its_dense_expansion():
+    """XLA:GPU multiplies every routed row by each local expert: said with the local expert count, and not where the
+    dispatch is dense, the platform a TPU, or each device holds one expert."""
+    (line,) = plan("h100-8", "qwen3-30b-a3b", ["ici_expert_parallelism=8"]).warnings
+    assert "16 local experts" in line and "16x" in line and "sparse_matmul=false" in line
+    assert plan("h100-8", "qwen3-30b-a3b", ["sparse_matmul=false", "capacity_factor=1.25"]).warnings == ()
+    assert plan("v5p-8", "qwen3-30b-a3b").warnings == ()
+    assert plan("h100-8", "mixtral-8x7b", ["ici_expert_parallelism=8"]).warnings == ()

@@ -135,6 +135,9 @@ OFFLOADED_OPTIMIZER_STAGED = 0.43
 # compute-dtype copies of every layer's local expert shards out of the scans. Measured here with libtpu 0.0.52:
 # mixtral-8x7b at 4 layers on v5p-32 (fsdp 16), B 2, L 2048, remat full, flash: the backward scan's body holds three
 # all-gathered bf16[1,8,4096,14336] at its peak, the entry three bf16[4,8,256,14336] converts; 10.31 GiB per device.
+# XLA:GPU converts inside the scan and hoists no copies: no buffer of every layer's experts in the compute dtype in
+# the compiles of bench/memory_accuracy.py's "gpu" group (qwen3-30b-a3b on h100-8, expert 8: only the float32
+# gradients f32[48,16,2048,768] span the layers).
 GATHERED_LAYERS = 1
 HOISTED_EXPERT_COPIES = 1
 # Beside the gathered experts, the experts' backward writes their weight gradients whole before reduce-scattering
@@ -174,6 +177,25 @@ MOE_ROW_F_BUFFERS = 3
 # backward not overlapped; HLO temp 66.23 GiB (59.19 GiB unpadded, 10.5% fragmentation), 99.88 GiB analytical with
 # the overlapped buffers. TPU only: the other compilers' schedules were not measured so.
 MOE_ROW_D_BUFFERS_SERIAL = 3
+# XLA:GPU has no grouped matmul for jax.lax.ragged_dot: it expands each one into a dense product over all of the
+# device's E / expert local experts, every routed row multiplied by every local expert's weights under a mask. The
+# expanded operands are local experts x rows wide: [G, M, D] for the input of the gate and up projections (and of
+# their weight gradients), [G, M, Fe] for the down projection's and for the gradients of gate and up. At the backward
+# scan's peak two D-wide and three Fe-wide such buffers are live (read from the compiler's buffer layout, jax 0.12's
+# CUDA 12 plugin compiling without a GPU, B 1-2, L 2048, remat full, the slots below the stacked expert gradients):
+# deepseek-v2-lite at 3 layers on h100-1 (G 64, M = 6 x 4096 rows) two bf16[64,24576,2048] and three
+# bf16[64,24576,1408]; qwen3-30b-a3b at 2 layers (G 128, M 8 x 2048) two bf16[128,16384,2048] and three
+# bf16[128,16384,768]. Under expert parallelism M is the worst-case receive buffer (routed_buffer_rows): qwen3-30b-a3b
+# on h100-8 with expert 8 holds bf16[16,262144,2048] buffers (57.03 GiB per device compiled; 11.24 analytical without
+# them). On TPU the groups run as grouped matmuls (megablox's kernel, or XLA:TPU's ragged_dot) and none of these exist.
+RAGGED_EXPANDED_D_BUFFERS = 2
+RAGGED_EXPANDED_F_BUFFERS = 3
+# Where FSDP shards the experts, XLA:GPU holds the scanned layers' float32 expert gradients in two layouts in the
+# backward: the one the layer scan stacks (the FSDP shard's dimension first) and the parameters'. deepseek-v2-lite on
+# h100-8 (fsdp 8), B 1, L 2048, remat full: f32[256,26,64,1408] and f32[26,64,256,1408] (x3 matrices, 2.23 GiB each)
+# below the expansions above; 56.68 GiB per device compiled (43.24 analytical without these and one copy). Over the
+# expert axis alone (h100-8, expert 8; h100-1) the compiler holds one; XLA:TPU holds one (EXPERT_GRAD_MATRICES).
+GPU_EXPERT_GRADIENT_COPIES = 1
 # Elsewhere XLA:TPU turns each weight's FSDP all-gather (and its gradient's reduce-scatter) into a windowed einsum, a
 # loop that multiplies one shard at a time while the next arrives: a few local shards live, never the gathered
 # weight. Measured here with libtpu 0.0.52, llama2-7b widths at 4 layers on v5p-32, remat none, flash: tensor 4,
@@ -627,7 +649,8 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
                 default=0.0) if windowed else 0.0
     hoisted = HOISTED_EXPERT_COPIES * c * sum(x.count * held(x, mesh) for x in state_arrays(model)
                                               if x.expert_parallel)
-    gathered = GATHERED_LAYERS * layer_full * c + WINDOWED_SHARDS * shard * c + (hoisted if c < p else 0.0)
+    gathered = (GATHERED_LAYERS * layer_full * c + WINDOWED_SHARDS * shard * c
+                + (hoisted if c < p and platform != "gpu" else 0.0))
     grads_unsharded = WINDOWED_SHARDS * shard * c
     table = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
     vocab_table = gathered_size(table.shape, table.logical, mesh) * c  # gathered for the logits
@@ -646,12 +669,16 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     recomputed = (recomputed_attention_per_token(model, train, mesh, remat) + qkv) if names is not None else 0.0
     mlp_phase = c * (BACKWARD_F_BUFFERS * F_local + recomputed_mlp + BACKWARD_MLP_D_BUFFERS * D) + recomputed
     # a MoE layer's part: its routed rows, each D wide and Fe wide, as the exchange overlaps the experts' work, and
-    # as XLA serializes it where that would not fit (MOE_ROW_D_BUFFERS_SERIAL)
+    # as XLA serializes it where that would not fit (MOE_ROW_D_BUFFERS_SERIAL); on GPU, the dense expansions of its
+    # grouped matmuls over the local experts (RAGGED_EXPANDED_*)
     moe_phases = {}
     if (moe := moe_shape(model)) is not None:
         rows = routed_rows_held(moe, train, mesh)
         shared = moe.S * a.Fe * (BACKWARD_F_BUFFERS + (RECOMPUTED_MLP_F if recomputed_mlp else 0))
-        moe_phases = {n: max(mlp_phase, c * (rows * (n * D + MOE_ROW_F_BUFFERS * a.Fe) + shared
+        expanded = (rows * moe.E / mesh.axes.get("expert", 1)
+                    * (RAGGED_EXPANDED_D_BUFFERS * D + RAGGED_EXPANDED_F_BUFFERS * a.Fe)
+                    if platform == "gpu" and dispatch(train) == "sparse" else 0.0)
+        moe_phases = {n: max(mlp_phase, c * (rows * (n * D + MOE_ROW_F_BUFFERS * a.Fe) + expanded + shared
                                              + BACKWARD_MLP_D_BUFFERS * D) + recomputed)
                       for n in (MOE_ROW_D_BUFFERS, MOE_ROW_D_BUFFERS_SERIAL)}
         mlp_phase = moe_phases[MOE_ROW_D_BUFFERS]
@@ -670,6 +697,10 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     batch_split = split((micro_batch(train.per_device_batch_size, mesh.devices),), ("activation_batch",), mesh)[0]
     late_table_gradient = (LATE_TABLE_GRADIENT_INPUTS * T * (D + a.V) * c
                            if platform != "gpu" and tiles == 1 and a.V < model.vocab_size and batch_split > 1 else 0.0)
+    # XLA:GPU's second layout of the scanned experts' gradients while they are FSDP-sharded (GPU_EXPERT_GRADIENT_COPIES)
+    fsdp_experts = [x for x in state_arrays(model) if x.expert_parallel and held_gathered(x, mesh) > held(x, mesh)]
+    expert_grad_copy = (GPU_EXPERT_GRADIENT_COPIES * p * sum(x.count * held(x, mesh) for x in fsdp_experts)
+                        if platform == "gpu" and dispatch(train) == "sparse" else 0.0)
     # with MTP heads, the vocabulary table's gradient of each head (the decoder's and every depth's), whole
     table_grads = (MTP_TABLE_GRADIENTS_PER_HEAD * (1 + depths) * gathered_size(table.shape, table.logical, mesh) * c
                    if depths else 0.0)
@@ -679,7 +710,8 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
         return MemoryBreakdown(
             params=params, optimizer=optimizer, gradients=gradients, grad_accumulator=accumulator,
             activations=activations, saved_copy=saved_copy, logits=logits + vocab_table,
-            temporaries=gathered + in_flight + grads_unsharded + working + staged + table_grads + late_table_gradient,
+            temporaries=(gathered + in_flight + grads_unsharded + working + staged + table_grads + late_table_gradient
+                         + expert_grad_copy),
             optimizer_temporaries=(GPU_OPTIMIZER_GRADIENT_COPIES if platform == "gpu" else OPTIMIZER_GRADIENT_COPIES)
             * gradients, hbm_bytes=hbm_bytes, host_offload=host_offload,
             host_state=host_state, optimizer_staged=optimizer_staged,
