@@ -441,3 +441,16 @@ def test_a_supervised_compile_that_does_not_fit_or_is_killed_ends_as_it_should()
     assert supervisor.ending(-9, False, relay, args) == (
         "maxperf: error: process 0 of 2: the compile process was ended by SIGKILL (sent by a person or by the system "
         "when memory runs out)", 1)  # not "lost its job": nothing in the job ended it
+
+
+def test_a_child_leaves_at_once_with_its_code_and_its_output_flushed_but_not_out_of_a_job():
+    """leave() ends the process with the command's code after flushing what it printed; in a multi-process job
+    (jax.distributed initialized) it returns, so that jax shuts the job down in order."""
+    script = ("import sys; from maxperf.cli import supervisor; print('result', end=''); sys.stderr.write('said');"
+              " supervisor.leave(3); print('after')")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "result", "said")
+    in_a_job = ("import jax, sys; from maxperf.cli import supervisor; jax.distributed.is_initialized = lambda: True;"
+                " supervisor.leave(3); print('returned')")
+    proc = subprocess.run([sys.executable, "-c", in_a_job], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (0, "returned\n")

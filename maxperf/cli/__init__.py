@@ -257,6 +257,15 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(parser, argv)
+    code = _run(args, argv)
+    if getattr(args, "child", False) and args.command == "compile":
+        from maxperf.cli import supervisor
+
+        supervisor.leave(code)
+    return code
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     try:
         if getattr(args, "supervised", False):  # commands that start devices run in a watched child process
             from maxperf.cli import supervisor
@@ -264,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             code = supervisor.supervise(sys.argv[1:] if argv is None else list(argv), args)
             if code is not None:
                 return code
+            args.child = True
         return args.func(args)
     except MaxperfError as e:
         print(f"maxperf: error: {e}", file=sys.stderr)
