@@ -444,12 +444,14 @@ def test_a_supervised_compile_that_does_not_fit_or_is_killed_ends_as_it_should()
 
 
 def test_a_child_leaves_at_once_with_its_code_and_its_output_flushed_but_not_out_of_a_job():
-    """leave() ends the process with the command's code after flushing what it printed; in a multi-process job
-    (jax.distributed initialized) it returns, so that jax shuts the job down in order."""
-    script = ("import sys; from maxperf.cli import supervisor; print('result', end=''); sys.stderr.write('said');"
-              " supervisor.leave(3); print('after')")
+    """leave() ends the process with the command's code after flushing what Python printed and what C buffered (as
+    libtpu's logs), running Python's exit handlers but nothing after; in a multi-process job (jax.distributed
+    initialized) it returns, so that jax shuts the job down in order."""
+    script = ("import atexit, ctypes, sys; from maxperf.cli import supervisor; print('result', end='');"
+              " sys.stderr.write('said'); atexit.register(lambda: sys.stderr.write(' handled'));"
+              " ctypes.CDLL(None).printf(b' c-buffered'); supervisor.leave(3); print('after')")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "result", "said")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "result c-buffered", "said handled")
     in_a_job = ("import jax, sys; from maxperf.cli import supervisor; jax.distributed.is_initialized = lambda: True;"
                 " supervisor.leave(3); print('returned')")
     proc = subprocess.run([sys.executable, "-c", in_a_job], capture_output=True, text=True, timeout=120)

@@ -273,7 +273,6 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
             code = supervisor.supervise(sys.argv[1:] if argv is None else list(argv), args)
             if code is not None:
                 return code
-            args.child = True
         return args.func(args)
     except MaxperfError as e:
         print(f"maxperf: error: {e}", file=sys.stderr)
