@@ -2,11 +2,14 @@
 
     .venv/bin/python bench/maxtext_compare.py              # every case (about 35 minutes on 2 cores)
     .venv/bin/python bench/maxtext_compare.py full flash   # some of them: full, flash, main, mixtral, mixtral4
+    .venv/bin/python bench/maxtext_compare.py --repeat 3 mixtral  # each side 3 times, taking turns; medians
 
 MaxText runs from its own venv (PEER_VENV, default /tmp/peer, installed by shared/peer/maxtext_aot.sh) exactly as
 that script runs it: `python -m maxtext.trainers.pre_train.train_compile base.yml compile_topology=... jax_cache_dir=""`.
 maxperf runs as a fresh `maxperf compile` process with its compile cache off (MAXPERF_NO_CACHE=1). The two of a case
-run back to back, one at a time, so the machine's load falls on both alike.
+run back to back, one at a time, so the machine's load falls on both alike. On this shared machine the same
+program's backend passes took 38 to 59 s from one compile to the next (mixtral-8x7b, maxperf's, 2026-11-23), so
+`--repeat N` compiles each side N times, the two taking turns going first, and reports the median wall time of each.
 
 MAXPERF_PYTHON=/tmp/peer/bin/python runs maxperf (this checkout, on PYTHONPATH) under MaxText's venv instead. Both
 venvs hold jax 0.12.0.1 and libtpu 0.0.52 (maxperf's `tpu` extra pins the libtpu MaxText 0.2.5 installs; jax's own
@@ -30,11 +33,13 @@ ici_fsdp_parallelism=-1 and no expert parallelism, is maxperf's too.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -181,7 +186,11 @@ def libtpu_version(python: str) -> str:
     return proc.stdout.strip() or "absent"
 
 
-def main(names: list[str]) -> None:
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def main(names: list[str], repeat: int) -> None:
     cases = [c for c in CASES if not names or c.name in names]
     maxperf_python = os.environ.get("MAXPERF_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
     print(f"libtpu: MaxText {libtpu_version(str(PEER_VENV / 'bin' / 'python'))}, "
@@ -191,33 +200,51 @@ def main(names: list[str]) -> None:
     for case in cases:
         print(f"{case.name}: {case.model} {case.topology} B {case.batch} L {case.seq} {' '.join(case.settings)}",
               flush=True)
-        mt = maxtext(case, work)
-        mp = maxperf(case, work)
-        for side, r in (("MaxText", mt), ("maxperf", mp)):
-            if r.note:
-                print(f"  {r.note}", flush=True)
-            print(f"  {side} libtpu: {r.backend or 'no program in its libtpu logs'}", flush=True)
-        rows.append((case, mt, mp))
+        runs: dict[str, list[Result]] = {"MaxText": [], "maxperf": []}
+        for i in range(repeat):
+            # the sides take turns going first, so that a drift in the machine's speed falls on both
+            order = (("MaxText", maxtext), ("maxperf", maxperf))
+            for side, compile_with in (order if i % 2 == 0 else order[::-1]):
+                (where := work / f"run{i}").mkdir(exist_ok=True)
+                r = compile_with(case, where)
+                runs[side].append(r)
+                if r.note:
+                    print(f"  {r.note}", flush=True)
+                print(f"  {side} {i + 1}: {r.wall_s:.1f} s; libtpu: {r.backend or 'no program in its libtpu logs'}",
+                      flush=True)
+        mt, mp = (Result(runs[s][0].memory_gib, median([r.wall_s for r in runs[s]]), backend=runs[s][0].backend)
+                  for s in ("MaxText", "maxperf"))
+        passes = {s: [r.backend.passes_s for r in runs[s] if r.backend] for s in runs}
+        rows.append((case, mt, mp, passes))
         print(f"  memory per device: MaxText {gib(mt.memory_gib)} GiB, maxperf {gib(mp.memory_gib)} GiB "
-              f"({ratio(mp.memory_gib, mt.memory_gib)}); wall: MaxText {mt.wall_s:.1f} s, maxperf {mp.wall_s:.1f} s "
-              f"({ratio(mp.wall_s, mt.wall_s)})", flush=True)
+              f"({ratio(mp.memory_gib, mt.memory_gib)}); wall{' (median)' if repeat > 1 else ''}: MaxText "
+              f"{mt.wall_s:.1f} s, maxperf {mp.wall_s:.1f} s ({ratio(mp.wall_s, mt.wall_s)})", flush=True)
     print()
     print("| case | topology | B | L | settings | MaxText GiB | maxperf GiB | ratio | MaxText s | maxperf s | ratio "
-          "| MaxText bundles | maxperf bundles |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for case, mt, mp in rows:
+          "| backend s MaxText / maxperf | MaxText bundles | maxperf bundles |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for case, mt, mp, passes in rows:
+        backend = " / ".join(f"{median(passes[s]):.1f}" if passes[s] else "-" for s in ("MaxText", "maxperf"))
         print(f"| {case.model} | {case.topology} | {case.batch} | {case.seq} | {' '.join(case.settings)} "
               f"| {gib(mt.memory_gib)} | {gib(mp.memory_gib)} | {ratio(mp.memory_gib, mt.memory_gib)} "
-              f"| {mt.wall_s:.1f} | {mp.wall_s:.1f} | {ratio(mp.wall_s, mt.wall_s)} "
+              f"| {mt.wall_s:.1f} | {mp.wall_s:.1f} | {ratio(mp.wall_s, mt.wall_s)} | {backend} "
               f"| {bundles(mt.backend)} | {bundles(mp.backend)} |")
 
 
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("cases", nargs="*", help=f"cases to run (default all): {', '.join(c.name for c in CASES)}")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="compile each case this many times per side, the sides taking turns; medians reported")
+    args = ap.parse_args()
     names = [c.name for c in CASES]
-    for name in sys.argv[1:]:
+    for name in args.cases:
         if name not in names:
             close = difflib.get_close_matches(name, names, n=2)
             hint = f"did you mean {' or '.join(close)}? " if close else ""
             print(f"unknown case {name!r}; {hint}cases: {', '.join(names)}", file=sys.stderr)
             raise SystemExit(2)
-    main(sys.argv[1:])
+    if args.repeat < 1:
+        print(f"--repeat must be 1 or more, got {args.repeat}", file=sys.stderr)
+        raise SystemExit(2)
+    main(args.cases, args.repeat)
