@@ -186,10 +186,6 @@ def libtpu_version(python: str) -> str:
     return proc.stdout.strip() or "absent"
 
 
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
 def main(names: list[str], repeat: int) -> None:
     cases = [c for c in CASES if not names or c.name in names]
     maxperf_python = os.environ.get("MAXPERF_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
@@ -212,8 +208,8 @@ def main(names: list[str], repeat: int) -> None:
                     print(f"  {r.note}", flush=True)
                 print(f"  {side} {i + 1}: {r.wall_s:.1f} s; libtpu: {r.backend or 'no program in its libtpu logs'}",
                       flush=True)
-        mt, mp = (Result(runs[s][0].memory_gib, median([r.wall_s for r in runs[s]]), backend=runs[s][0].backend)
-                  for s in ("MaxText", "maxperf"))
+        mt, mp = (Result(runs[s][0].memory_gib, statistics.median(r.wall_s for r in runs[s]),
+                         backend=runs[s][0].backend) for s in ("MaxText", "maxperf"))
         passes = {s: [r.backend.passes_s for r in runs[s] if r.backend] for s in runs}
         rows.append((case, mt, mp, passes))
         print(f"  memory per device: MaxText {gib(mt.memory_gib)} GiB, maxperf {gib(mp.memory_gib)} GiB "
@@ -224,7 +220,8 @@ def main(names: list[str], repeat: int) -> None:
           "| backend s MaxText / maxperf | MaxText bundles | maxperf bundles |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for case, mt, mp, passes in rows:
-        backend = " / ".join(f"{median(passes[s]):.1f}" if passes[s] else "-" for s in ("MaxText", "maxperf"))
+        backend = " / ".join(f"{statistics.median(passes[s]):.1f}" if passes[s] else "-"
+                             for s in ("MaxText", "maxperf"))
         print(f"| {case.model} | {case.topology} | {case.batch} | {case.seq} | {' '.join(case.settings)} "
               f"| {gib(mt.memory_gib)} | {gib(mp.memory_gib)} | {ratio(mp.memory_gib, mt.memory_gib)} "
               f"| {mt.wall_s:.1f} | {mp.wall_s:.1f} | {ratio(mp.wall_s, mt.wall_s)} | {backend} "

@@ -672,12 +672,12 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     # as XLA serializes it where that would not fit (MOE_ROW_D_BUFFERS_SERIAL); on GPU, the dense expansions of its
     # grouped matmuls over the local experts (RAGGED_EXPANDED_*)
     moe_phases = {}
+    gpu_ragged = platform == "gpu" and dispatch(train) == "sparse"  # ragged_dot as XLA:GPU expands it
     if (moe := moe_shape(model)) is not None:
         rows = routed_rows_held(moe, train, mesh)
         shared = moe.S * a.Fe * (BACKWARD_F_BUFFERS + (RECOMPUTED_MLP_F if recomputed_mlp else 0))
         expanded = (rows * moe.E / mesh.axes.get("expert", 1)
-                    * (RAGGED_EXPANDED_D_BUFFERS * D + RAGGED_EXPANDED_F_BUFFERS * a.Fe)
-                    if platform == "gpu" and dispatch(train) == "sparse" else 0.0)
+                    * (RAGGED_EXPANDED_D_BUFFERS * D + RAGGED_EXPANDED_F_BUFFERS * a.Fe) if gpu_ragged else 0.0)
         moe_phases = {n: max(mlp_phase, c * (rows * (n * D + MOE_ROW_F_BUFFERS * a.Fe) + expanded + shared
                                              + BACKWARD_MLP_D_BUFFERS * D) + recomputed)
                       for n in (MOE_ROW_D_BUFFERS, MOE_ROW_D_BUFFERS_SERIAL)}
@@ -698,9 +698,9 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     late_table_gradient = (LATE_TABLE_GRADIENT_INPUTS * T * (D + a.V) * c
                            if platform != "gpu" and tiles == 1 and a.V < model.vocab_size and batch_split > 1 else 0.0)
     # XLA:GPU's second layout of the scanned experts' gradients while they are FSDP-sharded (GPU_EXPERT_GRADIENT_COPIES)
-    fsdp_experts = [x for x in state_arrays(model) if x.expert_parallel and held_gathered(x, mesh) > held(x, mesh)]
-    expert_grad_copy = (GPU_EXPERT_GRADIENT_COPIES * p * sum(x.count * held(x, mesh) for x in fsdp_experts)
-                        if platform == "gpu" and dispatch(train) == "sparse" else 0.0)
+    expert_grad_copy = (GPU_EXPERT_GRADIENT_COPIES * p * sum(
+        x.count * held(x, mesh) for x in state_arrays(model)
+        if x.expert_parallel and held_gathered(x, mesh) > held(x, mesh)) if gpu_ragged else 0.0)
     # with MTP heads, the vocabulary table's gradient of each head (the decoder's and every depth's), whole
     table_grads = (MTP_TABLE_GRADIENTS_PER_HEAD * (1 + depths) * gathered_size(table.shape, table.logical, mesh) * c
                    if depths else 0.0)
