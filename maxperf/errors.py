@@ -16,6 +16,10 @@ class DoesNotFit(MaxperfError):
     exit_code = 3
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so that the same cleanup runs. Exit code 143."""
+
+
 def closest(word: str, choices: Iterable[str], n: int = 3) -> list[str]:
     """The valid names nearest to `word`, best first, for 'did you mean' hints."""
     choices = list(choices)

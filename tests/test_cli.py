@@ -456,3 +456,101 @@ def test_a_child_leaves_at_once_with_its_code_and_its_output_flushed_but_not_out
                 " supervisor.leave(3); print('returned')")
     proc = subprocess.run([sys.executable, "-c", in_a_job], capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout) == (0, "returned\n")
+
+
+# SIGINT exits 130 and SIGTERM 143 from every command, naming the signal (issue 28, item 12)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_command_stopped_by_a_signal_exits_128_plus_it_and_names_it(signum):
+    script = ("import os, signal, sys, time\nfrom maxperf import cli\n"
+              "def stopped(args):\n"
+              f"    os.kill(os.getpid(), {int(signum)})\n"
+              "    time.sleep(30)\n"
+              "cli.cmd_models = stopped\n"
+              "sys.exit(cli.main(['models', '--json']))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum and proc.stderr == f"maxperf: interrupted by {name}\n", proc.stderr
+    assert json.loads(proc.stdout) == {"schema": "maxperf.error/1", "error": f"interrupted by {name}",
+                                       "exit": 128 + signum}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_supervised_compile_stopped_by_a_signal_exits_128_plus_it_and_names_it(tmp_path, signum):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen([sys.executable, "-m", "maxperf.cli", "compile", "--topology", "cpu-1", "--model", "tiny",
+                             "seq_len=64", "--out", str(tmp_path / "c")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()  # the child's first progress line: it is at work
+        assert first.startswith("["), first
+        proc.send_signal(signum)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert code == 128 + signum
+    assert proc.stderr.read().splitlines()[-1] == f"maxperf: interrupted by {signal.Signals(signum).name}"
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_supervised_child_ended_after_a_signal_names_the_signal_that_came():
+    import io
+
+    from maxperf.cli import supervisor
+
+    args = argparse.Namespace(command="compile", num_processes=None, process_id=0, coordinator=None, timeout=20)
+    relay = supervisor._Relay(io.BytesIO(b"[   0.1s] compiling\n"), verbose=False)
+    relay.thread.join()
+    # a child busy in XLA's compiler cannot stop at once: the supervisor kills it after its grace period
+    assert supervisor.ending(-signal.SIGKILL, signal.SIGTERM, relay, args) == (
+        "maxperf: interrupted by SIGTERM; the compile process did not stop within 10 s and was killed", 143)
+    assert supervisor.ending(-signal.SIGTERM, signal.SIGTERM, relay, args) == ("maxperf: interrupted by SIGTERM", 143)
+    assert supervisor.ending(-signal.SIGINT, signal.SIGINT, relay, args) == ("maxperf: interrupted by SIGINT", 130)
+    said = supervisor._Relay(io.BytesIO(b"maxperf: interrupted by SIGTERM\n"), verbose=False)
+    said.thread.join()
+    assert supervisor.ending(143, signal.SIGTERM, said, args) == (None, 143)
+    assert supervisor.ending(1, signal.SIGTERM, said, args) == (None, 143)  # whatever the child made of it
+
+
+# --json on an error: a JSON error document on stdout, the one line on stderr (issue 28, item 13)
+
+
+def _json_commands() -> set[str]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {name for name, p in sub.choices.items() if any("--json" in a.option_strings for a in p._actions)}
+
+
+def test_every_json_command_prints_an_error_document_on_stdout(capfd, tmp_path):
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "manifest.json").write_text("{")
+    failing = {  # a usage error, or a bad input that the command itself refuses
+        "models": (["models", "--json", "extra"], "maxperf models: unrecognized arguments: extra"),
+        "topologies": (["topologies", "--json", "--platform", "tpx"], "maxperf topologies: argument --platform: "),
+        "compile": (["compile", "--topology", "v5p-9", "--json"], "unknown topology 'v5p-9'"),  # in its child
+        "estimate": (["estimate", "--topology", "v5p-8", "--model", "nomodel", "--json"], "unknown model 'nomodel'"),
+        "estimate-memory": (["estimate-memory", "--topology", "v5p-9", "--model", "tiny", "--json"],
+                            "unknown topology 'v5p-9'"),
+        "run": (["run", str(damaged), "--json"], "manifest.json is not valid JSON"),  # in its child
+        "sweep": (["sweep", "--model", "tiny", "--topologies", "v5p-9", "--out", str(tmp_path / "s"), "--json"],
+                  "unknown topology 'v5p-9'"),
+        "plan": (["plan", "--model", "tiny", "--topology", "v5p-9", "--out", str(tmp_path / "p"), "--json"],
+                 "unknown topology 'v5p-9'"),
+    }
+    assert set(failing) == _json_commands()
+    for command, (argv, says) in failing.items():
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+        out, err = capfd.readouterr()
+        doc = json.loads(out)
+        assert code == 2 and doc == {"schema": "maxperf.error/1", "error": doc["error"], "exit": 2}, (command, out)
+        assert says in doc["error"], (command, doc)
+        if command in ("models", "topologies"):
+            assert err.splitlines()[-1] == doc["error"].replace(": ", ": error: ", 1), err
+        else:
+            assert err == f"maxperf: error: {doc['error']}\n", (command, err)
+    assert main(["estimate", "--topology", "v5p-9", "--model", "tiny"]) == 2
+    assert capfd.readouterr().out == ""  # without --json, stdout stays empty

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -214,8 +215,6 @@ def test_a_failed_save_ends_the_run_at_once(artifact, tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_run_and_its_child(artifact, tmp_path):
-    import signal
-
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.Popen([sys.executable, "-m", "maxperf.cli", "run", str(artifact), "--steps", "100000",
                              "--out", str(tmp_path / "out")], stderr=subprocess.PIPE, text=True, env=env)
@@ -227,7 +226,7 @@ def test_ctrl_c_stops_the_run_and_its_child(artifact, tmp_path):
     proc.send_signal(signal.SIGINT)
     rest = proc.stderr.read()
     assert proc.wait(timeout=60) == 130
-    assert rest.splitlines()[-1] == "maxperf: interrupted"
+    assert rest.splitlines()[-1] == "maxperf: interrupted by SIGINT"
     assert not Path(f"/proc/{children[0]}").exists()  # the supervisor waited for it
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))  # it cleaned up
 
@@ -254,8 +253,9 @@ def test_the_supervisor_shows_maxperfs_lines_and_ends_in_one(capsys):
     assert supervisor.ending(-6, False, relay, args) == (
         "maxperf: error: process 1 of 2 lost its job (UNAVAILABLE: Failed to send RPC to coordination service): "
         "another process of the job stopped or cannot be reached, so this one gives up", 1)
-    assert supervisor.ending(0, True, relay, args) == (None, 0)  # it finished as the interrupt came
-    assert supervisor.ending(-9, True, relay, args) == ("maxperf: interrupted; stopped by SIGKILL", 130)
+    assert supervisor.ending(0, signal.SIGINT, relay, args) == (None, 0)  # it finished as the interrupt came
+    assert supervisor.ending(-9, signal.SIGINT, relay, args) == (
+        "maxperf: interrupted by SIGINT; the run process did not stop within 10 s and was killed", 130)
     relay = supervisor._Relay(io.BytesIO(child_stderr + b"maxperf: error: a reason\n"), verbose=True)
     relay.thread.join()
     assert capsys.readouterr().err == child_stderr.decode() + "maxperf: error: a reason\n"

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
-from maxperf.errors import MaxperfError
+from maxperf.errors import MaxperfError, Terminated
 
 GIB = 1 << 30
 
@@ -195,11 +196,23 @@ def _add_plan_arguments(parser: argparse.ArgumentParser, *, model_default: str |
                         help="config overrides, e.g. per_device_batch_size=4 ici_tensor=4 (see `maxperf keys`)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too), except that a usage error on a command line with --json also
+    prints the error document."""
+
+    json_words = False  # set by parse_args when the words hold --json
+
+    def error(self, message):
+        if self.json_words:
+            print_error_document(f"{self.prog}: {message}", 2)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from maxperf import __version__
     from maxperf.models.presets import DEFAULT_MODEL
 
-    parser = argparse.ArgumentParser(prog="maxperf", description=__doc__)
+    parser = _Parser(prog="maxperf", description=__doc__)
     parser.add_argument("--version", action="version", version=f"maxperf {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -249,7 +262,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     if not argv or argv[0] not in commands:  # no command, -h, --version, or a mistake: the top parser says
         return parser.parse_args(argv)
-    args = commands[argv[0]].parse_intermixed_args(argv[1:])
+    command = commands[argv[0]]
+    command.json_words = "--json" in argv[1:]
+    args = command.parse_intermixed_args(argv[1:])
     args.command = argv[0]
     return args
 
@@ -266,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    previous = _raise_on_sigterm()
     try:
         if getattr(args, "supervised", False):  # commands that start devices run in a watched child process
             from maxperf.cli import supervisor
@@ -275,20 +291,54 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
                 return code
         return args.func(args)
     except MaxperfError as e:
-        print(f"maxperf: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("maxperf: interrupted", file=sys.stderr)
-        return 130
+        return fail(args, f"maxperf: error: {e}", e.exit_code)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM as Terminated
+        signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+        return fail(args, f"maxperf: interrupted by {signum.name}", 128 + signum)
     except BrokenPipeError:  # `maxperf models | head`: the reader left; say nothing more on a closed pipe
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except Exception as e:  # anything unexpected: one line, not a traceback
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"maxperf: error: {type(e).__name__}: {first[:400]}", file=sys.stderr)
+        code = fail(args, f"maxperf: error: {type(e).__name__}: {first[:400]}", 1)
         if os.environ.get("MAXPERF_DEBUG"):
             raise
-        return 1
+        return code
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_on_sigterm():
+    """SIGTERM raises Terminated, so a command stops as on Ctrl-C (its cleanup runs) and exits 143; the handler it
+    replaces, None off the main thread (where no handler can be set)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, terminate)
+
+
+ERROR_SCHEMA = "maxperf.error/1"  # what `--json` prints on stdout when the command fails
+
+
+def fail(args: argparse.Namespace, line: str, code: int) -> int:
+    """Says why the command failed: `line` on stderr, and with --json an error document on stdout (a supervised
+    child leaves the document to its supervisor, which also sees the failures the child cannot report)."""
+    print(line, file=sys.stderr, flush=True)
+    if getattr(args, "json", False) and not getattr(args, "child", False):
+        print_error_document(line, code)
+    return code
+
+
+def print_error_document(line: str, code: int) -> None:
+    """`{"schema": "maxperf.error/1", "error": "...", "exit": N}` on stdout for the one-line error `line`."""
+    message = line.removeprefix("maxperf: ").removeprefix("error: ")
+    print(json.dumps({"schema": ERROR_SCHEMA, "error": message, "exit": code}), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ Plugins and jax's runtime write to fds 1 and 2 from C++ (libtpu's and the CUDA p
 died with a C++ check failure (SIGABRT and a stack trace) that no Python code in that process can catch. The child
 sends everything it writes to stdout from C++ to its stderr; this process shows only maxperf's own lines of it
 (progress, `maxperf: ...`) unless --verbose, and turns a child killed by a signal into one line and exit code 1.
+SIGINT and SIGTERM reach the child as they came, and the command exits 128 + that signal (130, 143), however the
+child ended. With --json, this process prints the error document of a child that failed (`cli.fail`).
 
 A child that dies without cleaning up (a signal, an abort) leaves its output half-written in `.NAME.*.partial`
 directories beside --out (aot.artifacts.ArtifactWriter makes them with tempfile.mkdtemp): the child notes each one it
@@ -26,6 +28,7 @@ import threading
 import time
 
 from maxperf.aot import distributed
+from maxperf.errors import Terminated
 
 CHILD = "MAXPERF_SUPERVISOR_PID"  # set in the child's environment: the pid of the process that watches it
 NOTES = "MAXPERF_SUPERVISOR_NOTES"  # and the descriptor where it notes the partial output directories it makes
@@ -78,12 +81,13 @@ def _become_child(parent: int, notes: int | None, argv0: str | None) -> None:
 
     interrupted = []
 
-    def on_interrupt(signum, frame):  # Ctrl-C reaches the child twice: from the terminal and from the supervisor
-        if not interrupted:
+    def on_interrupt(signum, frame):  # a signal to the process group reaches the child twice: directly and from
+        if not interrupted:  # the supervisor
             interrupted.append(signum)
-            raise KeyboardInterrupt
+            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_interrupt)
+    signal.signal(signal.SIGTERM, on_interrupt)
 
 
 def leave(code: int) -> None:
@@ -137,6 +141,7 @@ class _Relay:
     def __init__(self, stream, verbose: bool):
         self.stream, self.verbose = stream, verbose
         self.joined = self.said_error = False
+        self.error: str | None = None  # the last `maxperf: error ...` or `maxperf: interrupted ...` line
         self.fatal: str | None = None
         self.hidden = 0
         self.thread = threading.Thread(target=self._copy, daemon=True)
@@ -148,7 +153,8 @@ class _Relay:
             ours = bool(_OURS.match(line))
             if ours:
                 self.joined |= JOINED in line
-                self.said_error |= line.startswith(("maxperf: error", "maxperf: interrupted"))
+                if line.startswith(("maxperf: error", "maxperf: interrupted")):
+                    self.said_error, self.error = True, line
             elif (m := _FATAL.match(line)) and self.fatal is None:
                 self.fatal = m.group(1)
             if ours or self.verbose:
@@ -163,7 +169,7 @@ def _watch(argv: list[str], args: argparse.Namespace) -> int:
     child = subprocess.Popen([sys.executable, "-m", "maxperf.cli", *argv], stderr=subprocess.PIPE, env=env,
                              pass_fds=(notes.fileno(),))
     relay = _Relay(child.stderr, args.verbose)
-    stop: list[float] = []  # when the first interrupt came
+    stop: list[tuple[float, int]] = []  # when the first interrupt came, and its signal
 
     def on_signal(signum, frame):
         if child.poll() is not None:
@@ -171,8 +177,8 @@ def _watch(argv: list[str], args: argparse.Namespace) -> int:
         if stop:
             child.kill()  # a second Ctrl-C: at once
             return
-        stop.append(time.monotonic())
-        child.send_signal(signal.SIGINT)  # SIGTERM too: the child cleans up as for Ctrl-C
+        stop.append((time.monotonic(), signum))
+        child.send_signal(signum)  # the child cleans up and says which signal stopped it
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -181,7 +187,7 @@ def _watch(argv: list[str], args: argparse.Namespace) -> int:
                 code = child.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
-                if stop and time.monotonic() - stop[0] > GRACE_SECONDS:
+                if stop and time.monotonic() - stop[0][0] > GRACE_SECONDS:
                     child.kill()
     finally:
         for s, handler in previous.items():
@@ -191,20 +197,29 @@ def _watch(argv: list[str], args: argparse.Namespace) -> int:
         notes.seek(0)
         remove_partials(notes.read())
     notes.close()
-    line, exit_code = ending(code, bool(stop), relay, args)
+    line, exit_code = ending(code, stop[0][1] if stop else None, relay, args)
     if line:
         print(line, file=sys.stderr)
+    if getattr(args, "json", False) and exit_code != 0 and (line or relay.error):
+        from maxperf.cli import print_error_document
+
+        print_error_document(line or relay.error, exit_code)
     return exit_code
 
 
-def ending(code: int, interrupted: bool, relay, args: argparse.Namespace) -> tuple[str | None, int]:
+def ending(code: int, interrupted: int | None, relay, args: argparse.Namespace) -> tuple[str | None, int]:
     """What to say (None: the child said it) and the exit code, for a child that ended with `code` (-N: signal
-    N), after an interrupt or not."""
-    if code in RESULT_CODES or (code > 0 and relay.said_error):
-        return None, code  # it finished (perhaps as the interrupt came), or said why not
-    if interrupted:
-        return (None if relay.said_error else
-                "maxperf: interrupted" + ("" if code >= 0 else f"; stopped by {_name(-code)}")), 130
+    N), after the signal `interrupted` (SIGINT or SIGTERM) or none."""
+    if code in RESULT_CODES:
+        return None, code  # it finished, perhaps as the interrupt came
+    if interrupted:  # 128 + the signal the user sent, whatever the child made of it
+        if relay.said_error:
+            return None, 128 + interrupted
+        killed = (f"; the {args.command} process did not stop within {GRACE_SECONDS} s and was killed"
+                  if code == -signal.SIGKILL else "")
+        return f"maxperf: interrupted by {_name(interrupted)}{killed}", 128 + interrupted
+    if code > 0 and relay.said_error:
+        return None, code  # it said why not
     if relay.said_error:
         return None, 1  # jax's runtime ended it (an abort at exit) after it had said why it stopped
     if code > 0:
