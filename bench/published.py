@@ -63,7 +63,7 @@ from maxperf.perfmodel import chips, steptime
 from maxperf.perfmodel.shapes import devices_per_chip
 
 HERE = Path(__file__).resolve().parent / "published"
-OVERLAP_FAMILIES = ("fsdp", "tensor", "sequence", "data")
+FAMILY_ORDER = ("fsdp", "tensor", "data", "sequence", "expert")  # the collectives' Overlap fields; the first three fitted
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -128,10 +128,10 @@ def resolve(row: Row) -> None:
         row.published_tokens = float(row.data["published_tflops_per_chip"]) * 1e12 / row.flops_per_token
 
 
-def run_estimate(row: Row, overlap=None):
+def run_estimate(row: Row, overlap=None, constants: steptime.Constants = steptime.SHIPPED):
     p = row.plan
     return perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology,
-                              overlap=overlap)
+                              overlap=overlap, constants=constants)
 
 
 def predicted_tokens(est) -> float:
@@ -169,11 +169,10 @@ class Constants:
 
     @classmethod
     def current(cls) -> Constants:
-        o = steptime.Overlap()
-        flash = _flash_table()
-        return cls(*(chips.MATMUL_FRACTION[c] for c in FRACTION_CHIPS), steptime.MATMUL_HALF["tpu"],
-                   steptime.MATMUL_HALF["gpu"], float(steptime.ELEMENTWISE_D_PASSES), o.fsdp, o.tensor, o.data,
-                   flash["tpu"], flash["gpu"])
+        o, shipped = steptime.Overlap(), steptime.SHIPPED
+        return cls(*(shipped.matmul_fraction[c] for c in FRACTION_CHIPS), shipped.matmul_half["tpu"],
+                   shipped.matmul_half["gpu"], float(shipped.elementwise_d_passes), o.fsdp, o.tensor, o.data,
+                   shipped.flash_efficiency["tpu"], shipped.flash_efficiency["gpu"])
 
     def fractions(self) -> dict[str, float]:
         return {c: getattr(self, _fraction_field(c)) for c in FRACTION_CHIPS}
@@ -187,6 +186,15 @@ class Constants:
 
     def overlap(self) -> steptime.Overlap:
         return replace(steptime.Overlap(), fsdp=self.overlap_fsdp, tensor=self.overlap_tensor, data=self.overlap_data)
+
+    def perfmodel(self) -> steptime.Constants:
+        """These values as the perfmodel's Constants (the chips without rows keep theirs)."""
+        shipped = steptime.SHIPPED
+        return steptime.Constants(
+            matmul_fraction={**shipped.matmul_fraction, **self.fractions()},
+            matmul_half={**shipped.matmul_half, "tpu": self.tpu_half, "gpu": self.gpu_half},
+            elementwise_d_passes=self.elementwise_d_passes,
+            flash_efficiency={**shipped.flash_efficiency, "tpu": self.flash_tpu, "gpu": self.flash_gpu})
 
 
 NAMES = {
@@ -208,148 +216,47 @@ LO = np.array([BOUNDS[f.name][0] for f in fields(Constants)])
 HI = np.array([BOUNDS[f.name][1] for f in fields(Constants)])
 
 
-def _flash_table() -> dict:
-    """steptime.FLASH_EFFICIENCY (the flash kernels' fraction of peak); a stand-in where the perfmodel has none, whose
-    constants then scale nothing (no row records a flash-kernel term)."""
-    return getattr(steptime, "FLASH_EFFICIENCY", {"tpu": 0.6, "gpu": 0.5})
-
-
-@contextlib.contextmanager
-def patched(c: Constants):
-    """The perfmodel's module attributes set to `c` for the duration (overlaps go through estimate's argument)."""
-    flash = _flash_table()
-    saved = (dict(steptime.MATMUL_HALF), steptime.ELEMENTWISE_D_PASSES, dict(flash), dict(chips.MATMUL_FRACTION))
-    steptime.MATMUL_HALF.update(tpu=c.tpu_half, gpu=c.gpu_half)
-    steptime.ELEMENTWISE_D_PASSES = c.elementwise_d_passes
-    flash.update(tpu=c.flash_tpu, gpu=c.flash_gpu)
-    chips.MATMUL_FRACTION.update(c.fractions())
-    try:
-        yield
-    finally:
-        steptime.MATMUL_HALF.clear()
-        steptime.MATMUL_HALF.update(saved[0])
-        steptime.ELEMENTWISE_D_PASSES = saved[1]
-        flash.clear()
-        flash.update(saved[2])
-        chips.MATMUL_FRACTION.clear()
-        chips.MATMUL_FRACTION.update(saved[3])
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# a step recorded as the terms the constants scale
-
-
-@dataclass
-class Recording:
-    kind: str = ""  # "tpu" or "gpu"
-    chip: str = ""
-    mm_fp: list = field(default_factory=list)  # FLOPs / peak per matmul
-    mm_m: list = field(default_factory=list)  # smallest side
-    mm_tb: list = field(default_factory=list)  # HBM seconds
-    flash_fp: float = 0.0  # FLOPs / peak of the flash kernels (their time: this / (fraction x FLASH_EFFICIENCY))
-    busy: float = 0.0  # other compute and HBM seconds (at the recorded ELEMENTWISE_D_PASSES)
-    comm_s: list = field(default_factory=list)  # collectives and host-link copies
-    comm_family: list = field(default_factory=list)  # an Overlap field, or "fixed" (overlap in comm_fixed)
-    comm_fixed: list = field(default_factory=list)
-
-
-@contextlib.contextmanager
-def recording(rec: Recording):
-    """Captures the adds of steptime's _Table: a matmul's add follows its matmul_efficiency call."""
-    original_add, original_eff = steptime._Table.add, steptime.matmul_efficiency
-    pending = []
-
-    def eff(chip, m, half=None):
-        if half is not None:
-            raise RuntimeError("a measured matmul HALF (CPU) is not part of this fit")
-        pending.append((chip, m))
-        return original_eff(chip, m, half)
-
-    def add(self, name, kind, seconds, flops=0.0, nbytes=0.0, overlap=0.0):
-        if pending:
-            chip, m = pending.pop()
-            rec.kind, rec.chip = chip.kind, chip.name
-            rec.mm_fp.append(flops / self.peak)
-            rec.mm_m.append(m)
-            rec.mm_tb.append(nbytes / self.chip.hbm_bandwidth)
-        elif kind in ("ici", "dcn"):
-            family = name.split()[0]
-            if family not in OVERLAP_FAMILIES:
-                raise RuntimeError(f"collective row {name!r} belongs to no overlap family")
-            rec.comm_s.append(seconds)
-            rec.comm_family.append(family)
-            rec.comm_fixed.append(0.0)
-        elif kind == "compute" or kind == "hbm":
-            flash = _flash_table().get(self.chip.kind)
-            rate = self.peak * self.chip.matmul_fraction * (flash or 0.0)
-            if flash and kind == "compute" and "flash" in name and math.isclose(seconds, flops / rate):
-                rec.flash_fp += flops / self.peak
-            else:
-                rec.busy += seconds
-        else:  # another link (host offload) at its own, unfitted overlap
-            rec.comm_s.append(seconds)
-            rec.comm_family.append("fixed")
-            rec.comm_fixed.append(overlap)
-        return original_add(self, name, kind, seconds, flops, nbytes, overlap)
-
-    steptime._Table.add, steptime.matmul_efficiency = add, eff
-    try:
-        yield rec
-    finally:
-        steptime._Table.add, steptime.matmul_efficiency = original_add, original_eff
-
-
 class Replay:
-    """All rows' recorded steps, evaluated for any Constants with numpy."""
+    """All rows' recorded steps (perfmodel's Terms, as `estimate` recorded them), priced for any Constants at once by
+    the perfmodel's own steptime.price and steptime.settle."""
 
     def __init__(self, rows: list[Row]):
-        base = Constants.current()
-        recs, bumped = [], []
-        for passes, out in ((base.elementwise_d_passes, recs), (base.elementwise_d_passes + 1, bumped)):
-            with patched(replace(base, elementwise_d_passes=passes)):
-                for row in rows:
-                    rec = Recording()
-                    with recording(rec):
-                        run_estimate(row, overlap=base.overlap())
-                    out.append(rec)
-        n = len(rows)
-        self.n = n
-        idx = np.concatenate([np.full(len(r.mm_fp), i) for i, r in enumerate(recs)]).astype(int)
-        self.mm_row = idx
-        self.mm_fp = np.concatenate([r.mm_fp for r in recs])
-        self.mm_m = np.concatenate([r.mm_m for r in recs])
-        self.mm_tb = np.concatenate([r.mm_tb for r in recs])
-        self.mm_gpu = np.array([recs[i].kind == "gpu" for i in idx])
-        slope = np.array([b.busy - r.busy for r, b in zip(recs, bumped)])  # seconds per D pass
-        self.busy_slope = slope
-        self.busy_rest = np.array([r.busy for r in recs]) - slope * base.elementwise_d_passes
-        self.comm_row = np.concatenate([np.full(len(r.comm_s), i) for i, r in enumerate(recs)]).astype(int)
-        self.comm_s = np.concatenate([r.comm_s for r in recs]) if self.comm_row.size else np.zeros(0)
-        fams = [f for r in recs for f in r.comm_family]
-        self.comm_fam = np.array([(OVERLAP_FAMILIES + ("fixed",)).index(f) for f in fams], dtype=int)
-        self.comm_fixed = np.concatenate([r.comm_fixed for r in recs]) if self.comm_row.size else np.zeros(0)
-        self.sequence_overlap = steptime.Overlap().sequence
-        self.flash_fp = np.array([r.flash_fp for r in recs])
-        self.gpu = np.array([r.kind == "gpu" for r in recs])
+        terms = [r.estimate.time.terms for r in rows]
+        self.n = len(rows)
+        self.terms = steptime.Terms.concat(terms)
+        self.step = np.concatenate([np.full(len(t.law), i) for i, t in enumerate(terms)]).astype(int)
         self.chip = [r.estimate.chip for r in rows]
         unknown_chips = sorted(set(self.chip) - set(FRACTION_CHIPS))
         if unknown_chips:
             raise SystemExit(f"rows on chips with no fitted fraction: {', '.join(unknown_chips)}; add them to "
                              "FRACTION_CHIPS")
+        chip_of_term = np.array([FRACTION_CHIPS.index(self.chip[i]) for i in self.step], dtype=int)
+        self.chip_index = chip_of_term
+        self.gpu = np.array([steptime_kind(self.chip[i]) == "gpu" for i in self.step])
+        self.comm = self.terms.comm
+        family = list(self.terms.family)
+        unpriced = sorted(set(family) - set(FAMILY_ORDER) - {""})
+        if unpriced:
+            raise SystemExit(f"collectives of overlap families this script does not know: {', '.join(unpriced)}")
+        # each term's overlap: its family's (FAMILY_ORDER), or for the host links their own (the last slot)
+        self.family_index = np.array([FAMILY_ORDER.index(f) if f else len(FAMILY_ORDER) for f in family], dtype=int)
+        self.fixed_overlap = np.where(self.family_index == len(FAMILY_ORDER), self.terms.overlap, 0.0)
+        self.unfitted = steptime.Overlap()
 
     def step_times(self, c: Constants) -> np.ndarray:
-        fractions = c.fractions()
-        k = np.array([fractions[name] for name in self.chip])
-        half = np.where(self.mm_gpu, c.gpu_half, c.tpu_half)
-        t_mm = np.maximum(self.mm_fp * (1 + half / self.mm_m) / k[self.mm_row], self.mm_tb)
-        busy = np.bincount(self.mm_row, t_mm, self.n) + self.busy_rest + self.busy_slope * c.elementwise_d_passes
-        busy += self.flash_fp / (k * np.where(self.gpu, c.flash_gpu, c.flash_tpu))
-        ov = np.array([c.overlap_fsdp, c.overlap_tensor, self.sequence_overlap, c.overlap_data, 0.0])[self.comm_fam]
-        ov = np.where(self.comm_fam == len(OVERLAP_FAMILIES), self.comm_fixed, ov)
-        comm = np.bincount(self.comm_row, self.comm_s, self.n)
-        hidden = np.bincount(self.comm_row, self.comm_s * ov, self.n)
-        spill = np.maximum(0.0, hidden - busy) / np.where(hidden > 0, hidden, 1.0)
-        return busy + comm - hidden * (1 - spill)
+        fraction = np.array([getattr(c, _fraction_field(name)) for name in FRACTION_CHIPS])[self.chip_index]
+        half = np.where(self.gpu, c.gpu_half, c.tpu_half)
+        flash = np.where(self.gpu, c.flash_gpu, c.flash_tpu)
+        seconds, _ = steptime.price(self.terms, fraction, half, flash, c.elementwise_d_passes)
+        per_family = np.array([c.overlap_fsdp, c.overlap_tensor, c.overlap_data, self.unfitted.sequence,
+                               self.unfitted.expert, 0.0])
+        overlap = per_family[self.family_index] + self.fixed_overlap
+        steps, _, _ = steptime.settle(seconds, self.comm, overlap, self.step, self.n)
+        return steps
+
+
+def steptime_kind(chip: str) -> str:
+    return chips.CHIPS[chip].kind
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -447,6 +354,40 @@ def _summary(errors: np.ndarray) -> str:
     return f"median {100 * np.median(a):5.1f}%  worst {100 * a.max():5.1f}%" if a.size else "no rows"
 
 
+HOLD_OUTS = {"row": "leave-one-out", "source": "leave-one-source-out", "hardware": "generation held out"}
+
+
+def source_of(row: Row) -> str:
+    """A row's source: the publication and its document (MaxText's v4, v5e, v5p and A3 tables are measured apart and
+    count as four sources; NVIDIA's Megatron-Bridge summary as one)."""
+    return f"{row.data['source']}: {row.data['source_table'].split(',')[0]}"
+
+
+def held_out_sets(rows: list[Row], mode: str) -> list[np.ndarray]:
+    if mode == "row":
+        return [np.array([i]) for i in range(len(rows))]
+    key = source_of if mode == "source" else (lambda r: r.group)
+    return [np.flatnonzero([key(r) == k for r in rows]) for k in sorted({key(r) for r in rows})]
+
+
+def held_out_errors(replay: Replay, rows: list[Row], pub: np.ndarray, start: Constants, free: tuple[str, ...],
+                    mode: str) -> np.ndarray:
+    """Each held-out set predicted by constants fitted, from `start`, on the other rows; a chip left with no rows in
+    the fit takes the rule chips.py applies to chips without rows (`stand_in`)."""
+    err = np.zeros(len(rows))
+    everything = np.ones(len(rows), bool)
+    for out in held_out_sets(rows, mode):
+        mask = everything.copy()
+        mask[out] = False
+        c = fit(replay, rows, mask, start, free, restarts=2)
+        fitted_chips = {rows[i].estimate.chip for i in np.flatnonzero(mask)}
+        orphans = {rows[i].estimate.chip for i in out} - fitted_chips
+        if orphans:
+            c = stand_in(c, orphans, fitted_chips)
+        err[out] = predicted_from_steps(rows, replay.step_times(c))[out] / pub[out] - 1
+    return err
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-fit", action="store_true", help="only the unfitted comparison")
@@ -455,14 +396,18 @@ def main() -> int:
     ap.add_argument("--free", default=",".join(f.name for f in fields(Constants)),
                     help="comma-separated constants to fit (the others stay as the perfmodel ships them): "
                          + ", ".join(f.name for f in fields(Constants)))
-    ap.add_argument("--hold-out", choices=("row", "hardware"), default="row",
-                    help="leave out one row at a time, or one hardware generation at a time (its matmul fraction "
-                         "then set as chips.py sets those of chips without rows)")
+    ap.add_argument("--hold-out", default="row,source",
+                    help="comma-separated: row (leave one row out at a time), source (one source at a time), "
+                         "hardware (one chip generation at a time); a chip left without rows takes the rule chips.py "
+                         "applies to chips without rows")
     args = ap.parse_args()
     free = tuple(n for n in args.free.split(",") if n)
     unknown_names = sorted(set(free) - {f.name for f in fields(Constants)})
     if unknown_names:
         ap.error(f"unknown constants: {', '.join(unknown_names)}")
+    modes = tuple(m for m in args.hold_out.split(",") if m)
+    if not modes or set(modes) - set(HOLD_OUTS):
+        ap.error(f"--hold-out takes a comma-separated list of {', '.join(HOLD_OUTS)}")
     t0 = time.time()
     rows = load_rows(args.only)
     for row in rows:
@@ -474,40 +419,36 @@ def main() -> int:
     pub = np.array([r.published_tokens for r in ok])
     pred0 = np.array([predicted_tokens(r.estimate) for r in ok])
     err0 = pred0 / pub - 1
-    results = {r.id: {"group": r.group, "published_tokens_per_s_per_chip": float(p), "unfitted": float(e)}
-               for r, p, e in zip(ok, pub, err0)}
+    results = {r.id: {"group": r.group, "source": source_of(r), "published_tokens_per_s_per_chip": float(p),
+                      "unfitted": float(e)} for r, p, e in zip(ok, pub, err0)}
 
-    err_in = err_loo = None
+    err_in, held = None, {}
     if not args.no_fit:
         base = Constants.current()
         replay = Replay(ok)
         replay_err = np.max(np.abs(replay.step_times(base) / np.array([r.estimate.step_time_s for r in ok]) - 1))
         if replay_err > 1e-6:
             raise SystemExit(f"the recorded steps differ from perfmodel.estimate by up to {replay_err:.1e}: the "
-                             "perfmodel's step has terms this script does not know how to scale; update Recording")
+                             "rows' recorded terms no longer price as perfmodel.estimate does")
         everything = np.ones(len(ok), bool)
+        # every fit starts from PRIOR (the constants held fixed at their shipped values), so that no held-out row
+        # steers the start
         start = replace(PRIOR, **{f.name: getattr(base, f.name) for f in fields(Constants) if f.name not in free})
         fitted = fit(replay, ok, everything, start, free, restarts=6)
         err_in = predicted_from_steps(ok, replay.step_times(fitted)) / pub - 1
-        err_loo = np.zeros(len(ok))
-        held = [np.array([i]) for i in range(len(ok))] if args.hold_out == "row" else [
-            np.flatnonzero([r.group == g for r in ok]) for g in sorted({r.group for r in ok})]
-        for out in held:
-            mask = everything.copy()
-            mask[out] = False
-            # from PRIOR, as the all-rows fit, so that no held-out row steers the start
-            c = fit(replay, ok, mask, start, free, restarts=2)
-            if args.hold_out == "hardware":  # a generation with no rows takes the rule chips.py applies to such chips
-                c = stand_in(c, {ok[i].estimate.chip for i in out}, {ok[i].estimate.chip for i in np.flatnonzero(mask)})
-            err_loo[out] = predicted_from_steps(ok, replay.step_times(c))[out] / pub[out] - 1
-        with patched(fitted):  # the recorded form against the model itself, at the fitted constants
-            real = np.array([run_estimate(r, overlap=fitted.overlap()).step_time_s for r in ok])
+        for mode in modes:
+            held[mode] = held_out_errors(replay, ok, pub, start, free, mode)
+        # the recorded form against the model itself, at the fitted constants
+        real = np.array([run_estimate(r, fitted.overlap(), fitted.perfmodel()).step_time_s for r in ok])
         replay_err_fitted = np.max(np.abs(replay.step_times(fitted) / real - 1))
-        for r, a, b in zip(ok, err_in, err_loo):
-            results[r.id].update(in_sample=float(a), leave_one_out=float(b))
+        for i, r in enumerate(ok):
+            results[r.id]["in_sample"] = float(err_in[i])
+            results[r.id].update({HOLD_OUTS[m].replace("-", "_").replace(" ", "_"): float(e[i])
+                                  for m, e in held.items()})
 
+    short = {"row": "LOO", "source": "LOSO", "hardware": "held"}
     print(f"{'row':<44} {'chips':>5} {'pub TF':>7} {'pred TF':>7} {'pred MFU':>8} {'fits':>4} {'unfitted':>8}"
-          + ("" if err_in is None else f" {'in-sample':>9} {'LOO' if args.hold_out == 'row' else 'held':>7}"))
+          + ("" if err_in is None else f" {'in-sample':>9}" + "".join(f" {short[m]:>7}" for m in held)))
     for i, r in enumerate(ok):
         est = r.estimate
         stated = r.data["published_tflops_per_chip"] if r.mapping["compare_on"] == "tflops" else ""
@@ -515,18 +456,23 @@ def main() -> int:
         line = (f"{r.id:<44} {est.chips:>5} {pub_tf:>7} {est.tflops_per_chip:>7.0f} {100 * est.mfu:>7.1f}% "
                 f"{'yes' if est.fits else 'NO':>4} {100 * err0[i]:>+7.1f}%")
         if err_in is not None:
-            line += f" {100 * err_in[i]:>+8.1f}% {100 * err_loo[i]:>+6.1f}%"
+            line += f" {100 * err_in[i]:>+8.1f}%" + "".join(f" {100 * e[i]:>+6.1f}%" for e in held.values())
         print(line)
 
     print()
     groups = sorted({r.group for r in ok})
-    held_out = "leave-one-out" if args.hold_out == "row" else "generation held out"
-    print(f"{'rows':<22} {'n':>3}  {'unfitted':<28}" + ("" if err_in is None else f" {'in-sample':<28} {held_out:<28}"))
+    print(f"{'rows':<22} {'n':>3}  {'unfitted':<28}" + ("" if err_in is None else f" {'in-sample':<28}"
+                                                        + "".join(f" {HOLD_OUTS[m]:<28}" for m in held)))
     for name, sel in [("all", np.ones(len(ok), bool))] + [(g, np.array([r.group == g for r in ok])) for g in groups]:
         line = f"{name:<22} {int(sel.sum()):>3}  {_summary(err0[sel]):<28}"
         if err_in is not None:
-            line += f" {_summary(err_in[sel]):<28} {_summary(err_loo[sel]):<28}"
+            line += f" {_summary(err_in[sel]):<28}" + "".join(f" {_summary(e[sel]):<28}" for e in held.values())
         print(line)
+    if "source" in held:
+        print("\nleave-one-source-out, per source:")
+        for src in sorted({source_of(r) for r in ok}):
+            sel = np.array([source_of(r) == src for r in ok])
+            print(f"  {src[:70]:<70} {int(sel.sum()):>3}  {_summary(held['source'][sel])}")
 
     if err_in is not None:
         print()
@@ -559,6 +505,8 @@ def main() -> int:
         if err_in is not None:
             out["shipped"] = {NAMES[f.name]: getattr(base, f.name) for f in fields(Constants)}
             out["fitted"] = {NAMES[f.name]: getattr(fitted, f.name) for f in fields(Constants)}
+            out["summary"] = {HOLD_OUTS[m]: {"median": float(np.median(np.abs(e))), "worst": float(np.max(np.abs(e)))}
+                              for m, e in held.items()}
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

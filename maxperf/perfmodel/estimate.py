@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from maxperf.perfmodel import chips, cpu
 from maxperf.perfmodel.calibration import Calibration, StoredCalibration
@@ -19,7 +19,7 @@ from maxperf.perfmodel.shapes import (
     devices_per_chip,
     make_mesh,
 )
-from maxperf.perfmodel.steptime import Overlap, Row, StepTime, step_time
+from maxperf.perfmodel.steptime import SHIPPED, Constants, Overlap, Row, StepTime, step_time
 
 SCHEMA = "maxperf.estimate/1"  # estimate.json and `maxperf estimate --json`
 
@@ -70,7 +70,7 @@ class Estimate:
             "memory": self.memory.as_dict(),
             "params": {**asdict(self.params), "non_embedding": self.params.non_embedding},
             "flops": asdict(self.flops),
-            "time": {k: v for k, v in asdict(self.time).items() if k != "rows"},
+            "time": {f.name: getattr(self.time, f.name) for f in fields(self.time) if f.name not in ("rows", "terms")},
             "breakdown": [asdict(r) for r in self.breakdown],
             "overlap": asdict(self.overlap),
         }
@@ -133,7 +133,8 @@ def estimate(model: ModelShape, train: TrainShape, mesh_axes: Mapping[str, int],
              dcn_axes: Mapping[str, int] | None, topology: TopologyShape, *,
              overlap: Overlap | float | None = None,
              calibration: StoredCalibration | Calibration | None = None,
-             load_imbalance: float | None = None, memory: MemoryBreakdown | None = None) -> Estimate:
+             load_imbalance: float | None = None, memory: MemoryBreakdown | None = None,
+             constants: Constants = SHIPPED) -> Estimate:
     """Predicts one step of `train` for `model` over a mesh on `topology`.
 
     mesh_axes: sizes of ("data", "fsdp", "sequence", "tensor", "expert"), each the whole axis (ICI x DCN parts);
@@ -143,7 +144,8 @@ def estimate(model: ModelShape, train: TrainShape, mesh_axes: Mapping[str, int],
     load_imbalance: for MoE models under expert parallelism, the busiest device's routed rows over the mean (None:
     the train config's moe_load_imbalance where it has one, else perfmodel.moe.LOAD_IMBALANCE); memory: what
     estimate_memory gave for this very model, train config (its attention resolved), mesh and device, where the caller
-    has it already (a search estimates memory first), so that it is not estimated twice."""
+    has it already (a search estimates memory first), so that it is not estimated twice; constants: the step-time
+    model's fitted constants (SHIPPED: as fitted on bench/published.py)."""
     check_model(model)
     check_train(train)
     check(topology.chips >= 1, f"topology must have at least one chip, got {topology.chips}")
@@ -160,7 +162,8 @@ def estimate(model: ModelShape, train: TrainShape, mesh_axes: Mapping[str, int],
     flops = count_flops(model, train, params_per_device(model, mesh))
     if memory is None:
         memory = estimate_memory(model, train, mesh, chip.hbm_bytes, chip.kind)
-    time = step_time(model, train, mesh, chip, topology, overlap, max(memory.phases().values()), load_imbalance)
+    time = step_time(model, train, mesh, chip, topology, overlap, max(memory.phases().values()), load_imbalance,
+                     constants)
     peak = chip.peak_flops(train.compute_dtype)
     step = time.step_time_s
     return Estimate(

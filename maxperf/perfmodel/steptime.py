@@ -10,10 +10,14 @@ summed per step over all layers and microbatches, by kind, into a breakdown tabl
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+import numpy as np
 
 from maxperf.perfmodel import cpu
-from maxperf.perfmodel.chips import MATMUL_FRACTION_ORIGIN, Chip
+from maxperf.perfmodel.chips import MATMUL_FRACTION, MATMUL_FRACTION_ORIGIN, Chip
 from maxperf.perfmodel.cpu import FRESH_MAPPING_THRESHOLD  # noqa: F401 (profiler.calibrate sizes buffers by it)
 from maxperf.perfmodel.flops import (
     ATTENTION_SKIPS_MASKED,
@@ -141,6 +145,97 @@ OVERLAP_ORIGIN = {"fsdp": "fitted", "tensor": "fitted", "sequence": "assumed", "
 
 
 @dataclass(frozen=True)
+class Constants:
+    """The step-time model's fitted constants, passed to `step_time` (and `perfmodel.estimate`) rather than read from
+    module globals, so that bench/published.py can fit them and price the same recorded work at any values."""
+
+    matmul_fraction: Mapping[str, float] = field(default_factory=lambda: dict(MATMUL_FRACTION))  # per chip name
+    matmul_half: Mapping[str, float] = field(default_factory=lambda: dict(MATMUL_HALF))  # per chip kind
+    elementwise_d_passes: float = ELEMENTWISE_D_PASSES
+    flash_efficiency: Mapping[str, float] = field(default_factory=lambda: dict(FLASH_EFFICIENCY))  # per chip kind
+
+    def fraction(self, chip: Chip) -> float:
+        """The share of its peak a large matmul sustains on `chip`; 1.0 where none is recorded (CPU devices, whose
+        calibrated peaks are achieved rates)."""
+        return self.matmul_fraction.get(chip.name, 1.0)
+
+
+SHIPPED = Constants()
+
+# How a term of the step turns into seconds (Terms.law).
+FIXED = 0  # seconds known when recorded (collectives, host copies, memory-bound work other than the D passes)
+MATMUL = 1  # max(FLOPs / (peak x rate x fraction x m / (m + HALF)), bytes / HBM bandwidth)
+FLASH = 2  # FLOPs / (peak x fraction x flash efficiency)
+D_PASSES = 3  # seconds known when recorded + seconds per elementwise pass over D x elementwise_d_passes
+COMM_KINDS = ("ici", "dcn", "host")
+
+
+@dataclass(frozen=True)
+class Terms:
+    """A step's work as recorded, before the fitted constants price it: one entry per piece of work, in arrays of equal
+    length. `price` and `settle` turn them into seconds; `estimate` and bench/published.py (which concatenates many
+    steps' terms) call the same two functions."""
+
+    name: tuple[str, ...]  # breakdown row
+    kind: tuple[str, ...]  # "compute", "hbm", "ici", "dcn", "host"; a matmul's is decided when priced
+    law: np.ndarray
+    fixed_s: np.ndarray  # FIXED and D_PASSES: the seconds known when recorded
+    peak_s: np.ndarray  # MATMUL and FLASH: FLOPs / peak
+    hbm_s: np.ndarray  # MATMUL: bytes / HBM bandwidth; D_PASSES: seconds per pass
+    side: np.ndarray  # MATMUL: the smallest side m (1 elsewhere)
+    rate: np.ndarray  # MATMUL: a kernel's rate relative to a plain matmul of its shape (1 elsewhere)
+    half: np.ndarray  # MATMUL: a measured HALF (CPU devices); NaN: the chip kind's constant
+    flops: np.ndarray
+    bytes: np.ndarray
+    family: tuple[str, ...]  # a collective's Overlap field; "" for work that is not a collective or has its own
+    overlap: np.ndarray  # the hidden fraction of host copies (collectives take their family's from Overlap)
+
+    @property
+    def comm(self) -> np.ndarray:
+        return np.array([k in COMM_KINDS for k in self.kind], dtype=bool)
+
+    @classmethod
+    def concat(cls, many: list[Terms]) -> Terms:
+        """Several steps' terms end to end (bench/published.py prices all its rows at once)."""
+        out = {}
+        for f in fields(cls):
+            values = [getattr(t, f.name) for t in many]
+            out[f.name] = np.concatenate(values) if isinstance(values[0], np.ndarray) else sum(values, ())
+        return cls(**out)
+
+    def overlaps(self, overlap: Overlap) -> np.ndarray:
+        """Each term's hidden fraction under `overlap`."""
+        return np.array([getattr(overlap, f) if f else o for f, o in zip(self.family, self.overlap)], dtype=float)
+
+
+def price(terms: Terms, fraction, half, flash, d_passes) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of each term, and whether a matmul is bound by its FLOPs (True) or its bytes. `fraction`, `half` and
+    `flash` are one value for the step or one per term (bench/published.py prices many steps at once)."""
+    t = terms
+    h = np.where(np.isnan(t.half), half, t.half)
+    efficiency = t.rate * fraction * t.side / (t.side + h)
+    at_rate = t.peak_s / efficiency
+    matmul = np.maximum(at_rate, t.hbm_s)
+    seconds = np.where(t.law == MATMUL, matmul, t.fixed_s)
+    seconds = np.where(t.law == FLASH, t.peak_s / (fraction * flash), seconds)
+    seconds = np.where(t.law == D_PASSES, t.fixed_s + t.hbm_s * d_passes, seconds)
+    return seconds, at_rate >= t.hbm_s
+
+
+def settle(seconds: np.ndarray, comm: np.ndarray, overlap: np.ndarray, step: np.ndarray, steps: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Step times from priced terms (`step`: each term's step, of `steps`): compute and memory-bound work add up;
+    a collective's `overlap` share hides behind it, and what cannot hide (more hidden time than work to hide behind)
+    comes back in proportion. Returns the step times, each step's busy seconds and the share of hidden time that
+    spilled back."""
+    busy = np.bincount(step, np.where(comm, 0.0, seconds), steps)
+    total = np.bincount(step, np.where(comm, seconds, 0.0), steps)
+    hidden = np.bincount(step, np.where(comm, seconds * overlap, 0.0), steps)
+    spill = np.maximum(0.0, hidden - busy) / np.where(hidden > 0, hidden, 1.0)
+    return busy + total - hidden * (1 - spill), busy, spill
+
+
+@dataclass(frozen=True)
 class Row:
     name: str
     kind: str  # "compute", "hbm", "ici", "dcn", "host"
@@ -165,6 +260,7 @@ class StepTime:
     exposed_host_s: float = 0.0
     # the fitted and assumed constants this step's time rests on, one line each with its origin (see `assume`)
     assumptions: tuple[str, ...] = ()
+    terms: Terms | None = field(default=None, repr=False, compare=False)  # the work as recorded, before pricing
 
 
 @dataclass(frozen=True)
@@ -182,46 +278,40 @@ def int8_matmuls(train: TrainShape) -> Int8Matmuls | None:
     return Int8Matmuls(weight_gradient=getattr(train, "quantization_local_shard_count", -1) != 0)
 
 
-def matmul_efficiency(chip: Chip, m: float, half: float | None = None) -> float:
-    """chip.matmul_fraction x m / (m + HALF); `half` (a calibrated HALF) replaces the kind's."""
-    return _efficiency(chip.matmul_fraction, m, MATMUL_HALF[chip.kind] if half is None else half)
-
-
-def _efficiency(fraction: float, m: float, half: float) -> float:
-    return fraction * m / (m + half)
+def matmul_efficiency(chip: Chip, m: float, half: float | None = None, constants: Constants = SHIPPED) -> float:
+    """The fraction of peak a matmul whose smallest side is m sustains: fraction x m / (m + HALF); `half` (a
+    calibrated HALF) replaces the kind's."""
+    return constants.fraction(chip) * m / (m + (constants.matmul_half[chip.kind] if half is None else half))
 
 
 class _Table:
-    """Accumulates work by row name: seconds split into compute-bound, memory-bound and network parts."""
+    """Records a step's work as Terms: matmuls with their FLOPs, bytes and shape; memory-bound work; collectives."""
 
-    def __init__(self, chip: Chip, dtype: str, int8: Int8Matmuls | None = None):
-        self.chip, self.peak = chip, chip.peak_flops(dtype)
+    def __init__(self, chip: Chip, dtype: str, constants: Constants, int8: Int8Matmuls | None = None):
+        self.chip, self.peak, self.constants = chip, chip.peak_flops(dtype), constants
         self.int8 = int8
         self.half = chip.measured_matmul_half(dtype)
-        # matmul_efficiency's figures, read once: a step has hundreds of matmuls
-        self.fraction, self.matmul_half = chip.matmul_fraction, MATMUL_HALF[chip.kind] if self.half is None \
-            else self.half
-        self.rows: dict[str, dict[str, float]] = {}
-        self.overlap: dict[str, float] = {}
+        self.columns: dict[str, list] = {k: [] for k in (
+            "name", "kind", "law", "fixed_s", "peak_s", "hbm_s", "side", "rate", "half", "flops", "bytes", "family",
+            "overlap")}
         self.assumed: dict[str, str] = {}
-        self.recording: list[tuple] | None = None  # add()'s arguments, kept while a layer is replayed (`replay`)
 
     def assume(self, key: str, line: str) -> None:
         """Records that a constant that is fitted or assumed, not measured on this chip, drove this step."""
         self.assumed.setdefault(key, line)
 
+    def _term(self, name: str, kind: str, law: int, *, fixed_s: float = 0.0, peak_s: float = 0.0, hbm_s: float = 0.0,
+              side: float = 1.0, rate: float = 1.0, half: float = math.nan, flops: float = 0.0, nbytes: float = 0.0,
+              family: str = "", overlap: float = 0.0) -> None:
+        for key, value in (("name", name), ("kind", kind), ("law", law), ("fixed_s", fixed_s), ("peak_s", peak_s),
+                           ("hbm_s", hbm_s), ("side", side), ("rate", rate), ("half", half), ("flops", flops),
+                           ("bytes", nbytes), ("family", family), ("overlap", overlap)):
+            self.columns[key].append(value)
+
     def add(self, name: str, kind: str, seconds: float, flops: float = 0.0, nbytes: float = 0.0,
-            overlap: float = 0.0) -> None:
-        if self.recording is not None:
-            self.recording.append((name, kind, seconds, flops, nbytes, overlap))
-        row = self.rows.get(name)
-        if row is None:
-            row = self.rows[name] = {"compute": 0.0, "hbm": 0.0, "ici": 0.0, "dcn": 0.0, "host": 0.0, "flops": 0.0,
-                                     "bytes": 0.0}
-        row[kind] += seconds
-        row["flops"] += flops
-        row["bytes"] += nbytes
-        self.overlap[name] = overlap
+            overlap: float = 0.0, family: str = "") -> None:
+        """Work whose seconds are known now; a collective names its Overlap `family`, other links their `overlap`."""
+        self._term(name, kind, FIXED, fixed_s=seconds, flops=flops, nbytes=nbytes, family=family, overlap=overlap)
 
     def matmul(self, name: str, M: float, K: float, N: float, count: float, c: int,
                side: float | None = None, rate: float = 1.0, operand_bytes: float | None = None) -> None:
@@ -231,20 +321,32 @@ class _Table:
         `operand_bytes`: the two operands' element size where it is not c (1 for int8)."""
         flops = 2 * M * K * N * count
         nbytes = ((c if operand_bytes is None else operand_bytes) * (M * K + K * N) + c * M * N) * count
-        efficiency = rate * _efficiency(self.fraction, min(M, K, N) if side is None else side, self.matmul_half)
         if "matmul" in self.assumed:  # said once per step: spare the line's formatting on every matmul
             pass
         elif self.chip.kind != "cpu":
-            origin = MATMUL_FRACTION_ORIGIN[self.chip.name]
-            self.assume("matmul", f"matmuls at {self.chip.matmul_fraction:.2f} of peak ({origin}) x m / (m + "
-                                  f"{MATMUL_HALF[self.chip.kind]:g}), m a matmul's smallest side (HALF fitted)")
+            origin = MATMUL_FRACTION_ORIGIN[self.chip.name] if self.constants.matmul_fraction.get(
+                self.chip.name) == MATMUL_FRACTION.get(self.chip.name) else "as given"
+            self.assume("matmul", f"matmuls at {self.constants.fraction(self.chip):.2f} of peak ({origin}) x m / (m + "
+                                  f"{self.constants.matmul_half[self.chip.kind]:g}), m a matmul's smallest side "
+                                  "(HALF fitted)")
         elif self.half is None:
-            self.assume("matmul", f"matmul HALF {cpu.MATMUL_HALF:g} (assumed: maxperf calibrate measures it)")
-        t_flops = flops / (self.peak * efficiency)
-        t_bytes = nbytes / self.chip.hbm_bandwidth
-        self.add(name, "compute" if t_flops >= t_bytes else "hbm", max(t_flops, t_bytes), flops, nbytes)
+            self.assume("matmul", f"matmul HALF {self.constants.matmul_half['cpu']:g} (assumed: maxperf calibrate "
+                                  "measures it)")
+        self._term(name, "compute", MATMUL, peak_s=flops / self.peak, hbm_s=nbytes / self.chip.hbm_bandwidth,
+                   side=min(M, K, N) if side is None else side, rate=rate,
+                   half=math.nan if self.half is None else self.half, flops=flops, nbytes=nbytes)
         if self.chip.kind == "cpu":
             cpu.dot_accumulator_faults(self.add, self.chip, M, K, N, count, c)
+
+    def flash(self, name: str, flops: float) -> None:
+        """A flash attention kernel's FLOPs, at its fraction of the sustained matmul rate (Constants.flash_efficiency)."""
+        self._term(name, "compute", FLASH, peak_s=flops / self.peak, flops=flops)
+
+    def d_passes(self, name: str, fixed_bytes: float, bytes_per_pass: float) -> None:
+        """Memory-bound elementwise work: `fixed_bytes` and `bytes_per_pass` x Constants.elementwise_d_passes."""
+        bandwidth = self.chip.elementwise_bandwidth or self.chip.hbm_bandwidth
+        self._term(name, "hbm", D_PASSES, fixed_s=fixed_bytes / bandwidth, hbm_s=bytes_per_pass / bandwidth,
+                   nbytes=fixed_bytes + bytes_per_pass * self.constants.elementwise_d_passes)
 
     def train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
                      side: float | None = None, rate: float = 1.0, quantized: bool = True) -> None:
@@ -260,21 +362,6 @@ class _Table:
         self.matmul(name, M, K, N, forward, c, side, rate)
         self.matmul(name, M, N, K, backward, c, side, rate)
         self.matmul(name, K, M, N, backward, c, side, rate)
-
-    def replay(self, adds: list[tuple], times: int) -> None:
-        """Applies a layer's additions (add()'s arguments, in order) `times` more times, as the add() calls of that
-        many identical layers would: each sum takes the same terms in the same order, so the same bits."""
-        terms: dict[tuple[str, str], list[float]] = {}
-        for name, kind, seconds, flops, nbytes, overlap in adds:
-            for field, value in ((kind, seconds), ("flops", flops), ("bytes", nbytes)):
-                terms.setdefault((name, field), []).append(value)
-            self.overlap[name] = overlap
-        for (name, field), values in terms.items():
-            total = self.rows[name][field]
-            for _ in range(times):
-                for value in values:
-                    total += value
-            self.rows[name][field] = total
 
     def int8_train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
                           side: float | None, rate: float) -> None:
@@ -304,10 +391,18 @@ class _Table:
         fused elementwise kernel (Chip.elementwise_bandwidth)."""
         self.add(name, "hbm", nbytes / (self.chip.elementwise_bandwidth or self.chip.hbm_bandwidth), 0.0, nbytes)
 
+    def terms(self) -> Terms:
+        col = self.columns
+        arrays = {k: np.array(col[k], dtype=float) for k in ("law", "fixed_s", "peak_s", "hbm_s", "side", "rate",
+                                                             "half", "flops", "bytes", "overlap")}
+        arrays["law"] = arrays["law"].astype(int)
+        return Terms(name=tuple(col["name"]), kind=tuple(col["kind"]), family=tuple(col["family"]), **arrays)
+
 
 def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topology: TopologyShape,
-              overlap: Overlap, temporaries: float = 0.0, imbalance: float | None = None) -> StepTime:
-    """`temporaries`: bytes per device live beside the state at the step's peak (the memory model's), which CPU
+              overlap: Overlap, temporaries: float = 0.0, imbalance: float | None = None,
+              constants: Constants = SHIPPED) -> StepTime:
+    """`constants`: the fitted constants (SHIPPED: as fitted on bench/published.py); `temporaries`: bytes per device live beside the state at the step's peak (the memory model's), which CPU
     devices fault in afresh every step (perfmodel.cpu); `imbalance`: the MoE load imbalance (perfmodel.moe
     load_imbalance; None: the train config's moe_load_imbalance where it has one, else LOAD_IMBALANCE)."""
     c = dtype_bytes(train.compute_dtype, "compute_dtype")
@@ -316,7 +411,7 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     micro = train.grad_accum_steps
     a = activation_split(model, train.per_device_batch_size, L, mesh)
     T, Bm = a.T, a.B  # tokens and examples of one microbatch on this device: B (per_device_batch_size) of them
-    table = _Table(chip, train.compute_dtype, int8_matmuls(train))
+    table = _Table(chip, train.compute_dtype, constants, int8_matmuls(train))
 
     # matmuls: forward, backward (2 x forward), and the forward again where remat recomputes it
     again = recomputed(model, train)
@@ -352,21 +447,19 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     # L x L scores; the TPU and GPU flash kernels skip masked blocks (ATTENTION_SKIPS_MASKED) and run at a kernel
     # rate with no softmax passes over HBM
     kernel = attention_kernel(train)
-    flash_rate = FLASH_EFFICIENCY.get(chip.kind) if kernel == "flash" else None
+    flash_rate = constants.flash_efficiency.get(chip.kind) if kernel == "flash" else None
     skips = ATTENTION_SKIPS_MASKED[kernel] and (chip.kind != "cpu" or cpu.SKIPS_MASKED_BLOCKS)
     attention_rate = chip.attention_rate(train.compute_dtype, Dq)
     for pairs, run in itertools.groupby(layer_pairs(model, L)):
-        table.recording = []  # a run of layers alike: the first computed, the rest replayed
         share = pairs / (L * L) if skips else 1.0
-        count = Bm * a.H * micro * share
+        count = Bm * a.H * micro * share * sum(1 for _ in run)  # a run of alike layers at once
         scores_fwd, context_fwd = 1 + ("scores" in again), 1 + ("context" in again)
         if flash_rate:
             # the forward kernel (2 matmuls), again where remat recomputes it, and the backward kernel's
             flops = 2 * a.L * L * (Dq + Dv) / 2 * (2 * context_fwd + FLASH_BACKWARD_MATMULS) * count
             if "flash" not in table.assumed:  # once, not per layer
                 table.assume("flash", f"flash attention at {flash_rate:.2f} of the matmul rate (fitted)")
-            table.add("attention (flash kernel)", "compute", flops / (table.peak * chip.matmul_fraction * flash_rate),
-                      flops)
+            table.flash("attention (flash kernel)", flops)
         elif attention_rate:  # measured whole (CPU devices): scores, softmax and context, forward and backward
             cpu.measured_attention(table.add, attention_rate,
                                    2 * a.L * L * (Dq + Dv) / 2 * (scores_fwd + context_fwd + 4) * count)
@@ -378,25 +471,27 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
             side = None if chip.kind == "cpu" else min(a.L, L)
             table.train_matmul("attention scores", a.L, Dq, L, scores_fwd * count, count, c, side, quantized=False)
             table.train_matmul("attention context", a.L, L, Dv, context_fwd * count, count, c, side, quantized=False)
-        adds, table.recording = table.recording, None
-        table.replay(adds, sum(1 for _ in run) - 1)
 
     # memory-bound work
     elementwise_layers = N * micro * (1 + ELEMENTWISE_BACKWARD_FACTOR + (1 if again else 0))
-    d_passes = cpu.ELEMENTWISE_D_PASSES if chip.kind == "cpu" else ELEMENTWISE_D_PASSES
     if chip.kind != "cpu":
-        table.assume("elementwise", f"{d_passes:g} elementwise HBM passes over D per token and layer (fitted), "
-                                    f"{ELEMENTWISE_F_PASSES} over F (assumed)")
+        table.assume("elementwise", f"{constants.elementwise_d_passes:g} elementwise HBM passes over D per token and "
+                                    f"layer (fitted), {ELEMENTWISE_F_PASSES} over F (assumed)")
     if moe is None:
-        per_token = c * (d_passes * D + ELEMENTWISE_F_PASSES * a.F)
+        per_token = c * ELEMENTWISE_F_PASSES * a.F
     else:  # the activation's passes over each layer's MLP width: a dense layer's F, a MoE layer's routed and shared
         F_moe = (rows_per_token(moe, train) + moe.S) * a.Fe
-        per_token = c * (d_passes * D + ELEMENTWISE_F_PASSES * over_layers(model, lambda m: F_moe if m else a.F) / N)
+        per_token = c * ELEMENTWISE_F_PASSES * over_layers(model, lambda m: F_moe if m else a.F) / N
     if is_mla(model):  # the RoPE parts: each head's query part and the shared key
         per_token += 2 * c * (a.H + 1) * model.qk_rope_head_dim
     elif str(model.positions) == "rope":
         per_token += 2 * c * (a.H + a.K) * Dh  # rotate q and k: read and write
-    table.memory("norms, residuals, activations", elementwise_layers * T * per_token)
+    per_pass = elementwise_layers * T * c * D
+    if chip.kind == "cpu":  # XLA:CPU's passes are counted, not fitted
+        table.d_passes("norms, residuals, activations", elementwise_layers * T * per_token
+                       + cpu.ELEMENTWISE_D_PASSES * per_pass, 0.0)
+    else:
+        table.d_passes("norms, residuals, activations", elementwise_layers * T * per_token, per_pass)
     if moe is not None and dispatch(train) == "sparse":
         permutes = moe.moe_layers * micro * (1 + ELEMENTWISE_BACKWARD_FACTOR + (1 if again else 0))
         table.assume("moe permute", f"{PERMUTE_PASSES} HBM passes over the routed rows (top-k x D per token) to sort "
@@ -465,7 +560,7 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     if mesh.axes["data"] > 1:
         # gradients are replicated across `data`: one all-reduce of this device's gradient shard per step
         _collective(table, "data all-reduce", "all-reduce", local_params * p, ("data",), nets, 1, overlap.data)
-    return _settle(table)
+    return _settle(table, overlap)
 
 
 def _mla_matmuls(table: _Table, model: ModelShape, T: float, H: float, fwd, bwd: float, c: int) -> None:
@@ -566,42 +661,49 @@ def _collective(table: _Table, name: str, kind: str, nbytes: float, axes: tuple[
         table.assume("overlap " + family, f"{family} collectives {overlap:.0%} hidden ({origin})")
         table.assume("latency", f"{LATENCY_S['ici'] * 1e6:g} us per collective inside a slice or NVLink domain, "
                                 f"{LATENCY_S['dcn'] * 1e6:g} us across (assumed)")
+    family = name.split()[0]
     if t.ici_s:
-        table.add(name + " (ici)", "ici", count * t.ici_s, 0.0, count * nbytes, overlap)
+        table.add(name + " (ici)", "ici", count * t.ici_s, 0.0, count * nbytes, family=family)
     if t.dcn_s:
-        table.add(name + " (dcn)", "dcn", count * t.dcn_s, 0.0, count * nbytes, overlap)
+        table.add(name + " (dcn)", "dcn", count * t.dcn_s, 0.0, count * nbytes, family=family)
 
 
-def _settle(table: _Table) -> StepTime:
-    compute_s = sum(r["compute"] for r in table.rows.values())
-    hbm_s = sum(r["hbm"] for r in table.rows.values())
-    busy = compute_s + hbm_s
-    comm = {n: r["ici"] + r["dcn"] + r["host"] for n, r in table.rows.items() if r["ici"] + r["dcn"] + r["host"] > 0}
-    hidden = {n: t * table.overlap[n] for n, t in comm.items()}
-    total_hidden = sum(hidden.values())
-    # what cannot hide (more hidden time than compute to hide behind) comes back, in proportion
-    spill = max(0.0, total_hidden - busy) / total_hidden if total_hidden else 0.0
-    rows, exposed = [], {"ici": 0.0, "dcn": 0.0, "host": 0.0}
-    for n, r in table.rows.items():
-        kind = max(("compute", "hbm", "ici", "dcn", "host"), key=lambda k: r[k])
-        seconds = r["compute"] + r["hbm"] + r["ici"] + r["dcn"] + r["host"]
-        ex = seconds - hidden[n] * (1 - spill) if n in hidden else seconds
+def _settle(table: _Table, overlap: Overlap) -> StepTime:
+    terms, chip, c = table.terms(), table.chip, table.constants
+    seconds, flops_bound = price(terms, c.fraction(chip), c.matmul_half[chip.kind],
+                                 c.flash_efficiency.get(chip.kind, 1.0), c.elementwise_d_passes)
+    comm, hidden_share = terms.comm, terms.overlaps(overlap)
+    steps, busy, spill = settle(seconds, comm, hidden_share, np.zeros(len(seconds), dtype=int), 1)
+    exposed_s = np.where(comm, seconds - seconds * hidden_share * (1 - spill[0]), seconds)
+    kinds = ("compute", "hbm", "ici", "dcn", "host")
+    rows: dict[str, dict[str, float]] = {}
+    totals = dict.fromkeys(kinds, 0.0)
+    exposed = {"ici": 0.0, "dcn": 0.0, "host": 0.0}
+    for i, name in enumerate(terms.name):
+        kind = terms.kind[i] if terms.law[i] != MATMUL else "compute" if flops_bound[i] else "hbm"
+        row = rows.get(name)
+        if row is None:
+            row = rows[name] = {**dict.fromkeys(kinds, 0.0), "exposed": 0.0, "flops": 0.0, "bytes": 0.0}
+        s, x = float(seconds[i]), float(exposed_s[i])
+        row[kind] += s
+        row["exposed"] += x
+        row["flops"] += float(terms.flops[i])
+        row["bytes"] += float(terms.bytes[i])
+        totals[kind] += s
         if kind in exposed:
-            exposed[kind] += ex
-        rows.append(Row(n, kind, seconds, ex, r["flops"], r["bytes"]))
-    ici_s = sum(r["ici"] for r in table.rows.values())
-    dcn_s = sum(r["dcn"] for r in table.rows.values())
-    host_s = sum(r["host"] for r in table.rows.values())
-    step = busy + exposed["ici"] + exposed["dcn"] + exposed["host"]
+            exposed[kind] += x
+    out = [Row(n, max(kinds, key=lambda k: r[k]), sum(r[k] for k in kinds), r["exposed"], r["flops"], r["bytes"])
+           for n, r in rows.items()]
+    step, work = float(steps[0]), float(busy[0])
     # a network whose traffic alone outlasts all the compute bounds the step however well it overlaps
-    totals = {"ici": ici_s, "dcn": dcn_s, "host": host_s}
-    slow = max(totals, key=totals.get)
-    if totals[slow] > busy:
+    networks = {k: totals[k] for k in ("ici", "dcn", "host")}
+    slow = max(networks, key=networks.get)
+    if networks[slow] > work:
         bottleneck = slow
     else:
-        shares = {"compute": compute_s, "hbm": hbm_s, **exposed}
+        shares = {"compute": totals["compute"], "hbm": totals["hbm"], **exposed}
         bottleneck = max(shares, key=shares.get)
-    return StepTime(step_time_s=step, compute_s=compute_s, hbm_s=hbm_s, ici_s=ici_s, dcn_s=dcn_s,
-                    exposed_ici_s=exposed["ici"], exposed_dcn_s=exposed["dcn"], bottleneck=bottleneck,
-                    rows=tuple(sorted(rows, key=lambda r: -r.seconds)), host_s=host_s,
-                    exposed_host_s=exposed["host"], assumptions=tuple(table.assumed.values()))
+    return StepTime(step_time_s=step, compute_s=totals["compute"], hbm_s=totals["hbm"], ici_s=totals["ici"],
+                    dcn_s=totals["dcn"], exposed_ici_s=exposed["ici"], exposed_dcn_s=exposed["dcn"],
+                    bottleneck=bottleneck, rows=tuple(sorted(out, key=lambda r: -r.seconds)), host_s=totals["host"],
+                    exposed_host_s=exposed["host"], assumptions=tuple(table.assumed.values()), terms=terms)

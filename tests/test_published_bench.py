@@ -1,0 +1,95 @@
+"""bench/published.py: its fit prices the rows' recorded work with the perfmodel's own functions, so it predicts what
+perfmodel.estimate predicts at any constants; and the whole bench runs and reports its held-out errors."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from dataclasses import fields, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "published.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("published_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def rows(bench):
+    rows = bench.load_rows()
+    for row in rows:
+        bench.resolve(row)
+    return [r for r in rows if not r.reason]
+
+
+def _moved(bench):
+    """Every fitted constant moved off its shipped value, each by a different factor."""
+    base = bench.Constants.current()
+    moved = {}
+    for i, f in enumerate(fields(base)):
+        lo, hi = bench.BOUNDS[f.name]
+        value = getattr(base, f.name)
+        moved[f.name] = min(hi, max(lo, value * (0.8 + 0.03 * i) if value else 0.3))
+    return replace(base, **moved)
+
+
+def test_the_replay_prices_every_row_as_estimate_does_at_shipped_and_at_moved_constants(bench, rows):
+    replay = bench.Replay(rows)
+    shipped = bench.Constants.current()
+    np.testing.assert_allclose(replay.step_times(shipped), [r.estimate.step_time_s for r in rows], rtol=1e-9)
+    moved = _moved(bench)
+    assert all(getattr(moved, f.name) != getattr(shipped, f.name) for f in fields(moved))
+    direct = [bench.run_estimate(r, moved.overlap(), moved.perfmodel()).step_time_s for r in rows]
+    np.testing.assert_allclose(replay.step_times(moved), direct, rtol=1e-9)
+    # and the moved constants do move the prediction: the check above compares different numbers
+    assert np.max(np.abs(np.array(direct) / [r.estimate.step_time_s for r in rows] - 1)) > 0.05
+
+
+def test_each_fitted_constant_changes_some_row(bench, rows):
+    """A constant the replay ignored would fit to anything: every one must move at least one row's step."""
+    replay = bench.Replay(rows)
+    shipped = bench.Constants.current()
+    base = replay.step_times(shipped)
+    for f in fields(shipped):
+        lo, hi = bench.BOUNDS[f.name]
+        value = getattr(shipped, f.name)
+        other = replace(shipped, **{f.name: (value + hi) / 2 if value < hi else (value + lo) / 2})
+        assert np.max(np.abs(replay.step_times(other) / base - 1)) > 1e-4, f.name
+
+
+def test_held_out_sets_partition_the_rows(bench, rows):
+    for mode in bench.HOLD_OUTS:
+        sets = bench.held_out_sets(rows, mode)
+        joined = np.sort(np.concatenate(sets))
+        assert joined.tolist() == list(range(len(rows))), mode
+    sources = {bench.source_of(r) for r in rows}
+    assert len(bench.held_out_sets(rows, "source")) == len(sources) >= 5
+
+
+@pytest.mark.slow
+def test_the_bench_runs_and_reports_its_held_out_errors(tmp_path):
+    out = tmp_path / "published.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--json", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "leave-one-source-out" in proc.stdout
+    data = json.loads(out.read_text())
+    summary = data["summary"]
+    assert set(summary) == {"leave-one-out", "leave-one-source-out"}
+    rows = data["rows"]
+    assert len(rows) >= 80
+    # every row has its held-out predictions, and the held-out errors are what the summary says
+    loso = np.abs([r["leave_one_source_out"] for r in rows.values()])
+    assert summary["leave-one-source-out"]["median"] == pytest.approx(float(np.median(loso)))
+    # the figures the README quotes (docs/accuracy.md): leave-one-out under 4% median, leave-one-source-out under 10%
+    assert summary["leave-one-out"]["median"] < 0.04
+    assert summary["leave-one-source-out"]["median"] < 0.10
