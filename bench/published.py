@@ -1,8 +1,8 @@
-"""maxperf's TPU/GPU step-time model against published training measurements, with a leave-one-out fit of its
-fitted and assumed constants.
+"""maxperf's TPU/GPU step-time model against published training measurements, with held-out fits of its fitted
+constants.
 
     .venv/bin/python bench/published.py [--no-fit] [--only SUBSTRING] [--json FILE] [--free NAMES]
-                                        [--hold-out row|hardware]
+                                        [--hold-out row,source,hardware]
 
 Rows: bench/published/training.csv (what each source states, with its citation) and
 bench/published/maxperf_mapping.csv (how a row is written for maxperf: a preset, key=value overrides, a topology
@@ -17,41 +17,39 @@ Either way the error is predicted / published - 1 of throughput per chip, which 
 in maxperf's FLOP count. The "published TF" column shows a tokens/s row converted by maxperf's FLOPs per token,
 marked "~".
 
-The fit. These constants of the perfmodel are fitted, by Nelder-Mead on the mean |log(predicted / published)|:
+The fit. These constants of the perfmodel (steptime.Constants and Overlap) are fitted, by Nelder-Mead on the mean
+|log(predicted / published)|:
 
-    chips.MATMUL_FRACTION[chip]                        the share of its peak a large matmul sustains on each chip
-                                                       that has rows (matmul efficiency fraction x m / (m + HALF))
-    steptime.MATMUL_HALF["tpu"], ["gpu"]               HALF, the thin side at which a matmul runs at half that rate
-    steptime.ELEMENTWISE_D_PASSES                      elementwise HBM passes per token per layer over D
-    Overlap.fsdp, Overlap.tensor, Overlap.data         hidden fraction of each collective family
-                                                       (passed to perfmodel.estimate as `overlap=`)
-    steptime.FLASH_EFFICIENCY["tpu"], ["gpu"]          flash attention kernels' fraction of the sustained matmul rate
+    matmul_fraction[chip]                  the share of its peak a large matmul sustains on each chip that has rows
+    matmul_half["tpu"], ["gpu"]            HALF, the thin side at which a matmul runs at half that rate
+    elementwise_d_passes                   elementwise HBM passes per token per layer over D
+    Overlap.fsdp, .tensor, .data           hidden fraction of each collective family
+    flash_efficiency["tpu"], ["gpu"]       flash attention kernels' fraction of the sustained matmul rate
 
 By default every one is fitted, each fit starting from PRIOR (the assumptions before any fit, with the GPUs'
 measured GEMM rates, which chips.py cites); `--free` names the ones to fit (the rest stay as the perfmodel ships
-them). The module attributes are monkeypatched inside this script only (patched(); perfmodel's files are not
-touched). Each step is first recorded once as the terms these constants scale (every matmul's FLOPs, smallest side
-and HBM time; the flash kernels' FLOPs; the elementwise traffic at two values of ELEMENTWISE_D_PASSES; every
-collective's and host copy's seconds and overlap family), so that one evaluation of all rows is a few numpy
-operations; the recorded form is checked against perfmodel.estimate at the shipped and at the fitted constants (the
-"replay" line), and the script stops if the perfmodel has grown terms it cannot replay. "unfitted" is maxperf as
-shipped. In-sample: constants fitted on all rows. Leave-one-out: each row predicted by constants fitted, from PRIOR,
-on all the others (`--hold-out hardware`: each hardware generation predicted by constants fitted on the
-others). The script also prints, for rows stating both TFLOP/s and tokens/s, the source's FLOPs per token over
+them). Each step is recorded once by perfmodel.estimate as its Terms (every matmul's FLOPs, smallest side and HBM
+time; the flash kernels' FLOPs; the elementwise traffic per pass; every collective's and host copy's seconds and
+overlap), and all rows' terms are priced at once by the perfmodel's own steptime.price and steptime.settle, so that
+one evaluation of all rows is a few numpy operations; the result is checked against perfmodel.estimate at the
+shipped and at the fitted constants (the "replay" line). "unfitted" is maxperf as shipped. In-sample: constants
+fitted on all rows. Held out (`--hold-out`, default row,source): each row (leave-one-out), each source
+(leave-one-source-out: its rows predicted by constants fitted on every other source's), or each hardware generation,
+predicted by constants fitted, from PRIOR, on the rest; a chip left with no rows in a fit takes the rule chips.py
+applies to chips without rows (`stand_in`). Leave-one-source-out is the figure to expect on runs the model has not
+seen. The script also prints, for rows stating both TFLOP/s and tokens/s, the source's FLOPs per token over
 maxperf's, and the published runs that maxperf's memory model says would not fit.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import json
-import math
 import sys
 import textwrap
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -198,11 +196,11 @@ class Constants:
 
 
 NAMES = {
-    **{_fraction_field(c): f'chips.MATMUL_FRACTION["{c}"]' for c in FRACTION_CHIPS},
-    "tpu_half": 'steptime.MATMUL_HALF["tpu"]', "gpu_half": 'steptime.MATMUL_HALF["gpu"]',
-    "elementwise_d_passes": "steptime.ELEMENTWISE_D_PASSES", "overlap_fsdp": "Overlap.fsdp",
+    **{_fraction_field(c): f'matmul_fraction["{c}"]' for c in FRACTION_CHIPS},
+    "tpu_half": 'matmul_half["tpu"]', "gpu_half": 'matmul_half["gpu"]',
+    "elementwise_d_passes": "elementwise_d_passes", "overlap_fsdp": "Overlap.fsdp",
     "overlap_tensor": "Overlap.tensor", "overlap_data": "Overlap.data",
-    "flash_tpu": 'steptime.FLASH_EFFICIENCY["tpu"]', "flash_gpu": 'steptime.FLASH_EFFICIENCY["gpu"]',
+    "flash_tpu": 'flash_efficiency["tpu"]', "flash_gpu": 'flash_efficiency["gpu"]',
 }
 BOUNDS = {**{_fraction_field(c): (0.3, 1.0) for c in FRACTION_CHIPS}, "tpu_half": (0.0, 4096.0),
           "gpu_half": (0.0, 4096.0),

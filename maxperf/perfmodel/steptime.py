@@ -415,7 +415,7 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
 
     # matmuls: forward, backward (2 x forward), and the forward again where remat recomputes it
     again = recomputed(model, train)
-    once, bwd = N * micro, N * micro
+    bwd = N * micro
     moe = moe_shape(model)
     n_dense = N - (moe.moe_layers if moe else 0)
 
