@@ -89,6 +89,20 @@ def test_num_slices_multiplies_chips_and_hosts():
             T.get("v5p-8", num_slices=bad)
 
 
+def test_num_slices_is_bounded_by_what_exists():
+    assert T.get("v5e-256", num_slices=T.MAX_SLICES).chips == 256 * T.MAX_SLICES
+    assert 199 <= T.MAX_SLICES < 1000  # at least the largest multislice job published (199 slices of v5e-256)
+    with pytest.raises(MaxperfError, match=f"at most {T.MAX_SLICES} slices"):
+        T.get("v5p-64", num_slices=T.MAX_SLICES + 1)
+    from cli_util import maxperf
+
+    for command in (["estimate", "--model", "tiny"], ["plan", "--model", "tiny", "--verify", "0"]):
+        proc = maxperf(*command, "--topology", "v5p-64", "--num-slices", "100000000")
+        assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith("maxperf: error: num_slices 100000000 is beyond any machine") \
+            and f"at most {T.MAX_SLICES} slices" in proc.stderr
+
+
 def test_gpu_and_cpu_names():
     h = T.get("h100-8x16")
     assert (h.platform, h.chip, h.chips, h.hosts, h.torus) == ("gpu", "h100-sxm", 128, 16, (16, 8))

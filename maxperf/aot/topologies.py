@@ -40,6 +40,12 @@ if TYPE_CHECKING:
 TPU_INSTALL_HINT = "install libtpu to compile for TPUs: pip install 'maxperf[tpu]'"
 _CUBE = 4  # chips per side of a TPU cube (v4, v5p, tpu7x)
 _MAX_SIDE = 256
+# The most slices one job is known to have joined over DCN: 199, Google Cloud's 50,944-chip TPU v5e job of November
+# 2023 (199 slices of v5e-256, run with MaxText; cloud.google.com/blog/products/compute/
+# the-worlds-largest-distributed-llm-training-job-on-tpu-v5e, and MaxText's docs/reference/architecture/
+# architecture_overview.md). The bound rounds it up to a power of two: room to plan a little past the largest job
+# run, while a count no DCN has joined (100,000,000 slices of v5p-64 would be 3.2 billion chips) is refused.
+MAX_SLICES = 256
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
@@ -268,6 +274,10 @@ def get(name: str, num_slices: int = 1, target_config_path: str | None = None) -
     """
     if not isinstance(num_slices, int) or num_slices < 1:
         raise MaxperfError(f"num_slices must be a whole number >= 1, got {num_slices!r}")
+    if num_slices > MAX_SLICES:
+        raise MaxperfError(f"num_slices {num_slices} is beyond any machine: maxperf plans for at most {MAX_SLICES} "
+                           "slices (the largest multislice job published joined 199, 50,944 TPU v5e chips); give "
+                           f"{MAX_SLICES} or fewer, with larger slices for more chips")
     key = name.strip().lower()
     prefix, sep, rest = key.partition("-")
     key = f"{_ALIASES.get(prefix, prefix)}{sep}{rest}"
