@@ -10,6 +10,7 @@ import pytest
 
 from maxperf import perfmodel
 from maxperf.cli import main
+from maxperf.models import presets
 from maxperf.plan import plan
 from maxperf.reports.plan import pareto
 from maxperf.reports.render import render
@@ -144,9 +145,48 @@ def test_plan_json_schema(capsys, tmp_path):
     assert {c["status"] for c in doc["candidates"]} <= {"chosen", "slower", "does not fit", "compile failed"}
     chosen = doc["candidates"][doc["chosen"]]
     assert chosen["status"] == "chosen" and "--model tiny --topology cpu-8" in doc["command"]["maxperf"]
-    assert "per_device_batch_size=1" in doc["command"]["maxtext"] and "max_target_length=64" in doc["command"][
-        "maxtext"]
+    assert doc["command"]["maxtext"] is None  # MaxText has no tiny model
+    assert doc["command"]["maxtext_note"] == "no equivalent: MaxText has no config of tiny"
     assert doc["margin"]["value"] > 0 and doc["margin"]["source"]
+
+
+def _maxtext_at_scale(scale: int) -> tuple[int, ...]:
+    """(D, H, K, F, N, Dh, V) of MaxText's model at global_parameter_scale=scale: its base.yml dims (base_emb_dim 2048,
+    base_num_query_heads and base_num_kv_heads 16, base_mlp_dim 7168, base_num_decoder_layers 16, head_dim 128,
+    vocab_size 32000) grown as its get_individual_scales (src/maxtext/configs/types.py) grows them."""
+    b, r = divmod(int(math.log2(scale)), 3)
+    heads, emb = b + int(r > 0), b + int(r > 1)
+    return 2048 * 2**emb, 16 * 2**heads, 16 * 2**heads, 7168 * 2**heads, 16 * 2**b, 128, 32000
+
+
+def test_the_scaled_family_is_maxtexts_global_parameter_scale():
+    for k in range(11):
+        m = presets.get(f"scaled-{2**k}")
+        assert (m.d_model, m.num_heads, m.num_kv_heads, m.d_ff, m.num_layers, m.head_dim,
+                m.vocab_size) == _maxtext_at_scale(2**k)
+        assert presets.maxtext_model(m.name) == (f"global_parameter_scale={2**k}",)
+
+
+def test_plan_gives_maxtexts_model_or_says_there_is_none(capsys, tmp_path):
+    result = search.search(search.Request("scaled-8", "v5p-8", per_device_batch=1, pins=("seq_len=256",)))
+    words = result.command(result.winner)["maxtext"].split()
+    assert "global_parameter_scale=8" in words and "max_target_length=256" in words
+    assert not [w for w in words if w.startswith("model_name=")]
+    # a pinned dim is not multiplied by MaxText's scale: scale 1, every dim given
+    pinned = search.search(search.Request("scaled-8", "v5p-8", per_device_batch=1, pins=("seq_len=256",
+                                                                                          "d_model=2048")))
+    words = pinned.command(pinned.winner)["maxtext"].split()
+    D, H, K, F, N, _, _ = _maxtext_at_scale(8)
+    assert {"global_parameter_scale=1", "base_emb_dim=2048", f"base_num_query_heads={H}", f"base_num_kv_heads={K}",
+            f"base_mlp_dim={F}", f"base_num_decoder_layers={N}"} <= set(words)
+    assert presets.maxtext_model("deepseek-v3") == ("model_name=deepseek3-671b",)
+    assert presets.maxtext_model("llama2-7b") == ("model_name=llama2-7b",)
+    assert [n for n in presets.names() if presets.maxtext_model(n) is None] == [
+        "gemma3-1b", "tiny", "tiny-mla", "tiny-moe"]
+    code, out, _ = run_main(capsys, "plan", "--model", "tiny", "--topology", "cpu-8", "--per-device-batch", "1",
+                            "--verify", "0", "--out", str(tmp_path / "p"), "seq_len=64")
+    assert code == 0 and "  MaxText: no equivalent: MaxText has no config of tiny\n" in out
+    assert "model_name=tiny" not in out
 
 
 def test_maxtext_and_maxperf_spell_the_same_microbatch():
@@ -166,8 +206,8 @@ def test_plan_splits_the_global_batch_into_microbatches_of_b():
     assert {(c.per_device_batch_size, c.grad_accum_steps) for c in result.candidates} == {(8, 4)}
     command = result.command(result.winner)
     assert "per_device_batch_size=8" in command["maxperf"].split() and "grad_accum_steps=4" in command["maxperf"]
-    assert "per_device_batch_size=8" in command["maxtext"].split()
-    assert "gradient_accumulation_steps=4" in command["maxtext"].split()
+    assert "per_device_batch_size=8" in result.winner.maxtext_flags()
+    assert "gradient_accumulation_steps=4" in result.winner.maxtext_flags()
     # a pinned B (MaxText's meaning) gives the A that reaches the global batch
     pinned = search.search(search.Request("tiny", "cpu-8", global_batch_tokens=256 * 64,
                                           pins=("seq_len=64", "per_device_batch_size=4", "remat_policy=full",

@@ -97,7 +97,7 @@ def print_plan(result, path: Path) -> None:
               f"B={winner.per_device_batch_size:g} A={winner.grad_accum_steps}: {winner.step_time_s:.4g} s/step, "
               f"{winner.tokens_per_s:,.0f} tokens/s, MFU {winner.mfu:.1%}")
         print(f"  {cmd['maxperf']}")
-        print(f"  MaxText: {cmd['maxtext']}")
+        print(f"  MaxText: {cmd['maxtext'] or cmd['maxtext_note']}")
     else:
         print_miss(result)
     print(f"wrote {path}")

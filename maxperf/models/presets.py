@@ -6,7 +6,7 @@ paper where no weights were released); `PUBLISHED_PARAMS` holds the publisher's 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from maxperf.errors import unknown
 from maxperf.models.config import (
@@ -265,7 +265,11 @@ register(
 
 
 def scaled(size: int) -> ModelConfig:
-    """`scaled-S`: with log2(S) = 3b + r, heads and F grow by 2^(b+[r>0]), D by 2^(b+[r>1]), N by 2^b."""
+    """`scaled-S`: with log2(S) = 3b + r, heads and F grow by 2^(b+[r>0]), D by 2^(b+[r>1]), N by 2^b.
+
+    This is MaxText's default model at global_parameter_scale=S: its base.yml dims (base_emb_dim 2048, 16 query and
+    kv heads of 128, base_mlp_dim 7168, 16 layers, vocabulary 32000, SwiGLU, RMSNorm, untied) grown by its
+    get_individual_scales (configs/types.py), which rotates the same doublings."""
     log2 = size.bit_length() - 1
     b, r = divmod(log2, 3)
     heads = 16 * 2 ** (b + (r > 0))
@@ -277,6 +281,38 @@ def scaled(size: int) -> ModelConfig:
 
 for _log2 in range(11):
     register(f"scaled-{2**_log2}", lambda s=2**_log2: scaled(s))
+
+# MaxText's model_name for each preset it has a config of (its configs/models/NAME.yml); `scaled-S` is its
+# global_parameter_scale=S. The others have no MaxText equivalent: the tiny test models, and gemma3-1b (MaxText's
+# gemma3 configs are 4b, 12b and 27b).
+MAXTEXT_NAMES = {
+    **{name: name for name in (
+        "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3.1-405b", "mistral-7b", "gemma-2b",
+        "gemma-7b", "gemma2-2b", "gemma2-9b", "gemma2-27b", "gemma3-4b", "gemma3-12b", "gemma3-27b", "qwen3-0.6b",
+        "qwen3-8b", "qwen3-32b", "gpt3-175b", "mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b",
+        "gpt-oss-20b", "gpt-oss-120b")},
+    "deepseek-v2-lite": "deepseek2-16b", "deepseek-v3": "deepseek3-671b", "kimi-k2": "kimi-k2-1t",
+    "llama4-scout-17b-16e": "llama4-17b-16e", "llama4-maverick-17b-128e": "llama4-17b-128e",
+}
+# maxperf's keys of the dims that MaxText's global_parameter_scale multiplies, and MaxText's names for them
+SCALED_DIMS = {"d_model": "base_emb_dim", "num_heads": "base_num_query_heads", "num_kv_heads": "base_num_kv_heads",
+               "d_ff": "base_mlp_dim", "num_layers": "base_num_decoder_layers"}
+
+
+def maxtext_model(name: str, pinned: Collection[str] = ()) -> tuple[str, ...] | None:
+    """MaxText's words that select preset `name`'s model, None where MaxText has no config of it. `pinned`: the model
+    keys (maxperf's names) the command sets too; MaxText would multiply a pinned dim of scaled-S by S's scale, so
+    such a model is given at scale 1 with its other dims."""
+    if name in MAXTEXT_NAMES:
+        return (f"model_name={MAXTEXT_NAMES[name]}",)
+    if not name.startswith("scaled-") or name not in _REGISTRY:
+        return None
+    size = int(name.removeprefix("scaled-"))
+    if size == 1 or not set(pinned) & set(SCALED_DIMS):
+        return (f"global_parameter_scale={size}",)
+    model = scaled(size)
+    return ("global_parameter_scale=1", *(f"{theirs}={getattr(model, ours)}" for ours, theirs in SCALED_DIMS.items()
+                                          if ours not in pinned))
 
 
 def llama4_vision_params() -> int:

@@ -79,7 +79,8 @@ def read(page: Page, directory: Path) -> None:
                ("search", f"{data['search_seconds']:.2f} s analytical" + (
                    f"; {n['compiled']} compiled in {data['verify_seconds']:.0f} s" if n["compiled"] else ""))]
     if data.get("command"):
-        s.facts += [("maxperf", data["command"]["maxperf"]), ("MaxText", data["command"]["maxtext"])]
+        s.facts += [("maxperf", data["command"]["maxperf"]),
+                    ("MaxText", data["command"]["maxtext"] or data["command"].get("maxtext_note", ""))]
     if fit:
         points = [(_memory(c), c["tokens_per_s"]) for c in fit]
         front = pareto(points)

@@ -46,6 +46,7 @@ from maxperf import plan as planning
 from maxperf.errors import MaxperfError, closest
 from maxperf.logical_axes import undivided_axes
 from maxperf.models import overrides as overrides_mod
+from maxperf.models import presets
 from maxperf.models.config import CHECKPOINT_NAMES, MESH_AXES, REMAT_SAVED, AttentionKernel, RematPolicy
 
 SCHEMA = "maxperf.plan/2"  # 2: per_device_batch_size is one microbatch, as in MaxText
@@ -243,18 +244,25 @@ class SearchResult:
     def winner(self) -> Candidate | None:
         return next((c for c in self.candidates if c.status == "chosen"), None)
 
-    def command(self, c: Candidate) -> dict[str, str]:
+    def command(self, c: Candidate) -> dict[str, str | None]:
+        """`c` as a maxperf compile command line and as MaxText's (None, with `maxtext_note` saying why, where
+        MaxText has no config of the model)."""
         slices = f" --num-slices {self.request.num_slices}" if self.request.num_slices > 1 else ""
         fixed = "".join(f" {w}" for w in self.fixed)
+        out = {"maxperf": f"maxperf compile --model {self.model_name} --topology {self.topology_name}{slices}{fixed} "
+                          + " ".join(c.overrides())}
+        pinned = {overrides_mod.ALIASES.get(k, k) for k in (w.partition("=")[0] for w in self.fixed)}
+        model = presets.maxtext_model(self.model_name, pinned)
+        if model is None:
+            return out | {"maxtext": None,
+                          "maxtext_note": f"no equivalent: MaxText has no config of {self.model_name}"}
         maxtext_fixed = "".join(f" {w}" for w in _maxtext_fixed(self.fixed))
         flags = f"max_target_length={self.seq_len}{maxtext_fixed} " + " ".join(c.maxtext_flags())
         # MaxText's train_compile names TPU topologies as maxperf does; elsewhere its flags alone
-        start = (f"python3 -m maxtext.train_compile maxtext/configs/base.yml model_name={self.model_name} "
+        start = (f"python3 -m maxtext.train_compile maxtext/configs/base.yml {' '.join(model)} "
                  f"compile_topology={self.topology_name} compile_topology_num_slices={self.request.num_slices} "
-                 if self.platform == "tpu" else f"model_name={self.model_name} ")
-        return {"maxperf": f"maxperf compile --model {self.model_name} --topology {self.topology_name}{slices}{fixed} "
-                           + " ".join(c.overrides()),
-                "maxtext": start + flags}
+                 if self.platform == "tpu" else f"{' '.join(model)} ")
+        return out | {"maxtext": start + flags}
 
     def as_dict(self, rows: bool = True) -> dict[str, Any]:
         """plan.json; `rows` False leaves out its candidates and pruned meshes (a summary's header, built fast)."""
@@ -462,8 +470,6 @@ def search(req: Request, progress: Callable[[str], None] | None = None, margin: 
                            f"{'did you mean ' + hits[0] + '? ' if hits else ''}valid: {', '.join(OBJECTIVES)}")
     if req.global_batch_tokens is not None and req.per_device_batch is not None:
         raise MaxperfError("give --global-batch or --per-device-batch, not both")
-    from maxperf.models import presets
-
     model0 = presets.get(req.model)
     pinned, fixed = _split_pins(model0, req.pins)
     base = planning.plan(req.topology, req.model, fixed, num_slices=req.num_slices)
