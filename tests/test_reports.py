@@ -225,3 +225,51 @@ def test_a_killed_sweep_resumes_where_it_stopped(tmp_path):
     assert again.returncode == 0, again.stderr
     assert f"{finished} already done, {3 - finished} to run" in again.stderr
     assert len(list(out.glob("points/*/point.json"))) == 3 and (out / "results.csv").is_file()
+
+
+# report refuses what `run` refuses: altered or truncated artifacts, damaged run directories (issue 28, item 5)
+
+
+def _edit_json(path: Path, **changes) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: _edit_json(d / "estimate.json", step_time_s=0.001), "estimate.json does not match the sha256"),
+    (lambda d: (d / "compiled.pkl").write_bytes((d / "compiled.pkl").read_bytes()[:1000]),
+     "compiled.pkl does not match the sha256"),
+    (lambda d: (d / "memory.json").unlink(), "memory.json is missing"),
+], ids=["edited", "truncated", "missing"])
+def test_report_refuses_an_artifact_that_run_refuses(compiled, tmp_path, capsys, damage, message):
+    tampered = tmp_path / "tampered"
+    shutil.copytree(compiled[0], tampered)
+    damage(tampered)
+    with pytest.raises(ArtifactError, match=message):
+        aot.load(tampered)
+    run_dir = tmp_path / "run"  # a run of the tampered compile: the same refusal
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({"schema": "maxperf.run/1", "artifact": str(tampered)}))
+    for given in (tampered, tampered / "compiled.pkl", run_dir):
+        code, err = _report_cli(capsys, given, "-o", tmp_path / "r.html")
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not list(tmp_path.glob("*.html")) and not list(tmp_path.glob("r_files"))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda text: text[:200], "run.json is not readable JSON"),
+    (lambda text: json.dumps({**json.loads(text), "schema": "maxperf.sweep/1"}), 'schema "maxperf.sweep/1", not '
+                                                                                  "maxperf.run/1"),
+    (lambda text: json.dumps({**json.loads(text), "step_time_s": "fast"}), "'step_time_s' should be a number >= 0"),
+    (lambda text: json.dumps({**json.loads(text), "mfu": -0.5}), "'mfu' should be a number >= 0"),
+    (lambda text: json.dumps({**json.loads(text), "losses": [10.7, "x"]}), "'losses' should be a list of numbers"),
+    (lambda text: json.dumps({**json.loads(text), "memory": [1]}), "'memory' should be an object"),
+    (lambda text: json.dumps({**json.loads(text), "artifact": 5}), "'artifact' should be a string"),
+], ids=["truncated", "schema", "step-time", "mfu", "losses", "memory", "artifact"])
+def test_a_damaged_run_json_is_one_line_and_exit_2(tmp_path, capsys, change, message):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    text = (Path(__file__).parent / "fixtures" / "h100_profiled_run.json").read_text()
+    (run_dir / "run.json").write_text(change(text))
+    code, err = _report_cli(capsys, run_dir, "-o", tmp_path / "r.html")
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "r.html").exists()

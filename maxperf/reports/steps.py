@@ -3,6 +3,8 @@ phase against HBM) and, for a run, what was measured (step times, losses, profil
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ COMPONENTS = (("compute", ("compute",), ("compute",)), ("memory-bound", ("hbm",)
               ("collectives", ("ici", "dcn"), ("collective",)), ("host transfers", ("host",), ()),
               ("other (not attributed)", (), ("other",)))
 OTHER_LIMIT = 0.5  # above this share of 'other' time the profile cannot be split into components
+RUN_SCHEMA = "maxperf.run/1"
 
 
 @dataclass
@@ -49,12 +52,62 @@ def _artifact_of(run: dict, directory: Path) -> Path:
     return recorded if (recorded / "manifest.json").is_file() else directory.parent
 
 
-def read(page: Page, kind: str, directory: Path) -> Step:
-    from maxperf.aot.artifacts import read_manifest
+def _verified_manifest(directory: Path) -> dict:
+    """The compile directory's manifest, once every file it lists matches its sha256: a page never shows an artifact
+    that `maxperf run` would refuse as altered or truncated."""
+    from maxperf.aot.artifacts import read_manifest, verify_hashes
 
-    run = read_json(directory / "run.json") if kind == "run" else None
+    manifest = read_manifest(directory)
+    verify_hashes(directory, manifest)
+    return manifest
+
+
+# What the page reads of run.json, and what each field must be when present (null is always allowed).
+_NUMBER, _TEXT, _OBJECT = "a number >= 0", "a string", "an object"
+RUN_FIELDS = {
+    **dict.fromkeys(("steps", "warmup", "devices", "processes", "step_time_s", "step_time_p10_s", "step_time_p90_s",
+                     "step_time_min_s", "tokens_per_s", "tflops_per_device", "mfu", "peak_flops_per_device",
+                     "predicted_step_time_s", "measured_over_predicted"), _NUMBER),
+    **dict.fromkeys(("step_times_s", "losses"), "a list of numbers"),
+    **dict.fromkeys(("memory", "profile", "checkpoint"), _OBJECT),
+    **dict.fromkeys(("artifact", "device_kind", "peak_source", "data", "restored_from", "platform"), _TEXT),
+    "notes": "a list of strings",
+}
+
+
+def _fits(value, what: str) -> bool:
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if what == _NUMBER:
+        return number(value) and value >= 0
+    if what == "a list of numbers":  # losses may be negative: finite numbers only
+        return isinstance(value, list) and all(number(v) for v in value)
+    if what == "a list of strings":
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return isinstance(value, dict if what == _OBJECT else str)
+
+
+def _run_json(directory: Path) -> dict:
+    """run.json, refused in one line when it is not a run's or a field the page reads is of the wrong form."""
+    from maxperf.aot.artifacts import ArtifactError
+
+    path = directory / "run.json"
+    run = read_json(path) or {}
+    if run.get("schema") != RUN_SCHEMA:
+        raise ArtifactError(f"{path} has schema {json.dumps(run.get('schema'))[:60]}, not {RUN_SCHEMA}; the run "
+                            "directory is damaged: run the step again")
+    for name, what in RUN_FIELDS.items():
+        if run.get(name) is not None and not _fits(run[name], what):
+            raise ArtifactError(f"{path}: {name!r} should be {what}, not {json.dumps(run[name])[:60]}; the run "
+                                "directory is damaged: run the step again")
+    return run
+
+
+def read(page: Page, kind: str, directory: Path) -> Step:
+    run = _run_json(directory) if kind == "run" else None
     art = _artifact_of(run, directory) if run else directory
-    manifest = read_manifest(art) if (art / "manifest.json").is_file() else {}
+    manifest = _verified_manifest(art) if (art / "manifest.json").is_file() else {}
     estimate, memory = read_json(art / "estimate.json") or {}, read_json(art / "memory.json") or {}
     page.versions = page.versions or manifest.get("versions", {})
     topo = manifest.get("topology", {})
