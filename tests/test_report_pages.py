@@ -343,3 +343,56 @@ def test_a_profiled_run_compares_components_and_shows_its_checkpoint(compiled, t
     assert "measured (" in line and "predicted" in line and "bound by" in line
     if CHROMIUM:
         check_in_chromium(result.html_path, tmp_path)
+
+
+# a comparison crowns only what fits, and compares throughput where the steps' work differs (issue 28, item 6)
+
+
+def _compared(*steps):
+    from maxperf.reports import compare
+    from maxperf.reports.page import Page
+
+    page = Page()
+    page.sections += [st.section for st in steps]
+    compare.section(page, list(steps))
+    comparison = page.sections[0]
+    [table] = comparison.tables
+    return comparison, {row[0]: (row, table.best.get(i)) for i, row in enumerate(table.rows)}
+
+
+def _step(directory: str, B: int, fits: bool, step_time: float, memory_gib: float):
+    from maxperf.reports.page import Section
+    from maxperf.reports.steps import Step
+
+    tokens = B * 8 * 2048
+    config = {"model": {"name": "llama2-7b"}, "train": {"per_device_batch_size": str(B)}, "parallelism": {}}
+    numbers = {"fits": fits, "tokens per step": tokens, "predicted step time (s)": step_time,
+               "predicted tokens/s": tokens / step_time, "analytical memory (GiB)": memory_gib}
+    return Step("llama2-7b / v5p-16", {"topology": "v5p-16", "kind": "compile", "directory": directory}, config,
+                numbers, Section("llama2-7b / v5p-16", "mfu"), Path(directory))
+
+
+def test_a_comparison_crowns_only_steps_that_fit_and_ranks_throughput_not_step_time():
+    # A: 32 sequences a step; B: 256, slower per step but more tokens/s; C: 256 and fastest, but it does not fit
+    comparison, rows = _compared(_step("a", 4, True, 1.0, 40.0), _step("b", 32, True, 6.0, 90.0),
+                                 _step("c", 32, False, 5.0, 30.0))
+    tokens_row, best = rows["predicted tokens/s"]
+    assert best == 2 and max(tokens_row[1:4]) == tokens_row[3]  # B, not the faster C that does not fit
+    assert rows["analytical memory (GiB)"][1] == 1  # A: C needs less but does not fit
+    step_row, best = rows["predicted step time (s)"]
+    assert best is None and step_row[-1] is None  # 32 and 256 sequences: no best step time, no ratio
+    assert rows["tokens per step"][0][1:4] == [65536, 524288, 524288] and rows["tokens per step"][1] is None
+    assert "C does not fit in device memory: marked best in no row" in comparison.notes
+    assert any("not all process the same tokens per step" in n for n in comparison.notes)
+    [(svg, numbers)] = comparison.figures
+    assert numbers.title == "tokens per second of each" and 'aria-label="Tokens/s of each compared step' in svg
+
+
+def test_steps_of_the_same_work_compare_step_times(compiled, tmp_path):
+    same = tmp_path / "again"
+    shutil.copytree(compiled, same)
+    result = render([compiled, same], tmp_path / "cmp.html")
+    side = {r["figure"]: r for r in tables(result)["side-by-side"]}
+    assert side["tokens per step"]["A"] == side["tokens per step"]["B"] == str(8 * 64)  # 8 devices x B=1 x L=64
+    assert float(side["predicted tokens/s"]["A"]) > 0 and side["predicted step time (s)"]["ratio last / first"]
+    assert "step-time-of-each-s" in tables(result)  # the same work: step times side by side

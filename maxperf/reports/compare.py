@@ -8,8 +8,14 @@ from maxperf.reports.steps import Step
 
 LOWER_IS_BETTER = {"predicted step time (s)", "measured step time (s)", "analytical memory (GiB)",
                    "compiler memory (GiB)", "compile (s)", "final loss"}
+NOT_RANKED = {"fits", "tokens per step", "measured / predicted step time"}
+STEP_TIMES = ("predicted step time (s)", "measured step time (s)")  # comparable only at the same tokens per step
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 MAX_KEYS = 4  # differing config values named in a heading; the table lists them all
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _name(i: int) -> str:
@@ -64,28 +70,46 @@ def section(page: Page, steps: list[Step]) -> None:
     for k in [*shown, "directory"]:
         table.rows.append([k, *[st.settings.get(k) for st in steps], None])
     settings_rows = len(table.rows)
+    tokens = [st.figures.get("tokens per step") for st in steps]
+    same_tokens = None not in tokens and len(set(tokens)) == 1
+    # a step that does not fit is no candidate for best; step times are ranked only when every step does the same
+    # work (else tokens/s says which is faster)
+    candidates = [i for i, st in enumerate(steps) if st.figures.get("fits") is not False]
     for c in dict.fromkeys(c for st in steps for c in st.figures):
         values = [st.figures.get(c) for st in steps]
-        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
         first, last = values[0], values[-1]
-        ratio = (last / first if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (first, last))
-                 and first else None)
+        ratio = (last / first if all(_number(v) for v in (first, last)) and first
+                 and (same_tokens or c not in STEP_TIMES) else None)
         table.rows.append([c, *values, ratio])
-        if len(numbers) >= 2 and c != "measured / predicted step time":
-            best = (min if c in LOWER_IS_BETTER else max)(numbers)
-            table.best[len(table.rows) - 1] = 1 + values.index(best)
+        ranked = [i for i in candidates if _number(values[i])]
+        if len(ranked) >= 2 and c not in NOT_RANKED and (same_tokens or c not in STEP_TIMES):
+            best = (min if c in LOWER_IS_BETTER else max)(ranked, key=lambda i: values[i])
+            table.best[len(table.rows) - 1] = 1 + best
     table.emphasis = set(range(settings_rows))
     s = Section("comparison", "comparison", tables=[table])
     letters = [h.split(":")[0] for h in heads]
-    predicted = [st.figures.get("predicted step time (s)") for st in steps]
-    measured = [st.figures.get("measured step time (s)") for st in steps]
+    # step times side by side while the steps do the same work; tokens/s when their global batches differ
+    what, unit, title = (("step time (s)", "seconds per step", "step time of each (s)") if same_tokens else
+                         ("tokens/s", "tokens per second", "tokens per second of each"))
+    predicted = [st.figures.get(f"predicted {what}") for st in steps]
+    measured = [st.figures.get(f"measured {what}") for st in steps]
     if any(v is not None for v in predicted + measured):
         series = {"predicted": predicted, **({"measured": measured} if any(v is not None for v in measured) else {})}
-        svg = figures.grouped_bars(letters, series, unit="seconds per step",
-                                   alt="Step time of each compared step, predicted and measured")
-        s.figures.append((svg, page.table("step time of each (s)", ["step", *series], [
+        svg = figures.grouped_bars(letters, series, unit=unit,
+                                   alt=f"{what.split(' (')[0].capitalize()} of each compared step, predicted and "
+                                       "measured")
+        s.figures.append((svg, page.table(title, ["step", *series], [
             [letter, *[v[i] for v in series.values()]] for i, letter in enumerate(letters)])))
     s.facts = [(h.split(":")[0], st.section.title.split(": ", 1)[1]) for h, st in zip(heads, steps)]
     s.facts.append(("differ in", ", ".join([*config, *shown]) or "nothing but their directories"))
-    s.facts.append(("best value", "marked ★ in each row (lowest time, memory and loss; highest throughput and MFU)"))
+    s.facts.append(("best value", "marked ★ in each row among the steps that fit (lowest time, memory and loss; "
+                                  "highest throughput and MFU)"))
+    unfit = [letters[i] for i, st in enumerate(steps) if st.figures.get("fits") is False]
+    if unfit:
+        s.notes.append(f"{', '.join(unfit)} {'does' if len(unfit) == 1 else 'do'} not fit in device memory: marked "
+                       "best in no row")
+    if not same_tokens:
+        s.notes.append("the steps do not all process the same tokens per step (" + ", ".join(
+            f"{letter} {'?' if t is None else f'{t:,}'}" for letter, t in zip(letters, tokens)) + "): their step "
+            "times are not compared, tokens/s are")
     page.sections.insert(page.sections.index(steps[0].section), s)  # the comparison before the details

@@ -144,14 +144,17 @@ def read(page: Page, kind: str, directory: Path) -> Step:
     if run and not manifest:
         s.notes.append(f"the compile directory this run ran ({run.get('artifact')}) is not there: only what "
                        "run.json holds is shown")
-    numbers = {"fits": verdict[0], "predicted step time (s)": estimate.get("step_time_s")
-               or (run or {}).get("predicted_step_time_s"),
+    tokens = manifest.get("tokens_per_step")
+    if tokens is None and run and run.get("tokens_per_s") and run.get("step_time_s"):
+        tokens = round(run["tokens_per_s"] * run["step_time_s"])  # a run away from its compile
+    numbers = {"fits": verdict[0], "tokens per step": tokens, "predicted step time (s)": estimate.get("step_time_s")
+               or (run or {}).get("predicted_step_time_s"), "predicted tokens/s": estimate.get("tokens_per_s"),
                "predicted TFLOP/s per chip": estimate.get("tflops_per_chip"), "predicted MFU": estimate.get("mfu"),
                "analytical memory (GiB)": gib(estimate.get("memory_per_device_bytes")),
                "compiler memory (GiB)": gib(memory.get("per_device_total_bytes")),
                "compile (s)": manifest.get("compile_seconds")}
     if run:
-        numbers.update({"measured step time (s)": run.get("step_time_s"),
+        numbers.update({"measured step time (s)": run.get("step_time_s"), "measured tokens/s": run.get("tokens_per_s"),
                         "measured TFLOP/s per device": run.get("tflops_per_device"), "measured MFU": run.get("mfu"),
                         "measured / predicted step time": run.get("measured_over_predicted"),
                         "final loss": (run.get("losses") or [None])[-1]})
