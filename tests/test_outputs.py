@@ -1,8 +1,10 @@
-"""`--out` never loses what is there: only an earlier output of the same command, holding nothing else, is
-replaced; anything else is refused with one line and exit 2 unless `--force`."""
+"""Nothing of the user's is lost by writing: only an earlier output of the same command is replaced or written into
+(holding nothing else, or anything with `--force`); anything else is refused before any work with one line and exit
+2, by every command that writes; one writer at a time."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -109,3 +111,119 @@ def test_protected_and_unwritable_paths(tmp_path, monkeypatch):
     empty = tmp_path / "empty"
     empty.mkdir()
     artifacts.claim_output(empty, "compile")  # an empty directory holds nothing to lose
+
+
+# --force replaces only an earlier output of the same command (issue 28, item 1)
+
+
+def _one_line_refusal(proc) -> str:
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    return proc.stderr
+
+
+def test_force_never_replaces_a_users_directory(tmp_path):
+    repo = tmp_path / "myproject"
+    (repo / ".git").mkdir(parents=True)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / "train.py").write_text("print('mine')\n")
+    err = _one_line_refusal(maxperf("compile", "--topology", "cpu-8", "--model", "tiny", *TINY, "--out", str(repo),
+                                    "--force"))
+    assert "did not write" in err and "--force" not in err  # no advice to do what --force may not do
+    assert (repo / ".git" / "HEAD").is_file() and (repo / "train.py").read_text() == "print('mine')\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["myproject"]
+
+
+def test_force_never_replaces_the_runs_own_input(compiled, tmp_path):
+    files = sorted(p.name for p in compiled.iterdir())
+    err = _one_line_refusal(maxperf("run", str(compiled), "--steps", "1", "--warmup", "0", "--out", str(compiled),
+                                    "--force"))
+    assert "--force" not in err
+    assert sorted(p.name for p in compiled.iterdir()) == files and (compiled / "compiled.pkl").is_file()
+    # an earlier run's output that holds the artifact run now: --force would delete what it runs
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"schema": runner.RUN_SCHEMA}))
+    shutil.copytree(compiled, out / "art", ignore=shutil.ignore_patterns("run"))
+    with pytest.raises(OutputRefused, match="which this run uses"):
+        runner.run(out / "art", steps=1, warmup=0, out=out, force=True)
+    assert (out / "art" / "compiled.pkl").is_file() and (out / "run.json").is_file()
+    with pytest.raises(OutputRefused, match="did not write; give a new directory$"):
+        aot.compile("cpu-8", "tiny", TINY, out=out, force=True)  # a run's output is not a compile's
+    assert (out / "run.json").is_file()
+
+
+# every command that writes checks its destination by the same rule, before any work (item 2)
+
+
+def _users_table(path):
+    path.mkdir()
+    (path / "results.csv").write_text("mine,1\n")
+    (path / "sweep.json").write_text('{"mine": true}\n')
+    return path
+
+
+def test_a_sweep_refuses_a_users_tables_and_a_compile_artifact_before_any_work(compiled, tmp_path):
+    from maxperf.studies.sweep import sweep
+
+    said = []
+    for out in (_users_table(tmp_path / "mine"), compiled):
+        before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        with pytest.raises(OutputRefused, match="did not write; give a new directory$"):
+            sweep("tiny", ["cpu-1", "cpu-2"], analytical_only=True, out=out, workers=1, progress=said.append)
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing added or changed
+    assert said == []  # refused before it started
+    err = _one_line_refusal(maxperf("sweep", "--model", "tiny", "--topologies", "cpu-1", "--analytical-only",
+                                    "--out", str(tmp_path / "mine")))
+    assert "--force" not in err and (tmp_path / "mine" / "results.csv").read_text() == "mine,1\n"
+
+
+def test_plan_refuses_a_users_folder_before_the_search_and_reuses_its_own(tmp_path):
+    mine = _user_dir(tmp_path / "mine")
+    err = _one_line_refusal(maxperf("plan", "--model", "tiny", "--topology", "cpu-2", "--verify", "0", "--out",
+                                    str(mine), "seq_len=64"))
+    assert "did not write" in err and "estimated" not in err and _intact(mine)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "old_runs"]
+    for _ in range(2):  # its own earlier output is written again
+        proc = maxperf("plan", "--model", "tiny", "--topology", "cpu-2", "--verify", "0", "--out",
+                       str(tmp_path / "p"), "seq_len=64")
+        assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "p"]
+
+
+def test_report_replaces_only_an_earlier_report(compiled, tmp_path):
+    from maxperf.reports.render import render
+
+    afile = tmp_path / "afile"
+    afile.write_text("my notes")
+    with pytest.raises(OutputRefused, match="did not write; give a new file name"):
+        render([compiled], afile)
+    assert afile.read_text() == "my notes" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    page = tmp_path / "r.html"
+    render([compiled], page)
+    render([compiled], page)  # an earlier report, and its tables, are replaced
+    (tmp_path / "r_files" / "notes.txt").write_text("mine")
+    with pytest.raises(OutputRefused, match=r"r_files holds files maxperf report did not write \(notes.txt\)"):
+        render([compiled], page)
+    assert (tmp_path / "r_files" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "r.html", "r_files"]
+
+
+# one writer at a time (item 3)
+
+
+def test_a_second_writer_of_the_same_output_is_refused_at_once(compiled, tmp_path):
+    from maxperf.studies.sweep import sweep
+
+    out = tmp_path / "art"
+    with artifacts.OutputLock(out):  # another maxperf writing there
+        with pytest.raises(OutputRefused, match="another maxperf is writing there"):
+            aot.compile("cpu-8", "tiny", TINY, out=out)
+        with pytest.raises(OutputRefused, match="another maxperf is writing there"):
+            sweep("tiny", ["cpu-1"], analytical_only=True, out=out, workers=1)
+        err = _one_line_refusal(maxperf("compile", "--topology", "cpu-8", "--model", "tiny", *TINY, "--out",
+                                        str(out)))
+        assert f"--out {out}: another maxperf is writing there" in err
+        assert not out.exists()
+    aot.compile("cpu-8", "tiny", TINY, out=out)  # once it is done
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # and no lock file is left

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import fcntl
 import hashlib
 import importlib
 import io
@@ -18,7 +19,9 @@ import os
 import pickle
 import pickletools
 import shutil
+import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,26 +60,46 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-# What each kind of output directory holds: the file that marks it, its schema, and the files it may contain.
+# What each command writes: the file that marks its output (with a `schema` of that name, any version), and how it
+# writes there. A "replace" output is replaced whole, so anything else in it would be lost; an "into" output is
+# written into (a sweep's or plan's points, which a re-run resumes), so what else it holds stays.
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    marker: str
+    schema: str
+    replaces: bool
+
+
 _OUTPUT_KINDS = {
-    "compile": ("manifest.json", MANIFEST_SCHEMA),
-    "run": ("run.json", "maxperf.run/1"),
+    "compile": _Kind("manifest.json", "maxperf.manifest", True),
+    "run": _Kind("run.json", "maxperf.run", True),
+    "sweep": _Kind("sweep.json", "maxperf.sweep", False),
+    "plan": _Kind("plan.json", "maxperf.plan", False),
 }
 
 
-def _owned_files(directory: Path, kind: str) -> set[str] | None:
-    """The files under `directory` that an earlier `kind` output wrote; None when it is no such output."""
-    marker, schema = _OUTPUT_KINDS[kind]
+def _marked(directory: Path, kind: _Kind) -> dict | None:
+    """The marker file's content when it is this kind's, else None."""
     try:
-        data = json.loads((directory / marker).read_text())
+        data = json.loads((directory / kind.marker).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or data.get("schema") != schema:
-        return None
+    schema = data.get("schema") if isinstance(data, dict) else None
+    return data if isinstance(schema, str) and schema.rpartition("/")[0] == kind.schema else None
+
+
+def _owned_files(directory: Path, kind: str, marker: dict) -> set[str]:
+    """The files under `directory` that an earlier `kind` output wrote."""
     if kind == "compile":
-        files = data.get("files")
-        return {marker, *files} if isinstance(files, dict) else None
-    return {marker} | {str(p.relative_to(directory)) for p in (directory / "trace").rglob("*")}
+        files = marker.get("files")
+        return {"manifest.json", *(files if isinstance(files, dict) else ())}
+    return {"run.json"} | {str(p.relative_to(directory)) for p in (directory / "trace").rglob("*")}
+
+
+def _points_only(present: set[str]) -> bool:
+    """A sweep or plan stopped before it wrote its table: points/NAME/... only, and the temporary files of a table."""
+    return all(name.startswith("points/") or (name.startswith(".") and name.endswith(".partial"))
+               for name in present)
 
 
 def _protected(path: Path) -> bool:
@@ -86,10 +109,19 @@ def _protected(path: Path) -> bool:
     return resolved == Path(resolved.anchor) or any(resolved == k or resolved in k.parents for k in keep)
 
 
-def claim_output(out: Path, kind: str, *, force: bool = False) -> None:
-    """Refuses an `--out` that would lose what is there: only an earlier output of the same kind, holding nothing
-    but what maxperf wrote, or an empty directory, is replaced; `force` replaces anything but a protected path."""
-    out = Path(out)
+def claim_output(out: Path, kind: str, *, force: bool = False, inputs: Sequence[str | os.PathLike] = ()) -> None:
+    """Refuses an output path whose present contents maxperf would lose by writing there. The one rule for every
+    command that writes (`kind`: compile, run, sweep, plan, report):
+
+    - new, or an empty directory: written;
+    - an earlier output of the same command: a compile's or run's is replaced when it holds only what maxperf wrote
+      there (with `force`, whatever else it holds); a sweep or plan is written into, and resumes;
+    - anything else (a file, a user's directory, another command's output, the command's own `inputs` or a directory
+      that holds one, the working or home directory) is refused, `force` or not.
+    """
+    if kind == "report":
+        return _claim_report(Path(out))
+    out, spec = Path(out), _OUTPUT_KINDS[kind]
     if not os.path.lexists(out):
         if out.parent.exists() and not out.parent.is_dir():
             raise OutputRefused(f"--out {out}: {out.parent} is a file, not a directory")
@@ -97,23 +129,143 @@ def claim_output(out: Path, kind: str, *, force: bool = False) -> None:
     if _protected(out):
         raise OutputRefused(f"--out {out} is the working directory, the home directory or one of their parents; "
                             "give a new directory")
-    if force:
-        return
+    resolved = out.resolve()
+    for given in inputs:
+        path = Path(given).resolve()
+        if path == resolved or resolved in path.parents:
+            raise OutputRefused(f"--out {out} holds {given}, which this {kind} uses; give another directory")
     if out.is_symlink() or not out.is_dir():
-        raise OutputRefused(f"--out {out} is a file, not a maxperf output directory; give a new directory, or pass "
-                            "--force to replace it")
+        raise OutputRefused(f"--out {out} is a file, not a maxperf {kind} output; give a new directory")
     present = {str(p.relative_to(out)) for p in out.rglob("*") if not p.is_dir() or p.is_symlink()}
     if not present:
         return
-    owned = _owned_files(out, kind)
-    if owned is None:
-        raise OutputRefused(f"--out {out} is a directory maxperf {kind} did not write; give a new directory, or "
-                            f"pass --force to replace it")
-    foreign = sorted(present - owned)
+    marker = _marked(out, spec)
+    if marker is None:
+        if not spec.replaces and _points_only(present):
+            return
+        raise OutputRefused(f"--out {out} is a directory maxperf {kind} did not write; give a new directory")
+    if not spec.replaces or force:
+        return
+    foreign = sorted(present - _owned_files(out, kind, marker))
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise OutputRefused(f"--out {out} holds files maxperf {kind} did not write ({shown}); move them, give a new "
-                            f"directory, or pass --force to replace it")
+                            f"directory, or pass --force to replace it and them")
+
+
+# An HTML page of `maxperf report`: its tables go to NAME_files/ beside it.
+_REPORT_MARKS = (b'<meta name="generator" content="maxperf', b"<title>maxperf report")
+
+
+def report_files(out: Path) -> Path:
+    return out.with_name(out.stem + "_files")
+
+
+def _claim_report(out: Path) -> None:
+    """A report replaces only an earlier report (the page and its CSV tables), never a user's file."""
+    if out.is_dir():
+        raise OutputRefused(f"-o {out} is a directory; give the HTML file to write, e.g. -o {out / 'report.html'}")
+    ours = False
+    if os.path.lexists(out):
+        try:
+            with open(out, "rb") as f:
+                head = f.read(4096)
+        except OSError:
+            head = b""
+        ours = not out.is_symlink() and any(mark in head for mark in _REPORT_MARKS)
+        if not ours:
+            raise OutputRefused(f"-o {out} is a file maxperf report did not write; give a new file name")
+    elif out.parent.exists() and not out.parent.is_dir():
+        raise OutputRefused(f"-o {out}: {out.parent} is a file, not a directory")
+    files = report_files(out)
+    if not os.path.lexists(files):
+        return
+    if files.is_symlink() or not files.is_dir():
+        raise OutputRefused(f"{files} is a file, where the report's CSV tables go; move it or choose another -o")
+    present = [p for p in files.iterdir()]
+    foreign = [p.name for p in present if p.suffix != ".csv" or p.is_dir() or p.is_symlink()]
+    if foreign or (present and not ours):  # an earlier report's tables are replaced with it, and only then
+        shown = ", ".join(sorted(foreign or [p.name for p in present])[:3])
+        raise OutputRefused(f"{files} holds files maxperf report did not write ({shown}); move them or choose "
+                            "another -o")
+
+
+class OutputLock:
+    """One writer at a time for an output path: an flock on `.NAME.lock` beside it, taken at once or refused. The
+    kernel frees the lock when its process ends, even by SIGKILL; the file is removed on release, so a writer that
+    finds the file it locked gone or replaced takes the lock again."""
+
+    def __init__(self, out: Path, option: str = "--out"):
+        self.path = lock_path(out)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise OutputRefused(f"{option} {out}: cannot write in {self.path.parent} ({e.strerror})") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise OutputRefused(f"{option} {out}: another maxperf is writing there now; wait for it to end, or "
+                                    "give another path") from None
+            if _same_file(fd, self.path):
+                self.fd: int | None = fd
+                return
+            os.close(fd)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)  # while it is held, so that no other writer holds a removed file
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> OutputLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_path(out: Path) -> Path:
+    out = Path(out)
+    return out.parent / f".{out.name}.lock"
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def remove_stale_lock(out: Path) -> None:
+    """The lock file of a writer that was killed (its lock freed by the kernel); a lock still held stays."""
+    if not lock_path(out).exists():
+        return
+    try:
+        lock = OutputLock(out)
+    except OutputRefused:
+        return
+    lock.release()
+
+
+def hold_output(out: Path, kind: str, *, force: bool = False, inputs: Sequence[str | os.PathLike] = ()) -> OutputLock:
+    """`claim_output`, then the output's lock, held until released: checked again under the lock, since another
+    writer may have finished there in between. Refusals come before any work and create nothing."""
+    out = Path(out)
+    claim_output(out, kind, force=force, inputs=inputs)
+    option = "-o" if kind == "report" else "--out"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputRefused(f"{option} {out}: cannot write in {out.parent} ({e.strerror})") from None
+    lock = OutputLock(out, option)
+    try:
+        claim_output(out, kind, force=force, inputs=inputs)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def _remove(path: Path) -> None:
@@ -126,16 +278,22 @@ def _remove(path: Path) -> None:
 class ArtifactWriter:
     """Collects files in a temporary directory beside `out` and moves them into place in one rename.
 
-    `out` is checked when the writer is made (see `claim_output`) and again just before the rename."""
+    `out` is checked and locked when the writer is made (see `hold_output`), checked again just before the rename,
+    and unlocked by `commit` or `abandon`. `inputs`: what the command reads, which `out` must not hold."""
 
-    def __init__(self, out: Path, kind: str, *, force: bool = False):
+    def __init__(self, out: Path, kind: str, *, force: bool = False, inputs: Sequence[str | os.PathLike] = ()):
         self.out = Path(out)
-        self.kind, self.force = kind, force
-        claim_output(self.out, kind, force=force)
+        self.kind, self.force, self.inputs = kind, force, tuple(inputs)
+        if _writes_here():
+            self.lock: OutputLock | None = hold_output(self.out, kind, force=force, inputs=self.inputs)
+        else:
+            claim_output(self.out, kind, force=force, inputs=self.inputs)
+            self.lock = None
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
             self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".partial", dir=self.out.parent))
         except OSError as e:
+            self._unlock()
             raise OutputRefused(f"--out {self.out}: cannot write in {self.out.parent} ({e.strerror})") from None
 
     def write_bytes(self, name: str, data: bytes) -> None:
@@ -156,18 +314,39 @@ class ArtifactWriter:
 
     def commit(self) -> Path:
         """Replaces `out` (if any) with the finished directory."""
-        claim_output(self.out, self.kind, force=self.force)
-        if os.path.lexists(self.out):
-            old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".old", dir=self.out.parent))
-            os.replace(self.out, old / "replaced")
-            os.replace(self.tmp, self.out)
-            _remove(old)
-        else:
-            os.replace(self.tmp, self.out)
+        try:
+            claim_output(self.out, self.kind, force=self.force, inputs=self.inputs)
+            if os.path.lexists(self.out):
+                old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".old", dir=self.out.parent))
+                os.replace(self.out, old / "replaced")
+                os.replace(self.tmp, self.out)
+                _remove(old)
+            else:
+                os.replace(self.tmp, self.out)
+        finally:
+            self._unlock()
         return self.out
 
     def abandon(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def _writes_here() -> bool:
+    """Process 0 of a multi-process job writes the output and the others discard theirs, so it alone locks it (the
+    processes of a job on one machine share the path)."""
+    jax = sys.modules.get("jax")
+    if jax is None or not jax.distributed.is_initialized():
+        return True
+    # jax.process_index() would start the backends, which a compile sets up after this; the client knows the index
+    from jax._src import distributed
+
+    return getattr(distributed.global_state, "process_id", 0) == 0
 
 
 # ------------------------------------------------------------------------------------------------------------------

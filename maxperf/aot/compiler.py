@@ -222,7 +222,8 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     for line in p.warnings:
         say(f"warning: {line}")
     out_dir = Path(out) if out is not None else p.default_dir()
-    writer = artifacts.ArtifactWriter(out_dir, "compile", force=force)
+    writer = artifacts.ArtifactWriter(out_dir, "compile", force=force,
+                                      inputs=[target_config] if target_config else [])
     try:
         return _compile_into(writer, p, say, start, argv, calibration)
     except BaseException:

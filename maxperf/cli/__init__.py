@@ -232,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_arguments(p, model_default=DEFAULT_MODEL)
     p.add_argument("--out", help="output directory (default: artifacts/MODEL_TOPOLOGY); an existing one must be an "
                                  "earlier compile's artifact")
-    p.add_argument("--force", action="store_true", help="replace whatever --out holds")
+    p.add_argument("--force", action="store_true",
+                   help="replace an earlier output of this command in --out even if it holds other files")
     p.add_argument("--target-config", help="GPU: a GpuTargetConfigProto text file instead of the built-in spec")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     from maxperf.aot import distributed

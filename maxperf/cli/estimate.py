@@ -211,7 +211,8 @@ def _estimate_memory_parser(sub) -> None:
                    help="find the largest per_device_batch_size that fits, by compiles started at perfmodel's guess")
     p.add_argument("--out", help="keep the compiled artifact here (with --max-batch: one per trial, DIR/batch-B); "
                                  "default: a temporary directory, removed")
-    p.add_argument("--force", action="store_true", help="replace whatever --out holds")
+    p.add_argument("--force", action="store_true",
+                   help="replace an earlier output of this command in --out even if it holds other files")
     p.set_defaults(func=cmd_estimate_memory)
 
 

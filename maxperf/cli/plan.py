@@ -22,6 +22,7 @@ def parse_tokens(text: str) -> int:
 
 
 def cmd_plan(args) -> int:
+    from maxperf.aot import artifacts
     from maxperf.cli import _print_json, _progress
     from maxperf.studies import search
 
@@ -35,19 +36,29 @@ def cmd_plan(args) -> int:
     request = search.Request(args.model, args.topology, args.num_slices,
                              None if args.global_batch is None else parse_tokens(args.global_batch),
                              args.per_device_batch, args.objective, tuple(args.overrides))
-    result = search.search(request, progress=say)
-    say(f"estimated in {result.search_seconds:.2f} s")
-    slices = f"_x{args.num_slices}" if args.num_slices > 1 else ""
-    out = Path(args.out) if args.out else Path("artifacts") / f"plan_{result.model_name}_{result.topology_name}{slices}"
-    if args.verify and result.fitting:
-        search.verify(result, args.verify, out, workers=args.workers, progress=say)
-    path = search.write(result, out)
+    out = Path(args.out) if args.out else default_out(args)
+    # before the search: a directory that is not an earlier plan's is refused, and one plan writes there at a time
+    with artifacts.hold_output(out, "plan"):
+        result = search.search(request, progress=say)
+        say(f"estimated in {result.search_seconds:.2f} s")
+        if args.verify and result.fitting:
+            search.verify(result, args.verify, out, workers=args.workers, progress=say)
+        path = search.write(result, out)
     code = 0 if result.winner is not None else 3
     if args.json:
         _print_json(summary(result, path))
         return code
     print_plan(result, path)
     return code
+
+
+def default_out(args) -> Path:
+    """artifacts/plan_MODEL_TOPOLOGY[_xS]."""
+    from maxperf.aot import topologies
+    from maxperf.models import presets
+
+    slices = f"_x{args.num_slices}" if args.num_slices > 1 else ""
+    return Path("artifacts") / f"plan_{presets.get(args.model).name}_{topologies.get(args.topology).name}{slices}"
 
 
 def summary(result, path: Path) -> dict:

@@ -138,7 +138,8 @@ def _run_parser(sub) -> None:
     p.add_argument("--restore", help="start from the state saved here")
     p.add_argument("--out", help="where run.json (and trace/) go (default: DIR/run); an existing one must be an "
                                  "earlier run's output")
-    p.add_argument("--force", action="store_true", help="replace whatever --out holds")
+    p.add_argument("--force", action="store_true",
+                   help="replace an earlier output of this command in --out even if it holds other files")
     p.add_argument("--json", action="store_true", help="print run.json's content on stdout (progress stays on "
                                                        "stderr)")
     from maxperf.aot import distributed

@@ -125,12 +125,17 @@ def _note_partials(fd: int):
 
 
 def remove_partials(noted: bytes) -> list[str]:
-    """Removes the partial output directories a child noted (one path a line) that are still there; those removed."""
+    """Removes the partial output directories a child noted (one path a line) that are still there, and the lock
+    files of their outputs (`.NAME.lock`, freed when the child died); the directories removed."""
+    from maxperf.aot import artifacts
+
     removed = []
     for path in dict.fromkeys(noted.decode(errors="replace").splitlines()):  # once each, in order
-        if _PARTIAL.fullmatch(os.path.basename(path)) and os.path.isdir(path) and not os.path.islink(path):
+        name = os.path.basename(path)
+        if _PARTIAL.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
+            artifacts.remove_stale_lock(os.path.join(os.path.dirname(path), name[1:].rsplit(".", 2)[0]))
     return removed
 
 

@@ -203,6 +203,9 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
     devices = check_devices(artifact, jax.devices())
     if checkpoint is not None:
         checkpoints.check_destination(Path(checkpoint))  # a save that cannot happen fails before the first step
+    out_dir = Path(out) if out is not None else artifact.directory / "run"
+    used = [path for path in (artifact.directory, data, restore, checkpoint) if path is not None]
+    artifacts.claim_output(out_dir, "run", force=force, inputs=used)  # a bad --out fails before any work
     say(f"loading the executable onto {len(devices)} {devices[0].platform} device(s)")
     spec, step = artifact.step(devices)
     p = artifact.plan
@@ -213,8 +216,7 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         state = train_step.init_state(spec, seed=p.configs.train.seed)
     first = int(jax.device_get(state["step"]))
     batch_for = batches(spec, Path(data) if data else None, first, p.configs.train.seed)
-    out_dir = Path(out) if out is not None else artifact.directory / "run"
-    writer = artifacts.ArtifactWriter(out_dir, "run", force=force)  # a bad --out fails before the first step
+    writer = artifacts.ArtifactWriter(out_dir, "run", force=force, inputs=used)  # checked again, and locked
     watchdog = Watchdog(peer_timeout) if jax.process_count() > 1 else None
     try:
         losses, times = [], []

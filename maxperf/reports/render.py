@@ -53,9 +53,17 @@ def _installed_versions() -> dict[str, str | None]:
 
 def render(paths: list[str | os.PathLike], out_html: str | os.PathLike,
            command: list[str] | None = None) -> ReportResult:
-    """Renders the report for `paths` into `out_html` (and its CSVs beside it), atomically."""
+    """Renders the report for `paths` into `out_html` (and its CSVs beside it), atomically. `out_html` must be new
+    or an earlier report; it is checked, and locked, before anything is read."""
     if not paths:
         raise MaxperfError("give at least one compile, run or sweep directory")
+    from maxperf.aot import artifacts
+
+    with artifacts.hold_output(Path(out_html), "report"):
+        return _render(paths, out_html, command)
+
+
+def _render(paths: list[str | os.PathLike], out_html: str | os.PathLike, command: list[str] | None) -> ReportResult:
     from maxperf.reports import compare, scaling, steps as step_sections
 
     report = Page()

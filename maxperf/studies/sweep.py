@@ -165,10 +165,13 @@ def _finished(directory: Path, key: dict[str, Any]) -> bool:
 
 
 def _remove_partials(out_dir: Path, points: Sequence[Point]) -> None:
-    """What compiles killed with their sweep had begun to write beside the points' artifacts."""
+    """What compiles killed with their sweep had begun to write beside the points' artifacts (temporary directories,
+    lock files)."""
     for pt in points:
-        for partial in (out_dir / "points" / pt.name).glob(".artifact.*.partial"):
+        directory = out_dir / "points" / pt.name
+        for partial in directory.glob(".artifact.*.partial"):
             shutil.rmtree(partial, ignore_errors=True)
+        artifacts.remove_stale_lock(directory / "artifact")
 
 
 # Workers: they ignore SIGINT (the sweep decides when they stop) and die with the sweep.
@@ -232,16 +235,18 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
              for point in points}  # every mistake in the grid is found before any work starts
     calibration = load_calibration() if "cpu" in chips else None  # loaded once: every point uses the same
     out_dir = Path(out)
-    start = time.perf_counter()
-    todo = [pt for pt in points
-            if not _finished(out_dir / "points" / pt.name, point_key(model, pt, analytical_only, calibration))]
-    say(f"{len(points)} points, {len(points) - len(todo)} already done, {len(todo)} to run")
-    if todo:
-        _remove_partials(out_dir, todo)
-        _run_points(model, todo, out_dir, analytical_only, calibration, workers or default_workers(len(todo)), say,
-                    start)
-    rows = [json.loads((out_dir / "points" / pt.name / "point.json").read_text()) for pt in points]
-    _write_tables(out_dir, rows, model, analytical_only)
+    # before any work: a directory that is not an earlier sweep's is refused, and one sweep writes there at a time
+    with artifacts.hold_output(out_dir, "sweep"):
+        start = time.perf_counter()
+        todo = [pt for pt in points
+                if not _finished(out_dir / "points" / pt.name, point_key(model, pt, analytical_only, calibration))]
+        say(f"{len(points)} points, {len(points) - len(todo)} already done, {len(todo)} to run")
+        if todo:
+            _remove_partials(out_dir, todo)
+            _run_points(model, todo, out_dir, analytical_only, calibration,
+                        workers or default_workers(len(todo)), say, start)
+        rows = [json.loads((out_dir / "points" / pt.name / "point.json").read_text()) for pt in points]
+        _write_tables(out_dir, rows, model, analytical_only)
     return SweepResult(out_dir, rows, len(todo), time.perf_counter() - start)
 
 
