@@ -1,7 +1,8 @@
 """Nothing of the user's is lost by writing: only an earlier output of the same command is replaced or written into
 (holding nothing else, or anything with `--force`); anything else is refused before any work with one line and exit
-2, by every command that writes; one writer at a time."""
+2, by every command that writes; one writer at a time; an interrupted sweep keeps what it finished."""
 
+import csv
 import json
 import os
 import shutil
@@ -227,3 +228,32 @@ def test_a_second_writer_of_the_same_output_is_refused_at_once(compiled, tmp_pat
         assert not out.exists()
     aot.compile("cpu-8", "tiny", TINY, out=out)  # once it is done
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # and no lock file is left
+
+
+# an interrupted sweep keeps what it finished (item 4)
+
+
+def test_an_interrupted_sweep_rewrites_its_tables_from_its_points(tmp_path):
+    from maxperf.studies.sweep import SweepInterrupted, sweep
+
+    out = tmp_path / "s"
+    sweep("tiny", ["cpu-1", "cpu-2"], analytical_only=True, out=out, workers=1)
+    # a point folder a killed compile left with only its temporary directory in it
+    (out / "points" / "cpu-8" / ".artifact.abcd1234.partial").mkdir(parents=True)
+
+    def interrupt(line):
+        if line.startswith("[1/"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(SweepInterrupted):
+        sweep("tiny", ["cpu-1", "cpu-2", "cpu-4", "cpu-8"], analytical_only=True, out=out, workers=1,
+              progress=interrupt)
+    finished = sorted(p.parent.name for p in out.glob("points/*/point.json"))
+    assert len(finished) >= 3
+    with open(out / "results.csv") as f:
+        assert sorted(row["point"] for row in csv.DictReader(f)) == finished
+    summary = json.loads((out / "sweep.json").read_text())
+    assert summary["points"] == len(finished) and summary["partial"] == (len(finished) < 4)
+    assert all(any(d.iterdir()) for d in (out / "points").iterdir())  # no empty point folder
+    resumed = sweep("tiny", ["cpu-1", "cpu-2", "cpu-4", "cpu-8"], analytical_only=True, out=out, workers=1)
+    assert resumed.computed == 4 - len(finished) and len(resumed.rows) == 4

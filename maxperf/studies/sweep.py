@@ -166,12 +166,21 @@ def _finished(directory: Path, key: dict[str, Any]) -> bool:
 
 def _remove_partials(out_dir: Path, points: Sequence[Point]) -> None:
     """What compiles killed with their sweep had begun to write beside the points' artifacts (temporary directories,
-    lock files)."""
+    lock files), and the point folders that leaves empty."""
     for pt in points:
         directory = out_dir / "points" / pt.name
         for partial in directory.glob(".artifact.*.partial"):
             shutil.rmtree(partial, ignore_errors=True)
         artifacts.remove_stale_lock(directory / "artifact")
+        _remove_if_empty(directory)
+    _remove_if_empty(out_dir / "points")
+
+
+def _remove_if_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:  # not empty, or not there
+        pass
 
 
 # Workers: they ignore SIGINT (the sweep decides when they stop) and die with the sweep.
@@ -241,13 +250,31 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
         todo = [pt for pt in points
                 if not _finished(out_dir / "points" / pt.name, point_key(model, pt, analytical_only, calibration))]
         say(f"{len(points)} points, {len(points) - len(todo)} already done, {len(todo)} to run")
-        if todo:
-            _remove_partials(out_dir, todo)
-            _run_points(model, todo, out_dir, analytical_only, calibration,
-                        workers or default_workers(len(todo)), say, start)
-        rows = [json.loads((out_dir / "points" / pt.name / "point.json").read_text()) for pt in points]
-        _write_tables(out_dir, rows, model, analytical_only)
+        out_dir.mkdir(exist_ok=True)
+        try:
+            if todo:
+                _remove_partials(out_dir, todo)
+                _run_points(model, todo, out_dir, analytical_only, calibration,
+                            workers or default_workers(len(todo)), say, start)
+        finally:  # interrupted or not, the tables say what points/ holds
+            rows = _rows(out_dir, points, model, analytical_only, calibration)
+            _write_tables(out_dir, rows, model, analytical_only, partial=len(rows) < len(points))
     return SweepResult(out_dir, rows, len(todo), time.perf_counter() - start)
+
+
+def _rows(out_dir: Path, points: Sequence[Point], model: str, analytical_only: bool,
+          calibration: StoredCalibration | None) -> list[dict[str, Any]]:
+    """The finished points of this request (those that ended in an error included), in grid order."""
+    rows = []
+    for pt in points:
+        try:
+            row = json.loads((out_dir / "points" / pt.name / "point.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if (isinstance(row, dict) and row.get("schema") == POINT_SCHEMA
+                and row.get("key") == json.dumps(point_key(model, pt, analytical_only, calibration))):
+            rows.append(row)
+    return rows
 
 
 def _run_points(model: str, todo: list[Point], out_dir: Path, analytical_only: bool,
@@ -294,16 +321,25 @@ def _run_points(model: str, todo: list[Point], out_dir: Path, analytical_only: b
             signal.signal(signal.SIGTERM, previous_term)
 
 
-def _write_tables(out_dir: Path, rows: list[dict[str, Any]], model: str, analytical_only: bool) -> None:
+# The columns of a table with no finished point yet.
+_FIRST_COLUMNS = ["point", "key", "model", "topology", "num_slices", "overrides", "status", "reason"]
+
+
+def _write_tables(out_dir: Path, rows: list[dict[str, Any]], model: str, analytical_only: bool,
+                  partial: bool = False) -> None:
     import pandas as pd
 
-    frame = pd.DataFrame(rows).sort_values(["num_slices", "chips"] if "chips" in rows[0] else ["point"])
+    if rows:
+        frame = pd.DataFrame(rows).sort_values(["num_slices", "chips"] if "chips" in rows[0] else ["point"])
+    else:
+        frame = pd.DataFrame({name: pd.Series(dtype=object) for name in _FIRST_COLUMNS})
     for name, write in (("results.csv", lambda p: frame.to_csv(p, index=False)),
                         ("results.parquet", lambda p: frame.to_parquet(p, index=False))):
         tmp = out_dir / f".{name}.partial"
         write(tmp)
         os.replace(tmp, out_dir / name)
-    summary = {"schema": SWEEP_SCHEMA, "model": model, "analytical_only": analytical_only, "points": len(rows)}
+    summary = {"schema": SWEEP_SCHEMA, "model": model, "analytical_only": analytical_only, "points": len(rows),
+               "partial": partial}
     tmp = out_dir / ".sweep.json.partial"
     tmp.write_text(json.dumps(artifacts.to_json(summary), indent=2) + "\n")
     os.replace(tmp, out_dir / "sweep.json")
