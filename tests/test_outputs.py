@@ -1,11 +1,12 @@
 """Nothing of the user's is lost by writing: only an earlier output of the same command is replaced or written into
 (holding nothing else, or anything with `--force`); anything else is refused before any work with one line and exit
-2, by every command that writes; one writer at a time; an interrupted sweep keeps what it finished."""
+2, by every command that writes; one writer at a time; an interrupted run or sweep keeps what it measured."""
 
 import csv
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -230,7 +231,40 @@ def test_a_second_writer_of_the_same_output_is_refused_at_once(compiled, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # and no lock file is left
 
 
-# an interrupted sweep keeps what it finished (item 4)
+# an interrupted run or sweep keeps what it measured, and says so consistently (item 4)
+
+
+def test_an_interrupted_run_keeps_its_timed_steps(compiled, tmp_path):
+    def interrupt_at_step_3(line):  # Ctrl-C, as the step loop sees it
+        if line.startswith("step 3:"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(compiled, steps=50, warmup=1, out=tmp_path / "r", progress=interrupt_at_step_3)
+    data = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert data["partial"] is True and data["steps"] == 3
+    assert len(data["step_times_s"]) == len(data["losses"]) == 3
+    assert data["step_time_s"] > 0 and "interrupted after 3 of 50 timed steps" in data["notes"][0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_keeps_what_the_run_measured(compiled, tmp_path, signum):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen([sys.executable, "-m", "maxperf.cli", "run", str(compiled), "--steps", "100000",
+                             "--warmup", "1", "--out", str(tmp_path / "out")], stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    for line in proc.stderr:
+        if "] step 2:" in line:
+            break
+    os.killpg(proc.pid, signum)  # the command and its child, as Ctrl-C or a job scheduler does
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 128 + signum, rest
+    data = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert data["partial"] is True and data["steps"] >= 2 and len(data["step_times_s"]) == data["steps"]
+    assert f"timed steps: {tmp_path / 'out'}/run.json keeps them, marked partial" in rest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_an_interrupted_sweep_rewrites_its_tables_from_its_points(tmp_path):
@@ -257,3 +291,13 @@ def test_an_interrupted_sweep_rewrites_its_tables_from_its_points(tmp_path):
     assert all(any(d.iterdir()) for d in (out / "points").iterdir())  # no empty point folder
     resumed = sweep("tiny", ["cpu-1", "cpu-2", "cpu-4", "cpu-8"], analytical_only=True, out=out, workers=1)
     assert resumed.computed == 4 - len(finished) and len(resumed.rows) == 4
+
+
+# profile.files names the trace where the run put it (item 7)
+
+
+def test_profile_files_are_in_the_output_directory(compiled, tmp_path):
+    result = runner.run(compiled, steps=1, warmup=0, profile=True, out=tmp_path / "p")
+    files = json.loads((tmp_path / "p" / "run.json").read_text())["profile"]["files"]
+    assert files and files == result.profile["files"]
+    assert all(f.startswith(str(tmp_path / "p" / "trace") + os.sep) and os.path.isfile(f) for f in files)

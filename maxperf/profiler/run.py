@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -59,6 +60,7 @@ class RunResult:
     artifact: str = ""
     notes: list[str] = field(default_factory=list)
     calibration: dict[str, Any] | None = None  # CPU: the calibration the peak came from (StoredCalibration.record())
+    partial: bool = False  # interrupted: `steps` counts the timed steps measured before it
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -218,41 +220,37 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
     batch_for = batches(spec, Path(data) if data else None, first, p.configs.train.seed)
     writer = artifacts.ArtifactWriter(out_dir, "run", force=force, inputs=used)  # checked again, and locked
     watchdog = Watchdog(peer_timeout) if jax.process_count() > 1 else None
+    losses: list[float] = []
+    times: list[float] = []
+    interrupted: KeyboardInterrupt | None = None  # Ctrl-C, or SIGTERM as the command raises it
     try:
-        losses, times = [], []
-        for i in range(warmup + steps):
-            batch = batch_for(i)
-            jax.block_until_ready(batch)
-            t = time.perf_counter()
-            state, metrics = step(state, batch)
-            jax.block_until_ready((state, metrics))
-            elapsed = time.perf_counter() - t
-            if watchdog:
-                watchdog.beat(elapsed)
-            loss = float(metrics["loss"])
-            if i >= warmup:
-                times.append(elapsed)
-                losses.append(loss)
-            say(f"{'warm-up' if i < warmup else 'step'} {i + 1 - (0 if i < warmup else warmup)}: {elapsed:.4f} s, "
-                f"loss {loss:.4f}")
         profile_summary = None
-        if profile:
-            from maxperf.profiler.trace_summary import summarize
-
-            say(f"profiling {PROFILED_STEPS} steps")
-            with jax.profiler.trace(str(writer.tmp / "trace")):
-                for i in range(PROFILED_STEPS):
-                    state, metrics = step(state, batch_for(warmup + steps + i))
-                    jax.block_until_ready((state, metrics))
-                    if watchdog:
-                        watchdog.beat(0.0)
-            profile_summary = summarize(writer.tmp / "trace").as_dict()
-            from maxperf.profiler.viewer import open_command
-
-            profile_summary["open_command"] = open_command(out_dir / "trace")  # xprof on 127.0.0.1
+        try:
+            for i in range(warmup + steps):
+                batch = batch_for(i)
+                jax.block_until_ready(batch)
+                t = time.perf_counter()
+                state, metrics = step(state, batch)
+                jax.block_until_ready((state, metrics))
+                elapsed = time.perf_counter() - t
+                if watchdog:
+                    watchdog.beat(elapsed)
+                loss = float(metrics["loss"])
+                if i >= warmup:
+                    times.append(elapsed)
+                    losses.append(loss)
+                say(f"{'warm-up' if i < warmup else 'step'} {i + 1 - (0 if i < warmup else warmup)}: "
+                    f"{elapsed:.4f} s, loss {loss:.4f}")
+            if profile:
+                profile_summary = _profile(step, state, batch_for, warmup + steps, writer, out_dir, watchdog, say)
+        except KeyboardInterrupt as e:
+            if not times:
+                raise
+            interrupted, profile_summary = e, None  # after timed steps: what was measured is kept
+            shutil.rmtree(writer.tmp / "trace", ignore_errors=True)
         if watchdog:
             watchdog.stop()  # orbax bounds its own waits for peers
-        saved = checkpoints.save(Path(checkpoint), state) if checkpoint is not None else None
+        saved = checkpoints.save(Path(checkpoint), state) if checkpoint is not None and interrupted is None else None
         calibration = calibration_for(p.topology)
         chip = device_for(p.topology, calibration)
         peak = chip.peak_flops(p.configs.train.compute_dtype)
@@ -262,11 +260,13 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         record = calibration.record() if calibration is not None else None
         notes = [*fallback_notes(p.topology, chip, calibration), *calibration_mismatch(estimate, record),
                  *untuned_gpu_step(artifact.manifest)]
+        if interrupted is not None:
+            notes.insert(0, f"interrupted after {len(times)} of {steps} timed steps: the figures are of those")
         predicted = estimate.get("step_time_s") if estimate else None
         memory = {"compiler_per_device_bytes": (artifact.json("memory.json") or {}).get("per_device_total_bytes"),
                   **device_memory(devices)}
         result = RunResult(
-            out_dir=out_dir, steps=steps, warmup=warmup, step_times_s=times, step_time_s=median,
+            out_dir=out_dir, steps=len(times), warmup=warmup, step_times_s=times, step_time_s=median,
             step_time_p10_s=_percentile(times, 0.1), step_time_p90_s=_percentile(times, 0.9),
             step_time_min_s=min(times), tokens_per_s=spec.global_batch * p.configs.train.seq_len / median,
             tflops_per_device=flops / median / 1e12, mfu=flops / (median * peak), peak_flops_per_device=peak,
@@ -276,7 +276,7 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
             measured_over_predicted=median / predicted if predicted else None, memory=memory,
             profile=profile_summary, checkpoint=saved, restored_from=str(restore) if restore else None,
             data=str(data) if data else "synthetic uniform tokens", artifact=str(artifact.directory.resolve()),
-            notes=notes, calibration=record,
+            notes=notes, calibration=record, partial=interrupted is not None,
         )
         if jax.process_index() == 0:
             writer.write_json("run.json", result.as_dict())
@@ -293,7 +293,35 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
     finally:
         if watchdog:
             watchdog.stop()
+    if interrupted is not None:
+        if result.out_dir is not None:
+            say(f"interrupted after {len(times)} of {steps} timed steps: {out_dir}/run.json keeps them, marked "
+                "partial")
+        raise interrupted
     return result
+
+
+def _profile(step, state, batch_for, first: int, writer: artifacts.ArtifactWriter, out_dir: Path,
+             watchdog: Watchdog | None, say: Callable[[str], None]) -> dict[str, Any]:
+    """Traces PROFILED_STEPS more steps into the run's trace/ and summarizes them; the summary names the files where
+    they will be once the run's output is in place, not in its temporary directory."""
+    import jax
+
+    from maxperf.profiler.trace_summary import summarize
+    from maxperf.profiler.viewer import open_command
+
+    say(f"profiling {PROFILED_STEPS} steps")
+    with jax.profiler.trace(str(writer.tmp / "trace")):
+        for i in range(PROFILED_STEPS):
+            state, metrics = step(state, batch_for(first + i))
+            jax.block_until_ready((state, metrics))
+            if watchdog:
+                watchdog.beat(0.0)
+    summary = summarize(writer.tmp / "trace").as_dict()
+    summary["files"] = [str(out_dir / Path(f).relative_to(writer.tmp)) for f in summary["files"]]
+    summary["missing"] = [m.replace(str(writer.tmp), str(out_dir)) for m in summary["missing"]]
+    summary["open_command"] = open_command(out_dir / "trace")  # xprof on 127.0.0.1
+    return summary
 
 
 # Measured on an H100 (jax 0.11.2, bench/gpu_measured.py and `maxperf compile --target-config`, 2026-11-23): the same
