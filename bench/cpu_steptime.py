@@ -77,8 +77,7 @@ def main() -> int:
             result = aot.compile(topology, model, overrides, out=Path(tmp) / f"c{i}", calibration=calibration)
             measured = run(result.out_dir, steps=args.steps, warmup=args.warmup).step_time_s
             p = result.plan
-            est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn,
-                                     p.topology, calibration=calibration)
+            est = perfmodel.estimate(p, calibration=calibration)
             error = (est.step_time_s - measured) / measured
             errors.append(abs(error))
             print(f"{model:<11} {' '.join(overrides):<58} {measured * 1e3:>7.1f}ms {est.step_time_s * 1e3:>7.1f}ms "

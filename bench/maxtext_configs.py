@@ -183,7 +183,7 @@ def stated_topology(text: str) -> tuple[str, int] | None:
 
 def _presets() -> set[str]:
     sys.path.insert(0, str(ROOT))
-    from maxperf.models import presets
+    from maxperf.spec import presets
 
     return set(presets.names())
 

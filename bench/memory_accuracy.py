@@ -199,7 +199,7 @@ def main() -> int:
         total = compiler["per_device_total_bytes"]
         error = (analytical - total) / total
         train = cmp.plan.configs.train
-        tp = cmp.plan.mesh_shape.axes.get("tensor", 1)
+        tp = cmp.plan.mesh.axes.get("tensor", 1)
         remat, kernel = str(train.remat_policy.value), str(getattr(train.attention, "value", train.attention))
         rows.append({"group": group, "model": model, "topology": topology, "overrides": list(overrides),
                      "tensor": tp, "batch": train.per_device_batch_size, "seq_len": train.seq_len, "remat": remat,

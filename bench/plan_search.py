@@ -55,13 +55,13 @@ def run_plan(model: str, topology: str, tokens: int, out: Path) -> tuple[dict, f
 
 def grid_best(model: str, topology: str, tokens: int, margin: float) -> tuple[dict | None, int, int]:
     """The brute-force grid's best point that fits with the margin: (point, points estimated, points refused by
-    plan() as invalid)."""
+    resolve() as invalid)."""
     from maxperf import perfmodel
-    from maxperf.errors import MaxperfError
-    from maxperf.plan import plan
+    from maxperf.spec.errors import MaxperfError
+    from maxperf.spec.request import resolve
     from maxperf.studies import search
 
-    base = plan(topology, model, [])
+    base = resolve(topology, model, [])
     topo, m = base.topology, base.configs.model
     rows = tokens // base.configs.train.seq_len
     b = rows / topo.num_devices
@@ -76,17 +76,16 @@ def grid_best(model: str, topology: str, tokens: int, margin: float) -> tuple[di
                     f"attention={kernel}", f"per_device_batch_size={search._number(b / accum)}",
                     f"grad_accum_steps={accum}"]
                 try:
-                    p = plan(topology, model, words)
+                    p = resolve(topology, model, words)
                 except MaxperfError:
                     refused += 1
                     continue
-                est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn,
-                                         p.topology)
+                est = perfmodel.estimate(p)
                 estimated += 1
                 if est.memory_per_device_bytes * (1 + margin) > est.memory.hbm_bytes:
                     continue
                 if best is None or est.tokens_per_s > best["tokens_per_s"]:
-                    best = {"mesh": p.mesh_shape.shown(), "remat": remat, "kernel": kernel, "A": accum,
+                    best = {"mesh": p.mesh.shown(), "remat": remat, "kernel": kernel, "A": accum,
                             "tokens_per_s": est.tokens_per_s, "memory_gib": est.memory_per_device_bytes / GIB}
     return best, estimated, refused
 
@@ -151,7 +150,7 @@ def main() -> int:
                 ok &= verdict != "MISSED"
                 shown = "" if best is None else (f"{best['mesh']}, {best['remat']}, {best['kernel']}, A={best['A']}: "
                                                  f"{best['tokens_per_s']:,.0f} tokens/s, {best['memory_gib']:.2f} GiB")
-                print(f"  grid best ({estimated:,} points estimated, {refused:,} refused by plan(), "
+                print(f"  grid best ({estimated:,} points estimated, {refused:,} refused by resolve(), "
                       f"{time.perf_counter() - start:.0f} s): {shown}")
                 print(f"  winner at least as good as the grid: {verdict}"
                       + ("" if best is None else f" ({w['tokens_per_s'] / best['tokens_per_s']:.4f}x)"))

@@ -7,7 +7,7 @@ constants.
 Rows: bench/published/training.csv (what each source states, with its citation) and
 bench/published/maxperf_mapping.csv (how a row is written for maxperf: a preset, key=value overrides, a topology
 and slices; or why it cannot be). For every expressible row the script plans and estimates the step
-(maxperf.plan.plan, maxperf.perfmodel.estimate) and compares throughput per chip:
+(maxperf.spec.resolve, maxperf.perfmodel.estimate) and compares throughput per chip:
 
 - rows that state tokens/s per chip are compared on tokens/s (the measurement itself);
 - rows that state TFLOP/s per chip in MaxText's count are compared on TFLOP/s in the same count, which is
@@ -54,11 +54,10 @@ from pathlib import Path
 
 import numpy as np
 
-from maxperf import plan as plan_mod
-from maxperf import perfmodel
-from maxperf.errors import MaxperfError
+
+from maxperf import perfmodel, spec
 from maxperf.perfmodel import chips, steptime
-from maxperf.perfmodel.shapes import devices_per_chip
+from maxperf.spec.errors import MaxperfError
 
 HERE = Path(__file__).resolve().parent / "published"
 FAMILY_ORDER = ("fsdp", "tensor", "data", "sequence", "expert")  # the collectives' Overlap fields; the first three fitted
@@ -72,7 +71,7 @@ FAMILY_ORDER = ("fsdp", "tensor", "data", "sequence", "expert")  # the collectiv
 class Row:
     data: dict
     mapping: dict
-    plan: object = None
+    request: object = None
     reason: str = ""  # why maxperf cannot express the row ("" when it can)
     published_tokens: float = 0.0  # tokens/s per chip, stated or converted from a stated TFLOP/s
     flops_per_token: float = 0.0  # maxperf's model FLOPs per token
@@ -110,7 +109,7 @@ def resolve(row: Row) -> None:
         row.reason = m["not_expressible"]
         return
     try:
-        row.plan = plan_mod.plan(m["topology"], m["maxperf_model"], _overrides(row), num_slices=int(m["num_slices"]))
+        row.request = spec.resolve(m["topology"], m["maxperf_model"], _overrides(row), num_slices=int(m["num_slices"]))
     except MaxperfError as e:
         row.reason = f"maxperf rejects the mapping: {e}"
         return
@@ -127,8 +126,8 @@ def resolve(row: Row) -> None:
 
 
 def run_estimate(row: Row, overlap=None, constants: steptime.Constants = steptime.SHIPPED):
-    p = row.plan
-    return perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology,
+    p = row.request
+    return perfmodel.estimate(p,
                               overlap=overlap, constants=constants)
 
 
@@ -295,7 +294,7 @@ def fit(replay: Replay, rows: list[Row], mask: np.ndarray, start: Constants, fre
     """Constants minimizing mean |log(predicted / published)| over the rows in `mask`, within BOUNDS, moving only the
     `free` ones; Nelder-Mead from `start`, restarted from its best point `restarts` times in all."""
     pub = np.array([r.published_tokens for r in rows])
-    tokens_per_chip = np.array([r.estimate.flops.tokens * _devices_per_chip(r) for r in rows])
+    tokens_per_chip = np.array([r.estimate.flops.tokens * r.request.topology.devices_per_chip for r in rows])
     names = [f.name for f in fields(Constants)]
     idx = np.array([names.index(n) for n in free], dtype=int)
     lo, hi = LO[idx], HI[idx]
@@ -335,12 +334,8 @@ def stand_in(c: Constants, chips_out: set[str], chips_fitted: set[str]) -> Const
     return replace(c, **new)
 
 
-def _devices_per_chip(row: Row) -> int:
-    return devices_per_chip(row.plan.topology)
-
-
 def predicted_from_steps(rows: list[Row], steps: np.ndarray) -> np.ndarray:
-    return np.array([r.estimate.flops.tokens * _devices_per_chip(r) for r in rows]) / steps
+    return np.array([r.estimate.flops.tokens * r.request.topology.devices_per_chip for r in rows]) / steps
 
 
 # ---------------------------------------------------------------------------------------------------------------

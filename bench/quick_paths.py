@@ -14,22 +14,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
-@dataclass(frozen=True)
-class V5p:  # perfmodel's TopologyShape, without maxperf.aot
-    chips: int
-    torus: tuple[int, ...]
-    chip: str = "tpu-v5p"
-    chips_per_host: int = 4
-    num_slices: int = 1
-
-    @property
-    def hosts(self) -> int:
-        return self.chips // 4
 
 
 def timed(label: str, held_to: float, fn) -> None:
@@ -40,17 +26,20 @@ def timed(label: str, held_to: float, fn) -> None:
 
 
 def main() -> int:
-    from maxperf.models import presets
-    from maxperf.models.config import TrainConfig
     from maxperf.perfmodel import estimate
+    from maxperf.spec import presets
+    from maxperf.spec import topology as topologies
+    from maxperf.spec.request import Request
+    from maxperf.spec.train import TrainConfig
 
     train = TrainConfig(per_device_batch_size=2, seq_len=2048)
-    timed("estimate, 405b", 0.1, lambda: estimate(presets.get("llama3.1-405b"), TrainConfig(seq_len=8192),
-                                                    {"fsdp": 1120, "tensor": 8}, {}, V5p(8960, (16, 20, 28))) and "")
-    timed("estimate, presets", 2.0, lambda: f"{sum(1 for name in presets.names() if estimate(
-        presets.get(name), train, {'fsdp': 256}, {}, V5p(256, (4, 8, 8))))} presets")
+    big, pod = topologies.get("v5p-12288"), topologies.get("v5p-512")
+    timed("estimate, 405b", 0.1, lambda: estimate(Request.of(big, presets.get("llama3.1-405b"), TrainConfig(
+        seq_len=8192), {"fsdp": 768, "tensor": 8})) and "")
+    timed("estimate, presets", 2.0, lambda: f"{sum(1 for name in presets.names() if estimate(Request.of(
+        pod, presets.get(name), train, {'fsdp': 256})))} presets")
 
-    from maxperf.aot import gpu_targets
+    from maxperf.spec import gpu_targets
 
     if gpu_targets.plugin_library() is None:
         print("gpu specs          skipped: the CUDA plugin is not installed (maxperf[gpu])")
@@ -60,12 +49,12 @@ def main() -> int:
     import jax
     import numpy as np
 
+    from maxperf.aot import targets
     from maxperf.models import train_step
-    from maxperf.models.sharding import make_mesh
-    from maxperf.plan import plan
+    from maxperf.spec import resolve
 
-    p = plan("v5p-1024", "llama3.1-405b")  # 512 chips: stand-in devices, shapes only, never placed
-    mesh = make_mesh(np.array(jax.devices() * 512)[:512], p.mesh_shape.axes)
+    p = resolve("v5p-1024", "llama3.1-405b")  # 512 chips: stand-in devices, shapes only, never placed
+    mesh = targets.jax_mesh(topologies.get("cpu-512"), p.mesh, list(np.array(jax.devices() * 512)[:512]))
     timed("abstract 405b", 10.0,
           lambda: f"{train_step.abstract_step(p.model, p.configs.train, mesh).param_count / 1e9:.1f}B parameters")
     return 0

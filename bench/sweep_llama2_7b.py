@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from maxperf.studies.sweep import sweep
 from maxperf.reports import render
+from maxperf.studies.sweep import sweep
 
 SIZES = ["v5p-8", "v5p-16", "v5p-32", "v5p-64", "v5p-128", "v5p-256", "v5p-512", "v5p-1024"]
 

@@ -10,8 +10,8 @@ import json
 import os
 from pathlib import Path
 
-from maxperf.notes import note
 from maxperf.perfmodel.calibration import SCHEMA_VERSION, Calibration, StoredCalibration
+from maxperf.spec.notes import note
 
 CALIBRATION_FILE = "calibration.json"
 RECALIBRATE = "run `maxperf calibrate` again; CPU estimates use the uncalibrated defaults until then"

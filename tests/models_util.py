@@ -1,13 +1,24 @@
 """Small helpers shared by the model tests: tiny configs, meshes over this process's CPU devices."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxperf.models import overrides, presets, train_step
-from maxperf.aot import topologies
-from maxperf.models.sharding import make_mesh
-from maxperf.plan import resolve_mesh
+from maxperf.aot import targets
+from maxperf.models import train_step
+from maxperf.spec import overrides, presets
+from maxperf.spec import topology as topologies
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.mesh import resolve as resolve_mesh
+
+
+def cpu_mesh(sizes, devices=None):
+    """A jax mesh over this process's CPU devices (`devices`, else the first ones), from a spec Mesh or axis sizes."""
+    mesh = sizes if isinstance(sizes, Mesh) else Mesh.of(sizes)
+    n = math.prod(mesh.axes.values())
+    return targets.jax_mesh(topologies.get(f"cpu-{n}"), mesh, list(jax.devices()[:n] if devices is None else devices))
 
 
 def tiny(*words: str, devices: int = 8, preset: str = "tiny"):
@@ -17,7 +28,7 @@ def tiny(*words: str, devices: int = 8, preset: str = "tiny"):
         presets.get(preset),
         ["seq_len=16", "per_device_batch_size=2", "compute_dtype=float32", "warmup_steps=0", *words],
     )
-    mesh = make_mesh(jax.devices()[:devices], resolve_mesh(cfg.parallelism, topologies.get(f"cpu-{devices}")).axes)
+    mesh = cpu_mesh(resolve_mesh(cfg.parallelism, topologies.get(f"cpu-{devices}")), jax.devices()[:devices])
     return cfg, train_step.abstract_step(cfg.model, cfg.train, mesh)
 
 

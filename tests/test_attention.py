@@ -9,12 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from models_util import loss_and_grads
 
-from maxperf.errors import MaxperfError
-from maxperf.models import overrides, presets, train_step
-from maxperf.models.config import AttentionKernel, AttentionType
+from maxperf.models import train_step
 from maxperf.models.layers import attention_kernels as ak
-from models_util import loss_and_grads, tiny
+from maxperf.spec import overrides, presets
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.model import AttentionType
+from maxperf.spec.train import AttentionKernel
 
 # float32 throughout: flash and the dot product agree to float32 rounding of sums over up to 1024 keys, which the
 # blockwise kernel adds in another order
@@ -126,9 +128,9 @@ def test_splash_chunks_and_sinks_in_interpret_mode_match_dot_product():
 @pytest.mark.slow
 def test_splash_under_shard_map_matches_dot_product():
     # batch over fsdp and heads over tensor, as the layer's logical rules shard them; interpret mode on CPU devices
-    from maxperf.models.sharding import make_mesh
+    from models_util import cpu_mesh
 
-    mesh = make_mesh(jax.devices()[:4], {"data": 1, "fsdp": 2, "sequence": 1, "tensor": 2, "expert": 1})
+    mesh = cpu_mesh({"data": 1, "fsdp": 2, "sequence": 1, "tensor": 2, "expert": 1}, jax.devices()[:4])
     q, k, v = _qkv(L=256, B=2)
     ref = _value_and_grads(_dot(0, None), q, k, v)
     with jax.set_mesh(mesh):

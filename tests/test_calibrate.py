@@ -8,13 +8,14 @@ import subprocess
 import sys
 
 import pytest
+from perfmodel_util import Topo
 
-from maxperf import notes, user_cache
-from maxperf.models import presets
-from maxperf.models.config import TrainConfig
+from maxperf import user_cache
 from maxperf.perfmodel import calibration, estimate
 from maxperf.profiler.calibrate import calibrate
-from perfmodel_util import Topo
+from maxperf.spec import notes, presets
+from maxperf.spec.request import Request
+from maxperf.spec.train import TrainConfig
 
 CAL = calibration.Calibration(
     platform="cpu", device_kind="cpu", num_devices=2, jax_version="x", created="2025-01-01T00:00:00+00:00",
@@ -50,7 +51,7 @@ def test_calibrate_stores_measurements_that_estimates_use(cache):
     assert all(s.flops_per_s > 1e6 for s in cal.attention)
     stored = user_cache.calibration_for(Topo("cpu", 1, 1))
     assert stored.calibration == cal and stored.path == str(cache / "calibration.json")
-    est = estimate(TINY, TrainConfig(compute_dtype="float32", seq_len=64), {}, {}, Topo("cpu", 1, 1),
+    est = estimate(Request.of(Topo("cpu", 1, 1), TINY, TrainConfig(compute_dtype="float32", seq_len=64), {}, {}),
                    calibration=stored)
     assert est.peaks_calibrated and est.peak_flops == cal.peak_flops("float32")
 
@@ -61,7 +62,7 @@ def test_a_loaded_calibration_carries_its_path_and_hash(cache):
     stored = user_cache.load_calibration()
     assert stored.calibration == CAL and stored.problem is None
     assert stored.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
-    record = estimate(TINY, TRAIN, {"fsdp": 2}, {}, CPU2, calibration=stored).as_dict()["calibration"]
+    record = estimate(Request.of(CPU2, TINY, TRAIN, {"fsdp": 2}, {}), calibration=stored).as_dict()["calibration"]
     assert (record["path"], record["sha256"], record["created"]) == (str(path), stored.sha256, CAL.created)
 
 
@@ -73,7 +74,7 @@ def test_a_stale_schema_is_said_on_stderr_and_recorded(cache, capsys):
                "`maxperf calibrate` again; CPU estimates use the uncalibrated defaults until then")
     assert stored.problem == problem
     assert capsys.readouterr().err == f"maxperf: note: {problem}\n"
-    est = estimate(TINY, TRAIN, {"fsdp": 2}, {}, CPU2, calibration=stored)
+    est = estimate(Request.of(CPU2, TINY, TRAIN, {"fsdp": 2}, {}), calibration=stored)
     assert not est.peaks_calibrated and est.notes == (problem,)
     record = est.as_dict()["calibration"]
     assert (record["used"], record["schema"], record["problem"]) == (False, 4, problem)
@@ -93,7 +94,7 @@ def test_no_calibration_is_recorded_but_not_said(cache, capsys):
     assert stored.calibration is None and stored.sha256 is None
     assert stored.problem == f"no calibration at {cache / 'calibration.json'}: run `maxperf calibrate`"
     assert capsys.readouterr().err == ""  # the estimate's chip note says "uncalibrated defaults" already
-    assert estimate(TINY, TRAIN, {"fsdp": 2}, {}, CPU2, calibration=stored).notes == (stored.problem,)
+    assert estimate(Request.of(CPU2, TINY, TRAIN, {"fsdp": 2}, {}), calibration=stored).notes == (stored.problem,)
 
 
 def test_tpu_and_gpu_topologies_read_no_calibration(cache, monkeypatch):

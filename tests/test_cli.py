@@ -149,7 +149,7 @@ def test_every_option_has_help():
 
 
 def test_compile_help_names_the_default_model(capsys):
-    from maxperf.models.presets import DEFAULT_MODEL
+    from maxperf.spec.presets import DEFAULT_MODEL
 
     with pytest.raises(SystemExit):
         main(["compile", "--help"])
@@ -167,7 +167,8 @@ def test_models_lists_the_presets_without_jax():
 
 @pytest.mark.slow
 def test_models_parameter_counts_are_the_flax_models(capsys):
-    from maxperf.models import presets, train_step
+    from maxperf.models import train_step
+    from maxperf.spec import presets
 
     code, out, _ = run_main(capsys, "models", "--json")
     listed = {r["name"]: r["params"] for r in json.loads(out)}
@@ -275,7 +276,7 @@ def test_a_killed_sweeps_workers_die_with_it(tmp_path):
 
 
 def test_a_sweep_is_not_resumed_by_another_request(tmp_path):
-    from maxperf.studies.sweep import point_key, _finished, grid, sweep
+    from maxperf.studies.sweep import _finished, grid, point_key, sweep
 
     out = tmp_path / "s"
     first = sweep("llama2-7b", ["v5p-8", "v5p-16"], analytical_only=True, out=out, workers=1)
@@ -363,7 +364,7 @@ def _maxperf(*args, cwd, env=None):
 def _have_plugins() -> bool:
     import importlib.util
 
-    from maxperf.aot import gpu_targets
+    from maxperf.spec import gpu_targets
 
     return importlib.util.find_spec("libtpu") is not None and gpu_targets.plugin_library() is not None
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import jax
 import pytest
 
-from maxperf import aot
+from maxperf import aot, spec
 from maxperf.aot import artifacts
 from maxperf.aot.artifacts import ArtifactError
-from maxperf.errors import MaxperfError
+from maxperf.spec.errors import MaxperfError
 
 TINY = ["seq_len=64", "per_device_batch_size=2"]
 ARTIFACT_FILES = {"compiled.pkl", "manifest.json", "memory.json", "cost.json", "estimate.json",
@@ -67,13 +67,13 @@ MAXTEXT_ACCUMULATION = ["seq_len=16", "per_device_batch_size=8", "gradient_accum
 
 def test_the_lowered_step_takes_a_microbatches_of_b_per_device():
     # MaxText: global batch = devices x per_device_batch_size x gradient_accumulation_steps = 8 x 8 x 4
-    from maxperf.aot.compiler import build_mesh
+    from maxperf.aot import targets
     from maxperf.models import train_step
-    from maxperf.plan import plan
+    from maxperf.spec.request import resolve
 
-    p = plan("cpu-8", "tiny", MAXTEXT_ACCUMULATION)
+    p = resolve("cpu-8", "tiny", MAXTEXT_ACCUMULATION)
     assert p.configs.train.global_batch(8) == 256 and p.configs.train.micro_batch(8) == 64
-    mesh = build_mesh(p, jax.devices()[:8])
+    mesh = targets.jax_mesh(p.topology, p.mesh, jax.devices()[:8])
     spec = train_step.abstract_step(p.configs.model, p.configs.train, mesh)
     assert spec.batch["inputs"].shape == (256, 16) and spec.micro_batch == 64
     with jax.set_mesh(mesh):
@@ -195,24 +195,25 @@ def test_compiles_for_virtual_topologies(tmp_path, topology, slices, devices):
 def test_tpu_slices_are_the_tori_maxtext_compiles_for():
     """The ICI rings MaxText's accelerator_to_spec_map gives libtpu (its `wrap`): every side of whole 4x4x4 cubes,
     the 16-chip sides of v5e/v6e slices; smaller slices are open lines."""
-    from maxperf.aot import topologies
+    from maxperf.aot import targets
+    from maxperf.spec import topology as topologies
 
     def wrap(name):
-        return topologies.torus_wrap(topologies.get(name).torus)
+        return targets.torus_wrap(topologies.get(name).torus)
 
     assert wrap("v5p-64") == wrap("v6e-8") == wrap("v5e-64") == (False, False, False)
     assert wrap("v5p-128") == wrap("v5p-1024") == wrap("v4-128") == wrap("tpu7x-128") == (True, True, True)
     assert wrap("v5e-128") == (False, True, False) and wrap("v6e-256") == (True, True, False)
-    assert len(topologies.devices(topologies.get("v5p-128"))) == 64  # libtpu takes the rings
+    assert len(targets.devices(topologies.get("v5p-128"))) == 64  # libtpu takes the rings
 
 
 def test_bad_plans_are_errors_before_compiling():
     with pytest.raises(MaxperfError, match="v5p-1024"):
-        aot.plan("v5p-1023", "tiny")
+        spec.resolve("v5p-1023", "tiny")
     with pytest.raises(MaxperfError, match="llama3-8b"):
-        aot.plan("v5p-8", "llama3-8")
+        spec.resolve("v5p-8", "llama3-8")
     with pytest.raises(MaxperfError, match="does not divide 4"):
-        aot.plan("v5p-8", "tiny", ["ici_tensor=3"])
+        spec.resolve("v5p-8", "tiny", ["ici_tensor=3"])
 
 
 @pytest.mark.slow

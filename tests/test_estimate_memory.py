@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from maxperf.studies import memory_fit
-from maxperf.studies.memory_fit import Trial, _next_batch
-from maxperf.errors import MaxperfError
 from maxperf.perfmodel import memory
 from maxperf.perfmodel.memory import MINIMAL_SAVED_COPIES
+from maxperf.spec.errors import MaxperfError
+from maxperf.studies import memory_fit
+from maxperf.studies.memory_fit import Trial, _next_batch
 
 TINY = ["seq_len=128", "per_device_batch_size=2"]  # TPU flash attention takes L in multiples of 128
 

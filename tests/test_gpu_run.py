@@ -2,8 +2,10 @@
 
 import types
 
-from maxperf.aot import gpu_targets, topologies
+from maxperf.aot import targets
 from maxperf.cli import run as run_cli
+from maxperf.spec import gpu_targets
+from maxperf.spec import topology as topologies
 
 
 def _gpu_artifact(tmp_path, monkeypatch):
@@ -54,8 +56,8 @@ def test_part_host_gpu_topologies_are_one_host_of_fewer_gpus():
 def test_no_attached_gpu_means_a_compile_without_one(monkeypatch):
     monkeypatch.setattr(gpu_targets, "driver_present", lambda: False)
     assert gpu_targets.attached_gpus("h100-sxm", 1) is None
-    assert topologies.compiles_on_attached_gpus(topologies.get("h100-1")) is None
-    assert any("without a GPU" in note for note in topologies.limitations(topologies.get("h100-1")))
+    assert targets.compiles_on_attached_gpus(topologies.get("h100-1")) is None
+    assert any("without a GPU" in note for note in targets.limitations(topologies.get("h100-1")))
 
 
 def test_an_autotuner_failure_is_not_called_out_of_memory():

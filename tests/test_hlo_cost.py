@@ -343,9 +343,9 @@ def test_cpu_scan_counts_every_layer_where_cost_analysis_counts_one(grad):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
 def test_tpu_scan_trip_count_from_the_condition_and_unrolled_matches_cost_analysis():
-    from maxperf.aot import topologies
+    from maxperf.aot import targets
 
-    topologies.quiet_libtpu()
+    targets.quiet_libtpu()
     from jax.experimental.topologies import get_topology_desc
 
     devices = get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices
@@ -361,15 +361,18 @@ def test_tpu_scan_trip_count_from_the_condition_and_unrolled_matches_cost_analys
 
 @pytest.mark.slow
 def test_tiny_train_step_scanned_and_unscanned_agree():
-    from maxperf.aot import topologies
-    from maxperf.models import overrides, presets, sharding, train_step
-    from maxperf.plan import resolve_mesh
+    from models_util import cpu_mesh
+
+    from maxperf.models import train_step
+    from maxperf.spec import overrides, presets
+    from maxperf.spec import topology as topologies
+    from maxperf.spec.mesh import resolve as resolve_mesh
 
     totals = {}
     for scan in ("true", "false"):
         cfg = overrides.apply(presets.get("tiny"), ["seq_len=64", "per_device_batch_size=2", f"scan_layers={scan}"])
         devices = jax.devices()[:8]
-        mesh = sharding.make_mesh(devices, resolve_mesh(cfg.parallelism, topologies.get("cpu-8")).axes)
+        mesh = cpu_mesh(resolve_mesh(cfg.parallelism, topologies.get("cpu-8")), devices)
         spec = train_step.abstract_step(cfg.model, cfg.train, mesh)
         with jax.set_mesh(mesh):
             compiled = train_step.jit_step(spec).lower(spec.state, spec.batch).compile()

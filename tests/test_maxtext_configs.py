@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from maxperf.models import overrides, presets
+from maxperf.spec import overrides, presets
 
 ROOT = Path(__file__).resolve().parent.parent
 TPU_DIR = Path(__file__).resolve().parent / "data" / "maxtext_configs" / "tpu"

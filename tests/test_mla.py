@@ -11,19 +11,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_util import maxperf
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from cli_util import maxperf
 from models_util import loss_and_grads, tiny, train_losses, two_step_losses
 
-from maxperf import attention_rule
-from maxperf.errors import MaxperfError
-from maxperf.models import overrides, presets, train_step
-from maxperf.models.config import AttentionKernel, YarnScaling
+from maxperf.models import train_step
 from maxperf.models.layers import attention_kernels as ak
 from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.mla import LatentAttention, softmax_scale
 from maxperf.models.layers.rope import inverse_frequencies, yarn_softmax_factor
+from maxperf.spec import attention_rule, overrides, presets
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.model import YarnScaling
+from maxperf.spec.train import AttentionKernel
 
 # float32 throughout: flash and the dot product agree to float32 rounding of sums that the blockwise kernel adds in
 # another order
@@ -181,7 +182,8 @@ def test_softmax_scale_is_deepseeks():
 def test_rope_scalings_survive_the_manifest():
     # an artifact's manifest holds the model config as JSON; `maxperf run` rebuilds it from there
     from maxperf.aot.artifacts import to_json
-    from maxperf.models.config import ModelConfig, RopeScaling, from_dict
+    from maxperf.spec.configs import from_dict
+    from maxperf.spec.model import ModelConfig, RopeScaling
 
     for scaling in (YarnScaling(factor=32, beta_fast=1, mscale=0.707), RopeScaling(), None):
         cfg = dataclasses.replace(presets.get("tiny-mla"), rope_scaling=scaling)

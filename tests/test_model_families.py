@@ -9,17 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from models_util import loss_and_grads
 
-from maxperf import attention_rule
-from maxperf.errors import MaxperfError
-from maxperf.models import overrides, presets, train_step
-from maxperf.models.config import Activation, ModelConfig, RoutedScoreFunc
+from maxperf.models import train_step
 from maxperf.models.layers import attention as attention_layer
 from maxperf.models.layers.attention import Attention
 from maxperf.models.layers.mlp import gate
 from maxperf.models.layers.moe import route
 from maxperf.perfmodel.flops import count_flops, count_params
-from models_util import loss_and_grads, tiny
+from maxperf.spec import attention_rule, overrides, presets
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.model import Activation, ModelConfig
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
@@ -267,8 +267,9 @@ def test_gemma3_presets_have_the_reports_text_parameters(name):
 def test_expert_parallel_dispatch_with_biases_and_token_weights_equals_one_device(sizes, family):
     """The expert biases travel with their experts (wo's added once over the tensor shards' partial sums) and the
     token weights before the experts, across expert and tensor shards."""
+    from models_util import cpu_mesh
+
     from maxperf.models.layers import moe
-    from maxperf.models.sharding import make_mesh
 
     cfg = overrides.apply(presets.get("tiny-moe"), [*family, "mlp_bias=true"]).model
     B, L, D, F, E, K = 4, 8, 8, 16, 4, cfg.num_experts_per_tok
@@ -284,6 +285,6 @@ def test_expert_parallel_dispatch_with_biases_and_token_weights_equals_one_devic
     dense = moe.dense_dispatch(x, experts, weights, w, cfg, -1, biases=b)
     np.testing.assert_allclose(dense, expected, rtol=1e-5, atol=1e-5)
     mesh = {"data": 1, "fsdp_transpose": 1, "sequence": 1, **sizes}
-    with jax.set_mesh(make_mesh(jax.devices()[:4], mesh)):
+    with jax.set_mesh(cpu_mesh(mesh, jax.devices()[:4])):
         got = jax.jit(lambda *a: moe.sparse_dispatch(*a[:4], cfg, biases=a[4]))(x, experts, weights, w, b)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

@@ -6,15 +6,17 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from models_util import cpu_mesh, tiny, train_losses, two_step_losses
 
-from maxperf.errors import MaxperfError
-from maxperf.models import overrides, presets, train_step
-from maxperf.models.config import ModelConfig, ParallelismConfig
-from maxperf.aot import topologies
-from maxperf.models.sharding import RULES, make_mesh, mesh_axes_for
-from maxperf.plan import resolve_mesh
+from maxperf.models import train_step
+from maxperf.models.sharding import RULES, mesh_axes_for
 from maxperf.models.transformer import stack_axis
-from models_util import tiny, train_losses, two_step_losses
+from maxperf.spec import overrides, presets
+from maxperf.spec import topology as topologies
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.mesh import resolve as resolve_mesh
+from maxperf.spec.model import ModelConfig
+from maxperf.spec.parallelism import ParallelismConfig
 
 
 @pytest.fixture(autouse=True)
@@ -162,7 +164,7 @@ def test_405b_abstract_state_allocates_nothing():  # how long it takes: bench/qu
     model = presets.get("llama3.1-405b")
     cfg = overrides.apply(model, [])
     devices = np.array(jax.devices() * 64)  # 512 stand-ins: shapes only, never placed
-    mesh = make_mesh(devices, resolve_mesh(cfg.parallelism, topologies.get("cpu-512")).axes)
+    mesh = cpu_mesh(resolve_mesh(cfg.parallelism, topologies.get("cpu-512")), devices)
     before = len(jax.live_arrays())
     spec = train_step.abstract_step(cfg.model, cfg.train, mesh)
     assert len(jax.live_arrays()) == before

@@ -12,15 +12,17 @@ import numpy as np
 import pytest
 from cli_util import maxperf
 from flax import nnx
+from models_util import cpu_mesh
 
-from maxperf.aot import topologies
-from maxperf.errors import MaxperfError
-from maxperf.models import overrides, presets, train_step
-from maxperf.models.config import Activation, ModelConfig, RoutedScoreFunc
+from maxperf.models import train_step
 from maxperf.models.layers import moe
-from maxperf.models.sharding import make_mesh
 from maxperf.models.transformer import stack_axis, stacks
-from maxperf.plan import plan, resolve_mesh
+from maxperf.spec import overrides, presets
+from maxperf.spec import topology as topologies
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.mesh import resolve as resolve_mesh
+from maxperf.spec.model import Activation, ModelConfig, RoutedScoreFunc
+from maxperf.spec.request import resolve
 
 BASE = ["seq_len=16", "compute_dtype=float32", "warmup_steps=0"]
 
@@ -40,7 +42,7 @@ def loss_and_grads(words, devices: int, model: ModelConfig | None = None, params
     sequences, over a mesh of `devices` CPU devices; and the parameters it used (seed 0 unless given)."""
     B = 4 / devices
     cfg = overrides.apply(model or presets.get("tiny-moe"), [*BASE, f"per_device_batch_size={B:g}", *words])
-    mesh = make_mesh(jax.devices()[:devices], resolve_mesh(cfg.parallelism, topologies.get(f"cpu-{devices}")).axes)
+    mesh = cpu_mesh(resolve_mesh(cfg.parallelism, topologies.get(f"cpu-{devices}")), jax.devices()[:devices])
     spec = train_step.abstract_step(cfg.model, cfg.train, mesh)
     graphdef = train_step.model_def(cfg.model, cfg.train).graphdef
     if params is None:
@@ -190,7 +192,7 @@ def test_expert_parallel_dispatch_drops_nothing_when_every_token_picks_one_shard
          jax.random.normal(keys[4], (4, F, D)))
     expected = moe.sparse_dispatch(x, experts, weights, w, cfg)
     sizes = {"data": 1, "fsdp": 4 // ep, "fsdp_transpose": 1, "sequence": 1, "tensor": 1, "expert": ep}
-    with jax.set_mesh(make_mesh(jax.devices()[:4], sizes)):
+    with jax.set_mesh(cpu_mesh(sizes, jax.devices()[:4])):
         got = jax.jit(lambda *a: moe.sparse_dispatch(*a, cfg))(x, experts, weights, w)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     assert float(jnp.min(jnp.abs(got))) > 0  # every token got its experts' output
@@ -207,7 +209,7 @@ def test_dense_dispatch_over_the_expert_axis_equals_one_device():
 
 def test_expert_weights_shard_their_experts_over_the_expert_axis():
     cfg = overrides.apply(presets.get("tiny-moe"), [*BASE, "per_device_batch_size=1", "ici_expert=2", "ici_fsdp=2"])
-    mesh = make_mesh(jax.devices()[:4], resolve_mesh(cfg.parallelism, topologies.get("cpu-4")).axes)
+    mesh = cpu_mesh(resolve_mesh(cfg.parallelism, topologies.get("cpu-4")), jax.devices()[:4])
     spec = train_step.abstract_step(cfg.model, cfg.train, mesh)
     mlp = spec.state_shardings["params"]["layers"]["mlp"]
     assert tuple(mlp["wi_0_ExDxF"].spec) == ("expert", None, "fsdp", None)  # [E, N, D, F]: param_scan_axis 1
@@ -258,7 +260,7 @@ def test_remat_keeps_the_expert_projections_by_name():
     recomputes no ragged_dot; with full remat it does."""
     def ragged_dots(policy):
         cfg = overrides.apply(presets.get("tiny-moe"), [*BASE, "per_device_batch_size=1", f"remat_policy={policy}"])
-        spec = train_step.abstract_step(cfg.model, cfg.train, make_mesh(jax.devices()[:1], {"data": 1}))
+        spec = train_step.abstract_step(cfg.model, cfg.train, cpu_mesh({"data": 1}, jax.devices()[:1]))
         jaxpr = jax.make_jaxpr(train_step.make_train_step(cfg.model, cfg.train))(spec.state, spec.batch)
         return str(jaxpr).count("ragged_dot")
 
@@ -391,7 +393,7 @@ def test_without_a_rate_the_bias_stays_and_no_loads_are_taken():
 ])
 def test_bad_moe_settings_are_refused(words, match):
     with pytest.raises(MaxperfError, match=match):
-        plan("cpu-8", "tiny-moe", words)
+        resolve("cpu-8", "tiny-moe", words)
 
 
 def test_a_refusal_is_one_line_and_exit_2():

@@ -11,11 +11,13 @@ import pytest
 from cli_util import maxperf
 from flax import nnx
 
-from maxperf.errors import MaxperfError
-from maxperf.models import overrides, presets, train_step
-from maxperf.models.config import ModelConfig, RoutedScoreFunc, TrainConfig
+from maxperf.models import train_step
 from maxperf.models.layers.mtp import shift_left
 from maxperf.perfmodel.flops import count_flops, count_params
+from maxperf.spec import overrides, presets
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.model import ModelConfig, RoutedScoreFunc
+from maxperf.spec.train import TrainConfig
 
 L = 16
 

@@ -5,14 +5,15 @@ import importlib.util
 from dataclasses import replace
 
 import pytest
+from perfmodel_util import Topo
 
-from maxperf.models import overrides, presets
-from maxperf.models.config import TrainConfig
 from maxperf.perfmodel import estimate
 from maxperf.perfmodel.chips import CHIPS
 from maxperf.perfmodel.memory import OFFLOADED_OPTIMIZER_STAGED, OPTIMIZER_STATES_PER_PARAM, params_per_device
-from maxperf.perfmodel.shapes import make_mesh
-from perfmodel_util import Topo
+from maxperf.spec import overrides, presets
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.request import Request
+from maxperf.spec.train import TrainConfig
 
 LLAMA = presets.get("llama2-7b")
 TRAIN = TrainConfig(per_device_batch_size=4, seq_len=2048)
@@ -20,11 +21,11 @@ V5P_128 = Topo("tpu-v5p", 64, hosts=16, torus=(4, 4, 4))
 
 
 def _estimate(**offload):
-    return estimate(LLAMA, replace(TRAIN, **offload), {"fsdp": 64}, {}, V5P_128)
+    return estimate(Request.of(V5P_128, LLAMA, replace(TRAIN, **offload), {"fsdp": 64}, {}))
 
 
 def _state_bytes():
-    return params_per_device(LLAMA, make_mesh({"fsdp": 64}, {}, V5P_128)) * 4  # float32 parameters
+    return params_per_device(LLAMA, Mesh.of({"fsdp": 64}, {}).check(V5P_128)) * 4  # float32 parameters
 
 
 def test_maxtext_keys_parse():

@@ -4,13 +4,14 @@ import json
 from dataclasses import replace
 
 import pytest
+from perfmodel_util import Topo
 
-from maxperf.errors import MaxperfError
-from maxperf.models import presets
-from maxperf.models.config import TrainConfig
 from maxperf.perfmodel import Overlap, calibration, chips, estimate
 from maxperf.perfmodel.steptime import FRESH_MAPPING_THRESHOLD
-from perfmodel_util import Topo
+from maxperf.spec import hardware, presets
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.request import Request
+from maxperf.spec.train import TrainConfig
 
 CPU2 = Topo("cpu", 2, 2)
 
@@ -51,7 +52,7 @@ def test_unknown_chip_names_close_matches():
 def test_cpu_uses_labelled_defaults_without_a_calibration():
     cpu = chips.get("cpu")
     assert not cpu.calibrated and "uncalibrated" in cpu.note
-    assert cpu.peak_fp32_flops == chips.CPU_DEFAULT_FP32_FLOPS
+    assert cpu.peak_fp32_flops == hardware.CPU_DEFAULT_FP32_FLOPS
 
 
 def test_cpu_takes_the_measured_peaks_of_a_calibration_passed_in():
@@ -86,9 +87,9 @@ def test_thin_matmuls_run_at_their_measured_rate():
     cpu = chips.get("cpu", thin_cal)
     assert cpu.measured_matmul_half("bfloat16") == pytest.approx(48) and cpu.measured_matmul_half("float32") is None
     model, train = presets.get("tiny"), TrainConfig(per_device_batch_size=2, seq_len=256, remat_policy="none")
-    measured = estimate(model, train, {"fsdp": 2}, {}, CPU2, calibration=thin_cal).breakdown
+    measured = estimate(Request.of(CPU2, model, train, {"fsdp": 2}, {}), calibration=thin_cal).breakdown
     square_cal = calibration.Calibration(matmul=(calibration.MatmulSample("bfloat16", 1024, 8e11),), **CAL)
-    assumed = estimate(model, train, {"fsdp": 2}, {}, CPU2, calibration=square_cal).breakdown
+    assumed = estimate(Request.of(CPU2, model, train, {"fsdp": 2}, {}), calibration=square_cal).breakdown
     # the attention scores contract over the head dimension: 2 x 16 x 256 x 256 FLOPs per (example, head), thin 16
     row = lambda rows: next(r for r in rows if r.name == "attention scores")
     assert row(measured).seconds / row(assumed).seconds == pytest.approx((16 + 48) / (16 + 32), rel=1e-6)
@@ -99,13 +100,12 @@ def test_page_faults_of_large_temporaries_count_on_cpu():
     cal = calibration.Calibration(matmul=square, **{**CAL, "page_fault_bandwidth": 4e9})
     model = presets.get("tiny")
     # the materialized scores (dot_product attention) make the large temporaries
-    big = estimate(model, TrainConfig(per_device_batch_size=8, seq_len=512, attention="dot_product"), {"fsdp": 2}, {},
-                   CPU2, calibration=cal)
+    big = estimate(Request.of(CPU2, model, TrainConfig(per_device_batch_size=8, seq_len=512, attention="dot_product"), {"fsdp": 2}, {}), calibration=cal)
     temporaries = max(big.memory.phases().values())
     assert temporaries > FRESH_MAPPING_THRESHOLD
     faults = next(r for r in big.breakdown if r.name == "page faults (new temporaries)")
     assert faults.seconds == pytest.approx(temporaries / 2e9)  # two devices share the measured 4 GB/s
-    small = estimate(model, TrainConfig(per_device_batch_size=1, seq_len=64), {"fsdp": 2}, {}, CPU2, calibration=cal)
+    small = estimate(Request.of(CPU2, model, TrainConfig(per_device_batch_size=1, seq_len=64), {"fsdp": 2}, {}), calibration=cal)
     assert max(small.memory.phases().values()) < FRESH_MAPPING_THRESHOLD  # reused by the allocator: no faults
     assert not any(r.name.startswith("page faults") for r in small.breakdown)
 
@@ -117,7 +117,7 @@ def test_long_contractions_with_large_outputs_fault_in_a_float32_accumulator_on_
 
     def faults(seq_len):
         train = TrainConfig(per_device_batch_size=2, seq_len=seq_len)
-        rows = estimate(model, train, {"fsdp": 2}, {}, CPU2, calibration=cal).breakdown
+        rows = estimate(Request.of(CPU2, model, train, {"fsdp": 2}, {}), calibration=cal).breakdown
         return next((r for r in rows if r.name == "page faults (dot accumulators, XLA:CPU)"), None)
 
     # 512 tokens per device contract the weight gradients of up, gate (2048 x 7168) and down (7168 x 2048): each a
@@ -134,10 +134,10 @@ def test_cpu_elementwise_work_runs_at_the_measured_fused_rate():
     # dot_product attention: its softmax is a fused elementwise kernel of its own
     model, train = presets.get("tiny"), TrainConfig(per_device_batch_size=2, seq_len=128, attention="dot_product")
     cal = calibration.Calibration(matmul=square, **CAL)
-    rows = {r.name: r for r in estimate(model, train, {"fsdp": 2}, {}, CPU2, calibration=cal).breakdown}
+    rows = {r.name: r for r in estimate(Request.of(CPU2, model, train, {"fsdp": 2}, {}), calibration=cal).breakdown}
     for name in ("softmax", "norms, residuals, activations", "loss", "optimizer update"):
         assert rows[name].bytes / rows[name].seconds == pytest.approx(5e9)  # two devices share 10 GB/s, not 40
-    tpu = estimate(model, train, {"fsdp": 4}, {}, Topo("tpu-v5p", 4, 4, torus=(2, 2, 1)))
+    tpu = estimate(Request.of(Topo("tpu-v5p", 4, 4, torus=(2, 2, 1)), model, train, {"fsdp": 4}, {}))
     softmax = next(r for r in tpu.breakdown if r.name == "softmax")
     assert softmax.bytes / softmax.seconds == pytest.approx(chips.get("tpu-v5p").hbm_bandwidth)
 
@@ -153,15 +153,14 @@ def test_cpu_attention_runs_at_its_measured_whole_rate():
     assert rates == pytest.approx([2e10, 2e10, 4e10, 6e10, 6e10])
     assert cpu.attention_rate("float32", 16) is None  # float32 attention: its matmuls and softmax, as assumed
     model, train = presets.get("tiny"), TrainConfig(per_device_batch_size=2, seq_len=256, remat_policy="full")
-    rows = {r.name: r for r in estimate(model, train, {"fsdp": 2}, {}, CPU2, calibration=cal).breakdown}
+    rows = {r.name: r for r in estimate(Request.of(CPU2, model, train, {"fsdp": 2}, {}), calibration=cal).breakdown}
     # tiny: 2 layers x 2 examples x 4 heads, head_dim 16; full remat runs the forward twice: 4 matmuls of
     # 2 x 256 x 256 x 16 FLOPs forward (scores and context, twice), 4 backward
     flops = 2 * 2 * 4 * (2 * 2 + 4) * 2 * 256 * 256 * 16
     assert rows["attention (measured kernels)"].flops == flops
     assert rows["attention (measured kernels)"].seconds == pytest.approx(flops / 1e10)  # two devices share 2e10
     assert not {"attention scores", "attention context", "softmax"} & set(rows)
-    f32 = estimate(model, TrainConfig(per_device_batch_size=2, seq_len=256, compute_dtype="float32"), {"fsdp": 2}, {},
-                   CPU2, calibration=cal).breakdown
+    f32 = estimate(Request.of(CPU2, model, TrainConfig(per_device_batch_size=2, seq_len=256, compute_dtype="float32"), {"fsdp": 2}, {}), calibration=cal).breakdown
     assert {"attention scores", "attention context", "softmax"} <= {r.name for r in f32}
 
 
@@ -171,7 +170,7 @@ def test_cpu_collectives_use_their_measured_bandwidth_and_do_not_overlap():
     cpu = chips.get("cpu", cal)
     assert cpu.link_bandwidth == 3e9 and cpu.collective_efficiency == (("all-reduce", 0.5),)
     model, train = presets.get("scaled-1"), TrainConfig(per_device_batch_size=1, seq_len=128)
-    est = estimate(model, train, {"fsdp": 2}, {}, CPU2, calibration=cal)
+    est = estimate(Request.of(CPU2, model, train, {"fsdp": 2}, {}), calibration=cal)
     assert est.overlap == Overlap.uniform(0.0)
     rows = {r.name: r for r in est.breakdown}
     gather, reduce = rows["fsdp all-gather (ici)"], rows["fsdp all-reduce (ici)"]
@@ -185,7 +184,7 @@ def test_fsdp_weight_shards_pay_xla_cpus_transposing_copies():
     square = (calibration.MatmulSample("bfloat16", 1024, 8e11),)
     cal = calibration.Calibration(matmul=square, **CAL)
     model, train = presets.get("tiny"), TrainConfig(per_device_batch_size=2, seq_len=128)
-    rows = {r.name: r for r in estimate(model, train, {"fsdp": 2}, {}, CPU2, calibration=cal).breakdown}
+    rows = {r.name: r for r in estimate(Request.of(CPU2, model, train, {"fsdp": 2}, {}), calibration=cal).breakdown}
     # tiny: D 64, 4 heads and 2 kv heads of 16, F 128, 2 layers; float32 shards split over fsdp 2 along D.
     # Model width last (o 4x16x64, down 128x64): copied on both gathers; first (q 64x4x16, k and v 64x2x16, up and
     # gate 64x128): copied once, as its gradient is written; each copy reads and writes 4 bytes per element.
@@ -195,8 +194,8 @@ def test_fsdp_weight_shards_pay_xla_cpus_transposing_copies():
     assert copies.bytes == moved == 393216
     assert copies.seconds == pytest.approx(moved / 1e9)  # two devices share the measured 2 GB/s
     # one device gathers nothing, and accelerators have no such copies
-    one = estimate(model, train, {}, {}, Topo("cpu", 1, 1)).breakdown
-    tpu = estimate(model, train, {"fsdp": 4}, {}, Topo("tpu-v5p", 4, 4, torus=(2, 2, 1))).breakdown
+    one = estimate(Request.of(Topo("cpu", 1, 1), model, train, {}, {})).breakdown
+    tpu = estimate(Request.of(Topo("tpu-v5p", 4, 4, torus=(2, 2, 1)), model, train, {"fsdp": 4}, {})).breakdown
     assert not any(r.name.startswith("weight layout") for r in (*one, *tpu))
 
 
@@ -206,7 +205,7 @@ def test_each_gathered_weight_pays_the_measured_collective_latency():
 
     def rows(latency):
         cal = calibration.Calibration(matmul=square, **{**CAL, "collective_latency": latency})
-        return {r.name: r.seconds for r in estimate(model, train, {"fsdp": 2}, {}, CPU2, calibration=cal).breakdown}
+        return {r.name: r.seconds for r in estimate(Request.of(CPU2, model, train, {"fsdp": 2}, {}), calibration=cal).breakdown}
 
     slow, fast = rows(1e-4), rows(0.0)
     # 2 layers x 2 gathers x 7 weights (q, k, v, o, up, gate, down) and 2 gathers of the vocabulary table; one
@@ -221,8 +220,8 @@ def test_perfmodel_reads_no_calibration_from_disk(tmp_path, monkeypatch):
     cal = calibration.Calibration(matmul=(calibration.MatmulSample("bfloat16", 1024, 8e11),), **CAL)
     (tmp_path / "calibration.json").write_text(json.dumps(cal.as_dict()))
     assert not chips.get("cpu").calibrated
-    est = estimate(presets.get("tiny"), TrainConfig(seq_len=64), {"fsdp": 2}, {}, CPU2)
-    assert not est.peaks_calibrated and est.peak_flops == chips.CPU_DEFAULT_BF16_FLOPS / 2
+    est = estimate(Request.of(CPU2, presets.get("tiny"), TrainConfig(seq_len=64), {"fsdp": 2}, {}))
+    assert not est.peaks_calibrated and est.peak_flops == hardware.CPU_DEFAULT_BF16_FLOPS / 2
     assert est.calibration is None
     assert est.notes == ("no calibration was passed in: CPU peaks are uncalibrated defaults",)
 
@@ -231,22 +230,22 @@ def test_estimate_records_which_calibration_it_used():
     cal = calibration.Calibration(matmul=(calibration.MatmulSample("bfloat16", 1024, 8e11),), **CAL)
     passed = calibration.StoredCalibration("/cache/calibration.json", cal, sha256="ab" * 32)
     model, train = presets.get("tiny"), TrainConfig(seq_len=64)
-    d = estimate(model, train, {"fsdp": 2}, {}, CPU2, calibration=passed).as_dict()
+    d = estimate(Request.of(CPU2, model, train, {"fsdp": 2}, {}), calibration=passed).as_dict()
     assert d["calibration"] == {"path": "/cache/calibration.json", "sha256": "ab" * 32, "used": True,
                                 "problem": None, "created": "2025-01-01T00:00:00+00:00", "schema": 5,
                                 "device_kind": "cpu", "num_devices": 2, "jax_version": "x"}
     assert d["notes"] == [] and d["peaks_calibrated"] and d["peak_flops"] == 8e11 / 2  # two devices share it
     # a bare Calibration from a program: recorded without a file
-    bare = estimate(model, train, {"fsdp": 2}, {}, CPU2, calibration=cal)
+    bare = estimate(Request.of(CPU2, model, train, {"fsdp": 2}, {}), calibration=cal)
     assert bare.calibration["path"] is None and bare.calibration["used"] and bare.peak_flops == 8e11 / 2
     # TPUs and GPUs take nothing from a CPU calibration, and record none
-    tpu = estimate(model, train, {"fsdp": 4}, {}, Topo("tpu-v5p", 4, 4, torus=(2, 2, 1)), calibration=passed)
+    tpu = estimate(Request.of(Topo("tpu-v5p", 4, 4, torus=(2, 2, 1)), model, train, {"fsdp": 4}, {}), calibration=passed)
     assert tpu.calibration is None and tpu.notes == () and tpu.peak_flops == chips.CHIPS["tpu-v5p"].peak_bf16_flops
 
 
 def test_an_unusable_calibration_is_a_note_in_the_estimate():
     problem = "the calibration /c/calibration.json has schema 4, this maxperf reads schema 5; run `maxperf calibrate`"
     stale = calibration.StoredCalibration("/c/calibration.json", None, sha256="cd" * 32, problem=problem)
-    est = estimate(presets.get("tiny"), TrainConfig(seq_len=64), {"fsdp": 2}, {}, CPU2, calibration=stale)
+    est = estimate(Request.of(CPU2, presets.get("tiny"), TrainConfig(seq_len=64), {"fsdp": 2}, {}), calibration=stale)
     assert est.notes == (problem,) and not est.peaks_calibrated
     assert est.as_dict()["calibration"]["used"] is False and est.as_dict()["calibration"]["sha256"] == "cd" * 32

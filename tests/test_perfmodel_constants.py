@@ -5,12 +5,13 @@ import argparse
 import json
 
 import pytest
-
-from maxperf.models import presets
-from maxperf.models.config import TrainConfig
-from maxperf.perfmodel import calibration, chips, estimate
 from perfmodel_util import Topo
 from test_perfmodel_chips import CAL
+
+from maxperf.perfmodel import calibration, chips, estimate, steptime
+from maxperf.spec import presets
+from maxperf.spec.request import Request
+from maxperf.spec.train import TrainConfig
 
 LLAMA = presets.get("llama2-7b")
 TRAIN = TrainConfig(per_device_batch_size=2, seq_len=2048)
@@ -26,12 +27,13 @@ def test_every_accelerator_has_a_sustained_matmul_fraction_that_says_where_it_co
     assert {name for name, origin in chips.MATMUL_FRACTION_ORIGIN.items() if origin == "fitted"} == {
         "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu7x", "a100-40gb", "a100-80gb", "h100-sxm"}  # the chips with rows
     # H100 SXM sustains a smaller share of its datasheet peak than A100 (MaxText and MPT measured 37-50% MFU)
-    assert chips.get("h100-sxm").matmul_fraction < chips.get("a100-40gb").matmul_fraction
-    assert chips.get("cpu").matmul_fraction == 1.0  # calibrated CPU peaks are achieved rates
+    shipped = steptime.SHIPPED
+    assert shipped.fraction(chips.get("h100-sxm")) < shipped.fraction(chips.get("a100-40gb"))
+    assert shipped.fraction(chips.get("cpu")) == 1.0  # calibrated CPU peaks are achieved rates
 
 
 def test_an_h100_matmul_runs_at_the_chips_sustained_fraction_of_peak():
-    e = estimate(LLAMA, TRAIN, {"fsdp": 8}, {}, Topo("h100-sxm", 8, 8))
+    e = estimate(Request.of(Topo("h100-sxm", 8, 8), LLAMA, TRAIN, {"fsdp": 8}, {}))
     row = next(r for r in e.breakdown if r.name == "mlp down")
     # T = 2 x 2048 tokens, D 4096, F 11008: each of the three matmuls' smallest side is 4096; HALF 760 on GPUs
     assert row.kind == "compute"
@@ -39,14 +41,14 @@ def test_an_h100_matmul_runs_at_the_chips_sustained_fraction_of_peak():
 
 
 def test_flash_attention_runs_at_its_fraction_of_the_sustained_matmul_rate():
-    e = estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, v5p(64))
+    e = estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 64}, {}))
     row = next(r for r in e.breakdown if r.name == "attention (flash kernel)")
     assert row.seconds == pytest.approx(row.flops / (459e12 * 0.86 * 0.81), rel=1e-12)
 
 
 def test_accelerators_fuse_elementwise_passes_that_xla_cpu_runs_on_their_own():
     model, train = presets.get("tiny"), TrainConfig(per_device_batch_size=2, seq_len=256)
-    cpu_row, tpu_row = (next(r for r in estimate(model, train, {"fsdp": n}, {}, topo).breakdown
+    cpu_row, tpu_row = (next(r for r in estimate(Request.of(topo, model, train, {"fsdp": n}, {})).breakdown
                              if r.name == "norms, residuals, activations")
                         for n, topo in ((2, Topo("cpu", 2, 2)), (4, Topo("tpu-v5p", 4, 4, torus=(2, 2, 1)))))
     # per token and layer, bf16: passes x D 64 + 3 x F 128, and rope over 4 + 2 heads of 16 (read and write)
@@ -56,7 +58,7 @@ def test_accelerators_fuse_elementwise_passes_that_xla_cpu_runs_on_their_own():
 
 
 def test_an_estimate_names_the_fitted_and_assumed_constants_it_rests_on():
-    e = estimate(LLAMA, TRAIN, {"fsdp": 16, "tensor": 4}, {}, v5p(64))
+    e = estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 16, "tensor": 4}, {}))
     assert e.assumptions == (
         "matmuls at 0.86 of peak (fitted) x m / (m + 610), m a matmul's smallest side (HALF fitted)",
         "flash attention at 0.81 of the matmul rate (fitted)",
@@ -66,21 +68,21 @@ def test_an_estimate_names_the_fitted_and_assumed_constants_it_rests_on():
         "tensor collectives 99% hidden (fitted)",
     )
     assert json.loads(json.dumps(e.as_dict()))["assumptions"] == list(e.assumptions)
-    given = estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, v5p(64), overlap=0.3).assumptions
+    given = estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 64}, {}), overlap=0.3).assumptions
     assert "fsdp collectives 30% hidden (as given)" in given
-    h200 = estimate(LLAMA, TRAIN, {"data": 2, "fsdp": 8}, {}, Topo("h200", 16, 8, hosts=2)).assumptions
+    h200 = estimate(Request.of(Topo("h200", 16, 8, hosts=2), LLAMA, TRAIN, {"data": 2, "fsdp": 8}, {"data": 2})).assumptions
     assert h200[0].startswith("matmuls at 0.62 of peak (assumed) x m / (m + 760)")
     assert "data collectives 0% hidden (fitted)" in h200
 
 
 def test_cpu_estimates_name_only_what_calibrate_did_not_measure():
     model, train = presets.get("tiny"), TrainConfig(per_device_batch_size=2, seq_len=128)
-    bare = estimate(model, train, {"fsdp": 2}, {}, Topo("cpu", 2, 2))
+    bare = estimate(Request.of(Topo("cpu", 2, 2), model, train, {"fsdp": 2}, {}))
     assert bare.assumptions == ("matmul HALF 32 (assumed: maxperf calibrate measures it)",)
     thin = [calibration.MatmulSample("bfloat16", 1024, 8e11 * m / (m + 48), thin=m, side=side)
             for m in (16, 64, 256) for side in ("m", "k", "n")]
     cal = calibration.Calibration(matmul=(calibration.MatmulSample("bfloat16", 1024, 8e11), *thin), **CAL)
-    assert estimate(model, train, {"fsdp": 2}, {}, Topo("cpu", 2, 2), calibration=cal).assumptions == ()
+    assert estimate(Request.of(Topo("cpu", 2, 2), model, train, {"fsdp": 2}, {}), calibration=cal).assumptions == ()
 
 
 def test_maxperf_estimate_prints_its_assumptions(capsys):

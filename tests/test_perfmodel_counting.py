@@ -4,14 +4,15 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from maxperf.models import presets
-from maxperf.models.config import Activation, AttentionType, ModelConfig, Norm, Positions, TrainConfig
 from maxperf.perfmodel.flops import attention_pairs, count_flops, count_params
+from maxperf.spec import presets
+from maxperf.spec.model import Activation, AttentionType, Norm, Positions
+from maxperf.spec.train import TrainConfig
 
 
 @dataclass(frozen=True)
 class Windowed:
-    """A ModelShape without maxperf.models: proves the protocol is all perfmodel reads."""
+    """A ModelConfig without maxperf.models: proves the protocol is all perfmodel reads."""
 
     vocab_size: int = 10
     d_model: int = 4
@@ -134,12 +135,3 @@ def test_counts_match_the_flax_model_for_every_option():
     ]
     for m in variants:
         assert count_params(m).total == train_step.param_count(m), m
-
-
-def test_model_config_satisfies_the_protocols():
-    from maxperf.perfmodel.shapes import ModelShape, TrainShape
-
-    assert isinstance(presets.get("tiny"), ModelShape)
-    assert isinstance(TrainConfig(), TrainShape)
-    assert isinstance(ModelConfig(name="x", vocab_size=2, d_model=2, num_layers=1, num_heads=1, num_kv_heads=1,
-                                  head_dim=2, d_ff=2), ModelShape)

@@ -5,17 +5,18 @@ How fast it estimates is measured by bench/quick_paths.py, not asserted here."""
 import json
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
+from perfmodel_util import Topo
 
-from maxperf.errors import MaxperfError
-from maxperf.models import presets
-from maxperf.models.config import TrainConfig
 from maxperf.perfmodel import Overlap, count_flops, estimate
 from maxperf.perfmodel.memory import layer_saved_per_token
-from maxperf.perfmodel.shapes import make_mesh
-from perfmodel_util import Topo
+from maxperf.spec import presets
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.request import Request
+from maxperf.spec.train import TrainConfig
 
 
 def v5p(chips, torus=(4, 4, 4)):
@@ -27,7 +28,7 @@ TRAIN = TrainConfig(per_device_batch_size=2, seq_len=2048)
 
 
 def test_as_dict_is_json_with_the_documented_keys():
-    d = json.loads(json.dumps(estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, v5p(64)).as_dict()))
+    d = json.loads(json.dumps(estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 64}, {})).as_dict()))
     for key in ("step_time_s", "tokens_per_s", "tflops_per_chip", "mfu", "model_flops_per_device",
                 "hardware_flops_per_device", "memory_per_device_bytes", "fits", "bottleneck", "breakdown", "memory"):
         assert key in d, key
@@ -36,7 +37,7 @@ def test_as_dict_is_json_with_the_documented_keys():
 
 
 def test_mfu_and_throughput_follow_from_step_time():
-    e = estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, v5p(64))
+    e = estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 64}, {}))
     assert e.peak_flops == 459e12
     assert e.mfu == e.model_flops_per_device / (e.step_time_s * 459e12)
     assert e.tokens_per_s == pytest.approx(2 * 2048 * 64 / e.step_time_s, rel=1e-12)
@@ -48,7 +49,7 @@ def test_accumulation_runs_a_microbatches_of_b_per_device():
     # MaxText's meaning: per_device_batch_size is one microbatch, the step A of them (B x A x L tokens per device)
     one = TrainConfig(per_device_batch_size=2, seq_len=2048)
     four = replace(one, grad_accum_steps=4)
-    e1, e4 = estimate(LLAMA, one, {"fsdp": 64}, {}, v5p(64)), estimate(LLAMA, four, {"fsdp": 64}, {}, v5p(64))
+    e1, e4 = estimate(Request.of(v5p(64), LLAMA, one, {"fsdp": 64}, {})), estimate(Request.of(v5p(64), LLAMA, four, {"fsdp": 64}, {}))
     assert count_flops(LLAMA, four).tokens == 2 * 4 * 2048
     assert e4.model_flops_per_device == pytest.approx(4 * e1.model_flops_per_device, rel=1e-12)
     assert e4.tokens_per_s == pytest.approx(2 * 4 * 2048 * 64 / e4.step_time_s, rel=1e-12)
@@ -64,8 +65,7 @@ def test_accumulation_runs_a_microbatches_of_b_per_device():
 
 
 def test_the_largest_preset_on_a_full_pod_adds_up():
-    e = estimate(presets.get("llama3.1-405b"), TrainConfig(seq_len=8192), {"fsdp": 1120, "tensor": 8}, {},
-                 v5p(8960, (16, 20, 28)))
+    e = estimate(Request.of(v5p(8960, (16, 20, 28)), presets.get("llama3.1-405b"), TrainConfig(seq_len=8192), {"fsdp": 1120, "tensor": 8}, {}))
     t = e.time
     assert e.step_time_s == t.compute_s + t.hbm_s + t.exposed_ici_s + t.exposed_dcn_s
     assert e.mfu == e.model_flops_per_device / (e.step_time_s * e.peak_flops)
@@ -73,7 +73,7 @@ def test_the_largest_preset_on_a_full_pod_adds_up():
 
 @pytest.mark.parametrize("name", presets.names())
 def test_every_preset_estimates_and_its_figures_follow_from_each_other(name):
-    e = estimate(presets.get(name), TRAIN, {"fsdp": 256}, {}, v5p(256, (4, 8, 8)))
+    e = estimate(Request.of(v5p(256, (4, 8, 8)), presets.get(name), TRAIN, {"fsdp": 256}, {}))
     assert e.mfu == e.model_flops_per_device / (e.step_time_s * 459e12)
     assert e.tokens_per_s == pytest.approx(2 * 2048 * 256 / e.step_time_s, rel=1e-12)
     assert e.memory_per_device_bytes == e.memory.per_device_total_bytes
@@ -81,8 +81,8 @@ def test_every_preset_estimates_and_its_figures_follow_from_each_other(name):
 
 
 def test_state_divides_by_fsdp_and_activations_by_the_batch_shards():
-    small = estimate(LLAMA, TrainConfig(per_device_batch_size=4), {"fsdp": 8}, {}, v5p(8, (2, 2, 2))).memory
-    large = estimate(LLAMA, TrainConfig(per_device_batch_size=1), {"fsdp": 32}, {}, v5p(32, (2, 4, 4))).memory
+    small = estimate(Request.of(v5p(8, (2, 2, 2)), LLAMA, TrainConfig(per_device_batch_size=4), {"fsdp": 8}, {})).memory
+    large = estimate(Request.of(v5p(32, (2, 4, 4)), LLAMA, TrainConfig(per_device_batch_size=1), {"fsdp": 32}, {})).memory
     # the same global batch (32 sequences): 4x the shards, 1/4 of everything but the replicated norms
     for field in ("params", "optimizer", "gradients", "activations"):
         assert getattr(large, field) == pytest.approx(getattr(small, field) / 4, rel=1e-3), field
@@ -91,91 +91,85 @@ def test_state_divides_by_fsdp_and_activations_by_the_batch_shards():
 def test_tensor_parallelism_splits_per_token_activations():
     train = TrainConfig(remat_policy="minimal")
     topo = v5p(8, (2, 2, 2))
-    fsdp = layer_saved_per_token(LLAMA, train, make_mesh({"fsdp": 8}, {}, topo), remat="minimal")
-    tensor = layer_saved_per_token(LLAMA, train, make_mesh({"fsdp": 2, "tensor": 4}, {}, topo), remat="minimal")
+    fsdp = layer_saved_per_token(LLAMA, train, Mesh.of({"fsdp": 8}, {}).check(topo), remat="minimal")
+    tensor = layer_saved_per_token(LLAMA, train, Mesh.of({"fsdp": 2, "tensor": 4}, {}).check(topo), remat="minimal")
     assert tensor < fsdp
 
 
 def test_remat_trades_memory_for_time():
-    e = {r: estimate(LLAMA, replace(TRAIN, remat_policy=r), {"fsdp": 64}, {}, v5p(64)) for r in
+    e = {r: estimate(Request.of(v5p(64), LLAMA, replace(TRAIN, remat_policy=r), {"fsdp": 64}, {})) for r in
          ("none", "minimal", "full")}
     assert e["none"].memory.activations > e["minimal"].memory.activations > e["full"].memory.activations
     assert e["none"].step_time_s < e["minimal"].step_time_s < e["full"].step_time_s
 
 
 def test_fit_verdict_and_headroom():
-    fits = estimate(presets.get("tiny"), TRAIN, {"fsdp": 8}, {}, v5p(8, (2, 2, 2)))
+    fits = estimate(Request.of(v5p(8, (2, 2, 2)), presets.get("tiny"), TRAIN, {"fsdp": 8}, {}))
     assert fits.fits and fits.memory.headroom_bytes > 0
-    big = estimate(presets.get("llama3.1-405b"), TRAIN, {"fsdp": 8}, {}, Topo("tpu-v5e", 8, 8, torus=(2, 4)))
+    big = estimate(Request.of(Topo("tpu-v5e", 8, 8, torus=(2, 4)), presets.get("llama3.1-405b"), TRAIN, {"fsdp": 8}, {}))
     assert not big.fits and big.memory.headroom_bytes < 0
 
 
 def test_more_chips_at_fixed_per_device_batch_do_not_add_compute():
-    times = [estimate(LLAMA, TRAIN, {"fsdp": n}, {}, v5p(n, t)).time.compute_s
+    times = [estimate(Request.of(v5p(n, t), LLAMA, TRAIN, {"fsdp": n}, {})).time.compute_s
              for n, t in ((16, (2, 2, 4)), (64, (4, 4, 4)), (256, (4, 8, 8)))]
     assert times[0] >= times[1] >= times[2]
 
 
 def test_tensor_parallelism_adds_collectives():
-    fsdp = estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, v5p(64))
-    tensor = estimate(LLAMA, TRAIN, {"fsdp": 16, "tensor": 4}, {}, v5p(64))
+    fsdp = estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 64}, {}))
+    tensor = estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 16, "tensor": 4}, {}))
     assert not any("tensor" in r.name for r in fsdp.breakdown)
     assert any(r.name.startswith("tensor all-reduce") and r.seconds > 0 for r in tensor.breakdown)
-    more = estimate(LLAMA, TRAIN, {"fsdp": 8, "tensor": 8}, {}, v5p(64))
+    more = estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 8, "tensor": 8}, {}))
     tp = [sum(r.seconds for r in e.breakdown if r.name.startswith("tensor")) for e in (tensor, more)]
     assert tp[1] > tp[0]
 
 
 def test_overlap_never_lengthens_the_step():
-    steps = [estimate(LLAMA, TRAIN, {"fsdp": 16, "tensor": 4}, {}, v5p(64), overlap=f).step_time_s
+    steps = [estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 16, "tensor": 4}, {}), overlap=f).step_time_s
              for f in (0.0, 0.5, 1.0)]
     assert steps[0] > steps[1] > steps[2]
-    assert estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, v5p(64), overlap=Overlap(fsdp=0.3)).overlap.fsdp == 0.3
+    assert estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 64}, {}), overlap=Overlap(fsdp=0.3)).overlap.fsdp == 0.3
 
 
 def test_bottleneck_compute_for_a_big_model_on_big_batches():
-    e = estimate(presets.get("gpt3-175b"), TrainConfig(seq_len=2048), {"fsdp": 1024}, {}, v5p(1024, (8, 8, 16)))
+    e = estimate(Request.of(v5p(1024, (8, 8, 16)), presets.get("gpt3-175b"), TrainConfig(seq_len=2048), {"fsdp": 1024}, {}))
     assert e.bottleneck == "compute"
 
 
 def test_bottleneck_hbm_for_a_tiny_model():
     # L < 128: splash cannot serve it, the model runs the dot product, whose scores grow as L^2 (compute-bound at 64)
-    e = estimate(presets.get("tiny"), TrainConfig(per_device_batch_size=1, seq_len=32), {}, {}, v5p(1, (1, 1, 1)))
+    e = estimate(Request.of(v5p(1, (1, 1, 1)), presets.get("tiny"), TrainConfig(per_device_batch_size=1, seq_len=32), {}, {}))
     assert e.bottleneck == "hbm"
 
 
 def test_bottleneck_ici_for_heavy_tensor_parallelism_on_short_sequences():
-    e = estimate(LLAMA, TrainConfig(per_device_batch_size=1, seq_len=128), {"data": 4, "fsdp": 256},
-                 {"data": 4}, Topo("tpu-v5e", 1024, 8, num_slices=4, hosts=128, torus=(16, 16)))
+    e = estimate(Request.of(Topo("tpu-v5e", 1024, 8, num_slices=4, hosts=128, torus=(16, 16)), LLAMA, TrainConfig(per_device_batch_size=1, seq_len=128), {"data": 4, "fsdp": 256}, {"data": 4}))
     assert e.bottleneck == "ici"
 
 
 def test_bottleneck_dcn_when_gradients_cross_slices():
-    e = estimate(LLAMA, TrainConfig(per_device_batch_size=1, seq_len=128), {"data": 4, "fsdp": 4}, {"data": 4},
-                 Topo("tpu-v5e", 16, 4, num_slices=4, hosts=4, torus=(2, 2)))
+    e = estimate(Request.of(Topo("tpu-v5e", 16, 4, num_slices=4, hosts=4, torus=(2, 2)), LLAMA, TrainConfig(per_device_batch_size=1, seq_len=128), {"data": 4, "fsdp": 4}, {"data": 4}))
     assert e.bottleneck == "dcn"
     assert any(r.kind == "dcn" and r.name.startswith("data all-reduce") for r in e.breakdown)
 
 
 def test_gpu_collectives_cross_infiniband_beyond_the_nvlink_domain():
     hgx = Topo("h100-sxm", 128, 8, hosts=16, torus=(16, 8))
-    inside = estimate(LLAMA, TRAIN, {"fsdp": 16, "tensor": 8}, {}, hgx)
+    inside = estimate(Request.of(hgx, LLAMA, TRAIN, {"fsdp": 16, "tensor": 8}, {"fsdp": 16}))
     assert all(r.kind != "dcn" for r in inside.breakdown if r.name.startswith("tensor"))
     assert any(r.kind == "dcn" for r in inside.breakdown if r.name.startswith("fsdp"))
-    nvl72 = estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, Topo("gb200", 64, 4, hosts=16))
+    nvl72 = estimate(Request.of(Topo("gb200", 64, 4, hosts=16), LLAMA, TRAIN, {"fsdp": 64}, {}))
     assert not any(r.kind == "dcn" for r in nvl72.breakdown)
 
 
 def test_tpu7x_two_devices_per_chip():
-    @dataclass(frozen=True)
-    class Ironwood(Topo):
-        devices_per_chip: int = 2
-
-    topo = Ironwood("tpu7x", 64, 4, hosts=16, torus=(4, 4, 4))
-    e = estimate(LLAMA, TRAIN, {"fsdp": 128}, {}, topo)
+    topo = Topo("tpu7x", 64, 4, hosts=16, torus=(4, 4, 4), devices_per_chip=2)
+    e = estimate(Request.of(topo, LLAMA, TRAIN, {"fsdp": 128}, {}))
     assert e.peak_flops == pytest.approx(2307e12 / 2)
     with pytest.raises(MaxperfError, match="128 devices"):
-        estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, topo)
+        estimate(Request.of(topo, LLAMA, TRAIN, {"fsdp": 64}, {}))
 
 
 @pytest.mark.parametrize("mesh, dcn, match", [
@@ -187,28 +181,20 @@ def test_tpu7x_two_devices_per_chip():
 ])
 def test_bad_meshes_are_one_line_errors(mesh, dcn, match):
     with pytest.raises(MaxperfError, match=match) as err:
-        estimate(LLAMA, TRAIN, mesh, dcn, v5p(64))
+        estimate(Request.of(v5p(64), LLAMA, TRAIN, mesh, dcn))
     assert "\n" not in str(err.value)
 
 
 def test_zero_batch_is_an_error():
-    @dataclass(frozen=True)
-    class Train:
-        per_device_batch_size: int = 0
-        seq_len: int = 128
-        compute_dtype: str = "bfloat16"
-        param_dtype: str = "float32"
-        remat_policy: str = "full"
-        grad_accum_steps: int = 1
-        scan_layers: bool = True
-
-    with pytest.raises(MaxperfError, match="per_device_batch_size must be a positive number, got 0"):
-        estimate(LLAMA, Train(), {"fsdp": 64}, {}, v5p(64))
+    with pytest.raises(MaxperfError, match="per_device_batch_size must be > 0"):
+        TrainConfig(per_device_batch_size=0)
 
 
 def test_unknown_chip_is_an_error_naming_close_matches():
+    from maxperf.perfmodel import get_chip
+
     with pytest.raises(MaxperfError, match="unknown chip 'tpu-v5pp'; did you mean tpu-v5p"):
-        estimate(LLAMA, TRAIN, {"fsdp": 64}, {}, Topo("tpu-v5pp", 64))
+        get_chip("tpu-v5pp")
 
 
 def test_bad_overlap_is_an_error():
@@ -218,37 +204,38 @@ def test_bad_overlap_is_an_error():
 
 def test_shard_counts_follow_the_models_partition_specs():
     from maxperf.models.sharding import mesh_axes_for
-    from maxperf.perfmodel.shapes import make_mesh
-    from maxperf.perfmodel.sharding import split
+    from maxperf.spec.logical_axes import split
+    from maxperf.spec.mesh import Mesh
 
     sizes = {"data": 2, "fsdp": 4, "sequence": 1, "tensor": 8, "expert": 1}
-    mesh = make_mesh(sizes, {}, Topo("tpu-v5p", 64))
+    mesh = Mesh.of(sizes, {}).check(Topo("tpu-v5p", 64))
     for shape, logical in [((4096, 32, 128), ("embed", "heads", "head_dim")), ((4096, 4, 128), ("embed", "kv_heads",
                            "head_dim")), ((16, 2048), ("activation_batch", "activation_length"))]:
         entries = mesh_axes_for(shape, logical, sizes)
         expected = tuple(1 if e is None else sizes[e] if isinstance(e, str) else sizes[e[0]] * sizes[e[1]]
                          for e in entries)
-        assert split(shape, logical, mesh) == expected
-    assert split((4096, 4, 128), ("embed", "kv_heads", "head_dim"), mesh) == (4, 1, 1)
+        assert split(shape, logical, mesh.axes) == expected
+    assert split((4096, 4, 128), ("embed", "kv_heads", "head_dim"), mesh.axes) == (4, 1, 1)
 
 
-def test_importing_perfmodel_imports_neither_jax_nor_models():
+def test_perfmodel_imports_only_the_spec_and_no_jax():
     code = ("import sys, maxperf.perfmodel, maxperf.perfmodel.estimate; "
-            "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'maxperf.models', 'maxperf.aot'))]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+            "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.') or (m.startswith('maxperf.') and not "
+            "m.startswith(('maxperf.perfmodel', 'maxperf.spec')))]; print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_gpu_memory_is_the_target_specs_where_the_topology_states_it():
-    @dataclass(frozen=True)
-    class Hgx(Topo):
-        target_hbm_bytes: int | None = 84942979072  # device_memory_size of the plugin's H100 spec
+def test_gpu_memory_is_the_target_specs_where_the_topology_states_it(monkeypatch):
+    from maxperf.spec import gpu_targets
 
-    spec = estimate(LLAMA, TRAIN, {"fsdp": 16}, {}, Hgx("h100-sxm", 16, 8, hosts=2, torus=(2, 8)))
+    hgx = Topo("h100-sxm", 16, 8, hosts=2, torus=(2, 8))
+    monkeypatch.setattr(gpu_targets, "target_memory_bytes", lambda chip, path: 84942979072)  # the plugin's H100 spec
+    spec = estimate(Request.of(hgx, LLAMA, TRAIN, {"fsdp": 16}, {"fsdp": 2}))
     assert spec.memory.hbm_bytes == 84942979072 and spec.notes == ()
     assert spec.fits == (spec.memory.per_device_total_bytes <= 84942979072)
-    datasheet = estimate(LLAMA, TRAIN, {"fsdp": 16}, {}, Topo("h100-sxm", 16, 8, hosts=2, torus=(2, 8)))
+    monkeypatch.setattr(gpu_targets, "target_memory_bytes", lambda chip, path: None)  # no CUDA plugin
+    datasheet = estimate(Request.of(hgx, LLAMA, TRAIN, {"fsdp": 16}, {"fsdp": 2}))
     assert datasheet.memory.hbm_bytes == 80e9
     assert datasheet.notes == ("h100-sxm memory is the datasheet's 80 GB, not read from the GPU target spec that "
                                "compiles (it needs the CUDA plugin: pip install 'maxperf[gpu]')",)
@@ -264,7 +251,7 @@ def test_dot_product_attention_costs_what_an_h100_measured_over_flash():
 
     def step(kernel):
         train = TrainConfig(per_device_batch_size=8, seq_len=2048, attention=kernel)
-        return estimate(scaled, train, {"fsdp": 1}, {}, h100).step_time_s
+        return estimate(Request.of(h100, scaled, train, {"fsdp": 1}, {})).step_time_s
 
     difference = step("dot_product") - step("flash")
     assert difference == pytest.approx(0.0892, rel=0.15)
@@ -278,5 +265,5 @@ def test_gpu_memory_follows_what_an_h100_compiled(name, batch, compiled_gib):
     optimizer buffers, qwen3-0.6b (large vocabulary) was 26% under and scaled-4 21% over."""
     h100 = Topo("h100-sxm", 1, chips_per_host=1, torus=(1, 1))
     train = TrainConfig(per_device_batch_size=batch, seq_len=2048)
-    total = estimate(presets.get(name), train, {"fsdp": 1}, {}, h100).memory_per_device_bytes
+    total = estimate(Request.of(h100, presets.get(name), train, {"fsdp": 1}, {})).memory_per_device_bytes
     assert total / 2**30 == pytest.approx(compiled_gib, rel=0.08)

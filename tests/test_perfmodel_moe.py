@@ -7,15 +7,17 @@ import math
 from dataclasses import replace
 
 import pytest
+from perfmodel_util import Topo
 
-from maxperf.models import presets
-from maxperf.models.config import AttentionType, ModelConfig, RoutedScoreFunc, TrainConfig
 from maxperf.perfmodel import count_flops, count_params, estimate, get_chip
 from maxperf.perfmodel.memory import estimate_memory, params_per_block
 from maxperf.perfmodel.network import LATENCY_S, all_to_all_time, axis_networks
-from maxperf.perfmodel.shapes import make_mesh
 from maxperf.perfmodel.steptime import matmul_efficiency
-from perfmodel_util import Topo
+from maxperf.spec import presets
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.model import AttentionType, ModelConfig, RoutedScoreFunc
+from maxperf.spec.request import Request
+from maxperf.spec.train import TrainConfig
 
 # E 4 experts of Fe 32, top-2, one shared expert, the first layer dense, DeepSeek's selection bias
 SMALL = ModelConfig(name="small-moe", vocab_size=256, d_model=64, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -165,7 +167,7 @@ def test_full_remat_recomputes_the_experts_and_router():
 
 
 def test_experts_state_under_expert_and_fsdp_sharding():
-    mesh = make_mesh({"expert": 4, "fsdp": 2}, {}, Topo("tpu-v5p", 8, torus=(2, 2, 2)))
+    mesh = Mesh.of({"expert": 4, "fsdp": 2}, {}).check(Topo("tpu-v5p", 8, torus=(2, 2, 2)))
     # per MoE layer: 3 expert arrays [4, 64, 32] -> one local expert, D over fsdp: 32 x 32; the router [64, 4] and
     # the shared expert's [64, 32] arrays with D over fsdp and expert (8); the bias whole
     per_layer = 3 * 32 * 32 + 8 * 4 + 3 * 8 * 32 + 4
@@ -179,7 +181,7 @@ def test_experts_state_under_expert_and_fsdp_sharding():
 def test_all_to_all_over_nvlink_and_infiniband():
     chip = get_chip("h100-sxm")
     topo = Topo("h100-sxm", 16, chips_per_host=8, hosts=2, num_slices=2)
-    nets = axis_networks(make_mesh({"expert": 16}, {"expert": 2}, topo), chip, topo)
+    nets = axis_networks(Mesh.of({"expert": 16}, {"expert": 2}).check(topo), chip, topo)
     t = all_to_all_time(8e6, ("expert",), nets)
     nvlink = chip.link_bandwidth * chip.link_count
     assert t.ici_s == pytest.approx(8e6 * (8 / 16) * (7 / 8) / nvlink + LATENCY_S["ici"], rel=1e-12)
@@ -189,8 +191,8 @@ def test_all_to_all_over_nvlink_and_infiniband():
 def test_all_to_all_on_a_torus_pays_the_mean_hops():
     chip = get_chip("tpu-v5p")
     topo = Topo("tpu-v5p", 64, hosts=16, torus=(4, 4, 4))
-    ring = axis_networks(make_mesh({"expert": 4, "fsdp": 16}, {}, topo), chip, topo)
-    plane = axis_networks(make_mesh({"expert": 16, "fsdp": 4}, {}, topo), chip, topo)
+    ring = axis_networks(Mesh.of({"expert": 4, "fsdp": 16}, {}).check(topo), chip, topo)
+    plane = axis_networks(Mesh.of({"expert": 16, "fsdp": 4}, {}).check(topo), chip, topo)
     # a ring of 4 over 2 links: a mean of 1 hop; a 4 x 4 plane over 4 links: 2 hops
     assert all_to_all_time(1e6, ("expert",), ring).ici_s == pytest.approx(
         1e6 * 1 / (2 * chip.link_bandwidth) + LATENCY_S["ici"], rel=1e-12)
@@ -207,9 +209,9 @@ def test_all_to_all_rows_of_the_step():
     its exchange buffers whole: from its 64 tokens, min(k, E / expert) = 1 row of D for each of the 4 shards."""
     topo = Topo("h100-sxm", 8, chips_per_host=8)
     train = TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="full")
-    e = estimate(SMALL, train, {"expert": 4, "fsdp": 2}, {}, topo, load_imbalance=1.5)
+    e = estimate(Request.of(topo, SMALL, train, {"expert": 4, "fsdp": 2}, {}), load_imbalance=1.5)
     sent = 64 * 4 * 64 * 2  # tokens x buffer rows x D x bfloat16
-    nets = axis_networks(make_mesh({"expert": 4, "fsdp": 2}, {}, topo), get_chip("h100-sxm"), topo)
+    nets = axis_networks(Mesh.of({"expert": 4, "fsdp": 2}, {}).check(topo), get_chip("h100-sxm"), topo)
     assert _row(e, "expert all-to-all (ici)").seconds == pytest.approx(
         2 * 5 * all_to_all_time(sent, ("expert",), nets).ici_s, rel=1e-12)
     assert any("1.5x the mean of the routed rows" in line for line in e.assumptions)
@@ -218,11 +220,11 @@ def test_all_to_all_rows_of_the_step():
 def test_load_imbalance_scales_the_busiest_experts_work():
     topo = Topo("tpu-v5p", 8, torus=(2, 2, 2))
     train = TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="none")
-    down = {f: _row(estimate(SMALL, train, {"expert": 4, "fsdp": 2}, {}, topo, load_imbalance=f), "experts down")
+    down = {f: _row(estimate(Request.of(topo, SMALL, train, {"expert": 4, "fsdp": 2}, {}), load_imbalance=f), "experts down")
             for f in (1.0, 2.0)}
     assert down[2.0].flops == 2 * down[1.0].flops == 2 * (3 * 2 * 64 * 2 * 32 * 64 * 2)  # fwd + bwd, 2 MoE layers
     # without an expert axis every device runs all experts on its own tokens: no imbalance
-    alone = _row(estimate(SMALL, train, {"fsdp": 8}, {}, topo, load_imbalance=2.0), "experts down")
+    alone = _row(estimate(Request.of(topo, SMALL, train, {"fsdp": 8}, {}), load_imbalance=2.0), "experts down")
     assert alone.flops == down[1.0].flops
 
 
@@ -233,7 +235,7 @@ def test_grouped_matmul_runs_at_the_efficiency_of_its_rows_per_expert():
                     head_dim=128, d_ff=8192, num_experts=128, num_experts_per_tok=2, base_moe_mlp_dim=4096,
                     first_num_dense_layers=1)
     topo = Topo("tpu-v5p", 1, chips_per_host=1, torus=(1, 1, 1))
-    e = estimate(m, TrainConfig(per_device_batch_size=1, seq_len=2048, remat_policy="none"), {"fsdp": 1}, {}, topo)
+    e = estimate(Request.of(topo, m, TrainConfig(per_device_batch_size=1, seq_len=2048, remat_policy="none"), {"fsdp": 1}, {}))
     chip = get_chip("tpu-v5p")
     down = _row(e, "experts down")
     assert down.kind == "compute"
@@ -246,8 +248,7 @@ def test_grouped_matmul_runs_at_the_efficiency_of_its_rows_per_expert():
 
 def test_estimate_memory_breaks_down_experts_attention_and_the_rest():
     topo = Topo("tpu-v5p", 8, torus=(2, 2, 2))
-    e = estimate(SMALL, TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="none"),
-                 {"expert": 4, "fsdp": 2}, {}, topo)
+    e = estimate(Request.of(topo, SMALL, TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="none"), {"expert": 4, "fsdp": 2}, {}))
     d = e.as_dict()["memory"]
     assert set(d["state_blocks"]) == set(d["activation_blocks"]) == {"experts", "attention", "rest"}
     assert sum(d["activation_blocks"].values()) == pytest.approx(e.memory.activations, rel=1e-12)
@@ -261,7 +262,7 @@ def test_saved_expert_tensors_fill_the_worst_case_exchange_buffer():
     and, read by the routing weights' gradient in a MoE layer, mlpwo."""
     from maxperf.perfmodel.memory import named_per_token
 
-    mesh = make_mesh({"expert": 4, "fsdp": 2}, {}, Topo("tpu-v5p", 8, torus=(2, 2, 2)))
+    mesh = Mesh.of({"expert": 4, "fsdp": 2}, {}).check(Topo("tpu-v5p", 8, torus=(2, 2, 2)))
     train = TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="minimal")
     sizes = named_per_token(SMALL, train, mesh, moe_layer=True)
     assert (sizes["mlpwi_0"], sizes["mlpwi_1"], sizes["mlpwo"]) == (2 * (4 + 1) * 32, 2 * (4 + 1) * 32, 2 * 64 * 5)
@@ -284,7 +285,7 @@ def test_moe_steps_on_an_h100_follow_the_dispatch_they_measured(name, layers, ov
     model = replace(presets.get(name), num_layers=layers)
     train = TrainConfig(per_device_batch_size=4, seq_len=2048, **overrides)
     h100 = Topo("h100-sxm", 1, chips_per_host=1, torus=(1, 1))
-    assert estimate(model, train, {"fsdp": 1}, {}, h100).step_time_s == pytest.approx(measured_s, rel=0.15)
+    assert estimate(Request.of(h100, model, train, {"fsdp": 1}, {})).step_time_s == pytest.approx(measured_s, rel=0.15)
 
 
 def test_the_load_imbalance_key_reaches_the_step_time():
@@ -294,8 +295,7 @@ def test_the_load_imbalance_key_reaches_the_step_time():
     v5p = Topo("tpu-v5p", 64, hosts=16, torus=(4, 4, 4))
 
     def step(**kw):
-        return estimate(model, TrainConfig(per_device_batch_size=1, seq_len=2048, **kw), {"fsdp": 8, "expert": 8}, {},
-                        v5p)
+        return estimate(Request.of(v5p, model, TrainConfig(per_device_batch_size=1, seq_len=2048, **kw), {"fsdp": 8, "expert": 8}, {}))
 
     assumed, balanced, skewed = step(), step(moe_load_imbalance=1.0), step(moe_load_imbalance=2.0)
     assert balanced.step_time_s < assumed.step_time_s < skewed.step_time_s
@@ -308,9 +308,9 @@ def test_multi_token_prediction_modules_are_in_the_memory():
     """Two MTP modules on one device: their parameters (count_params' mtp) in float32, each depth's logits beside the
     decoder's, and per depth and token its layer's input, the concatenated 2D projection input and three RMSNorms (each
     its float32 input and its normalized value in bfloat16; full remat keeps nothing else of the layer)."""
-    from maxperf.perfmodel.memory import mtp_arrays
+    from maxperf.spec.params import mtp_arrays
 
-    mesh = make_mesh({}, {}, Topo("tpu-v5p", 1, chips_per_host=1, torus=(1, 1, 1)))
+    mesh = Mesh.of({}, {}).check(Topo("tpu-v5p", 1, chips_per_host=1, torus=(1, 1, 1)))
     train = TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="full")
     with_mtp = replace(SMALL, mtp_num_layers=2)
     assert sum(x.count * math.prod(x.shape) for x in mtp_arrays(with_mtp)) == count_params(with_mtp).mtp == 103560
@@ -327,7 +327,7 @@ def test_expert_gradients_keep_the_split_of_the_experts_shard_map():
     more elements per matrix, for 3 matrices in 2 MoE layers, in the gradients and the float32 accumulator."""
     from maxperf.perfmodel.memory import expert_gradient_excess, params_per_device
 
-    mesh = make_mesh({"fsdp_transpose": 2, "tensor": 2, "fsdp": 2}, {}, Topo("tpu-v5p", 8, torus=(2, 2, 2)))
+    mesh = Mesh.of({"fsdp_transpose": 2, "tensor": 2, "fsdp": 2}, {}).check(Topo("tpu-v5p", 8, torus=(2, 2, 2)))
     train = TrainConfig(per_device_batch_size=2, seq_len=32, grad_accum_steps=2)
     assert expert_gradient_excess(SMALL, train, mesh) == 2 * 3 * 1024
     memory = estimate_memory(SMALL, train, mesh, 95e9)
@@ -340,7 +340,7 @@ def test_expert_gradients_keep_the_split_of_the_experts_shard_map():
 def test_the_exchange_runs_serially_where_overlapping_it_would_not_fit(L):
     """A TPU whose memory is one byte short of the overlapped estimate: three D-wide row buffers fewer in the
     experts' backward (T = 2L tokens x 4 receive rows x D 64, bfloat16); a GPU's estimate does not change."""
-    mesh = make_mesh({"expert": 4, "fsdp": 2}, {}, Topo("tpu-v5p", 8, torus=(2, 2, 2)))
+    mesh = Mesh.of({"expert": 4, "fsdp": 2}, {}).check(Topo("tpu-v5p", 8, torus=(2, 2, 2)))
     train = TrainConfig(per_device_batch_size=2, seq_len=L, remat_policy="full")
     roomy = estimate_memory(SMALL, train, mesh, 95e9)
     tight = estimate_memory(SMALL, train, mesh, roomy.per_device_total_bytes - 1)
@@ -354,7 +354,7 @@ def test_thin_expert_shards_hold_a_gather_in_flight_not_the_gradients(monkeypatc
     one more gathered matrix (its zero-padded all-reduce input), whatever EXPERT_GRAD_MATRICES says."""
     from maxperf.perfmodel import memory
 
-    mesh = make_mesh({"expert": 4, "fsdp": 2}, {}, Topo("tpu-v5p", 8, torus=(2, 2, 2)))
+    mesh = Mesh.of({"expert": 4, "fsdp": 2}, {}).check(Topo("tpu-v5p", 8, torus=(2, 2, 2)))
     train = TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="full")
     base = estimate_memory(SMALL, train, mesh, 95e9).temporaries
     monkeypatch.setattr(memory, "EXPERT_GRAD_MATRICES", 7)
@@ -371,7 +371,7 @@ def test_gpu_grouped_matmuls_hold_their_dense_expansion_over_the_local_experts(m
     receive buffer of expert 2 x min(2, 4 / 2)). TPU's grouped matmuls and the einsum dispatch hold none."""
     from maxperf.perfmodel import memory
 
-    mesh = make_mesh(axes, {}, Topo("h100-sxm", 8, chips_per_host=8))
+    mesh = Mesh.of(axes, {}).check(Topo("h100-sxm", 8, chips_per_host=8))
     train = TrainConfig(per_device_batch_size=2, seq_len=256, remat_policy="full")
     einsum = replace(train, sparse_matmul=False, capacity_factor=1.0)
     counted = {k: estimate_memory(SMALL, t, mesh, 80e9, platform=p).temporaries
@@ -392,8 +392,8 @@ def test_gpu_holds_a_second_layout_of_fsdp_sharded_expert_gradients(monkeypatch)
 
     train = TrainConfig(per_device_batch_size=2, seq_len=256, remat_policy="full")  # float32 parameters
     h100 = Topo("h100-sxm", 8, chips_per_host=8)
-    fsdp, expert = make_mesh({"fsdp": 8}, {}, h100), make_mesh({"expert": 4, "fsdp": 2}, {}, h100)
-    ep_only = make_mesh({"expert": 8}, {}, h100)
+    fsdp, expert = Mesh.of({"fsdp": 8}, {}).check(h100), Mesh.of({"expert": 4, "fsdp": 2}, {}).check(h100)
+    ep_only = Mesh.of({"expert": 8}, {}).check(h100)
     counted = {(m, p): estimate_memory(SMALL, train, mesh, 80e9, platform=p).temporaries
                for m, mesh in {"fsdp": fsdp, "expert": expert, "ep": ep_only}.items() for p in ("gpu", "tpu")}
     monkeypatch.setattr(memory, "GPU_EXPERT_GRADIENT_COPIES", 0)

@@ -24,7 +24,7 @@ def test_hardware_flops_match_xla_cost_analysis(tmp_path, remat):
     xla = result.cost["xla_flops_per_device"]
     assert xla, "the TPU compiler gives a cost analysis"
     p = result.plan
-    est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+    est = perfmodel.estimate(p)
     assert est.hardware_flops_per_device == pytest.approx(xla, rel=0.05)
 
 
@@ -34,7 +34,7 @@ def test_full_remat_adds_the_forward_again_in_both_counts(tmp_path):
     for remat in ("none", "full"):
         result = aot.compile("v5p-8", "tiny", [*SHAPE, f"remat_policy={remat}"], out=tmp_path / remat)
         p = result.plan
-        est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+        est = perfmodel.estimate(p)
         flops[remat] = (result.cost["xla_flops_per_device"], est.flops.recompute_flops)
     xla_extra = flops["full"][0] - flops["none"][0]
     assert xla_extra == pytest.approx(flops["full"][1], rel=0.10)

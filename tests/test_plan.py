@@ -1,17 +1,19 @@
-"""One resolution of a request into configs and a mesh (maxperf/plan.py), and every command on top of it."""
+"""One resolution of a request into configs and a mesh (maxperf/spec/request.py), and every command on top of it."""
 
 import json
 
 import pytest
 
 from maxperf import perfmodel
-from maxperf.aot import gpu_targets
-from maxperf.aot import topologies as T
 from maxperf.cli import main
-from maxperf.errors import MaxperfError
-from maxperf.models import overrides, presets
-from maxperf.models.config import MESH_AXES, ParallelismConfig
-from maxperf.plan import plan, resolve_mesh
+from maxperf.spec import gpu_targets, overrides, presets
+from maxperf.spec import topology as T
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.logical_axes import MESH_AXES
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.mesh import resolve as resolve_mesh
+from maxperf.spec.parallelism import ParallelismConfig
+from maxperf.spec.request import resolve
 
 needs_cuda_plugin = pytest.mark.skipif(gpu_targets.plugin_library() is None, reason="CUDA plugin not installed")
 
@@ -25,29 +27,29 @@ MULTI_HOST_GPUS = {"h100-8x2": (8, 2), "h100-8x4": (8, 4), "a100-8x2": (8, 2), "
 @pytest.mark.parametrize("name", sorted(MULTI_HOST_GPUS))
 def test_multi_host_gpu_mesh_spans_nvlink_domains_and_perfmodel_takes_it(name):
     per_domain, domains = MULTI_HOST_GPUS[name]
-    p = plan(name, "llama3-8b", ["ici_fsdp=8", f"ici_data={per_domain // 8}"])
-    assert p.mesh_shape.ici["fsdp"] * p.mesh_shape.ici["data"] == per_domain
-    assert p.mesh_shape.dcn == {**dict.fromkeys(MESH_AXES, 1), "data": domains}
-    est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+    p = resolve(name, "llama3-8b", ["ici_fsdp=8", f"ici_data={per_domain // 8}"])
+    assert p.mesh.ici["fsdp"] * p.mesh.ici["data"] == per_domain
+    assert p.mesh.dcn == {**dict.fromkeys(MESH_AXES, 1), "data": domains}
+    est = perfmodel.estimate(p)
     assert est.chips == per_domain * domains and est.step_time_s > 0
 
 
 def test_dcn_axes_must_cover_the_nvlink_domains():
     with pytest.raises(MaxperfError, match=r"multiply to 1 but there are 2 NVLink domains \(hosts\) in h100-8x2"):
-        plan("h100-8x2", "tiny", ["dcn_data=1"])
+        resolve("h100-8x2", "tiny", ["dcn_data=1"])
     with pytest.raises(MaxperfError, match=r"ici_fsdp=3 multiply to 3 but there are 8 devices in each NVLink"):
-        plan("h100-8x2", "tiny", ["ici_fsdp=3"])
-    p = plan("h100-8x2", "tiny", ["dcn_data=1", "dcn_fsdp=2"])
-    assert p.mesh_shape.axes["fsdp"] == 16 and p.mesh_shape.dcn == {**dict.fromkeys(MESH_AXES, 1), "fsdp": 2}
+        resolve("h100-8x2", "tiny", ["ici_fsdp=3"])
+    p = resolve("h100-8x2", "tiny", ["dcn_data=1", "dcn_fsdp=2"])
+    assert p.mesh.axes["fsdp"] == 16 and p.mesh.dcn == {**dict.fromkeys(MESH_AXES, 1), "fsdp": 2}
 
 
 def test_perfmodel_checks_dcn_axes_against_the_domains_not_the_slices():
     t = T.get("h100-8x2")
     assert t.num_slices == 1 and t.ici_domains == 2
-    mesh = perfmodel.make_mesh({"data": 2, "fsdp": 8}, {"data": 2}, t)
-    assert mesh.ici("data") == 1 and mesh.ici("fsdp") == 8
+    mesh = Mesh.of({"data": 2, "fsdp": 8}, {"data": 2}).check(t)
+    assert mesh.ici["data"] == 1 and mesh.ici["fsdp"] == 8
     with pytest.raises(MaxperfError, match="multiply to 1 but the topology has 2 DCN domain"):
-        perfmodel.make_mesh({"fsdp": 16}, {}, t)
+        Mesh.of({"fsdp": 16}, {}).check(t)
 
 
 def test_resolve_fills_the_minus_one_axes_and_refuses_what_does_not_cover_the_devices():
@@ -86,9 +88,10 @@ def test_compile_for_two_gpu_hosts(tmp_path, capsys):
 
 @needs_cuda_plugin
 def test_the_compiled_mesh_keeps_each_gpu_host_on_the_ici_axes():
-    from maxperf.aot.compiler import build_mesh
+    from maxperf.aot import targets
 
-    mesh = build_mesh(plan("h100-8x2", "tiny"))
+    p = resolve("h100-8x2", "tiny")
+    mesh = targets.jax_mesh(p.topology, p.mesh)
     assert dict(mesh.shape) == {"data": 2, "fsdp": 8, "fsdp_transpose": 1, "sequence": 1, "tensor": 1, "expert": 1}
     hosts = [[d.process_index for d in row] for row in mesh.devices.reshape(2, 8)]
     assert hosts == [[0] * 8, [1] * 8]
@@ -98,12 +101,12 @@ def test_the_compiled_mesh_keeps_each_gpu_host_on_the_ici_axes():
 
 
 def test_a_dividing_mesh_has_no_warnings():
-    assert plan("v5p-64", "llama3-8b", ["ici_tensor=4"]).warnings == ()
+    assert resolve("v5p-64", "llama3-8b", ["ici_tensor=4"]).warnings == ()
 
 
 def test_heads_that_tensor_does_not_divide_are_named_with_their_cost():
-    p = plan("v5p-64", "llama3-8b", ["num_heads=36", "num_kv_heads=4", "ici_tensor=8"])
-    assert p.mesh_shape.axes["tensor"] == 8
+    p = resolve("v5p-64", "llama3-8b", ["num_heads=36", "num_kv_heads=4", "ici_tensor=8"])
+    assert p.mesh.axes["tensor"] == 8
     heads = [w for w in p.warnings if "does not divide H=36" in w]
     assert len(heads) == 1 and heads[0].startswith("tensor=8 does not divide H=36: H is replicated along tensor")
     assert "6.09 GiB per device (2.80 GiB if split over all 32 devices)" in heads[0]
@@ -112,14 +115,14 @@ def test_heads_that_tensor_does_not_divide_are_named_with_their_cost():
 
 
 def test_a_sequence_that_sequence_parallelism_does_not_divide_is_named():
-    p = plan("v5p-64", "llama3-8b", ["seq_len=4095", "ici_sequence=4"])
+    p = resolve("v5p-64", "llama3-8b", ["seq_len=4095", "ici_sequence=4"])
     assert p.warnings == ("sequence=4 does not divide L=4095: L is replicated along sequence, not split; each device "
                           "holds all 4095 of it; e.g. ici_sequence=1 ici_data=4",)
 
 
 def test_explicit_fsdp_that_does_not_divide_the_width_warns_with_the_state_per_device():
-    p = plan("gb200-72", "llama3-8b", ["ici_fsdp=72"])
-    assert p.mesh_shape.axes["fsdp"] == 72
+    p = resolve("gb200-72", "llama3-8b", ["ici_fsdp=72"])
+    assert p.mesh.axes["fsdp"] == 72
     state = perfmodel.count_params(p.model).total * 12 / (1 << 30)  # float32 parameters and two Adam moments
     assert p.warnings == (f"fsdp=72 does not divide D=4096: D is replicated along fsdp, not split; parameters and "
                           f"optimizer state take {state:.2f} GiB per device ({state / 72:.2f} GiB if split over all 72 "
@@ -128,13 +131,12 @@ def test_explicit_fsdp_that_does_not_divide_the_width_warns_with_the_state_per_d
 
 
 def test_the_default_mesh_divides_the_model_width():
-    p = plan("gb200-72", "llama3-8b")
-    assert {a: n for a, n in p.mesh_shape.axes.items() if n > 1} == {"data": 9, "fsdp": 8}
+    p = resolve("gb200-72", "llama3-8b")
+    assert {a: n for a, n in p.mesh.axes.items() if n > 1} == {"data": 9, "fsdp": 8}
     assert p.configs.parallelism == ParallelismConfig(ici_data=-1, ici_fsdp=8)
     assert p.warnings == ("the default fsdp=72 does not divide D=4096: planned ici_fsdp=8 ici_data=9 instead, which "
                           "does (set ici_fsdp to choose)",)
-    memory = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn,
-                                p.topology).memory
+    memory = perfmodel.estimate(p).memory
     assert memory.params == pytest.approx(perfmodel.count_params(p.model).total * 4 / 8, rel=1e-3)
 
 
@@ -201,21 +203,21 @@ def test_a_config_object_holds_to_the_same_bounds():
 
     huge = dataclasses.replace(presets.get("tiny"), num_layers=1 << 20)
     with pytest.raises(MaxperfError, match="num_layers=1048576 is too large; num_layers takes at most 4096"):
-        plan("cpu-8", huge)
+        resolve("cpu-8", huge)
 
 
 def test_planning_and_its_warnings_start_no_jax():
     import subprocess
     import sys
 
-    code = ("import sys; from maxperf.plan import plan; p = plan('gb200-72', 'llama3-8b', ['ici_fsdp=72']); "
+    code = ("import sys; from maxperf.spec import resolve; p = resolve('gb200-72', 'llama3-8b', ['ici_fsdp=72']); "
             "assert p.warnings; print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
 def test_the_rules_name_each_axis_they_leave_out_for_not_dividing():
-    from maxperf.logical_axes import mesh_axes_for, undivided_axes
+    from maxperf.spec.logical_axes import mesh_axes_for, undivided_axes
 
     shape, logical, sizes = (4096, 36, 128), ("embed", "heads", "head_dim"), {"fsdp": 72, "tensor": 8}
     assert mesh_axes_for(shape, logical, sizes) == (None, None, None)
@@ -228,8 +230,8 @@ def test_the_rules_name_each_axis_they_leave_out_for_not_dividing():
 def test_a_dropless_moe_step_on_gpu_is_warned_of_its_dense_expansion():
     """XLA:GPU multiplies every routed row by each local expert: said with the local expert count, and not where the
     dispatch is dense, the platform a TPU, or each device holds one expert."""
-    (line,) = plan("h100-8", "qwen3-30b-a3b", ["ici_expert_parallelism=8"]).warnings
+    (line,) = resolve("h100-8", "qwen3-30b-a3b", ["ici_expert_parallelism=8"]).warnings
     assert "16 local experts" in line and "16x" in line and "sparse_matmul=false" in line
-    assert plan("h100-8", "qwen3-30b-a3b", ["sparse_matmul=false", "capacity_factor=1.25"]).warnings == ()
-    assert plan("v5p-8", "qwen3-30b-a3b").warnings == ()
-    assert plan("h100-8", "mixtral-8x7b", ["ici_expert_parallelism=8"]).warnings == ()
+    assert resolve("h100-8", "qwen3-30b-a3b", ["sparse_matmul=false", "capacity_factor=1.25"]).warnings == ()
+    assert resolve("v5p-8", "qwen3-30b-a3b").warnings == ()
+    assert resolve("h100-8", "mixtral-8x7b", ["ici_expert_parallelism=8"]).warnings == ()

@@ -7,17 +7,18 @@ import math
 from pathlib import Path
 
 import pytest
+from reports_browser import CHROMIUM, check_in_chromium
 
 from maxperf import perfmodel
 from maxperf.cli import main
-from maxperf.models import presets
-from maxperf.plan import plan
 from maxperf.reports.plan import pareto
 from maxperf.reports.render import render
+from maxperf.spec import presets
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.request import Request, resolve
 from maxperf.studies import search
-from reports_browser import CHROMIUM, check_in_chromium
 
-TINY = search.Request("tiny", "cpu-8", per_device_batch=1, pins=("seq_len=64",))
+TINY = search.PlanRequest("tiny", "cpu-8", per_device_batch=1, pins=("seq_len=64",))
 
 
 def run_main(capsys, *argv):
@@ -48,7 +49,7 @@ def test_enumeration_and_divisibility_counts_on_cpu_8(tiny):
 
 
 def test_pins_fix_what_they_name(tiny):
-    pinned = search.search(search.Request("tiny", "cpu-8", per_device_batch=1,
+    pinned = search.search(search.PlanRequest("tiny", "cpu-8", per_device_batch=1,
                                           pins=("seq_len=64", "ici_tensor_parallelism=2", "remat_policy=full")))
     assert pinned.candidates and all(c.ici["tensor"] == 2 and c.remat_policy == "full" for c in pinned.candidates)
     # with tensor=2 the other 4 devices spread over five axes, expert pruned: 4 x 2 ways... counted directly
@@ -58,17 +59,17 @@ def test_pins_fix_what_they_name(tiny):
 
 
 def test_the_winner_is_as_good_as_a_brute_force_grid_through_plan():
-    req = search.Request("tiny", "cpu-8", global_batch_tokens=16 * 64, pins=("seq_len=64", "attention=flash"))
+    req = search.PlanRequest("tiny", "cpu-8", global_batch_tokens=16 * 64, pins=("seq_len=64", "attention=flash"))
     result = search.search(req)
     best = None
     hbm, factor = result.hbm_bytes, 1 + result.margin.value
-    for c in result.candidates:  # every candidate through plan() and estimate(), no ordering shortcut
-        p = plan("cpu-8", "tiny", ["seq_len=64", *c.overrides()])
-        assert p.mesh_shape.ici == c.ici and p.mesh_shape.dcn == c.dcn
-        est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+    for c in result.candidates:  # every candidate through resolve() and estimate(), no ordering shortcut
+        p = resolve("cpu-8", "tiny", ["seq_len=64", *c.overrides()])
+        assert p.mesh.ici == c.ici and p.mesh.dcn == c.dcn
+        est = perfmodel.estimate(p)
         if est.memory_per_device_bytes * factor <= hbm and (best is None or est.tokens_per_s > best):
             best = est.tokens_per_s
-        if c.step_time_s:  # where the search estimated, it agrees with plan() + estimate() exactly
+        if c.step_time_s:  # where the search estimated, it agrees with resolve() + estimate() exactly
             assert c.step_time_s == est.step_time_s and c.memory_bytes == est.memory_per_device_bytes
     assert result.winner.tokens_per_s == pytest.approx(best, rel=1e-12)
     ranked = [c.tokens_per_s for c in result.fitting]
@@ -91,7 +92,7 @@ def test_the_margin_comes_from_measured_error(tmp_path):
 
 
 def test_a_candidate_fits_only_with_the_margin_to_spare(tiny):
-    result = search.search(search.Request("tiny", "cpu-8", per_device_batch=1,
+    result = search.search(search.PlanRequest("tiny", "cpu-8", per_device_batch=1,
                                           pins=("seq_len=64", "remat_policy=none", "attention=dot_product")))
     memory = sorted(c.memory_bytes for c in result.candidates)
     # an HBM between the smallest and largest need, with the margin: those above it do not fit
@@ -168,12 +169,12 @@ def test_the_scaled_family_is_maxtexts_global_parameter_scale():
 
 
 def test_plan_gives_maxtexts_model_or_says_there_is_none(capsys, tmp_path):
-    result = search.search(search.Request("scaled-8", "v5p-8", per_device_batch=1, pins=("seq_len=256",)))
+    result = search.search(search.PlanRequest("scaled-8", "v5p-8", per_device_batch=1, pins=("seq_len=256",)))
     words = result.command(result.winner)["maxtext"].split()
     assert "global_parameter_scale=8" in words and "max_target_length=256" in words
     assert not [w for w in words if w.startswith("model_name=")]
     # a pinned dim is not multiplied by MaxText's scale: scale 1, every dim given
-    pinned = search.search(search.Request("scaled-8", "v5p-8", per_device_batch=1, pins=("seq_len=256",
+    pinned = search.search(search.PlanRequest("scaled-8", "v5p-8", per_device_batch=1, pins=("seq_len=256",
                                                                                           "d_model=2048")))
     words = pinned.command(pinned.winner)["maxtext"].split()
     D, H, K, F, N, _, _ = _maxtext_at_scale(8)
@@ -199,7 +200,7 @@ def test_maxtext_and_maxperf_spell_the_same_microbatch():
 
 def test_plan_splits_the_global_batch_into_microbatches_of_b():
     # 256 rows of L=64 on 8 devices: 32 examples per device per step, A microbatches of B = 32 / A
-    result = search.search(search.Request("tiny", "cpu-8", global_batch_tokens=256 * 64,
+    result = search.search(search.PlanRequest("tiny", "cpu-8", global_batch_tokens=256 * 64,
                                           pins=("seq_len=64", "grad_accum_steps=4", "remat_policy=full",
                                                 "attention=flash")))
     assert result.global_batch_rows == 256
@@ -209,16 +210,16 @@ def test_plan_splits_the_global_batch_into_microbatches_of_b():
     assert "per_device_batch_size=8" in result.winner.maxtext_flags()
     assert "gradient_accumulation_steps=4" in result.winner.maxtext_flags()
     # a pinned B (MaxText's meaning) gives the A that reaches the global batch
-    pinned = search.search(search.Request("tiny", "cpu-8", global_batch_tokens=256 * 64,
+    pinned = search.search(search.PlanRequest("tiny", "cpu-8", global_batch_tokens=256 * 64,
                                           pins=("seq_len=64", "per_device_batch_size=4", "remat_policy=full",
                                                 "attention=flash")))
     assert {(c.per_device_batch_size, c.grad_accum_steps) for c in pinned.candidates} == {(4, 8)}
-    p = plan("cpu-8", "tiny", [*pinned.fixed, *pinned.winner.overrides()])
-    assert p.configs.train.global_batch(p.mesh_shape.devices) == 256
+    p = resolve("cpu-8", "tiny", [*pinned.fixed, *pinned.winner.overrides()])
+    assert p.configs.train.global_batch(p.mesh.devices) == 256
 
 
 def test_every_searched_accumulation_keeps_the_global_batch():
-    result = search.search(search.Request("tiny", "cpu-8", per_device_batch=4,
+    result = search.search(search.PlanRequest("tiny", "cpu-8", per_device_batch=4,
                                           pins=("seq_len=64", "remat_policy=full", "attention=flash")))
     pairs = {(c.per_device_batch_size, c.grad_accum_steps) for c in result.candidates}
     assert pairs == {(4, 1), (2, 2), (1, 4)}
@@ -285,7 +286,7 @@ def test_a_compile_that_needs_more_than_predicted_raises_the_margin_and_searches
 
 # A mid-sized case: llama2-7b over v5p-8's 4 chips, 8 rows of 4,096 tokens, A of 1, 2, 4 or 8: 1,386 candidates,
 # 990 after divisibility, all three of the search's shortcuts taken
-MID = search.Request("llama2-7b", "v5p-8", global_batch_tokens=8 * 4096)
+MID = search.PlanRequest("llama2-7b", "v5p-8", global_batch_tokens=8 * 4096)
 
 
 @pytest.fixture(scope="module")
@@ -295,24 +296,25 @@ def mid():
 
 def _fresh_estimate(result, c):
     """perfmodel.estimate() of a candidate with every cache perfmodel keeps emptied first."""
-    from maxperf.perfmodel import flops, moe, shapes, sharding
+    from maxperf.perfmodel import flops, moe
+    from maxperf.spec import logical_axes, memo, params
 
-    for cached in (moe.moe_shape, sharding._param_arrays, flops.count_params, shapes.model_memo, sharding._split):
+    for cached in (moe.moe_shape, params._param_arrays, flops.count_params, memo.model_memo, logical_axes._split,
+                   logical_axes._assign_cached):
         cached.cache_clear()
-    p = plan(result.topology_name, result.model_name, list(c.overrides()))
-    return perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+    p = resolve(result.topology_name, result.model_name, list(c.overrides()))
+    return perfmodel.estimate(p)
 
 
 def test_the_search_with_its_shortcuts_equals_an_exhaustive_one_on_a_mid_sized_case(mid):
     # every candidate estimated afresh, none skipped: the same best, and no candidate the search did not time beats it
     hbm, factor = mid.hbm_bytes, 1 + mid.margin.value
-    p = plan(mid.topology_name, mid.model_name, [])
+    p = resolve(mid.topology_name, mid.model_name, [])
     exhaustive = {}
     for c in mid.candidates:
-        q = plan(mid.topology_name, mid.model_name, list(c.overrides()))
-        assert q.configs.train.grad_accum_steps == c.grad_accum_steps and q.mesh_shape.ici == c.ici
-        exhaustive[c] = perfmodel.estimate(p.configs.model, q.configs.train, q.mesh_shape.axes, q.mesh_shape.dcn,
-                                           p.topology)
+        q = resolve(mid.topology_name, mid.model_name, list(c.overrides()))
+        assert q.configs.train.grad_accum_steps == c.grad_accum_steps and q.mesh.ici == c.ici
+        exhaustive[c] = perfmodel.estimate(Request.of(p.topology, p.configs.model, q.configs.train, q.mesh.axes, q.mesh.dcn))
     fitting = [c for c, est in exhaustive.items() if est.memory_per_device_bytes * factor <= hbm]
     best = max(fitting, key=lambda c: exhaustive[c].tokens_per_s)
     counts = mid.as_dict()["counts"]
@@ -329,14 +331,13 @@ def test_perfmodel_caches_change_no_figure(mid):
     # one model estimated over many meshes, batches and policies fills perfmodel's caches as a search does; each
     # estimate then agrees to the last bit with one made with every cache emptied: none is keyed on less than its
     # result depends on
-    model = plan(mid.topology_name, mid.model_name, []).configs.model
+    model = resolve(mid.topology_name, mid.model_name, []).configs.model
     sample = [c for c in mid.candidates if c.memory_bytes][::4]
     assert len({(c.mesh_shown(), c.per_device_batch_size) for c in sample}) > 20
     warm = []
     for c in sample:
-        q = plan(mid.topology_name, mid.model_name, list(c.overrides()))
-        warm.append(perfmodel.estimate(model, q.configs.train, q.mesh_shape.axes, q.mesh_shape.dcn,
-                                       q.topology).as_dict())
+        q = resolve(mid.topology_name, mid.model_name, list(c.overrides()))
+        warm.append(perfmodel.estimate(Request.of(q.topology, model, q.configs.train, q.mesh.axes, q.mesh.dcn)).as_dict())
     assert [_fresh_estimate(mid, c).as_dict() for c in sample] == warm
 
 
@@ -344,12 +345,12 @@ def test_estimate_with_the_callers_memory_equals_estimate_alone():
     from maxperf.perfmodel.estimate import device_for
     from maxperf.perfmodel.flops import resolve_attention
 
-    p = plan("v5p-8", "llama2-7b", ["ici_fsdp=4", "remat_policy=full"])
-    m, t, axes = p.configs.model, p.configs.train, p.mesh_shape.axes
-    alone = perfmodel.estimate(m, t, axes, p.mesh_shape.dcn, p.topology)
+    p = resolve("v5p-8", "llama2-7b", ["ici_fsdp=4", "remat_policy=full"])
+    m, t, axes = p.configs.model, p.configs.train, p.mesh.axes
+    alone = perfmodel.estimate(Request.of(p.topology, m, t, axes, p.mesh.dcn))
     chip = device_for(p.topology)
     resolved = resolve_attention(m, t, chip.kind)
-    memory = perfmodel.estimate_memory(m, resolved, perfmodel.make_mesh(axes, p.mesh_shape.dcn, p.topology),
+    memory = perfmodel.estimate_memory(m, resolved, Mesh.of(axes, p.mesh.dcn).check(p.topology),
                                        chip.hbm_bytes, chip.kind)
-    given = perfmodel.estimate(m, t, axes, p.mesh_shape.dcn, p.topology, memory=memory)
+    given = perfmodel.estimate(Request.of(p.topology, m, t, axes, p.mesh.dcn), memory=memory)
     assert given.as_dict() == alone.as_dict()

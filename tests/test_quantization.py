@@ -11,9 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxperf.errors import MaxperfError
-from maxperf.models import overrides, presets, train_step
+from maxperf.models import train_step
 from maxperf.models.layers import quantization
+from maxperf.spec import overrides, presets
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.request import Request
 from tests.models_util import tiny, train_losses
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "aqt_int8_dot.npz")
@@ -195,13 +197,14 @@ def test_cli_bad_value_exits_2_with_one_line():
 
 
 def _rows(chip: str, *words: str) -> dict:
-    from maxperf.models.config import TrainConfig
-    from maxperf.perfmodel import estimate
     from perfmodel_util import Topo
+
+    from maxperf.perfmodel import estimate
+    from maxperf.spec.train import TrainConfig
 
     train = overrides.apply(presets.get("llama2-7b"), list(words)).train
     assert isinstance(train, TrainConfig)
-    e = estimate(presets.get("llama2-7b"), train, {"fsdp": 64}, {}, Topo(chip, 64, hosts=16, torus=(4, 4, 4)))
+    e = estimate(Request.of(Topo(chip, 64, hosts=16, torus=(4, 4, 4)), presets.get("llama2-7b"), train, {"fsdp": 64}, {}))
     return {r.name: r for r in e.breakdown}
 
 
@@ -236,11 +239,12 @@ def test_local_shard_count_default_is_the_targets_chips_per_host(topology):
     read from the compile-only devices' process indices."""
     from jax.sharding import Mesh
 
-    from maxperf.aot import topologies
+    from maxperf.aot import targets
+    from maxperf.spec import topology as topologies
 
     per_host = topologies.get(topology).chips_per_host
     assert per_host == 4
-    devices = topologies.devices(topologies.get(topology))
+    devices = targets.devices(topologies.get(topology))
     mesh = Mesh(np.array(devices).reshape(-1), ("fsdp",))
     train = overrides.apply(presets.get("tiny"), ["quantization=int8"]).train
     assert quantization.resolve_local_shards(train, mesh).quantization_local_shard_count == per_host

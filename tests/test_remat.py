@@ -9,15 +9,18 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
+from models_util import loss_and_grads
 
-from maxperf.models import overrides, presets, train_step
-from maxperf.models.config import ModelConfig, RematPolicy, TrainConfig
 from maxperf.models.layers.decoder import DenseDecoderLayer
 from maxperf.models.transformer import remat_policy
 from maxperf.perfmodel import flops
 from maxperf.perfmodel.memory import estimate_memory, layer_saved_per_token, named_per_token
-from maxperf.perfmodel.shapes import Mesh
-from models_util import loss_and_grads, tiny
+from maxperf.spec import overrides, presets
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.model import ModelConfig
+from maxperf.spec.remat import RematPolicy, remat_names
+from maxperf.spec.request import Request
+from maxperf.spec.train import TrainConfig
 
 # MaxText's layers/decoders.py get_remat_policy, written out: (saved on device, offloaded to the host)
 QKV = {"query_proj", "key_proj", "value_proj", "qkv_proj"}
@@ -38,19 +41,17 @@ MAXTEXT = {
 
 @pytest.mark.parametrize("policy", sorted(MAXTEXT))
 def test_policies_keep_maxtexts_names(policy):
-    saved, offloaded = TrainConfig(remat_policy=policy).remat_names()
+    saved, offloaded = remat_names(TrainConfig(remat_policy=policy))
     assert (set(saved), set(offloaded)) == MAXTEXT[policy]
-    assert tuple(map(set, flops.remat_names(TrainConfig(remat_policy=policy)))) == MAXTEXT[policy]
-    assert TrainConfig(remat_policy="none").remat_names() is None
+    assert remat_names(TrainConfig(remat_policy="none")) is None
 
 
 def test_custom_policy_reads_maxtexts_per_tensor_keys():
     cfg = overrides.apply(presets.get("tiny"), ["remat_policy=custom", "query_proj=device", "mlpwo=offload",
                                                  "context=offload"])
-    saved, offloaded = cfg.train.remat_names()
+    saved, offloaded = remat_names(cfg.train)
     assert set(saved) == {"decoder_layer_input", "query_proj"}  # MaxText keeps the layer input on device by default
     assert set(offloaded) == {"mlpwo", "context"}
-    assert tuple(map(set, flops.remat_names(cfg.train))) == (set(saved), set(offloaded))
 
 
 def _layer_residual_names(policy: str, kernel: str) -> set[str]:
@@ -67,7 +68,7 @@ def _layer_residual_names(policy: str, kernel: str) -> set[str]:
     def apply(x, state):
         return jnp.sum(nnx.merge(graphdef, state)(x, positions, 0))
 
-    fn = jax.checkpoint(apply, policy=remat_policy(train.remat_names()))
+    fn = jax.checkpoint(apply, policy=remat_policy(remat_names(train)))
     names = set()
     for _, where in saved_residuals(fn, jnp.ones((1, 8, 16)), state):
         if where.startswith("named '"):
@@ -100,7 +101,7 @@ def test_every_policy_gives_the_same_gradients():
 
 
 LLAMA = presets.get("llama2-7b")
-MESH = Mesh(axes={"data": 1, "fsdp": 8, "sequence": 1, "tensor": 1, "expert": 1}, dcn={"data": 1, "fsdp": 1})
+MESH = Mesh.of({"fsdp": 8})
 
 
 @pytest.mark.parametrize("policy", sorted(MAXTEXT))
@@ -171,17 +172,18 @@ def test_offload_compiles_for_tpu(tmp_path):
 
 
 def test_step_time_follows_the_kernel_and_the_offload():
+    from perfmodel_util import Topo
+
     from maxperf.perfmodel import estimate
     from maxperf.perfmodel.chips import get
-    from perfmodel_util import Topo
 
     topo = Topo("tpu-v5p", 64, hosts=16, torus=(4, 4, 4))
     train = TrainConfig(per_device_batch_size=2, seq_len=4096, remat_policy="minimal")
-    rows = {m: {r.name: r for r in estimate(LLAMA, replace(train, attention=m), {"fsdp": 64}, {}, topo).breakdown}
+    rows = {m: {r.name: r for r in estimate(Request.of(topo, LLAMA, replace(train, attention=m), {"fsdp": 64}, {})).breakdown}
             for m in ("flash", "dot_product")}
     assert "attention (flash kernel)" in rows["flash"] and "softmax" not in rows["flash"]  # no passes over HBM
     assert {"attention scores", "attention context", "softmax"} <= set(rows["dot_product"])
-    offload = estimate(LLAMA, replace(train, remat_policy="minimal_offloaded"), {"fsdp": 64}, {}, topo)
+    offload = estimate(Request.of(topo, LLAMA, replace(train, remat_policy="minimal_offloaded"), {"fsdp": 64}, {}))
     link = next(r for r in offload.breakdown if r.name == "remat offload (host link)")
     moved = 2 * offload.memory.host_offload  # to the host in the forward, back in the backward
     assert (link.kind, link.bytes) == ("host", moved)

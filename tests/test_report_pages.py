@@ -8,14 +8,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+from reports_browser import CHROMIUM, check_in_chromium
 
 from maxperf import aot, perfmodel
-from maxperf.errors import DoesNotFit
-from maxperf.plan import plan
-from maxperf.reports import memory as parts, render
+from maxperf.reports import memory as parts
+from maxperf.reports import render
 from maxperf.reports.page import fmt
+from maxperf.spec.errors import DoesNotFit
+from maxperf.spec.request import resolve
 from maxperf.studies.sweep import sweep
-from reports_browser import CHROMIUM, check_in_chromium
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MIXED = ["v5p-8", "v5p-16", "v5e-16", "h100-8"]
@@ -124,9 +125,8 @@ def test_a_scaling_headline_opens_the_page(mixed_report):
 def test_phase_parts_add_up_as_perfmodel_adds_them():
     for topology, overrides in (("v5p-8", ["remat_policy=minimal"]), ("v5p-8", ["grad_accum_steps=2", "per_device_batch_size=2"]),
                                 ("v5e-16", ["per_device_batch_size=4"])):
-        p = plan(topology, "llama2-7b", overrides)
-        memory = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn,
-                                    p.topology).memory.as_dict()
+        p = resolve(topology, "llama2-7b", overrides)
+        memory = perfmodel.estimate(p).memory.as_dict()
         state = sum(memory[k] for k in parts.STATE_PARTS)
         for phase, value in memory["phases"].items():
             assert parts.phase_total(memory, phase) == pytest.approx(state + value)
@@ -262,8 +262,8 @@ def test_names_in_a_comparison_say_what_differs(compiled, tmp_path):
 
 
 def test_two_slices_are_named_as_such(tmp_path, capsys):
-    from maxperf.aot.topologies import get
     from maxperf.cli import main
+    from maxperf.spec.topology import get
 
     assert get("v5p-128", num_slices=2).display_name == "2 x v5p-128" and get("v5p-128").display_name == "v5p-128"
     assert main(["estimate", "--topology", "v5p-128", "--num-slices", "2", "--model", "llama2-7b"]) == 0

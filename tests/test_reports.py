@@ -1,7 +1,6 @@
 """`maxperf sweep` and `maxperf report`: resumable sweeps, and self-contained HTML that a browser opens cleanly."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -10,13 +9,13 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from reports_browser import CHROMIUM, check_in_chromium
 
 from maxperf import aot
-from maxperf.studies.sweep import sweep
 from maxperf.aot.artifacts import ArtifactError
-from maxperf.errors import MaxperfError
 from maxperf.reports import render
-from reports_browser import CHROMIUM, check_in_chromium
+from maxperf.spec.errors import MaxperfError
+from maxperf.studies.sweep import sweep
 
 TOPOLOGIES = ["v5p-8", "v5p-16", "v5p-32", "v5p-64"]
 

@@ -11,8 +11,8 @@ import pytest
 from cli_util import maxperf
 
 from maxperf import aot
-from maxperf.errors import MaxperfError
 from maxperf.profiler import run as runner
+from maxperf.spec.errors import MaxperfError
 
 LEARNS = ["seq_len=64", "per_device_batch_size=2", "learning_rate=1e-2", "warmup_steps=0"]
 
@@ -56,7 +56,7 @@ def test_run_measures_and_the_loss_falls(artifact, tmp_path):
 
 
 def test_a_run_says_when_its_calibration_is_not_the_estimates(monkeypatch, capsys):
-    from maxperf import notes
+    from maxperf.spec import notes
 
     monkeypatch.setattr(notes, "_said", set())
     before = {"path": "/c/calibration.json", "created": "2025-01-01T00:00:00+00:00", "sha256": "ab" * 32}
@@ -109,12 +109,12 @@ def test_each_step_reads_the_global_batch_of_rows_under_accumulation(tmp_path):
     import jax
     import numpy as np
 
-    from maxperf.aot.compiler import build_mesh
+    from maxperf.aot import targets
     from maxperf.models import train_step
-    from maxperf.plan import plan
+    from maxperf.spec.request import resolve
 
-    p = plan("cpu-8", "tiny", ["seq_len=8", "per_device_batch_size=2", "gradient_accumulation_steps=4"])
-    spec = train_step.abstract_step(p.configs.model, p.configs.train, build_mesh(p, jax.devices()[:8]))
+    p = resolve("cpu-8", "tiny", ["seq_len=8", "per_device_batch_size=2", "gradient_accumulation_steps=4"])
+    spec = train_step.abstract_step(p.configs.model, p.configs.train, targets.jax_mesh(p.topology, p.mesh, jax.devices()[:8]))
     rows = np.arange(200 * 9, dtype=np.int32).reshape(200, 9) % 256
     np.save(tmp_path / "tokens.npy", rows)
     batch_for = runner.batches(spec, tmp_path / "tokens.npy", first_step=0, seed=0)

@@ -10,17 +10,18 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from models_util import tiny
 
 from maxperf import perfmodel
-from maxperf.errors import MaxperfError
-from maxperf.logical_axes import MESH_AXES, RULES, mesh_axes_for
-from maxperf.models import overrides, presets, train_step
-from maxperf.models.config import TrainConfig
+from maxperf.models import train_step
 from maxperf.perfmodel import memory as perf_memory
-from maxperf.perfmodel.shapes import Mesh
 from maxperf.perfmodel.sharding import activation_split, gather_axes, gathered_size, param_arrays
-from maxperf.plan import plan
-from models_util import tiny
+from maxperf.spec import overrides, presets
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.logical_axes import MESH_AXES, RULES, mesh_axes_for
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.request import resolve
+from maxperf.spec.train import TrainConfig
 
 
 @pytest.fixture(autouse=True)
@@ -60,20 +61,20 @@ def test_parameters_and_batch_follow_the_rules_in_the_step():
 
 
 def test_plan_reads_maxtexts_fsdp_transpose_and_dcn_keys():
-    p = plan("v5p-8", "tiny", ["ici_fsdp_transpose_parallelism=2", "dcn_data_parallelism=1",
+    p = resolve("v5p-8", "tiny", ["ici_fsdp_transpose_parallelism=2", "dcn_data_parallelism=1",
                                "dcn_fsdp_transpose_parallelism=2"], num_slices=2)
-    assert p.mesh_shape.ici == {"data": 1, "fsdp": 2, "fsdp_transpose": 2, "sequence": 1, "tensor": 1, "expert": 1}
-    assert p.mesh_shape.dcn["fsdp_transpose"] == 2
-    assert p.mesh_shape.axes["fsdp_transpose"] == 4
-    mesh = perfmodel.make_mesh(p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
-    assert mesh.ici("fsdp_transpose") == 2
+    assert p.mesh.ici == {"data": 1, "fsdp": 2, "fsdp_transpose": 2, "sequence": 1, "tensor": 1, "expert": 1}
+    assert p.mesh.dcn["fsdp_transpose"] == 2
+    assert p.mesh.axes["fsdp_transpose"] == 4
+    mesh = Mesh.of(p.mesh.axes, p.mesh.dcn).check(p.topology)
+    assert mesh.ici["fsdp_transpose"] == 2
 
 
 @pytest.mark.parametrize("key", ["dcn_tensor_parallelism", "dcn_sequence_parallelism", "dcn_expert_parallelism"])
 def test_every_mesh_axis_may_span_dcn(key):
-    p = plan("v5p-8", "tiny", [f"{key}=2", "dcn_data_parallelism=1"], num_slices=2)
+    p = resolve("v5p-8", "tiny", [f"{key}=2", "dcn_data_parallelism=1"], num_slices=2)
     axis = key.removeprefix("dcn_").removesuffix("_parallelism")
-    assert p.mesh_shape.dcn[axis] == 2 and p.mesh_shape.axes[axis] == 2
+    assert p.mesh.dcn[axis] == 2 and p.mesh.axes[axis] == 2
 
 
 def test_fractional_batch_is_maxtexts():
@@ -82,7 +83,7 @@ def test_fractional_batch_is_maxtexts():
     assert isinstance(overrides.apply(presets.get("tiny"), ["per_device_batch_size=4.0"]).train.per_device_batch_size,
                       int)
     with pytest.raises(MaxperfError, match="microbatch of 2.4 examples, which must be a whole number"):
-        plan("v5p-8", "tiny", ["per_device_batch_size=0.6"])
+        resolve("v5p-8", "tiny", ["per_device_batch_size=0.6"])
     # a fractional B is the microbatch, as in MaxText: A of them make the step
     accumulated = TrainConfig(per_device_batch_size=0.5, grad_accum_steps=4)
     assert (accumulated.micro_batch(4), accumulated.global_batch(4)) == (2, 8)
@@ -93,10 +94,10 @@ def test_fractional_batch_splits_over_the_axes_that_divide_it():
     _, spec = tiny("per_device_batch_size=0.5", "ici_fsdp=4", "ici_fsdp_transpose=2")
     assert spec.batch["inputs"].shape == (4, 16)
     assert spec.batch_shardings["inputs"].spec == P("fsdp", None)
-    split = activation_split(presets.get("tiny"), 0.5, 16, Mesh({**dict.fromkeys(MESH_AXES, 1), "fsdp": 4,
+    split = activation_split(presets.get("tiny"), 0.5, 16, Mesh.of({**dict.fromkeys(MESH_AXES, 1), "fsdp": 4,
                                                                   "fsdp_transpose": 2}, {}))
     assert (split.B, split.T) == (1, 16)
-    p = plan("cpu-8", "tiny", ["per_device_batch_size=0.5", "ici_fsdp=4", "ici_fsdp_transpose=2"])
+    p = resolve("cpu-8", "tiny", ["per_device_batch_size=0.5", "ici_fsdp=4", "ici_fsdp_transpose=2"])
     assert any("each device holds 1 of the 4, and the 2 devices along fsdp_transpose compute the same ones" in w
                for w in p.warnings)
 
@@ -147,7 +148,7 @@ def test_vocab_tiling_must_divide_the_sequence():
 # perfmodel
 
 def _mesh(**sizes) -> Mesh:
-    return Mesh({**dict.fromkeys(MESH_AXES, 1), **sizes}, {})
+    return Mesh.of({**dict.fromkeys(MESH_AXES, 1), **sizes}, {})
 
 
 def test_perfmodel_splits_the_residual_over_tensor():
@@ -191,7 +192,7 @@ def test_maxtext_sharding_keys_compile_together(tmp_path):
     result = compiler.compile("cpu-8", "tiny", ["per_device_batch_size=0.5", "ici_fsdp=2", "ici_fsdp_transpose=2",
                                                 "ici_tensor=2", "num_vocab_tiling=4", "seq_len=64"], out=tmp_path / "a")
     assert result.global_batch == 4
-    assert result.plan.mesh_shape.shown() == "fsdp=2 x fsdp_transpose=2 x tensor=2"
+    assert result.plan.mesh.shown() == "fsdp=2 x fsdp_transpose=2 x tensor=2"
 
 
 # fused projections (MaxText's fused_qkv, fused_mlp)
@@ -258,9 +259,9 @@ def test_perfmodel_under_tensor_splits_every_saved_tensor():
 
 
 def test_fsdp_transpose_takes_its_own_torus_dimension_and_gathers_over_it():
-    from maxperf.aot import topologies
     from maxperf.perfmodel import chips
     from maxperf.perfmodel.network import axis_networks, collective_time
+    from maxperf.spec import topology as topologies
 
     topology = topologies.get("v5p-128")  # a 4 x 4 x 4 torus
     mesh = _mesh(fsdp=16, fsdp_transpose=4)
@@ -275,8 +276,8 @@ def test_fsdp_transpose_takes_its_own_torus_dimension_and_gathers_over_it():
 
 
 def test_a_mesh_written_before_fsdp_transpose_existed_still_reads():
-    from maxperf.plan import MeshShape
+    from maxperf.spec.mesh import Mesh
 
-    old = MeshShape(ici={"data": 1, "fsdp": 8, "sequence": 1, "tensor": 1, "expert": 1}, dcn={"data": 1, "fsdp": 1})
+    old = Mesh(ici={"data": 1, "fsdp": 8, "sequence": 1, "tensor": 1, "expert": 1}, dcn={"data": 1, "fsdp": 1})
     assert old.axes == {"data": 1, "fsdp": 8, "fsdp_transpose": 1, "sequence": 1, "tensor": 1, "expert": 1}
     assert old.devices == 8

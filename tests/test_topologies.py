@@ -7,9 +7,11 @@ import sys
 
 import pytest
 
-from maxperf.aot import gpu_targets
-from maxperf.aot import topologies as T
-from maxperf.errors import MaxperfError
+from maxperf.aot import targets
+from maxperf.spec import gpu_targets
+from maxperf.spec import topology as T
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.mesh import Mesh
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 HAVE_CUDA_PLUGIN = gpu_targets.plugin_library() is not None
@@ -147,19 +149,19 @@ def test_embedded_gpu_specs_are_found_for_every_catalog_gpu():
 def test_gpu_memory_comes_from_the_target_spec_compiled_for():
     from maxperf.aot.compiler import device_memory_bytes
     from maxperf.perfmodel import estimate
-    from maxperf.plan import plan
+    from maxperf.spec.request import resolve
 
     t = T.get("h100-8x2")
     spec = gpu_targets.device_memory_bytes(gpu_targets.gpu_target_config("h100-sxm"))
     assert t.target_hbm_bytes == t.hbm_bytes_per_chip == spec == 84942979072  # not the datasheet's 80e9
-    p = plan("h100-8", "tiny")
-    est = estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+    p = resolve("h100-8", "tiny")
+    est = estimate(p)
     # the estimate's verdict and the compiler's memory.json divide the same memory
     assert est.memory.hbm_bytes == device_memory_bytes(p.topology) == spec and est.notes == ()
 
 
 def test_gpu_memory_without_the_plugin_is_the_datasheets_and_says_so(monkeypatch, capsys):
-    from maxperf import notes
+    from maxperf.spec import notes
 
     monkeypatch.setattr(notes, "_said", set())  # said once per process: this test must see it said
     monkeypatch.setattr(gpu_targets, "plugin_library", lambda: None)
@@ -192,17 +194,17 @@ def test_target_config_file_sets_the_device(tmp_path):
     t = T.get("h100-8x2", target_config_path=str(spec))
     assert t.gpu_target == "NVIDIA H200 141GB HBM3e"
     assert t.hbm_bytes_per_chip == 151397597184
-    assert T.devices(t)[0].device_kind == "NVIDIA H200 141GB HBM3e"
+    assert targets.devices(t)[0].device_kind == "NVIDIA H200 141GB HBM3e"
 
 
 def test_missing_plugins_say_what_to_install(monkeypatch):
     monkeypatch.setattr(gpu_targets, "plugin_library", lambda: None)
     with pytest.raises(MaxperfError, match=r"pip install 'maxperf\[gpu\]'"):
-        T._gpu_devices.__wrapped__("1x1x8", "h100-sxm", None)
-    monkeypatch.setattr(T.importlib.util, "find_spec", lambda name: None)
+        targets._gpu_devices.__wrapped__("1x1x8", "h100-sxm", None)
+    monkeypatch.setattr(targets.importlib.util, "find_spec", lambda name: None)
     monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
     with pytest.raises(MaxperfError, match=r"pip install 'maxperf\[tpu\]'"):
-        T._tpu_devices.__wrapped__("v5p:2x2x1", None, None, 1, "v5p-8")
+        targets._tpu_devices.__wrapped__("v5p:2x2x1", None, None, 1, "v5p-8")
 
 
 # --- devices ------------------------------------------------------------------------------------------------------
@@ -214,14 +216,14 @@ def test_missing_plugins_say_what_to_install(monkeypatch):
     ("v6e-16", 16, 4, "TPU v6 lite"), ("tpu7x-8", 8, 1, "TPU7x"), ("v5p-1024", 512, 128, "TPU v5"),
 ])
 def test_tpu_device_counts(name, count, hosts, kind):
-    found = T.devices(T.get(name))
+    found = targets.devices(T.get(name))
     assert len(found) == count and found[0].device_kind == kind
     assert len({d.process_index for d in found}) == hosts
 
 
 @needs_libtpu
 def test_two_slices_carry_their_slice_index():
-    found = T.devices(T.get("v5p-8", num_slices=2))
+    found = targets.devices(T.get("v5p-8", num_slices=2))
     assert len(found) == 8
     assert sorted(d.slice_index for d in found) == [0] * 4 + [1] * 4
 
@@ -230,27 +232,27 @@ def test_two_slices_carry_their_slice_index():
 @pytest.mark.parametrize("name, hosts", [("h100-8", 1), ("h100-8x16", 16), ("b200-8x2", 2), ("gb200-72", 18)])
 def test_gpu_devices_span_hosts(name, hosts):
     t = T.get(name)
-    found = T.devices(t)
+    found = targets.devices(t)
     assert len(found) == t.chips and found[0].device_kind == t.gpu_target
     assert len({d.process_index for d in found}) == hosts
 
 
 def test_cpu_devices_are_this_process():
-    found = T.devices(T.get("cpu-8"))
+    found = targets.devices(T.get("cpu-8"))
     assert len(found) == 8 and all(d.platform == "cpu" for d in found)
-    assert T.devices(T.get("cpu-4")) == found[:4]
+    assert targets.devices(T.get("cpu-4")) == found[:4]
 
 
 def test_cpu_devices_beyond_the_started_count_are_refused():
-    T.devices(T.get("cpu-1"))  # jax is started by now
+    targets.devices(T.get("cpu-1"))  # jax is started by now
     with pytest.raises(MaxperfError, match="xla_force_host_platform_device_count=64"):
-        T.devices(T.get("cpu-64"))
+        targets.devices(T.get("cpu-64"))
 
 
 def test_ensure_cpu_devices_before_jax_starts():
     code = (
-        "from maxperf.aot import topologies as T\n"
-        "T.ensure_cpu_devices(3)\n"
+        "from maxperf.aot import targets\n"
+        "targets.ensure_cpu_devices(3)\n"
         "import jax; print(len(jax.devices()))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
@@ -262,8 +264,9 @@ def test_ensure_cpu_devices_before_jax_starts():
 @needs_libtpu
 def test_libtpu_startup_warnings_are_hidden():
     code = (
-        "from maxperf.aot import topologies as T\n"
-        "print(len(T.devices(T.get('v5p-8'))))\n"
+        "from maxperf.aot import targets\n"
+        "from maxperf.spec import topology as T\n"
+        "print(len(targets.devices(T.get('v5p-8'))))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")} | {"JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -278,40 +281,40 @@ def test_libtpu_startup_warnings_are_hidden():
 @needs_libtpu
 def test_hybrid_mesh_puts_slices_on_the_dcn_axis():
     t = T.get("v5p-8", num_slices=2)
-    mesh = T.device_mesh(t, ici={"fsdp": 4}, dcn={"data": 2}, axis_names=("data", "fsdp"))
-    assert mesh.shape == {"data": 2, "fsdp": 4}
-    assert [{d.slice_index for d in row} for row in mesh.devices] == [{0}, {1}]
+    mesh = targets.jax_mesh(t, Mesh(ici={"fsdp": 4}, dcn={"data": 2}))
+    assert (mesh.shape["data"], mesh.shape["fsdp"], mesh.devices.size) == (2, 4, 8)
+    assert [{d.slice_index for d in row} for row in mesh.devices.reshape(2, 4)] == [{0}, {1}]
 
 
 @needs_cuda_plugin
 def test_gpu_mesh_keeps_each_host_on_the_ici_axes():
-    mesh = T.device_mesh(T.get("h100-8x4"), ici={"fsdp": 8}, dcn={"fsdp": 4})
-    assert mesh.shape == {"fsdp": 32}
-    hosts = [d.process_index for d in mesh.devices]
+    mesh = targets.jax_mesh(T.get("h100-8x4"), Mesh(ici={"fsdp": 8}, dcn={"fsdp": 4}))
+    assert mesh.shape["fsdp"] == 32 and mesh.devices.size == 32
+    hosts = [d.process_index for d in mesh.devices.flat]
     assert hosts == sorted(hosts) and len(set(hosts)) == 4
 
 
 def test_mesh_that_does_not_divide_the_devices_is_refused():
-    with pytest.raises(MaxperfError, match="1 domain\\(s\\) of 8 devices"):
-        T.device_mesh(T.get("cpu-8"), ici={"data": 3})
-    with pytest.raises(MaxperfError, match="not mesh axes"):
-        T.device_mesh(T.get("cpu-8"), ici={"data": 8}, axis_names=("fsdp",))
+    with pytest.raises(MaxperfError, match="multiply to 3 but the topology has 8 devices"):
+        targets.jax_mesh(T.get("cpu-8"), Mesh(ici={"data": 3}, dcn={}))
+    with pytest.raises(MaxperfError, match="unknown mesh axes model"):
+        targets.jax_mesh(T.get("cpu-8"), Mesh.of({"model": 8}))
 
 
 # --- what a compile needs -----------------------------------------------------------------------------------------
 
 
 def test_compiler_options_and_limitations():
-    no_gpu = T.compiles_on_attached_gpus(T.get("h100-8")) is None
+    no_gpu = targets.compiles_on_attached_gpus(T.get("h100-8")) is None
     cub = {"xla_gpu_enable_cub_radix_sort": False} if no_gpu else {}
-    assert T.compiler_options(T.get("h100-8x16")) == {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False,
+    assert targets.compiler_options(T.get("h100-8x16")) == {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False,
                                                       "xla_gpu_enable_cub_radix_sort": False}
-    assert T.compiler_options(T.get("h100-8")) == cub
-    assert T.compiler_options(T.get("v5p-1024")) == {}
-    notes = " ".join(T.limitations(T.get("h100-8x16")))
+    assert targets.compiler_options(T.get("h100-8")) == cub
+    assert targets.compiler_options(T.get("v5p-1024")) == {}
+    notes = " ".join(targets.limitations(T.get("h100-8x16")))
     assert "cost analysis" in notes and "autotuning" in notes and "not the production step" in notes
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in notes
-    assert any("2 JAX devices" in n for n in T.limitations(T.get("tpu7x-8")))
+    assert any("2 JAX devices" in n for n in targets.limitations(T.get("tpu7x-8")))
 
 
 @needs_cuda_plugin
@@ -322,14 +325,14 @@ def test_a_large_sort_compiles_for_a_gpu_without_the_gpu():
     import jax.numpy as jnp
 
     t = T.get("h100-1")
-    if T.compiles_on_attached_gpus(t) is not None:
+    if targets.compiles_on_attached_gpus(t) is not None:
         pytest.skip("a GPU is attached: the compile uses CUB's sort")
-    mesh = T.device_mesh(t, ici={"data": 1}, dcn={}, axis_names=("data",))
+    mesh = targets.jax_mesh(t, Mesh(ici={"data": 1}, dcn={}))
     keys = jax.ShapeDtypeStruct((1 << 20,), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, jax.P()))
     lowered = jax.jit(lambda k: jnp.argsort(k, stable=True)).lower(keys)
     with pytest.raises(Exception, match="invalid device ordinal"):
         lowered.compile()
-    assert lowered.compile(compiler_options=T.compiler_options(t)).memory_analysis() is not None
+    assert lowered.compile(compiler_options=targets.compiler_options(t)).memory_analysis() is not None
 
 
 def _toy_compile(topology, mesh):
@@ -344,22 +347,22 @@ def _toy_compile(topology, mesh):
         return w_DxF - 1e-3 * jnp.mean(y_BxF) * w_DxF, jnp.sum(y_BxF)
 
     n = len(mesh.devices.flat)
-    w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("data", "model")))
-    x = jax.ShapeDtypeStruct((4 * n, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P(("data", "model"), None)))
+    w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("data", "tensor")))
+    x = jax.ShapeDtypeStruct((4 * n, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P(("data", "tensor"), None)))
     lowered = jax.jit(step, donate_argnums=0).lower(w, x)
-    return lowered.compile(compiler_options=T.compiler_options(topology) or None)
+    return lowered.compile(compiler_options=targets.compiler_options(topology) or None)
 
 
 @pytest.mark.parametrize("name, num_slices, ici, dcn", [
-    pytest.param("v5p-8", 2, {"model": 4}, {"data": 2}, marks=needs_libtpu),
-    pytest.param("h100-8x2", 1, {"model": 8}, {"data": 2}, marks=needs_cuda_plugin),
-    pytest.param("cpu-8", 1, {"data": 2, "model": 4}, {}, marks=()),
+    pytest.param("v5p-8", 2, {"tensor": 4}, {"data": 2}, marks=needs_libtpu),
+    pytest.param("h100-8x2", 1, {"tensor": 8}, {"data": 2}, marks=needs_cuda_plugin),
+    pytest.param("cpu-8", 1, {"data": 2, "tensor": 4}, {}, marks=()),
 ])
 def test_toy_step_compiles_and_serializes(name, num_slices, ici, dcn):
     from jax.experimental.serialize_executable import serialize
 
     t = T.get(name, num_slices=num_slices)
-    mesh = T.device_mesh(t, ici=ici, dcn=dcn, axis_names=("data", "model"))
+    mesh = targets.jax_mesh(t, Mesh(ici=ici, dcn=dcn))
     compiled = _toy_compile(t, mesh)
     memory = compiled.memory_analysis()
     assert memory.argument_size_in_bytes > 0 and memory.alias_size_in_bytes > 0  # w is donated into the output

@@ -1,13 +1,13 @@
-"""Topologies, meshes, ahead-of-time lowering and compilation, and artifacts.
+"""Devices and meshes for a topology, ahead-of-time lowering and compilation, and artifacts.
 
 `maxperf.aot.compile(...)` and `maxperf.aot.load(...)` are the Python API behind `maxperf compile`. The names load
-on first use, so importing the catalog (`maxperf.aot.topologies`) does not import the compiler.
+on first use, so importing one module of aot does not import the compiler.
 """
 
 import importlib
 
 _EXPORTS = {"Artifact": "maxperf.aot.loading", "load": "maxperf.aot.loading", "CompileResult": "maxperf.aot.compiler",
-            "compile": "maxperf.aot.compiler", "Plan": "maxperf.plan", "plan": "maxperf.plan"}
+            "compile": "maxperf.aot.compiler"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from maxperf.errors import MaxperfError
+from maxperf.spec.errors import MaxperfError
 
 MANIFEST_SCHEMA = "maxperf.manifest/2"  # 2: per_device_batch_size is one microbatch (MaxText's meaning)
 COMPILED_SCHEMA = "maxperf.compiled/1"

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from maxperf import __version__
-from maxperf.aot import artifacts, cache, topologies
-from maxperf.aot.topologies import Topology
-from maxperf.errors import DoesNotFit, MaxperfError
-from maxperf.models import presets
-from maxperf.models.config import MESH_AXES, ModelConfig
+from maxperf.aot import artifacts, cache, targets
 from maxperf.perfmodel.calibration import StoredCalibration
-from maxperf.plan import Plan, plan
+from maxperf.spec import presets
+from maxperf.spec.errors import DoesNotFit, MaxperfError
+from maxperf.spec.model import ModelConfig
+from maxperf.spec.request import Request, resolve
+from maxperf.spec.topology import Topology
 
 Progress = Callable[[str], None]
 
@@ -52,7 +52,7 @@ def versions_that_must_match(platform_name: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class CompileResult:
     out_dir: Path
-    plan: Plan
+    plan: Request
     param_count: int
     global_batch: int  # examples per step: grad_accum_steps microbatches of per_device_batch_size x devices
     fits: bool
@@ -69,11 +69,6 @@ class CompileResult:
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is KiB on Linux
-
-
-def build_mesh(p: Plan, device_list: Sequence[Any] | None = None):
-    """The plan's resolved mesh in automatic-sharding mode over its devices (compile-only ones for TPU and GPU)."""
-    return topologies.device_mesh(p.topology, p.mesh_shape.ici, p.mesh_shape.dcn, MESH_AXES, device_list)
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -192,7 +187,7 @@ def cost_report(raw: dict[str, float] | None, hlo_text: str, topology: Topology)
     return report
 
 
-def estimate_for(p: Plan, calibration: StoredCalibration | None = None) -> dict[str, Any] | None:
+def estimate_for(p: Request, calibration: StoredCalibration | None = None) -> dict[str, Any] | None:
     """The analytical prediction for the same configuration (perfmodel), as JSON; `calibration` (for CPU
     topologies) is loaded from the user's cache when not given, and recorded in the JSON."""
     from maxperf import perfmodel
@@ -200,7 +195,7 @@ def estimate_for(p: Plan, calibration: StoredCalibration | None = None) -> dict[
 
     if calibration is None:
         calibration = calibration_for(p.topology)
-    result = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology,
+    result = perfmodel.estimate(p,
                                 calibration=calibration)
     return result.as_dict()
 
@@ -218,7 +213,7 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     """
     say = progress or (lambda _: None)
     start = time.perf_counter()
-    p = plan(topology, model, overrides, num_slices=num_slices, target_config=target_config)
+    p = resolve(topology, model, overrides, num_slices=num_slices, target_config=target_config)
     for line in p.warnings:
         say(f"warning: {line}")
     out_dir = Path(out) if out is not None else p.default_dir()
@@ -231,19 +226,19 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
         raise
 
 
-def _compile_into(writer: artifacts.ArtifactWriter, p: Plan, say: Progress, start: float, argv,
+def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, start: float, argv,
                   calibration: StoredCalibration | None = None) -> CompileResult:
     topo, out_dir = p.topology, writer.out
     say(f"devices: {topo.name} ({topo.num_devices} devices, mesh "
-        + (" x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1) or "1") + ")")
+        + (" x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1) or "1") + ")")
     if topo.platform == "tpu":
-        topologies.quiet_libtpu()
+        targets.quiet_libtpu()
     import jax
     from jax.experimental import serialize_executable
 
     from maxperf.models import train_step
 
-    mesh = build_mesh(p)
+    mesh = targets.jax_mesh(p.topology, p.mesh)
     say("abstract state and shardings")
     spec = train_step.abstract_step(p.configs.model, p.configs.train, mesh)
     say("lowering")
@@ -253,7 +248,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Plan, say: Progress, star
     lower_seconds = time.perf_counter() - t
     capacity = device_memory_bytes(topo)
     writer.write_text("hlo/lowered.stablehlo.mlir", lowered.as_text())
-    options = topologies.compiler_options(topo, random_bits=str(p.configs.train.quantization) != "none")
+    options = targets.compiler_options(topo, random_bits=str(p.configs.train.quantization) != "none")
     key = cache.key(lowered.as_text(), _target_identity(topo), options, library_versions())
     entry = cache.get(key)
     cache_hit = entry is not None
@@ -307,7 +302,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Plan, say: Progress, star
         out_dir=out_dir, plan=p, param_count=spec.param_count, global_batch=spec.global_batch, fits=memory["fits"],
         memory=memory, cost=cost, estimate=estimate, compile_seconds=compile_seconds, lower_seconds=lower_seconds,
         total_seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes(),
-        limitations=topologies.limitations(topo), cache_hit=cache_hit,
+        limitations=targets.limitations(topo), cache_hit=cache_hit,
     )
 
 
@@ -345,7 +340,7 @@ def _target_identity(topology: Topology) -> dict[str, Any]:
     return target
 
 
-def _write_manifest(writer: artifacts.ArtifactWriter, p: Plan, spec, argv, compile_seconds: float,
+def _write_manifest(writer: artifacts.ArtifactWriter, p: Request, spec, argv, compile_seconds: float,
                     lower_seconds: float, start: float, *, compiled: bool, cache_hit: bool) -> None:
     manifest = {
         "schema": artifacts.MANIFEST_SCHEMA,
@@ -355,12 +350,12 @@ def _write_manifest(writer: artifacts.ArtifactWriter, p: Plan, spec, argv, compi
         "model": p.configs.model,
         "train": p.configs.train,
         "parallelism": p.configs.parallelism,
-        "mesh": {"axes": p.mesh_shape.axes, "ici": p.mesh_shape.ici, "dcn": p.mesh_shape.dcn},
+        "mesh": {"axes": p.mesh.axes, "ici": p.mesh.ici, "dcn": p.mesh.dcn},
         "warnings": list(p.warnings),
         "topology": p.topology.as_dict(),
         "devices": device_summary(spec.mesh),
         # GPU: compiled on the attached GPUs (autotuned), or without a GPU (XLA's untuned defaults)
-        "gpu_autotuned": (topologies.compiles_on_attached_gpus(p.topology) is not None
+        "gpu_autotuned": (targets.compiles_on_attached_gpus(p.topology) is not None
                           if p.topology.platform == "gpu" else None),
         "param_count": spec.param_count,
         "global_batch": spec.global_batch,  # examples per step (MaxText's global_batch_size_to_train_on)
@@ -372,7 +367,7 @@ def _write_manifest(writer: artifacts.ArtifactWriter, p: Plan, spec, argv, compi
         "lower_seconds": round(lower_seconds, 3),
         "wall_seconds": round(time.perf_counter() - start, 3),
         "peak_rss_bytes": peak_rss_bytes(),
-        "limitations": topologies.limitations(p.topology),
+        "limitations": targets.limitations(p.topology),
         "files": writer.hashes(),
     }
     writer.write_json("manifest.json", manifest)

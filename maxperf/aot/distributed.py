@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from maxperf.errors import MaxperfError
+from maxperf.spec.errors import MaxperfError
 
 # what cluster schedulers set, which jax.distributed.initialize() reads by itself
 _SCHEDULER_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES")

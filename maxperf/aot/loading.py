@@ -10,17 +10,20 @@ from typing import Any
 from maxperf.aot import artifacts
 from maxperf.aot.artifacts import ArtifactError
 from maxperf.aot.compiler import library_versions, versions_that_must_match
-from maxperf.plan import MeshShape, Plan
-from maxperf.aot import topologies
-from maxperf.models.config import ModelConfig, ParallelismConfig, TrainConfig, from_dict
-from maxperf.models.overrides import Configs
+from maxperf.spec import topology as topologies
+from maxperf.spec.configs import Configs, from_dict
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.model import ModelConfig
+from maxperf.spec.parallelism import ParallelismConfig
+from maxperf.spec.request import Request
+from maxperf.spec.train import TrainConfig
 
 
 @dataclass(frozen=True)
 class Artifact:
     directory: Path
     manifest: dict
-    plan: Plan
+    plan: Request
     payload: bytes  # jax's serialized executable, already checked
     in_tree: str
     out_tree: str
@@ -37,11 +40,11 @@ class Artifact:
         import jax
         from jax.experimental import serialize_executable
 
-        from maxperf.aot.compiler import build_mesh
+        from maxperf.aot import targets
         from maxperf.models import train_step
 
         device_list = list(device_list) if device_list is not None else jax.devices()
-        mesh = build_mesh(self.plan, device_list)
+        mesh = targets.jax_mesh(self.plan.topology, self.plan.mesh, device_list)
         spec = train_step.abstract_step(self.plan.configs.model, self.plan.configs.train, mesh)
         in_tree = jax.tree.structure(((spec.state, spec.batch), {}))
         with jax.set_mesh(mesh):
@@ -91,7 +94,7 @@ def _check_versions(directory: Path, manifest: dict) -> None:
                             "executable loads only with the versions that compiled it")
 
 
-def plan_from_manifest(manifest: dict[str, Any]) -> Plan:
+def plan_from_manifest(manifest: dict[str, Any]) -> Request:
     """The plan a manifest records; a field that is missing or of the wrong form is an ArtifactError."""
     try:
         return _plan_from_manifest(manifest)
@@ -100,11 +103,11 @@ def plan_from_manifest(manifest: dict[str, Any]) -> Plan:
                             f"{str(e)[:200]}); compile again with this installation") from None
 
 
-def _plan_from_manifest(manifest: dict[str, Any]) -> Plan:
+def _plan_from_manifest(manifest: dict[str, Any]) -> Request:
     topo = manifest["topology"]
     topology = topologies.get(topo["name"], num_slices=topo.get("num_slices", 1),
                               target_config_path=topo.get("target_config_path"))
     configs = Configs(model=from_dict(ModelConfig, manifest["model"]), train=from_dict(TrainConfig, manifest["train"]),
                       parallelism=from_dict(ParallelismConfig, manifest["parallelism"]))
     mesh = manifest["mesh"]
-    return Plan(topology, configs, MeshShape(ici=mesh["ici"], dcn=mesh["dcn"]))
+    return Request(topology, configs, Mesh(ici=mesh["ici"], dcn=mesh["dcn"]))

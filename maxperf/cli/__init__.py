@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from maxperf.errors import MaxperfError, Terminated
+from maxperf.spec.errors import MaxperfError, Terminated
 
 GIB = 1 << 30
 
@@ -40,8 +40,8 @@ def _progress():
 def _compile_only_environment(topology: str = "") -> None:
     """Compiling needs no local accelerator: keep jax on the CPU so TPU and GPU targets are virtual. The exception is
     a GPU topology on a machine with an NVIDIA driver, whose attached GPUs (when they are the target's) compile the
-    step autotuned (`topologies.compiles_on_attached_gpus`)."""
-    from maxperf.aot.gpu_targets import CHIP_TO_DEVICE, driver_present
+    step autotuned (`targets.compiles_on_attached_gpus`)."""
+    from maxperf.spec.gpu_targets import CHIP_TO_DEVICE, driver_present
 
     family = topology.strip().lower().split("-")[0]
     if driver_present() and any(chip.split("-")[0] == family for chip in CHIP_TO_DEVICE):
@@ -50,8 +50,8 @@ def _compile_only_environment(topology: str = "") -> None:
 
 
 def cmd_models(args) -> int:
-    from maxperf.models import presets
     from maxperf.perfmodel import count_params  # pure Python: listing the presets never starts jax
+    from maxperf.spec import presets
 
     rows = []
     for name in presets.names():
@@ -78,7 +78,7 @@ def _billions(n: int) -> str:
 
 
 def cmd_topologies(args) -> int:
-    from maxperf.aot import topologies
+    from maxperf.spec import topology as topologies
 
     rows = [t for t in topologies.catalog() if args.platform in (None, t.platform)]
     if args.json:
@@ -95,7 +95,7 @@ def cmd_topologies(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    from maxperf.models import overrides
+    from maxperf.spec import overrides
 
     aliases: dict[str, list[str]] = {}
     for alias, key in overrides.ALIASES.items():
@@ -110,7 +110,7 @@ def _check_compile_processes(args) -> None:
     """The job's process count against the topology's, before any process waits for peers that will not come: a
     cpu-NxP compile is P processes, like the run it is for; a TPU or GPU compile is one, whatever its hosts (its
     devices are virtual)."""
-    from maxperf.aot import topologies
+    from maxperf.spec import topology as topologies
 
     topology = topologies.get(args.topology, args.num_slices, args.target_config)
     want = topology.hosts if topology.platform == "cpu" else 1
@@ -144,7 +144,7 @@ def cmd_compile(args) -> int:
           + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1 else "") + f" -> {result.out_dir}")
     print(f"  parameters       {_count(result.param_count)}; global batch "
           f"{batch_words(p.configs.train, result.global_batch)}")
-    print(f"  mesh             " + " x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1))
+    print("  mesh             " + " x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1))
     print(f"  memory/device    {mem['per_device_total_bytes'] / GIB:.2f} GiB of {mem['hbm_bytes'] / GIB:.2f} GiB "
           f"({'fits' if mem['fits'] else 'DOES NOT FIT'}, headroom {mem['headroom_bytes'] / GIB:.2f} GiB)")
     print(f"  FLOPs/device     {cost['flops_per_device'] / 1e12:.4g} TFLOP per step ({cost['flops_source']})")
@@ -176,7 +176,7 @@ def compile_summary(result) -> dict:
     p = result.plan
     return {"schema": COMPILE_SCHEMA, "out_dir": str(result.out_dir), "model": p.model.name,
             "topology": p.topology.name, "num_slices": p.topology.num_slices,
-            "mesh": {"axes": p.mesh_shape.axes, "ici": p.mesh_shape.ici, "dcn": p.mesh_shape.dcn},
+            "mesh": {"axes": p.mesh.axes, "ici": p.mesh.ici, "dcn": p.mesh.dcn},
             "per_device_batch_size": p.configs.train.per_device_batch_size, "global_batch": result.global_batch,
             "grad_accum_steps": p.configs.train.grad_accum_steps,
             "seq_len": p.configs.train.seq_len, "param_count": result.param_count, "fits": result.fits,
@@ -210,7 +210,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from maxperf import __version__
-    from maxperf.models.presets import DEFAULT_MODEL
+    from maxperf.spec.presets import DEFAULT_MODEL
 
     parser = _Parser(prog="maxperf", description=__doc__)
     parser.add_argument("--version", action="version", version=f"maxperf {__version__}")

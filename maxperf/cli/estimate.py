@@ -9,20 +9,20 @@ GIB = 1 << 30
 
 def cmd_estimate(args) -> int:
     from maxperf import perfmodel
-    from maxperf.plan import plan
     from maxperf.cli import _print_json, batch_words
+    from maxperf.spec.request import resolve
     from maxperf.user_cache import calibration_for
 
-    p = plan(args.topology, args.model, args.overrides, num_slices=args.num_slices)
-    est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology,
+    p = resolve(args.topology, args.model, args.overrides, num_slices=args.num_slices)
+    est = perfmodel.estimate(p,
                              overlap=args.overlap, calibration=calibration_for(p.topology))
     warn(p)
     if args.json:
         _print_json(estimate_summary(p, est))
         return 0 if est.fits else 3
     print(f"{p.model.name} on {p.topology.display_name} ({p.topology.chips} {est.chip} chips), mesh "
-          + (" x ".join(f"{a}={n}" for a, n in p.mesh_shape.axes.items() if n > 1) or "1 (one device)"))
-    print(f"  global batch     {batch_words(p.configs.train, p.configs.train.global_batch(p.mesh_shape.devices))}")
+          + (" x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1) or "1 (one device)"))
+    print(f"  global batch     {batch_words(p.configs.train, p.configs.train.global_batch(p.mesh.devices))}")
     print(f"  step time        {est.step_time_s:.4f} s, bound by {est.bottleneck}")
     print(f"  tokens/s         {est.tokens_per_s:,.0f}")
     print(f"  TFLOP/s per chip {est.tflops_per_chip:.1f}  (MFU {est.mfu:.1%})")
@@ -46,10 +46,10 @@ def estimate_summary(p, est) -> dict:
     """`maxperf estimate --json`: perfmodel's estimate with what it was for (topology, mesh, batch)."""
     t = p.configs.train
     return {**est.as_dict(), "topology": p.topology.name, "num_slices": p.topology.num_slices,
-            "mesh": {"axes": p.mesh_shape.axes, "ici": p.mesh_shape.ici, "dcn": p.mesh_shape.dcn},
+            "mesh": {"axes": p.mesh.axes, "ici": p.mesh.ici, "dcn": p.mesh.dcn},
             "warnings": list(p.warnings),
             "per_device_batch_size": t.per_device_batch_size, "grad_accum_steps": t.grad_accum_steps,
-            "global_batch": t.global_batch(p.mesh_shape.devices), "seq_len": t.seq_len,
+            "global_batch": t.global_batch(p.mesh.devices), "seq_len": t.seq_len,
             "remat_policy": t.remat_policy.value}
 
 
@@ -63,11 +63,11 @@ def cmd_estimate_memory(args) -> int:
     from maxperf.cli import _compile_only_environment, _print_json, _progress
 
     _compile_only_environment(args.topology)
-    from maxperf.plan import plan
+    from maxperf.spec.request import resolve
     from maxperf.studies import memory_fit
 
     if args.analytical_only:  # a compile says them itself, as it starts
-        warn(plan(args.topology, args.model, args.overrides, num_slices=args.num_slices))
+        warn(resolve(args.topology, args.model, args.overrides, num_slices=args.num_slices))
     say = _progress()
     if args.max_batch:
         found = memory_fit.max_batch(args.topology, args.model, args.overrides, num_slices=args.num_slices,
@@ -112,7 +112,7 @@ def _print_comparison(cmp) -> None:
     t = p.configs.train
     print(f"{p.model.name} on {p.topology.name}" + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1
                                                    else "")
-          + ", mesh " + (" x ".join(f"{k}={n}" for k, n in p.mesh_shape.axes.items() if n > 1) or "1")
+          + ", mesh " + (" x ".join(f"{k}={n}" for k, n in p.mesh.axes.items() if n > 1) or "1")
           + f"; B={t.per_device_batch_size}" + (f" x A={t.grad_accum_steps} microbatches" if t.grad_accum_steps > 1
                                                   else "") + f", L={t.seq_len}, remat {t.remat_policy.value}")
     print(f"  {'analytical (perfmodel)':<28} {'GiB':>9}    {'compiler (XLA memory_analysis)':<30} {'GiB':>9}")

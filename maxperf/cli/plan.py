@@ -6,7 +6,7 @@ import re
 import sys
 from pathlib import Path
 
-from maxperf.errors import MaxperfError
+from maxperf.spec.errors import MaxperfError
 
 GIB = 1 << 30
 RESULT_SCHEMA = "maxperf.plan-result/2"  # `maxperf plan --json`; 2: B is one microbatch
@@ -33,7 +33,7 @@ def cmd_plan(args) -> int:
     if args.per_device_batch is not None and args.per_device_batch <= 0:
         raise MaxperfError(f"--per-device-batch must be > 0, got {args.per_device_batch:g}")
     say = _progress()
-    request = search.Request(args.model, args.topology, args.num_slices,
+    request = search.PlanRequest(args.model, args.topology, args.num_slices,
                              None if args.global_batch is None else parse_tokens(args.global_batch),
                              args.per_device_batch, args.objective, tuple(args.overrides))
     out = Path(args.out) if args.out else default_out(args)
@@ -54,8 +54,8 @@ def cmd_plan(args) -> int:
 
 def default_out(args) -> Path:
     """artifacts/plan_MODEL_TOPOLOGY[_xS]."""
-    from maxperf.aot import topologies
-    from maxperf.models import presets
+    from maxperf.spec import presets
+    from maxperf.spec import topology as topologies
 
     slices = f"_x{args.num_slices}" if args.num_slices > 1 else ""
     return Path("artifacts") / f"plan_{presets.get(args.model).name}_{topologies.get(args.topology).name}{slices}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from maxperf.errors import MaxperfError
+from maxperf.spec.errors import MaxperfError
 
 
 def _grid_axes(words: list[str]) -> dict[str, list[str]]:
@@ -21,8 +21,8 @@ def cmd_sweep(args) -> int:
     import os
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from maxperf.studies.sweep import sweep
     from maxperf.cli import _progress
+    from maxperf.studies.sweep import sweep
 
     try:
         slices = [int(s) for s in args.num_slices.split(",") if s]

@@ -6,7 +6,7 @@ import os
 import sys
 
 from maxperf.cli import supervisor
-from maxperf.errors import MaxperfError
+from maxperf.spec.errors import MaxperfError
 
 GIB = 1 << 30
 
@@ -17,7 +17,7 @@ def _prepare(args) -> str | None:
     from pathlib import Path
 
     from maxperf.aot import artifacts
-    from maxperf.aot.topologies import ensure_cpu_devices
+    from maxperf.aot.targets import ensure_cpu_devices
 
     path = args.artifact
     directory = Path(path) if Path(path).is_dir() else Path(path).parent
@@ -71,11 +71,10 @@ def _check_processes(devices: dict, args) -> None:
 
 
 def cmd_run(args) -> int:
+    from maxperf.aot import distributed
     from maxperf.cli import _print_json, _progress
     from maxperf.profiler.checkpoints import CheckpointFailed
     from maxperf.profiler.run import run
-
-    from maxperf.aot import distributed
 
     say = _progress()
     if distributed.initialize(args, _prepare(args)):

@@ -28,7 +28,7 @@ import threading
 import time
 
 from maxperf.aot import distributed
-from maxperf.errors import Terminated
+from maxperf.spec.errors import Terminated
 
 CHILD = "MAXPERF_SUPERVISOR_PID"  # set in the child's environment: the pid of the process that watches it
 NOTES = "MAXPERF_SUPERVISOR_NOTES"  # and the descriptor where it notes the partial output directories it makes

@@ -17,14 +17,15 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxperf.models.config import ModelConfig, TrainConfig
-from maxperf.models.layers import attention_kernels
+from maxperf.models.layers import attention_kernels, quantization
 from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.decoder import RESIDUAL
-from maxperf.models.layers import quantization
 from maxperf.models.layers.moe import MoEOptions, bias_update
 from maxperf.models.sharding import constrain, partition_spec
 from maxperf.models.transformer import Transformer, stack_axis
+from maxperf.spec.remat import remat_names
+from maxperf.spec.model import ModelConfig
+from maxperf.spec.train import TrainConfig
 
 BATCH_AXES = ("activation_batch", "activation_length")
 EPS = 1e-8  # MaxText's EPS (utils/globals.py) under a loss's token count
@@ -33,7 +34,7 @@ EPS = 1e-8  # MaxText's EPS (utils/globals.py) under a loss's token count
 def build_model(model: ModelConfig, train: TrainConfig, rngs: nnx.Rngs) -> Transformer:
     return Transformer(
         model, param_dtype=jnp.dtype(train.param_dtype), compute_dtype=jnp.dtype(train.compute_dtype),
-        scan_layers=train.scan_layers, param_scan_axis=train.param_scan_axis, remat=train.remat_names(), rngs=rngs,
+        scan_layers=train.scan_layers, param_scan_axis=train.param_scan_axis, remat=remat_names(train), rngs=rngs,
         attention=AttentionOptions.from_train(train), moe=MoEOptions.from_train(train),
         quantization=quantization.from_train(train),
     )

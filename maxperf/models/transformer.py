@@ -9,21 +9,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxperf import attention_rule
-from maxperf.models.config import ModelConfig, Positions
+from maxperf.models.layers import quantization as quant
 from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.decoder import RESIDUAL, DecoderBlock, make_layer, norm_axis
 from maxperf.models.layers.embedding import Embed, LearnedPositions, Unembed
 from maxperf.models.layers.moe import EXPERT_COUNTS, MoEOptions
 from maxperf.models.layers.mtp import MTPModule, shift_left
-from maxperf.models.layers import quantization as quant
 from maxperf.models.layers.norms import make_norm
 from maxperf.models.sharding import constrain
+from maxperf.spec import attention_rule
+from maxperf.spec.model import ModelConfig, Positions
 
 
 def remat_policy(names: tuple[tuple[str, ...], tuple[str, ...]]):
     """The jax.checkpoint policy of MaxText's remat setting (layers/decoders.py get_remat_policy) from
-    TrainConfig.remat_names(): tensors saved by checkpoint name, offloaded ones to pinned host memory."""
+    maxperf.spec.remat.remat_names(train): tensors saved by checkpoint name, offloaded ones to pinned host memory."""
     saved, offloaded = names
     if offloaded:
         return jax.checkpoint_policies.save_and_offload_only_these_names(
@@ -134,7 +134,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, scan_layers: bool,
                  remat: tuple | None, rngs: nnx.Rngs, attention: AttentionOptions = AttentionOptions(),
                  moe: MoEOptions = MoEOptions(), quantization: quant.Int8 | None = None, param_scan_axis: int = 1):
-        """`remat`: TrainConfig.remat_names(), the checkpoint names each layer saves and offloads; None: no remat.
+        """`remat`: maxperf.spec.remat.remat_names(train), the checkpoint names each layer saves and offloads; None: no remat.
         `quantization`: the layers' matmuls in int8 (layers/quantization.py); None: in the compute dtype.
         `param_scan_axis`: where a scanned stack's layer axis sits in its weights (`stack_axis`)."""
         quant.check_moe(quantization, cfg.is_moe, moe.sparse_matmul)

@@ -1,19 +1,16 @@
-"""Pure arithmetic on numbers: parameter counts, FLOPs, memory, step time, chip specs. Never imports jax.
+"""Pure arithmetic on a resolved request (maxperf.spec): parameter counts, FLOPs, memory, step time, what each chip
+sustains. Imports nothing of maxperf but maxperf.spec, and never jax.
 
-    from maxperf.perfmodel import estimate
-    est = estimate(model_cfg, train_cfg, {"fsdp": 64}, {}, topology)
+    from maxperf import perfmodel, spec
+    est = perfmodel.estimate(spec.resolve("v5p-128", "llama2-7b", ["per_device_batch_size=4"]))
     est.step_time_s, est.mfu, est.memory.per_device_total_bytes, est.bottleneck, est.as_dict()
 """
 
-from maxperf.perfmodel.chips import CHIPS, Chip, get as get_chip
+from maxperf.perfmodel.chips import get as get_chip
 from maxperf.perfmodel.estimate import Estimate, estimate
 from maxperf.perfmodel.flops import FlopCounts, ParamCounts, count_flops, count_params
 from maxperf.perfmodel.memory import MemoryBreakdown, estimate_memory
-from maxperf.perfmodel.shapes import Mesh, ModelShape, TopologyShape, TrainShape, make_mesh
-from maxperf.perfmodel.steptime import Overlap, Row, StepTime, step_time
+from maxperf.perfmodel.steptime import Constants, Overlap, Row, StepTime, step_time
 
-__all__ = [
-    "CHIPS", "Chip", "Estimate", "FlopCounts", "MemoryBreakdown", "Mesh", "ModelShape", "Overlap", "ParamCounts",
-    "Row", "StepTime", "TopologyShape", "TrainShape", "count_flops", "count_params", "estimate", "estimate_memory",
-    "get_chip", "make_mesh", "step_time",
-]
+__all__ = ["Constants", "Estimate", "FlopCounts", "MemoryBreakdown", "Overlap", "ParamCounts", "Row", "StepTime",
+           "count_flops", "count_params", "estimate", "estimate_memory", "get_chip", "step_time"]

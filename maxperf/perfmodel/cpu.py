@@ -2,13 +2,12 @@
 
 CPU devices are maxperf's test bed (every test runs on a CPU-only machine), measured by `maxperf calibrate`
 (perfmodel.calibration): their peaks, matmul HALF, collective rates and latency are Chip fields that a calibration
-fills; this module holds the behaviour of XLA:CPU itself, each item measured here and said how. perfmodel.steptime,
-network and estimate call it for chips of kind "cpu" only.
+fills; this module holds the behaviour of XLA:CPU itself, each item measured here and said how. perfmodel.steptime
+and estimate call it for chips of kind "cpu" only.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from maxperf.perfmodel.chips import Chip
@@ -79,21 +78,3 @@ def weight_layout_copies(add: Add, chip: Chip, last: float, first: float, param_
     if chip.transpose_bandwidth:
         moved = 2 * param_bytes * (2 * last + first) * times  # read and written
         add("weight layout copies (XLA:CPU)", "hbm", moved / chip.transpose_bandwidth, 0.0, moved)
-
-
-def axis_networks(mesh, chip: Chip, topology) -> dict:
-    """CPU devices of one host share memory (links at the calibrated collective rate and latency); hosts talk over
-    the network."""
-    from maxperf.perfmodel.network import INNERMOST_FIRST, LATENCY_S, AxisNetwork  # network calls this
-
-    per_host = max(1, topology.chips_per_host)
-    out, inner_product = {}, 1
-    for a in INNERMOST_FIRST:
-        n = mesh.axes[a]
-        inside = math.gcd(n, max(1, per_host // inner_product)) if inner_product <= per_host else 1
-        out[a] = AxisNetwork(a, inside, n // inside, chip.link_bandwidth, chip.host_network_per_chip,
-                             kind_efficiency=chip.collective_efficiency,
-                             inner_latency=chip.collective_latency if chip.collective_latency is not None
-                             else LATENCY_S["ici"])
-        inner_product *= n
-    return out

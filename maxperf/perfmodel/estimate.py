@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 
 from maxperf.perfmodel import chips, cpu
 from maxperf.perfmodel.calibration import Calibration, StoredCalibration
 from maxperf.perfmodel.flops import FlopCounts, ParamCounts, count_flops, count_params, resolve_attention
 from maxperf.perfmodel.memory import MemoryBreakdown, estimate_memory, params_per_device
-from maxperf.perfmodel.shapes import (
-    ModelShape,
-    TopologyShape,
-    TrainShape,
-    check,
-    check_model,
-    check_train,
-    devices_per_chip,
-    make_mesh,
-)
 from maxperf.perfmodel.steptime import SHIPPED, Constants, Overlap, Row, StepTime, step_time
+from maxperf.spec.request import Request
+from maxperf.spec.topology import Topology
 
 SCHEMA = "maxperf.estimate/1"  # estimate.json and `maxperf estimate --json`
 
@@ -83,7 +74,7 @@ SHARED_FIELDS = ("peak_bf16_flops", "peak_fp32_flops", "peak_fp8_flops", "peak_i
                  "elementwise_bandwidth")
 
 
-def target_hbm_bytes(topology: TopologyShape) -> float | None:
+def target_hbm_bytes(topology: Topology) -> float | None:
     """A chip's memory as the target compiled for states it (a GPU's GpuTargetConfigProto `device_memory_size`,
     which maxperf.aot reads); an optional attribute of the topology: None where it states none."""
     value = getattr(topology, "target_hbm_bytes", None)
@@ -95,7 +86,7 @@ def stored(calibration: StoredCalibration | Calibration | None) -> StoredCalibra
     return StoredCalibration(None, calibration) if isinstance(calibration, Calibration) else calibration
 
 
-def device_for(topology: TopologyShape, calibration: StoredCalibration | Calibration | None = None) -> chips.Chip:
+def device_for(topology: Topology, calibration: StoredCalibration | Calibration | None = None) -> chips.Chip:
     """What one JAX device has: the chip (with `calibration`'s measurements for "cpu", the target's memory where
     the topology states it), or its share where devices share a chip (tpu7x's two chiplets) or a machine (CPU
     devices of one host share its cores, memory and bandwidth)."""
@@ -103,7 +94,7 @@ def device_for(topology: TopologyShape, calibration: StoredCalibration | Calibra
     chip = chips.get(topology.chip, cal.calibration if cal else None)
     if (hbm := target_hbm_bytes(topology)) is not None:
         chip = replace(chip, hbm_bytes=hbm)
-    n = devices_per_chip(topology) * (topology.chips_per_host if chip.kind == "cpu" else 1)
+    n = topology.devices_per_chip * (topology.chips_per_host if chip.kind == "cpu" else 1)
     if n <= 1:
         return chip
     shares = {name: value / n for name in SHARED_FIELDS if (value := getattr(chip, name)) is not None}
@@ -115,7 +106,7 @@ def default_overlap(chip: chips.Chip) -> Overlap:
     return Overlap.uniform(cpu.OVERLAP) if chip.kind == "cpu" else Overlap()
 
 
-def fallback_notes(topology: TopologyShape, chip: chips.Chip, calibration: StoredCalibration | None) -> tuple[str, ...]:
+def fallback_notes(topology: Topology, chip: chips.Chip, calibration: StoredCalibration | None) -> tuple[str, ...]:
     """What the prediction stands on that is not the real thing: CPU peaks without a usable calibration, a GPU's
     memory from its datasheet where the target spec it compiles for would say."""
     notes = []
@@ -129,27 +120,21 @@ def fallback_notes(topology: TopologyShape, chip: chips.Chip, calibration: Store
     return tuple(notes)
 
 
-def estimate(model: ModelShape, train: TrainShape, mesh_axes: Mapping[str, int],
-             dcn_axes: Mapping[str, int] | None, topology: TopologyShape, *,
-             overlap: Overlap | float | None = None,
+def estimate(request: Request, *, overlap: Overlap | float | None = None,
              calibration: StoredCalibration | Calibration | None = None,
              load_imbalance: float | None = None, memory: MemoryBreakdown | None = None,
              constants: Constants = SHIPPED) -> Estimate:
-    """Predicts one step of `train` for `model` over a mesh on `topology`.
+    """Predicts one step of the request's train config for its model over its mesh and topology.
 
-    mesh_axes: sizes of ("data", "fsdp", "sequence", "tensor", "expert"), each the whole axis (ICI x DCN parts);
-    dcn_axes: the part of "data" and "fsdp" that crosses slices; overlap: an Overlap, or one fraction for all; None
-    takes the chip's default (default_overlap); calibration: this machine's measurements for "cpu" topologies
-    (maxperf.user_cache.calibration_for loads them), recorded in the result; without one, labelled defaults;
-    load_imbalance: for MoE models under expert parallelism, the busiest device's routed rows over the mean (None:
-    the train config's moe_load_imbalance where it has one, else perfmodel.moe.LOAD_IMBALANCE); memory: what
-    estimate_memory gave for this very model, train config (its attention resolved), mesh and device, where the caller
-    has it already (a search estimates memory first), so that it is not estimated twice; constants: the step-time
-    model's fitted constants (SHIPPED: as fitted on bench/published.py)."""
-    check_model(model)
-    check_train(train)
-    check(topology.chips >= 1, f"topology must have at least one chip, got {topology.chips}")
-    mesh = make_mesh(mesh_axes, dcn_axes, topology)
+    overlap: an Overlap, or one fraction for all; None takes the chip's default (default_overlap); calibration: this
+    machine's measurements for "cpu" topologies (maxperf.user_cache.calibration_for loads them), recorded in the
+    result; without one, labelled defaults; load_imbalance: for MoE models under expert parallelism, the busiest
+    device's routed rows over the mean (None: the train config's moe_load_imbalance where it has one, else
+    perfmodel.moe.LOAD_IMBALANCE); memory: what estimate_memory gave for this very model, train config (its attention
+    resolved), mesh and device, where the caller has it already (a search estimates memory first), so that it is not
+    estimated twice; constants: the step-time model's fitted constants (SHIPPED: as fitted on
+    bench/published.py)."""
+    model, train, mesh, topology = request.model, request.train, request.mesh.check(request.topology), request.topology
     cal = stored(calibration)
     chip = device_for(topology, cal)
     train = resolve_attention(model, train, chip.kind)
@@ -157,7 +142,7 @@ def estimate(model: ModelShape, train: TrainShape, mesh_axes: Mapping[str, int],
         overlap = default_overlap(chip)
     elif not isinstance(overlap, Overlap):
         overlap = Overlap.uniform(float(overlap))
-    per_chip = devices_per_chip(topology)
+    per_chip = topology.devices_per_chip
     params = count_params(model)
     flops = count_flops(model, train, params_per_device(model, mesh))
     if memory is None:

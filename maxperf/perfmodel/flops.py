@@ -24,9 +24,12 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
-from maxperf import attention_rule  # plain Python: the kernel rule the model applies
 from maxperf.perfmodel.moe import MoeShape, dispatch, expert_capacity, moe_shape, rows_per_token
-from maxperf.perfmodel.shapes import ModelShape, TrainShape, check_model, check_train, model_memo, per_model
+from maxperf.spec import attention_rule
+from maxperf.spec.memo import model_memo, per_model
+from maxperf.spec.model import ModelConfig
+from maxperf.spec.remat import remat_names
+from maxperf.spec.train import TrainConfig
 
 # Training costs forward + backward = 3 x forward: the backward computes grads w.r.t. inputs and weights, each as
 # many FLOPs as the forward (Kaplan et al. 2020, sec. 2.1; Narayanan et al. 2021).
@@ -40,49 +43,13 @@ ATTENTION_SKIPS_MASKED = {"dot_product": False, "flash": True}
 # algorithm 2) against the forward's two.
 FLASH_BACKWARD_MATMULS = 5
 
-# MaxText's remat policies (layers/decoders.py get_remat_policy): the checkpoint names each keeps on device and
-# offloads to host memory; the same table as maxperf.models.config.REMAT_SAVED (perfmodel imports nothing of models).
-CHECKPOINT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "qkv_proj", "context", "out_proj",
-                    "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo")
-_QKV = ("query_proj", "key_proj", "value_proj", "qkv_proj")
-_MINIMAL = (*_QKV, "out_proj", "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo")
-REMAT_SAVED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "minimal": (_MINIMAL, ()),
-    "minimal_with_context": ((*_MINIMAL, "context"), ()),
-    "save_dot_with_context_except_mlp": ((*_QKV, "context", "out_proj"), ()),
-    "save_dot_except_mlpwi": ((*_QKV, "out_proj", "mlpwo"), ()),
-    "save_dot_except_mlp": ((*_QKV, "out_proj"), ()),
-    "save_qkv_proj": (_QKV, ()),
-    "save_out_proj": (("out_proj",), ()),
-    "qkv_proj_offloaded": ((), ("query_proj", "value_proj", "key_proj")),
-    "minimal_offloaded": ((), _MINIMAL),
-    "full": ((), ()),
-}
-# remat_policy=custom: each name's key (remat, device, offload) and MaxText's default for it
-CUSTOM_DEFAULT = {name: ("device" if name == "decoder_layer_input" else "remat") for name in CHECKPOINT_NAMES}
-
-
-def remat_names(train: TrainShape, policy: str | None = None) -> tuple[frozenset[str], frozenset[str]] | None:
-    """(names kept on device, names offloaded) under the step's remat policy (or `policy`, with the step's custom
-    keys); None for `none` (no remat)."""
-    policy = str(train.remat_policy) if policy is None else policy
-    if policy == "none":
-        return None
-    if policy == "custom":
-        where = {n: str(getattr(train, n, CUSTOM_DEFAULT[n])) for n in CHECKPOINT_NAMES}
-        return (frozenset(n for n, w in where.items() if w == "device"),
-                frozenset(n for n, w in where.items() if w == "offload"))
-    saved, offloaded = REMAT_SAVED[policy]
-    return frozenset(saved), frozenset(offloaded)
-
-
-def attention_kernel(train: TrainShape) -> str:
+def attention_kernel(train: TrainConfig) -> str:
     """"flash" or "dot_product": `auto` is flash (splash on TPU, Pallas on GPU, blockwise on CPU), as MaxText picks;
     `resolve_attention` first turns it into the dot product where the platform's flash cannot serve the setting."""
     return "dot_product" if str(getattr(train, "attention", "auto")) == "dot_product" else "flash"
 
 
-def resolve_attention(model: ModelShape, train: TrainShape, platform: str) -> TrainShape:
+def resolve_attention(model: ModelConfig, train: TrainConfig, platform: str) -> TrainConfig:
     """`train` with `attention` as the model runs it on a platform kind ("tpu", "gpu", "cpu"): the model's own rule
     (maxperf/attention_rule.py, plain Python) picks, so `auto` becomes dot_product where flash cannot serve the
     setting, and an explicit flash it cannot serve is the same one-line error the compile gives."""
@@ -95,7 +62,7 @@ def resolve_attention(model: ModelShape, train: TrainShape, platform: str) -> Tr
     return resolved
 
 
-def recomputed(model: ModelShape, train: TrainShape, moe_layer: bool = False) -> frozenset[str]:
+def recomputed(model: ModelConfig, train: TrainConfig, moe_layer: bool = False) -> frozenset[str]:
     """The forward pieces the backward pass computes again under the remat policy: the projections "query_proj",
     "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1" (or "mlpwi"), "mlpwo", and the attention's "scores"
     (Q K^T and softmax) and "context" (P V; with flash, the whole forward kernel); in a MoE layer (`moe_layer`) also
@@ -132,16 +99,16 @@ def recomputed(model: ModelShape, train: TrainShape, moe_layer: bool = False) ->
     return frozenset(out)
 
 
-def is_mla(model: ModelShape) -> bool:
+def is_mla(model: ModelConfig) -> bool:
     return str(getattr(model, "attention_type", "global")) == "mla"
 
 
-def head_dims(model: ModelShape) -> tuple[int, int]:
+def head_dims(model: ModelConfig) -> tuple[int, int]:
     """(Dq, Dv): the query and key head dim, and the value's; latent attention's differ, elsewhere both Dh."""
     return attention_rule.head_dims(model)
 
 
-def projection_flops_per_token(model: ModelShape, moe_rows: float | None = None) -> dict[str, float]:
+def projection_flops_per_token(model: ModelConfig, moe_rows: float | None = None) -> dict[str, float]:
     """Forward FLOPs per token of each named projection of one layer. `moe_rows`: for a MoE layer, the routed rows a
     token costs (perfmodel.moe.rows_per_token); its MLP names then cover the routed and shared experts, and "router"
     the gate."""
@@ -170,21 +137,21 @@ def projection_flops_per_token(model: ModelShape, moe_rows: float | None = None)
 OPTIMIZER_FLOPS_PER_PARAM = 19
 
 
-def norm_params(model: ModelShape) -> int:
+def norm_params(model: ModelConfig) -> int:
     """One norm of width D: LayerNorm has scale and bias, RMSNorm a scale only."""
     return (2 if str(model.norm) == "layernorm" else 1) * model.d_model
 
 
-def gated(model: ModelShape) -> bool:
+def gated(model: ModelConfig) -> bool:
     return str(model.activation) != "gelu"
 
 
-def mlp_params(model: ModelShape, width: int) -> int:
+def mlp_params(model: ModelConfig, width: int) -> int:
     """An MLP of hidden width `width`: gate (gated activations only), up and down."""
     return (3 if gated(model) else 2) * model.d_model * width
 
 
-def attention_params(model: ModelShape) -> tuple[int, int]:
+def attention_params(model: ModelConfig) -> tuple[int, int]:
     """(matmul weights, other parameters) of one layer's attention block: q, k, v, o (MLA: its latent projections);
     QK-norm's two RMSNorm scales of Dh, MLA's RMSNorm scales of R and C, gpt-oss's per-head sink logits and q, k, v,
     o biases."""
@@ -199,19 +166,19 @@ def attention_params(model: ModelShape) -> tuple[int, int]:
     return D * H * Dh + 2 * D * K * Dh + H * Dh * D, (2 * Dh if model.qk_norm else 0) + sinks
 
 
-def layer_matmul_params(model: ModelShape) -> int:
+def layer_matmul_params(model: ModelConfig) -> int:
     """The weights of one dense layer that enter matmuls: the attention's and the MLP."""
     return attention_params(model)[0] + mlp_params(model, model.d_ff)
 
 
-def expert_bias_params(model: ModelShape, moe: MoeShape) -> int:
+def expert_bias_params(model: ModelConfig, moe: MoeShape) -> int:
     """One routed expert's biases (gpt-oss's mlp_bias): wi_0 (gated only) and wi_1 of Fe, wo of D."""
     if not getattr(model, "mlp_bias", False):
         return 0
     return (2 if gated(model) else 1) * moe.Fe + model.d_model
 
 
-def moe_block_params(model: ModelShape, moe: MoeShape) -> tuple[int, int, int, int]:
+def moe_block_params(model: ModelConfig, moe: MoeShape) -> tuple[int, int, int, int]:
     """(matmul weights, active matmul weights, other parameters, active other parameters) of one MoE block: the
     router D x E, E routed and S shared experts (top-k and S active); the router's bias of E (DeepSeek's selection
     bias, gpt-oss's logit bias), the routed experts' biases (top-k active)."""
@@ -247,8 +214,7 @@ class ParamCounts:
 
 
 @per_model
-def count_params(model: ModelShape) -> ParamCounts:
-    check_model(model)
+def count_params(model: ModelConfig) -> ParamCounts:
     V, D, N = model.vocab_size, model.d_model, model.num_layers
     per_norm = norm_params(model)
     attn_matmul, attn_other = attention_params(model)
@@ -276,12 +242,12 @@ def count_params(model: ModelShape) -> ParamCounts:
     )
 
 
-def mtp_depths(model: ModelShape) -> int:
+def mtp_depths(model: ModelConfig) -> int:
     """DeepSeek-V3's multi-token-prediction modules (mtp_num_layers; 0: none)."""
     return int(getattr(model, "mtp_num_layers", 0) or 0)
 
 
-def moe_layers_of(model: ModelShape) -> tuple[bool, ...]:
+def moe_layers_of(model: ModelConfig) -> tuple[bool, ...]:
     """Whether each decoder layer is a MoE layer (all False for a dense model)."""
     return tuple(model.moe_layers()) if moe_shape(model) else (False,) * model.num_layers
 
@@ -299,7 +265,7 @@ def chunk_pairs(L: int, C: int) -> float:
     return ((L // C) * C * C + (L % C) ** 2) / 2
 
 
-def layer_pairs(model: ModelShape, L: int) -> tuple[float, ...]:
+def layer_pairs(model: ModelConfig, L: int) -> tuple[float, ...]:
     """The pairs each layer attends to: attention_type=chunk's local layers within chunks of
     chunk_attn_window_size, every other layer within its window (or the whole causal prefix)."""
     memo = model_memo(model)
@@ -332,7 +298,7 @@ class FlopCounts:
     dispatch_flops: float = 0.0  # the einsum dispatch's one-hot dispatch and combine einsums, fwd + bwd
 
 
-def attention_fwd_flops(model: ModelShape, B: int, L: int, executed: bool, kernel: str = "dot_product") -> float:
+def attention_fwd_flops(model: ModelConfig, B: int, L: int, executed: bool, kernel: str = "dot_product") -> float:
     """Forward score (Q K^T) and context (P V) einsums over all layers: 2 x B x pairs x H x (Dq + Dv) per layer."""
     H = model.num_heads
     Dq, Dv = head_dims(model)
@@ -341,7 +307,7 @@ def attention_fwd_flops(model: ModelShape, B: int, L: int, executed: bool, kerne
     return sum(2 * B * pairs * H * (Dq + Dv) for pairs in layer_pairs(model, L))
 
 
-def dispatch_einsum_fwd_flops(model: ModelShape, moe: MoeShape, train: TrainShape) -> float:
+def dispatch_einsum_fwd_flops(model: ModelConfig, moe: MoeShape, train: TrainConfig) -> float:
     """The einsum dispatch, per sequence and MoE layer: the dispatch einsum BLEC,BLD->BECD and the combine einsum
     BECD,BLEC->BLD each 2 x L x D x E x C (models/layers/moe.py dense_dispatch; MaxText's dense_matmul)."""
     return 2 * (2 * train.seq_len * model.d_model * moe.E * expert_capacity(moe, train))
@@ -353,10 +319,8 @@ DISPATCH_BACKWARD_EINSUMS = 1
 COMBINE_BACKWARD_EINSUMS = 2
 
 
-def count_flops(model: ModelShape, train: TrainShape, params_per_device: float | None = None) -> FlopCounts:
+def count_flops(model: ModelConfig, train: TrainConfig, params_per_device: float | None = None) -> FlopCounts:
     """`params_per_device`: the parameters this device's optimizer updates (its shard); all of them if None."""
-    check_model(model)
-    check_train(train)
     # a step is A microbatches of B examples per device (MaxText's per_device_batch_size is one microbatch)
     B, L, N = train.per_device_batch_size * train.grad_accum_steps, train.seq_len, model.num_layers
     params = count_params(model)
@@ -422,7 +386,7 @@ class MtpFlops:
     uncounted: float  # the 2D x D projection and the shared head's D x V matmul, which MaxText leaves out
 
 
-def mtp_fwd_flops(model: ModelShape, train: TrainShape, B: float) -> MtpFlops:
+def mtp_fwd_flops(model: ModelConfig, train: TrainConfig, B: float) -> MtpFlops:
     """Each module costs one more decoder layer of the last layer's kind (a MoE layer at top-k, dropless) and its
     attention, as MaxText's calculate_tflops_training_per_device adds them (maxtext_utils.py, "MTP FLOPs"), over
     B x L tokens (B: the step's examples per device); the causal share by the last layer's mask (MaxText takes the

@@ -12,35 +12,26 @@ Every assumption is a named constant; the figures are to be checked against XLA'
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import resources
 
-from maxperf.perfmodel.flops import attention_kernel, gated, head_dims, is_mla, moe_layers_of, mtp_depths, remat_names
+from maxperf.perfmodel.flops import attention_kernel, gated, head_dims, is_mla, moe_layers_of, mtp_depths
 from maxperf.perfmodel.moe import MoeShape, dispatch, moe_shape, routed_buffer_rows, rows_per_token
-from maxperf.perfmodel.shapes import (
-    Mesh,
-    ModelShape,
-    TrainShape,
-    check_model,
-    check_train,
-    dtype_bytes,
+from maxperf.perfmodel.sharding import activation_split, gathered_size, held, held_gathered, layer_weights
+from maxperf.spec.logical_axes import local_size, split
+from maxperf.spec.memo import model_memo
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.model import ModelConfig
+from maxperf.spec.params import ParamArray, param_arrays, state_arrays
+from maxperf.spec.params import params_per_device as held_params
+from maxperf.spec.remat import remat_names
+from maxperf.spec.train import (
+    DTYPE_BYTES,
+    OPTIMIZER_STATES_PER_PARAM,  # optax.adamw's mu and nu, in the parameters' dtype
+    TrainConfig,
     micro_batch,
-    model_memo,
-)
-from maxperf.perfmodel.sharding import (
-    ParamArray,
-    activation_split,
-    gathered_size,
-    held,
-    held_gathered,
-    layer_weights,
-    local_size,
-    param_arrays,
-    split,
 )
 
-# optax.adamw keeps mu and nu with the parameters' dtype (optax scale_by_adam: mu_dtype=None, nu like params).
-OPTIMIZER_STATES_PER_PARAM = 2
 # Gradient accumulation sums microbatch gradients in a float32 buffer (models/train_step.py).
 GRAD_ACCUMULATOR_BYTES = 4
 # The train step donates the state, so the updated params and optimizer state reuse the input buffers.
@@ -335,15 +326,12 @@ class MemoryBreakdown:
         }
 
 
-def params_per_device(model: ModelShape, mesh: Mesh) -> float:
+def params_per_device(model: ModelConfig, mesh: Mesh) -> float:
     """Parameters held by one device after sharding (the optimizer and gradients are sharded alike)."""
-    memo = model_memo(model)  # per mesh: a search asks for it again with every batch and policy
-    if (held_here := memo.get(("params_per_device", mesh.sizes))) is None:
-        held_here = memo["params_per_device", mesh.sizes] = sum(a.count * held(a, mesh) for a in state_arrays(model))
-    return held_here
+    return held_params(model, mesh.sizes)
 
 
-def params_per_block(model: ModelShape, mesh: Mesh) -> dict[str, float]:
+def params_per_block(model: ModelConfig, mesh: Mesh) -> dict[str, float]:
     """params_per_device split into "experts" (MoE blocks), "attention" and "rest" (the MTP modules' layers with
     the decoder's blocks of their kind)."""
     memo = model_memo(model)
@@ -355,34 +343,13 @@ def params_per_block(model: ModelShape, mesh: Mesh) -> dict[str, float]:
     return dict(out)
 
 
-def mtp_arrays(model: ModelShape) -> tuple[ParamArray, ...]:
-    """The parameter arrays of the multi-token-prediction modules (models/layers/mtp.py), which the decoder's
-    param_arrays leave out (published totals do not count them): per module the RMSNorms of the embedding, of the
-    hidden state and before the shared head, the 2D x D projection, and one decoder layer of the last layer's kind,
-    its arrays those of the decoder's layers of that kind, one layer's worth; the counts are perfmodel.flops'
-    ParamCounts.mtp."""
-    n = mtp_depths(model)
-    if not n:
-        return ()
-    moe = moe_shape(model)
-    last_moe = moe_layers_of(model)[-1]
-    layers = {"attention": model.num_layers, "norm": model.num_layers,
-              "mlp": moe.dense_layers if moe else model.num_layers, "moe": moe.moe_layers if moe else 0}
-    kind = "moe" if last_moe else "mlp"
-    arrays = [replace(x, count=n * x.count // layers[x.block]) for x in param_arrays(model)
-              if x.block in ("attention", "norm", kind)]
-    norm = next(x for x in param_arrays(model) if x.name == "final_norm")
-    return tuple(arrays + [replace(norm, name="mtp_norms", count=3 * n * norm.count),
-                           ParamArray("mtp_projection", (2 * model.d_model, model.d_model), ("embed", None), n, True)])
-
-
 def expert_entry_size(x: ParamArray, mesh: Mesh) -> float:
     """Elements on one device of a routed-expert array as the experts' shard_map takes it in, and gives its gradient
     back (models/layers/moe.py sparse_dispatch's in_specs): its experts over `expert`, D as the parameter splits it,
     the expert width over `tensor` alone where the parameter's "mlp" axis spans fsdp_transpose too."""
     tp = mesh.axes.get("tensor", 1)
     size = 1.0
-    for n, name, shards in zip(x.shape, x.logical, split(x.shape, x.logical, mesh)):
+    for n, name, shards in zip(x.shape, x.logical, split(x.shape, x.logical, mesh.axes)):
         size *= n / ((tp if n % tp == 0 else 1) if name == "mlp" else shards)
     return size
 
@@ -393,7 +360,7 @@ def expert_entry_size(x: ParamArray, mesh: Mesh) -> float:
 # fsdp_transpose 4 x tensor 4, B 2, A 8, L 2048, remat minimal, flash: the parameters f32[32,8,2048,896] beside an
 # accumulator f32[32,8,2048,3584] per expert matrix (x3) and the microbatch's gradients of the same shape; 93.69
 # GiB per device compiled against 52.52 analytical with the gradients split like the parameters.
-def expert_gradient_excess(model: ModelShape, train: TrainShape, mesh: Mesh) -> float:
+def expert_gradient_excess(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> float:
     """Elements per device by which the routed experts' gradients exceed their parameters' shards: the gradients of
     the dropless dispatch come out of its shard_map split as they went in (expert_entry_size), so a width split over
     fsdp_transpose as well as tensor comes back split over tensor only (the note above)."""
@@ -403,12 +370,7 @@ def expert_gradient_excess(model: ModelShape, train: TrainShape, mesh: Mesh) -> 
                if x.expert_parallel)
 
 
-def state_arrays(model: ModelShape) -> tuple[ParamArray, ...]:
-    """Every parameter array the train state holds: the decoder's and the MTP modules'."""
-    return (*param_arrays(model), *mtp_arrays(model))
-
-
-def routed_rows_held(moe: MoeShape, train: TrainShape, mesh: Mesh) -> float:
+def routed_rows_held(moe: MoeShape, train: TrainConfig, mesh: Mesh) -> float:
     """Rows of the routed experts' buffers per local token: the sorted dispatch's (top-k, in the worst-case receive
     buffer under expert parallelism), or the einsum dispatch's E x C / L slots."""
     if dispatch(train) == "sparse":
@@ -416,13 +378,13 @@ def routed_rows_held(moe: MoeShape, train: TrainShape, mesh: Mesh) -> float:
     return rows_per_token(moe, train)
 
 
-def named_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, moe_layer: bool = False) -> dict[str, float]:
+def named_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh, moe_layer: bool = False) -> dict[str, float]:
     """Bytes per local token of each checkpoint name's tensor that the backward reads back, in one layer (the layer
     input is the scan carry, counted apart; qkv_proj only under fused_qkv, mlpwi of a gated MLP only under
     fused_mlp; the MLP's output, mlpwo, only a post-norm reads, or in a MoE layer (`moe_layer`) the routing
     weights' gradient: elsewhere a policy that names it keeps nothing, tests/test_remat.py). A MoE layer's MLP names
     are its experts' tensors over the rows they hold, and its shared experts'."""
-    c = dtype_bytes(train.compute_dtype, "compute_dtype")
+    c = DTYPE_BYTES[train.compute_dtype]
     D, Dh = model.d_model, model.head_dim
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
     # a flash kernel's residuals carry the context's name too: its output in the kernel's [B, H, L, Dh] layout (beside
@@ -453,14 +415,14 @@ def named_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, moe_layer:
     return {**qkv, "context": c * a.H * Dh + kernel, "out_proj": c * a.D, **wi, "mlpwo": wo}
 
 
-def layer_saved_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat: str,
+def layer_saved_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh, *, remat: str,
                           moe_layer: bool = False) -> float:
     """Bytes one layer keeps in device memory per local token for its backward, beyond the layer input, under a
     remat policy (`custom` reads the train config's per-tensor keys); `moe_layer`: a MoE layer's."""
     return sum(layer_saved_parts(model, train, mesh, remat=remat, moe_layer=moe_layer).values())
 
 
-def layer_saved_parts(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat: str,
+def layer_saved_parts(model: ModelConfig, train: TrainConfig, mesh: Mesh, *, remat: str,
                       moe_layer: bool = False) -> dict[str, float]:
     """layer_saved_per_token split into the attention block's ("attention"), the MLP's or experts' ("mlp") and the
     norms' and residual's ("rest")."""
@@ -470,8 +432,8 @@ def layer_saved_parts(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat
         attention = sum(sizes.get(n, 0.0) for n in names[0] if n in ATTENTION_NAMES)
         return {"attention": attention, "mlp": sum(sizes.get(n, 0.0) for n in names[0] if n not in ATTENTION_NAMES),
                 "rest": 0.0}
-    c = dtype_bytes(train.compute_dtype, "compute_dtype")
-    D, Dh = model.d_model, model.head_dim
+    c = DTYPE_BYTES[train.compute_dtype]
+    Dh = model.head_dim
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
     moe = moe_shape(model) if moe_layer else None
     if moe is None:
@@ -500,12 +462,12 @@ def layer_saved_parts(model: ModelShape, train: TrainShape, mesh: Mesh, *, remat
     return {"attention": projections + scores, "mlp": mlp, "rest": norms + residual}
 
 
-def recomputed_attention_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, remat: str) -> float:
+def recomputed_attention_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh, remat: str) -> float:
     """Bytes per local token the backward of a rematerialized layer holds of its recomputed attention: the flash
     kernel's forward residuals (its output and the log-sum-exp over RECOMPUTED_LSE_LANES), or the dot product's
     probabilities (RECOMPUTED_SCORE_BUFFERS in the logits' dtype); nothing for flash where the policy keeps the
     context."""
-    c = dtype_bytes(train.compute_dtype, "compute_dtype")
+    c = DTYPE_BYTES[train.compute_dtype]
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
     Dv = head_dims(model)[1] if is_mla(model) else model.head_dim
     if attention_kernel(train) == "flash":
@@ -515,13 +477,13 @@ def recomputed_attention_per_token(model: ModelShape, train: TrainShape, mesh: M
     return a.H * train.seq_len * RECOMPUTED_SCORE_BUFFERS * score_bytes(train)[1]
 
 
-def norm_saved_bytes(model: ModelShape, c: int) -> int:
+def norm_saved_bytes(model: ModelConfig, c: int) -> int:
     """What the backward reads of one element of a residual-width norm: RMSNorm's float32 input and its normalized
     value in the compute dtype (MaxText's form), LayerNorm's two float32 values."""
     return RMS_NORM_SAVED_FLOAT32_BYTES + c if str(model.norm) == "rmsnorm" else NORM_SAVED_BYTES
 
 
-def mla_saved_per_token(model: ModelShape, c: int, H: float) -> float:
+def mla_saved_per_token(model: ModelConfig, c: int, H: float) -> float:
     """Latent attention's tensors per token (models/layers/mla.py), H the local heads: the q latent and its float32
     norm, the kv latent with the shared RoPE key and the latent's norm, then per head q, its rotated RoPE part, the
     up-projected keys' and values' product, the assembled keys, the scaled q and the context."""
@@ -533,9 +495,9 @@ def mla_saved_per_token(model: ModelShape, c: int, H: float) -> float:
     return latents + heads
 
 
-def moe_saved_per_token(model: ModelShape, moe: MoeShape, train: TrainShape, mesh: Mesh) -> float:
+def moe_saved_per_token(model: ModelConfig, moe: MoeShape, train: TrainConfig, mesh: Mesh) -> float:
     """A MoE block's tensors per local token without remat (see ROUTER_FLOAT32_PER_EXPERT's note)."""
-    c = dtype_bytes(train.compute_dtype, "compute_dtype")
+    c = DTYPE_BYTES[train.compute_dtype]
     D = model.d_model
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
     rows = routed_rows_held(moe, train, mesh)
@@ -550,7 +512,7 @@ def moe_saved_per_token(model: ModelShape, moe: MoeShape, train: TrainShape, mes
     return router + experts + outputs + shared
 
 
-def layer_offloaded_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, moe_layer: bool = False) -> float:
+def layer_offloaded_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh, moe_layer: bool = False) -> float:
     """Bytes one layer offloads to pinned host memory per local token under the step's remat policy."""
     names = remat_names(train)
     if names is None:
@@ -559,7 +521,7 @@ def layer_offloaded_per_token(model: ModelShape, train: TrainShape, mesh: Mesh, 
     return sum(sizes.get(n, 0.0) for n in names[1])
 
 
-def over_layers(model: ModelShape, per_layer) -> float:
+def over_layers(model: ModelConfig, per_layer) -> float:
     """The sum of `per_layer(moe_layer)` over the decoder layers: dense layers' and MoE layers'."""
     moe = moe_shape(model)
     n_moe = moe.moe_layers if moe else 0
@@ -567,26 +529,24 @@ def over_layers(model: ModelShape, per_layer) -> float:
     return (dense * per_layer(False) if dense else 0.0) + (n_moe * per_layer(True) if n_moe else 0.0)
 
 
-def score_bytes(train: TrainShape) -> tuple[int, int]:
+def score_bytes(train: TrainConfig) -> tuple[int, int]:
     """Bytes per score of the dot product's q k^T (float32 with float32_qk_product) and of the softmax's logits
     (float32 with either switch), else the compute dtype: MaxText's apply_attention_dot."""
-    c = dtype_bytes(train.compute_dtype, "compute_dtype")
+    c = DTYPE_BYTES[train.compute_dtype]
     product = 4 if getattr(train, "float32_qk_product", False) else c
     return product, 4 if getattr(train, "float32_logits", False) else product
 
 
-def _softcapped(model: ModelShape) -> bool:
+def _softcapped(model: ModelConfig) -> bool:
     return getattr(model, "attn_logit_softcap", None) is not None
 
 
-def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes: float,
+def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_bytes: float,
                     platform: str = "tpu") -> MemoryBreakdown:
     """`platform` ("tpu", "gpu", "cpu"): whose compiler's buffer choices to follow where they differ (GPU: the loss's
     float32 logits, the optimizer's gradient copy); CPU follows the TPU's."""
-    check_model(model)
-    check_train(train)
-    c = dtype_bytes(train.compute_dtype, "compute_dtype")
-    p = dtype_bytes(train.param_dtype, "param_dtype")
+    c = DTYPE_BYTES[train.compute_dtype]
+    p = DTYPE_BYTES[train.param_dtype]
     remat = str(train.remat_policy)
     D, N = model.d_model, model.num_layers
     micro = train.grad_accum_steps
@@ -637,12 +597,12 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
         name = "embedding" if model.tie_embeddings else "unembedding"
         table = next(x for x in param_arrays(model) if x.name == name)
         logits = (heads * T / tiles * a.V * (c + 4 * TILED_LOGITS_FLOAT32_BUFFERS)
-                  + p * local_size(table.shape, table.logical, mesh))
+                  + p * local_size(table.shape, table.logical, mesh.axes))
 
     arrays = param_arrays(model)
     # weights the model gathers itself (a MoE layer's experts) are whole; the rest stream through windowed einsums
     # where their shards are thick enough, else are gathered whole too
-    windowed = D / split((D,), ("embed",), mesh)[0] >= WINDOWED_MIN_ROWS
+    windowed = D / split((D,), ("embed",), mesh.axes)[0] >= WINDOWED_MIN_ROWS
     layer_full = layer_weights(arrays, lambda x: held_gathered(x, mesh) if x.expert_parallel or not windowed
                                else 0.0)
     shard = max((held(x, mesh) for x in arrays if x.matmul and x.block and not x.expert_parallel),
@@ -687,14 +647,14 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     experts = [x for x in arrays if x.expert_parallel]
     matrix = c * max((held_gathered(x, mesh) for x in experts), default=0.0)
     # the routed experts' D rows per FSDP shard (THIN_EXPERT_GATHER_IN_FLIGHT)
-    expert_rows = min((n / k for x in experts for n, name, k in zip(x.shape, x.logical, split(x.shape, x.logical, mesh))
+    expert_rows = min((n / k for x in experts for n, name, k in zip(x.shape, x.logical, split(x.shape, x.logical, mesh.axes))
                        if name == "embed"), default=float(D))
     thin = expert_rows < WINDOWED_MIN_ROWS
     expert_grads = 0.0 if thin else EXPERT_GRAD_MATRICES * matrix
     in_flight = THIN_EXPERT_GATHER_IN_FLIGHT * matrix if thin else 0.0
     staged = OFFLOAD_STAGED_LAYERS * T * max(layer_offloaded_per_token(model, train, mesh, m)
                                              for m in layer_kinds(model))
-    batch_split = split((micro_batch(train.per_device_batch_size, mesh.devices),), ("activation_batch",), mesh)[0]
+    batch_split = split((micro_batch(train.per_device_batch_size, mesh.devices),), ("activation_batch",), mesh.axes)[0]
     late_table_gradient = (LATE_TABLE_GRADIENT_INPUTS * T * (D + a.V) * c
                            if platform != "gpu" and tiles == 1 and a.V < model.vocab_size and batch_split > 1 else 0.0)
     # XLA:GPU's second layout of the scanned experts' gradients while they are FSDP-sharded (GPU_EXPERT_GRADIENT_COPIES)
@@ -728,7 +688,7 @@ def estimate_memory(model: ModelShape, train: TrainShape, mesh: Mesh, hbm_bytes:
     return breakdown(moe_phases[MOE_ROW_D_BUFFERS_SERIAL])
 
 
-def layer_kinds(model: ModelShape) -> tuple[bool, ...]:
+def layer_kinds(model: ModelConfig) -> tuple[bool, ...]:
     """The kinds of decoder layer the model has, as `moe_layer` flags: (False,), (True,) or both."""
     moe = moe_shape(model)
     if moe is None:
@@ -736,7 +696,7 @@ def layer_kinds(model: ModelShape) -> tuple[bool, ...]:
     return tuple(kind for kind, n in ((False, moe.dense_layers), (True, moe.moe_layers)) if n)
 
 
-def vocab_tiles(train: TrainShape) -> int:
+def vocab_tiles(train: TrainConfig) -> int:
     """MaxText's num_vocab_tiling: the chunks the loss's tokens are cut into (1: the whole [B, L, V] logits)."""
     return int(getattr(train, "num_vocab_tiling", 1) or 1)
 

@@ -14,7 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from maxperf.perfmodel.shapes import ModelShape, TrainShape, check, per_model
+from maxperf.spec.errors import require
+from maxperf.spec.memo import per_model
+from maxperf.spec.model import ModelConfig
+from maxperf.spec.train import TrainConfig
 
 # The busiest of the expert-parallel devices processes this many times the mean of the routed rows (dropless
 # dispatch): the step waits for it, in its grouped matmuls and in the all-to-all it receives. An assumption: Switch
@@ -42,15 +45,15 @@ class MoeShape:
 
 
 @per_model
-def moe_shape(model: ModelShape) -> MoeShape | None:
+def moe_shape(model: ModelConfig) -> MoeShape | None:
     """The model's mixture of experts, or None for a dense model (num_experts 1, or no such attributes)."""
     E = int(getattr(model, "num_experts", 1) or 1)
     if E <= 1:
         return None
     k = int(model.num_experts_per_tok)
-    check(1 <= k <= E, f"num_experts_per_tok (top-k) must be between 1 and num_experts ({E}), got {k}")
+    require(1 <= k <= E, f"num_experts_per_tok (top-k) must be between 1 and num_experts ({E}), got {k}")
     routed = tuple(model.moe_layers())
-    check(len(routed) == model.num_layers, f"moe_layers() gave {len(routed)} flags for {model.num_layers} layers")
+    require(len(routed) == model.num_layers, f"moe_layers() gave {len(routed)} flags for {model.num_layers} layers")
     n_moe = sum(routed)
     Fe = getattr(model, "moe_mlp_dim", None) or getattr(model, "base_moe_mlp_dim", None) or model.d_ff
     return MoeShape(E=E, k=k, Fe=int(Fe), S=int(getattr(model, "shared_experts", 0) or 0), moe_layers=n_moe,
@@ -67,12 +70,12 @@ def routed_buffer_rows(moe: MoeShape, ep: int) -> float:
     return ep * min(moe.k, moe.E / ep)
 
 
-def capacity_factor(train: TrainShape) -> float:
+def capacity_factor(train: TrainConfig) -> float:
     """MaxText's capacity_factor: <= 0 (its -1 default) is dropless."""
     return float(getattr(train, "capacity_factor", -1.0))
 
 
-def dispatch(train: TrainShape) -> str:
+def dispatch(train: TrainConfig) -> str:
     """How tokens reach their experts (models/layers/moe.py): "sparse" (sparse_matmul, the default: dropless, tokens
     sorted by expert and multiplied by ragged_dot, exchanged by all-to-all between expert shards), "capacity"
     (sparse_matmul=false with capacity_factor > 0: one-hot dispatch and combine einsums over C slots per expert and
@@ -82,7 +85,7 @@ def dispatch(train: TrainShape) -> str:
     return "capacity" if capacity_factor(train) > 0 else "dense"
 
 
-def expert_capacity(moe: MoeShape, train: TrainShape) -> int:
+def expert_capacity(moe: MoeShape, train: TrainConfig) -> int:
     """Slots C per expert and sequence of the einsum dispatch (models/layers/moe.py capacity): the even share
     L k / E times the capacity factor, rounded up, within [1, L]; L when dropless. (MaxText's generate_masks rounds
     the share up before the factor: int(max(ceil(L k / E) x cf, cf)).)"""
@@ -92,7 +95,7 @@ def expert_capacity(moe: MoeShape, train: TrainShape) -> int:
     return max(1, min(L, math.ceil(L * moe.k / moe.E * cf)))
 
 
-def rows_per_token(moe: MoeShape, train: TrainShape) -> float:
+def rows_per_token(moe: MoeShape, train: TrainConfig) -> float:
     """Routed-expert rows the hardware computes per token: top-k with the sorted dropless dispatch, E x C / L with
     the einsum dispatch (its empty slots included, its dropped tokens not)."""
     if dispatch(train) == "sparse":
@@ -100,7 +103,7 @@ def rows_per_token(moe: MoeShape, train: TrainShape) -> float:
     return moe.E * expert_capacity(moe, train) / train.seq_len
 
 
-def load_imbalance(train: TrainShape, expert_parallel: int, override: float | None = None) -> float:
+def load_imbalance(train: TrainConfig, expert_parallel: int, override: float | None = None) -> float:
     """How much more than the mean of the routed rows the busiest device computes: 1 without expert parallelism or
     with the einsum dispatch (fixed-size slots); else `override`, the train config's optional `moe_load_imbalance`, or
     LOAD_IMBALANCE."""
@@ -108,5 +111,5 @@ def load_imbalance(train: TrainShape, expert_parallel: int, override: float | No
         return 1.0
     value = override if override is not None else getattr(train, "moe_load_imbalance", None)
     value = LOAD_IMBALANCE if value is None else float(value)
-    check(value >= 1.0, f"the MoE load imbalance is the busiest device's rows over the mean, so >= 1; got {value}")
+    require(value >= 1.0, f"the MoE load imbalance is the busiest device's rows over the mean, so >= 1; got {value}")
     return value

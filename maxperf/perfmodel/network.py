@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from maxperf.perfmodel import cpu
 from maxperf.perfmodel.chips import Chip
-from maxperf.perfmodel.shapes import MESH_AXES, Mesh, TopologyShape
+from maxperf.spec.logical_axes import MESH_AXES
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.topology import Topology
 
 # Mesh axes are laid out innermost first (the one needing the most bandwidth takes the fastest, nearest chips),
 # as jax's mesh_utils.create_device_mesh and MaxText's default ordering do for tensor parallelism; fsdp_transpose
@@ -73,10 +74,10 @@ def _torus_dims_spanned(torus: tuple[int, ...], sizes: dict[str, int]) -> dict[s
     return out
 
 
-def axis_networks(mesh: Mesh, chip: Chip, topology: TopologyShape) -> dict[str, AxisNetwork]:
+def axis_networks(mesh: Mesh, chip: Chip, topology: Topology) -> dict[str, AxisNetwork]:
     host_bw = chip.host_network_per_chip
     if chip.kind == "tpu":
-        ici = {a: mesh.ici(a) for a in MESH_AXES}
+        ici = {a: mesh.ici.get(a, 1) for a in MESH_AXES}
         torus = tuple(topology.torus or ()) or (max(1, topology.chips // max(topology.num_slices, 1)),)
         spanned = _torus_dims_spanned(torus, ici)
         return {
@@ -96,7 +97,23 @@ def axis_networks(mesh: Mesh, chip: Chip, topology: TopologyShape) -> dict[str, 
             out[a] = AxisNetwork(a, inside, n // inside, nvlink, host_bw)
             inner_product *= n
         return out
-    return cpu.axis_networks(mesh, chip, topology)
+    return _cpu_networks(mesh, chip, topology)
+
+
+def _cpu_networks(mesh: Mesh, chip: Chip, topology: Topology) -> dict[str, AxisNetwork]:
+    """CPU devices of one host share memory (links at the calibrated collective rate and latency); hosts talk over
+    the network."""
+    per_host = max(1, topology.chips_per_host)
+    out, inner_product = {}, 1
+    for a in INNERMOST_FIRST:
+        n = mesh.axes[a]
+        inside = math.gcd(n, max(1, per_host // inner_product)) if inner_product <= per_host else 1
+        out[a] = AxisNetwork(a, inside, n // inside, chip.link_bandwidth, chip.host_network_per_chip,
+                             kind_efficiency=chip.collective_efficiency,
+                             inner_latency=chip.collective_latency if chip.collective_latency is not None
+                             else LATENCY_S["ici"])
+        inner_product *= n
+    return out
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,12 @@ from maxperf.perfmodel.moe import (
     rows_per_token,
 )
 from maxperf.perfmodel.network import LATENCY_S, CollectiveTime, all_to_all_time, axis_networks, collective_time
-from maxperf.perfmodel.shapes import Mesh, ModelShape, TopologyShape, TrainShape, check, dtype_bytes
 from maxperf.perfmodel.sharding import activation_split, gather_axes, held, held_gathered, param_arrays
+from maxperf.spec.errors import require
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.model import ModelConfig
+from maxperf.spec.topology import Topology
+from maxperf.spec.train import DTYPE_BYTES, TrainConfig
 
 # Matmul efficiency = chip.matmul_fraction x m / (m + HALF), m the smallest of the matmul's dimensions: the rate a
 # large matmul sustains on the chip (chips.MATMUL_FRACTION), less for a thinner one, which fills the 128/256-wide
@@ -138,7 +142,7 @@ class Overlap:
     def __post_init__(self) -> None:
         for name in ("fsdp", "tensor", "sequence", "data", "expert"):
             value = getattr(self, name)
-            check(0.0 <= value <= 1.0, f"overlap {name} must be between 0 and 1, got {value}")
+            require(0.0 <= value <= 1.0, f"overlap {name} must be between 0 and 1, got {value}")
 
 
 OVERLAP_ORIGIN = {"fsdp": "fitted", "tensor": "fitted", "sequence": "assumed", "data": "fitted", "expert": "assumed"}
@@ -271,7 +275,7 @@ class Int8Matmuls:
     weight_gradient: bool
 
 
-def int8_matmuls(train: TrainShape) -> Int8Matmuls | None:
+def int8_matmuls(train: TrainConfig) -> Int8Matmuls | None:
     """The train config's quantization as steptime models it (optional keys, read where present)."""
     if str(getattr(train, "quantization", "none")) != "int8":
         return None
@@ -399,14 +403,14 @@ class _Table:
         return Terms(name=tuple(col["name"]), kind=tuple(col["kind"]), family=tuple(col["family"]), **arrays)
 
 
-def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topology: TopologyShape,
+def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, topology: Topology,
               overlap: Overlap, temporaries: float = 0.0, imbalance: float | None = None,
               constants: Constants = SHIPPED) -> StepTime:
     """`constants`: the fitted constants (SHIPPED: as fitted on bench/published.py); `temporaries`: bytes per device live beside the state at the step's peak (the memory model's), which CPU
     devices fault in afresh every step (perfmodel.cpu); `imbalance`: the MoE load imbalance (perfmodel.moe
     load_imbalance; None: the train config's moe_load_imbalance where it has one, else LOAD_IMBALANCE)."""
-    c = dtype_bytes(train.compute_dtype, "compute_dtype")
-    p = dtype_bytes(train.param_dtype, "param_dtype")
+    c = DTYPE_BYTES[train.compute_dtype]
+    p = DTYPE_BYTES[train.param_dtype]
     D, N, Dh, L = model.d_model, model.num_layers, model.head_dim, train.seq_len
     micro = train.grad_accum_steps
     a = activation_split(model, train.per_device_batch_size, L, mesh)
@@ -563,7 +567,7 @@ def step_time(model: ModelShape, train: TrainShape, mesh: Mesh, chip: Chip, topo
     return _settle(table, overlap)
 
 
-def _mla_matmuls(table: _Table, model: ModelShape, T: float, H: float, fwd, bwd: float, c: int) -> None:
+def _mla_matmuls(table: _Table, model: ModelConfig, T: float, H: float, fwd, bwd: float, c: int) -> None:
     """Latent attention's projections (models/layers/mla.py), H the local heads: q through its latent (or straight
     from D), the kv latent with the shared RoPE key, its up-projection to keys and values, the output."""
     D, R, C = model.d_model, model.q_lora_rank, model.kv_lora_rank
@@ -579,7 +583,7 @@ def _mla_matmuls(table: _Table, model: ModelShape, T: float, H: float, fwd, bwd:
     table.train_matmul("attention output projection", T, H * Dv, D, fwd("out_proj"), bwd, c)
 
 
-def _moe_matmuls(table: _Table, model: ModelShape, train: TrainShape, mesh: Mesh, moe, T: float, Bm: float, a,
+def _moe_matmuls(table: _Table, model: ModelConfig, train: TrainConfig, mesh: Mesh, moe, T: float, Bm: float, a,
                  f: float, fwd, c: int) -> None:
     """A MoE layer's matmuls on one device: the router, the routed experts' grouped matmul as one matmul per local
     expert over its rows (the device's tokens x rows per token among its E / ep experts, f times the mean on the
@@ -627,7 +631,7 @@ def _moe_matmuls(table: _Table, model: ModelShape, train: TrainShape, mesh: Mesh
         table.matmul("expert dispatch and combine einsums", a.L, slots, D, count * (1 + COMBINE_BACKWARD_EINSUMS), c)
 
 
-def _moe_collectives(table: _Table, model: ModelShape, train: TrainShape, mesh: Mesh, moe, T: float, expert_arrays,
+def _moe_collectives(table: _Table, model: ModelConfig, train: TrainConfig, mesh: Mesh, moe, T: float, expert_arrays,
                      nets, overlap: Overlap, c: int, p: int) -> None:
     """The routed experts' FSDP gathers (over the FSDP axes other than `expert`, each device gathering its own
     experts) and the expert-parallel all-to-alls: per MoE layer the dispatch and the combine in the forward, their

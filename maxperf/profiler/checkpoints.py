@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from maxperf.errors import MaxperfError
+from maxperf.spec.errors import MaxperfError
 
 
 def _orbax():

@@ -15,7 +15,7 @@ from typing import Any
 
 from maxperf.aot import artifacts, distributed
 from maxperf.aot.loading import Artifact, load
-from maxperf.errors import MaxperfError
+from maxperf.spec.errors import MaxperfError
 
 RUN_SCHEMA = "maxperf.run/1"
 # How a collective reports a peer that died mid-step (gloo on CPU; seen when process 1 of a cpu-4x2 run is killed).
@@ -333,7 +333,7 @@ UNTUNED_GPU_SLOWDOWN = "13-24x"
 def untuned_gpu_step(manifest: dict[str, Any]) -> list[str]:
     """A note, said on stderr too, when a GPU step compiled without a GPU runs: its kernels are XLA's untuned
     defaults, far slower than the step a compile on the GPU makes, so its timings are not production's."""
-    from maxperf.notes import note
+    from maxperf.spec.notes import note
 
     if manifest.get("gpu_autotuned") is not False:
         return []
@@ -353,7 +353,7 @@ def calibration_mismatch(estimate: dict[str, Any] | None, record: dict[str, Any]
     now = (record or {}).get("sha256")
     if before == now:
         return []
-    from maxperf.notes import note
+    from maxperf.spec.notes import note
 
     def name(r):
         if not r or not r.get("sha256"):

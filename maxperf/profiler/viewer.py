@@ -13,7 +13,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from maxperf.errors import MaxperfError
+from maxperf.spec.errors import MaxperfError
 
 HOST = "127.0.0.1"
 DEFAULT_PORT = 8791  # xprof's own default

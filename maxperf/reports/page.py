@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from maxperf.errors import MaxperfError
+from maxperf.spec.errors import MaxperfError
 
 GIB = 1 << 30
 MIB = 1 << 20

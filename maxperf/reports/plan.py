@@ -7,9 +7,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from maxperf.errors import MaxperfError
 from maxperf.reports import figures
 from maxperf.reports.page import GIB, Page, Section, percent, read_json, seconds, topology_label
+from maxperf.spec.errors import MaxperfError
 
 SCHEMA = "maxperf.plan/2"
 RANKED_ROWS = 25  # rows of the ranked table on the page (the CSV beside it holds the same)

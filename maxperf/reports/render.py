@@ -14,8 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from maxperf.errors import MaxperfError
 from maxperf.reports.page import Page, fmt
+from maxperf.spec.errors import MaxperfError
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,8 @@ def render(paths: list[str | os.PathLike], out_html: str | os.PathLike,
 
 
 def _render(paths: list[str | os.PathLike], out_html: str | os.PathLike, command: list[str] | None) -> ReportResult:
-    from maxperf.reports import compare, scaling, steps as step_sections
+    from maxperf.reports import compare, scaling
+    from maxperf.reports import steps as step_sections
 
     report = Page()
     steps = []

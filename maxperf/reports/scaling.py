@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from maxperf.errors import MaxperfError
 from maxperf.reports import figures
 from maxperf.reports.page import GIB, Page, Section, percent, read_json, seconds, topology_label
+from maxperf.spec.errors import MaxperfError
 
 # (title, column, axis label, ideal): the ideal of a line from its fewest chips `b` to a point `r` with n = chips
 # ratio: throughput grows n-fold, per-chip rates stay, a step takes (global batch ratio / n) times as long.

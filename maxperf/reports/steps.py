@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from maxperf.reports import figures, memory as parts
+from maxperf.reports import figures
+from maxperf.reports import memory as parts
 from maxperf.reports.page import GIB, MIB, Page, Section, gib, percent, read_json, seconds, size, topology_label
 
 # Profile categories (profiler.trace_summary.category) against the perfmodel kinds they correspond to. The

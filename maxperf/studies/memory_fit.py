@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from maxperf.plan import Plan, plan
 from maxperf.aot.artifacts import OutputRefused
-from maxperf.errors import DoesNotFit
-from maxperf.perfmodel import MemoryBreakdown, estimate_memory, make_mesh
+from maxperf.perfmodel import MemoryBreakdown, estimate_memory
 from maxperf.perfmodel.estimate import device_for
 from maxperf.perfmodel.flops import resolve_attention
+from maxperf.spec.errors import DoesNotFit
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.request import Request, resolve
 
 SCHEMA = "maxperf.estimate-memory/1"
 MAX_BATCH_SCHEMA = "maxperf.max-batch/1"
@@ -39,7 +40,7 @@ Progress = Callable[[str], None]
 class MemoryComparison:
     """One configuration's memory per device: the analytical breakdown and, unless skipped, XLA's figures."""
 
-    plan: Plan
+    plan: Request
     analytical: MemoryBreakdown
     compiler: dict[str, Any] | None  # memory.json of the compile (None: analytical only)
     compile_seconds: float | None
@@ -81,7 +82,7 @@ class MemoryComparison:
         p = self.plan
         return {
             "schema": SCHEMA, "model": p.model.name, "topology": p.topology.name,
-            "num_slices": p.topology.num_slices, "mesh": {a: n for a, n in p.mesh_shape.axes.items() if n > 1},
+            "num_slices": p.topology.num_slices, "mesh": {a: n for a, n in p.mesh.axes.items() if n > 1},
             "warnings": list(p.warnings),
             "per_device_batch_size": p.configs.train.per_device_batch_size, "seq_len": p.configs.train.seq_len,
             "remat_policy": str(p.configs.train.remat_policy.value),
@@ -95,9 +96,9 @@ class MemoryComparison:
         }
 
 
-def analytical(p: Plan) -> MemoryBreakdown:
+def analytical(p: Request) -> MemoryBreakdown:
     """perfmodel's breakdown for a plan, against the per-device memory perfmodel's chip table gives."""
-    mesh = make_mesh(p.mesh_shape.axes, p.mesh_shape.dcn, p.topology)
+    mesh = Mesh.of(p.mesh.axes, p.mesh.dcn).check(p.topology)
     chip = device_for(p.topology)
     train = resolve_attention(p.configs.model, p.configs.train, chip.kind)
     return estimate_memory(p.configs.model, train, mesh, chip.hbm_bytes, chip.kind)
@@ -108,7 +109,7 @@ def compare(topology: str, model: str, overrides: Sequence[str] = (), *, num_sli
             progress: Progress | None = None, force: bool = False) -> MemoryComparison:
     """The analytical breakdown, and (unless `analytical_only`) the compiler's figures for the same step, compiled
     into `out` when given (kept), else into a temporary directory (removed)."""
-    p = plan(topology, model, overrides, num_slices=num_slices)
+    p = resolve(topology, model, overrides, num_slices=num_slices)
     mine = analytical(p)
     if analytical_only:
         return MemoryComparison(p, mine, None, None, None)
@@ -116,7 +117,7 @@ def compare(topology: str, model: str, overrides: Sequence[str] = (), *, num_sli
     return MemoryComparison(p, mine, memory, seconds, None if out is None else Path(out), cache_hit)
 
 
-def _compile_memory(p: Plan, model: str, overrides: Sequence[str], num_slices: int, out: str | os.PathLike | None,
+def _compile_memory(p: Request, model: str, overrides: Sequence[str], num_slices: int, out: str | os.PathLike | None,
                     progress: Progress | None, force: bool) -> tuple[dict[str, Any], float, bool]:
     """memory.json of a compile of the plan through `aot.compile` (and its compile cache), whether or not the step
     fits: into `out` when given (kept), else into a temporary directory (removed)."""
@@ -166,7 +167,7 @@ class MaxBatch:
         }
 
 
-def analytical_max_batch(p: Plan, overrides: Sequence[str], num_slices: int, limit: int = MAX_BATCH_LIMIT) -> int:
+def analytical_max_batch(p: Request, overrides: Sequence[str], num_slices: int, limit: int = MAX_BATCH_LIMIT) -> int:
     """The largest B that fits by perfmodel (0 when B=1 does not): bisection on the analytical total, which grows
     with B."""
     def fits(b: int) -> bool:
@@ -185,8 +186,8 @@ def analytical_max_batch(p: Plan, overrides: Sequence[str], num_slices: int, lim
     return lo
 
 
-def _with_batch(p: Plan, overrides: Sequence[str], num_slices: int, b: int) -> Plan:
-    return plan(p.topology.name, p.model, [*overrides, f"per_device_batch_size={b}"], num_slices=num_slices)
+def _with_batch(p: Request, overrides: Sequence[str], num_slices: int, b: int) -> Request:
+    return resolve(p.topology.name, p.model, [*overrides, f"per_device_batch_size={b}"], num_slices=num_slices)
 
 
 def max_batch(topology: str, model: str, overrides: Sequence[str] = (), *, num_slices: int = 1,
@@ -196,7 +197,7 @@ def max_batch(topology: str, model: str, overrides: Sequence[str] = (), *, num_s
     next compile where a line through the compiler's figures (or perfmodel's slope, with one figure) crosses the
     device memory, always strictly inside the bracket (largest fitting, smallest failing), so it ends; with
     `out`, every trial's artifact is kept under out/batch-B."""
-    p = plan(topology, model, overrides, num_slices=num_slices)
+    p = resolve(topology, model, overrides, num_slices=num_slices)
     if out is not None and os.path.lexists(out) and not Path(out).is_dir():
         raise OutputRefused(f"--out {out} is a file; with --max-batch it is a directory of one artifact per trial")
     guess = analytical_max_batch(p, overrides, num_slices, limit)

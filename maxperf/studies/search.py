@@ -1,7 +1,7 @@
 """`maxperf plan`: the fastest configuration that fits, found analytically, then proved by the compiler.
 
     from maxperf.studies import search
-    req = search.Request("llama3-70b", "v5p-256", global_batch_tokens=4 << 20)
+    req = search.PlanRequest("llama3-70b", "v5p-256", global_batch_tokens=4 << 20)
     result = search.search(req)                # every valid candidate estimated and ranked, nothing compiled
     result = search.verify(result, k=3, out="artifacts/plan")   # the best K compiled in worker processes
     result.winner, result.as_dict()            # plan.json
@@ -42,12 +42,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from maxperf import plan as planning
-from maxperf.errors import MaxperfError, closest
-from maxperf.logical_axes import undivided_axes
-from maxperf.models import overrides as overrides_mod
-from maxperf.models import presets
-from maxperf.models.config import CHECKPOINT_NAMES, MESH_AXES, REMAT_SAVED, AttentionKernel, RematPolicy
+from maxperf.spec import overrides as overrides_mod
+from maxperf.spec import presets
+from maxperf.spec import request as planning
+from maxperf.spec.errors import MaxperfError, closest
+from maxperf.spec.logical_axes import MESH_AXES, undivided_axes
+from maxperf.spec.remat import CHECKPOINT_NAMES, REMAT_SAVED, RematPolicy
+from maxperf.spec.request import Request
+from maxperf.spec.train import AttentionKernel
 
 SCHEMA = "maxperf.plan/2"  # 2: per_device_batch_size is one microbatch, as in MaxText
 GIB = 1 << 30
@@ -114,7 +116,7 @@ def load_margin(platform: str, path: Path = MEMORY_ERROR_PATH) -> Margin:
 
 
 @dataclass(frozen=True)
-class Request:
+class PlanRequest:
     model: str
     topology: str
     num_slices: int = 1
@@ -215,7 +217,7 @@ class Pruned:
 
 @dataclass
 class SearchResult:
-    request: Request
+    request: PlanRequest
     model_name: str
     topology_name: str
     platform: str
@@ -356,7 +358,7 @@ def _whole(x: float) -> float:
     return int(x) if float(x).is_integer() else x
 
 
-def _batches(req: Request, devices: int, seq_len: int, pinned: dict[str, str]
+def _batches(req: PlanRequest, devices: int, seq_len: int, pinned: dict[str, str]
              ) -> tuple[list[tuple[float, int]], int | None]:
     """(B, A) pairs to search, B one microbatch per device (per_device_batch_size) and A the microbatches, and the
     global batch in rows where it is fixed (--global-batch, or --per-device-batch: B x A per device)."""
@@ -452,14 +454,15 @@ def batch_axes(axes: dict[str, int]) -> int:
     return axes["data"] * axes["fsdp"] * axes["fsdp_transpose"] * axes["expert"]
 
 
-def search(req: Request, progress: Callable[[str], None] | None = None, margin: Margin | None = None
+def search(req: PlanRequest, progress: Callable[[str], None] | None = None, margin: Margin | None = None
            ) -> SearchResult:
     """Enumerates, prunes, estimates and ranks every candidate; compiles nothing. `margin`: instead of the measured
     one (load_margin), as verification raises it."""
     from maxperf import perfmodel
-    from maxperf.perfmodel import estimate_memory, make_mesh
+    from maxperf.perfmodel import estimate_memory
     from maxperf.perfmodel.estimate import device_for
     from maxperf.perfmodel.flops import resolve_attention
+    from maxperf.spec.mesh import Mesh
     from maxperf.user_cache import calibration_for
 
     start = time.perf_counter()
@@ -472,7 +475,7 @@ def search(req: Request, progress: Callable[[str], None] | None = None, margin: 
         raise MaxperfError("give --global-batch or --per-device-batch, not both")
     model0 = presets.get(req.model)
     pinned, fixed = _split_pins(model0, req.pins)
-    base = planning.plan(req.topology, req.model, fixed, num_slices=req.num_slices)
+    base = planning.resolve(req.topology, req.model, fixed, num_slices=req.num_slices)
     topo, model, train0 = base.topology, base.configs.model, base.configs.train
     devices, per_domain, domains = topo.num_devices, topo.devices_per_ici_domain, topo.ici_domains
     calibration = calibration_for(topo)
@@ -551,7 +554,7 @@ def search(req: Request, progress: Callable[[str], None] | None = None, margin: 
                     continue
                 mesh_key = (bucket[0], bucket[1])
                 if (mesh := meshes.get(mesh_key)) is None:
-                    mesh = meshes[mesh_key] = make_mesh(c.axes, c.dcn, topo)
+                    mesh = meshes[mesh_key] = Mesh.of(c.axes, c.dcn).check(topo)
                 memories[c] = estimate_memory(model, resolved[key], mesh, chip.hbm_bytes, chip.kind)
                 c.memory_bytes = memories[c].per_device_total_bytes
                 if c.memory_bytes * limit_factor > chip.hbm_bytes:
@@ -567,7 +570,7 @@ def search(req: Request, progress: Callable[[str], None] | None = None, margin: 
                     c.skipped = f"remat_policy={more} keeps more and fits: less recompute"
                     continue
                 key = (c.remat_policy, c.attention, c.per_device_batch_size, c.grad_accum_steps)
-                est = perfmodel.estimate(model, trains[key], c.axes, c.dcn, topo, calibration=calibration,
+                est = perfmodel.estimate(Request.of(topo, model, trains[key], c.axes, c.dcn), calibration=calibration,
                                          memory=memories[c])
                 c.step_time_s, c.tokens_per_s, c.mfu = est.step_time_s, est.tokens_per_s, est.mfu
                 c.memory_bytes, c.bottleneck = est.memory_per_device_bytes, est.bottleneck
@@ -641,14 +644,14 @@ def closest_miss(result: SearchResult, model, trains, topo, calibration) -> dict
     options.append(f"more chips: the state and a fixed global batch split over about {chips} chips instead of "
                    f"{result.chips} ({need / limit:.2f}x the memory needed)")
     offload = dataclasses.replace(train, optimizer_memory_host_offload=True, parameter_memory_host_offload=True)
-    mem = perfmodel.estimate(model, offload, c.axes, c.dcn, topo, calibration=calibration).memory_per_device_bytes
+    mem = perfmodel.estimate(Request.of(topo, model, offload, c.axes, c.dcn), calibration=calibration).memory_per_device_bytes
     options.append(f"offload: optimizer_memory_host_offload=true parameter_memory_host_offload=true take it to "
                    f"{mem * factor / GIB:.2f} GiB ({'fits' if mem * factor <= limit else 'still does not fit'})")
     seq = train.seq_len
     while seq >= 256:
         seq //= 2
         shorter = dataclasses.replace(train, seq_len=seq)
-        mem = perfmodel.estimate(model, shorter, c.axes, c.dcn, topo, calibration=calibration).memory_per_device_bytes
+        mem = perfmodel.estimate(Request.of(topo, model, shorter, c.axes, c.dcn), calibration=calibration).memory_per_device_bytes
         if mem * factor <= limit:
             options.append(f"shorter sequence: seq_len={seq} needs {mem * factor / GIB:.2f} GiB (fits)")
             break

@@ -22,15 +22,15 @@ import shutil
 import signal
 import threading
 import time
-from concurrent.futures.process import BrokenProcessPool
 from collections.abc import Callable, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from maxperf.aot import artifacts
-from maxperf.errors import MaxperfError
 from maxperf.perfmodel.calibration import StoredCalibration
+from maxperf.spec.errors import MaxperfError
 from maxperf.user_cache import load_calibration
 
 POINT_SCHEMA = "maxperf.sweep-point/3"  # 2: `key`, what the resume compares; 3: B is one microbatch
@@ -102,8 +102,9 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
     """One grid point, in a worker: the estimate, then the compile; failures are recorded, not raised.
     `calibration`: what the sweep loaded once for its CPU points, so every point uses the same one."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from maxperf import aot, perfmodel, plan as planning
-    from maxperf.errors import DoesNotFit
+    from maxperf import aot, perfmodel
+    from maxperf.spec import request as planning
+    from maxperf.spec.errors import DoesNotFit
 
     row: dict[str, Any] = {"schema": POINT_SCHEMA, "point": point.name, "model": model, "topology": point.topology,
                            "num_slices": point.num_slices, "overrides": " ".join(point.overrides), "status": "ok",
@@ -111,12 +112,12 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
                            "key": json.dumps(point_key(model, point, analytical_only, calibration))}
     start = time.perf_counter()
     try:
-        p = planning.plan(point.topology, model, point.overrides, num_slices=point.num_slices)
+        p = planning.resolve(point.topology, model, point.overrides, num_slices=point.num_slices)
         row["warnings"] = "; ".join(p.warnings)  # mesh axes that do not divide a dimension (plan.py)
-        est = perfmodel.estimate(p.configs.model, p.configs.train, p.mesh_shape.axes, p.mesh_shape.dcn, p.topology,
+        est = perfmodel.estimate(p,
                                  calibration=calibration)
         row.update(chips=p.topology.chips, devices=p.topology.num_devices, platform=p.topology.platform,
-                   chip=p.topology.chip, global_batch=p.configs.train.global_batch(p.mesh_shape.devices),
+                   chip=p.topology.chip, global_batch=p.configs.train.global_batch(p.mesh.devices),
                    seq_len=p.configs.train.seq_len, hbm_bytes=est.memory.hbm_bytes,
                    predicted_step_time_s=est.step_time_s, predicted_tokens_per_s=est.tokens_per_s,
                    predicted_tflops_per_chip=est.tflops_per_chip, predicted_mfu=est.mfu,
@@ -232,15 +233,15 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
           axes: dict[str, Sequence[str]] | None = None, analytical_only: bool = False, out: str | os.PathLike,
           workers: int | None = None, progress: Callable[[str], None] | None = None) -> SweepResult:
     """Runs every point of the grid not already finished under `out`, and writes the results table."""
-    from maxperf import plan as planning
-    from maxperf.models import presets
+    from maxperf.spec import presets
+    from maxperf.spec import request as planning
 
     say = progress or (lambda _: None)
     if not topologies:
         raise MaxperfError("--topologies is empty; give a comma-separated list such as v5p-8,v5p-16,v5p-32")
     presets.get(model)
     points = grid(topologies, num_slices, axes or {})
-    chips = {planning.plan(point.topology, model, point.overrides, num_slices=point.num_slices).topology.chip
+    chips = {planning.resolve(point.topology, model, point.overrides, num_slices=point.num_slices).topology.chip
              for point in points}  # every mistake in the grid is found before any work starts
     calibration = load_calibration() if "cpu" in chips else None  # loaded once: every point uses the same
     out_dir = Path(out)

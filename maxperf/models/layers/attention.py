@@ -14,15 +14,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxperf.models.config import AttentionType, ModelConfig, Positions
-from maxperf import attention_rule
+from maxperf.models.layers import quantization
 from maxperf.models.layers.attention_kernels import AttentionOptions, attend
 from maxperf.models.layers.mla import LatentAttention
 from maxperf.models.layers.norms import RMSNorm
-from maxperf.models.layers import quantization
 from maxperf.models.layers.params import param
 from maxperf.models.layers.rope import apply_rope, inverse_frequencies
 from maxperf.models.sharding import constrain
+from maxperf.spec import attention_rule
+from maxperf.spec.model import AttentionType, ModelConfig, Positions
+
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, options: AttentionOptions = AttentionOptions()):

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxperf import attention_rule
-from maxperf.attention_rule import choose, implementation, unserved  # noqa: F401 (the model's names for them)
-from maxperf.models.config import SPLASH_BLOCKS, AttentionKernel, ModelConfig, TrainConfig
+from maxperf.spec import attention_rule
+from maxperf.spec.attention_rule import SPLASH_BLOCKS, choose, implementation, unserved  # noqa: F401 (the model's names for them)
+from maxperf.spec.model import ModelConfig
+from maxperf.spec.train import AttentionKernel, TrainConfig
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 # The blockwise (CPU) kernel's key block: scores live as [.., L, CPU_BLOCK] tiles, never [L, L].

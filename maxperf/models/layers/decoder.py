@@ -8,13 +8,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxperf.models.config import ModelConfig
 from maxperf.models.layers.attention import make_attention
 from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.mlp import MLP
 from maxperf.models.layers.moe import MoE, MoEOptions
 from maxperf.models.layers.norms import make_norm
 from maxperf.models.sharding import constrain
+from maxperf.spec.model import ModelConfig
 
 RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 

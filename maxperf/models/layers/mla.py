@@ -15,13 +15,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxperf.models.config import ModelConfig
+from maxperf.models.layers import quantization
 from maxperf.models.layers.attention_kernels import AttentionOptions, attend
 from maxperf.models.layers.norms import RMSNorm
 from maxperf.models.layers.params import param
-from maxperf.models.layers import quantization
 from maxperf.models.layers.rope import apply_rope, inverse_frequencies, yarn_softmax_factor
 from maxperf.models.sharding import constrain
+from maxperf.spec.model import ModelConfig
 
 HEADS = ("activation_batch", "activation_length", "activation_heads", None)
 LATENT = ("activation_batch", "activation_length", None)

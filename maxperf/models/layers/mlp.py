@@ -9,10 +9,10 @@ import jax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxperf.models.config import Activation
-from maxperf.models.layers.params import param
 from maxperf.models.layers import quantization
+from maxperf.models.layers.params import param
 from maxperf.models.sharding import constrain
+from maxperf.spec.model import Activation
 
 _ACT = {Activation.SWIGLU: jax.nn.silu, Activation.GEGLU: jax.nn.gelu, Activation.GELU: jax.nn.gelu}
 

@@ -31,12 +31,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxperf.errors import MaxperfError
-from maxperf.models.config import Activation, ModelConfig, RoutedScoreFunc, TrainConfig
+from maxperf.models.layers import quantization
 from maxperf.models.layers.mlp import _ACT, MLP, gate
 from maxperf.models.layers.params import param
-from maxperf.models.layers import quantization
 from maxperf.models.sharding import constrain, mesh_axes_for
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.model import Activation, ModelConfig, RoutedScoreFunc
+from maxperf.spec.train import TrainConfig
 
 BATCH_TOKENS = ("activation_batch", "activation_length", None)
 

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxperf.models.config import ModelConfig
 from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.decoder import RESIDUAL, make_layer
 from maxperf.models.layers.moe import MoEOptions
 from maxperf.models.layers.norms import RMSNorm
 from maxperf.models.layers.params import param
 from maxperf.models.sharding import constrain
+from maxperf.spec.model import ModelConfig
 
 
 class MTPModule(nnx.Module):

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxperf.models.config import Norm
 from maxperf.models.layers.params import param
+from maxperf.spec.model import Norm
 
 
 def _last_axis(v: jax.Array, ndim: int, dtype=jnp.float32) -> jax.Array:

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from maxperf.errors import MaxperfError
+from maxperf.spec.errors import MaxperfError
 
 INT8_BOUND = 127.5  # AQT's int8 quant bound (preserve_zero, not preserve_max_val): scale = absmax / 127.5
 INT8_CLIP = 127.0  # values are clipped to the last bucket's edge less half a bucket before rounding

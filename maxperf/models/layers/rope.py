@@ -8,7 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from maxperf.models.config import RopeScaling, YarnScaling
+from maxperf.spec.model import RopeScaling, YarnScaling
 
 
 def inverse_frequencies(Dh: int, theta: float, scaling: RopeScaling | YarnScaling | None) -> jax.Array:

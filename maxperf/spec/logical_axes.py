@@ -109,3 +109,23 @@ def _assign_uncached(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Map
         used.update(chosen)
         spec[dim] = None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen)
     return tuple(spec), sorted(skipped)
+
+
+def split(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """The number of shards along each dimension of an array with these logical axis names."""
+    return _split(tuple(shape), tuple(logical), tuple(mesh_sizes.items()))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the same few arrays on the same mesh, hundreds of times per estimate
+def _split(shape: tuple[int, ...], logical: LogicalAxes, sizes: tuple[tuple[str, int], ...]) -> tuple[int, ...]:
+    axes = dict(sizes)
+    entries = mesh_axes_for(shape, logical, axes)
+    return tuple(math.prod(axes[a] for a in ((e,) if isinstance(e, str) else e or ())) for e in entries)
+
+
+def local_size(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Mapping[str, int]) -> float:
+    """Elements of one device's shard of the array."""
+    size = 1.0
+    for s, n in zip(shape, split(shape, logical, mesh_sizes)):
+        size *= s / n
+    return size

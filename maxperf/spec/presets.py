@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from maxperf.errors import unknown
-from maxperf.models.config import (
+from maxperf.spec.errors import unknown
+from maxperf.spec.model import (
     Activation,
     AttentionType,
     ModelConfig,

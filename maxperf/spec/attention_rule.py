@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from maxperf.errors import MaxperfError
+from maxperf.spec.errors import MaxperfError
 
 # MaxText's splash attention block sizes (configs/base.yml sa_block_*), the train config's keys for them
 SPLASH_BLOCKS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",

@@ -19,8 +19,8 @@ import re
 import struct
 from pathlib import Path
 
-from maxperf.errors import MaxperfError, unknown
-from maxperf.notes import note
+from maxperf.spec.errors import MaxperfError, unknown
+from maxperf.spec.notes import note
 
 PROTO_MARKER = b"# proto-message: stream_executor.GpuTargetConfigProto"
 INSTALL_HINT = "install the CUDA plugin to compile for GPUs: pip install 'maxperf[gpu]'"

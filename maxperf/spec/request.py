@@ -1,8 +1,7 @@
 """One resolution of a request (topology, model, overrides, slices) into configs and a mesh.
 
-Every command plans through `plan()`: compile, estimate, estimate-memory, sweep and run read the same mesh. This is
-the one place that turns the parallelism config (sizes, -1 to fill) into mesh sizes over a topology: ICI axes span
-one fast-interconnect domain (a TPU slice, an HGX host, a GB200 NVL72 rack), DCN axes span the domains.
+Every command resolves through `resolve()`: compile, estimate, estimate-memory, sweep, plan and run read the same
+configs and mesh (maxperf.spec.mesh turns the parallelism config into mesh sizes over the topology).
 """
 
 from __future__ import annotations
@@ -10,86 +9,86 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from maxperf.aot import topologies
-from maxperf.aot.topologies import Topology
-from maxperf.errors import MaxperfError
-from maxperf.logical_axes import mesh_axes_for, undivided_axes
-from maxperf.models import overrides as overrides_mod
-from maxperf.models import presets
-from maxperf.models.config import DCN_AXES, MESH_AXES, ModelConfig, ParallelismConfig
-from maxperf.models.overrides import Configs
+from maxperf.spec import mesh as mesh_mod
+from maxperf.spec import overrides as overrides_mod
+from maxperf.spec import presets
+from maxperf.spec import topology as topologies
+from maxperf.spec.configs import Configs
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.logical_axes import mesh_axes_for, undivided_axes
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.model import ModelConfig
+from maxperf.spec.parallelism import ParallelismConfig
+from maxperf.spec.params import param_arrays, params_per_device
+from maxperf.spec.topology import Topology
+from maxperf.spec.train import DTYPE_BYTES, OPTIMIZER_STATES_PER_PARAM, TrainConfig
 
 GIB = 1 << 30
 
 
 @dataclass(frozen=True)
-class MeshShape:
-    """Resolved mesh sizes: within a domain (ICI) and across domains (DCN); each mesh axis is their product."""
-
-    ici: dict[str, int]
-    dcn: dict[str, int]
-
-    @property
-    def axes(self) -> dict[str, int]:
-        # an artifact written before an axis existed lacks it: size 1
-        return {a: self.ici.get(a, 1) * self.dcn.get(a, 1) for a in MESH_AXES}
-
-    @property
-    def devices(self) -> int:
-        return math.prod(self.axes.values())
-
-    def shown(self) -> str:
-        """'data=2 x fsdp=8', the axes over 1 (or '1')."""
-        return " x ".join(f"{a}={n}" for a, n in self.axes.items() if n > 1) or "1"
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What to compile: the configs, the topology, the resolved mesh, and what the user should know about it."""
+class Request:
+    """What to compile or estimate: the configs, the topology, the resolved mesh, and what the user should know about
+    it."""
 
     topology: Topology
     configs: Configs
-    mesh_shape: MeshShape
+    mesh: Mesh
     warnings: tuple[str, ...] = ()  # one line each: dimensions the mesh does not divide, with their cost
 
     @property
     def model(self) -> ModelConfig:
         return self.configs.model
 
+    @property
+    def train(self) -> TrainConfig:
+        return self.configs.train
+
+    @classmethod
+    def of(cls, topology: Topology, model: ModelConfig, train: TrainConfig, axes: Mapping[str, int],
+           dcn: Mapping[str, int] | None = None) -> Request:
+        """A request from configs and a mesh given as whole-axis sizes with their DCN parts (a search's candidates and
+        tests choose their meshes themselves); the mesh is checked against the topology."""
+        mesh = Mesh.of(axes, dcn).check(topology)
+        parallelism = ParallelismConfig(**{f"ici_{a}": n for a, n in mesh.ici.items()},
+                                        **{f"dcn_{a}": n for a, n in mesh.dcn.items()})
+        return cls(topology, Configs(model, train, parallelism), mesh)
+
     def default_dir(self) -> Path:
         slices = f"_x{self.topology.num_slices}" if self.topology.num_slices > 1 else ""
         return Path("artifacts") / f"{self.model.name}_{self.topology.name}{slices}"
 
 
-def plan(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT_MODEL, overrides: Sequence[str] = (),
-         *, num_slices: int = 1, target_config: str | os.PathLike | None = None) -> Plan:
+def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT_MODEL,
+            overrides: Sequence[str] = (), *, num_slices: int = 1,
+            target_config: str | os.PathLike | None = None) -> Request:
     """Resolves names and overrides into configs and a mesh; every mistake is a MaxperfError naming what is valid."""
     topo = topology if isinstance(topology, Topology) else topologies.get(
         topology, num_slices=num_slices, target_config_path=None if target_config is None else str(target_config))
     model_cfg = model if isinstance(model, ModelConfig) else presets.get(model)
     configs = overrides_mod.apply(model_cfg, list(overrides))
-    mesh_shape = resolve_mesh(configs.parallelism, topo)
-    configs.train.micro_batch(mesh_shape.devices)  # B x devices examples per microbatch: a whole number
-    _check_experts(configs.model, mesh_shape)
+    mesh = mesh_mod.resolve(configs.parallelism, topo)
+    configs.train.micro_batch(mesh.devices)  # B x devices examples per microbatch: a whole number
+    _check_experts(configs.model, mesh)
     notes: tuple[str, ...] = ()
-    if configs.parallelism == ParallelismConfig() and (keep := _fsdp_dividing_width(configs, mesh_shape)):
+    if configs.parallelism == ParallelismConfig() and (keep := _fsdp_dividing_width(configs, mesh)):
         # the default mesh would replicate every weight along fsdp: fsdp takes what divides D, data the rest
-        notes = (f"the default fsdp={mesh_shape.ici['fsdp']} does not divide D={configs.model.d_model}: planned "
-                 f"ici_fsdp={keep} ici_data={mesh_shape.ici['fsdp'] // keep} instead, which does (set ici_fsdp to "
+        notes = (f"the default fsdp={mesh.ici['fsdp']} does not divide D={configs.model.d_model}: planned "
+                 f"ici_fsdp={keep} ici_data={mesh.ici['fsdp'] // keep} instead, which does (set ici_fsdp to "
                  "choose)",)
         configs = dataclasses.replace(configs, parallelism=ParallelismConfig(ici_data=-1, ici_fsdp=keep))
-        mesh_shape = resolve_mesh(configs.parallelism, topo)
-    return Plan(topo, configs, mesh_shape, notes + replication_warnings(configs, mesh_shape)
-                + gpu_grouped_matmul_warnings(configs, mesh_shape, topo))
+        mesh = mesh_mod.resolve(configs.parallelism, topo)
+    return Request(topo, configs, mesh, notes + replication_warnings(configs, mesh)
+                   + gpu_grouped_matmul_warnings(configs, mesh, topo))
 
 
-def gpu_grouped_matmul_warnings(configs: Configs, mesh: MeshShape, topo: Topology) -> tuple[str, ...]:
+def gpu_grouped_matmul_warnings(configs: Configs, mesh: Mesh, topo: Topology) -> tuple[str, ...]:
     """On GPU a dropless MoE step's jax.lax.ragged_dot has no grouped GEMM: XLA multiplies every routed row by each
-    local expert (perfmodel.memory.RAGGED_EXPANDED_D_BUFFERS), which MaxText's GPU MoE configs avoid with the dense
+    local expert (perfmodel's RAGGED_EXPANDED_D_BUFFERS), which MaxText's GPU MoE configs avoid with the dense
     dispatch."""
     if topo.platform != "gpu" or not configs.model.is_moe or not configs.train.sparse_matmul:
         return ()
@@ -102,7 +101,7 @@ def gpu_grouped_matmul_warnings(configs: Configs, mesh: MeshShape, topo: Topolog
             f"parallelism leaves fewer local experts",)
 
 
-def _check_experts(model: ModelConfig, mesh: MeshShape) -> None:
+def _check_experts(model: ModelConfig, mesh: Mesh) -> None:
     """A mixture of experts puts E / (ici_expert x dcn_expert) whole experts on each device: the axis must divide E."""
     ep = mesh.axes["expert"]
     if model.is_moe and model.num_experts % ep:
@@ -112,45 +111,10 @@ def _check_experts(model: ModelConfig, mesh: MeshShape) -> None:
                            f"does, e.g. {fits[-1]}")
 
 
-def _fsdp_dividing_width(configs: Configs, mesh: MeshShape) -> int | None:
+def _fsdp_dividing_width(configs: Configs, mesh: Mesh) -> int | None:
     """The largest ICI fsdp size that divides the model width D, where the mesh's own does not; else None."""
     keep = math.gcd(mesh.ici["fsdp"], configs.model.d_model)
     return keep if keep < mesh.ici["fsdp"] else None
-
-
-def resolve_mesh(parallelism: ParallelismConfig, topology: Topology) -> MeshShape:
-    """ICI sizes over the devices of one domain and DCN sizes over the domains, each -1 filling what is left."""
-    one, many = _domain_words(topology)
-    ici = _fill({a: getattr(parallelism, f"ici_{a}") for a in MESH_AXES}, topology.devices_per_ici_domain, "ici",
-                f"devices in each {one} of {topology.name}")
-    dcn = _fill({a: getattr(parallelism, f"dcn_{a}") for a in DCN_AXES}, topology.ici_domains, "dcn",
-                f"{many} in {topology.name}")
-    return MeshShape(ici=ici, dcn=dcn)
-
-
-def _domain_words(topology: Topology) -> tuple[str, str]:
-    """What one fast-interconnect domain of the topology is called, singular and plural."""
-    if topology.platform == "gpu":
-        unit = "host" if topology.hosts_per_nvlink_domain == 1 else "rack"
-        return f"NVLink domain ({unit})", f"NVLink domains ({unit}s)"
-    return "slice", "slices"
-
-
-def _fill(sizes: dict[str, int], total: int, prefix: str, what: str) -> dict[str, int]:
-    free = [a for a, s in sizes.items() if s == -1]
-    if len(free) > 1:
-        raise MaxperfError(f"at most one {prefix}_* axis may be -1, got {', '.join(f'{prefix}_{a}' for a in free)}")
-    fixed = math.prod(s for s in sizes.values() if s != -1)
-    shown = " x ".join(f"{prefix}_{a}={s}" for a, s in sizes.items() if s != 1)
-    if free:
-        if total % fixed:
-            raise MaxperfError(f"{shown} cannot fill {total} {what}: the fixed axes multiply to {fixed}, which does "
-                               f"not divide {total}")
-        return {**sizes, free[0]: total // fixed}
-    if fixed != total:
-        raise MaxperfError(f"{shown or prefix + ' axes all 1'} multiply to {fixed} but there are {total} {what}; "
-                           f"make the product {total} or set one {prefix}_* axis to -1")
-    return sizes
 
 
 # The letter of each logical axis, for messages (one letter per dimension).
@@ -159,15 +123,11 @@ _LETTERS = {"embed": "D", "vocab": "V", "mlp": "F", "heads": "H", "kv_heads": "K
             "activation_vocab": "V", "activation_embed": "D"}
 
 
-def replication_warnings(configs: Configs, mesh: MeshShape) -> tuple[str, ...]:
+def replication_warnings(configs: Configs, mesh: Mesh) -> tuple[str, ...]:
     """A line for each mesh axis that does not divide a dimension it would shard.
 
-    The sharding rules (`maxperf.logical_axes`) replicate a dimension along such an axis, and so does the compiled
+    The sharding rules (`maxperf.spec.logical_axes`) replicate a dimension along such an axis, and so does the compiled
     step: every device then holds the whole dimension. Weights say what their state costs per device."""
-    from maxperf.perfmodel import memory as perf_memory
-    from maxperf.perfmodel.shapes import DTYPE_BYTES, Mesh
-    from maxperf.perfmodel.sharding import param_arrays
-
     model, train, axes = configs.model, configs.train, mesh.axes
     found: dict[tuple[str, str], tuple[int, int, bool]] = {}  # (letter, axis) -> (size, axis size, a weight?)
     arrays = [(x.shape, x.logical, True) for x in param_arrays(model)]
@@ -186,9 +146,8 @@ def replication_warnings(configs: Configs, mesh: MeshShape) -> tuple[str, ...]:
             held_of[key] = shape[dim] // math.prod(axes[a] for a in split)
     if not found:
         return ()
-    perf_mesh = Mesh(axes=axes, dcn=mesh.dcn)
-    state_per_param = DTYPE_BYTES[str(train.param_dtype)] * (1 + perf_memory.OPTIMIZER_STATES_PER_PARAM)
-    held = perf_memory.params_per_device(model, perf_mesh) * state_per_param
+    state_per_param = DTYPE_BYTES[str(train.param_dtype)] * (1 + OPTIMIZER_STATES_PER_PARAM)
+    held = params_per_device(model, mesh.sizes) * state_per_param
     even = sum(x.count * math.prod(x.shape) for x in param_arrays(model)) * state_per_param / mesh.devices
     lines = []
     for (letter, axis), (size, n, weight) in found.items():
@@ -205,7 +164,7 @@ def replication_warnings(configs: Configs, mesh: MeshShape) -> tuple[str, ...]:
     return tuple(lines)
 
 
-def _suggestion(mesh: MeshShape, axis: str, size: int) -> str:
+def _suggestion(mesh: Mesh, axis: str, size: int) -> str:
     """A mesh that divides: the ICI part of `axis` cut to what divides `size`, the rest moved to data."""
     ici = mesh.ici[axis]
     keep = math.gcd(ici, size // math.gcd(size, mesh.dcn.get(axis, 1)))

@@ -20,6 +20,12 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so that the same cleanup runs. Exit code 143."""
 
 
+def require(ok: bool, message: str) -> None:
+    """A MaxperfError with `message` unless `ok`: a config's checks, each one line naming what is valid."""
+    if not ok:
+        raise MaxperfError(message)
+
+
 def closest(word: str, choices: Iterable[str], n: int = 3) -> list[str]:
     """The valid names nearest to `word`, best first, for 'did you mean' hints."""
     choices = list(choices)

@@ -9,8 +9,10 @@ import types
 import typing
 from dataclasses import dataclass
 
-from maxperf.errors import MaxperfError, closest
-from maxperf.models.config import AttentionKernel, ModelConfig, ParallelismConfig, Quantization, TrainConfig
+from maxperf.spec.errors import MaxperfError, closest
+from maxperf.spec.model import ModelConfig
+from maxperf.spec.parallelism import ParallelismConfig
+from maxperf.spec.train import AttentionKernel, Quantization, TrainConfig
 
 # MaxText's names (MaxText/configs/base.yml) for the same settings.
 ALIASES = {

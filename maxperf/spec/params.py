@@ -1,0 +1,161 @@
+"""Every parameter array of the model with its logical axes, as the Flax model declares them
+(maxperf/models/layers/*.py): the one list that perfmodel counts memory and collectives by, that the mesh warnings
+weigh, and that a test checks against the model's own state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from maxperf.spec.logical_axes import local_size
+from maxperf.spec.memo import model_memo, per_model
+from maxperf.spec.model import AttentionType, ModelConfig, Norm, Positions
+
+
+@dataclass(frozen=True)
+class ParamArray:
+    name: str
+    shape: tuple[int, ...]
+    logical: tuple[str | None, ...]
+    count: int  # how many such arrays (the layer count for per-layer weights, the MoE layers' for expert weights)
+    matmul: bool  # enters a matmul (gathered for FSDP in compute dtype)
+    # the decoder-layer block it belongs to: "attention", "mlp" (a dense layer's), "moe" (router, routed and shared
+    # experts), "norm" (the layer's D-wide norms); "" outside the layers (tables, final norm)
+    block: str = ""
+    # stacked routed experts [E, ...] (logical "exp", over the `expert` axis): each device multiplies its own
+    # experts, so their FSDP gather leaves the expert axis split
+    expert_parallel: bool = False
+
+
+def param_arrays(model: ModelConfig) -> list[ParamArray]:
+    """Every parameter array of the Flax model with its logical axes (models/layers/*.py)."""
+    return list(_param_arrays(model))
+
+
+@per_model
+def _param_arrays(model: ModelConfig) -> tuple[ParamArray, ...]:
+    mla = model.attention_type == AttentionType.MLA
+    V, D, N, H, K, Dh, F = (model.vocab_size, model.d_model, model.num_layers, model.num_heads, model.num_kv_heads,
+                            model.head_dim, model.d_ff)
+    norm_arrays = 2 if model.norm == Norm.LAYERNORM else 1  # scale (+ bias)
+    layer_norms = (4 if model.post_norms else 2) * norm_arrays
+    n_moe = sum(model.moe_layers())
+    n_dense = N - n_moe
+    gated = model.activation.gated
+    if mla:
+        arrays = mla_arrays(model)
+    elif model.fused_qkv:  # each kv head beside its query heads, key and value (layers/attention.py)
+        arrays = [ParamArray("qkv", (D, K, H // K + 2, Dh), ("embed", "kv_heads", None, "head_dim"), N, True,
+                             "attention")]
+    else:
+        arrays = [ParamArray("q", (D, H, Dh), ("embed", "heads", "head_dim"), N, True, "attention"),
+                  ParamArray("k", (D, K, Dh), ("embed", "kv_heads", "head_dim"), N, True, "attention"),
+                  ParamArray("v", (D, K, Dh), ("embed", "kv_heads", "head_dim"), N, True, "attention")]
+    fused_mlp = gated and model.fused_mlp
+    if n_dense:
+        if fused_mlp:
+            arrays.append(ParamArray("gate_up", (D, 2, F), ("embed", None, "mlp"), n_dense, True, "mlp"))
+        else:
+            arrays.append(ParamArray("up", (D, F), ("embed", "mlp"), n_dense, True, "mlp"))
+    if not mla:
+        arrays.append(ParamArray("o", (H, Dh, D), ("heads", "head_dim", "embed"), N, True, "attention"))
+    if n_dense:
+        arrays.append(ParamArray("down", (F, D), ("mlp", "embed"), n_dense, True, "mlp"))
+    arrays += [
+        ParamArray("layer_norms", (D,), ("norm",), N * layer_norms, False, "norm"),
+        ParamArray("final_norm", (D,), ("norm",), norm_arrays, False),
+        ParamArray("embedding", (V, D), ("vocab", "embed"), 1, True),
+    ]
+    if n_dense and gated and not fused_mlp:
+        arrays.append(ParamArray("gate", (D, F), ("embed", "mlp"), n_dense, True, "mlp"))
+    if model.qk_norm:
+        arrays.append(ParamArray("qk_norms", (Dh,), ("norm",), 2 * N, False, "attention"))
+    if model.attention_sinks:
+        arrays.append(ParamArray("sinks", (H,), ("heads",), N, False, "attention"))
+    if model.attention_bias:  # gpt-oss (models/layers/attention.py)
+        arrays += [ParamArray("q_bias", (H, Dh), ("heads", "head_dim"), N, False, "attention"),
+                   ParamArray("kv_bias", (K, Dh), ("kv_heads", "head_dim"), 2 * N, False, "attention"),
+                   ParamArray("o_bias", (D,), ("embed",), N, False, "attention")]
+    if not model.tie_embeddings:
+        arrays.append(ParamArray("unembedding", (D, V), ("embed", "vocab"), 1, True))
+    if model.positions == Positions.LEARNED:
+        arrays.append(ParamArray("positions", (model.max_position, D), ("position", "embed"), 1, False))
+    if n_moe:
+        arrays += moe_arrays(model)
+    return tuple(arrays)
+
+
+def mla_arrays(model: ModelConfig) -> list[ParamArray]:
+    """Latent attention's arrays (models/layers/mla.py)."""
+    D, N, H = model.d_model, model.num_layers, model.num_heads
+    R, C, Dn, Dr, Dv = (model.q_lora_rank, model.kv_lora_rank, model.qk_nope_head_dim, model.qk_rope_head_dim,
+                        model.v_head_dim)
+    if R:
+        q = [ParamArray("wq_a", (D, R), ("embed", None), N, True, "attention"),
+             ParamArray("q_norm", (R,), ("norm",), N, False, "attention"),
+             ParamArray("wq_b", (R, H, Dn + Dr), ("q_lora", "heads", "head_dim"), N, True, "attention")]
+    else:
+        q = [ParamArray("q", (D, H, Dn + Dr), ("embed", "heads", "head_dim"), N, True, "attention")]
+    return q + [ParamArray("wkv_a", (D, C + Dr), ("embed", None), N, True, "attention"),
+                ParamArray("kv_norm", (C,), ("norm",), N, False, "attention"),
+                ParamArray("wkv_b", (C, H, Dn + Dv), ("kv_lora", "heads", "head_dim"), N, True, "attention"),
+                ParamArray("o", (H, Dv, D), ("heads", "head_dim", "embed"), N, True, "attention")]
+
+
+def moe_arrays(model: ModelConfig) -> list[ParamArray]:
+    """A MoE block's arrays (models/layers/moe.py, as MaxText's RoutedMoE): the router [D, E], the experts' wi_0,
+    wi_1 [E, D, Fe] and wo [E, Fe, D], the shared experts as one MLP of width S x Fe."""
+    D, n, E, Fe = model.d_model, sum(model.moe_layers()), model.num_experts, model.moe_mlp_dim
+    gated = model.activation.gated
+    arrays = [ParamArray("router", (D, E), ("embed", None), n, True, "moe"),
+              ParamArray("experts_up", (E, D, Fe), ("exp", "embed", "mlp"), n, True, "moe", True),
+              ParamArray("experts_down", (E, Fe, D), ("exp", "mlp", "embed"), n, True, "moe", True)]
+    if gated:
+        arrays.append(ParamArray("experts_gate", (E, D, Fe), ("exp", "embed", "mlp"), n, True, "moe", True))
+    if model.routed_bias:
+        arrays.append(ParamArray("router_bias", (E,), (None,), n, False, "moe"))
+    if model.mlp_bias:  # gpt-oss's expert biases
+        arrays += [ParamArray("experts_wi_bias", (E, Fe), ("exp", "mlp"), n * (2 if gated else 1), False, "moe"),
+                   ParamArray("experts_wo_bias", (E, D), ("exp", "embed"), n, False, "moe")]
+    if model.shared_experts:
+        width = model.shared_experts * Fe
+        arrays += [ParamArray("shared_up", (D, width), ("embed", "mlp"), n, True, "moe"),
+                   ParamArray("shared_down", (width, D), ("mlp", "embed"), n, True, "moe")]
+        if gated:
+            arrays.append(ParamArray("shared_gate", (D, width), ("embed", "mlp"), n, True, "moe"))
+    return arrays
+
+
+def mtp_arrays(model: ModelConfig) -> tuple[ParamArray, ...]:
+    """The parameter arrays of the multi-token-prediction modules (models/layers/mtp.py), which param_arrays leaves
+    out (published totals do not count them): per module the RMSNorms of the embedding, of the hidden state and before
+    the shared head, the 2D x D projection, and one decoder layer of the last layer's kind, its arrays those of the
+    decoder's layers of that kind, one layer's worth."""
+    n = model.mtp_num_layers
+    if not n:
+        return ()
+    routed = model.moe_layers()
+    n_moe = sum(routed)
+    layers = {"attention": model.num_layers, "norm": model.num_layers, "mlp": model.num_layers - n_moe,
+              "moe": n_moe}
+    kind = "moe" if routed[-1] else "mlp"
+    arrays = [replace(x, count=n * x.count // layers[x.block]) for x in param_arrays(model)
+              if x.block in ("attention", "norm", kind)]
+    norm = next(x for x in param_arrays(model) if x.name == "final_norm")
+    return tuple(arrays + [replace(norm, name="mtp_norms", count=3 * n * norm.count),
+                           ParamArray("mtp_projection", (2 * model.d_model, model.d_model), ("embed", None), n, True)])
+
+
+def state_arrays(model: ModelConfig) -> tuple[ParamArray, ...]:
+    """Every parameter array the train state holds: the decoder's and the MTP modules'."""
+    return (*param_arrays(model), *mtp_arrays(model))
+
+
+def params_per_device(model: ModelConfig, sizes: tuple[tuple[str, int], ...]) -> float:
+    """Parameters one device holds after sharding over a mesh of these axis sizes (Mesh.sizes); the optimizer state
+    and the gradients are sharded alike."""
+    memo = model_memo(model)  # per mesh: a search asks for it again with every batch and policy
+    if (held := memo.get(("params_per_device", sizes))) is None:
+        axes = dict(sizes)
+        held = memo["params_per_device", sizes] = sum(x.count * local_size(x.shape, x.logical, axes)
+                                                      for x in state_arrays(model))
+    return held

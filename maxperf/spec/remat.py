@@ -1,0 +1,70 @@
+"""Remat policies: what each decoder layer keeps for the backward pass, by MaxText's checkpoint names, decided here
+once for the model (which saves and offloads by these names) and perfmodel (which counts what is kept, offloaded and
+recomputed)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class RematPolicy(enum.StrEnum):
+    """MaxText's remat policies (layers/decoders.py get_remat_policy): what each decoder layer keeps for the
+    backward, by checkpoint name; the rest is recomputed. `*_offloaded` keep theirs in pinned host memory."""
+
+    NONE = "none"  # keep every activation the backward pass needs
+    MINIMAL = "minimal"  # q, k, v, out projections and the MLP's wi/wo outputs
+    MINIMAL_WITH_CONTEXT = "minimal_with_context"  # minimal and the attention context
+    SAVE_DOT_WITH_CONTEXT_EXCEPT_MLP = "save_dot_with_context_except_mlp"  # q, k, v, context, out
+    SAVE_DOT_EXCEPT_MLPWI = "save_dot_except_mlpwi"  # q, k, v, out, mlpwo
+    SAVE_DOT_EXCEPT_MLP = "save_dot_except_mlp"  # q, k, v, out
+    SAVE_QKV_PROJ = "save_qkv_proj"  # q, k, v
+    SAVE_OUT_PROJ = "save_out_proj"  # out
+    QKV_PROJ_OFFLOADED = "qkv_proj_offloaded"  # q, k, v in host memory
+    MINIMAL_OFFLOADED = "minimal_offloaded"  # minimal's set in host memory
+    CUSTOM = "custom"  # each named tensor as its own key says (RematLocation)
+    FULL = "full"  # keep only each layer's input, recompute the whole layer
+
+
+class RematLocation(enum.StrEnum):
+    """Where `remat_policy=custom` keeps one named tensor (MaxText's per-tensor keys)."""
+
+    REMAT = "remat"  # recomputed in the backward
+    DEVICE = "device"  # saved in device memory
+    OFFLOAD = "offload"  # saved in pinned host memory
+
+
+# The checkpoint names the decoder layer gives its tensors (MaxText's), and what each remat policy saves on device
+# and offloads to the host (layers/decoders.py get_remat_policy).
+CHECKPOINT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "qkv_proj", "context", "out_proj",
+                    "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo")
+_QKV = ("query_proj", "key_proj", "value_proj", "qkv_proj")
+_MINIMAL = (*_QKV, "out_proj", "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo")
+REMAT_SAVED: dict[RematPolicy, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    RematPolicy.MINIMAL: (_MINIMAL, ()),
+    RematPolicy.MINIMAL_WITH_CONTEXT: ((*_MINIMAL, "context"), ()),
+    RematPolicy.SAVE_DOT_WITH_CONTEXT_EXCEPT_MLP: ((*_QKV, "context", "out_proj"), ()),
+    RematPolicy.SAVE_DOT_EXCEPT_MLPWI: ((*_QKV, "out_proj", "mlpwo"), ()),
+    RematPolicy.SAVE_DOT_EXCEPT_MLP: ((*_QKV, "out_proj"), ()),
+    RematPolicy.SAVE_QKV_PROJ: (_QKV, ()),
+    RematPolicy.SAVE_OUT_PROJ: (("out_proj",), ()),
+    RematPolicy.QKV_PROJ_OFFLOADED: ((), ("query_proj", "value_proj", "key_proj")),
+    RematPolicy.MINIMAL_OFFLOADED: ((), _MINIMAL),
+    RematPolicy.FULL: ((), ()),
+}
+# remat_policy=custom: where each name is kept unless its key says otherwise (MaxText's defaults)
+CUSTOM_DEFAULT = {name: RematLocation.DEVICE if name == "decoder_layer_input" else RematLocation.REMAT
+                  for name in CHECKPOINT_NAMES}
+
+
+def remat_names(train, policy: RematPolicy | str | None = None) -> tuple[frozenset[str], frozenset[str]] | None:
+    """(names kept on device, names offloaded to pinned host memory) under the train config's remat policy (or
+    `policy`, with the config's per-name keys for `custom`); None for `none`, which rematerializes nothing."""
+    policy = RematPolicy(train.remat_policy if policy is None else policy)
+    if policy is RematPolicy.NONE:
+        return None
+    if policy is RematPolicy.CUSTOM:
+        where = {name: RematLocation(getattr(train, name)) for name in CHECKPOINT_NAMES}
+        return (frozenset(n for n, w in where.items() if w is RematLocation.DEVICE),
+                frozenset(n for n, w in where.items() if w is RematLocation.OFFLOAD))
+    saved, offloaded = REMAT_SAVED[policy]
+    return frozenset(saved), frozenset(offloaded)

@@ -1,0 +1,174 @@
+"""The training step's config: batch, sequence, precision, optimizer, remat, attention kernel and MoE dispatch, as
+MaxText's keys name them (B per-device batch, L sequence, A gradient accumulation steps)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from maxperf.spec.attention_rule import SPLASH_BLOCKS
+from maxperf.spec.errors import require
+from maxperf.spec.remat import RematLocation, RematPolicy
+
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# AdamW keeps two states per parameter, its first and second moments (optax.adamw's mu and nu)
+OPTIMIZER_STATES_PER_PARAM = 2
+
+
+class AttentionKernel(enum.StrEnum):
+    """How attention is computed (MaxText's `attention`; its `autoselected` is accepted for `auto`)."""
+
+    AUTO = "auto"  # flash on TPU and GPU, as MaxText picks; the blockwise flash on CPU
+    DOT_PRODUCT = "dot_product"  # the materialized [L, L] scores and softmax
+    FLASH = "flash"  # TPU: Pallas splash attention; GPU: Pallas (Triton) flash attention; CPU: blockwise
+
+
+class Quantization(enum.StrEnum):
+    """MaxText's `quantization` of the decoder layers' matmuls (its "" is `none`). MaxText's other values (fp8,
+    nanoo_fp8, fp8_full, aqt_fp8, intmp, te_*, int8w, int4w, ...) are not implemented and refused."""
+
+    NONE = "none"
+    INT8 = "int8"  # AQT config_v3: int8 forward and input gradient, the weight gradient per local_shard_count
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # B: one microbatch per device, as in MaxText: a microbatch of B x devices examples, a step of
+    # gradient_accumulation_steps (A) of them; fractional as in MaxText (0.5: a microbatch of half the devices)
+    per_device_batch_size: float = 1
+    seq_len: int = 2048  # L
+    compute_dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    learning_rate: float = 3e-4
+    warmup_steps: int = 100
+    decay_steps: int = 10_000  # cosine decay to min_lr_ratio * learning_rate after warm-up
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip_norm: float | None = 1.0
+    grad_accum_steps: int = 1  # A: microbatches of B per device in each step (MaxText's gradient_accumulation_steps)
+    remat_policy: RematPolicy = RematPolicy.FULL
+    # remat_policy=custom: where each named tensor is kept (MaxText's keys and defaults)
+    decoder_layer_input: RematLocation = RematLocation.DEVICE
+    context: RematLocation = RematLocation.REMAT
+    mlpwi: RematLocation = RematLocation.REMAT
+    mlpwi_0: RematLocation = RematLocation.REMAT
+    mlpwi_1: RematLocation = RematLocation.REMAT
+    mlpwo: RematLocation = RematLocation.REMAT
+    query_proj: RematLocation = RematLocation.REMAT
+    key_proj: RematLocation = RematLocation.REMAT
+    value_proj: RematLocation = RematLocation.REMAT
+    qkv_proj: RematLocation = RematLocation.REMAT
+    out_proj: RematLocation = RematLocation.REMAT
+    attention: AttentionKernel = AttentionKernel.AUTO
+    # dot_product only (MaxText's switches, default off): the q k^T product, and the softmax, in float32
+    float32_qk_product: bool = False
+    float32_logits: bool = False
+    # splash attention's tiles (MaxText's keys and defaults)
+    sa_block_q: int = 512
+    sa_block_kv: int = 512
+    sa_block_kv_compute: int = 512
+    sa_block_q_dkv: int = 512
+    sa_block_kv_dkv: int = 512
+    sa_block_kv_dkv_compute: int = 512
+    sa_block_q_dq: int = 512
+    sa_block_kv_dq: int = 512
+    # MaxText's num_vocab_tiling: the loss over this many chunks of the tokens, each chunk's [B, L/n, V] logits
+    # computed in the forward and again in the backward, so the whole [B, L, V] logits never exist
+    num_vocab_tiling: int = 1
+    # MaxText's keys: the optimizer state, and the parameters, live in pinned host memory between steps; the step
+    # moves them to the device for the update (the parameters for the forward too) and back
+    optimizer_memory_host_offload: bool = False
+    parameter_memory_host_offload: bool = False
+    scan_layers: bool = True
+    # MaxText's key and default: the layer axis of scanned weights sits second ([D, N, ...]), not first
+    param_scan_axis: int = 1
+    seed: int = 0
+    # mixture-of-experts dispatch (MaxText's keys): capacity_factor=-1 is dropless (MaxText's default); a positive
+    # one gives each expert capacity_factor x its even share of each sequence's tokens, dropping those past it, in
+    # the dense dispatch (sparse_matmul=false). sparse_matmul: dropless, tokens sorted by expert and multiplied group
+    # by group; false: dense one-hot einsums. megablox (MaxText's default): on TPU the groups run in jax's Pallas
+    # megablox grouped-matmul kernel with MaxText's tiles; false, and on GPU and CPU: jax.lax.ragged_dot.
+    capacity_factor: float = -1.0
+    sparse_matmul: bool = True
+    megablox: bool = True
+    load_balance_loss_weight: float = 0.01  # the router's auxiliary loss (Switch Transformer's form)
+    # DeepSeek-V3's auxiliary-loss-free balancing (MaxText's key; 0: off): with routed_bias, after each step every MoE
+    # layer's selection bias moves by this rate times sign(mean load - expert's load) over the step's tokens
+    routed_bias_update_rate: float = 0.0
+    # the multi-token-prediction loss (mtp_num_layers > 0), averaged over its depths, enters the loss times this
+    mtp_loss_scaling_factor: float = 0.1
+    # perfmodel only: the busiest expert-parallel device's routed rows over the mean (None: perfmodel's assumption)
+    moe_load_imbalance: float | None = None
+    # MaxText's keys: int8 matmuls (models/layers/quantization.py); the weight gradient's token axis in this many
+    # separately scaled shards, 0 for that gradient in the compute dtype, -1 MaxText's default: the chips of one host
+    quantization: Quantization = Quantization.NONE
+    quantization_local_shard_count: int = -1
+
+    def __post_init__(self) -> None:
+        B = self.per_device_batch_size
+        require(isinstance(B, (int, float)) and not isinstance(B, bool) and B > 0,
+                 f"per_device_batch_size must be > 0 (a fraction such as 0.5 is allowed), got "
+                 f"{int(B) if isinstance(B, float) and B.is_integer() else B!r}")
+        if float(B).is_integer():  # a whole B stays an int: 4, not 4.0, in every figure and artifact
+            object.__setattr__(self, "per_device_batch_size", int(B))
+        require(self.seq_len >= 1, f"seq_len must be >= 1, got {self.seq_len}")
+        for field in ("compute_dtype", "param_dtype"):
+            value = getattr(self, field)
+            require(value in DTYPES, f"{field} must be one of {', '.join(DTYPES)}, got {value!r}")
+        require(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}")
+        require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        require(self.decay_steps >= 1, f"decay_steps must be >= 1, got {self.decay_steps}")
+        require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        require(
+            self.grad_clip_norm is None or self.grad_clip_norm > 0,
+            f"grad_clip_norm must be > 0 or none, got {self.grad_clip_norm}",
+        )
+        for name in SPLASH_BLOCKS:
+            value = getattr(self, name)
+            require(value >= 128 and value % 128 == 0, f"{name} must be a positive multiple of 128, got {value}")
+        require(self.grad_accum_steps >= 1, f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
+        require(self.param_scan_axis in (0, 1), f"param_scan_axis must be 0 or 1, got {self.param_scan_axis}")
+        require(self.capacity_factor == -1 or self.capacity_factor > 0,
+                 f"capacity_factor must be -1 (dropless, MaxText's default) or > 0 (each expert takes that many "
+                 f"times its even share of the tokens), got {self.capacity_factor:g}")
+        require(self.capacity_factor == -1 or not self.sparse_matmul,
+                 f"capacity_factor={self.capacity_factor:g} drops tokens in the dense dispatch: set "
+                 "sparse_matmul=false with it, or capacity_factor=-1 for the dropless sparse one")
+        require(self.load_balance_loss_weight >= 0,
+                 f"load_balance_loss_weight must be >= 0, got {self.load_balance_loss_weight:g}")
+        require(self.routed_bias_update_rate >= 0,
+                 f"routed_bias_update_rate must be >= 0 (0: the selection bias stays as it is), got "
+                 f"{self.routed_bias_update_rate:g}")
+        require(self.mtp_loss_scaling_factor >= 0,
+                 f"mtp_loss_scaling_factor must be >= 0, got {self.mtp_loss_scaling_factor:g}")
+        require(self.moe_load_imbalance is None or self.moe_load_imbalance >= 1,
+                 f"moe_load_imbalance (the busiest expert shard's rows over the mean) must be >= 1, got "
+                 f"{self.moe_load_imbalance}")
+        require(self.quantization_local_shard_count >= -1,
+                 f"quantization_local_shard_count must be -1 (the chips of one host, MaxText's default), 0 (the weight "
+                 f"gradient unquantized) or a positive shard count, got {self.quantization_local_shard_count}")
+        require(self.num_vocab_tiling >= 1 and self.seq_len % self.num_vocab_tiling == 0,
+                 f"num_vocab_tiling must be >= 1 and divide seq_len ({self.seq_len}), got {self.num_vocab_tiling}")
+
+    def micro_batch(self, devices: int) -> int:
+        """B x devices examples per microbatch (MaxText's micro_batch_size_to_train_on): a whole number; a
+        MaxperfError otherwise."""
+        return micro_batch(self.per_device_batch_size, devices)
+
+    def global_batch(self, devices: int) -> int:
+        """B x devices x A examples per step (MaxText's global_batch_size_to_train_on): A microbatches."""
+        return self.micro_batch(devices) * self.grad_accum_steps
+
+
+def micro_batch(B: float, devices: int) -> int:
+    """B x devices examples per microbatch (MaxText's micro_batch_size_to_train_on), which must be whole."""
+    rows = B * devices
+    require(float(rows).is_integer() and rows >= 1,
+            f"per_device_batch_size={B} over {devices} devices gives a microbatch of {rows:g} examples, which must be "
+            f"a whole number; choose B so that B x {devices} is whole")
+    return int(rows)
