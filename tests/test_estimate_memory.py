@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from maxperf.perfmodel import memory
+from maxperf.perfmodel import memory, working
 from maxperf.perfmodel.memory import MINIMAL_SAVED_COPIES
 from maxperf.spec.errors import MaxperfError
 from maxperf.studies import memory_fit
@@ -177,17 +177,6 @@ def test_scan_saved_bytes_reads_the_forward_loop_stacks_only():
     assert memory_fit.scan_saved_bytes(hlo, num_layers=4, local_batch=8) == 4 * 8 * 16 * 32 * 2 + 4 * 8 * 16 * 2 * 8 * 4
 
 
-def test_measured_error_is_packaged_for_the_tpu():
-    from maxperf.perfmodel.memory import measured_error
-
-    tpu = measured_error("tpu")
-    assert tpu is not None and tpu.cases >= 5 and 0 <= tpu.median <= tpu.worst
-    assert tpu.p90_underestimate <= tpu.worst and "bench/memory_accuracy.py" in tpu.command
-    # the same cases, measured against the compiler (p90) and against the analytical figure (the margin)
-    assert tpu.p90_underestimate <= tpu.worst_underestimate / (1 + tpu.worst_underestimate) + 1e-12
-    assert measured_error("no-such-platform") is None
-
-
 @pytest.mark.slow
 def test_a_tiny_compile_keeps_the_saved_activations_perfmodel_counts(tmp_path):
     """The same property as the llama2-7b figures above on a compile made now: tiny on v5p-8, tensor 2."""
@@ -203,7 +192,7 @@ def test_a_tiny_compile_keeps_the_saved_activations_perfmodel_counts(tmp_path):
 # (libtpu 0.0.52, the current step): the analytical total stays within the fidelity issue's worst 20% of each and its
 # median 10% over them; a change to a formula that moves one past it must come with the compiled step that justifies it.
 # Under tensor parallelism with the batch split too the compiler keeps the logits' gradient and the gathered final
-# hidden state through the backward scan (perfmodel.memory.LATE_TABLE_GRADIENT_INPUTS); without a batch split (tensor 16
+# hidden state through the backward scan (perfmodel.working.LATE_TABLE_GRADIENT_INPUTS); without a batch split (tensor 16
 # on 16 chips) it does not.
 RECORDED_COMPILES = [
     ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=4", "per_device_batch_size=2", "remat_policy=none",
@@ -255,7 +244,7 @@ def test_the_unembedding_gradient_inputs_stay_through_the_backward_only_when_ten
     overrides = [*LLAMA_4, f"ici_tensor_parallelism={tensor}", "per_device_batch_size=2", "remat_policy=full",
                  "attention=flash"]
     counted = memory_fit.compare("v5p-32", "llama2-7b", overrides, analytical_only=True).analytical
-    monkeypatch.setattr(memory, "LATE_TABLE_GRADIENT_INPUTS", 0)
+    monkeypatch.setattr(working, "LATE_TABLE_GRADIENT_INPUTS", 0)
     without = memory_fit.compare("v5p-32", "llama2-7b", overrides, analytical_only=True).analytical
     tokens = 2 * 16 // (16 // tensor) * 2048  # one data shard's tokens: the global batch over fsdp = 16 / tensor
     expected = tokens * (4096 + 32000 // tensor) * 2 if late else 0  # bf16 [T, D] and [T, V / tensor]
@@ -303,7 +292,7 @@ def test_mtp_analytical_total_is_within_sixteen_percent_of_its_recorded_compile(
 
 # The same target on GPU (jax 0.12's CUDA 12 plugin compiling without a GPU, L 2048, remat full,
 # bench/memory_accuracy.py group "gpu"): dropless steps whose grouped matmuls XLA:GPU expands over the local experts
-# (perfmodel.memory.RAGGED_EXPANDED_*) and whose FSDP-sharded expert gradients it holds in two layouts
+# (perfmodel.working.RAGGED_EXPANDED_*) and whose FSDP-sharded expert gradients it holds in two layouts
 # (GPU_EXPERT_GRADIENT_COPIES); without those the analytical figure was 24-80% under every one of these.
 @pytest.mark.parametrize("model, topology, overrides, compiled", [
     ("deepseek-v2-lite", "h100-8", ["per_device_batch_size=1"], 60858325008),

@@ -9,11 +9,11 @@ from perfmodel_util import Topo
 
 from maxperf.perfmodel import estimate
 from maxperf.perfmodel.chips import CHIPS
-from maxperf.perfmodel.memory import OFFLOADED_OPTIMIZER_STAGED, OPTIMIZER_STATES_PER_PARAM, params_per_device
+from maxperf.perfmodel.memory import OFFLOADED_OPTIMIZER_STAGED, params_per_device
 from maxperf.spec import overrides, presets
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.request import Request
-from maxperf.spec.train import TrainConfig
+from maxperf.spec.train import OPTIMIZER_STATES_PER_PARAM, TrainConfig
 
 LLAMA = presets.get("llama2-7b")
 TRAIN = TrainConfig(per_device_batch_size=4, seq_len=2048)

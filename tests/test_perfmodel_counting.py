@@ -1,37 +1,19 @@
 """perfmodel's parameter and FLOP counts: hand-worked cases, published totals, MaxText's conventions."""
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 
 from maxperf.perfmodel.flops import attention_pairs, count_flops, count_params
 from maxperf.spec import presets
-from maxperf.spec.model import Activation, AttentionType, Norm, Positions
+from maxperf.spec.model import Activation, AttentionType, ModelConfig, Norm, Positions
 from maxperf.spec.train import TrainConfig
 
-
-@dataclass(frozen=True)
-class Windowed:
-    """A ModelConfig without maxperf.models: proves the protocol is all perfmodel reads."""
-
-    vocab_size: int = 10
-    d_model: int = 4
-    num_layers: int = 2
-    num_heads: int = 2
-    num_kv_heads: int = 1
-    head_dim: int = 2
-    d_ff: int = 6
-    activation: str = "gelu"
-    norm: str = "layernorm"
-    positions: str = "learned"
-    max_position: int = 8
-    tie_embeddings: bool = True
-    qk_norm: bool = True
-    post_norms: bool = True
-    windows: tuple = (None, 3)
-
-    def layer_windows(self):
-        return self.windows
+# every option on a model small enough to count by hand: layer 0 sees a window of 3 tokens, layer 1 all of them
+WINDOWED = ModelConfig(name="windowed", vocab_size=10, d_model=4, num_layers=2, num_heads=2, num_kv_heads=1,
+                       head_dim=2, d_ff=6, activation=Activation.GELU, norm=Norm.LAYERNORM,
+                       positions=Positions.LEARNED, max_position=8, tie_embeddings=True, qk_norm=True, post_norms=True,
+                       attention_type=AttentionType.LOCAL_GLOBAL, window=3, local_per_global=1)
 
 
 def test_tiny_preset_by_hand():
@@ -46,7 +28,7 @@ def test_tiny_preset_by_hand():
 
 def test_every_option_by_hand():
     # GELU (2DF), LayerNorm (scale+bias), post-norms (4 norms), QK-norm (2 RMSNorm scales of Dh), tied, learned
-    m = Windowed()
+    m = WINDOWED
     per_layer = 4 * 4 + 2 * 4 * 2 + 4 * 4 + 2 * 4 * 6 + 4 * 2 * 4 + 2 * 2
     counts = count_params(m)
     assert counts.per_layer == per_layer
@@ -95,7 +77,8 @@ def test_sliding_window_counted_by_its_window():
 
 
 def test_local_global_layers_counted_separately():
-    m = Windowed(windows=(None, 3))
+    m = WINDOWED
+    assert m.layer_windows() == (3, None)
     train = TrainConfig(per_device_batch_size=1, seq_len=8)
     per_pair = 4 * m.num_heads * m.head_dim * 3
     assert count_flops(m, train).attention_flops == per_pair * (attention_pairs(8, None) + attention_pairs(8, 3))

@@ -11,7 +11,7 @@ import pytest
 from perfmodel_util import Topo
 
 from maxperf.perfmodel import Overlap, count_flops, estimate
-from maxperf.perfmodel.memory import layer_saved_per_token
+from maxperf.perfmodel.saved import layer_saved_per_token
 from maxperf.spec import presets
 from maxperf.spec.errors import MaxperfError
 from maxperf.spec.mesh import Mesh

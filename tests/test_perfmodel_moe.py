@@ -260,7 +260,7 @@ def test_saved_expert_tensors_fill_the_worst_case_exchange_buffer():
     """Under expert=4 each device receives, for each of its 64 tokens, min(k, E / expert) = 1 row from each of the 4
     devices: 4 rows, however routing falls; the shared expert adds its own. remat minimal keeps mlpwi_0, mlpwi_1
     and, read by the routing weights' gradient in a MoE layer, mlpwo."""
-    from maxperf.perfmodel.memory import named_per_token
+    from maxperf.perfmodel.saved import named_per_token
 
     mesh = Mesh.of({"expert": 4, "fsdp": 2}, {}).check(Topo("tpu-v5p", 8, torus=(2, 2, 2)))
     train = TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="minimal")
@@ -352,14 +352,14 @@ def test_the_exchange_runs_serially_where_overlapping_it_would_not_fit(L):
 def test_thin_expert_shards_hold_a_gather_in_flight_not_the_gradients(monkeypatch):
     """D 64 over fsdp 2 is 32 rows a shard, thinner than a windowed gather's: the peak holds the gathered layer and
     one more gathered matrix (its zero-padded all-reduce input), whatever EXPERT_GRAD_MATRICES says."""
-    from maxperf.perfmodel import memory
+    from maxperf.perfmodel import working
 
     mesh = Mesh.of({"expert": 4, "fsdp": 2}, {}).check(Topo("tpu-v5p", 8, torus=(2, 2, 2)))
     train = TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="full")
     base = estimate_memory(SMALL, train, mesh, 95e9).temporaries
-    monkeypatch.setattr(memory, "EXPERT_GRAD_MATRICES", 7)
+    monkeypatch.setattr(working, "EXPERT_GRAD_MATRICES", 7)
     assert estimate_memory(SMALL, train, mesh, 95e9).temporaries == base
-    monkeypatch.setattr(memory, "THIN_EXPERT_GATHER_IN_FLIGHT", 0)
+    monkeypatch.setattr(working, "THIN_EXPERT_GATHER_IN_FLIGHT", 0)
     # one local expert [1, 64, 32] gathered over fsdp, bfloat16
     assert base - estimate_memory(SMALL, train, mesh, 95e9).temporaries == 64 * 32 * 2
 
@@ -369,15 +369,15 @@ def test_gpu_grouped_matmuls_hold_their_dense_expansion_over_the_local_experts(m
     """XLA:GPU multiplies every routed row by every local expert: two D-wide and three Fe-wide buffers of local experts
     x rows each in the experts' backward (T = 2 x 256 tokens, D 64, Fe 32, bfloat16; rows per token: top-2, or the
     receive buffer of expert 2 x min(2, 4 / 2)). TPU's grouped matmuls and the einsum dispatch hold none."""
-    from maxperf.perfmodel import memory
+    from maxperf.perfmodel import working
 
     mesh = Mesh.of(axes, {}).check(Topo("h100-sxm", 8, chips_per_host=8))
     train = TrainConfig(per_device_batch_size=2, seq_len=256, remat_policy="full")
     einsum = replace(train, sparse_matmul=False, capacity_factor=1.0)
     counted = {k: estimate_memory(SMALL, t, mesh, 80e9, platform=p).temporaries
                for k, (t, p) in {"gpu": (train, "gpu"), "tpu": (train, "tpu"), "einsum": (einsum, "gpu")}.items()}
-    monkeypatch.setattr(memory, "RAGGED_EXPANDED_D_BUFFERS", 0)
-    monkeypatch.setattr(memory, "RAGGED_EXPANDED_F_BUFFERS", 0)
+    monkeypatch.setattr(working, "RAGGED_EXPANDED_D_BUFFERS", 0)
+    monkeypatch.setattr(working, "RAGGED_EXPANDED_F_BUFFERS", 0)
     assert counted["gpu"] - estimate_memory(SMALL, train, mesh, 80e9, platform="gpu").temporaries == (
         2 * 256 * rows * local_experts * (2 * 64 + 3 * 32) * 2)
     assert counted["tpu"] == estimate_memory(SMALL, train, mesh, 80e9, platform="tpu").temporaries
@@ -388,7 +388,7 @@ def test_gpu_holds_a_second_layout_of_fsdp_sharded_expert_gradients(monkeypatch)
     """Where FSDP shards the experts, their float32 gradients are held twice on GPU: one more copy of 2 MoE layers x
     local experts x 3 matrices of D 64 x Fe 32 over the FSDP shards, 4 bytes each (4 experts over fsdp 8; 1 over
     fsdp 2 beside expert 4). With the experts split over the expert axis alone, and on TPU, once."""
-    from maxperf.perfmodel import memory
+    from maxperf.perfmodel import working
 
     train = TrainConfig(per_device_batch_size=2, seq_len=256, remat_policy="full")  # float32 parameters
     h100 = Topo("h100-sxm", 8, chips_per_host=8)
@@ -396,7 +396,7 @@ def test_gpu_holds_a_second_layout_of_fsdp_sharded_expert_gradients(monkeypatch)
     ep_only = Mesh.of({"expert": 8}, {}).check(h100)
     counted = {(m, p): estimate_memory(SMALL, train, mesh, 80e9, platform=p).temporaries
                for m, mesh in {"fsdp": fsdp, "expert": expert, "ep": ep_only}.items() for p in ("gpu", "tpu")}
-    monkeypatch.setattr(memory, "GPU_EXPERT_GRADIENT_COPIES", 0)
+    monkeypatch.setattr(working, "GPU_EXPERT_GRADIENT_COPIES", 0)
     assert counted["fsdp", "gpu"] - estimate_memory(SMALL, train, fsdp, 80e9, platform="gpu").temporaries == (
         2 * 4 * 3 * 64 * 32 / 8 * 4)
     assert counted["expert", "gpu"] - estimate_memory(SMALL, train, expert, 80e9, platform="gpu").temporaries == (

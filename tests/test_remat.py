@@ -14,7 +14,8 @@ from models_util import loss_and_grads
 from maxperf.models.layers.decoder import DenseDecoderLayer
 from maxperf.models.transformer import remat_policy
 from maxperf.perfmodel import flops
-from maxperf.perfmodel.memory import estimate_memory, layer_saved_per_token, named_per_token
+from maxperf.perfmodel.memory import estimate_memory
+from maxperf.perfmodel.saved import layer_saved_per_token, named_per_token
 from maxperf.spec import overrides, presets
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig

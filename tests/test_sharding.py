@@ -15,6 +15,7 @@ from models_util import tiny
 from maxperf import perfmodel
 from maxperf.models import train_step
 from maxperf.perfmodel import memory as perf_memory
+from maxperf.perfmodel import saved as perf_saved
 from maxperf.perfmodel.sharding import activation_split, gather_axes, gathered_size, param_arrays
 from maxperf.spec import overrides, presets
 from maxperf.spec.errors import MaxperfError
@@ -237,10 +238,10 @@ def test_perfmodel_counts_fused_weights_and_names():
     mesh = _mesh(fsdp=16, tensor=4)
     assert perf_memory.params_per_device(fused, mesh) == pytest.approx(perf_memory.params_per_device(model, mesh))
     train = TrainConfig(per_device_batch_size=4, remat_policy="minimal")
-    named = perf_memory.named_per_token(fused, train, mesh)
+    named = perf_saved.named_per_token(fused, train, mesh)
     assert named["qkv_proj"] == 2 * (32 + 2 * 32) / 4 * 128 and named["mlpwi"] == 2 * 2 * 11008 / 4
-    assert perf_memory.layer_saved_per_token(fused, train, mesh, remat="minimal") == pytest.approx(
-        perf_memory.layer_saved_per_token(model, train, mesh, remat="minimal"))
+    assert perf_saved.layer_saved_per_token(fused, train, mesh, remat="minimal") == pytest.approx(
+        perf_saved.layer_saved_per_token(model, train, mesh, remat="minimal"))
     # minimal keeps the fused outputs: nothing of them is recomputed
     assert not perfmodel.flops.recomputed(fused, train) & {"query_proj", "key_proj", "value_proj", "mlpwi_0",
                                                             "mlpwi_1"}
@@ -253,8 +254,8 @@ def test_perfmodel_under_tensor_splits_every_saved_tensor():
     stacks f32[4,8,2048,1024] and no bf16[.., 4096]); perfmodel counts them in the backward's working set."""
     model = presets.get("llama2-7b")
     train = TrainConfig(per_device_batch_size=4)
-    one = perf_memory.layer_saved_per_token(model, train, _mesh(fsdp=64), remat="none")
-    four = perf_memory.layer_saved_per_token(model, train, _mesh(fsdp=16, tensor=4), remat="none")
+    one = perf_saved.layer_saved_per_token(model, train, _mesh(fsdp=64), remat="none")
+    four = perf_saved.layer_saved_per_token(model, train, _mesh(fsdp=16, tensor=4), remat="none")
     assert 4 * four == pytest.approx(one)
 
 

@@ -23,8 +23,8 @@ from maxperf.models.layers.decoder import RESIDUAL
 from maxperf.models.layers.moe import MoEOptions, bias_update
 from maxperf.models.sharding import constrain, partition_spec
 from maxperf.models.transformer import Transformer, stack_axis
-from maxperf.spec.remat import remat_names
 from maxperf.spec.model import ModelConfig
+from maxperf.spec.remat import remat_names
 from maxperf.spec.train import TrainConfig
 
 BATCH_AXES = ("activation_batch", "activation_length")

@@ -75,9 +75,9 @@ SHARED_FIELDS = ("peak_bf16_flops", "peak_fp32_flops", "peak_fp8_flops", "peak_i
 
 
 def target_hbm_bytes(topology: Topology) -> float | None:
-    """A chip's memory as the target compiled for states it (a GPU's GpuTargetConfigProto `device_memory_size`,
-    which maxperf.aot reads); an optional attribute of the topology: None where it states none."""
-    value = getattr(topology, "target_hbm_bytes", None)
+    """A chip's memory as the target compiled for states it (a GPU's GpuTargetConfigProto `device_memory_size`);
+    None where it states none."""
+    value = topology.target_hbm_bytes
     return None if value is None else float(value)
 
 
@@ -152,7 +152,7 @@ def estimate(request: Request, *, overlap: Overlap | float | None = None,
     peak = chip.peak_flops(train.compute_dtype)
     step = time.step_time_s
     return Estimate(
-        model=str(getattr(model, "name", "model")), chip=chip.name, chips=topology.chips, step_time_s=step,
+        model=str(model.name), chip=chip.name, chips=topology.chips, step_time_s=step,
         tokens_per_s=flops.tokens * mesh.devices / step,
         tflops_per_chip=per_chip * flops.model_flops / step / 1e12,
         mfu=flops.model_flops / (step * peak), model_flops_per_device=flops.model_flops,

@@ -46,7 +46,7 @@ FLASH_BACKWARD_MATMULS = 5
 def attention_kernel(train: TrainConfig) -> str:
     """"flash" or "dot_product": `auto` is flash (splash on TPU, Pallas on GPU, blockwise on CPU), as MaxText picks;
     `resolve_attention` first turns it into the dot product where the platform's flash cannot serve the setting."""
-    return "dot_product" if str(getattr(train, "attention", "auto")) == "dot_product" else "flash"
+    return "dot_product" if str(train.attention) == "dot_product" else "flash"
 
 
 def resolve_attention(model: ModelConfig, train: TrainConfig, platform: str) -> TrainConfig:
@@ -80,9 +80,9 @@ def recomputed(model: ModelConfig, train: TrainConfig, moe_layer: bool = False) 
     if names is None:
         return frozenset()
     kept = names[0] | names[1]
-    if "qkv_proj" in kept and getattr(model, "fused_qkv", False):
+    if "qkv_proj" in kept and model.fused_qkv:
         kept |= {"query_proj", "key_proj", "value_proj"}
-    if "mlpwi" in kept and getattr(model, "fused_mlp", False):  # a gated MLP's gate and up, fused
+    if "mlpwi" in kept and model.fused_mlp:  # a gated MLP's gate and up, fused
         kept |= {"mlpwi_0", "mlpwi_1"}
     wi = ("mlpwi_0", "mlpwi_1") if gated(model) else ("mlpwi",)
     out = {n for n in ("query_proj", "key_proj", "value_proj", "out_proj", *wi) if n not in kept}
@@ -100,7 +100,7 @@ def recomputed(model: ModelConfig, train: TrainConfig, moe_layer: bool = False) 
 
 
 def is_mla(model: ModelConfig) -> bool:
-    return str(getattr(model, "attention_type", "global")) == "mla"
+    return str(model.attention_type) == "mla"
 
 
 def head_dims(model: ModelConfig) -> tuple[int, int]:
@@ -156,8 +156,8 @@ def attention_params(model: ModelConfig) -> tuple[int, int]:
     QK-norm's two RMSNorm scales of Dh, MLA's RMSNorm scales of R and C, gpt-oss's per-head sink logits and q, k, v,
     o biases."""
     D, H, K, Dh = model.d_model, model.num_heads, model.num_kv_heads, model.head_dim
-    sinks = H if getattr(model, "attention_sinks", False) else 0
-    sinks += (H * Dh + 2 * K * Dh + D) if getattr(model, "attention_bias", False) else 0
+    sinks = H if model.attention_sinks else 0
+    sinks += (H * Dh + 2 * K * Dh + D) if model.attention_bias else 0
     if is_mla(model):
         R, C, Dn, Dr, Dv = (model.q_lora_rank, model.kv_lora_rank, model.qk_nope_head_dim, model.qk_rope_head_dim,
                             model.v_head_dim)
@@ -173,7 +173,7 @@ def layer_matmul_params(model: ModelConfig) -> int:
 
 def expert_bias_params(model: ModelConfig, moe: MoeShape) -> int:
     """One routed expert's biases (gpt-oss's mlp_bias): wi_0 (gated only) and wi_1 of Fe, wo of D."""
-    if not getattr(model, "mlp_bias", False):
+    if not model.mlp_bias:
         return 0
     return (2 if gated(model) else 1) * moe.Fe + model.d_model
 
@@ -244,7 +244,7 @@ def count_params(model: ModelConfig) -> ParamCounts:
 
 def mtp_depths(model: ModelConfig) -> int:
     """DeepSeek-V3's multi-token-prediction modules (mtp_num_layers; 0: none)."""
-    return int(getattr(model, "mtp_num_layers", 0) or 0)
+    return model.mtp_num_layers
 
 
 def moe_layers_of(model: ModelConfig) -> tuple[bool, ...]:
@@ -271,8 +271,8 @@ def layer_pairs(model: ModelConfig, L: int) -> tuple[float, ...]:
     memo = model_memo(model)
     if (hit := memo.get(("layer_pairs", L))) is not None:
         return hit
-    chunked = str(getattr(model, "attention_type", "global")) == "chunk"
-    C = getattr(model, "chunk_attn_window_size", None)
+    chunked = str(model.attention_type) == "chunk"
+    C = model.chunk_attn_window_size
     memo["layer_pairs", L] = tuple(chunk_pairs(L, C) if chunked and W is not None else attention_pairs(L, W)
                  for W in model.layer_windows())
     return memo["layer_pairs", L]
@@ -342,7 +342,7 @@ def count_flops(model: ModelConfig, train: TrainConfig, params_per_device: float
     per_token = projection_flops_per_token(model)
     recompute = (N - n_moe) * tokens * sum(per_token[n] for n in again if n in per_token)
     recompute += attn_exec_fwd * (("scores" in again) + ("context" in again)) / 2
-    if getattr(train, "num_vocab_tiling", 1) > 1:  # each chunk's logits computed again in the backward
+    if train.num_vocab_tiling > 1:  # each chunk's logits computed again in the backward
         recompute += 2 * tokens * model.d_model * model.vocab_size
     padding = dispatched = 0.0
     if moe:

@@ -46,18 +46,12 @@ class MoeShape:
 
 @per_model
 def moe_shape(model: ModelConfig) -> MoeShape | None:
-    """The model's mixture of experts, or None for a dense model (num_experts 1, or no such attributes)."""
-    E = int(getattr(model, "num_experts", 1) or 1)
-    if E <= 1:
+    """The model's mixture of experts, or None for a dense model (num_experts 1)."""
+    if not model.is_moe:
         return None
-    k = int(model.num_experts_per_tok)
-    require(1 <= k <= E, f"num_experts_per_tok (top-k) must be between 1 and num_experts ({E}), got {k}")
-    routed = tuple(model.moe_layers())
-    require(len(routed) == model.num_layers, f"moe_layers() gave {len(routed)} flags for {model.num_layers} layers")
-    n_moe = sum(routed)
-    Fe = getattr(model, "moe_mlp_dim", None) or getattr(model, "base_moe_mlp_dim", None) or model.d_ff
-    return MoeShape(E=E, k=k, Fe=int(Fe), S=int(getattr(model, "shared_experts", 0) or 0), moe_layers=n_moe,
-                    dense_layers=model.num_layers - n_moe, router_bias=bool(getattr(model, "routed_bias", False)))
+    n_moe = sum(model.moe_layers())
+    return MoeShape(E=model.num_experts, k=model.num_experts_per_tok, Fe=model.moe_mlp_dim, S=model.shared_experts,
+                    moe_layers=n_moe, dense_layers=model.num_layers - n_moe, router_bias=model.routed_bias)
 
 
 def routed_buffer_rows(moe: MoeShape, ep: int) -> float:
@@ -72,7 +66,7 @@ def routed_buffer_rows(moe: MoeShape, ep: int) -> float:
 
 def capacity_factor(train: TrainConfig) -> float:
     """MaxText's capacity_factor: <= 0 (its -1 default) is dropless."""
-    return float(getattr(train, "capacity_factor", -1.0))
+    return train.capacity_factor
 
 
 def dispatch(train: TrainConfig) -> str:
@@ -80,7 +74,7 @@ def dispatch(train: TrainConfig) -> str:
     sorted by expert and multiplied by ragged_dot, exchanged by all-to-all between expert shards), "capacity"
     (sparse_matmul=false with capacity_factor > 0: one-hot dispatch and combine einsums over C slots per expert and
     sequence, tokens past them dropped) or "dense" (sparse_matmul=false, dropless: the same einsums with C = L)."""
-    if getattr(train, "sparse_matmul", True):
+    if train.sparse_matmul:
         return "sparse"
     return "capacity" if capacity_factor(train) > 0 else "dense"
 
@@ -109,7 +103,7 @@ def load_imbalance(train: TrainConfig, expert_parallel: int, override: float | N
     LOAD_IMBALANCE."""
     if expert_parallel <= 1 or dispatch(train) != "sparse":
         return 1.0
-    value = override if override is not None else getattr(train, "moe_load_imbalance", None)
+    value = override if override is not None else train.moe_load_imbalance
     value = LOAD_IMBALANCE if value is None else float(value)
     require(value >= 1.0, f"the MoE load imbalance is the busiest device's rows over the mean, so >= 1; got {value}")
     return value

@@ -31,12 +31,7 @@ from maxperf.perfmodel.flops import (
     layer_pairs,
     recomputed,
 )
-from maxperf.perfmodel.memory import (
-    OPTIMIZER_STATES_PER_PARAM,
-    layer_offloaded_per_token,
-    over_layers,
-    params_per_device,
-)
+from maxperf.perfmodel.memory import params_per_device
 from maxperf.perfmodel.moe import (
     LOAD_IMBALANCE,
     PERMUTE_PASSES,
@@ -48,12 +43,13 @@ from maxperf.perfmodel.moe import (
     rows_per_token,
 )
 from maxperf.perfmodel.network import LATENCY_S, CollectiveTime, all_to_all_time, axis_networks, collective_time
+from maxperf.perfmodel.saved import layer_offloaded_per_token, over_layers
 from maxperf.perfmodel.sharding import activation_split, gather_axes, held, held_gathered, param_arrays
 from maxperf.spec.errors import require
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.topology import Topology
-from maxperf.spec.train import DTYPE_BYTES, TrainConfig
+from maxperf.spec.train import DTYPE_BYTES, OPTIMIZER_STATES_PER_PARAM, TrainConfig
 
 # Matmul efficiency = chip.matmul_fraction x m / (m + HALF), m the smallest of the matmul's dimensions: the rate a
 # large matmul sustains on the chip (chips.MATMUL_FRACTION), less for a thinner one, which fills the 128/256-wide
@@ -277,9 +273,9 @@ class Int8Matmuls:
 
 def int8_matmuls(train: TrainConfig) -> Int8Matmuls | None:
     """The train config's quantization as steptime models it (optional keys, read where present)."""
-    if str(getattr(train, "quantization", "none")) != "int8":
+    if str(train.quantization) != "int8":
         return None
-    return Int8Matmuls(weight_gradient=getattr(train, "quantization_local_shard_count", -1) != 0)
+    return Int8Matmuls(weight_gradient=train.quantization_local_shard_count != 0)
 
 
 def matmul_efficiency(chip: Chip, m: float, half: float | None = None, constants: Constants = SHIPPED) -> float:
@@ -445,7 +441,7 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
         _moe_matmuls(table, model, train, mesh, moe, T, Bm, a, f, fwd, c)
     # num_vocab_tiling: each chunk's logits are computed again in the backward
     # MaxText does not quantize the logits (its logits_dense and the embedding's attend take no quantization)
-    table.train_matmul("unembedding", T, D, a.V, micro * (1 + (getattr(train, "num_vocab_tiling", 1) > 1)), micro, c,
+    table.train_matmul("unembedding", T, D, a.V, micro * (1 + (train.num_vocab_tiling > 1)), micro, c,
                        quantized=False)
     # attention per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh. The dot product computes all
     # L x L scores; the TPU and GPU flash kernels skip masked blocks (ATTENTION_SKIPS_MASKED) and run at a kernel
@@ -514,8 +510,8 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     local_params = params_per_device(model, mesh)
     # MaxText's *_memory_host_offload: the state in pinned host memory crosses the host link to the device and back
     # each step, once per step whatever the microbatches
-    offloaded_states = (OPTIMIZER_STATES_PER_PARAM * bool(getattr(train, "optimizer_memory_host_offload", False))
-                        + bool(getattr(train, "parameter_memory_host_offload", False)))
+    offloaded_states = (OPTIMIZER_STATES_PER_PARAM * train.optimizer_memory_host_offload
+                        + train.parameter_memory_host_offload)
     state = offloaded_states * local_params * p
     if state and chip.host_link_bandwidth:
         table.add("state offload (host link)", "host", 2 * state / chip.host_link_bandwidth, 0.0, 2 * state,

@@ -30,7 +30,7 @@ def implementation(kernel, platform: str) -> str:
 def layer_masks(model) -> tuple[int, ...]:
     """Each layer's mask as the kernels take it: 0 causal over the whole prefix, W > 0 a sliding window of W tokens,
     -C causal within chunks of C tokens (attention_type=chunk's local layers)."""
-    sign = -1 if _value(getattr(model, "attention_type", "global")) == "chunk" else 1
+    sign = -1 if _value(model.attention_type) == "chunk" else 1
     return tuple(sign * (w or 0) for w in model.layer_windows())
 
 
@@ -85,15 +85,15 @@ def choose(kernel, platform: str, **setting) -> str:
 def for_config(model, train, platform: str) -> str:
     """The implementation for a model and train config (or perfmodel's shapes of them) on a platform kind."""
     Dh, Dv = head_dims(model)
-    return choose(getattr(train, "attention", "auto"), platform, L=train.seq_len, Dh=Dh, Dv=Dv,
-                  windows=windows_of(model), softcap=getattr(model, "attn_logit_softcap", None),
-                  blocks=tuple(getattr(train, name, 512) for name in SPLASH_BLOCKS),
-                  sinks=bool(getattr(model, "attention_sinks", False)))
+    return choose(train.attention, platform, L=train.seq_len, Dh=Dh, Dv=Dv,
+                  windows=windows_of(model), softcap=model.attn_logit_softcap,
+                  blocks=tuple(getattr(train, name) for name in SPLASH_BLOCKS),
+                  sinks=model.attention_sinks)
 
 
 def head_dims(model) -> tuple[int, int]:
     """(query and key head dim, value head dim) the kernel sees: latent attention's (qk_nope_head_dim +
     qk_rope_head_dim, v_head_dim), else (head_dim, head_dim)."""
-    if _value(getattr(model, "attention_type", "global")) == "mla":
+    if _value(model.attention_type) == "mla":
         return model.qk_nope_head_dim + model.qk_rope_head_dim, model.v_head_dim
     return model.head_dim, model.head_dim
