@@ -17,7 +17,7 @@ Either way the error is predicted / published - 1 of throughput per chip, which 
 in maxperf's FLOP count. The "published TF" column shows a tokens/s row converted by maxperf's FLOPs per token,
 marked "~".
 
-The fit. These constants of the perfmodel (steptime.Constants and Overlap) are fitted, by Nelder-Mead on the mean
+The fit. These constants of the perfmodel (work.Constants and Overlap) are fitted, by Nelder-Mead on the mean
 |log(predicted / published)|:
 
     matmul_fraction[chip]                  the share of its peak a large matmul sustains on each chip that has rows
@@ -30,7 +30,7 @@ By default every one is fitted, each fit starting from PRIOR (the assumptions be
 measured GEMM rates, which chips.py cites); `--free` names the ones to fit (the rest stay as the perfmodel ships
 them). Each step is recorded once by perfmodel.estimate as its Terms (every matmul's FLOPs, smallest side and HBM
 time; the flash kernels' FLOPs; the elementwise traffic per pass; every collective's and host copy's seconds and
-overlap), and all rows' terms are priced at once by the perfmodel's own steptime.price and steptime.settle, so that
+overlap), and all rows' terms are priced at once by the perfmodel's own work.price and work.settle, so that
 one evaluation of all rows is a few numpy operations; the result is checked against perfmodel.estimate at the
 shipped and at the fitted constants (the "replay" line). "unfitted" is maxperf as shipped. In-sample: constants
 fitted on all rows. Held out (`--hold-out`, default row,source): each row (leave-one-out), each source
@@ -54,9 +54,8 @@ from pathlib import Path
 
 import numpy as np
 
-
 from maxperf import perfmodel, spec
-from maxperf.perfmodel import chips, steptime
+from maxperf.perfmodel import chips, work
 from maxperf.spec.errors import MaxperfError
 
 HERE = Path(__file__).resolve().parent / "published"
@@ -125,7 +124,7 @@ def resolve(row: Row) -> None:
         row.published_tokens = float(row.data["published_tflops_per_chip"]) * 1e12 / row.flops_per_token
 
 
-def run_estimate(row: Row, overlap=None, constants: steptime.Constants = steptime.SHIPPED):
+def run_estimate(row: Row, overlap=None, constants: work.Constants = work.SHIPPED):
     p = row.request
     return perfmodel.estimate(p,
                               overlap=overlap, constants=constants)
@@ -166,7 +165,7 @@ class Constants:
 
     @classmethod
     def current(cls) -> Constants:
-        o, shipped = steptime.Overlap(), steptime.SHIPPED
+        o, shipped = work.Overlap(), work.SHIPPED
         return cls(*(shipped.matmul_fraction[c] for c in FRACTION_CHIPS), shipped.matmul_half["tpu"],
                    shipped.matmul_half["gpu"], float(shipped.elementwise_d_passes), o.fsdp, o.tensor, o.data,
                    shipped.flash_efficiency["tpu"], shipped.flash_efficiency["gpu"])
@@ -181,13 +180,13 @@ class Constants:
     def from_vector(cls, x) -> Constants:
         return cls(*(float(v) for v in x))
 
-    def overlap(self) -> steptime.Overlap:
-        return replace(steptime.Overlap(), fsdp=self.overlap_fsdp, tensor=self.overlap_tensor, data=self.overlap_data)
+    def overlap(self) -> work.Overlap:
+        return replace(work.Overlap(), fsdp=self.overlap_fsdp, tensor=self.overlap_tensor, data=self.overlap_data)
 
-    def perfmodel(self) -> steptime.Constants:
+    def perfmodel(self) -> work.Constants:
         """These values as the perfmodel's Constants (the chips without rows keep theirs)."""
-        shipped = steptime.SHIPPED
-        return steptime.Constants(
+        shipped = work.SHIPPED
+        return work.Constants(
             matmul_fraction={**shipped.matmul_fraction, **self.fractions()},
             matmul_half={**shipped.matmul_half, "tpu": self.tpu_half, "gpu": self.gpu_half},
             elementwise_d_passes=self.elementwise_d_passes,
@@ -215,12 +214,12 @@ HI = np.array([BOUNDS[f.name][1] for f in fields(Constants)])
 
 class Replay:
     """All rows' recorded steps (perfmodel's Terms, as `estimate` recorded them), priced for any Constants at once by
-    the perfmodel's own steptime.price and steptime.settle."""
+    the perfmodel's own work.price and work.settle."""
 
     def __init__(self, rows: list[Row]):
         terms = [r.estimate.time.terms for r in rows]
         self.n = len(rows)
-        self.terms = steptime.Terms.concat(terms)
+        self.terms = work.Terms.concat(terms)
         self.step = np.concatenate([np.full(len(t.law), i) for i, t in enumerate(terms)]).astype(int)
         self.chip = [r.estimate.chip for r in rows]
         unknown_chips = sorted(set(self.chip) - set(FRACTION_CHIPS))
@@ -238,17 +237,17 @@ class Replay:
         # each term's overlap: its family's (FAMILY_ORDER), or for the host links their own (the last slot)
         self.family_index = np.array([FAMILY_ORDER.index(f) if f else len(FAMILY_ORDER) for f in family], dtype=int)
         self.fixed_overlap = np.where(self.family_index == len(FAMILY_ORDER), self.terms.overlap, 0.0)
-        self.unfitted = steptime.Overlap()
+        self.unfitted = work.Overlap()
 
     def step_times(self, c: Constants) -> np.ndarray:
         fraction = np.array([getattr(c, _fraction_field(name)) for name in FRACTION_CHIPS])[self.chip_index]
         half = np.where(self.gpu, c.gpu_half, c.tpu_half)
         flash = np.where(self.gpu, c.flash_gpu, c.flash_tpu)
-        seconds, _ = steptime.price(self.terms, fraction, half, flash, c.elementwise_d_passes)
+        seconds, _ = work.price(self.terms, fraction, half, flash, c.elementwise_d_passes)
         per_family = np.array([c.overlap_fsdp, c.overlap_tensor, c.overlap_data, self.unfitted.sequence,
                                self.unfitted.expert, 0.0])
         overlap = per_family[self.family_index] + self.fixed_overlap
-        steps, _, _ = steptime.settle(seconds, self.comm, overlap, self.step, self.n)
+        steps, _, _ = work.settle(seconds, self.comm, overlap, self.step, self.n)
         return steps
 
 

@@ -7,7 +7,7 @@ import pytest
 from perfmodel_util import Topo
 
 from maxperf.perfmodel import Overlap, calibration, chips, estimate
-from maxperf.perfmodel.steptime import FRESH_MAPPING_THRESHOLD
+from maxperf.perfmodel.cpu import FRESH_MAPPING_THRESHOLD
 from maxperf.spec import hardware, presets
 from maxperf.spec.errors import MaxperfError
 from maxperf.spec.request import Request

@@ -8,7 +8,7 @@ import pytest
 from perfmodel_util import Topo
 from test_perfmodel_chips import CAL
 
-from maxperf.perfmodel import calibration, chips, estimate, steptime
+from maxperf.perfmodel import calibration, chips, estimate, work
 from maxperf.spec import presets
 from maxperf.spec.request import Request
 from maxperf.spec.train import TrainConfig
@@ -27,7 +27,7 @@ def test_every_accelerator_has_a_sustained_matmul_fraction_that_says_where_it_co
     assert {name for name, origin in chips.MATMUL_FRACTION_ORIGIN.items() if origin == "fitted"} == {
         "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu7x", "a100-40gb", "a100-80gb", "h100-sxm"}  # the chips with rows
     # H100 SXM sustains a smaller share of its datasheet peak than A100 (MaxText and MPT measured 37-50% MFU)
-    shipped = steptime.SHIPPED
+    shipped = work.SHIPPED
     assert shipped.fraction(chips.get("h100-sxm")) < shipped.fraction(chips.get("a100-40gb"))
     assert shipped.fraction(chips.get("cpu")) == 1.0  # calibrated CPU peaks are achieved rates
 

@@ -12,7 +12,7 @@ from perfmodel_util import Topo
 from maxperf.perfmodel import count_flops, count_params, estimate, get_chip
 from maxperf.perfmodel.memory import estimate_memory, params_per_block
 from maxperf.perfmodel.network import LATENCY_S, all_to_all_time, axis_networks
-from maxperf.perfmodel.steptime import matmul_efficiency
+from maxperf.perfmodel.work import matmul_efficiency
 from maxperf.spec import presets
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import AttentionType, ModelConfig, RoutedScoreFunc

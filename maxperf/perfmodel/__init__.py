@@ -10,7 +10,8 @@ from maxperf.perfmodel.chips import get as get_chip
 from maxperf.perfmodel.estimate import Estimate, estimate
 from maxperf.perfmodel.flops import FlopCounts, ParamCounts, count_flops, count_params
 from maxperf.perfmodel.memory import MemoryBreakdown, estimate_memory
-from maxperf.perfmodel.steptime import Constants, Overlap, Row, StepTime, step_time
+from maxperf.perfmodel.steptime import Row, StepTime, step_time
+from maxperf.perfmodel.work import Constants, Overlap
 
 __all__ = ["Constants", "Estimate", "FlopCounts", "MemoryBreakdown", "Overlap", "ParamCounts", "Row", "StepTime",
            "count_flops", "count_params", "estimate", "estimate_memory", "get_chip", "step_time"]

@@ -23,9 +23,9 @@ FRESH_MAPPING_THRESHOLD = 32 * 2**20
 # faults 58.9 MB per call and runs at a third of the rate of 7168x256x2048, which faults none; bf16 2048x512x2048 (a
 # 16.8 MB scratch) faults none; float32 4096x1024x4096 faults its 67 MB output only (it accumulates in place).
 CPU_DOT_K_BLOCK = 256
-# The matmul HALF of an uncalibrated CPU (steptime.MATMUL_HALF["cpu"]): assumed; `maxperf calibrate` measures it.
+# The matmul HALF of an uncalibrated CPU (work.MATMUL_HALF["cpu"]): assumed; `maxperf calibrate` measures it.
 MATMUL_HALF = 32
-# Elementwise passes per token per layer over D-wide vectors (steptime.ELEMENTWISE_D_PASSES on accelerators): XLA:CPU
+# Elementwise passes per token per layer over D-wide vectors (work.ELEMENTWISE_D_PASSES on accelerators): XLA:CPU
 # runs its dots as library calls that no elementwise work fuses into, so the norms (float32 internals: 6
 # compute-dtype passes each) and the residual adds (3 each) make their own passes: 2 x 6 + 2 x 3.
 ELEMENTWISE_D_PASSES = 18

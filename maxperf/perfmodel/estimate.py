@@ -8,7 +8,8 @@ from maxperf.perfmodel import chips, cpu
 from maxperf.perfmodel.calibration import Calibration, StoredCalibration
 from maxperf.perfmodel.flops import FlopCounts, ParamCounts, count_flops, count_params, resolve_attention
 from maxperf.perfmodel.memory import MemoryBreakdown, estimate_memory, params_per_device
-from maxperf.perfmodel.steptime import SHIPPED, Constants, Overlap, Row, StepTime, step_time
+from maxperf.perfmodel.steptime import Row, StepTime, step_time
+from maxperf.perfmodel.work import SHIPPED, Constants, Overlap
 from maxperf.spec.request import Request
 from maxperf.spec.topology import Topology
 

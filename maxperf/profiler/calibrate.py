@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from maxperf.perfmodel.calibration import THIN_SIDES, AttentionSample, Calibration, MatmulSample
-from maxperf.perfmodel.steptime import FRESH_MAPPING_THRESHOLD
+from maxperf.perfmodel.cpu import FRESH_MAPPING_THRESHOLD
 from maxperf.user_cache import save_calibration
 
 MATMUL_SIZES = (256, 512, 1024)

@@ -1,0 +1,313 @@
+"""A step's work recorded as terms, and the fitted constants that price them.
+
+`Work` records what a step does (every matmul's FLOPs, bytes and smallest side; the flash kernels' FLOPs; the
+elementwise traffic per pass; every collective's and host copy's seconds and overlap); `price` turns the terms into
+seconds at given constants and `settle` into a step time. perfmodel.steptime prices one step so; bench/published.py
+prices all its rows at once with the same two functions to fit the constants.
+
+Each matmul is a roofline (Williams et al. 2009): max(FLOPs / (peak x efficiency), bytes / HBM bandwidth).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from maxperf.perfmodel import cpu
+from maxperf.perfmodel.chips import MATMUL_FRACTION, MATMUL_FRACTION_ORIGIN, Chip
+from maxperf.spec.errors import require
+from maxperf.spec.train import TrainConfig
+
+# Matmul efficiency = chip.matmul_fraction x m / (m + HALF), m the smallest of the matmul's dimensions: the rate a
+# large matmul sustains on the chip (chips.MATMUL_FRACTION), less for a thinner one, which fills the 128/256-wide
+# systolic arrays and tensor-core tiles less well and has less work to hide each kernel's start and end behind; a
+# matmul whose smallest side is HALF reaches half of it. "fitted": bench/published.py, all constants free, 2026-11-23,
+# 81 rows (49 TPU, 32 GPU), leave-one-out median / worst 2.4% / 13.4% overall. The rows' matmuls have smallest sides
+# of 1024 to 16384 (half their FLOPs at 6144 or more; every row runs flash attention): below 1024, as for the dot
+# product's head-dim-wide einsums, the figure is an extrapolation. HALF and the flash rate trade off in the fit (HALF
+# 128 on TPU held: flash on TPU 0.22 of the matmul rate, LOO 3.4% / 15.6%); this pair keeps flash near what the
+# model assumed before the fit (0.6 of peak), the other would put splash at a fifth of a large matmul's rate.
+MATMUL_HALF = {
+    "tpu": 610,  # fitted (49 TPU rows)
+    "gpu": 760,  # fitted (32 GPU rows)
+    "cpu": cpu.MATMUL_HALF,
+}
+# Memory-bound elementwise passes per token per layer over D-wide vectors (reads + writes, forward), in compute-dtype
+# passes, on TPUs and GPUs (XLA:CPU's: perfmodel.cpu). Unfused, two norms with float32 internals (6 each) and two
+# residual adds (3 each) would make 18; XLA fuses norms and residual adds into the neighbouring matmuls' operand and
+# output fusions, so few reach HBM on their own: fitted 2.7 (bench/published.py, 2026-11-23, 81 rows).
+ELEMENTWISE_D_PASSES = 2.7
+# Flash attention kernels (splash on TPU; cuDNN, Pallas or Triton on GPU) run their matmuls and online softmax in
+# on-chip memory, at this fraction of the chip's sustained matmul rate (peak x chip.matmul_fraction): the softmax's
+# exponentials and the head-dim-wide (128) matmuls keep them below a large GEMM's rate. Fitted: bench/published.py,
+# 2026-11-23 (49 TPU rows, 32 GPU rows, all with flash).
+FLASH_EFFICIENCY = {"tpu": 0.81, "gpu": 0.47}
+# quantization=int8 (models/layers/quantization.py, AQT's config_v3): each quantized operand is read twice in the
+# compute dtype (its absmax, then scale and round) and written once as int8; a gradient's stochastic rounding adds
+# its noise, 4-byte random bits that XLA's RngBitGenerator writes and the quantize fusion reads (counted from the
+# operations, each assumed one pass over HBM). The int8 x int8 -> int32 dot reads 1-byte operands and writes its
+# dequantized output in the compute dtype (the int32 result scaled in the dot's output fusion, assumed).
+INT8_NOISE_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Fraction of each family of collectives that runs hidden behind compute (0: fully exposed, 1: fully hidden).
+    Hidden time never exceeds the compute it hides behind.
+
+    Defaults, fitted on bench/published.py's rows (2026-11-23) but for `sequence`: FSDP gathers and reduce-scatters are
+    prefetched a layer ahead by XLA's latency-hiding scheduler, about half hidden (fitted 0.51, 81 rows); tensor-
+    parallel collectives are decomposed by XLA into collective matmuls that overlap the matmuls they feed (Wang et
+    al., ASPLOS 2023), all but hidden (fitted 0.99, 22 TPU rows with a tensor axis); the data-parallel gradient
+    all-reduce runs once after the scanned backward, with nothing left to hide behind (fitted 0.0, 36 rows with a
+    data axis); sequence-parallel collectives half hidden (assumed: no row has a sequence axis); the expert-parallel
+    all-to-alls of a MoE layer exposed (assumed: the experts' matmuls wait for the rows the dispatch brings, the
+    layer's next work for what the combine brings back; no published row has an expert axis)."""
+
+    fsdp: float = 0.51
+    tensor: float = 0.99
+    sequence: float = 0.5
+    data: float = 0.0
+    expert: float = 0.0
+
+    @classmethod
+    def uniform(cls, fraction: float) -> Overlap:
+        return cls(fraction, fraction, fraction, fraction, fraction)
+
+    def __post_init__(self) -> None:
+        for name in ("fsdp", "tensor", "sequence", "data", "expert"):
+            value = getattr(self, name)
+            require(0.0 <= value <= 1.0, f"overlap {name} must be between 0 and 1, got {value}")
+
+
+OVERLAP_ORIGIN = {"fsdp": "fitted", "tensor": "fitted", "sequence": "assumed", "data": "fitted", "expert": "assumed"}
+
+
+@dataclass(frozen=True)
+class Constants:
+    """The step-time model's fitted constants, passed to `step_time` (and `perfmodel.estimate`) rather than read from
+    module globals, so that bench/published.py can fit them and price the same recorded work at any values."""
+
+    matmul_fraction: Mapping[str, float] = field(default_factory=lambda: dict(MATMUL_FRACTION))  # per chip name
+    matmul_half: Mapping[str, float] = field(default_factory=lambda: dict(MATMUL_HALF))  # per chip kind
+    elementwise_d_passes: float = ELEMENTWISE_D_PASSES
+    flash_efficiency: Mapping[str, float] = field(default_factory=lambda: dict(FLASH_EFFICIENCY))  # per chip kind
+
+    def fraction(self, chip: Chip) -> float:
+        """The share of its peak a large matmul sustains on `chip`; 1.0 where none is recorded (CPU devices, whose
+        calibrated peaks are achieved rates)."""
+        return self.matmul_fraction.get(chip.name, 1.0)
+
+
+SHIPPED = Constants()
+
+# How a term of the step turns into seconds (Terms.law).
+FIXED = 0  # seconds known when recorded (collectives, host copies, memory-bound work other than the D passes)
+MATMUL = 1  # max(FLOPs / (peak x rate x fraction x m / (m + HALF)), bytes / HBM bandwidth)
+FLASH = 2  # FLOPs / (peak x fraction x flash efficiency)
+D_PASSES = 3  # seconds known when recorded + seconds per elementwise pass over D x elementwise_d_passes
+COMM_KINDS = ("ici", "dcn", "host")
+
+
+@dataclass(frozen=True)
+class Terms:
+    """A step's work as recorded, before the fitted constants price it: one entry per piece of work, in arrays of equal
+    length. `price` and `settle` turn them into seconds; `estimate` and bench/published.py (which concatenates many
+    steps' terms) call the same two functions."""
+
+    name: tuple[str, ...]  # breakdown row
+    kind: tuple[str, ...]  # "compute", "hbm", "ici", "dcn", "host"; a matmul's is decided when priced
+    law: np.ndarray
+    fixed_s: np.ndarray  # FIXED and D_PASSES: the seconds known when recorded
+    peak_s: np.ndarray  # MATMUL and FLASH: FLOPs / peak
+    hbm_s: np.ndarray  # MATMUL: bytes / HBM bandwidth; D_PASSES: seconds per pass
+    side: np.ndarray  # MATMUL: the smallest side m (1 elsewhere)
+    rate: np.ndarray  # MATMUL: a kernel's rate relative to a plain matmul of its shape (1 elsewhere)
+    half: np.ndarray  # MATMUL: a measured HALF (CPU devices); NaN: the chip kind's constant
+    flops: np.ndarray
+    bytes: np.ndarray
+    family: tuple[str, ...]  # a collective's Overlap field; "" for work that is not a collective or has its own
+    overlap: np.ndarray  # the hidden fraction of host copies (collectives take their family's from Overlap)
+
+    @property
+    def comm(self) -> np.ndarray:
+        return np.array([k in COMM_KINDS for k in self.kind], dtype=bool)
+
+    @classmethod
+    def concat(cls, many: list[Terms]) -> Terms:
+        """Several steps' terms end to end (bench/published.py prices all its rows at once)."""
+        out = {}
+        for f in fields(cls):
+            values = [getattr(t, f.name) for t in many]
+            out[f.name] = np.concatenate(values) if isinstance(values[0], np.ndarray) else sum(values, ())
+        return cls(**out)
+
+    def overlaps(self, overlap: Overlap) -> np.ndarray:
+        """Each term's hidden fraction under `overlap`."""
+        return np.array([getattr(overlap, f) if f else o for f, o in zip(self.family, self.overlap)], dtype=float)
+
+
+def price(terms: Terms, fraction, half, flash, d_passes) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of each term, and whether a matmul is bound by its FLOPs (True) or its bytes. `fraction`, `half` and
+    `flash` are one value for the step or one per term (bench/published.py prices many steps at once)."""
+    t = terms
+    h = np.where(np.isnan(t.half), half, t.half)
+    efficiency = t.rate * fraction * t.side / (t.side + h)
+    at_rate = t.peak_s / efficiency
+    matmul = np.maximum(at_rate, t.hbm_s)
+    seconds = np.where(t.law == MATMUL, matmul, t.fixed_s)
+    seconds = np.where(t.law == FLASH, t.peak_s / (fraction * flash), seconds)
+    seconds = np.where(t.law == D_PASSES, t.fixed_s + t.hbm_s * d_passes, seconds)
+    return seconds, at_rate >= t.hbm_s
+
+
+def settle(seconds: np.ndarray, comm: np.ndarray, overlap: np.ndarray, step: np.ndarray, steps: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Step times from priced terms (`step`: each term's step, of `steps`): compute and memory-bound work add up;
+    a collective's `overlap` share hides behind it, and what cannot hide (more hidden time than work to hide behind)
+    comes back in proportion. Returns the step times, each step's busy seconds and the share of hidden time that
+    spilled back."""
+    busy = np.bincount(step, np.where(comm, 0.0, seconds), steps)
+    total = np.bincount(step, np.where(comm, seconds, 0.0), steps)
+    hidden = np.bincount(step, np.where(comm, seconds * overlap, 0.0), steps)
+    spill = np.maximum(0.0, hidden - busy) / np.where(hidden > 0, hidden, 1.0)
+    return busy + total - hidden * (1 - spill), busy, spill
+
+
+@dataclass(frozen=True)
+class Int8Matmuls:
+    """quantization=int8: the layers' matmuls in int8; `weight_gradient`: the weight gradient too
+    (quantization_local_shard_count other than 0)."""
+
+    weight_gradient: bool
+
+
+def int8_matmuls(train: TrainConfig) -> Int8Matmuls | None:
+    """The train config's quantization as steptime models it (optional keys, read where present)."""
+    if str(train.quantization) != "int8":
+        return None
+    return Int8Matmuls(weight_gradient=train.quantization_local_shard_count != 0)
+
+
+def matmul_efficiency(chip: Chip, m: float, half: float | None = None, constants: Constants = SHIPPED) -> float:
+    """The fraction of peak a matmul whose smallest side is m sustains: fraction x m / (m + HALF); `half` (a
+    calibrated HALF) replaces the kind's."""
+    return constants.fraction(chip) * m / (m + (constants.matmul_half[chip.kind] if half is None else half))
+
+
+class Work:
+    """Records a step's work as Terms: matmuls with their FLOPs, bytes and shape; memory-bound work; collectives."""
+
+    def __init__(self, chip: Chip, dtype: str, constants: Constants, int8: Int8Matmuls | None = None):
+        self.chip, self.peak, self.constants = chip, chip.peak_flops(dtype), constants
+        self.int8 = int8
+        self.half = chip.measured_matmul_half(dtype)
+        self.columns: dict[str, list] = {k: [] for k in (
+            "name", "kind", "law", "fixed_s", "peak_s", "hbm_s", "side", "rate", "half", "flops", "bytes", "family",
+            "overlap")}
+        self.assumed: dict[str, str] = {}
+
+    def assume(self, key: str, line: str) -> None:
+        """Records that a constant that is fitted or assumed, not measured on this chip, drove this step."""
+        self.assumed.setdefault(key, line)
+
+    def _term(self, name: str, kind: str, law: int, *, fixed_s: float = 0.0, peak_s: float = 0.0, hbm_s: float = 0.0,
+              side: float = 1.0, rate: float = 1.0, half: float = math.nan, flops: float = 0.0, nbytes: float = 0.0,
+              family: str = "", overlap: float = 0.0) -> None:
+        for key, value in (("name", name), ("kind", kind), ("law", law), ("fixed_s", fixed_s), ("peak_s", peak_s),
+                           ("hbm_s", hbm_s), ("side", side), ("rate", rate), ("half", half), ("flops", flops),
+                           ("bytes", nbytes), ("family", family), ("overlap", overlap)):
+            self.columns[key].append(value)
+
+    def add(self, name: str, kind: str, seconds: float, flops: float = 0.0, nbytes: float = 0.0,
+            overlap: float = 0.0, family: str = "") -> None:
+        """Work whose seconds are known now; a collective names its Overlap `family`, other links their `overlap`."""
+        self._term(name, kind, FIXED, fixed_s=seconds, flops=flops, nbytes=nbytes, family=family, overlap=overlap)
+
+    def matmul(self, name: str, M: float, K: float, N: float, count: float, c: int,
+               side: float | None = None, rate: float = 1.0, operand_bytes: float | None = None) -> None:
+        """`count` matmuls of M x K by K x N in compute dtype (c bytes): a roofline of FLOPs and HBM traffic (and on
+        CPU devices what XLA:CPU's dot kernels add, perfmodel.cpu). `side` replaces the smallest side in the
+        efficiency (`matmul_efficiency`); `rate` scales it (a kernel slower than a plain matmul of the shape);
+        `operand_bytes`: the two operands' element size where it is not c (1 for int8)."""
+        flops = 2 * M * K * N * count
+        nbytes = ((c if operand_bytes is None else operand_bytes) * (M * K + K * N) + c * M * N) * count
+        if "matmul" in self.assumed:  # said once per step: spare the line's formatting on every matmul
+            pass
+        elif self.chip.kind != "cpu":
+            origin = MATMUL_FRACTION_ORIGIN[self.chip.name] if self.constants.matmul_fraction.get(
+                self.chip.name) == MATMUL_FRACTION.get(self.chip.name) else "as given"
+            self.assume("matmul", f"matmuls at {self.constants.fraction(self.chip):.2f} of peak ({origin}) x m / (m + "
+                                  f"{self.constants.matmul_half[self.chip.kind]:g}), m a matmul's smallest side "
+                                  "(HALF fitted)")
+        elif self.half is None:
+            self.assume("matmul", f"matmul HALF {self.constants.matmul_half['cpu']:g} (assumed: maxperf calibrate "
+                                  "measures it)")
+        self._term(name, "compute", MATMUL, peak_s=flops / self.peak, hbm_s=nbytes / self.chip.hbm_bandwidth,
+                   side=min(M, K, N) if side is None else side, rate=rate,
+                   half=math.nan if self.half is None else self.half, flops=flops, nbytes=nbytes)
+        if self.chip.kind == "cpu":
+            cpu.dot_accumulator_faults(self.add, self.chip, M, K, N, count, c)
+
+    def flash(self, name: str, flops: float) -> None:
+        """A flash attention kernel's FLOPs, at its fraction of the sustained matmul rate (Constants.flash_efficiency)."""
+        self._term(name, "compute", FLASH, peak_s=flops / self.peak, flops=flops)
+
+    def d_passes(self, name: str, fixed_bytes: float, bytes_per_pass: float) -> None:
+        """Memory-bound elementwise work: `fixed_bytes` and `bytes_per_pass` x Constants.elementwise_d_passes."""
+        bandwidth = self.chip.elementwise_bandwidth or self.chip.hbm_bandwidth
+        self._term(name, "hbm", D_PASSES, fixed_s=fixed_bytes / bandwidth, hbm_s=bytes_per_pass / bandwidth,
+                   nbytes=fixed_bytes + bytes_per_pass * self.constants.elementwise_d_passes)
+
+    def train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
+                     side: float | None = None, rate: float = 1.0, quantized: bool = True) -> None:
+        """A matmul run `forward` times as x @ W (the forward and its recomputation) and `backward` times as each of
+        the backward's two: the input gradient dy @ W^T (M x N by N x K) and the weight gradient x^T @ dy (K x M by
+        M x N). All run at the plain rate: compilers give the transposed operand the layout the matmul wants
+        (XLA:CPU copies x to x^T, a T x D transpose, and runs the weight gradient as a plain matmul, as a cpu-2
+        step's optimized HLO shows), so a library's slower rate for a transposed operand does not apply.
+        Under quantization=int8 (`self.int8`) a `quantized` one runs as `int8_train_matmul`."""
+        if quantized and self.int8 is not None:
+            self.int8_train_matmul(name, M, K, N, forward, backward, c, side, rate)
+            return
+        self.matmul(name, M, K, N, forward, c, side, rate)
+        self.matmul(name, M, N, K, backward, c, side, rate)
+        self.matmul(name, K, M, N, backward, c, side, rate)
+
+    def int8_train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
+                          side: float | None, rate: float) -> None:
+        """train_matmul under quantization=int8: the forward and the input gradient as int8 dots at the chip's int8
+        peak (its bf16 one where it has none), the weight gradient too unless local_shard_count is 0; and the
+        quantize passes over every quantized operand (INT8_NOISE_BYTES)."""
+        speedup = (self.chip.peak_int8_ops or self.peak) / self.peak
+        self.assume("int8", f"int8 matmuls at {speedup:g}x the {self.chip.name} bf16 rate (datasheet peaks); "
+                            f"each quantized operand read twice and written once as int8, gradients' noise "
+                            f"{INT8_NOISE_BYTES} bytes per element (assumed)")
+        int8_rate = rate * speedup
+        self.matmul(name, M, K, N, forward, c, side, int8_rate, operand_bytes=1)
+        self.matmul(name, M, N, K, backward, c, side, int8_rate, operand_bytes=1)
+        quantize = c + c + 1  # absmax read, scale-and-round read, int8 write
+        # forward: x [M, K] and W [K, N]; input gradient: dy [M, N] with noise, W again
+        elements = forward * quantize * (M * K + K * N) + backward * ((quantize + INT8_NOISE_BYTES) * M * N
+                                                                      + quantize * K * N)
+        if self.int8.weight_gradient:
+            self.matmul(name, K, M, N, backward, c, side, int8_rate, operand_bytes=1)
+            elements += backward * ((quantize + INT8_NOISE_BYTES) * M * N + quantize * M * K)
+        else:
+            self.matmul(name, K, M, N, backward, c, side, rate)
+        self.memory("int8 quantize", elements)
+
+    def memory(self, name: str, nbytes: float) -> None:
+        """Memory-bound elementwise work: at HBM bandwidth, or where one was measured (CPU devices) at the rate of a
+        fused elementwise kernel (Chip.elementwise_bandwidth)."""
+        self.add(name, "hbm", nbytes / (self.chip.elementwise_bandwidth or self.chip.hbm_bandwidth), 0.0, nbytes)
+
+    def terms(self) -> Terms:
+        col = self.columns
+        arrays = {k: np.array(col[k], dtype=float) for k in ("law", "fixed_s", "peak_s", "hbm_s", "side", "rate",
+                                                             "half", "flops", "bytes", "overlap")}
+        arrays["law"] = arrays["law"].astype(int)
+        return Terms(name=tuple(col["name"]), kind=tuple(col["kind"]), family=tuple(col["family"]), **arrays)
