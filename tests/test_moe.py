@@ -54,7 +54,8 @@ def loss_and_grads(words, devices: int, model: ModelConfig | None = None, params
     def loss(params, batch):
         net = nnx.merge(graphdef, params)
         positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), batch["inputs"].shape)
-        x, lb = net.hidden_and_aux(batch["inputs"], positions)
+        out = net.forward(batch["inputs"], positions)
+        x, lb = out.hidden, out.lb_loss
         return jnp.mean(train_step.cross_entropy(net.logits(x), batch["targets"])) + weight * lb
 
     with jax.set_mesh(mesh):
@@ -364,7 +365,8 @@ def test_the_selection_bias_has_no_gradient():
     def loss(params):
         net = nnx.merge(graphdef, params)
         positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), batch["inputs"].shape)
-        x, lb = net.hidden_and_aux(batch["inputs"], positions)
+        out = net.forward(batch["inputs"], positions)
+        x, lb = out.hidden, out.lb_loss
         return jnp.mean(train_step.cross_entropy(net.logits(x), batch["targets"])) + lb
 
     grads = jax.grad(loss)(params)

@@ -128,7 +128,7 @@ def test_vocab_tiling_gives_the_same_loss_and_gradients(words):
 
     def loss(params, tiles):
         net = nnx.merge(graphdef, params)
-        x = net.hidden(batch["inputs"], positions)
+        x = net.forward(batch["inputs"], positions).hidden
         if tiles == 1:
             import optax
             return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(net.logits(x), batch["targets"]) * mask)

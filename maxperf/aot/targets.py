@@ -153,13 +153,6 @@ def _gpu_topology_string(topology: Topology) -> str:
     return f"{topology.ici_domains}x{topology.hosts_per_nvlink_domain}x{topology.chips_per_host}"
 
 
-def gpu_target_config_text(topology: Topology) -> str:
-    """The GpuTargetConfigProto text the topology compiles for: the user's file, or the plugin's embedded spec."""
-    if topology.target_config_path is not None:
-        return gpu_targets.read_target_config(topology.target_config_path)
-    return gpu_targets.gpu_target_config(topology.chip)
-
-
 @functools.cache
 def _gpu_devices(topology_string: str, chip: str, target_config_path: str | None) -> tuple:
     if gpu_targets.plugin_library() is None:
@@ -237,7 +230,7 @@ def compiler_options(topology: Topology, random_bits: bool = False) -> dict[str,
     """XLA options to pass as `.compile(compiler_options=...)` for this topology.
 
     GPU across hosts: the one-shot all-reduce kernel works only among GPUs that share NVLink, and compiling it for
-    hundreds of GPUs hit an LLVM error (DESIGN.md); it is turned off there. Checked: the compile-only CUDA plugin
+    hundreds of GPUs hit an LLVM error (jax 0.12's CUDA plugin, 512 GPUs); it is turned off there. Checked: the compile-only CUDA plugin
     accepts it as a compile option.
     GPU without the GPU attached: XLA rewrites large sorts into CUB's radix sort and asks the CUDA runtime for its
     scratch size while compiling, which fails with no GPU ("cudaErrorInvalidDevice: invalid device ordinal"; a MoE

@@ -167,23 +167,13 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
         """float32 logits [B, L, V]."""
-        return self.logits(self.hidden(tokens_BxL, positions_BxL))
-
-    def hidden(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
-        """The final-normed hidden states [B, L, D] that the logits are computed from."""
-        return self.hidden_and_aux(tokens_BxL, positions_BxL)[0]
-
-    def hidden_and_aux(self, tokens_BxL: jax.Array, positions_BxL: jax.Array,
-                       key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """The final-normed hidden states [B, L, D], and the mixture of experts' load-balancing loss averaged over
-        the MoE layers (MaxText's moe_lb_loss, unweighted; 0 for a dense model). `key`: the int8 matmuls' stochastic
-        rounding noise (a fresh one each step; None: a fixed one)."""
-        out = self.forward(tokens_BxL, positions_BxL, key)
-        return out.hidden, out.lb_loss
+        return self.logits(self.forward(tokens_BxL, positions_BxL).hidden)
 
     def forward(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, key: jax.Array | None = None) -> Forward:
-        """The decoder's outputs for the loss: hidden states before and after the final norm, the load-balancing
-        loss (as hidden_and_aux), and the expert loads of the layers that record them (MoEOptions.count_experts)."""
+        """The decoder's outputs for the loss: hidden states before and after the final norm, the mixture of experts'
+        load-balancing loss averaged over the MoE layers (MaxText's moe_lb_loss, unweighted; 0 for a dense model), and
+        the expert loads of the layers that record them (MoEOptions.count_experts). `key`: the int8 matmuls'
+        stochastic rounding noise (a fresh one each step; None: a fixed one)."""
         cfg = self.cfg
         x_BxLxD = constrain(self.embed_tokens(tokens_BxL, positions_BxL), RESIDUAL)
         x_BxLxD, aux, counts = self._layers(x_BxLxD, positions_BxL, key)

@@ -166,11 +166,6 @@ def attention_params(model: ModelConfig) -> tuple[int, int]:
     return D * H * Dh + 2 * D * K * Dh + H * Dh * D, (2 * Dh if model.qk_norm else 0) + sinks
 
 
-def layer_matmul_params(model: ModelConfig) -> int:
-    """The weights of one dense layer that enter matmuls: the attention's and the MLP."""
-    return attention_params(model)[0] + mlp_params(model, model.d_ff)
-
-
 def expert_bias_params(model: ModelConfig, moe: MoeShape) -> int:
     """One routed expert's biases (gpt-oss's mlp_bias): wi_0 (gated only) and wi_1 of Fe, wo of D."""
     if not model.mlp_bias:
