@@ -51,9 +51,6 @@ REMAT_SAVED: dict[RematPolicy, tuple[tuple[str, ...], tuple[str, ...]]] = {
     RematPolicy.MINIMAL_OFFLOADED: ((), _MINIMAL),
     RematPolicy.FULL: ((), ()),
 }
-# remat_policy=custom: where each name is kept unless its key says otherwise (MaxText's defaults)
-CUSTOM_DEFAULT = {name: RematLocation.DEVICE if name == "decoder_layer_input" else RematLocation.REMAT
-                  for name in CHECKPOINT_NAMES}
 
 
 def remat_names(train, policy: RematPolicy | str | None = None) -> tuple[frozenset[str], frozenset[str]] | None:
