@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from maxperf import cli
-from maxperf.cli import build_parser, main, parse_args
+from maxperf.cli import main
+from maxperf.cli.compile import COMPILE_SCHEMA
+from maxperf.cli.parser import build_parser, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_FIT = ["--topology", "v5p-8", "--model", "llama2-70b"]  # 70B parameters and AdamW in 8 x 95 GiB: no
@@ -96,7 +97,7 @@ def test_every_schema_name_has_one_form():
 
 
 def test_sweep_exits_1_when_points_fail(capsys, monkeypatch, tmp_path):
-    from maxperf.studies import sweep as sweeping
+    from maxperf.search import sweep as sweeping
 
     rows = [{"point": "v5p-8", "status": "error", "reason": "XLA could not compile the step"},
             {"point": "v5p-16", "status": "ok", "reason": None, "predicted_step_time_s": 0.1, "predicted_mfu": 0.5}]
@@ -185,7 +186,7 @@ def test_compile_json_and_a_cache_hit(capfd, tmp_path, monkeypatch):
     # the compile runs in a child process (maxperf.cli.supervisor) that prints on file descriptor 1
     code, out, _ = run_main(capfd, *argv, "--out", str(tmp_path / "a"), "--json")
     first = json.loads(out)
-    assert code == 0 and first["schema"] == cli.COMPILE_SCHEMA and first["cache_hit"] is False
+    assert code == 0 and first["schema"] == COMPILE_SCHEMA and first["cache_hit"] is False
     assert first["topology"] == "cpu-8" and first["mesh"]["axes"] and first["global_batch"] > 0
     code, out, _ = run_main(capfd, *argv, "--out", str(tmp_path / "b"))
     assert code == 0 and "from the compile cache" in out and "compile time     0.0 s" not in out
@@ -276,7 +277,7 @@ def test_a_killed_sweeps_workers_die_with_it(tmp_path):
 
 
 def test_a_sweep_is_not_resumed_by_another_request(tmp_path):
-    from maxperf.studies.sweep import _finished, grid, point_key, sweep
+    from maxperf.search.sweep import _finished, grid, point_key, sweep
 
     out = tmp_path / "s"
     first = sweep("llama2-7b", ["v5p-8", "v5p-16"], analytical_only=True, out=out, workers=1)
@@ -468,11 +469,11 @@ def test_a_child_leaves_at_once_with_its_code_and_its_output_flushed_but_not_out
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_command_stopped_by_a_signal_exits_128_plus_it_and_names_it(signum):
-    script = ("import os, signal, sys, time\nfrom maxperf import cli\n"
+    script = ("import os, signal, sys, time\nfrom maxperf import cli\nfrom maxperf.cli import catalogs\n"
               "def stopped(args):\n"
               f"    os.kill(os.getpid(), {int(signum)})\n"
               "    time.sleep(30)\n"
-              "cli.cmd_models = stopped\n"
+              "catalogs.cmd_models = stopped\n"
               "sys.exit(cli.main(['models', '--json']))")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     name = signal.Signals(signum).name

@@ -6,6 +6,8 @@ import re
 import sys
 from pathlib import Path
 
+from maxperf.aot import artifacts
+from maxperf.cli.common import JSON_HELP, print_json, progress
 from maxperf.spec.errors import MaxperfError
 
 GIB = 1 << 30
@@ -22,9 +24,7 @@ def parse_tokens(text: str) -> int:
 
 
 def cmd_plan(args) -> int:
-    from maxperf.aot import artifacts
-    from maxperf.cli import _print_json, _progress
-    from maxperf.studies import search
+    from maxperf.search import plan, verify
 
     if args.verify < 0:
         raise MaxperfError(f"--verify must be >= 0 (0: no compile), got {args.verify}")
@@ -32,21 +32,21 @@ def cmd_plan(args) -> int:
         raise MaxperfError(f"--workers must be >= 1, got {args.workers}")
     if args.per_device_batch is not None and args.per_device_batch <= 0:
         raise MaxperfError(f"--per-device-batch must be > 0, got {args.per_device_batch:g}")
-    say = _progress()
-    request = search.PlanRequest(args.model, args.topology, args.num_slices,
-                             None if args.global_batch is None else parse_tokens(args.global_batch),
-                             args.per_device_batch, args.objective, tuple(args.overrides))
+    say = progress()
+    request = plan.PlanRequest(args.model, args.topology, args.num_slices,
+                               None if args.global_batch is None else parse_tokens(args.global_batch),
+                               args.per_device_batch, args.objective, tuple(args.overrides))
     out = Path(args.out) if args.out else default_out(args)
     # before the search: a directory that is not an earlier plan's is refused, and one plan writes there at a time
     with artifacts.hold_output(out, "plan"):
-        result = search.search(request, progress=say)
+        result = plan.search(request, progress=say)
         say(f"estimated in {result.search_seconds:.2f} s")
         if args.verify and result.fitting:
-            search.verify(result, args.verify, out, workers=args.workers, progress=say)
-        path = search.write(result, out)
+            verify.verify(result, args.verify, out, workers=args.workers, progress=say)
+        path = plan.write(result, out)
     code = 0 if result.winner is not None else 3
     if args.json:
-        _print_json(summary(result, path))
+        print_json(summary(result, path))
         return code
     print_plan(result, path)
     return code
@@ -130,9 +130,7 @@ def print_miss(result) -> None:
         print(f"  {option}", file=sys.stderr)
 
 
-def _plan_parser(sub) -> None:
-    from maxperf.cli import JSON_HELP
-
+def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="find the fastest mesh, remat, kernel and batch that fit; compile the best")
     p.add_argument("--model", required=True, help="a preset name (see `maxperf models`)")
     p.add_argument("--topology", required=True, help="e.g. v5p-256, v5e-256, h100-8x16, cpu-8")
@@ -153,6 +151,3 @@ def _plan_parser(sub) -> None:
                    help="pin a searched key (ici_tensor=4, remat_policy=full, attention=flash, grad_accum_steps=2) "
                         "or set any other (seq_len=8192)")
     p.set_defaults(func=cmd_plan)
-
-
-COMMANDS = [_plan_parser]

@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
+from maxperf.aot import artifacts, distributed
+from maxperf.aot.targets import ensure_cpu_devices
 from maxperf.cli import supervisor
+from maxperf.cli.common import GIB, print_json, progress
+from maxperf.profiler.checkpoints import CheckpointFailed
 from maxperf.spec.errors import MaxperfError
-
-GIB = 1 << 30
 
 
 def _prepare(args) -> str | None:
     """The artifact's platform, after checking the job's process count against it; a CPU artifact runs on this
     process's CPU devices: make as many as it was compiled for, before jax starts."""
-    from pathlib import Path
-
-    from maxperf.aot import artifacts
-    from maxperf.aot.targets import ensure_cpu_devices
-
     path = args.artifact
     directory = Path(path) if Path(path).is_dir() else Path(path).parent
     if not (directory / "manifest.json").is_file():
@@ -71,12 +69,9 @@ def _check_processes(devices: dict, args) -> None:
 
 
 def cmd_run(args) -> int:
-    from maxperf.aot import distributed
-    from maxperf.cli import _print_json, _progress
-    from maxperf.profiler.checkpoints import CheckpointFailed
-    from maxperf.profiler.run import run
+    from maxperf.profiler.run import run  # loads numpy, and jax once the environment is set
 
-    say = _progress()
+    say = progress()
     if distributed.initialize(args, _prepare(args)):
         say(f"{supervisor.JOINED} {args.coordinator} as process {args.process_id} of {args.num_processes}")
     try:
@@ -93,7 +88,7 @@ def cmd_run(args) -> int:
             raise
         raise oom from None
     if args.json:
-        _print_json(result.as_dict())
+        print_json(result.as_dict())
         return 0
     written = (f"-> {result.out_dir}/run.json" if result.out_dir is not None else
                f"(process {result.process_index} of {result.processes}; process 0 writes run.json)")
@@ -101,8 +96,8 @@ def cmd_run(args) -> int:
     print(f"  step time        median {result.step_time_s:.4f} s (p10 {result.step_time_p10_s:.4f}, p90 "
           f"{result.step_time_p90_s:.4f}, min {result.step_time_min_s:.4f})")
     print(f"  tokens/s         {result.tokens_per_s:,.0f}")
-    print(f"  TFLOP/s/device   {result.tflops_per_device:.3f} (MFU {result.mfu:.1%} of {result.peak_flops_per_device / 1e12:.2f}"
-          f" TFLOP/s, {result.peak_source})")
+    print(f"  TFLOP/s/device   {result.tflops_per_device:.3f} (MFU {result.mfu:.1%} of "
+          f"{result.peak_flops_per_device / 1e12:.2f} TFLOP/s, {result.peak_source})")
     if result.predicted_step_time_s:
         print(f"  predicted        {result.predicted_step_time_s:.4f} s; measured/predicted "
               f"{result.measured_over_predicted:.2f}")
@@ -125,7 +120,7 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _run_parser(sub) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a compiled step on this machine's devices and measure it")
     p.add_argument("artifact", help="DIR/compiled.pkl or DIR from `maxperf compile`")
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10); the median is reported")
@@ -141,11 +136,6 @@ def _run_parser(sub) -> None:
                    help="replace an earlier output of this command in --out even if it holds other files")
     p.add_argument("--json", action="store_true", help="print run.json's content on stdout (progress stays on "
                                                        "stderr)")
-    from maxperf.aot import distributed
-
     distributed.add_arguments(p)
     supervisor.add_arguments(p)
     p.set_defaults(func=cmd_run)
-
-
-COMMANDS = [_run_parser]

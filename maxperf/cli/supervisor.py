@@ -7,7 +7,7 @@ died with a C++ check failure (SIGABRT and a stack trace) that no Python code in
 sends everything it writes to stdout from C++ to its stderr; this process shows only maxperf's own lines of it
 (progress, `maxperf: ...`) unless --verbose, and turns a child killed by a signal into one line and exit code 1.
 SIGINT and SIGTERM reach the child as they came, and the command exits 128 + that signal (130, 143), however the
-child ended. With --json, this process prints the error document of a child that failed (`cli.fail`).
+child ended. With --json, this process prints the error document of a child that failed (`maxperf.cli.fail`).
 
 A child that dies without cleaning up (a signal, an abort) leaves its output half-written in `.NAME.*.partial`
 directories beside --out (aot.artifacts.ArtifactWriter makes them with tempfile.mkdtemp): the child notes each one it
@@ -17,6 +17,8 @@ makes in a file this process reads, and this process removes those that are left
 from __future__ import annotations
 
 import argparse
+import atexit
+import ctypes
 import os
 import re
 import shutil
@@ -27,7 +29,8 @@ import tempfile
 import threading
 import time
 
-from maxperf.aot import distributed
+from maxperf.aot import artifacts, distributed
+from maxperf.cli.common import print_error_document
 from maxperf.spec.errors import Terminated
 
 CHILD = "MAXPERF_SUPERVISOR_PID"  # set in the child's environment: the pid of the process that watches it
@@ -67,8 +70,6 @@ def _become_child(parent: int, notes: int | None, argv0: str | None) -> None:
     if notes is not None:
         sys.addaudithook(_note_partials(notes))
     if sys.platform.startswith("linux"):
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the supervisor
         if os.getppid() != parent:  # it died before prctl took effect
             os._exit(1)
@@ -96,9 +97,6 @@ def leave(code: int) -> None:
     exit handlers run first (jax's closes its backends), then the C library's exit, which flushes what C++ buffers
     (libtpu's logs in TPU_LOG_DIR). Not in a multi-process job, whose coordination service needs jax's orderly
     shutdown."""
-    import atexit
-    import ctypes
-
     jax = sys.modules.get("jax")
     if jax is not None and jax.distributed.is_initialized():
         return
@@ -127,8 +125,6 @@ def _note_partials(fd: int):
 def remove_partials(noted: bytes) -> list[str]:
     """Removes the partial output directories a child noted (one path a line) that are still there, and the lock
     files of their outputs (`.NAME.lock`, freed when the child died); the directories removed."""
-    from maxperf.aot import artifacts
-
     removed = []
     for path in dict.fromkeys(noted.decode(errors="replace").splitlines()):  # once each, in order
         name = os.path.basename(path)
@@ -206,8 +202,6 @@ def _watch(argv: list[str], args: argparse.Namespace) -> int:
     if line:
         print(line, file=sys.stderr)
     if getattr(args, "json", False) and exit_code != 0 and (line or relay.error):
-        from maxperf.cli import print_error_document
-
         print_error_document(line or relay.error, exit_code)
     return exit_code
 

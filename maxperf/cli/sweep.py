@@ -1,9 +1,11 @@
-"""`maxperf sweep` (a grid of estimates and compiles) and `maxperf report` (the HTML page)."""
+"""`maxperf sweep`: a model estimated and compiled over a grid of topologies and settings, into tables."""
 
 from __future__ import annotations
 
+import os
 import sys
 
+from maxperf.cli.common import JSON_HELP, print_json, progress
 from maxperf.spec.errors import MaxperfError
 
 
@@ -18,11 +20,8 @@ def _grid_axes(words: list[str]) -> dict[str, list[str]]:
 
 
 def cmd_sweep(args) -> int:
-    import os
-
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from maxperf.cli import _progress
-    from maxperf.studies.sweep import sweep
+    from maxperf.search.sweep import sweep  # loads numpy, and the compiler in its workers
 
     try:
         slices = [int(s) for s in args.num_slices.split(",") if s]
@@ -32,16 +31,14 @@ def cmd_sweep(args) -> int:
         raise MaxperfError(f"--workers must be >= 1, got {args.workers}")
     result = sweep(args.model, [t for t in args.topologies.split(",") if t], num_slices=slices,
                    axes=_grid_axes(args.overrides), analytical_only=args.analytical_only, out=args.out,
-                   workers=args.workers, progress=_progress())
+                   workers=args.workers, progress=progress())
     for r in result.rows:
         if r.get("warnings"):
             print(f"maxperf: warning: {r['point']}: {r['warnings']}", file=sys.stderr)
     # exit 1 when a point failed (the table is written all the same): a script must not take it for a full result
     code = 1 if result.errors else 0
     if args.json:
-        from maxperf.cli import _print_json
-
-        _print_json(result.as_dict())
+        print_json(result.as_dict())
         return code
     bad = [r for r in result.rows if r["status"] != "ok"]
     print(f"swept {len(result.rows)} points ({result.computed} run now, {len(bad)} failed or did not fit) in "
@@ -55,24 +52,7 @@ def cmd_sweep(args) -> int:
     return code
 
 
-def cmd_report(args) -> int:
-    from maxperf.reports.render import render
-
-    result = render(args.paths, args.out, command=sys.argv)
-    print(f"wrote {result.html_path} ({result.sections} sections) and {len(result.csv_paths)} CSV tables")
-    return 0
-
-
-def cmd_xprof(args) -> int:
-    from maxperf.profiler.viewer import serve
-
-    serve(args.trace, port=args.port, say=lambda line: print(line, flush=True))
-    return 0
-
-
-def _sweep_parser(sub) -> None:
-    from maxperf.cli import JSON_HELP
-
+def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="estimate and compile a model over a grid of topologies and settings")
     p.add_argument("--model", required=True, help="a preset name (see `maxperf models`)")
     p.add_argument("--topologies", required=True, help="comma-separated, e.g. v5p-8,v5p-16,v5p-32")
@@ -83,22 +63,3 @@ def _sweep_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help=JSON_HELP + " (1 when a point failed)")
     p.add_argument("overrides", nargs="*", metavar="key=v1,v2", help="grid axes, e.g. per_device_batch_size=1,2")
     p.set_defaults(func=cmd_sweep)
-
-
-def _report_parser(sub) -> None:
-    p = sub.add_parser("report", help="an HTML report from compile, run, sweep and plan directories")
-    p.add_argument("paths", nargs="+", help="compile, run, sweep or plan directories")
-    p.add_argument("-o", "--out", required=True, help="the HTML file to write")
-    p.set_defaults(func=cmd_report)
-
-
-def _xprof_parser(sub) -> None:
-    from maxperf.profiler.viewer import DEFAULT_PORT
-
-    p = sub.add_parser("xprof", help="open a `run --profile` trace in xprof's web server, on 127.0.0.1 only")
-    p.add_argument("trace", help="OUT/trace of `maxperf run --profile` (or OUT)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port on 127.0.0.1 (default {DEFAULT_PORT})")
-    p.set_defaults(func=cmd_xprof)
-
-
-COMMANDS = [_sweep_parser, _report_parser, _xprof_parser]

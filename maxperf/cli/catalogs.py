@@ -1,0 +1,73 @@
+"""The catalogs: `maxperf models`, `maxperf topologies`, `maxperf keys`. None of them starts jax."""
+
+from __future__ import annotations
+
+from maxperf.cli.common import GIB, JSON_HELP, print_json
+from maxperf.spec import overrides, presets
+from maxperf.spec import topology as topologies
+
+
+def cmd_models(args) -> int:
+    from maxperf.perfmodel import count_params  # loads numpy, which `topologies` and `keys` do without
+
+    rows = []
+    for name in presets.names():
+        m = presets.get(name)
+        counts = count_params(m)
+        rows.append({"name": name, "params": counts.total, "active_params": counts.active, "V": m.vocab_size,
+                     "D": m.d_model, "N": m.num_layers, "H": m.num_heads, "K": m.num_kv_heads, "Dh": m.head_dim,
+                     "F": m.d_ff, "E": m.num_experts, "top_k": m.num_experts_per_tok,
+                     "activation": m.activation.value, "attention_type": m.attention_type.value})
+    if args.json:
+        print_json(rows)
+        return 0
+    print(f"{'model':<24} {'params':>9} {'active':>9} {'V':>7} {'D':>6} {'N':>4} {'H':>4} {'K':>4} {'Dh':>4} {'F':>7} "
+          f"{'E':>4} {'k':>2}  attention_type")
+    for r in rows:
+        print(f"{r['name']:<24} {_billions(r['params']):>9} {_billions(r['active_params']):>9} {r['V']:>7} {r['D']:>6} "
+              f"{r['N']:>4} {r['H']:>4} {r['K']:>4} {r['Dh']:>4} {r['F']:>7} {r['E']:>4} {r['top_k']:>2}  "
+              f"{r['attention_type']}")
+    return 0
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e7 else f"{n / 1e6:.3f}M"
+
+
+def cmd_topologies(args) -> int:
+    rows = [t for t in topologies.catalog() if args.platform in (None, t.platform)]
+    if args.json:
+        print_json([t.as_dict() for t in rows])
+        return 0
+    print(f"{'topology':<16} {'platform':<8} {'chips':>6} {'hosts':>6} {'HBM/chip':>9} {'bf16 TFLOP/s':>13}  layout")
+    for t in rows:
+        hbm = f"{t.hbm_bytes_per_chip / GIB:.0f} GiB" if t.hbm_bytes_per_chip else "-"
+        peak = f"{t.peak_bf16_flops_per_chip / 1e12:.0f}" if t.peak_bf16_flops_per_chip else "-"
+        layout = t.libtpu_topology or t.gpu_target or ""
+        print(f"{t.name:<16} {t.platform:<8} {t.chips:>6} {t.hosts:>6} {hbm:>9} {peak:>13}  {layout}")
+    print("cpu-N: N devices of this process (any N)")
+    return 0
+
+
+def cmd_keys(args) -> int:
+    aliases: dict[str, list[str]] = {}
+    for alias, key in overrides.ALIASES.items():
+        aliases.setdefault(key, []).append(alias)
+    for key in overrides.valid_keys():
+        extra = f"  (MaxText: {', '.join(aliases[key])})" if key in aliases else ""
+        print(f"{key}{extra}")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("models", help="list the model presets")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("topologies", help="list the topologies maxperf compiles for")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.add_argument("--platform", choices=["tpu", "gpu", "cpu"], help="only this platform's topologies")
+    p.set_defaults(func=cmd_topologies)
+
+    p = sub.add_parser("keys", help="list the key=value override keys and their MaxText aliases")
+    p.set_defaults(func=cmd_keys)

@@ -1,0 +1,79 @@
+"""What the command modules share: the request's options, JSON and error documents, progress lines, the batch in
+words, and the compile-only environment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from maxperf.aot.artifacts import to_json
+from maxperf.spec.gpu_targets import CHIP_TO_DEVICE, driver_present
+
+GIB = 1 << 30
+JSON_HELP = "print the result as one JSON document on stdout (progress stays on stderr); same exit codes"
+ERROR_SCHEMA = "maxperf.error/1"  # what `--json` prints on stdout when the command fails
+
+
+def add_request_arguments(parser: argparse.ArgumentParser, *, model_default: str | None) -> None:
+    """--topology, --model, --num-slices and the key=value overrides: what names a request (spec.request.resolve)."""
+    parser.add_argument("--topology", required=True, help="e.g. v5p-1024, v5e-256, h100-8x16, cpu-8")
+    parser.add_argument("--model", default=model_default, required=model_default is None,
+                        help="a preset name (see `maxperf models`)"
+                        + (f"; default {model_default}" if model_default else ""))
+    parser.add_argument("--num-slices", type=int, default=1, help="slices side by side over DCN")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides, e.g. per_device_batch_size=4 ici_tensor=4 (see `maxperf keys`)")
+
+
+def print_json(value) -> None:
+    print(json.dumps(to_json(value), indent=2))
+
+
+def print_error_document(line: str, code: int) -> None:
+    """`{"schema": "maxperf.error/1", "error": "...", "exit": N}` on stdout for the one-line error `line`."""
+    message = line.removeprefix("maxperf: ").removeprefix("error: ")
+    print(json.dumps({"schema": ERROR_SCHEMA, "error": message, "exit": code}), flush=True)
+
+
+def print_warnings(request) -> None:
+    """The request's warnings (mesh axes that do not divide a dimension), one line each on stderr."""
+    for line in request.warnings:
+        print(f"maxperf: warning: {line}", file=sys.stderr)
+
+
+def progress():
+    """A function that prints a phase on stderr with the seconds since this call: `[  12.3s] compiling`."""
+    start = time.perf_counter()
+
+    def say(phase: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f}s] {phase}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def short_count(n: float) -> str:
+    """12345678 -> '12.3M': parameter counts at a glance."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(int(n))
+
+
+def batch_words(train, global_batch: int) -> str:
+    """The step's batch in words: "256 x 2048 tokens (4 microbatches of 64)" under gradient accumulation."""
+    A = train.grad_accum_steps
+    micro = f" ({A} microbatches of {global_batch // A})" if A > 1 else ""
+    return f"{global_batch} x {train.seq_len} tokens{micro}"
+
+
+def compile_only_environment(topology: str = "") -> None:
+    """Compiling needs no local accelerator: keep jax on the CPU so TPU and GPU targets are virtual. The exception is
+    a GPU topology on a machine with an NVIDIA driver, whose attached GPUs (when they are the target's) compile the
+    step autotuned (`targets.compiles_on_attached_gpus`). Call it before jax is imported."""
+    family = topology.strip().lower().split("-")[0]
+    if driver_present() and any(chip.split("-")[0] == family for chip in CHIP_TO_DEVICE):
+        return
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -1,0 +1,144 @@
+"""`maxperf estimate-memory`: perfmodel's memory per device beside the compiler's, the fit, the largest batch."""
+
+from __future__ import annotations
+
+from maxperf.cli.common import (
+    GIB,
+    JSON_HELP,
+    add_request_arguments,
+    compile_only_environment,
+    print_json,
+    print_warnings,
+    progress,
+)
+from maxperf.reports import memory as memory_parts
+from maxperf.spec.request import resolve
+
+
+def cmd_estimate_memory(args) -> int:
+    compile_only_environment(args.topology)
+    from maxperf.search import memory_fit  # loads numpy, and the compiler when it compiles
+
+    if args.analytical_only:  # a compile says them itself, as it starts
+        print_warnings(resolve(args.topology, args.model, args.overrides, num_slices=args.num_slices))
+    say = progress()
+    if args.max_batch:
+        found = memory_fit.max_batch(args.topology, args.model, args.overrides, num_slices=args.num_slices,
+                                     analytical_only=args.analytical_only, out=args.out, progress=say,
+                                     force=args.force)
+        # nothing fits: the figures at B=1 say by how much (the compile cache answers a compile already made)
+        smallest = None if found.fits else memory_fit.compare(
+            args.topology, args.model, [*args.overrides, "per_device_batch_size=1"], num_slices=args.num_slices,
+            analytical_only=args.analytical_only)
+        if args.json:
+            print_json({**found.as_dict(), **({"at_batch_1": smallest.as_dict()} if smallest else {})})
+        else:
+            _print_max_batch(found, args.analytical_only, smallest)
+        return 0 if found.fits else 3
+    cmp = memory_fit.compare(args.topology, args.model, args.overrides, num_slices=args.num_slices,
+                             analytical_only=args.analytical_only, out=args.out, progress=say, force=args.force)
+    if args.json:
+        print_json(cmp.as_dict())
+    else:
+        _print_comparison(cmp)
+    return 0 if cmp.fits else 3
+
+
+_ANALYTICAL_ROWS = ("params", "optimizer", "gradients", "grad_accumulator", "activations", "saved_copy", "logits",
+                    "temporaries")
+_COMPILER_ROWS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes")
+
+
+def _host_total(compiler: dict | None) -> int | None:
+    """Pinned host memory per device in the compiler's figures (state offloaded between steps, offloaded
+    activations): arguments and outputs, donated ones once, and host temporaries; None where it gave none."""
+    if not compiler or "host_argument_bytes" not in compiler:
+        return None
+    return (compiler["host_argument_bytes"] + compiler["host_output_bytes"] - compiler["host_alias_bytes"]
+            + compiler["host_temp_bytes"])
+
+
+def _print_comparison(cmp) -> None:
+    p, a, c = cmp.plan, cmp.analytical, cmp.compiler
+    t = p.configs.train
+    print(f"{p.model.name} on {p.topology.name}" + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1
+                                                   else "")
+          + ", mesh " + (" x ".join(f"{k}={n}" for k, n in p.mesh.axes.items() if n > 1) or "1")
+          + f"; B={t.per_device_batch_size}" + (f" x A={t.grad_accum_steps} microbatches" if t.grad_accum_steps > 1
+                                                  else "") + f", L={t.seq_len}, remat {t.remat_policy.value}")
+    print(f"  {'analytical (perfmodel)':<28} {'GiB':>9}    {'compiler (XLA memory_analysis)':<30} {'GiB':>9}")
+    # the total is the state and the peak phase's parts: those are listed first and sum to it; the parts live only
+    # in the other phases of the step follow, in parentheses
+    peak, inside, outside = memory_parts.peak_parts(a.as_dict())
+    left = ([(name, getattr(a, name)) for name in inside if getattr(a, name) or name in _ANALYTICAL_ROWS]
+            + [("(only in other phases:)", None)]
+            + [(f"({name})", getattr(a, name)) for name in outside if getattr(a, name) or name in _ANALYTICAL_ROWS])
+    # aliased outputs are the donated arguments, counted once: subtracted, so that the column sums to its total
+    right = [("alias (subtracted)", -c[name]) if name == "alias_bytes" and c.get(name) is not None
+             else (name.removesuffix("_bytes"), c.get(name)) for name in _COMPILER_ROWS] if c else []
+    for i in range(max(len(left), len(right))):
+        ln, lv = left[i] if i < len(left) else ("", None)
+        rn, rv = right[i] if i < len(right) else ("", None)
+        print(f"  {ln:<28} {_gib(lv):>9}    {rn:<30} {_gib(rv):>9}")
+    total_c = c.get("per_device_total_bytes") if c else None
+    print(f"  {f'total ({peak} phase)':<28} {_gib(a.per_device_total_bytes):>9}    {'per-device total':<30} "
+          f"{_gib(total_c) if c else 'not compiled':>9}")
+    host_c = _host_total(c)
+    if a.host_bytes or host_c:
+        print(f"  {'pinned host memory':<28} {_gib(a.host_bytes):>9}    {'pinned host memory':<30} "
+              f"{_gib(host_c) if c else 'not compiled':>9}")
+    state, saved = dict(a.state_blocks), dict(a.activation_blocks)
+    if state.get("experts") or saved.get("experts"):  # a mixture of experts: where the state and activations sit
+        print("  by block (analytical)        state    saved activations")
+        for block in ("experts", "attention", "rest"):
+            print(f"    {block:<24} {_gib(state.get(block)):>9} {_gib(saved.get(block)):>9}")
+    if cmp.difference is not None:
+        print(f"  analytical vs compiler     {cmp.difference:+.1%}")
+    if c and c.get("compiler_message"):
+        print(f"  compiler: {c['compiler_message']}")
+    verdict = "fits" if cmp.fits else "DOES NOT FIT"
+    compiled = ("" if cmp.compile_seconds is None else "; from the compile cache" if cmp.cache_hit
+                else f"; compiled in {cmp.compile_seconds:.1f} s")
+    print(f"  verdict ({cmp.source}): {verdict} in {cmp.hbm_bytes / GIB:.2f} GiB per device, headroom "
+          f"{cmp.headroom_bytes / GIB:.2f} GiB{compiled}")
+    if cmp.out_dir is not None:
+        print(f"  artifact kept in {cmp.out_dir}")
+
+
+def _print_max_batch(found, analytical_only: bool, smallest=None) -> None:
+    if analytical_only:
+        print(f"largest per_device_batch_size that fits (analytical, no compile): {found.per_device_batch_size}")
+    else:
+        print(f"largest per_device_batch_size that fits: {found.per_device_batch_size} ({found.compiles} compiles; "
+              f"perfmodel's guess was {found.analytical_guess})")
+        for trial in found.trials:
+            print(f"  B={trial.per_device_batch_size:<6} {'fits' if trial.fits else 'does not fit':<13} "
+                  f"{_gib(trial.per_device_total_bytes):>9} GiB  ({trial.compile_seconds:.1f} s)")
+    if found.hit_limit:
+        print(f"  (the search stops at per_device_batch_size={found.per_device_batch_size})")
+    if found.best is not None:
+        _print_comparison(found.best)
+    if smallest is not None:
+        need, hbm = smallest.per_device_total_bytes, smallest.hbm_bytes
+        print(f"  nothing fits: per_device_batch_size=1 needs {need / GIB:.2f} GiB per device of {hbm / GIB:.2f} GiB "
+              f"({(need - hbm) / GIB:.2f} GiB over, {need / hbm:.2f}x); more chips, more fsdp sharding or "
+              "remat_policy=full need less per device")
+        _print_comparison(smallest)
+
+
+def _gib(value) -> str:
+    return "" if value is None else f"{value / GIB:.2f}"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("estimate-memory", help="analytical memory per device beside the compiler's, fit, max batch")
+    add_request_arguments(p, model_default=None)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.add_argument("--analytical-only", action="store_true", help="perfmodel's figures only, no compile")
+    p.add_argument("--max-batch", action="store_true",
+                   help="find the largest per_device_batch_size that fits, by compiles started at perfmodel's guess")
+    p.add_argument("--out", help="keep the compiled artifact here (with --max-batch: one per trial, DIR/batch-B); "
+                                 "default: a temporary directory, removed")
+    p.add_argument("--force", action="store_true",
+                   help="replace an earlier output of this command in --out even if it holds other files")
+    p.set_defaults(func=cmd_estimate_memory)
