@@ -10,8 +10,8 @@ analytical figure, and per group the median and worst absolute error. `--cache F
 in a JSON file keyed by the case, so that a second run after a change to perfmodel's formulas recompiles nothing
 (the compiler's figures depend on the step, not on perfmodel); delete the file to measure again; `--cached-only`
 reports the cached cases alone. `--error-json` writes the summary of every TPU case reported (median and worst
-absolute error, the 90th percentile of the signed underestimate) as maxperf/perfmodel/memory_error.json's entry for
-"tpu".
+absolute error, the 90th percentile of the signed underestimate) as maxperf/search/memory_error.json's entry for
+"tpu", from which `maxperf plan` takes its memory margin (maxperf.search.margin).
 
 The design. A full factorial of tensor parallelism (1, 2, 4, 8, 16) x per-device batch (1 to 32) x sequence length
 (2048, 4096, 8192) x 12 remat policies x 2 kernels is 2160 compiles; on a shared 2-core machine one TPU compile of
@@ -49,7 +49,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices; nothing runs here
 
-from maxperf.studies import memory_fit  # noqa: E402
+from maxperf.search import memory_fit  # noqa: E402
 
 GIB = 1 << 30
 DENSE = "llama2-7b"

@@ -1,16 +1,17 @@
 """`maxperf plan` against its targets: the analytical search's speed, and its winner against a brute-force grid.
 
-    .venv/bin/python bench/plan_search.py [--only NAME] [--compile] [--grid-workers N]
+    .venv/bin/python bench/plan_search.py [--only NAME] [--compile] [--no-grid]
 
 For each case it runs `maxperf plan --verify 0` as its own process (the whole process timed, its CPU seconds against
 the 5 s target, and its wall seconds, which on a shared machine also count the waits for a core), then estimates a
-brute-force grid with the same model through `maxperf.plan.plan()` and `perfmodel.estimate()` one point at a time,
-none of the search's shortcuts (`--no-grid` skips it): every mesh over data, fsdp, tensor and
-sequence (and expert for a mixture of experts) with fsdp_transpose 1, every remat policy, both attention kernels and
-every gradient accumulation that reaches the global batch, a point fitting when its memory with the plan's margin is
-within HBM. The plan's winner must be at least as good, predicted, as the grid's best. `--compile` then runs
-`maxperf plan --verify 1`, which compiles the best candidate for the virtual topology, and the next while the compiler
-says one does not fit (minutes per compile for llama3-70b on v5p-256), and prints what fit and its memory.
+brute-force grid with the same model through `maxperf.spec.request.resolve()` and `perfmodel.estimate()` one point at
+a time, none of the search's shortcuts (`--no-grid` skips it): every mesh over data, fsdp, tensor and sequence (and
+expert for a mixture of experts) with fsdp_transpose 1, every remat policy, both attention kernels and every gradient
+accumulation that reaches the global batch (where the case leaves the batch free, every per-device batch the plan
+searches, without accumulation), a point fitting when its memory with the plan's margin is within HBM. The plan's
+winner must be at least as good, predicted, as the grid's best. `--compile` then runs `maxperf plan --verify 1`,
+which compiles the best candidate for the virtual topology, and the next while the compiler says one does not fit
+(minutes per compile for llama3-70b on v5p-256), and prints what fit and its memory.
 """
 
 from __future__ import annotations
@@ -30,21 +31,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 GIB = 1 << 30
 SPEED_TARGET_S = 5.0
-# (name, model, topology, global batch tokens)
+# (name, model, topology, global batch tokens; None: the per-device batch searched)
 CASES = (
     ("llama2-7b", "llama2-7b", "v5p-32", 1 << 20),
     ("llama3-70b", "llama3-70b", "v5p-256", 4 << 20),
     ("mixtral-8x7b", "mixtral-8x7b", "v5p-64", 1 << 20),
+    ("llama3-70b-free-batch", "llama3-70b", "v5p-256", None),
 )
 
 
-def run_plan(model: str, topology: str, tokens: int, out: Path) -> tuple[dict, float, float]:
+def run_plan(model: str, topology: str, tokens: int | None, out: Path) -> tuple[dict, float, float]:
     """`maxperf plan --verify 0 --json` in a child process: its summary, wall seconds and CPU seconds."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
+    batch = [] if tokens is None else ["--global-batch", str(tokens)]
     proc = subprocess.run([sys.executable, "-m", "maxperf.cli", "plan", "--model", model, "--topology", topology,
-                           "--global-batch", str(tokens), "--verify", "0", "--json", "--out", str(out)],
-                          capture_output=True, text=True)
+                           *batch, "--verify", "0", "--json", "--out", str(out)], capture_output=True, text=True)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode not in (0, 3):
@@ -53,27 +55,32 @@ def run_plan(model: str, topology: str, tokens: int, out: Path) -> tuple[dict, f
     return json.loads(proc.stdout), wall, cpu
 
 
-def grid_best(model: str, topology: str, tokens: int, margin: float) -> tuple[dict | None, int, int]:
+def grid_best(model: str, topology: str, tokens: int | None, margin: float) -> tuple[dict | None, int, int]:
     """The brute-force grid's best point that fits with the margin: (point, points estimated, points refused by
     resolve() as invalid)."""
     from maxperf import perfmodel
+    from maxperf.search import candidates
     from maxperf.spec.errors import MaxperfError
     from maxperf.spec.request import resolve
-    from maxperf.studies import search
 
     base = resolve(topology, model, [])
     topo, m = base.topology, base.configs.model
-    rows = tokens // base.configs.train.seq_len
-    b = rows / topo.num_devices
+    devices = topo.num_devices
+    if tokens is None:  # the per-device batches the plan searches, no accumulation
+        batches = [(b, 1) for b in candidates.FREE_BATCHES if float(b * devices).is_integer()]
+    else:
+        rows = tokens // base.configs.train.seq_len
+        b = rows / devices
+        batches = [(b / a, a) for a in range(1, rows + 1) if rows % a == 0 and (not b.is_integer() or int(b) % a == 0)]
     axes = ("data", "fsdp", "tensor", "sequence") + (("expert",) if m.is_moe else ())
     best, estimated, refused = None, 0, 0
-    for sizes in search.factorizations(topo.devices_per_ici_domain, len(axes)):
+    for sizes in candidates.factorizations(topo.devices_per_ici_domain, len(axes)):
         mesh = dict(zip(axes, sizes))
-        for accum in [a for a in range(1, rows + 1) if rows % a == 0 and (not b.is_integer() or int(b) % a == 0)]:
-            for remat, kernel in itertools.product(search.REMAT_POLICIES, search.KERNELS):
+        for micro, accum in batches:
+            for remat, kernel in itertools.product(candidates.REMAT_POLICIES, candidates.KERNELS):
                 words = [f"ici_{a}={n}" for a, n in mesh.items()] + [
                     "ici_fsdp_transpose=1", f"remat_policy={remat}",
-                    f"attention={kernel}", f"per_device_batch_size={search._number(b / accum)}",
+                    f"attention={kernel}", f"per_device_batch_size={candidates.number(micro)}",
                     f"grad_accum_steps={accum}"]
                 try:
                     p = resolve(topology, model, words)
@@ -85,18 +92,18 @@ def grid_best(model: str, topology: str, tokens: int, margin: float) -> tuple[di
                 if est.memory_per_device_bytes * (1 + margin) > est.memory.hbm_bytes:
                     continue
                 if best is None or est.tokens_per_s > best["tokens_per_s"]:
-                    best = {"mesh": p.mesh.shown(), "remat": remat, "kernel": kernel, "A": accum,
+                    best = {"mesh": p.mesh.shown(), "remat": remat, "kernel": kernel, "B": micro, "A": accum,
                             "tokens_per_s": est.tokens_per_s, "memory_gib": est.memory_per_device_bytes / GIB}
     return best, estimated, refused
 
 
-def verify(model: str, topology: str, tokens: int, out: Path) -> str:
+def verify(model: str, topology: str, tokens: int | None, out: Path) -> str:
     """`maxperf plan --verify 1`: compiles the best candidate, and the next where the compiler says it does not fit,
     until one fits; says which fit, the compiler's memory and how many compiles it took."""
     start = time.perf_counter()
+    batch = [] if tokens is None else ["--global-batch", str(tokens)]
     proc = subprocess.run([sys.executable, "-m", "maxperf.cli", "plan", "--model", model, "--topology", topology,
-                           "--global-batch", str(tokens), "--verify", "1", "--json", "--out", str(out)],
-                          capture_output=True, text=True)
+                           *batch, "--verify", "1", "--json", "--out", str(out)], capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if proc.returncode not in (0, 3):
         return f"plan --verify 1 failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
@@ -129,7 +136,8 @@ def main() -> int:
             w = summary["winner"]
             fast = cpu < SPEED_TARGET_S
             ok &= fast
-            print(f"{name} on {topology}, {tokens:,} tokens: {n['enumerated']:,} candidates "
+            batch = "per-device batch searched" if tokens is None else f"{tokens:,} tokens"
+            print(f"{name} on {topology}, {batch}: {n['enumerated']:,} candidates "
                   f"({n['indivisible']:,} indivisible, {n['memory_estimated']:,} memory and {n['step_estimated']:,} "
                   f"step-time estimates), whole process {cpu:.2f} s CPU (target < {SPEED_TARGET_S:g} s: "
                   f"{'met' if fast else 'MISSED'}), {wall:.2f} s wall; search alone "
@@ -148,7 +156,8 @@ def main() -> int:
                 verdict = ("no grid point fits" if best is None else
                            "met" if w["tokens_per_s"] >= best["tokens_per_s"] * (1 - 1e-9) else "MISSED")
                 ok &= verdict != "MISSED"
-                shown = "" if best is None else (f"{best['mesh']}, {best['remat']}, {best['kernel']}, A={best['A']}: "
+                shown = "" if best is None else (f"{best['mesh']}, {best['remat']}, {best['kernel']}, "
+                                                 f"B={best['B']:g} A={best['A']}: "
                                                  f"{best['tokens_per_s']:,.0f} tokens/s, {best['memory_gib']:.2f} GiB")
                 print(f"  grid best ({estimated:,} points estimated, {refused:,} refused by resolve(), "
                       f"{time.perf_counter() - start:.0f} s): {shown}")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from maxperf.reports import render
-from maxperf.studies.sweep import sweep
+from maxperf.search.sweep import sweep
 
 SIZES = ["v5p-8", "v5p-16", "v5p-32", "v5p-64", "v5p-128", "v5p-256", "v5p-512", "v5p-1024"]
 
@@ -26,7 +26,8 @@ def main() -> None:
     for r in result.rows:
         print(f"  {r['topology']:<9} {r['status']:<13} compile {r.get('compile_seconds') or 0:5.1f} s  "
               f"compiler {((r.get('compiler_memory_bytes') or 0) / 2**30):6.2f} GiB  analytical "
-              f"{((r.get('analytical_memory_bytes') or 0) / 2**30):6.2f} GiB  predicted MFU {r.get('predicted_mfu') or 0:.1%}")
+              f"{((r.get('analytical_memory_bytes') or 0) / 2**30):6.2f} GiB  "
+              f"predicted MFU {r.get('predicted_mfu') or 0:.1%}")
     t = time.perf_counter()
     report = render([out], out / "scaling.html", command=["bench/sweep_llama2_7b.py", str(out)])
     print(f"report: {report.html_path} in {time.perf_counter() - t:.1f} s")

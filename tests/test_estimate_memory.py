@@ -1,4 +1,4 @@
-"""`maxperf estimate-memory` and maxperf.studies.memory_fit: the analytical side, the compiler beside it, the max-batch
+"""`maxperf estimate-memory` and maxperf.search.memory_fit: the analytical side, the compiler beside it, the max-batch
 search, and bad input as one-line errors."""
 
 import json
@@ -11,9 +11,9 @@ import pytest
 
 from maxperf.perfmodel import memory, working
 from maxperf.perfmodel.memory import MINIMAL_SAVED_COPIES
+from maxperf.search import memory_fit
+from maxperf.search.memory_fit import Trial, _next_batch
 from maxperf.spec.errors import MaxperfError
-from maxperf.studies import memory_fit
-from maxperf.studies.memory_fit import Trial, _next_batch
 
 TINY = ["seq_len=128", "per_device_batch_size=2"]  # TPU flash attention takes L in multiples of 128
 

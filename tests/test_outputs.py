@@ -166,7 +166,7 @@ def _users_table(path):
 
 
 def test_a_sweep_refuses_a_users_tables_and_a_compile_artifact_before_any_work(compiled, tmp_path):
-    from maxperf.studies.sweep import sweep
+    from maxperf.search.sweep import sweep
 
     said = []
     for out in (_users_table(tmp_path / "mine"), compiled):
@@ -215,7 +215,7 @@ def test_report_replaces_only_an_earlier_report(compiled, tmp_path):
 
 
 def test_a_second_writer_of_the_same_output_is_refused_at_once(compiled, tmp_path):
-    from maxperf.studies.sweep import sweep
+    from maxperf.search.sweep import sweep
 
     out = tmp_path / "art"
     with artifacts.OutputLock(out):  # another maxperf writing there
@@ -268,7 +268,7 @@ def test_a_signal_keeps_what_the_run_measured(compiled, tmp_path, signum):
 
 
 def test_an_interrupted_sweep_rewrites_its_tables_from_its_points(tmp_path):
-    from maxperf.studies.sweep import SweepInterrupted, sweep
+    from maxperf.search.sweep import SweepInterrupted, sweep
 
     out = tmp_path / "s"
     sweep("tiny", ["cpu-1", "cpu-2"], analytical_only=True, out=out, workers=1)

@@ -154,7 +154,7 @@ def test_warnings_reach_stderr_and_the_json(capsys):
 @pytest.mark.slow
 def test_compiler_holds_the_replicated_state_perfmodel_counts(tmp_path):
     """fsdp=8 does not divide D=516: the compiled step's arguments are the replicated state perfmodel counts."""
-    from maxperf.studies import memory_fit
+    from maxperf.search import memory_fit
 
     words = ["d_model=516", "head_dim=64", "d_ff=2048", "seq_len=128", "ici_fsdp=8"]
     cmp = memory_fit.compare("cpu-8", "tiny", words, out=tmp_path / "c")

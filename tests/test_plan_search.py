@@ -13,12 +13,14 @@ from maxperf import perfmodel
 from maxperf.cli import main
 from maxperf.reports.plan import pareto
 from maxperf.reports.render import render
+from maxperf.search import candidates, commands, margin, plan, verify
 from maxperf.spec import presets
+from maxperf.spec.logical_axes import MESH_AXES, undivided_axes
 from maxperf.spec.mesh import Mesh
+from maxperf.spec.params import param_arrays
 from maxperf.spec.request import Request, resolve
-from maxperf.studies import search
 
-TINY = search.PlanRequest("tiny", "cpu-8", per_device_batch=1, pins=("seq_len=64",))
+TINY = plan.PlanRequest("tiny", "cpu-8", per_device_batch=1, pins=("seq_len=64",))
 
 
 def run_main(capsys, *argv):
@@ -29,27 +31,71 @@ def run_main(capsys, *argv):
 
 @pytest.fixture(scope="module")
 def tiny():
-    return search.search(TINY)
+    return plan.search(TINY)
 
 
 def test_factorizations_are_every_ordered_split_once():
-    found = search.factorizations(8, 6)
+    found = candidates.factorizations(8, 6)
     assert len(found) == math.comb(3 + 5, 5)  # 2^3 over 6 axes: stars and bars
     assert len(set(found)) == len(found) and all(math.prod(f) == 8 for f in found)
 
 
-def test_enumeration_and_divisibility_counts_on_cpu_8(tiny):
-    # 56 meshes x 11 remat policies x 2 kernels x one batch; tiny has H=4, K=2, no experts: tensor must be 1 or 2
-    # and expert 1, which leaves 35 - 5 = 30 meshes (tensor=4: 4 ways, tensor=8: 1)
+def test_enumeration_counts_on_cpu_8(tiny):
+    # 56 meshes over 8 devices; tiny has H=4, K=2, no experts: tensor must be 1 or 2 and expert 1, which leaves
+    # 35 - 5 = 30 meshes (tensor=4: 4 ways, tensor=8: 1), each with 11 remat policies x 2 kernels x one batch; the
+    # 26 meshes that do not divide are never enumerated
     d = tiny.as_dict()["counts"]
-    assert d["enumerated"] == 56 * 11 * 2
-    assert len(tiny.candidates) == 30 * 22 and d["indivisible"] == 26 * 22
-    assert {p.reason.split("=")[0] for p in tiny.pruned} == {"expert", "tensor"}
+    assert d["enumerated"] == len(tiny.candidates) == 30 * 22 and d["indivisible"] == 0
     assert all(c.axes["tensor"] in (1, 2) and c.axes["expert"] == 1 for c in tiny.candidates)
 
 
+def _indivisible(model, seq_len: int, axes: dict[str, int], rows: int) -> bool:
+    """What the enumeration must never produce, checked on the whole mesh: an axis that does not divide E (1 for a
+    dense model), H and K, L, a microbatch's rows or any dimension of a weight or activation it shards."""
+    experts = model.num_experts if model.is_moe else 1
+    arrays = [(x.shape, x.logical) for x in param_arrays(model)] + [
+        ((model.num_heads,), ("activation_heads",)), ((model.num_kv_heads,), ("activation_kv_heads",)),
+        ((model.d_ff,), ("activation_mlp",)), ((model.vocab_size,), ("activation_vocab",))]
+    return bool(experts % axes["expert"] or model.num_heads % axes["tensor"] or model.num_kv_heads % axes["tensor"]
+                or seq_len % axes["sequence"] or rows % candidates.batch_axes(axes)
+                or any(undivided_axes(shape, logical, axes) for shape, logical in arrays))
+
+
+@pytest.mark.parametrize("model, topology, slices, batch, pins", [
+    ("tiny", "cpu-8", 1, None, ("seq_len=64",)),
+    ("tiny-moe", "cpu-8", 1, None, ("seq_len=64",)),
+    ("tiny-mla", "cpu-8", 1, None, ("seq_len=64",)),
+    ("tiny", "v5e-4", 2, 8 * 64, ("seq_len=64", "dcn_tensor=2")),
+    ("llama3-70b", "v5p-256", 1, None, ()),
+    ("mixtral-8x7b", "v5p-64", 1, 256 * 4096, ()),
+    ("deepseek-v2-lite", "v5p-16", 2, None, ()),
+])
+def test_the_enumeration_is_every_factorization_that_divides_and_no_other(model, topology, slices, batch, pins):
+    space = candidates.space(model, topology, num_slices=slices, pins=pins,
+                             global_batch_tokens=None if batch is None else batch)
+    topo, m, seq_len = space.topology, space.model, space.train.seq_len
+    devices = topo.num_devices
+    # every (ici, dcn) factorization in order, filtered afterwards by the whole-mesh rules
+    pinned_dcn = {a: 1 for a in MESH_AXES if a not in candidates.DCN_SEARCHED}
+    pinned_dcn |= {k.removeprefix("dcn_").split("=")[0]: int(k.split("=")[1]) for k in pins if k.startswith("dcn_")}
+    dcns = [d for d in candidates.factorizations(topo.ici_domains, len(MESH_AXES))
+            if all(d[MESH_AXES.index(a)] == n for a, n in pinned_dcn.items())]
+    expected = []
+    for ici in candidates.factorizations(topo.devices_per_ici_domain, len(MESH_AXES)):
+        for dcn in dcns:
+            axes = {a: i * d for a, i, d in zip(MESH_AXES, ici, dcn)}
+            pairs = [(b, a) for b, a in space.pairs if not _indivisible(m, seq_len, axes, round(b * devices))]
+            expected += [(ici, dcn, p) for p in pairs]
+    found = [(tuple(c.ici.values()), tuple(c.dcn.values()), (b, a)) for c in space.meshes for b, a in c.pairs]
+    assert found == expected and found
+    for c in space.candidates:  # and none of them is indivisible
+        assert not _indivisible(m, seq_len, c.axes, round(c.per_device_batch_size * devices))
+    if not m.is_moe:  # a dense model's expert axis is never anything but 1
+        assert {c.axes["expert"] for c in space.candidates} == {1}
+
+
 def test_pins_fix_what_they_name(tiny):
-    pinned = search.search(search.PlanRequest("tiny", "cpu-8", per_device_batch=1,
+    pinned = plan.search(plan.PlanRequest("tiny", "cpu-8", per_device_batch=1,
                                           pins=("seq_len=64", "ici_tensor_parallelism=2", "remat_policy=full")))
     assert pinned.candidates and all(c.ici["tensor"] == 2 and c.remat_policy == "full" for c in pinned.candidates)
     # with tensor=2 the other 4 devices spread over five axes, expert pruned: 4 x 2 ways... counted directly
@@ -59,8 +105,8 @@ def test_pins_fix_what_they_name(tiny):
 
 
 def test_the_winner_is_as_good_as_a_brute_force_grid_through_plan():
-    req = search.PlanRequest("tiny", "cpu-8", global_batch_tokens=16 * 64, pins=("seq_len=64", "attention=flash"))
-    result = search.search(req)
+    req = plan.PlanRequest("tiny", "cpu-8", global_batch_tokens=16 * 64, pins=("seq_len=64", "attention=flash"))
+    result = plan.search(req)
     best = None
     hbm, factor = result.hbm_bytes, 1 + result.margin.value
     for c in result.candidates:  # every candidate through resolve() and estimate(), no ordering shortcut
@@ -82,22 +128,22 @@ def test_the_margin_comes_from_measured_error(tmp_path):
     # over-estimate as large as kimi-k2's +48% needs no margin
     path.write_text(json.dumps({"tpu": {"median": 0.05, "worst": 0.48, "worst_underestimate": 0.21, "cases": 7},
                                 "cpu": {"median": 0.05, "worst": 0.3, "worst_underestimate": -0.02, "cases": 3}}))
-    tpu = search.load_margin("tpu", path)
+    tpu = margin.load_margin("tpu", path)
     assert tpu.value == pytest.approx(0.21) and "7 cases" in tpu.source and path.name in tpu.source
-    assert search.load_margin("cpu", path).value == 0.0
-    gpu = search.load_margin("gpu", path)
+    assert margin.load_margin("cpu", path).value == 0.0
+    gpu = margin.load_margin("gpu", path)
     assert gpu.value == pytest.approx(0.21) and "no gpu figure" in gpu.source
-    missing = search.load_margin("tpu", tmp_path / "absent.json")
-    assert missing.value == search.FALLBACK_MARGIN and "not found" in missing.source
+    missing = margin.load_margin("tpu", tmp_path / "absent.json")
+    assert missing.value == margin.FALLBACK_MARGIN and "not found" in missing.source
 
 
 def test_a_candidate_fits_only_with_the_margin_to_spare(tiny):
-    result = search.search(search.PlanRequest("tiny", "cpu-8", per_device_batch=1,
+    result = plan.search(plan.PlanRequest("tiny", "cpu-8", per_device_batch=1,
                                           pins=("seq_len=64", "remat_policy=none", "attention=dot_product")))
     memory = sorted(c.memory_bytes for c in result.candidates)
     # an HBM between the smallest and largest need, with the margin: those above it do not fit
     result.hbm_bytes = memory[len(memory) // 2] * (1 + result.margin.value)
-    search.rank(result)
+    plan.rank(result)
     factor = 1 + result.margin.value
     assert all(c.memory_bytes * factor <= result.hbm_bytes for c in result.fitting)
     missed = [c for c in result.candidates if c.status == "does not fit"]
@@ -105,15 +151,15 @@ def test_a_candidate_fits_only_with_the_margin_to_spare(tiny):
 
 
 def test_a_compiler_no_fit_drops_the_candidate_and_the_next_is_chosen(tiny):
-    result = search.search(TINY)
+    result = plan.search(TINY)
     first, second = result.fitting[:2]
     first.verified, first.compiler_memory_bytes = False, 2 * result.hbm_bytes
     second.verified, second.compiler_memory_bytes = True, 1e6
-    search.rank(result)
+    plan.rank(result)
     assert first.status == "does not fit" and first.reason.startswith("compiler:")
     assert result.winner is second and second.memory_shown_bytes() == 1e6
     second.verified, second.compile_error = False, "compile failed: ValueError: bad"
-    search.rank(result)
+    plan.rank(result)
     assert second.status == "compile failed" and result.candidates[-1] is second
     assert result.winner is result.fitting[0] and result.winner.verified is None
 
@@ -141,8 +187,7 @@ def test_plan_json_schema(capsys, tmp_path):
     doc = json.loads(Path(summary["plan_json"]).read_text())
     assert doc["schema"] == "maxperf.plan/2" and not list((tmp_path / "p").glob(".*partial"))
     n = doc["counts"]
-    assert n["indivisible"] + len(doc["candidates"]) == n["enumerated"]
-    assert sum(p["candidates"] for p in doc["pruned"]) == n["indivisible"]
+    assert n["indivisible"] == 0 and doc["pruned"] == [] and len(doc["candidates"]) == n["enumerated"]
     assert {c["status"] for c in doc["candidates"]} <= {"chosen", "slower", "does not fit", "compile failed"}
     chosen = doc["candidates"][doc["chosen"]]
     assert chosen["status"] == "chosen" and "--model tiny --topology cpu-8" in doc["command"]["maxperf"]
@@ -169,12 +214,12 @@ def test_the_scaled_family_is_maxtexts_global_parameter_scale():
 
 
 def test_plan_gives_maxtexts_model_or_says_there_is_none(capsys, tmp_path):
-    result = search.search(search.PlanRequest("scaled-8", "v5p-8", per_device_batch=1, pins=("seq_len=256",)))
+    result = plan.search(plan.PlanRequest("scaled-8", "v5p-8", per_device_batch=1, pins=("seq_len=256",)))
     words = result.command(result.winner)["maxtext"].split()
     assert "global_parameter_scale=8" in words and "max_target_length=256" in words
     assert not [w for w in words if w.startswith("model_name=")]
     # a pinned dim is not multiplied by MaxText's scale: scale 1, every dim given
-    pinned = search.search(search.PlanRequest("scaled-8", "v5p-8", per_device_batch=1, pins=("seq_len=256",
+    pinned = plan.search(plan.PlanRequest("scaled-8", "v5p-8", per_device_batch=1, pins=("seq_len=256",
                                                                                           "d_model=2048")))
     words = pinned.command(pinned.winner)["maxtext"].split()
     D, H, K, F, N, _, _ = _maxtext_at_scale(8)
@@ -191,26 +236,27 @@ def test_plan_gives_maxtexts_model_or_says_there_is_none(capsys, tmp_path):
 
 
 def test_maxtext_and_maxperf_spell_the_same_microbatch():
-    c = search.Candidate({"data": 1, "fsdp": 4, "fsdp_transpose": 1, "sequence": 2, "tensor": 1, "expert": 1},
-                         {a: 1 for a in search.MESH_AXES}, "full", "flash", 2, 4)
-    assert "per_device_batch_size=2" in c.maxtext_flags() and "gradient_accumulation_steps=4" in c.maxtext_flags()
-    assert "ici_context_parallelism=2" in c.maxtext_flags()
+    c = candidates.Candidate({"data": 1, "fsdp": 4, "fsdp_transpose": 1, "sequence": 2, "tensor": 1, "expert": 1},
+                         {a: 1 for a in MESH_AXES}, "full", "flash", 2, 4)
+    flags = commands.maxtext_flags(c)
+    assert "per_device_batch_size=2" in flags and "gradient_accumulation_steps=4" in flags
+    assert "ici_context_parallelism=2" in flags
     assert "per_device_batch_size=2" in c.overrides() and "grad_accum_steps=4" in c.overrides()
 
 
 def test_plan_splits_the_global_batch_into_microbatches_of_b():
     # 256 rows of L=64 on 8 devices: 32 examples per device per step, A microbatches of B = 32 / A
-    result = search.search(search.PlanRequest("tiny", "cpu-8", global_batch_tokens=256 * 64,
+    result = plan.search(plan.PlanRequest("tiny", "cpu-8", global_batch_tokens=256 * 64,
                                           pins=("seq_len=64", "grad_accum_steps=4", "remat_policy=full",
                                                 "attention=flash")))
     assert result.global_batch_rows == 256
     assert {(c.per_device_batch_size, c.grad_accum_steps) for c in result.candidates} == {(8, 4)}
     command = result.command(result.winner)
     assert "per_device_batch_size=8" in command["maxperf"].split() and "grad_accum_steps=4" in command["maxperf"]
-    assert "per_device_batch_size=8" in result.winner.maxtext_flags()
-    assert "gradient_accumulation_steps=4" in result.winner.maxtext_flags()
+    assert "per_device_batch_size=8" in commands.maxtext_flags(result.winner)
+    assert "gradient_accumulation_steps=4" in commands.maxtext_flags(result.winner)
     # a pinned B (MaxText's meaning) gives the A that reaches the global batch
-    pinned = search.search(search.PlanRequest("tiny", "cpu-8", global_batch_tokens=256 * 64,
+    pinned = plan.search(plan.PlanRequest("tiny", "cpu-8", global_batch_tokens=256 * 64,
                                           pins=("seq_len=64", "per_device_batch_size=4", "remat_policy=full",
                                                 "attention=flash")))
     assert {(c.per_device_batch_size, c.grad_accum_steps) for c in pinned.candidates} == {(4, 8)}
@@ -219,7 +265,7 @@ def test_plan_splits_the_global_batch_into_microbatches_of_b():
 
 
 def test_every_searched_accumulation_keeps_the_global_batch():
-    result = search.search(search.PlanRequest("tiny", "cpu-8", per_device_batch=4,
+    result = plan.search(plan.PlanRequest("tiny", "cpu-8", per_device_batch=4,
                                           pins=("seq_len=64", "remat_policy=full", "attention=flash")))
     pairs = {(c.per_device_batch_size, c.grad_accum_steps) for c in result.candidates}
     assert pairs == {(4, 1), (2, 2), (1, 4)}
@@ -273,12 +319,12 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path, argv, words):
 
 
 def test_a_compile_that_needs_more_than_predicted_raises_the_margin_and_searches_again():
-    result = search.search(TINY)
+    result = plan.search(TINY)
     first = result.fitting[0]
     first.verified, first.compiler_memory_bytes = False, first.memory_bytes * 3  # perfmodel 67% under
-    assert search._raise_margin(result, [first])
-    search._search_again(result, {first.overrides(): first}, None)
-    search.rank(result)
+    assert verify.raise_margin(result, [first])
+    verify.search_again(result, {first.overrides(): first}, None)
+    plan.rank(result)
     assert result.margin.value == pytest.approx(2.0) and "this plan's compile" in result.margin.source
     assert "margin raised from" in result.notes[0] and first in result.candidates and first.status == "does not fit"
     assert all(c.memory_bytes * 3 <= result.hbm_bytes for c in result.fitting)
@@ -286,12 +332,12 @@ def test_a_compile_that_needs_more_than_predicted_raises_the_margin_and_searches
 
 # A mid-sized case: llama2-7b over v5p-8's 4 chips, 8 rows of 4,096 tokens, A of 1, 2, 4 or 8: 1,386 candidates,
 # 990 after divisibility, all three of the search's shortcuts taken
-MID = search.PlanRequest("llama2-7b", "v5p-8", global_batch_tokens=8 * 4096)
+MID = plan.PlanRequest("llama2-7b", "v5p-8", global_batch_tokens=8 * 4096)
 
 
 @pytest.fixture(scope="module")
 def mid():
-    return search.search(MID)
+    return plan.search(MID)
 
 
 def _fresh_estimate(result, c):
@@ -314,7 +360,8 @@ def test_the_search_with_its_shortcuts_equals_an_exhaustive_one_on_a_mid_sized_c
     for c in mid.candidates:
         q = resolve(mid.topology_name, mid.model_name, list(c.overrides()))
         assert q.configs.train.grad_accum_steps == c.grad_accum_steps and q.mesh.ici == c.ici
-        exhaustive[c] = perfmodel.estimate(Request.of(p.topology, p.configs.model, q.configs.train, q.mesh.axes, q.mesh.dcn))
+        exhaustive[c] = perfmodel.estimate(Request.of(p.topology, p.configs.model, q.configs.train, q.mesh.axes,
+                                                      q.mesh.dcn))
     fitting = [c for c, est in exhaustive.items() if est.memory_per_device_bytes * factor <= hbm]
     best = max(fitting, key=lambda c: exhaustive[c].tokens_per_s)
     counts = mid.as_dict()["counts"]
@@ -324,6 +371,30 @@ def test_the_search_with_its_shortcuts_equals_an_exhaustive_one_on_a_mid_sized_c
         (best.mesh_shown(), best.remat_policy, best.attention, best.grad_accum_steps)
     assert {c for c in fitting if not c.skipped} == set(mid.fitting)  # unfit ones the search skipped do not fit
     for c in mid.fitting:  # what the search timed, it timed exactly as estimate() does
+        assert (c.step_time_s, c.memory_bytes) == (exhaustive[c].step_time_s, exhaustive[c].memory_per_device_bytes)
+
+
+def test_a_free_batch_search_equals_an_exhaustive_one():
+    # the per-device batch free (B from 0.25 to 32 on 4 chips of 16 GiB): every candidate estimated afresh, none
+    # skipped; the search times each configuration only at the largest B that fits it, and finds the same best
+    result = plan.search(plan.PlanRequest("qwen3-0.6b", "v5e-4", pins=("attention=flash",)))
+    hbm, factor = result.hbm_bytes, 1 + result.margin.value
+    exhaustive = {c: perfmodel.estimate(resolve("v5e-4", "qwen3-0.6b", list(c.overrides())))
+                  for c in result.candidates}
+    fits = {c for c, est in exhaustive.items() if est.memory_per_device_bytes * factor <= hbm}
+    counts = result.as_dict(rows=False)["counts"]
+    assert counts["smaller_batch"] and counts["keeps_more_than_unfit"] and not counts["more_accumulation"]
+    assert result.winner.tokens_per_s == max(exhaustive[c].tokens_per_s for c in fits)
+    larger = {(c.mesh_shown(), c.remat_policy, c.per_device_batch_size): c for c in result.candidates}
+    for c in result.candidates:
+        if c.skipped.startswith("B="):  # a larger B of the same configuration fits, and is at least as fast
+            top = larger[(c.mesh_shown(), c.remat_policy, float(c.skipped.split()[0][2:]))]
+            assert c in fits and top in fits
+            assert exhaustive[c].tokens_per_s <= exhaustive[top].tokens_per_s
+        elif c.unfit or c.status == "does not fit":
+            assert c not in fits
+    assert {c for c in fits if not c.skipped} == set(result.fitting)
+    for c in result.fitting:
         assert (c.step_time_s, c.memory_bytes) == (exhaustive[c].step_time_s, exhaustive[c].memory_per_device_bytes)
 
 
@@ -337,7 +408,8 @@ def test_perfmodel_caches_change_no_figure(mid):
     warm = []
     for c in sample:
         q = resolve(mid.topology_name, mid.model_name, list(c.overrides()))
-        warm.append(perfmodel.estimate(Request.of(q.topology, model, q.configs.train, q.mesh.axes, q.mesh.dcn)).as_dict())
+        request = Request.of(q.topology, model, q.configs.train, q.mesh.axes, q.mesh.dcn)
+        warm.append(perfmodel.estimate(request).as_dict())
     assert [_fresh_estimate(mid, c).as_dict() for c in sample] == warm
 
 

@@ -14,9 +14,9 @@ from maxperf import aot, perfmodel
 from maxperf.reports import memory as parts
 from maxperf.reports import render
 from maxperf.reports.page import fmt
+from maxperf.search.sweep import sweep
 from maxperf.spec.errors import DoesNotFit
 from maxperf.spec.request import resolve
-from maxperf.studies.sweep import sweep
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MIXED = ["v5p-8", "v5p-16", "v5e-16", "h100-8"]
@@ -123,7 +123,8 @@ def test_a_scaling_headline_opens_the_page(mixed_report):
 
 
 def test_phase_parts_add_up_as_perfmodel_adds_them():
-    for topology, overrides in (("v5p-8", ["remat_policy=minimal"]), ("v5p-8", ["grad_accum_steps=2", "per_device_batch_size=2"]),
+    for topology, overrides in (("v5p-8", ["remat_policy=minimal"]),
+                                ("v5p-8", ["grad_accum_steps=2", "per_device_batch_size=2"]),
                                 ("v5e-16", ["per_device_batch_size=4"])):
         p = resolve(topology, "llama2-7b", overrides)
         memory = perfmodel.estimate(p).memory.as_dict()

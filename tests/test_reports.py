@@ -14,8 +14,8 @@ from reports_browser import CHROMIUM, check_in_chromium
 from maxperf import aot
 from maxperf.aot.artifacts import ArtifactError
 from maxperf.reports import render
+from maxperf.search.sweep import sweep
 from maxperf.spec.errors import MaxperfError
-from maxperf.studies.sweep import sweep
 
 TOPOLOGIES = ["v5p-8", "v5p-16", "v5p-32", "v5p-64"]
 

@@ -1,7 +1,7 @@
 """`maxperf estimate-memory`: the analytical memory breakdown beside the compiler's figures, and the largest
 per-device batch that fits, found by few compiles.
 
-    from maxperf.studies import memory_fit
+    from maxperf.search import memory_fit
     cmp = memory_fit.compare("v5p-8", "llama2-7b", ["remat_policy=full"])
     cmp.analytical.per_device_total_bytes, cmp.compiler["per_device_total_bytes"], cmp.fits, cmp.difference
     best = memory_fit.max_batch("v5p-8", "llama2-7b", [])

@@ -113,7 +113,7 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
     start = time.perf_counter()
     try:
         p = planning.resolve(point.topology, model, point.overrides, num_slices=point.num_slices)
-        row["warnings"] = "; ".join(p.warnings)  # mesh axes that do not divide a dimension (plan.py)
+        row["warnings"] = "; ".join(p.warnings)  # mesh axes that do not divide a dimension (spec.request)
         est = perfmodel.estimate(p,
                                  calibration=calibration)
         row.update(chips=p.topology.chips, devices=p.topology.num_devices, platform=p.topology.platform,
@@ -255,8 +255,8 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
         try:
             if todo:
                 _remove_partials(out_dir, todo)
-                _run_points(model, todo, out_dir, analytical_only, calibration,
-                            workers or default_workers(len(todo)), say, start)
+                run_points(model, todo, out_dir, analytical_only=analytical_only, calibration=calibration,
+                           workers=workers or default_workers(len(todo)), progress=say, start=start)
         finally:  # interrupted or not, the tables say what points/ holds
             rows = _rows(out_dir, points, model, analytical_only, calibration)
             _write_tables(out_dir, rows, model, analytical_only, partial=len(rows) < len(points))
@@ -278,9 +278,14 @@ def _rows(out_dir: Path, points: Sequence[Point], model: str, analytical_only: b
     return rows
 
 
-def _run_points(model: str, todo: list[Point], out_dir: Path, analytical_only: bool,
-                calibration: StoredCalibration | None, workers: int, say: Callable[[str], None], start: float) -> None:
-    """Runs `todo` in `workers` processes; on SIGINT or SIGTERM kills them at once and raises SweepInterrupted."""
+def run_points(model: str, todo: list[Point], out_dir: Path, *, analytical_only: bool = False,
+               calibration: StoredCalibration | None = None, workers: int = 1,
+               progress: Callable[[str], None] | None = None, start: float | None = None) -> None:
+    """Runs `todo` in `workers` processes, each point writing out_dir/points/NAME/point.json (a sweep's points, and
+    `maxperf plan --verify`'s compiles); `start` is when the work began, for the time left said to `progress`. On
+    SIGINT or SIGTERM kills them at once and raises SweepInterrupted."""
+    say = progress or (lambda _: None)
+    start = time.perf_counter() if start is None else start
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_term = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     futures: dict[cf.Future, Point] = {}

@@ -1,0 +1,331 @@
+"""What `maxperf plan` searches: every candidate configuration of a request, each one divisible, before anything is
+estimated.
+
+A candidate is one mesh (ICI and DCN sizes of data, fsdp, fsdp_transpose, sequence, tensor, expert), one remat
+policy, one attention kernel, a per-device batch B and gradient accumulation A. Only meshes that divide what they must
+are enumerated: expert divides E (a dense model's expert axis is 1), tensor divides H and K, sequence divides L, each
+weight's and activation's sharded dimensions divide by their axes (a dimension the mesh does not divide would be
+replicated: `maxperf.spec.request` warns of it), and the batch axes divide a microbatch's rows. The axes are sized one
+at a time, and a size is kept only where the mesh so far (the axes not yet sized at 1) divides all of that: a
+dimension that a product of axis sizes does not divide, no multiple of that product divides, so a partial mesh that
+fails has no completion that passes (tests/test_plan_search.py checks the enumeration against every factorization
+filtered afterwards). A batch (B, A) is paired with a mesh only where the mesh's batch axes divide its rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from maxperf.spec import overrides as overrides_mod
+from maxperf.spec import presets
+from maxperf.spec import request as requests
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.logical_axes import MESH_AXES, undivided_axes
+from maxperf.spec.model import ModelConfig
+from maxperf.spec.params import param_arrays
+from maxperf.spec.remat import CHECKPOINT_NAMES, REMAT_SAVED, RematPolicy
+from maxperf.spec.topology import Topology
+from maxperf.spec.train import AttentionKernel, TrainConfig
+
+# The remat policies searched: every named policy of MaxText's (custom needs its per-tensor keys: pin it to use it).
+REMAT_POLICIES = tuple(p.value for p in RematPolicy if p is not RematPolicy.CUSTOM)
+# auto is flash on TPU and GPU (and the blockwise flash on CPU): the two distinct kernels.
+KERNELS = (AttentionKernel.FLASH.value, AttentionKernel.DOT_PRODUCT.value)
+# Without --global-batch or --per-device-batch: these B (fractions where B x devices is whole), no accumulation.
+FREE_BATCHES = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
+# What the search decides; a pin (key=value) fixes it. Names after MaxText's aliases are resolved.
+SEARCHED_KEYS = {*(f"ici_{a}" for a in MESH_AXES), *(f"dcn_{a}" for a in MESH_AXES), "remat_policy", "attention",
+                 "per_device_batch_size", "grad_accum_steps"}
+DCN_SEARCHED = ("data", "fsdp")  # the axes searched across slices (others only where pinned)
+# The policies that keep their tensors in host memory, and what each policy keeps in device memory (`none`: all)
+OFFLOADED = frozenset(p for p in REMAT_POLICIES if p != "none" and REMAT_SAVED[RematPolicy(p)][1])
+SAVED = {p: frozenset(CHECKPOINT_NAMES if p == "none" else REMAT_SAVED[RematPolicy(p)][0]) for p in REMAT_POLICIES}
+
+
+def number(x: float) -> str:
+    """B as a key=value word: 2, not 2.0; 0.125 as it is."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+@dataclass(eq=False, slots=True)  # compared by identity: thousands are sorted and looked up
+class Candidate:
+    ici: dict[str, int]
+    dcn: dict[str, int]
+    remat_policy: str
+    attention: str
+    per_device_batch_size: float  # B: one microbatch per device (MaxText's meaning)
+    grad_accum_steps: int  # A: microbatches per step
+    step_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    memory_bytes: float = 0.0  # perfmodel's, per device
+    bottleneck: str = ""
+    status: str = ""  # "chosen", "slower", "does not fit", "compile failed"
+    reason: str = ""
+    # set where the search needs no step time: a larger microbatch of the same configuration fits, or a policy
+    # keeping more does (why)
+    skipped: str = ""
+    # set where the search needs no memory figure: a policy keeping less does not fit at the same mesh and batch
+    unfit: str = ""
+    compiler_memory_bytes: float | None = None
+    verified: bool | None = None  # None: not compiled; True: the compiler says it fits; False: it does not
+    compile_seconds: float | None = None
+    artifact: str | None = None
+    compile_error: str = ""  # the compile failed (not for memory): why
+    shown: str = ""  # mesh_shown(), where the enumeration made it once for the mesh's candidates
+
+    @property
+    def axes(self) -> dict[str, int]:
+        return {a: self.ici[a] * self.dcn[a] for a in MESH_AXES}
+
+    def mesh_shown(self) -> str:
+        return self.shown or mesh_shown(self.ici, self.dcn)
+
+    def memory_shown_bytes(self) -> float:
+        """The compiler's figure where there was a compile, else perfmodel's."""
+        return self.compiler_memory_bytes if self.compiler_memory_bytes is not None else self.memory_bytes
+
+    def overrides(self) -> tuple[str, ...]:
+        """maxperf's key=value words for this candidate: the axes over 1 and ici_fsdp (whose default, -1, would fill
+        the slice), so the mesh resolves to exactly this one; the DCN axes left out are 1, dcn_data's -1 fills 1."""
+        return (*(f"ici_{a}={n}" for a, n in self.ici.items() if n > 1 or a == "fsdp"),
+                *(f"dcn_{a}={n}" for a, n in self.dcn.items() if n > 1),
+                f"remat_policy={self.remat_policy}", f"attention={self.attention}",
+                f"per_device_batch_size={number(self.per_device_batch_size)}",
+                f"grad_accum_steps={self.grad_accum_steps}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ici": self.ici, "dcn": self.dcn, "mesh": self.mesh_shown(), "remat_policy": self.remat_policy,
+                "attention": self.attention, "per_device_batch_size": self.per_device_batch_size,
+                "grad_accum_steps": self.grad_accum_steps, "step_time_s": self.step_time_s,
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "analytical_memory_bytes": self.memory_bytes,
+                "compiler_memory_bytes": self.compiler_memory_bytes, "bottleneck": self.bottleneck,
+                "status": self.status, "reason": self.reason, "verified": self.verified,
+                "compile_seconds": self.compile_seconds, "artifact": self.artifact}
+
+
+def mesh_shown(ici: dict[str, int], dcn: dict[str, int]) -> str:
+    """'fsdp=8 x tensor=4 | dcn data=2': the axes over 1."""
+    inside = " x ".join(f"{a}={n}" for a, n in ici.items() if n > 1) or "1"
+    across = " x ".join(f"{a}={n}" for a, n in dcn.items() if n > 1)
+    return inside + (f" | dcn {across}" if across else "")
+
+
+@dataclass(eq=False)
+class MeshChoice:
+    """One mesh of the search and its candidates, by (kernel, B, A, remat policy)."""
+
+    ici: dict[str, int]
+    dcn: dict[str, int]
+    pairs: list[tuple[float, int]]  # the (B, A) whose microbatch rows its batch axes divide
+    cells: dict[tuple[str, float, int, str], Candidate]
+
+
+@dataclass
+class Space:
+    """A request's candidates (in the order they are ranked by on ties: mesh, batch, remat policy, kernel)."""
+
+    topology: Topology
+    model: ModelConfig
+    train: TrainConfig  # the request's, before the searched keys
+    fixed: tuple[str, ...]  # pins that are not searched keys: every candidate has them
+    rows: int | None  # the global batch in rows, where it is fixed
+    pairs: list[tuple[float, int]]  # (B, A) searched, before a mesh's batch axes are asked to divide them
+    remats: list[str]
+    kernels: list[str]
+    meshes: list[MeshChoice]
+    candidates: list[Candidate]
+
+
+def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_tokens: int | None = None,
+          per_device_batch: float | None = None, pins: Sequence[str] = ()) -> Space:
+    """Every candidate of the request, each one divisible; a pin or batch that cannot be met is a MaxperfError."""
+    pinned, fixed = split_pins(presets.get(model_name), pins)
+    base = requests.resolve(topology, model_name, fixed, num_slices=num_slices)
+    topo, model, train = base.topology, base.configs.model, base.configs.train
+    devices = topo.num_devices
+    ici_pins = {a: int(pinned[f"ici_{a}"]) for a in MESH_AXES if f"ici_{a}" in pinned}
+    # across slices only data and fsdp, as MaxText advises (its dcn_*_parallelism notes); a pin may choose others
+    dcn_pins = {a: int(pinned[f"dcn_{a}"]) if f"dcn_{a}" in pinned else 1 for a in MESH_AXES
+                if a not in DCN_SEARCHED or f"dcn_{a}" in pinned}
+    check_pins(topo.devices_per_ici_domain, ici_pins, "ici")
+    check_pins(topo.ici_domains, dcn_pins, "dcn")
+    pairs, rows = batches(global_batch_tokens, per_device_batch, devices, train.seq_len, pinned)
+    remats = [pinned["remat_policy"]] if "remat_policy" in pinned else list(REMAT_POLICIES)
+    kernels = [pinned["attention"]] if "attention" in pinned else list(KERNELS)
+
+    divisible = Divisibility(model, train.seq_len, [round(b * devices) for b, _ in pairs])
+    meshes, candidates = [], []
+    for ici, dcn in meshes_that_divide(topo.devices_per_ici_domain, ici_pins, topo.ici_domains, dcn_pins, divisible):
+        split = batch_axes({a: ici[a] * dcn[a] for a in MESH_AXES})
+        mesh = MeshChoice(ici, dcn, [(b, a) for b, a in pairs if round(b * devices) % split == 0], {})
+        shown = mesh_shown(ici, dcn)
+        for (b, a) in mesh.pairs:
+            for remat in remats:
+                for kernel in kernels:
+                    c = mesh.cells[(kernel, b, a, remat)] = Candidate(ici, dcn, remat, kernel, b, a, shown=shown)
+                    candidates.append(c)
+        meshes.append(mesh)
+    return Space(topo, model, train, fixed, rows, pairs, remats, kernels, meshes, candidates)
+
+
+def batch_axes(axes: dict[str, int]) -> int:
+    """The mesh axes a microbatch's rows are split over (logical_axes' activation_batch)."""
+    return axes["data"] * axes["fsdp"] * axes["fsdp_transpose"] * axes["expert"]
+
+
+class Divisibility:
+    """Whether a mesh (or a partial one, the axes not yet sized at 1) splits all it must: experts, heads, sequence,
+    each weight's and activation's sharded dimensions, and the rows of at least one microbatch."""
+
+    def __init__(self, model: ModelConfig, seq_len: int, microbatch_rows: Sequence[int]):
+        self.experts = model.num_experts if model.is_moe else 1
+        self.heads, self.kv_heads, self.seq_len = model.num_heads, model.num_kv_heads, seq_len
+        self.rows = tuple(microbatch_rows)
+        self.arrays = [(x.shape, x.logical) for x in param_arrays(model)]
+        self.arrays += [((n,), (name,)) for n, name in (
+            (model.num_heads, "activation_heads"), (model.num_kv_heads, "activation_kv_heads"),
+            (model.d_ff, "activation_mlp"), (model.vocab_size, "activation_vocab"))]
+
+    def divides(self, axes: dict[str, int]) -> bool:
+        if self.experts % axes["expert"] or self.seq_len % axes["sequence"]:
+            return False
+        if self.heads % axes["tensor"] or self.kv_heads % axes["tensor"]:
+            return False
+        split = batch_axes(axes)
+        if all(rows % split for rows in self.rows):
+            return False
+        return not any(undivided_axes(shape, logical, axes) for shape, logical in self.arrays)
+
+
+def meshes_that_divide(per_domain: int, ici_pins: dict[str, int], domains: int, dcn_pins: dict[str, int],
+                       divisible: Divisibility) -> list[tuple[dict[str, int], dict[str, int]]]:
+    """(ici, dcn) sizes covering the domain's devices and the domains, every one divisible, in the order of
+    itertools.product(factorizations of the ICI, of the DCN): the ICI sizes first, each axis's divisors ascending."""
+    ones = dict.fromkeys(MESH_AXES, 1)
+    found = []
+    for dcn in _grow(domains, dcn_pins, lambda sizes: divisible.divides(sizes), ones):
+        dcn_sizes = dict(zip(MESH_AXES, dcn))
+        for ici in _grow(per_domain, ici_pins, lambda sizes: divisible.divides(
+                {a: sizes[a] * dcn_sizes[a] for a in MESH_AXES}), ones):
+            found.append((ici, dcn))
+    found.sort()
+    return [(dict(zip(MESH_AXES, ici)), dict(zip(MESH_AXES, dcn))) for ici, dcn in found]
+
+
+def _grow(total: int, pinned: dict[str, int], ok, ones: dict[str, int]) -> list[tuple[int, ...]]:
+    """The axes' sizes multiplying to `total`, the pinned ones fixed, sized in MESH_AXES order; a size is kept only
+    where `ok` holds for the mesh so far (the axes after it at 1)."""
+    free = [a for a in MESH_AXES if a not in pinned]
+    out = []
+
+    def grow(i: int, sizes: dict[str, int], left: int) -> None:
+        if i == len(MESH_AXES):
+            if left == 1:
+                out.append(tuple(sizes.values()))
+            return
+        axis = MESH_AXES[i]
+        later = math.prod(pinned.get(a, 1) for a in MESH_AXES[i + 1:])
+        if axis in pinned:
+            options = [pinned[axis]] if left % pinned[axis] == 0 else []
+        elif axis == free[-1]:  # the last free axis takes what is left
+            options = [left // later] if left % later == 0 else []
+        else:
+            options = [d for d in divisors(left) if (left // d) % later == 0]
+        for n in options:
+            sizes[axis] = n
+            if ok(sizes):
+                grow(i + 1, sizes, left // n)
+        sizes[axis] = 1
+
+    grow(0, dict(ones), total)
+    return out
+
+
+def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
+    """Every ordered k-tuple of positive integers whose product is n."""
+    if k == 1:
+        return [(n,)]
+    return [(d, *rest) for d in divisors(n) for rest in factorizations(n // d, k - 1)]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_pins(total: int, pinned: dict[str, int], what: str) -> None:
+    """Pinned sizes of one side (ici or dcn) that cannot cover its `total` devices or slices: one line saying why."""
+    fixed = math.prod(pinned.values())
+    room = f"{total} devices of each slice" if what == "ici" else f"{total} slice{'s' if total > 1 else ''}"
+    if total % fixed:
+        shown = " x ".join(f"{what}_{a}={n}" for a, n in pinned.items() if n > 1)
+        raise MaxperfError(f"the pinned {shown} multiply to {fixed}, which does not divide the {room}")
+    if len(pinned) == len(MESH_AXES) and fixed != total:
+        raise MaxperfError(f"the pinned {what}_* axes multiply to {fixed}, not the {room} they must cover")
+
+
+def split_pins(model: ModelConfig, pins: Sequence[str]) -> tuple[dict[str, str], tuple[str, ...]]:
+    """Pins of searched keys (by canonical name) and the other key=value words; every word validated first."""
+    overrides_mod.apply(model, list(pins))  # an unknown key or a bad value: one line naming what is valid
+    searched: dict[str, str] = {}
+    fixed = []
+    for word in pins:
+        key, _, value = word.partition("=")
+        name = overrides_mod.ALIASES.get(key, key)
+        if name in SEARCHED_KEYS:
+            if name in ("remat_policy", "attention"):  # its canonical value (MaxText's `autoselected` is auto)
+                value = getattr(overrides_mod.apply(model, [f"{name}={value}"]).train, name).value
+            if not (name.startswith(("ici_", "dcn_")) and value.strip() == "-1"):  # -1: left to the search
+                searched[name] = value
+        else:
+            fixed.append(word)
+    return searched, tuple(fixed)
+
+
+def _whole(x: float) -> float:
+    return int(x) if float(x).is_integer() else x
+
+
+def batches(global_batch_tokens: int | None, per_device_batch: float | None, devices: int, seq_len: int,
+            pinned: dict[str, str]) -> tuple[list[tuple[float, int]], int | None]:
+    """(B, A) pairs to search, B one microbatch per device (per_device_batch_size) and A the microbatches, and the
+    global batch in rows where it is fixed (--global-batch, or --per-device-batch: B x A per device)."""
+    pinned_b = _whole(float(pinned["per_device_batch_size"])) if "per_device_batch_size" in pinned else None
+    pinned_a = int(pinned["grad_accum_steps"]) if "grad_accum_steps" in pinned else None
+    if global_batch_tokens is not None:
+        tokens = global_batch_tokens
+        if tokens < 1 or tokens % seq_len:
+            raise MaxperfError(f"--global-batch {tokens} tokens is not reachable: it must be a positive multiple "
+                               f"of the sequence length L={seq_len} (e.g. {max(1, round(tokens / seq_len)) * seq_len})")
+        rows = tokens // seq_len
+        fixed = f"--global-batch {tokens} ({rows} rows over {devices} devices)"
+    elif per_device_batch is not None:
+        s = per_device_batch
+        if s <= 0 or not float(s * devices).is_integer():
+            raise MaxperfError(f"per-device batch {number(s)} over {devices} devices gives {s * devices:g} rows, "
+                               "which must be a positive whole number")
+        rows = int(s * devices)
+        fixed = f"--per-device-batch {number(s)} ({rows} rows over {devices} devices)"
+    else:
+        rows = None
+    if rows is None:  # the step's batch free: no accumulation unless pinned (a smaller B does the same, faster)
+        bs = [pinned_b] if pinned_b is not None else [b for b in FREE_BATCHES if float(b * devices).is_integer()]
+        return [(b, pinned_a or 1) for b in bs], None
+    s = _whole(rows / devices)  # examples per device per step: B x A
+    if pinned_b is not None:
+        a = rows / (pinned_b * devices)
+        if not a.is_integer() or (pinned_a is not None and pinned_a != a):
+            steps = f" x grad_accum_steps={pinned_a}" if pinned_a is not None else ""
+            raise MaxperfError(f"per_device_batch_size={number(pinned_b)}{steps} contradicts {fixed}: B x A must be "
+                               f"{number(s)} per device (per_device_batch_size={number(s)} grad_accum_steps=1, "
+                               "or a divisor of it with its A)")
+        return [(pinned_b, int(a))], rows
+    # A microbatches of the step's batch, each a whole number of rows, and of rows per device where B x A is whole
+    valid = [a for a in divisors(rows) if not float(s).is_integer() or int(s) % a == 0]
+    if pinned_a is not None and pinned_a not in valid:
+        raise MaxperfError(f"grad_accum_steps={pinned_a} does not divide the per-device batch per step {number(s)} "
+                           f"({fixed}); valid: {', '.join(map(str, valid))}")
+    return [(_whole(s / a), a) for a in ([pinned_a] if pinned_a is not None else valid)], rows

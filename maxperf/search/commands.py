@@ -1,0 +1,56 @@
+"""A plan's candidate as command lines: maxperf's `compile` and MaxText's train_compile (plan.json's `command`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from maxperf.search.candidates import Candidate, number
+from maxperf.spec import overrides as overrides_mod
+from maxperf.spec import presets
+
+_MAXTEXT_NAMES = {v: k for k, v in overrides_mod.ALIASES.items() if not k.startswith(("ici_", "dcn_"))}
+
+
+def maxtext_flags(c: Candidate) -> tuple[str, ...]:
+    """The candidate's words in MaxText's spellings: per_device_batch_size (one microbatch, in both), its
+    gradient_accumulation_steps the microbatches (A); mesh axes as *_parallelism, sequence as context."""
+    words = []
+    for prefix, sizes in (("ici", c.ici), ("dcn", c.dcn)):
+        for a, n in sizes.items():
+            if n > 1 or (prefix == "ici" and a == "fsdp"):  # MaxText's ici_fsdp defaults to -1: always say it
+                words.append(f"{prefix}_{'context' if a == 'sequence' else a}_parallelism={n}")
+    words += [f"remat_policy={c.remat_policy}", f"attention={c.attention}",
+              f"per_device_batch_size={number(c.per_device_batch_size)}"]
+    if c.grad_accum_steps > 1:
+        words.append(f"gradient_accumulation_steps={c.grad_accum_steps}")
+    return tuple(words)
+
+
+def command(c: Candidate, *, model: str, topology: str, platform: str, num_slices: int, seq_len: int,
+            fixed: Sequence[str]) -> dict[str, str | None]:
+    """`c` as a maxperf compile command line and as MaxText's (None, with `maxtext_note` saying why, where MaxText
+    has no config of the model)."""
+    slices = f" --num-slices {num_slices}" if num_slices > 1 else ""
+    pins = "".join(f" {w}" for w in fixed)
+    out = {"maxperf": f"maxperf compile --model {model} --topology {topology}{slices}{pins} " + " ".join(c.overrides())}
+    pinned = {overrides_mod.ALIASES.get(k, k) for k in (w.partition("=")[0] for w in fixed)}
+    maxtext_model = presets.maxtext_model(model, pinned)
+    if maxtext_model is None:
+        return out | {"maxtext": None, "maxtext_note": f"no equivalent: MaxText has no config of {model}"}
+    maxtext_fixed = "".join(f" {w}" for w in _maxtext_fixed(fixed))
+    flags = f"max_target_length={seq_len}{maxtext_fixed} " + " ".join(maxtext_flags(c))
+    # MaxText's train_compile names TPU topologies as maxperf does; elsewhere its flags alone
+    start = (f"python3 -m maxtext.train_compile maxtext/configs/base.yml {' '.join(maxtext_model)} "
+             f"compile_topology={topology} compile_topology_num_slices={num_slices} "
+             if platform == "tpu" else f"{' '.join(maxtext_model)} ")
+    return out | {"maxtext": start + flags}
+
+
+def _maxtext_fixed(words: Sequence[str]) -> list[str]:
+    out = []
+    for w in words:
+        key, _, value = w.partition("=")
+        if key in ("seq_len", "max_target_length"):
+            continue  # said as max_target_length already
+        out.append(f"{_MAXTEXT_NAMES.get(key, key)}={value}")
+    return out

@@ -1,0 +1,60 @@
+"""The memory a plan's candidate must leave free: perfmodel's measured error against the compiler.
+
+memory_error.json beside this module holds, per platform, how far perfmodel's per-device memory fell from XLA's over
+a benchmark grid (bench/memory_accuracy.py --error-json writes it); a candidate fits when its analytical memory x
+(1 + margin) is within the device's memory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MEMORY_ERROR_PATH = Path(__file__).resolve().with_name("memory_error.json")
+# Where memory_error.json has no figure at all: the worst of three cases of `bench/memory_accuracy.py --only v5p-8`
+# measured here (qwen3-0.6b remat full: analytical 3.20 GiB, compiler 3.55 GiB, -9.9%; minimal -7.2%; gemma-2b full
+# +1.5%; B=1, L=2048, libtpu compile-only).
+FALLBACK_MARGIN = 0.109  # 3.55 / 3.20 - 1
+FALLBACK_SOURCE = "the largest underestimate of bench/memory_accuracy.py --only v5p-8 measured here (3 cases)"
+
+
+@dataclass(frozen=True)
+class Margin:
+    """Memory a candidate must leave free: it fits when analytical x (1 + value) <= HBM."""
+
+    value: float
+    source: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "source": self.source}
+
+
+def load_margin(platform: str, path: Path = MEMORY_ERROR_PATH) -> Margin:
+    """The largest measured underestimate of memory (compiler / analytical - 1) for `platform` from
+    memory_error.json ({platform: {"worst_underestimate": x, "median": y, "cases": n, ...}}); a platform it does not
+    name takes the largest of those it does; no file, the fallback figure. Each Margin says where its figure came
+    from."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return Margin(FALLBACK_MARGIN, f"{FALLBACK_SOURCE} ({path.name} not found)")
+    except (OSError, ValueError) as e:
+        return Margin(FALLBACK_MARGIN, f"{FALLBACK_SOURCE} ({path.name} unreadable: {type(e).__name__})")
+    rows = {name: row for name, row in data.items() if isinstance(row, dict)
+            and isinstance(row.get("worst_underestimate"), (int, float))} if isinstance(data, dict) else {}
+
+    def need(row: dict) -> float:  # an over-estimate needs no margin
+        return max(float(row["worst_underestimate"]), 0.0)
+
+    if platform in rows:
+        row = rows[platform]
+        return Margin(need(row), f"the largest measured {platform} underestimate of memory (compiler over analytical) "
+                      f"in {path.name} ({row.get('cases', '?')} cases, median |error| "
+                      f"{abs(float(row.get('median', 0))):.1%})")
+    if rows:
+        name = max(rows, key=lambda n: need(rows[n]))
+        return Margin(need(rows[name]), f"the largest measured underestimate of memory in {path.name}, on {name} "
+                      f"({path.name} has no {platform} figure)")
+    return Margin(FALLBACK_MARGIN, f"{FALLBACK_SOURCE} ({path.name} names no platform's underestimate)")

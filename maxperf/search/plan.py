@@ -1,0 +1,355 @@
+"""`maxperf plan`: the fastest configuration that fits, found analytically (maxperf.search.verify proves the best by
+the compiler).
+
+    from maxperf.search import plan, verify
+    req = plan.PlanRequest("llama3-70b", "v5p-256", global_batch_tokens=4 << 20)
+    result = plan.search(req)                  # every candidate estimated or ruled out, and ranked; nothing compiled
+    result = verify.verify(result, k=3, out="artifacts/plan")   # the best K compiled in worker processes
+    result.winner, result.as_dict()            # plan.json
+
+The candidates (maxperf.search.candidates) are estimated by perfmodel (no jax) and ranked by the objective among
+those that fit with a safety margin taken from measured analytical-versus-compiler memory error (search.margin).
+
+Orderings spare estimates without changing the answer (perfmodel's figures obey each; checked as said, no exception):
+- memory, by remat policy: a policy that keeps on the device all that another keeps needs at least as much memory
+  (18,150 pairs over llama3-70b, mixtral-8x7b and llama2-7b meshes), so once a policy does not fit, those keeping more
+  are not estimated;
+- step time, by remat policy: of two policies that fit, the one keeping more recomputes less and is at least as fast
+  (4,224 pairs over five presets and TPU and CPU meshes), so only the fitting policies no other fitting one keeps more
+  than are timed;
+- step time, by microbatch: a configuration's larger microbatch, where it fits, is at least as fast per token. With
+  the global batch fixed, its smaller accumulation A does fewer weight gathers per step (720 successive pairs of A
+  over the same presets); with the batch free, each step does the same weight gathers for more tokens (26,328
+  successive pairs of B at A=1 over 13 presets in 14 cases: dense, MoE and MLA, TPU, GPU and CPU meshes, two slices;
+  300 random configurations each). So each configuration is estimated from its largest microbatch down, and none
+  below the first that fits;
+- memory, by microbatch, with the batch free: memory grows with B (the same 26,328 pairs), so a policy no other keeps
+  less than is estimated at the smallest B first, and where it does not fit there, at no B.
+plan.json counts each (more_accumulation, smaller_batch, keeps_less_than_fitting, keeps_more_than_unfit,
+unfit_at_smallest_batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from maxperf import perfmodel
+from maxperf.perfmodel import MemoryBreakdown
+from maxperf.perfmodel.estimate import device_for
+from maxperf.perfmodel.flops import resolve_attention
+from maxperf.search import commands
+from maxperf.search.candidates import OFFLOADED, SAVED, Candidate, MeshChoice, Space, number, space
+from maxperf.search.margin import Margin, load_margin
+from maxperf.spec.configs import Configs
+from maxperf.spec.errors import MaxperfError, closest
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.parallelism import ParallelismConfig
+from maxperf.spec.remat import RematPolicy
+from maxperf.spec.request import Request
+from maxperf.spec.train import AttentionKernel, TrainConfig
+from maxperf.user_cache import calibration_for
+
+SCHEMA = "maxperf.plan/2"  # 2: per_device_batch_size is one microbatch, as in MaxText
+GIB = 1 << 30
+OBJECTIVES = ("tokens_per_s", "mfu")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: str
+    topology: str
+    num_slices: int = 1
+    global_batch_tokens: int | None = None
+    per_device_batch: float | None = None
+    objective: str = "tokens_per_s"
+    pins: tuple[str, ...] = ()
+
+
+@dataclass
+class SearchResult:
+    request: PlanRequest
+    model_name: str
+    topology_name: str
+    platform: str
+    devices: int
+    chips: int
+    seq_len: int
+    global_batch_rows: int | None
+    hbm_bytes: float
+    margin: Margin
+    fixed: tuple[str, ...]  # pins that are not searched keys: every candidate has them
+    candidates: list[Candidate]  # ranked: fitting ones by objective first, then those that do not fit
+    search_seconds: float
+    verify_seconds: float = 0.0
+    compiles: int = 0
+    notes: list[str] = field(default_factory=list)
+    closest_miss: dict[str, Any] | None = None
+
+    @property
+    def fitting(self) -> list[Candidate]:
+        """The candidates that fit and were ranked by their step time (best first)."""
+        return [c for c in self.candidates if c.status in ("chosen", "slower") and not c.skipped]
+
+    @property
+    def winner(self) -> Candidate | None:
+        return next((c for c in self.candidates if c.status == "chosen"), None)
+
+    def command(self, c: Candidate) -> dict[str, str | None]:
+        """`c` as a maxperf compile command line and as MaxText's (maxperf.search.commands)."""
+        return commands.command(c, model=self.model_name, topology=self.topology_name, platform=self.platform,
+                                num_slices=self.request.num_slices, seq_len=self.seq_len, fixed=self.fixed)
+
+    def as_dict(self, rows: bool = True) -> dict[str, Any]:
+        """plan.json; `rows` False leaves out its candidates (a summary's header, built fast)."""
+        r = self.request
+        winner = self.winner
+        statuses = [c.status for c in self.candidates]
+        return {
+            "schema": SCHEMA, "model": self.model_name, "topology": self.topology_name, "num_slices": r.num_slices,
+            "platform": self.platform, "devices": self.devices, "chips": self.chips, "objective": r.objective,
+            "global_batch_tokens": r.global_batch_tokens, "per_device_batch": r.per_device_batch,
+            "global_batch_rows": self.global_batch_rows, "seq_len": self.seq_len, "pins": list(r.pins),
+            "fixed_overrides": list(self.fixed), "hbm_bytes": self.hbm_bytes, "margin": self.margin.as_dict(),
+            # every candidate enumerated divides the model and the batch (maxperf.search.candidates): none indivisible
+            "counts": {"enumerated": len(self.candidates), "indivisible": 0,
+                       "memory_estimated": sum(c.memory_bytes > 0 for c in self.candidates),
+                       "step_estimated": sum(c.step_time_s > 0 for c in self.candidates),
+                       "fit": len(self.fitting),
+                       "more_accumulation": sum(c.skipped.startswith("A=") for c in self.candidates),
+                       "smaller_batch": sum(c.skipped.startswith("B=") for c in self.candidates),
+                       "keeps_less_than_fitting": sum(c.skipped.startswith("remat") for c in self.candidates),
+                       "keeps_more_than_unfit": sum(c.unfit.startswith("keeps") for c in self.candidates),
+                       "unfit_at_smallest_batch": sum(c.unfit.startswith("does not fit") for c in self.candidates),
+                       "does_not_fit": statuses.count("does not fit"), "compiled": self.compiles},
+            "search_seconds": self.search_seconds, "verify_seconds": self.verify_seconds,
+            "chosen": None if winner is None else self.candidates.index(winner),
+            "command": None if winner is None else self.command(winner),
+            "closest_miss": self.closest_miss, "notes": self.notes,
+        } | ({"candidates": [c.as_dict() for c in self.candidates], "pruned": []} if rows else {})
+
+
+def search(req: PlanRequest, progress: Callable[[str], None] | None = None, margin: Margin | None = None
+           ) -> SearchResult:
+    """Enumerates, estimates and ranks every candidate; compiles nothing. `margin`: instead of the measured one
+    (load_margin), as verification raises it."""
+    start = time.perf_counter()
+    say = progress or (lambda _: None)
+    if req.objective not in OBJECTIVES:
+        hits = closest(req.objective, OBJECTIVES)
+        raise MaxperfError(f"--objective {req.objective} is not valid; "
+                           f"{'did you mean ' + hits[0] + '? ' if hits else ''}valid: {', '.join(OBJECTIVES)}")
+    if req.global_batch_tokens is not None and req.per_device_batch is not None:
+        raise MaxperfError("give --global-batch or --per-device-batch, not both")
+    found = space(req.model, req.topology, num_slices=req.num_slices, global_batch_tokens=req.global_batch_tokens,
+                  per_device_batch=req.per_device_batch, pins=req.pins)
+    topo, model, train0 = found.topology, found.model, found.train
+    calibration = calibration_for(topo)
+    margin = margin or load_margin(topo.platform)
+    say(f"{len(found.candidates)} candidates over {len(found.meshes)} meshes that divide the model and the batch")
+
+    estimator = _Estimator(found, device_for(topo, calibration), calibration, margin)
+    for choice in found.meshes:
+        estimator.mesh(choice)
+    result = SearchResult(req, model.name, topo.name, topo.platform, topo.num_devices, topo.chips, train0.seq_len,
+                          found.rows, estimator.hbm, margin, found.fixed, found.candidates, 0.0)
+    rank(result)
+    if not result.fitting and result.candidates:
+        result.closest_miss = closest_miss(result, model, estimator.trains, topo, calibration)
+    result.search_seconds = time.perf_counter() - start
+    return result
+
+
+class _Estimator:
+    """perfmodel's figures for a search's candidates, but for those the orderings (module docstring) rule out."""
+
+    def __init__(self, found: Space, chip, calibration, margin: Margin):
+        self.found, self.chip, self.calibration = found, chip, calibration
+        self.hbm, self.factor = chip.hbm_bytes, 1 + margin.value
+        self.trains: dict[tuple, TrainConfig] = {}  # by (remat, kernel, B, A)
+        self.resolved: dict[tuple, TrainConfig] = {}  # the same with the attention kernel resolved for the chip
+        # the remat policies, least kept first, offloads last
+        self.order = sorted(found.remats, key=lambda r: (r in OFFLOADED, len(SAVED[r])))
+        self.heads = [r for r in self.order if r in OFFLOADED or not any(
+            q not in OFFLOADED and SAVED[q] < SAVED[r] for q in found.remats)]
+
+    def mesh(self, choice: MeshChoice) -> None:
+        """Estimates the candidates of one mesh, each kernel's from the largest microbatch down (the smallest A of a
+        fixed global batch, the largest B of a free one): a policy is estimated at no batch below the first it fits
+        at, nor where one keeping less does not fit; of those that fit at a batch, only those no other fitting
+        policy keeps more than are timed."""
+        found = self.found
+        mesh = Mesh.of({a: choice.ici[a] * choice.dcn[a] for a in choice.ici}, choice.dcn).check(found.topology)
+        parallelism = ParallelismConfig(**{f"ici_{a}": n for a, n in mesh.ici.items()},
+                                        **{f"dcn_{a}": n for a, n in mesh.dcn.items()})
+        pairs = sorted(choice.pairs, key=lambda p: -p[0])
+        smaller = ("more accumulation only repeats the weight gathers per microbatch" if found.rows else
+                   "a smaller per-device batch does the same weight gathers for fewer tokens")
+        # with A the same at every batch (the batch free), memory grows with B: the policies no other keeps less
+        # than are estimated at the smallest B first, and one that does not fit there fits at no batch
+        probe = len(pairs) > 1 and len({a for _, a in pairs}) == 1
+        for kernel in found.kernels:
+            probed: dict[Candidate, MemoryBreakdown] = {}
+            nowhere: dict[str, str] = {}  # policy -> why it fits at no batch
+            for remat in self.heads if probe else ():
+                c = choice.cells[(kernel, *pairs[-1], remat)]
+                probed[c] = self.memory(c, mesh)
+                if c.memory_bytes * self.factor > self.hbm:
+                    nowhere[remat] = f"does not fit at {self.batch(*pairs[-1])}, its smallest microbatch"
+            fitted_at: dict[str, str] = {}  # remat policy -> the largest microbatch it fits at ("A=2", "B=4")
+            for b, a in pairs:
+                # policies keeping only device memory that do not fit at this batch
+                unfit: list[str] = [q for q in nowhere if q not in OFFLOADED]
+                fit: dict[str, tuple[Candidate, MemoryBreakdown]] = {}
+                for remat in self.order:
+                    c = choice.cells[(kernel, b, a, remat)]
+                    if remat in fitted_at:
+                        c.skipped = f"{fitted_at[remat]} already fits; {smaller}"
+                        continue
+                    if c in probed:
+                        memory = probed.pop(c)
+                    elif remat in nowhere:
+                        c.unfit = nowhere[remat]
+                        continue
+                    elif (less := None if remat in OFFLOADED else
+                          next((q for q in unfit if SAVED[q] <= SAVED[remat]), None)) is not None:
+                        # keeps all that `less` keeps, which does not fit: needs at least as much
+                        c.unfit = f"keeps all that remat_policy={less} keeps, which does not fit"
+                        continue
+                    else:
+                        memory = self.memory(c, mesh)
+                    if c.memory_bytes * self.factor > self.hbm:
+                        if remat not in OFFLOADED and remat not in unfit:
+                            unfit.append(remat)
+                        continue  # does not fit: its step time is never needed
+                    fit[remat] = (c, memory)
+                    fitted_at[remat] = self.batch(b, a)
+                for remat, (c, memory) in fit.items():
+                    more = None if remat in OFFLOADED else next(
+                        (q for q in fit if q not in OFFLOADED and SAVED[q] > SAVED[remat]), None)
+                    if more is not None:  # recomputes all that `more` recomputes, and more
+                        c.skipped = f"remat_policy={more} keeps more and fits: less recompute"
+                        continue
+                    # the request Request.of makes, with the mesh made once for its candidates
+                    request = Request(found.topology, Configs(found.model, self.train(remat, kernel, b, a),
+                                                              parallelism), mesh)
+                    est = perfmodel.estimate(request, calibration=self.calibration, memory=memory)
+                    c.step_time_s, c.tokens_per_s, c.mfu = est.step_time_s, est.tokens_per_s, est.mfu
+                    c.memory_bytes, c.bottleneck = est.memory_per_device_bytes, est.bottleneck
+
+    def memory(self, c: Candidate, mesh: Mesh) -> MemoryBreakdown:
+        """perfmodel's memory of the candidate, its total recorded on it."""
+        args = (c.remat_policy, c.attention, c.per_device_batch_size, c.grad_accum_steps)
+        memory = perfmodel.estimate_memory(self.found.model, self.train(*args, resolved=True), mesh, self.hbm,
+                                           self.chip.kind)
+        c.memory_bytes = memory.per_device_total_bytes
+        return memory
+
+    def batch(self, b: float, a: int) -> str:
+        """A microbatch as a reason names it: its A where the global batch is fixed, else its B."""
+        return f"A={a}" if self.found.rows else f"B={number(b)}"
+
+    def train(self, remat: str, kernel: str, b: float, a: int, resolved: bool = False) -> TrainConfig:
+        """The request's train config with the candidate's remat policy, kernel, B and A (`resolved`: its attention
+        kernel resolved for the chip, as estimate_memory takes it)."""
+        key = (remat, kernel, b, a)
+        if key not in self.trains:
+            self.trains[key] = dataclasses.replace(self.found.train, remat_policy=RematPolicy(remat),
+                                                   attention=AttentionKernel(kernel), per_device_batch_size=b,
+                                                   grad_accum_steps=a)
+            self.resolved[key] = resolve_attention(self.found.model, self.trains[key], self.chip.kind)
+        return self.resolved[key] if resolved else self.trains[key]
+
+
+def rank(result: SearchResult) -> None:
+    """Orders the candidates: those that fit (with the margin, and by the compiler where compiled) by the objective,
+    best first, then those that do not by how far they miss; marks the best one chosen and the others slower."""
+    limit = result.hbm_bytes
+    factor = 1 + result.margin.value
+    objective = result.request.objective
+    for c in result.candidates:
+        if c.skipped:
+            c.status, c.reason = "slower", c.skipped
+        elif c.unfit:
+            c.status, c.reason = "does not fit", c.unfit
+        elif c.compile_error:
+            c.status, c.reason = "compile failed", c.compile_error
+        elif c.verified is False:
+            c.status = "does not fit"
+            c.reason = (f"compiler: {c.compiler_memory_bytes / GIB:.2f} GiB of {limit / GIB:.2f} GiB"
+                        if c.compiler_memory_bytes else "compiler: does not fit")
+        elif c.verified is None and c.memory_bytes * factor > limit:
+            c.status = "does not fit"
+            c.reason = (f"analytical {c.memory_bytes / GIB:.2f} GiB x {factor:.2f} margin > "
+                        f"{limit / GIB:.2f} GiB")
+        else:
+            c.status, c.reason = "slower", ""
+    fits = sorted((c for c in result.candidates if c.status == "slower" and not c.skipped),
+                  key=lambda c: (-getattr(c, objective), c.verified is not True, c.memory_shown_bytes()))
+    skipped = [c for c in result.candidates if c.skipped]
+    misses = sorted((c for c in result.candidates if c.status == "does not fit"),
+                    key=lambda c: (bool(c.unfit), c.memory_shown_bytes()))
+    failed = [c for c in result.candidates if c.status == "compile failed"]
+    result.candidates = fits + skipped + misses + failed
+    if not fits:
+        return
+    compiled = [c for c in fits if c.verified]
+    best = compiled[0] if compiled else fits[0]
+    best.status = "chosen"
+    above = True
+    for c in fits:
+        if c is best:
+            above = False
+            continue
+        if c.verified is None and above:
+            c.reason = "not compiled: verification stopped before it"
+        else:
+            c.reason = f"{getattr(best, objective) / getattr(c, objective):.3f}x slower by {objective}"
+
+
+def closest_miss(result: SearchResult, model, trains, topo, calibration) -> dict[str, Any]:
+    """The candidate nearest to fitting, and what would make it fit: more chips, host offload, a shorter sequence,
+    each estimated, not guessed."""
+    c = result.candidates[0]  # the misses are sorted by memory
+    limit, factor = result.hbm_bytes, 1 + result.margin.value
+    need = c.memory_bytes * factor
+    train = trains[(c.remat_policy, c.attention, c.per_device_batch_size, c.grad_accum_steps)]
+    options = []
+    chips = result.chips * 2 ** math.ceil(math.log2(need / limit))
+    options.append(f"more chips: the state and a fixed global batch split over about {chips} chips instead of "
+                   f"{result.chips} ({need / limit:.2f}x the memory needed)")
+    offload = dataclasses.replace(train, optimizer_memory_host_offload=True, parameter_memory_host_offload=True)
+    mem = perfmodel.estimate(Request.of(topo, model, offload, c.axes, c.dcn),
+                             calibration=calibration).memory_per_device_bytes
+    options.append(f"offload: optimizer_memory_host_offload=true parameter_memory_host_offload=true take it to "
+                   f"{mem * factor / GIB:.2f} GiB ({'fits' if mem * factor <= limit else 'still does not fit'})")
+    seq = train.seq_len
+    while seq >= 256:
+        seq //= 2
+        shorter = dataclasses.replace(train, seq_len=seq)
+        mem = perfmodel.estimate(Request.of(topo, model, shorter, c.axes, c.dcn),
+                                 calibration=calibration).memory_per_device_bytes
+        if mem * factor <= limit:
+            options.append(f"shorter sequence: seq_len={seq} needs {mem * factor / GIB:.2f} GiB (fits)")
+            break
+    else:
+        options.append(f"shorter sequence: even seq_len={seq} does not fit")
+    return {"candidate": c.as_dict(), "memory_with_margin_bytes": need, "hbm_bytes": limit,
+            "over_by_bytes": need - limit, "would_need": options}
+
+
+def write(result: SearchResult, out: str | os.PathLike) -> Path:
+    """plan.json into `out`, atomically (plain JSON values throughout: no conversion pass over the candidates)."""
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / ".plan.json.partial"
+    tmp.write_text(json.dumps(result.as_dict(), allow_nan=False) + "\n")
+    os.replace(tmp, directory / "plan.json")
+    return directory / "plan.json"
