@@ -25,10 +25,11 @@ The fit. These constants of the perfmodel (work.Constants and Overlap) are fitte
     elementwise_d_passes                   elementwise HBM passes per token per layer over D
     Overlap.fsdp, .tensor, .data           hidden fraction of each collective family
     flash_efficiency["tpu"], ["gpu"]       flash attention kernels' fraction of the sustained matmul rate
+    dcn_step_latency["tpu"]                seconds per step of a collective's ring across slices
 
-By default every one is fitted, each fit starting from PRIOR (the assumptions before any fit, with the GPUs'
-measured GEMM rates, which chips.py cites); `--free` names the ones to fit (the rest stay as the perfmodel ships
-them). Each step is recorded once by perfmodel.estimate as its Terms (every matmul's FLOPs, smallest side and HBM
+By default all but elementwise_d_passes, Overlap.tensor and Overlap.data are fitted (FREE: those three trade off
+against the others and stay as the perfmodel ships them), each fit starting from PRIOR (the assumptions before any
+fit, with the GPUs' measured GEMM rates, which chips.py cites); `--free` names the ones to fit. Each step is recorded once by perfmodel.estimate as its Terms (every matmul's FLOPs, smallest side and HBM
 time; the flash kernels' FLOPs; the elementwise traffic per pass; every collective's and host copy's seconds and
 overlap), and all rows' terms are priced at once by the perfmodel's own work.price and work.settle, so that
 one evaluation of all rows is a few numpy operations; the result is checked against perfmodel.estimate at the
@@ -162,13 +163,14 @@ class Constants:
     overlap_data: float
     flash_tpu: float
     flash_gpu: float
+    dcn_latency_tpu: float
 
     @classmethod
     def current(cls) -> Constants:
         o, shipped = work.Overlap(), work.SHIPPED
         return cls(*(shipped.matmul_fraction[c] for c in FRACTION_CHIPS), shipped.matmul_half["tpu"],
                    shipped.matmul_half["gpu"], float(shipped.elementwise_d_passes), o.fsdp, o.tensor, o.data,
-                   shipped.flash_efficiency["tpu"], shipped.flash_efficiency["gpu"])
+                   shipped.flash_efficiency["tpu"], shipped.flash_efficiency["gpu"], shipped.dcn_step_latency["tpu"])
 
     def fractions(self) -> dict[str, float]:
         return {c: getattr(self, _fraction_field(c)) for c in FRACTION_CHIPS}
@@ -190,7 +192,8 @@ class Constants:
             matmul_fraction={**shipped.matmul_fraction, **self.fractions()},
             matmul_half={**shipped.matmul_half, "tpu": self.tpu_half, "gpu": self.gpu_half},
             elementwise_d_passes=self.elementwise_d_passes,
-            flash_efficiency={**shipped.flash_efficiency, "tpu": self.flash_tpu, "gpu": self.flash_gpu})
+            flash_efficiency={**shipped.flash_efficiency, "tpu": self.flash_tpu, "gpu": self.flash_gpu},
+            dcn_step_latency={**shipped.dcn_step_latency, "tpu": self.dcn_latency_tpu})
 
 
 NAMES = {
@@ -199,15 +202,19 @@ NAMES = {
     "elementwise_d_passes": "elementwise_d_passes", "overlap_fsdp": "Overlap.fsdp",
     "overlap_tensor": "Overlap.tensor", "overlap_data": "Overlap.data",
     "flash_tpu": 'flash_efficiency["tpu"]', "flash_gpu": 'flash_efficiency["gpu"]',
+    "dcn_latency_tpu": 'dcn_step_latency["tpu"]',
 }
 BOUNDS = {**{_fraction_field(c): (0.3, 1.0) for c in FRACTION_CHIPS}, "tpu_half": (0.0, 4096.0),
           "gpu_half": (0.0, 4096.0),
           "elementwise_d_passes": (0.0, 60.0), "overlap_fsdp": (0.0, 1.0), "overlap_tensor": (0.0, 1.0),
-          "overlap_data": (0.0, 1.0), "flash_tpu": (0.2, 1.0), "flash_gpu": (0.2, 1.0)}
+          "overlap_data": (0.0, 1.0), "flash_tpu": (0.2, 1.0), "flash_gpu": (0.2, 1.0),
+          "dcn_latency_tpu": (0.0, 0.05)}
 # Where every fit starts: the constants as assumed before any fit (commit 3960e00: matmul MAX 0.9 on TPU, HALF 128,
 # 18 passes, overlaps 0.8 / 0 / 0.5, flash 0.6 / 0.5) with the GPUs' measured GEMM rates, so that neither the
 # in-sample nor a leave-one-out fit starts from constants that a held-out row helped fit.
-PRIOR = Constants(0.9, 0.9, 0.9, 0.9, 0.869, 0.869, 0.803, 128.0, 128.0, 18.0, 0.8, 0.0, 0.5, 0.6, 0.5)
+PRIOR = Constants(0.9, 0.9, 0.9, 0.9, 0.869, 0.869, 0.803, 128.0, 128.0, 18.0, 0.8, 0.0, 0.5, 0.6, 0.5, 30e-6)
+# The constants fitted by default: the others trade off against them and are held at their earlier fit
+FREE = tuple(f.name for f in fields(Constants) if f.name not in ("elementwise_d_passes", "overlap_tensor", "overlap_data"))
 LO = np.array([BOUNDS[f.name][0] for f in fields(Constants)])
 HI = np.array([BOUNDS[f.name][1] for f in fields(Constants)])
 
@@ -238,12 +245,14 @@ class Replay:
         self.family_index = np.array([FAMILY_ORDER.index(f) if f else len(FAMILY_ORDER) for f in family], dtype=int)
         self.fixed_overlap = np.where(self.family_index == len(FAMILY_ORDER), self.terms.overlap, 0.0)
         self.unfitted = work.Overlap()
+        self.gpu_dcn_latency = work.SHIPPED.dcn_step_latency["gpu"]
 
     def step_times(self, c: Constants) -> np.ndarray:
         fraction = np.array([getattr(c, _fraction_field(name)) for name in FRACTION_CHIPS])[self.chip_index]
         half = np.where(self.gpu, c.gpu_half, c.tpu_half)
         flash = np.where(self.gpu, c.flash_gpu, c.flash_tpu)
-        seconds, _ = work.price(self.terms, fraction, half, flash, c.elementwise_d_passes)
+        latency = np.where(self.gpu, self.gpu_dcn_latency, c.dcn_latency_tpu)
+        seconds, _ = work.price(self.terms, fraction, half, flash, c.elementwise_d_passes, latency)
         per_family = np.array([c.overlap_fsdp, c.overlap_tensor, c.overlap_data, self.unfitted.sequence,
                                self.unfitted.expert, 0.0])
         overlap = per_family[self.family_index] + self.fixed_overlap
@@ -316,21 +325,11 @@ def fit(replay: Replay, rows: list[Row], mask: np.ndarray, start: Constants, fre
 
 
 def stand_in(c: Constants, chips_out: set[str], chips_fitted: set[str]) -> Constants:
-    """`c` with the fractions of `chips_out` (a held-out generation, fitted on no row) set as chips.py sets those of
-    chips without rows: a TPU's the mean of the fitted TPUs', a GPU's its measured GEMM rate (PRIOR, [mamf]) x the
-    fitted GPUs' mean of fitted / measured (`chips_fitted`: the chips with rows in the fit)."""
+    """`c` with the fractions of `chips_out` (a held-out generation, fitted on no row) set by the rule the perfmodel
+    applies to chips without rows (chips.fraction_without_rows) over `chips_fitted`, the chips with rows in the fit."""
     fractions = c.fractions()
-    fitted = sorted(chips_fitted - chips_out)
-    tpus = [fractions[name] for name in fitted if name.startswith("tpu")]
-    ratios = [fractions[name] / getattr(PRIOR, _fraction_field(name)) for name in fitted if not name.startswith("tpu")]
-    new = {}
-    for name in chips_out:
-        field_name = _fraction_field(name)
-        if name.startswith("tpu"):
-            new[field_name] = float(np.mean(tpus)) if tpus else getattr(PRIOR, field_name)
-        else:
-            new[field_name] = getattr(PRIOR, field_name) * (float(np.mean(ratios)) if ratios else 1.0)
-    return replace(c, **new)
+    fitted = {name: fractions[name] for name in chips_fitted - chips_out}
+    return replace(c, **{_fraction_field(name): chips.fraction_without_rows(name, fitted) for name in chips_out})
 
 
 def predicted_from_steps(rows: list[Row], steps: np.ndarray) -> np.ndarray:
@@ -385,7 +384,7 @@ def main() -> int:
     ap.add_argument("--no-fit", action="store_true", help="only the unfitted comparison")
     ap.add_argument("--only", default="", help="rows whose id contains this text (or any of several, comma-separated)")
     ap.add_argument("--json", type=Path, help="also write the per-row results here")
-    ap.add_argument("--free", default=",".join(f.name for f in fields(Constants)),
+    ap.add_argument("--free", default=",".join(FREE),
                     help="comma-separated constants to fit (the others stay as the perfmodel ships them): "
                          + ", ".join(f.name for f in fields(Constants)))
     ap.add_argument("--hold-out", default="row,source",

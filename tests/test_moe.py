@@ -423,7 +423,7 @@ def test_tiny_moe_trains_with_expert_parallelism_through_compile_and_run(tmp_pat
 
 
 def test_megablox_tiles_follow_maxtext_clipped_to_the_matmul():
-    from maxperf.models.layers.moe import _megablox_tiling
+    from maxperf.spec.grouped_matmul import megablox_tiling as _megablox_tiling
 
     assert _megablox_tiling(65536, 4096, 14336) == (512, 1024, 1024)  # MaxText's wi tiles
     assert _megablox_tiling(1024 + 256, 4096, 384) == (256, 1024, 384)

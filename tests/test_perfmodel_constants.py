@@ -35,15 +35,23 @@ def test_every_accelerator_has_a_sustained_matmul_fraction_that_says_where_it_co
 def test_an_h100_matmul_runs_at_the_chips_sustained_fraction_of_peak():
     e = estimate(Request.of(Topo("h100-sxm", 8, 8), LLAMA, TRAIN, {"fsdp": 8}, {}))
     row = next(r for r in e.breakdown if r.name == "mlp down")
-    # T = 2 x 2048 tokens, D 4096, F 11008: each of the three matmuls' smallest side is 4096; HALF 760 on GPUs
+    # T = 2 x 2048 tokens, D 4096, F 11008: each of the three matmuls' smallest side is 4096; a GPU's HALF whole
+    half = work.MATMUL_HALF["gpu"]
     assert row.kind == "compute"
-    assert row.seconds == pytest.approx(row.flops / (989e12 * 0.62 * 4096 / (4096 + 760)), rel=1e-12)
+    assert row.seconds == pytest.approx(row.flops / (989e12 * chips.MATMUL_FRACTION["h100-sxm"] * 4096 / (4096 + half)),
+                                        rel=1e-12)
 
 
 def test_flash_attention_runs_at_its_fraction_of_the_sustained_matmul_rate():
     e = estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 64}, {}))
     row = next(r for r in e.breakdown if r.name == "attention (flash kernel)")
-    assert row.seconds == pytest.approx(row.flops / (459e12 * 0.86 * 0.81), rel=1e-12)
+    rate = 459e12 * chips.MATMUL_FRACTION["tpu-v5p"] * work.FLASH_EFFICIENCY["tpu"]  # Dh 128 fills v5p's units
+    assert row.seconds == pytest.approx(row.flops / rate, rel=1e-12)
+    # on a 256-wide TPU a head dim of 128 fills half the matrix units: the kernel takes twice as long a FLOP
+    wide = estimate(Request.of(Topo("tpu-v6e", 64, torus=(8, 8)), LLAMA, TRAIN, {"fsdp": 64}, {}))
+    row = next(r for r in wide.breakdown if r.name == "attention (flash kernel)")
+    rate = 918e12 * chips.MATMUL_FRACTION["tpu-v6e"] * work.FLASH_EFFICIENCY["tpu"] / 2
+    assert row.seconds == pytest.approx(row.flops / rate, rel=1e-12)
 
 
 def test_accelerators_fuse_elementwise_passes_that_xla_cpu_runs_on_their_own():
@@ -60,18 +68,19 @@ def test_accelerators_fuse_elementwise_passes_that_xla_cpu_runs_on_their_own():
 def test_an_estimate_names_the_fitted_and_assumed_constants_it_rests_on():
     e = estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 16, "tensor": 4}, {}))
     assert e.assumptions == (
-        "matmuls at 0.86 of peak (fitted) x m / (m + 610), m a matmul's smallest side (HALF fitted)",
-        "flash attention at 0.81 of the matmul rate (fitted)",
+        "matmuls at 0.88 of peak (fitted) x m / (m + 666), m a matmul's smallest side (HALF fitted), x the share of "
+        "its 128-wide matrix units a matmul fills",
+        "flash attention at 0.80 of the matmul rate (fitted)",
         "2.7 elementwise HBM passes over D per token and layer (fitted), 3 over F (assumed)",
-        "fsdp collectives 51% hidden (fitted)",
-        "5 us per collective inside a slice or NVLink domain, 30 us across (assumed)",
+        "fsdp collectives 42% hidden (fitted)",
+        "5 us per collective inside a slice or NVLink domain (assumed), 1500 us per step of its ring across (fitted)",
         "tensor collectives 99% hidden (fitted)",
     )
     assert json.loads(json.dumps(e.as_dict()))["assumptions"] == list(e.assumptions)
     given = estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 64}, {}), overlap=0.3).assumptions
     assert "fsdp collectives 30% hidden (as given)" in given
     h200 = estimate(Request.of(Topo("h200", 16, 8, hosts=2), LLAMA, TRAIN, {"data": 2, "fsdp": 8}, {"data": 2})).assumptions
-    assert h200[0].startswith("matmuls at 0.62 of peak (assumed) x m / (m + 760)")
+    assert h200[0].startswith("matmuls at 0.62 of peak (assumed) x m / (m + 713)")
     assert "data collectives 0% hidden (fitted)" in h200
 
 
@@ -92,5 +101,6 @@ def test_maxperf_estimate_prints_its_assumptions(capsys):
                               json=False)
     assert cmd_estimate(args) == 0
     out = capsys.readouterr().out
-    assert "\n  assumptions:     matmuls at 0.86 of peak (fitted) x m / (m + 610)" in out
-    assert "\n                   fsdp collectives 51% hidden (fitted)\n" in out
+    assert "\n  assumptions:     matmuls at 0.88 of peak (fitted) x m / (m + 666)" in out
+    assert "\n                   fsdp collectives 42% hidden (fitted)\n" in out
+    assert "\n  uncertainty      +-8%: each source's published runs predicted by constants fitted without them" in out

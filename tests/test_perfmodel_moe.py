@@ -185,7 +185,26 @@ def test_all_to_all_over_nvlink_and_infiniband():
     t = all_to_all_time(8e6, ("expert",), nets)
     nvlink = chip.link_bandwidth * chip.link_count
     assert t.ici_s == pytest.approx(8e6 * (8 / 16) * (7 / 8) / nvlink + LATENCY_S["ici"], rel=1e-12)
-    assert t.dcn_s == pytest.approx(8e6 * (1 / 2) / chip.host_network_per_chip + LATENCY_S["dcn"], rel=1e-12)
+    assert t.dcn_s == pytest.approx(8e6 * (1 / 2) / chip.host_network_per_chip, rel=1e-12)
+    assert t.dcn_steps == 1  # NCCL pipelines its steps: one latency a collective
+
+
+def test_a_ring_across_slices_pays_a_latency_per_step():
+    """On TPUs each step of a collective's ring across n slices waits for the one before: n - 1 for an all-gather,
+    2 (n - 1) for an all-reduce, each at dcn_step_latency."""
+    from maxperf.perfmodel.network import collective_time
+
+    chip = get_chip("tpu-v5e")
+    topo = Topo("tpu-v5e", 1024, 4, num_slices=4, hosts=256, torus=(16, 16))
+    nets = axis_networks(Mesh.of({"data": 4, "fsdp": 256}, {"data": 4}).check(topo), chip, topo)
+    assert collective_time("all-reduce", 1e9, ("data",), nets, pieces=10).dcn_steps == 10 * 2 * 3
+    assert collective_time("all-gather", 1e9, ("data",), nets).dcn_steps == 3
+    two = estimate(Request.of(Topo("tpu-v5e", 512, 4, num_slices=2, hosts=128, torus=(16, 16)), SMALL, TrainConfig(),
+                              {"data": 2, "fsdp": 256}, {"data": 2}))
+    eight = estimate(Request.of(Topo("tpu-v5e", 2048, 4, num_slices=8, hosts=512, torus=(16, 16)), SMALL,
+                                TrainConfig(), {"data": 8, "fsdp": 256}, {"data": 8}))
+    dcn = {n: sum(r.seconds for r in e.breakdown if r.kind == "dcn") for n, e in ((2, two), (8, eight))}
+    assert dcn[8] > 3 * dcn[2] > 0  # 14 steps of the ring against 2; its bandwidth term grows by 7/4 only
 
 
 def test_all_to_all_on_a_torus_pays_the_mean_hops():
@@ -235,7 +254,8 @@ def test_grouped_matmul_runs_at_the_efficiency_of_its_rows_per_expert():
                     head_dim=128, d_ff=8192, num_experts=128, num_experts_per_tok=2, base_moe_mlp_dim=4096,
                     first_num_dense_layers=1)
     topo = Topo("tpu-v5p", 1, chips_per_host=1, torus=(1, 1, 1))
-    e = estimate(Request.of(topo, m, TrainConfig(per_device_batch_size=1, seq_len=2048, remat_policy="none"), {"fsdp": 1}, {}))
+    e = estimate(Request.of(topo, m, TrainConfig(per_device_batch_size=1, seq_len=2048, remat_policy="none",
+                                                 megablox=False), {"fsdp": 1}, {}))
     chip = get_chip("tpu-v5p")
     down = _row(e, "experts down")
     assert down.kind == "compute"
@@ -244,6 +264,23 @@ def test_grouped_matmul_runs_at_the_efficiency_of_its_rows_per_expert():
     dense = _row(e, "mlp down")
     assert dense.seconds == pytest.approx(dense.flops / (chip.peak_flops("bfloat16") * matmul_efficiency(chip, 2048)),
                                           rel=1e-12)
+
+
+def test_megablox_computes_a_row_tile_for_every_expert_boundary():
+    """The Pallas megablox kernel runs all 4096 sorted rows in 512-row tiles; a tile straddling two experts' rows is
+    computed for each, so 128 experts of 32 rows cost 8 + 127 tiles: 4096 of 69120 rows useful."""
+    m = ModelConfig(name="wide-moe", vocab_size=1024, d_model=4096, num_layers=2, num_heads=32, num_kv_heads=8,
+                    head_dim=128, d_ff=8192, num_experts=128, num_experts_per_tok=2, base_moe_mlp_dim=4096,
+                    first_num_dense_layers=1)
+    topo = Topo("tpu-v5p", 1, chips_per_host=1, torus=(1, 1, 1))
+    e = estimate(Request.of(topo, m, TrainConfig(per_device_batch_size=1, seq_len=2048, remat_policy="none"),
+                            {"fsdp": 1}, {}))
+    chip = get_chip("tpu-v5p")
+    down = _row(e, "experts down")
+    useful = 4096 / (4096 + 127 * 512)
+    assert down.seconds == pytest.approx(down.flops / (chip.peak_flops("bfloat16") * matmul_efficiency(chip, 4096)
+                                                       * useful), rel=1e-12)
+    assert any("megablox's 512 x 1024 x 1024 tiles" in line for line in e.assumptions)
 
 
 def test_estimate_memory_breaks_down_experts_attention_and_the_rest():

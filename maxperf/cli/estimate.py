@@ -19,7 +19,8 @@ def cmd_estimate(args) -> int:
     print(f"{p.model.name} on {p.topology.display_name} ({p.topology.chips} {est.chip} chips), mesh "
           + (" x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1) or "1 (one device)"))
     print(f"  global batch     {batch_words(p.configs.train, p.configs.train.global_batch(p.mesh.devices))}")
-    print(f"  step time        {est.step_time_s:.4f} s, bound by {est.bottleneck}")
+    spread = f" +-{est.uncertainty.relative:.0%}" if est.uncertainty else ""
+    print(f"  step time        {est.step_time_s:.4f} s{spread}, bound by {est.bottleneck}")
     print(f"  tokens/s         {est.tokens_per_s:,.0f}")
     print(f"  TFLOP/s per chip {est.tflops_per_chip:.1f}  (MFU {est.mfu:.1%})")
     if est.flops.mtp_flops:  # counted in the model FLOPs as MaxText does, its parameters beside the model's
@@ -27,6 +28,8 @@ def cmd_estimate(args) -> int:
               f"{est.params.total / 1e9:.2f}B, {est.flops.mtp_flops / est.flops.model_flops:.1%} of the model FLOPs")
     print(f"  memory/device    {est.memory_per_device_bytes / GIB:.2f} GiB of {est.memory.hbm_bytes / GIB:.2f} GiB "
           f"({'fits' if est.fits else 'DOES NOT FIT'})")
+    if est.uncertainty:
+        print(f"  uncertainty      +-{est.uncertainty.relative:.0%}: {est.uncertainty.basis}")
     if est.chip_note:
         print(f"  note: {est.chip_note}")
     if est.assumptions:

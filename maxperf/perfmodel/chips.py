@@ -15,31 +15,55 @@ from maxperf.perfmodel.calibration import Calibration
 from maxperf.spec.errors import unknown
 from maxperf.spec.hardware import CHIPS, Chip
 
-# The rate a large dense matmul sustains in a training step, as a fraction of the datasheet peak (Chip.matmul_fraction):
+# The rate a large dense matmul sustains in a training step, as a fraction of the datasheet peak (Constants.fraction):
 # a datasheet peak counts every tensor unit busy at the boost clock, which a chip running dense matmuls through a whole
 # step does not hold within its power limit (H100 SXM: 700 W [h100]), and a step's matmuls are of the shapes a model
-# has, not a benchmark's best. perfmodel.steptime scales every matmul and the flash kernels by it. No TPU page
-# publishes a measured matmul rate: TPUs' are fitted [fit]. The GPUs' measured GEMM rates [mamf] (A100 SXM 0.869,
-# H100 SXM 0.803, B200 0.776, GB200 0.729 of peak) are best shapes over 100 iterations, above what training steps
-# reach: the GPUs with rows are fitted too, and those without take [mamf] x 0.77, H100's fitted / measured ratio.
-# [fit]: bench/published.py (all constants free, 2026-11-23, 81 rows; per chip n rows): leave-one-out median / worst
-# |error| over its rows in the comment.
+# has, not a benchmark's best. perfmodel.work scales every matmul and the flash kernels by it. No TPU page publishes a
+# measured matmul rate: TPUs' are fitted [fit]. The GPUs with rows are fitted too; their measured GEMM rates [mamf],
+# best shapes over 100 iterations, sit above what training steps reach. Chips without rows take
+# `fraction_without_rows` of the fitted ones. [fit]: bench/published.py (FITTED_ON), per chip n rows.
 MATMUL_FRACTION = {
-    "tpu-v4": 0.81,  # [fit] 6 rows (MaxText v4 table): LOO 3.0% / 5.2%
-    "tpu-v5e": 0.94,  # [fit] 24 rows (MaxText v5e table): LOO 1.8% / 13.4%
-    "tpu-v5p": 0.86,  # [fit] 16 rows (MaxText v5p table): LOO 6.3% / 11.7%
-    "tpu7x": 0.77,  # [fit] 3 rows (tpu-recipes Ironwood): LOO 0.6% / 0.8%
-    "tpu-v6e": 0.85,  # assumed: the mean of the fitted TPU generations (no v6e rows)
-    "a100-40gb": 0.79,  # [fit] 4 rows (MPT): LOO 1.6% / 1.9%; [mamf] measured 0.869
-    "a100-80gb": 0.83,  # [fit] 9 rows (MPT): LOO 2.4% / 10.8%; [mamf] measured 0.869
-    "h100-sxm": 0.62,  # [fit] 19 rows (MPT, MaxText A3): LOO 2.3% / 12.1%; [mamf] measured 0.803
-    "h200": 0.62,  # assumed as H100 SXM: the same tensor cores at the same 700 W ([h200]; [mamf] "H200 is the same")
-    "b200": 0.60,  # assumed: [mamf] 0.776 x 0.77
-    "gb200": 0.56,  # assumed: [mamf] 0.729 x 0.77
+    "tpu-v4": 0.82,  # [fit] 6 rows (MaxText v4 table)
+    "tpu-v5e": 0.99,  # [fit] 24 rows (MaxText v5e table)
+    "tpu-v5p": 0.88,  # [fit] 16 rows (MaxText v5p table)
+    "tpu7x": 0.93,  # [fit] 3 rows (tpu-recipes Ironwood)
+    "a100-40gb": 0.79,  # [fit] 4 rows (MPT)
+    "a100-80gb": 0.83,  # [fit] 9 rows (MPT)
+    "h100-sxm": 0.62,  # [fit] 19 rows (MPT, MaxText A3)
 }
-MATMUL_FRACTION_ORIGIN = {name: "fitted" for name in ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu7x", "a100-40gb",
-                                                      "a100-80gb", "h100-sxm")}
-MATMUL_FRACTION_ORIGIN |= {name: "assumed" for name in ("tpu-v6e", "h200", "b200", "gb200")}
+FITTED_ON = "bench/published.py, 2026-11-25, 81 rows"
+# Chips whose tensor cores, clocks and power limit are another's: H200 is H100 SXM's compute at the same 700 W with
+# more and faster HBM ([h200]; [mamf] "H200 is the same")
+SAME_COMPUTE = {"h200": "h100-sxm"}
+# [mamf]: the best bf16 matmul rate measured per GPU, over its datasheet peak ("H200 is the same" as H100 SXM)
+MEASURED_MATMUL = {"a100-40gb": 0.869, "a100-80gb": 0.869, "h100-sxm": 0.803, "h200": 0.803, "b200": 0.776,
+                   "gb200": 0.729}
+
+
+def fraction_without_rows(name: str, fitted: dict[str, float]) -> float:
+    """The sustained-rate fraction of a chip that `fitted` (chip name -> fitted fraction) has no rows for. A TPU takes
+    the mean of the fitted TPUs whose JAX devices drive as many TensorCores (Chip.cores_per_device: a megacore device
+    splits each operation between its two cores, and the fitted megacore chips sustain less: v4 and v5p below v5e and
+    TPU7x), or of all fitted TPUs where none does; a GPU its measured GEMM rate [mamf] times the fitted GPUs' mean of
+    fitted over measured; a chip of another's compute (SAME_COMPUTE) that one's. Held out a generation at a time on
+    bench/published.py's rows, this rule is what `--hold-out hardware` checks."""
+    chip = CHIPS[name]
+    if SAME_COMPUTE.get(name) in fitted:
+        return fitted[SAME_COMPUTE[name]]
+    same_kind = {n: f for n, f in fitted.items() if CHIPS[n].kind == chip.kind and n != name}
+    if chip.kind == "tpu":
+        alike = [f for n, f in same_kind.items() if CHIPS[n].cores_per_device == chip.cores_per_device]
+        pool = alike or list(same_kind.values())
+        return sum(pool) / len(pool)
+    ratios = [f / MEASURED_MATMUL[n] for n, f in same_kind.items() if n in MEASURED_MATMUL]
+    return MEASURED_MATMUL[name] * (sum(ratios) / len(ratios) if ratios else 1.0)
+
+
+MATMUL_FRACTION_ORIGIN = {name: "fitted" for name in MATMUL_FRACTION}
+for _name in ("tpu-v6e", "h200", "b200", "gb200"):
+    MATMUL_FRACTION_ORIGIN[_name] = "assumed"
+    MATMUL_FRACTION[_name] = round(fraction_without_rows(_name, {n: MATMUL_FRACTION[n] for n in list(MATMUL_FRACTION)
+                                                                 if MATMUL_FRACTION_ORIGIN.get(n) == "fitted"}), 3)
 
 
 def calibrated_cpu(cal: Calibration | None) -> Chip:

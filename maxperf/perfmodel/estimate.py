@@ -9,7 +9,7 @@ from maxperf.perfmodel.calibration import Calibration, StoredCalibration
 from maxperf.perfmodel.flops import FlopCounts, ParamCounts, count_flops, count_params, resolve_attention
 from maxperf.perfmodel.memory import MemoryBreakdown, estimate_memory, params_per_device
 from maxperf.perfmodel.steptime import Row, StepTime, step_time
-from maxperf.perfmodel.work import SHIPPED, Constants, Overlap
+from maxperf.perfmodel.work import SHIPPED, Constants, Overlap, Uncertainty, uncertainty
 from maxperf.spec.request import Request
 from maxperf.spec.topology import Topology
 
@@ -42,6 +42,7 @@ class Estimate:
     notes: tuple[str, ...] = ()  # fallbacks that change the prediction: no usable calibration, datasheet memory
     # the fitted and assumed constants the step time rests on, one line each (StepTime.assumptions)
     assumptions: tuple[str, ...] = ()
+    uncertainty: Uncertainty | None = None  # the step time's error on published runs held out from the fit
 
     @property
     def memory_per_device_bytes(self) -> float:
@@ -59,6 +60,7 @@ class Estimate:
             "bottleneck": self.bottleneck, "peak_flops": self.peak_flops, "peaks_calibrated": self.peaks_calibrated,
             "chip_note": self.chip_note, "calibration": self.calibration, "notes": list(self.notes),
             "assumptions": list(self.assumptions),
+            "uncertainty": None if self.uncertainty is None else asdict(self.uncertainty),
             "memory": self.memory.as_dict(),
             "params": {**asdict(self.params), "non_embedding": self.params.non_embedding},
             "flops": asdict(self.flops),
@@ -162,4 +164,5 @@ def estimate(request: Request, *, overlap: Overlap | float | None = None,
         peaks_calibrated=chip.calibrated, chip_note=chip.note, overlap=overlap,
         calibration=cal.record() if cal is not None and chip.kind == "cpu" else None,
         notes=fallback_notes(topology, chip, cal), assumptions=time.assumptions,
+        uncertainty=uncertainty(chip, constants),
     )

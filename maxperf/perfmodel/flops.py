@@ -273,6 +273,50 @@ def layer_pairs(model: ModelConfig, L: int) -> tuple[float, ...]:
     return memo["layer_pairs", L]
 
 
+# The tiles a flash kernel computes whole: splash attention's forward blocks on TPU (sa_block_q x sa_block_kv, MaxText's
+# keys), the Pallas GPU kernel's 128 x 128 (maxperf's models/layers/attention_kernels.py).
+GPU_FLASH_BLOCK = 128
+
+
+def flash_blocks(train: TrainConfig, platform: str, L: int) -> tuple[int, int]:
+    """The (query, key) block a flash kernel computes whole on a platform kind."""
+    if platform == "tpu":
+        return min(train.sa_block_q, L), min(train.sa_block_kv, L)
+    return min(GPU_FLASH_BLOCK, L), min(GPU_FLASH_BLOCK, L)
+
+
+def block_pairs(L: int, mask: int, bq: int, bkv: int) -> float:
+    """(query, key) pairs a flash kernel computes for one layer of L tokens: every block of bq queries by bkv keys
+    that holds an unmasked pair, whole (it skips only the blocks its mask hides entirely). `mask` as
+    attention_rule.layer_masks: 0 causal, W > 0 a window of W tokens, -C causal within chunks of C. A window narrower
+    than a block computes whole blocks (gpt-oss's 128-token windows in 1024-wide blocks: 2 blocks of keys per block
+    of queries, 16x the window's pairs)."""
+    memo_key = (L, mask, bq, bkv)
+    if (hit := _BLOCK_PAIRS.get(memo_key)) is not None:
+        return hit
+    total = 0
+    for first in range(0, L, bq):
+        last = min(L, first + bq) - 1
+        if mask > 0:
+            lo = max(0, first - mask + 1)
+        elif mask < 0:
+            lo = (first // -mask) * -mask
+        else:
+            lo = 0
+        total += (last // bkv - lo // bkv + 1) * (last - first + 1) * bkv
+    _BLOCK_PAIRS[memo_key] = float(total)
+    return float(total)
+
+
+_BLOCK_PAIRS: dict[tuple[int, int, int, int], float] = {}
+
+
+def executed_pairs(model: ModelConfig, train: TrainConfig, L: int, platform: str) -> tuple[float, ...]:
+    """The pairs a flash kernel computes for each layer on a platform kind (block_pairs)."""
+    bq, bkv = flash_blocks(train, platform, L)
+    return tuple(block_pairs(L, mask, bq, bkv) for mask in attention_rule.layer_masks(model))
+
+
 @dataclass(frozen=True)
 class FlopCounts:
     """FLOPs per device per step (forward + backward over all microbatches)."""

@@ -27,6 +27,7 @@ from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.params import ParamArray, param_arrays, state_arrays
 from maxperf.spec.params import params_per_device as held_params
+from maxperf.spec.remat import remat_names
 from maxperf.spec.train import DTYPE_BYTES, OPTIMIZER_STATES_PER_PARAM, TrainConfig
 
 # Gradient accumulation sums microbatch gradients in a float32 buffer (models/train_step.py).
@@ -223,8 +224,11 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
         optimizer_staged = OFFLOADED_OPTIMIZER_STAGED * optimizer
         optimizer = 0.0
 
-    # scanned or not, the backward reads every layer's input: N x T x D (Korthikanti's 2sbh per layer for "full")
-    carry = N * T * a.D * c
+    # scanned or not, the backward reads every layer's input: N x T x D (Korthikanti's 2sbh per layer for "full"),
+    # in device memory unless the policy offloads it (MaxText's decoder_layer_input=offload; then it is among the
+    # offloaded tensors, layer_offloaded_per_token)
+    names = remat_names(train)
+    carry = 0.0 if names is not None and "decoder_layer_input" in names[1] else N * T * a.D * c
     parts = {k: T * over_layers(model, lambda m: layer_saved_parts(model, train, mesh, remat=remat, moe_layer=m)[k])
              for k in ("attention", "mlp", "rest")}
     saved = T * over_layers(model, lambda m: layer_saved_per_token(model, train, mesh, remat=remat, moe_layer=m))

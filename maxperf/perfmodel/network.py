@@ -27,9 +27,10 @@ from maxperf.spec.topology import Topology
 INNERMOST_FIRST = ("tensor", "sequence", "expert", "fsdp_transpose", "fsdp", "data")
 # A torus ring runs both ways round each dimension it spans: 2 links per dimension, one direction each.
 LINKS_PER_TORUS_DIM = 2
-# Fixed cost per collective (launch and synchronisation), an assumption: a few hops of ICI/NVLink latency, tens of
-# microseconds across hosts.
-LATENCY_S = {"ici": 5e-6, "dcn": 30e-6}
+# Fixed cost per collective (launch and synchronisation) inside a slice or NVLink domain, an assumption: a few hops of
+# ICI/NVLink latency. Across slices and hosts the cost is a latency per step of the collective's ring
+# (perfmodel.work.Constants.dcn_step_latency; CollectiveTime.dcn_steps counts the steps).
+LATENCY_S = {"ici": 5e-6}
 
 FACTOR = {
     "all-gather": lambda n: (n - 1) / n,
@@ -119,7 +120,21 @@ def _cpu_networks(mesh: Mesh, chip: Chip, topology: Topology) -> dict[str, AxisN
 @dataclass(frozen=True)
 class CollectiveTime:
     ici_s: float
-    dcn_s: float
+    dcn_s: float  # bandwidth time across slices or hosts, without latency
+    # the latencies the part across slices or hosts pays: on TPUs a ring over n slices runs n - 1 steps of
+    # exchanges one after another (2(n - 1) for an all-reduce's reduce-scatter then all-gather: Thakur et al. 2005,
+    # "Optimization of collective communication operations in MPICH"), each a transfer through the hosts' network
+    # stack; on GPUs and CPUs one per collective (NCCL and gloo pipeline their steps)
+    dcn_steps: float = 0.0
+
+
+RING_STEPS = {"all-gather": lambda n: n - 1, "reduce-scatter": lambda n: n - 1, "all-reduce": lambda n: 2 * (n - 1),
+              "all-to-all": lambda n: n - 1}
+
+
+def _dcn_steps(kind: str, outer: int, nets: list[AxisNetwork], pieces: int) -> float:
+    """Latencies paid across slices or hosts by `pieces` collectives over `outer` members (CollectiveTime.dcn_steps)."""
+    return pieces * (RING_STEPS[kind](outer) if all(x.torus for x in nets) else 1)
 
 
 def collective_time(kind: str, nbytes: float, axes: tuple[str, ...], nets: dict[str, AxisNetwork],
@@ -138,8 +153,9 @@ def collective_time(kind: str, nbytes: float, axes: tuple[str, ...], nets: dict[
         latency = max(nets[a].inner_latency for a in axes if nets[a].inner > 1)
         ici = f(inner) * nbytes / bw + pieces * latency
     if outer > 1:
-        bw = min(nets[a].outer_bandwidth for a in axes if nets[a].outer > 1)
-        dcn = f(outer) * nbytes / inner / bw + pieces * LATENCY_S["dcn"]
+        spanning = [nets[a] for a in axes if nets[a].outer > 1]
+        dcn = f(outer) * nbytes / inner / min(x.outer_bandwidth for x in spanning)
+        return CollectiveTime(ici, dcn, _dcn_steps(kind, outer, spanning, pieces))
     return CollectiveTime(ici, dcn)
 
 
@@ -169,6 +185,7 @@ def all_to_all_time(nbytes: float, axes: tuple[str, ...], nets: dict[str, AxisNe
             traffic = local * (inner - 1) / inner
         ici = traffic / bw + max(x.inner_latency for x in fast)
     if outer > 1:
-        bw = min(nets[a].outer_bandwidth for a in axes if nets[a].outer > 1)
-        dcn = nbytes * (outer - 1) / outer / bw + LATENCY_S["dcn"]
+        spanning = [nets[a] for a in axes if nets[a].outer > 1]
+        dcn = nbytes * (outer - 1) / outer / min(x.outer_bandwidth for x in spanning)
+        return CollectiveTime(ici, dcn, _dcn_steps("all-to-all", outer, spanning, 1))
     return CollectiveTime(ici, dcn)

@@ -78,7 +78,8 @@ def routed_rows_held(moe: MoeShape, train: TrainConfig, mesh: Mesh) -> float:
 
 def named_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh, moe_layer: bool = False) -> dict[str, float]:
     """Bytes per local token of each checkpoint name's tensor that the backward reads back, in one layer (the layer
-    input is the scan carry, counted apart; qkv_proj only under fused_qkv, mlpwi of a gated MLP only under
+    input, decoder_layer_input, is the scan carry: on device it is counted apart, as the carry; qkv_proj only under
+    fused_qkv, mlpwi of a gated MLP only under
     fused_mlp; the MLP's output, mlpwo, only a post-norm reads, or in a MoE layer (`moe_layer`) the routing
     weights' gradient: elsewhere a policy that names it keeps nothing, tests/test_remat.py). A MoE layer's MLP names
     are its experts' tensors over the rows they hold, and its shared experts'."""
@@ -104,13 +105,15 @@ def named_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh, moe_laye
         Dq, Dv = head_dims(model)
         kernel = c * a.H * Dv + FLASH_LSE_BYTES * a.H if flash else 0.0
         return {"query_proj": c * a.H * Dq, "key_proj": c * a.H * Dq, "value_proj": c * a.H * Dv,
-                "context": c * a.H * Dv + kernel, "out_proj": c * a.D, **wi, "mlpwo": wo}
+                "context": c * a.H * Dv + kernel, "out_proj": c * a.D, **wi, "mlpwo": wo,
+                "decoder_layer_input": c * a.D}
     kernel = c * a.H * Dh + FLASH_LSE_BYTES * a.H if flash else 0.0
     if model.fused_qkv:
         qkv = {"qkv_proj": c * (a.H + 2 * a.K) * Dh}
     else:
         qkv = {"query_proj": c * a.H * Dh, "key_proj": c * a.K * Dh, "value_proj": c * a.K * Dh}
-    return {**qkv, "context": c * a.H * Dh + kernel, "out_proj": c * a.D, **wi, "mlpwo": wo}
+    return {**qkv, "context": c * a.H * Dh + kernel, "out_proj": c * a.D, **wi, "mlpwo": wo,
+            "decoder_layer_input": c * a.D}
 
 def layer_saved_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh, *, remat: str,
                           moe_layer: bool = False) -> float:
@@ -125,8 +128,9 @@ def layer_saved_parts(model: ModelConfig, train: TrainConfig, mesh: Mesh, *, rem
     if remat != "none":
         names = remat_names(train, remat)
         sizes = named_per_token(model, train, mesh, moe_layer)
-        attention = sum(sizes.get(n, 0.0) for n in names[0] if n in ATTENTION_NAMES)
-        return {"attention": attention, "mlp": sum(sizes.get(n, 0.0) for n in names[0] if n not in ATTENTION_NAMES),
+        kept = names[0] - {"decoder_layer_input"}  # the carry, counted apart
+        attention = sum(sizes.get(n, 0.0) for n in kept if n in ATTENTION_NAMES)
+        return {"attention": attention, "mlp": sum(sizes.get(n, 0.0) for n in kept if n not in ATTENTION_NAMES),
                 "rest": 0.0}
     c = DTYPE_BYTES[train.compute_dtype]
     Dh = model.head_dim

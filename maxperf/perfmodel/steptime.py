@@ -8,6 +8,7 @@ assumption. What XLA:CPU does differently lives in perfmodel.cpu.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +21,7 @@ from maxperf.perfmodel.flops import (
     DISPATCH_BACKWARD_EINSUMS,
     FLASH_BACKWARD_MATMULS,
     attention_kernel,
+    executed_pairs,
     gated,
     head_dims,
     is_mla,
@@ -52,8 +54,10 @@ from maxperf.perfmodel.work import (
     price,
     settle,
 )
+from maxperf.spec.grouped_matmul import megablox_tiling
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
+from maxperf.spec.params import state_arrays
 from maxperf.spec.topology import Topology
 from maxperf.spec.train import DTYPE_BYTES, OPTIMIZER_STATES_PER_PARAM, TrainConfig
 
@@ -161,13 +165,13 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     table.train_matmul("unembedding", T, D, a.V, micro * (1 + (train.num_vocab_tiling > 1)), micro, c,
                        quantized=False)
     # attention per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh. The dot product computes all
-    # L x L scores; the TPU and GPU flash kernels skip masked blocks (ATTENTION_SKIPS_MASKED) and run at a kernel
-    # rate with no softmax passes over HBM
+    # L x L scores; the TPU and GPU flash kernels skip the blocks their mask hides (ATTENTION_SKIPS_MASKED), computing
+    # the others whole (executed_pairs), at a kernel rate with no softmax passes over HBM
     kernel = attention_kernel(train)
     flash_rate = constants.flash_efficiency.get(chip.kind) if kernel == "flash" else None
     skips = ATTENTION_SKIPS_MASKED[kernel] and (chip.kind != "cpu" or cpu.SKIPS_MASKED_BLOCKS)
     attention_rate = chip.attention_rate(train.compute_dtype, Dq)
-    for pairs, run in itertools.groupby(layer_pairs(model, L)):
+    for pairs, run in itertools.groupby(executed_pairs(model, train, L, chip.kind) if skips else layer_pairs(model, L)):
         share = pairs / (L * L) if skips else 1.0
         count = Bm * a.H * micro * share * sum(1 for _ in run)  # a run of alike layers at once
         scores_fwd, context_fwd = 1 + ("scores" in again), 1 + ("context" in again)
@@ -176,15 +180,15 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
             flops = 2 * a.L * L * (Dq + Dv) / 2 * (2 * context_fwd + FLASH_BACKWARD_MATMULS) * count
             if "flash" not in table.assumed:  # once, not per layer
                 table.assume("flash", f"flash attention at {flash_rate:.2f} of the matmul rate (fitted)")
-            table.flash("attention (flash kernel)", flops)
+            table.flash("attention (flash kernel)", flops, Dq, Dv)
         elif attention_rate:  # measured whole (CPU devices): scores, softmax and context, forward and backward
             cpu.measured_attention(table.add, attention_rate,
                                    2 * a.L * L * (Dq + Dv) / 2 * (scores_fwd + context_fwd + 4) * count)
         else:
             # one batched einsum over B x H: its head-dim-wide side is a contraction or an output width that tensor
-            # cores and MXUs tile whole, so the thin-matmul term takes its sequence-wide sides (on an H100, scaled-1
-            # at B 8, L 2048 with full remat: the dot product measured 89 ms slower than flash, where the
-            # head-dim side made it 247; bench/gpu_measured.py)
+            # cores and MXUs tile whole (a TPU's wider arrays filled in part: mxu_fill), so the thin-matmul term takes
+            # its sequence-wide sides (on an H100, scaled-1 at B 8, L 2048 with full remat: the dot product measured
+            # 89 ms slower than flash, where the head-dim side made it 247; bench/gpu_measured.py)
             side = None if chip.kind == "cpu" else min(a.L, L)
             table.train_matmul("attention scores", a.L, Dq, L, scores_fwd * count, count, c, side, quantized=False)
             table.train_matmul("attention context", a.L, L, Dv, context_fwd * count, count, c, side, quantized=False)
@@ -276,7 +280,9 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
                     overlap.sequence)
     if mesh.axes["data"] > 1:
         # gradients are replicated across `data`: one all-reduce of this device's gradient shard per step
-        _collective(table, "data all-reduce", "all-reduce", local_params * p, ("data",), nets, 1, overlap.data)
+        # XLA reduces each gradient array by a collective of its own
+        _collective(table, "data all-reduce", "all-reduce", local_params * p, ("data",), nets, 1, overlap.data,
+                    len(state_arrays(model)))
     return _settle(table, overlap)
 
 
@@ -328,9 +334,26 @@ def _moe_matmuls(table: Work, model: ModelConfig, train: TrainConfig, mesh: Mesh
                                    f"per-expert matmul rate (fitted on two H100 steps; sparse_matmul=false "
                                    f"capacity_factor=1.25 ran 3.5-9.6x faster there)")
     wi = ("mlpwi_0", "mlpwi_1") if gated(model) else ("mlpwi",)
-    table.train_matmul("experts up and gate" if gated(model) else "experts up", group, D, a.Fe, local * moe_fwd(*wi),
-                       local * len(wi) * bwd, c, rate=rate)
-    table.train_matmul("experts down", group, a.Fe, D, local * moe_fwd("mlpwo"), local * bwd, c, rate=rate)
+    up, down = "experts up and gate" if gated(model) else "experts up", "experts down"
+    megablox = kind == "sparse" and table.chip.kind == "tpu" and train.megablox
+    for name, K, N, forward, backward in ((up, D, a.Fe, moe_fwd(*wi), len(wi) * bwd), (down, a.Fe, D,
+                                                                                       moe_fwd("mlpwo"), bwd)):
+        total = group * local  # the device's routed rows, sorted by expert
+        tiles = megablox_tiling(int(total), int(K), int(N)) if megablox else None
+        if tiles is None:
+            table.train_matmul(name, group, K, N, local * forward, local * backward, c, rate=rate)
+            continue
+        # one Pallas kernel over all the sorted rows in tiles of tm x tk x tn: a row tile that straddles two experts'
+        # rows is computed for each (jax's megablox make_group_metadata: tiles <= m / tm + groups - 1, so every
+        # boundary costs a tile where routing leaves it unaligned), and K and N are computed in whole tiles
+        tm, tk, tn = tiles
+        straddled = total / (total + (local - 1) * tm)
+        fill = K / (tk * math.ceil(K / tk)) * N / (tn * math.ceil(N / tn))
+        table.assume("megablox", f"routed experts in megablox's {tm} x {tk} x {tn} tiles: a row tile for each "
+                                 f"expert boundary and whole tiles of K and N ({straddled * fill:.2f} of the work "
+                                 f"useful here)")
+        table.train_matmul(name, group, K, N, local * forward, local * backward, c, side=min(total, K, N),
+                           rate=rate * straddled, fill=fill)
     table.train_matmul("router", T, D, moe.E, moe_fwd("router"), bwd, c)
     if moe.S:
         table.train_matmul("shared experts up" + (" and gate" if gated(model) else ""), T, D, moe.S * a.Fe,
@@ -376,19 +399,22 @@ def _collective(table: Work, name: str, kind: str, nbytes: float, axes: tuple[st
         family = name.split()[0]
         origin = OVERLAP_ORIGIN[family] if overlap == getattr(Overlap(), family) else "as given"
         table.assume("overlap " + family, f"{family} collectives {overlap:.0%} hidden ({origin})")
-        table.assume("latency", f"{LATENCY_S['ici'] * 1e6:g} us per collective inside a slice or NVLink domain, "
-                                f"{LATENCY_S['dcn'] * 1e6:g} us across (assumed)")
+        table.assume("latency", f"{LATENCY_S['ici'] * 1e6:g} us per collective inside a slice or NVLink domain (assumed), "
+                                f"{table.constants.dcn_step_latency[table.chip.kind] * 1e6:g} us per step of its ring "
+                                f"across ({'fitted' if table.chip.kind == 'tpu' else 'assumed'})")
     family = name.split()[0]
     if t.ici_s:
         table.add(name + " (ici)", "ici", count * t.ici_s, 0.0, count * nbytes, family=family)
     if t.dcn_s:
-        table.add(name + " (dcn)", "dcn", count * t.dcn_s, 0.0, count * nbytes, family=family)
+        table.add(name + " (dcn)", "dcn", count * t.dcn_s, 0.0, count * nbytes, family=family,
+                  dcn_steps=count * t.dcn_steps)
 
 
 def _settle(table: Work, overlap: Overlap) -> StepTime:
     terms, chip, c = table.terms(), table.chip, table.constants
     seconds, flops_bound = price(terms, c.fraction(chip), c.matmul_half[chip.kind],
-                                 c.flash_efficiency.get(chip.kind, 1.0), c.elementwise_d_passes)
+                                 c.flash_efficiency.get(chip.kind, 1.0), c.elementwise_d_passes,
+                                 c.dcn_step_latency[chip.kind])
     comm, hidden_share = terms.comm, terms.overlaps(overlap)
     steps, busy, spill = settle(seconds, comm, hidden_share, np.zeros(len(seconds), dtype=int), 1)
     exposed_s = np.where(comm, seconds - seconds * hidden_share * (1 - spill[0]), seconds)

@@ -21,36 +21,76 @@ from maxperf.perfmodel.chips import MATMUL_FRACTION, MATMUL_FRACTION_ORIGIN, Chi
 from maxperf.spec.errors import require
 from maxperf.spec.train import TrainConfig
 
-# Matmul efficiency = chip.matmul_fraction x m / (m + HALF), m the smallest of the matmul's dimensions: the rate a
-# large matmul sustains on the chip (chips.MATMUL_FRACTION), less for a thinner one, which fills the 128/256-wide
-# systolic arrays and tensor-core tiles less well and has less work to hide each kernel's start and end behind; a
-# matmul whose smallest side is HALF reaches half of it. "fitted": bench/published.py, all constants free, 2026-11-23,
-# 81 rows (49 TPU, 32 GPU), leave-one-out median / worst 2.4% / 13.4% overall. The rows' matmuls have smallest sides
-# of 1024 to 16384 (half their FLOPs at 6144 or more; every row runs flash attention): below 1024, as for the dot
-# product's head-dim-wide einsums, the figure is an extrapolation. HALF and the flash rate trade off in the fit (HALF
-# 128 on TPU held: flash on TPU 0.22 of the matmul rate, LOO 3.4% / 15.6%); this pair keeps flash near what the
-# model assumed before the fit (0.6 of peak), the other would put splash at a fifth of a large matmul's rate.
+# Matmul efficiency = fraction x m / (m + HALF) x fill, m the smallest of the matmul's dimensions: the rate a large
+# matmul sustains on the chip (chips.MATMUL_FRACTION), less for a thinner one, which fills the systolic arrays and
+# tensor-core tiles less well and has less work to hide each kernel's start and end behind (a matmul whose smallest
+# side is HALF reaches half of it; on a TPU HALF grows with its matrix units' width, half_scale), and less where its
+# contraction and output dims fill a TPU's matrix units in part (mxu_fill). Fitted: bench/published.py (FITTED),
+# 81 rows, 49 TPU and 32 GPU, HALF at a 128-wide array. The rows' matmuls have smallest sides of 1024 to 16384 (half
+# their FLOPs at 6144 or more; every row runs flash attention): below 1024, as for the dot product's head-dim-wide
+# einsums, the figure is an extrapolation.
+FITTED = "2026-11-25, the constants of bench/published.py's default --free, from its PRIOR"
 MATMUL_HALF = {
-    "tpu": 610,  # fitted (49 TPU rows)
-    "gpu": 760,  # fitted (32 GPU rows)
+    "tpu": 666,  # fitted (49 TPU rows)
+    "gpu": 713,  # fitted (32 GPU rows)
     "cpu": cpu.MATMUL_HALF,
 }
 # Memory-bound elementwise passes per token per layer over D-wide vectors (reads + writes, forward), in compute-dtype
 # passes, on TPUs and GPUs (XLA:CPU's: perfmodel.cpu). Unfused, two norms with float32 internals (6 each) and two
 # residual adds (3 each) would make 18; XLA fuses norms and residual adds into the neighbouring matmuls' operand and
-# output fusions, so few reach HBM on their own: fitted 2.7 (bench/published.py, 2026-11-23, 81 rows).
+# output fusions, so few reach HBM on their own: fitted 2.7 (bench/published.py, 2026-11-23, 81 rows), and held there
+# since (it trades off against the matmul rates and flash kernels' in the fit, which leaves it ill-determined).
 ELEMENTWISE_D_PASSES = 2.7
 # Flash attention kernels (splash on TPU; cuDNN, Pallas or Triton on GPU) run their matmuls and online softmax in
-# on-chip memory, at this fraction of the chip's sustained matmul rate (peak x chip.matmul_fraction): the softmax's
-# exponentials and the head-dim-wide (128) matmuls keep them below a large GEMM's rate. Fitted: bench/published.py,
-# 2026-11-23 (49 TPU rows, 32 GPU rows, all with flash).
-FLASH_EFFICIENCY = {"tpu": 0.81, "gpu": 0.47}
+# on-chip memory, at this fraction of the chip's sustained matmul rate (peak x fraction x the share of a TPU's matrix
+# units their head dims fill): the softmax's exponentials keep them below a large GEMM's rate. Fitted (FITTED; 49 TPU
+# rows, 32 GPU rows, all with flash), the kernels computing their masks' partial blocks whole (flops.executed_pairs).
+FLASH_EFFICIENCY = {"tpu": 0.80, "gpu": 0.46}
 # quantization=int8 (models/layers/quantization.py, AQT's config_v3): each quantized operand is read twice in the
 # compute dtype (its absmax, then scale and round) and written once as int8; a gradient's stochastic rounding adds
 # its noise, 4-byte random bits that XLA's RngBitGenerator writes and the quantize fusion reads (counted from the
 # operations, each assumed one pass over HBM). The int8 x int8 -> int32 dot reads 1-byte operands and writes its
 # dequantized output in the compute dtype (the int32 result scaled in the dot's output fusion, assumed).
 INT8_NOISE_BYTES = 8
+# Seconds per step of a collective's ring across slices (TPU: each a transfer through both hosts' network stacks) or
+# per collective across hosts (GPU and CPU, NCCL and gloo pipelining their steps). TPU: fitted (FITTED) on the
+# MaxText v4 and v5e tables' rows over 1 to 32 slices, whose throughput falls with the slices as this latency grows
+# (v5e 128B from 1 to 32 slices: 110 to 91 TFLOP/s per chip, where the DCN's bandwidth alone gave 109 to 101);
+# GPU and CPU: assumed, tens of microseconds.
+DCN_STEP_LATENCY = {"tpu": 1.5e-3, "gpu": 30e-6, "cpu": 30e-6}
+
+
+# How far a step time from these constants falls from published measurements it was not fitted on: the median and
+# worst |predicted / published - 1| of throughput per chip, each source's rows predicted by constants fitted on the
+# other sources' ("source"), each chip generation's by constants fitted on the others' with its sustained rate from
+# the rule for chips without rows ("generation"); bench/published.py --hold-out source,hardware. An estimate quotes
+# the first for chips whose rate was fitted, the second for the others.
+HELD_OUT_ERROR = {"source": (0.081, 0.285), "generation": (0.097, 0.288)}
+HELD_OUT_BASIS = "bench/published.py, 2026-11-25, 81 rows"
+
+
+@dataclass(frozen=True)
+class Uncertainty:
+    """The error to expect of a step time: `relative`, the median |error| held out as `basis` says, and `worst`."""
+
+    relative: float
+    worst: float
+    basis: str
+
+
+def uncertainty(chip: Chip, constants: Constants) -> Uncertainty | None:
+    """The held-out error of a step time on `chip` (HELD_OUT_ERROR); None for CPU devices, whose rates are measured
+    by `maxperf calibrate` rather than fitted to published runs."""
+    if chip.kind == "cpu":
+        return None
+    fitted = MATMUL_FRACTION_ORIGIN.get(chip.name) == "fitted" and constants.fraction(chip) == MATMUL_FRACTION.get(
+        chip.name)
+    mode = "source" if fitted else "generation"
+    median, worst = HELD_OUT_ERROR[mode]
+    words = ("each source's published runs predicted by constants fitted without them" if fitted else
+             f"each chip generation predicted by constants fitted without it ({chip.name}'s sustained rate is not "
+             "fitted)")
+    return Uncertainty(median, worst, f"{words}: median {median:.0%}, worst {worst:.0%} ({HELD_OUT_BASIS})")
 
 
 @dataclass(frozen=True)
@@ -58,16 +98,16 @@ class Overlap:
     """Fraction of each family of collectives that runs hidden behind compute (0: fully exposed, 1: fully hidden).
     Hidden time never exceeds the compute it hides behind.
 
-    Defaults, fitted on bench/published.py's rows (2026-11-23) but for `sequence`: FSDP gathers and reduce-scatters are
-    prefetched a layer ahead by XLA's latency-hiding scheduler, about half hidden (fitted 0.51, 81 rows); tensor-
-    parallel collectives are decomposed by XLA into collective matmuls that overlap the matmuls they feed (Wang et
-    al., ASPLOS 2023), all but hidden (fitted 0.99, 22 TPU rows with a tensor axis); the data-parallel gradient
-    all-reduce runs once after the scanned backward, with nothing left to hide behind (fitted 0.0, 36 rows with a
-    data axis); sequence-parallel collectives half hidden (assumed: no row has a sequence axis); the expert-parallel
+    Defaults, fitted on bench/published.py's rows but for `sequence` and `expert`: FSDP gathers and reduce-scatters are
+    prefetched a layer ahead by XLA's latency-hiding scheduler, about half hidden (fitted 0.42, FITTED, 81 rows);
+    tensor-parallel collectives are decomposed by XLA into collective matmuls that overlap the matmuls they feed (Wang
+    et al., ASPLOS 2023), all but hidden (fitted 0.99 on 2026-11-23, 22 TPU rows with a tensor axis, and held since);
+    the data-parallel gradient all-reduce runs once after the scanned backward, with nothing left to hide behind
+    (fitted 0.0 on 2026-11-23, 36 rows with a data axis, and held since); sequence-parallel collectives half hidden (assumed: no row has a sequence axis); the expert-parallel
     all-to-alls of a MoE layer exposed (assumed: the experts' matmuls wait for the rows the dispatch brings, the
     layer's next work for what the combine brings back; no published row has an expert axis)."""
 
-    fsdp: float = 0.51
+    fsdp: float = 0.42
     tensor: float = 0.99
     sequence: float = 0.5
     data: float = 0.0
@@ -95,6 +135,8 @@ class Constants:
     matmul_half: Mapping[str, float] = field(default_factory=lambda: dict(MATMUL_HALF))  # per chip kind
     elementwise_d_passes: float = ELEMENTWISE_D_PASSES
     flash_efficiency: Mapping[str, float] = field(default_factory=lambda: dict(FLASH_EFFICIENCY))  # per chip kind
+    # seconds per step of a collective's ring across slices or hosts (network.CollectiveTime.dcn_steps), per kind
+    dcn_step_latency: Mapping[str, float] = field(default_factory=lambda: dict(DCN_STEP_LATENCY))
 
     def fraction(self, chip: Chip) -> float:
         """The share of its peak a large matmul sustains on `chip`; 1.0 where none is recorded (CPU devices, whose
@@ -107,7 +149,7 @@ SHIPPED = Constants()
 # How a term of the step turns into seconds (Terms.law).
 FIXED = 0  # seconds known when recorded (collectives, host copies, memory-bound work other than the D passes)
 MATMUL = 1  # max(FLOPs / (peak x rate x fraction x m / (m + HALF)), bytes / HBM bandwidth)
-FLASH = 2  # FLOPs / (peak x fraction x flash efficiency)
+FLASH = 2  # FLOPs / (peak x rate x fraction x flash efficiency)
 D_PASSES = 3  # seconds known when recorded + seconds per elementwise pass over D x elementwise_d_passes
 COMM_KINDS = ("ici", "dcn", "host")
 
@@ -126,7 +168,9 @@ class Terms:
     hbm_s: np.ndarray  # MATMUL: bytes / HBM bandwidth; D_PASSES: seconds per pass
     side: np.ndarray  # MATMUL: the smallest side m (1 elsewhere)
     rate: np.ndarray  # MATMUL: a kernel's rate relative to a plain matmul of its shape (1 elsewhere)
-    half: np.ndarray  # MATMUL: a measured HALF (CPU devices); NaN: the chip kind's constant
+    half: np.ndarray  # MATMUL: a measured HALF (CPU devices); NaN: the chip kind's constant times half_scale
+    half_scale: np.ndarray  # MATMUL: a TPU's matrix-unit width over 128 (a wider array needs a wider matmul), else 1
+    dcn_steps: np.ndarray  # collectives across slices or hosts: the latencies they pay (priced at dcn_step_latency)
     flops: np.ndarray
     bytes: np.ndarray
     family: tuple[str, ...]  # a collective's Overlap field; "" for work that is not a collective or has its own
@@ -150,17 +194,17 @@ class Terms:
         return np.array([getattr(overlap, f) if f else o for f, o in zip(self.family, self.overlap)], dtype=float)
 
 
-def price(terms: Terms, fraction, half, flash, d_passes) -> tuple[np.ndarray, np.ndarray]:
+def price(terms: Terms, fraction, half, flash, d_passes, dcn_latency) -> tuple[np.ndarray, np.ndarray]:
     """Seconds of each term, and whether a matmul is bound by its FLOPs (True) or its bytes. `fraction`, `half` and
     `flash` are one value for the step or one per term (bench/published.py prices many steps at once)."""
     t = terms
-    h = np.where(np.isnan(t.half), half, t.half)
+    h = np.where(np.isnan(t.half), half * t.half_scale, t.half)
     efficiency = t.rate * fraction * t.side / (t.side + h)
     at_rate = t.peak_s / efficiency
     matmul = np.maximum(at_rate, t.hbm_s)
     seconds = np.where(t.law == MATMUL, matmul, t.fixed_s)
-    seconds = np.where(t.law == FLASH, t.peak_s / (fraction * flash), seconds)
-    seconds = np.where(t.law == D_PASSES, t.fixed_s + t.hbm_s * d_passes, seconds)
+    seconds = np.where(t.law == FLASH, t.peak_s / (t.rate * fraction * flash), seconds)
+    seconds = np.where(t.law == D_PASSES, t.fixed_s + t.hbm_s * d_passes, seconds) + t.dcn_steps * dcn_latency
     return seconds, at_rate >= t.hbm_s
 
 
@@ -198,6 +242,30 @@ def matmul_efficiency(chip: Chip, m: float, half: float | None = None, constants
     return constants.fraction(chip) * m / (m + (constants.matmul_half[chip.kind] if half is None else half))
 
 
+def mxu_fill(chip: Chip, *dims: float) -> float:
+    """The share of a TPU's matrix units that a matmul's contraction and output dims fill: the array holds each in
+    tiles of its width, so a dim of 128 fills half of a 256-wide array ("two 128x128 operations on Trillium and
+    Ironwood will halve the efficiency compared to a single, fully-utilized 256x256 operation": MaxText's
+    docs/guides/optimization/custom_model.md); 1 on chips without matrix units of a stated width."""
+    width = chip.mxu_width
+    fill = 1.0
+    if width:
+        for d in dims:
+            fill *= d / (width * math.ceil(d / width))
+    return fill
+
+
+# The narrowest matrix unit a TPU has (128 wide): a matmul dim below it is thin, and the thin-matmul term (HALF) prices
+# it; mxu_fill prices the part-filled tiles of the dims at or above it
+MIN_MXU_WIDTH = 128
+
+
+def half_scale(chip: Chip) -> float:
+    """How much wider a matmul must be on this chip to reach the share of its peak that a 128-wide one reaches: a
+    TPU's matrix-unit width over 128 (Constants.matmul_half is HALF for 128-wide arrays); 1 elsewhere."""
+    return chip.mxu_width / 128 if chip.mxu_width else 1.0
+
+
 class Work:
     """Records a step's work as Terms: matmuls with their FLOPs, bytes and shape; memory-bound work; collectives."""
 
@@ -206,8 +274,8 @@ class Work:
         self.int8 = int8
         self.half = chip.measured_matmul_half(dtype)
         self.columns: dict[str, list] = {k: [] for k in (
-            "name", "kind", "law", "fixed_s", "peak_s", "hbm_s", "side", "rate", "half", "flops", "bytes", "family",
-            "overlap")}
+            "name", "kind", "law", "fixed_s", "peak_s", "hbm_s", "side", "rate", "half", "half_scale", "dcn_steps",
+            "flops", "bytes", "family", "overlap")}
         self.assumed: dict[str, str] = {}
 
     def assume(self, key: str, line: str) -> None:
@@ -215,24 +283,31 @@ class Work:
         self.assumed.setdefault(key, line)
 
     def _term(self, name: str, kind: str, law: int, *, fixed_s: float = 0.0, peak_s: float = 0.0, hbm_s: float = 0.0,
-              side: float = 1.0, rate: float = 1.0, half: float = math.nan, flops: float = 0.0, nbytes: float = 0.0,
+              side: float = 1.0, rate: float = 1.0, half: float = math.nan, half_scale: float = 1.0,
+              dcn_steps: float = 0.0, flops: float = 0.0, nbytes: float = 0.0,
               family: str = "", overlap: float = 0.0) -> None:
         for key, value in (("name", name), ("kind", kind), ("law", law), ("fixed_s", fixed_s), ("peak_s", peak_s),
-                           ("hbm_s", hbm_s), ("side", side), ("rate", rate), ("half", half), ("flops", flops),
+                           ("hbm_s", hbm_s), ("side", side), ("rate", rate), ("half", half),
+                           ("half_scale", half_scale), ("dcn_steps", dcn_steps), ("flops", flops),
                            ("bytes", nbytes), ("family", family), ("overlap", overlap)):
             self.columns[key].append(value)
 
     def add(self, name: str, kind: str, seconds: float, flops: float = 0.0, nbytes: float = 0.0,
-            overlap: float = 0.0, family: str = "") -> None:
-        """Work whose seconds are known now; a collective names its Overlap `family`, other links their `overlap`."""
-        self._term(name, kind, FIXED, fixed_s=seconds, flops=flops, nbytes=nbytes, family=family, overlap=overlap)
+            overlap: float = 0.0, family: str = "", dcn_steps: float = 0.0) -> None:
+        """Work whose seconds are known now; a collective names its Overlap `family`, other links their `overlap`;
+        one across slices or hosts the latencies it pays besides (`dcn_steps`)."""
+        self._term(name, kind, FIXED, fixed_s=seconds, flops=flops, nbytes=nbytes, family=family, overlap=overlap,
+                   dcn_steps=dcn_steps)
 
     def matmul(self, name: str, M: float, K: float, N: float, count: float, c: int,
-               side: float | None = None, rate: float = 1.0, operand_bytes: float | None = None) -> None:
+               side: float | None = None, rate: float = 1.0, operand_bytes: float | None = None,
+               fill: float | None = None) -> None:
         """`count` matmuls of M x K by K x N in compute dtype (c bytes): a roofline of FLOPs and HBM traffic (and on
         CPU devices what XLA:CPU's dot kernels add, perfmodel.cpu). `side` replaces the smallest side in the
-        efficiency (`matmul_efficiency`); `rate` scales it (a kernel slower than a plain matmul of the shape);
-        `operand_bytes`: the two operands' element size where it is not c (1 for int8)."""
+        efficiency (`matmul_efficiency`); `rate` scales it (a kernel slower than a plain matmul of the shape), and so
+        does the share of a TPU's matrix units its contraction K and output N fill (`mxu_fill`; `fill` replaces it
+        where a kernel's own tiles decide); `operand_bytes`: the two operands' element size where it is not c (1 for
+        int8)."""
         flops = 2 * M * K * N * count
         nbytes = ((c if operand_bytes is None else operand_bytes) * (M * K + K * N) + c * M * N) * count
         if "matmul" in self.assumed:  # said once per step: spare the line's formatting on every matmul
@@ -240,21 +315,29 @@ class Work:
         elif self.chip.kind != "cpu":
             origin = MATMUL_FRACTION_ORIGIN[self.chip.name] if self.constants.matmul_fraction.get(
                 self.chip.name) == MATMUL_FRACTION.get(self.chip.name) else "as given"
+            half = self.constants.matmul_half[self.chip.kind] * half_scale(self.chip)
             self.assume("matmul", f"matmuls at {self.constants.fraction(self.chip):.2f} of peak ({origin}) x m / (m + "
-                                  f"{self.constants.matmul_half[self.chip.kind]:g}), m a matmul's smallest side "
-                                  "(HALF fitted)")
+                                  f"{half:g}), m a matmul's smallest side (HALF fitted)"
+                        + (f", x the share of its {self.chip.mxu_width}-wide matrix units a matmul fills"
+                           if self.chip.mxu_width else ""))
         elif self.half is None:
             self.assume("matmul", f"matmul HALF {self.constants.matmul_half['cpu']:g} (assumed: maxperf calibrate "
                                   "measures it)")
         self._term(name, "compute", MATMUL, peak_s=flops / self.peak, hbm_s=nbytes / self.chip.hbm_bandwidth,
-                   side=min(M, K, N) if side is None else side, rate=rate,
-                   half=math.nan if self.half is None else self.half, flops=flops, nbytes=nbytes)
+                   side=min(M, K, N) if side is None else side,
+                   rate=rate * (mxu_fill(self.chip, *(d for d in (K, N) if d >= MIN_MXU_WIDTH)) if fill is None
+                                else fill),
+                   half=math.nan if self.half is None else self.half, half_scale=half_scale(self.chip), flops=flops,
+                   nbytes=nbytes)
         if self.chip.kind == "cpu":
             cpu.dot_accumulator_faults(self.add, self.chip, M, K, N, count, c)
 
-    def flash(self, name: str, flops: float) -> None:
-        """A flash attention kernel's FLOPs, at its fraction of the sustained matmul rate (Constants.flash_efficiency)."""
-        self._term(name, "compute", FLASH, peak_s=flops / self.peak, flops=flops)
+    def flash(self, name: str, flops: float, Dq: float, Dv: float) -> None:
+        """A flash attention kernel's FLOPs, at its fraction of the sustained matmul rate (Constants.flash_efficiency)
+        times the share of the matrix units its head dims fill: half its matmuls contract over or produce the query
+        and key head dim Dq, half the value's Dv (`mxu_fill`)."""
+        rate = 1 / (0.5 / mxu_fill(self.chip, Dq) + 0.5 / mxu_fill(self.chip, Dv))
+        self._term(name, "compute", FLASH, peak_s=flops / self.peak, rate=rate, flops=flops)
 
     def d_passes(self, name: str, fixed_bytes: float, bytes_per_pass: float) -> None:
         """Memory-bound elementwise work: `fixed_bytes` and `bytes_per_pass` x Constants.elementwise_d_passes."""
@@ -263,7 +346,8 @@ class Work:
                    nbytes=fixed_bytes + bytes_per_pass * self.constants.elementwise_d_passes)
 
     def train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
-                     side: float | None = None, rate: float = 1.0, quantized: bool = True) -> None:
+                     side: float | None = None, rate: float = 1.0, quantized: bool = True,
+                     fill: float | None = None) -> None:
         """A matmul run `forward` times as x @ W (the forward and its recomputation) and `backward` times as each of
         the backward's two: the input gradient dy @ W^T (M x N by N x K) and the weight gradient x^T @ dy (K x M by
         M x N). All run at the plain rate: compilers give the transposed operand the layout the matmul wants
@@ -273,9 +357,9 @@ class Work:
         if quantized and self.int8 is not None:
             self.int8_train_matmul(name, M, K, N, forward, backward, c, side, rate)
             return
-        self.matmul(name, M, K, N, forward, c, side, rate)
-        self.matmul(name, M, N, K, backward, c, side, rate)
-        self.matmul(name, K, M, N, backward, c, side, rate)
+        self.matmul(name, M, K, N, forward, c, side, rate, fill=fill)
+        self.matmul(name, M, N, K, backward, c, side, rate, fill=fill)
+        self.matmul(name, K, M, N, backward, c, side, rate, fill=fill)
 
     def int8_train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
                           side: float | None, rate: float) -> None:
@@ -308,6 +392,7 @@ class Work:
     def terms(self) -> Terms:
         col = self.columns
         arrays = {k: np.array(col[k], dtype=float) for k in ("law", "fixed_s", "peak_s", "hbm_s", "side", "rate",
-                                                             "half", "flops", "bytes", "overlap")}
+                                                             "half", "half_scale", "dcn_steps", "flops", "bytes",
+                                                             "overlap")}
         arrays["law"] = arrays["law"].astype(int)
         return Terms(name=tuple(col["name"]), kind=tuple(col["kind"]), family=tuple(col["family"]), **arrays)

@@ -47,6 +47,12 @@ class Chip:
     host_network_bandwidth: float  # per host (DCN for TPU, InfiniBand/RoCE for GPU), bytes/s
     host_chips: int  # chips per host that host_network_bandwidth serves
     torus_dims: int | None = None  # TPU: 2 (v5e, v6e) or 3
+    # TPU: the side of its matrix units' systolic arrays, which a matmul's contraction and output dims fill in tiles
+    # of this width (a dim of 128 fills half of a 256-wide array)
+    mxu_width: int | None = None
+    # TPU: the TensorCores one JAX device drives: 2 on v4 and v5p, whose two cores XLA runs as one "megacore" device,
+    # splitting each operation between them; 1 on v5e and v6e (one core a chip) and TPU7x (one device per core)
+    cores_per_device: int | None = None
     nvlink_domain: int | None = None  # GPU: chips that share one NVLink/NVSwitch domain
     peak_fp32_flops: float | None = None  # None: float32 matmuls run at the bf16 rate (see peak_flops)
     peak_fp8_flops: float | None = None
@@ -123,6 +129,8 @@ _TPUS = [
         hbm_bytes=32 * GiB, hbm_bandwidth=1200 * G,  # [v4] "32 GiB, 1200 GBps"
         link_bandwidth=45 * G, link_count=6,  # [book] v4p ICI 4.5e10 B/s one way per link; 3D torus: 6 ports
         torus_dims=3,  # [v4] 3D mesh/torus
+        mxu_width=128,  # [book] "all previous generations use 128x128"
+        cores_per_device=2,  # [v4] "Each TPU v4 chip contains two TensorCores", one megacore device
         # the v4 page gives no DCN figure; assumed equal to v5p's 50 Gb/s per chip [v5p], 4 chips per host [v4 VMs]
         host_network_bandwidth=4 * 50 * GBIT, host_chips=4,
     ),
@@ -133,6 +141,8 @@ _TPUS = [
         hbm_bytes=16 * GiB, hbm_bandwidth=819 * G,  # [v5e] "16 GB, 819 GBps"
         link_bandwidth=400 * G / 2 / 4, link_count=4,  # [v5e] 400 GBps bidirectional per chip, 4 ICI ports
         torus_dims=2,  # [v5e] 2D torus
+        mxu_width=128,  # [book] 128x128 MXUs
+        cores_per_device=1,  # [v5e] "Each v5e chip contains one TensorCore"
         host_network_bandwidth=2 * 100 * GBIT, host_chips=8,  # [v5e] "2 x 100 Gbps NIC" per host, 8 chips per host
     ),
     Chip(
@@ -143,6 +153,8 @@ _TPUS = [
         hbm_bytes=95 * GiB, hbm_bandwidth=2765 * G,  # [v5p] 95 GiB, 2765 GBps
         link_bandwidth=1200 * G / 2 / 6, link_count=6,  # [v5p] 1200 GBps bidirectional per chip; 3D torus: 6 ports
         torus_dims=3,  # [v5p] 3D torus
+        mxu_width=128,  # [book] 128x128 MXUs
+        cores_per_device=2,  # [v5p] two TensorCores a chip, one megacore device
         host_network_bandwidth=4 * 50 * GBIT, host_chips=4,  # [v5p] DCN 50 Gbps per chip; 4-chip VMs
     ),
     Chip(
@@ -153,6 +165,8 @@ _TPUS = [
         hbm_bytes=32 * GiB, hbm_bandwidth=1638 * G,  # [v6e] 32 GB, 1638 GBps ([7x] writes 32 GiB)
         link_bandwidth=800 * G / 2 / 4, link_count=4,  # [v6e] 800 GBps bidirectional per chip, "ICI ports per chip 4"
         torus_dims=2,  # [v6e] 2D torus
+        mxu_width=256,  # [v6e] "two 256x256 matrix-multiply units (MXU)"
+        cores_per_device=1,  # [v6e] "Each v6e chip contains one TensorCore"
         host_network_bandwidth=4 * 100 * GBIT, host_chips=4,  # [7x] DCN 100 Gbps per chip for v6e; 4-chip VMs
     ),
     Chip(
@@ -163,6 +177,8 @@ _TPUS = [
         # [7x] 1200 GBps bidirectional per chip; the page gives no port count: 6 assumed, as for v5p's 3D torus
         link_bandwidth=1200 * G / 2 / 6, link_count=6,
         torus_dims=3,  # [7x] "shares many similarities with TPU v5p": 3D torus of 4x4x4 cubes
+        mxu_width=256,  # MaxText docs/guides/optimization/custom_model.md: Trillium and Ironwood "optimized for 256x256"
+        cores_per_device=1,  # [7x] two TensorCores a chip, each its own JAX device
         host_network_bandwidth=4 * 100 * GBIT, host_chips=4,  # [7x] DCN 100 Gbps per chip; 4-chip VMs
     ),
 ]
@@ -257,9 +273,10 @@ CHIPS: dict[str, Chip] = {c.name: c for c in [*_TPUS, *_GPUS, _cpu_chip()]}
 
 # One direction of each chip's link to host memory, bytes/s (Chip.host_link_bandwidth).
 HOST_LINK_BANDWIDTH = {
-    # [book] part 2: a TPU's PCIe link to its host carries about 1.5e10 bytes/s (the book's figure for v6e, which
-    # it uses for host transfers generally); applied to every TPU generation, none of whose pages quote one
-    "tpu-v4": 1.5e10, "tpu-v5e": 1.5e10, "tpu-v5p": 1.5e10, "tpu-v6e": 1.5e10, "tpu7x": 1.5e10,
+    # [book] part 2: "PCIe bandwidth is typically around 1.6e10 bytes / second per TPU (3.2e10 for TPU v6e)", whose
+    # host link is PCIe Gen5 ([v6e] "connects to the host through a PCIe Gen5 interface"); TPU7x's is not published:
+    # assumed v6e's
+    "tpu-v4": 1.6e10, "tpu-v5e": 1.6e10, "tpu-v5p": 1.6e10, "tpu-v6e": 3.2e10, "tpu7x": 3.2e10,
     # [a100] PCIe Gen4: 64 GB/s (both directions)
     "a100-40gb": 32 * G, "a100-80gb": 32 * G,
     # [h100], [h200] PCIe Gen5: 128 GB/s (both directions)

@@ -36,6 +36,7 @@ from maxperf.models.layers.mlp import _ACT, MLP, gate
 from maxperf.models.layers.params import param
 from maxperf.models.sharding import constrain, mesh_axes_for
 from maxperf.spec.errors import MaxperfError
+from maxperf.spec.grouped_matmul import megablox_tiling
 from maxperf.spec.model import Activation, ModelConfig, RoutedScoreFunc
 from maxperf.spec.train import TrainConfig
 
@@ -205,24 +206,12 @@ class MoE(nnx.Module):
         return out_BxLxD, aux
 
 
-# MaxText's megablox tiles (configs/base.yml wi_tile_* / wo_tile_*: 512 rows, 1024 wide), clipped to the matmul
-MEGABLOX_TILES = (512, 1024, 1024)
-
-
-def _megablox_tiling(m: int, k: int, n: int) -> tuple[int, int, int] | None:
-    """The megablox kernel's (rows, contraction, output) tiles for an m x k by k x n group matmul: the row tile
-    must divide m and every tile be a multiple of 128 (the TPU's lanes); None where the shapes allow none."""
-    tm = next((t for t in (MEGABLOX_TILES[0], 256, 128) if m % t == 0), None)
-    tk, tn = (min(tile, (dim // 128) * 128) for tile, dim in zip(MEGABLOX_TILES[1:], (k, n)))
-    return None if tm is None or tk < 128 or tn < 128 else (tm, tk, tn)
-
-
 def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, megablox: bool) -> jax.Array:
     """Rows of `x_MxK` sorted by group times their group's weight. On TPU with `megablox`, jax's Pallas megablox
     kernel (MaxText's default there: `megablox=true`) where the shapes tile; else jax.lax.ragged_dot."""
     from maxperf.models.layers.attention_kernels import platform_of_mesh
 
-    tiling = _megablox_tiling(x_MxK.shape[0], x_MxK.shape[1], w_GxKxN.shape[2])
+    tiling = megablox_tiling(x_MxK.shape[0], x_MxK.shape[1], w_GxKxN.shape[2])
     if megablox and tiling is not None and platform_of_mesh() == "tpu":
         from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
 
