@@ -19,12 +19,12 @@ Orderings spare estimates without changing the answer (perfmodel's figures obey 
   than are timed;
 - step time, by microbatch: a configuration's larger microbatch, where it fits, is at least as fast per token. With
   the global batch fixed, its smaller accumulation A does fewer weight gathers per step (720 successive pairs of A
-  over the same presets); with the batch free, each step does the same weight gathers for more tokens (26,328
+  over the same presets); with the batch free, each step does the same weight gathers for more tokens (26,177
   successive pairs of B at A=1 over 13 presets in 14 cases: dense, MoE and MLA, TPU, GPU and CPU meshes, two slices;
-  300 random configurations each). So each configuration is estimated from its largest microbatch down, and none
-  below the first that fits;
-- memory, by microbatch, with the batch free: memory grows with B (the same 26,328 pairs), so a policy no other keeps
-  less than is estimated at the smallest B first, and where it does not fit there, at no B.
+  bench/plan_orderings.py). So each configuration is estimated from its largest microbatch down, and none below the
+  first that fits;
+- memory, by microbatch, with the batch free: memory does not fall as B grows (the same 26,177 pairs), so a policy no
+  other keeps less than is estimated at the smallest B first, and where it does not fit there, at no B.
 plan.json counts each (more_accumulation, smaller_batch, keeps_less_than_fitting, keeps_more_than_unfit,
 unfit_at_smallest_batch).
 """
