@@ -426,3 +426,46 @@ def test_estimate_with_the_callers_memory_equals_estimate_alone():
                                        chip.hbm_bytes, chip.kind)
     given = perfmodel.estimate(Request.of(p.topology, m, t, axes, p.mesh.dcn), memory=memory)
     assert given.as_dict() == alone.as_dict()
+
+
+def _candidate(tokens_per_s: float, **axes: int) -> candidates.Candidate:
+    ici = {a: axes.get(a, 1) for a in MESH_AXES}
+    return candidates.Candidate(ici=ici, dcn=dict.fromkeys(MESH_AXES, 1), remat_policy="full", attention="flash",
+                                per_device_batch_size=1, grad_accum_steps=1, tokens_per_s=tokens_per_s,
+                                memory_bytes=1e9)
+
+
+def _ranked(tie: float, *cs: candidates.Candidate) -> plan.SearchResult:
+    result = plan.SearchResult(plan.PlanRequest("tiny", "v5p-64"), "tiny", "v5p-64", "tpu", 32, 32, 64, None, 95e9,
+                               margin.Margin(0.0, "none"), (), list(cs), 0.0, tie=tie)
+    plan.rank(result)
+    return result
+
+
+def test_candidates_within_the_uncertainty_are_ties_won_by_the_simplest_layout():
+    """llama3-8b on v5p-64 put 24 candidates within 1% of each other and fsdp=2 x fsdp_transpose=16 won by 0.1% over
+    plain fsdp=32: inside perfmodel's held-out error, plain FSDP (MaxText's default) is the answer."""
+    twin = _candidate(1001.0, fsdp=2, fsdp_transpose=16)
+    plain = _candidate(1000.0, fsdp=32)
+    tensor = _candidate(995.0, fsdp=8, tensor=4)
+    slow = _candidate(800.0, fsdp=32)
+    result = _ranked(0.08, twin, tensor, slow, plain)
+    assert result.winner is plain and result.candidates[:3] == [plain, twin, tensor]
+    assert "within 8% of the fastest" in plain.reason and "a tie" in twin.reason
+    assert slow.reason == "1.250x slower by tokens_per_s"
+    assert any("3 candidates lie within 8%" in n for n in result.notes)
+    # where the model can tell them apart (no uncertainty, as on CPU devices), the fastest wins
+    again = [_candidate(1001.0, fsdp=2, fsdp_transpose=16), _candidate(1000.0, fsdp=32)]
+    assert _ranked(0.0, *again).winner is again[0]
+
+
+def test_plan_ties_use_the_chips_held_out_error_and_verification_proves_distinct_layouts():
+    from maxperf.perfmodel import get_chip, work
+
+    assert work.uncertainty(get_chip("tpu-v5p"), work.SHIPPED).relative == work.HELD_OUT_ERROR["source"][0]
+    assert work.uncertainty(get_chip("tpu-v6e"), work.SHIPPED).relative == work.HELD_OUT_ERROR["generation"][0]
+    assert work.uncertainty(get_chip("cpu"), work.SHIPPED) is None
+    a, b, c = _candidate(3.0, fsdp=32), _candidate(2.9, fsdp=32), _candidate(2.8, fsdp=16, tensor=2)
+    b.remat_policy = "minimal"
+    assert verify.distinct_layouts([a, b, c], [], 2) == [a, c]  # not two of the same mesh
+    assert verify.distinct_layouts([a, b, c], [], 3) == [a, c, b]

@@ -45,6 +45,7 @@ from maxperf import perfmodel
 from maxperf.perfmodel import MemoryBreakdown
 from maxperf.perfmodel.estimate import device_for
 from maxperf.perfmodel.flops import resolve_attention
+from maxperf.perfmodel.work import SHIPPED, uncertainty
 from maxperf.search import commands
 from maxperf.search.candidates import OFFLOADED, SAVED, Candidate, MeshChoice, Space, number, space
 from maxperf.search.margin import Margin, load_margin
@@ -92,6 +93,9 @@ class SearchResult:
     compiles: int = 0
     notes: list[str] = field(default_factory=list)
     closest_miss: dict[str, Any] | None = None
+    # candidates whose objective is within this fraction of the best are ties (perfmodel's held-out error on the
+    # chip: what the model cannot tell apart); 0 ranks by the objective alone
+    tie: float = 0.0
 
     @property
     def fitting(self) -> list[Candidate]:
@@ -158,8 +162,10 @@ def search(req: PlanRequest, progress: Callable[[str], None] | None = None, marg
     estimator = _Estimator(found, device_for(topo, calibration), calibration, margin)
     for choice in found.meshes:
         estimator.mesh(choice)
+    held_out = uncertainty(estimator.chip, SHIPPED)
     result = SearchResult(req, model.name, topo.name, topo.platform, topo.num_devices, topo.chips, train0.seq_len,
-                          found.rows, estimator.hbm, margin, found.fixed, found.candidates, 0.0)
+                          found.rows, estimator.hbm, margin, found.fixed, found.candidates, 0.0,
+                          tie=held_out.relative if held_out else 0.0)
     rank(result)
     if not result.fitting and result.candidates:
         result.closest_miss = closest_miss(result, model, estimator.trains, topo, calibration)
@@ -293,6 +299,14 @@ def rank(result: SearchResult) -> None:
             c.status, c.reason = "slower", ""
     fits = sorted((c for c in result.candidates if c.status == "slower" and not c.skipped),
                   key=lambda c: (-getattr(c, objective), c.verified is not True, c.memory_shown_bytes()))
+    ties = [c for c in fits if fits and getattr(c, objective) >= getattr(fits[0], objective) * (1 - result.tie)]
+    if len(ties) > 1:  # what the model cannot tell apart, the simplest layout first
+        ties.sort(key=lambda c: (c.verified is not True, complexity(c), -getattr(c, objective)))
+        fits = ties + fits[len(ties):]
+        note = (f"{len(ties)} candidates lie within {result.tie:.0%} of the fastest by {objective}, perfmodel's "
+                f"held-out error on this chip: ties, ranked simplest layout first")
+        if note not in result.notes:
+            result.notes = [n for n in result.notes if "held-out error on this chip" not in n] + [note]
     skipped = [c for c in result.candidates if c.skipped]
     misses = sorted((c for c in result.candidates if c.status == "does not fit"),
                     key=lambda c: (bool(c.unfit), c.memory_shown_bytes()))
@@ -303,15 +317,28 @@ def rank(result: SearchResult) -> None:
     compiled = [c for c in fits if c.verified]
     best = compiled[0] if compiled else fits[0]
     best.status = "chosen"
+    if len(ties) > 1 and best in ties:
+        best.reason = f"the simplest layout of {len(ties)} within {result.tie:.0%} of the fastest"
     above = True
     for c in fits:
         if c is best:
             above = False
             continue
+        ratio = getattr(best, objective) / getattr(c, objective)
         if c.verified is None and above:
             c.reason = "not compiled: verification stopped before it"
+        elif c in ties:
+            c.reason = f"a tie ({ratio:.3f}x by {objective}, within {result.tie:.0%}), less simple"
         else:
-            c.reason = f"{getattr(best, objective) / getattr(c, objective):.3f}x slower by {objective}"
+            c.reason = f"{ratio:.3f}x slower by {objective}"
+
+
+def complexity(c: Candidate) -> tuple[int, int, int, str]:
+    """How far a candidate is from the layouts production recipes run (MaxText's default: FSDP over the slice, data
+    parallelism across slices, one microbatch, flash attention): the mesh axes over 1 beyond those, gradient
+    accumulation, the dot product; then the mesh in words, so that ties order the same way every time."""
+    axes = sum(1 for a, n in c.axes.items() if n > 1 and a != "fsdp" and not (a == "data" and c.ici[a] == 1))
+    return axes, int(c.grad_accum_steps > 1), int(c.attention != "flash"), c.mesh_shown()
 
 
 def closest_miss(result: SearchResult, model, trains, topo, calibration) -> dict[str, Any]:

@@ -36,7 +36,8 @@ def verify(result: SearchResult, k: int, out: str | os.PathLike, workers: int | 
     while True:
         verified = [c for c in result.candidates if c.verified]
         want = k - len(verified)
-        todo = [c for c in result.fitting if c.overrides() not in compiled][:want]
+        todo = distinct_layouts([c for c in result.fitting if c.overrides() not in compiled], compiled.values(),
+                                want)
         if want <= 0 or not todo or result.compiles >= budget:
             break
         todo = todo[:budget - result.compiles]
@@ -72,6 +73,18 @@ def verify(result: SearchResult, k: int, out: str | os.PathLike, workers: int | 
                 c.status, c.reason = "slower", "not verified: every compiled candidate failed to fit"
     result.verify_seconds += time.perf_counter() - start
     return result
+
+
+def distinct_layouts(ranked: list[Candidate], done, want: int) -> list[Candidate]:
+    """The first `want` of `ranked`, taking at most one candidate per mesh among those not yet compiled (`done`):
+    compiles that prove different layouts, not near-twins of one; candidates of a mesh already taken follow where
+    too few meshes are left."""
+    meshes = {c.mesh_shown() for c in done}
+    first, again = [], []
+    for c in ranked:
+        (again if c.mesh_shown() in meshes else first).append(c)
+        meshes.add(c.mesh_shown())
+    return (first + again)[:want]
 
 
 def search_again(result: SearchResult, compiled: dict[tuple[str, ...], Candidate], progress) -> None:
