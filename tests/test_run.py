@@ -270,3 +270,35 @@ def test_a_collective_that_lost_its_peer_is_named_as_such():
     assert runner._PEER_LOST.search("Gloo AllReduce failed: Connection closed by peer")
     assert not runner._PEER_LOST.search("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2G")
     assert runner.PeerLost.exit_code == 1
+
+
+def test_a_cpu_run_gives_xla_collectives_time_to_wait_for_busy_cores(monkeypatch):
+    """XLA:CPU aborts a collective whose device threads have not all arrived in 40 s; on a loaded host they arrive late
+    without anything being wrong, so a CPU run sets the termination timeout from --timeout and keeps the user's own."""
+    from maxperf.cli import run as cli_run
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    cli_run.patient_cpu_collectives(60)
+    flags = os.environ["XLA_FLAGS"].split()
+    assert "--xla_cpu_collective_call_terminate_timeout_seconds=600" in flags
+    assert "--xla_cpu_collective_timeout_seconds=600" in flags and flags[0] == "--xla_force_host_platform_device_count=8"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_collective_call_terminate_timeout_seconds=5")
+    cli_run.patient_cpu_collectives(60)
+    assert "--xla_cpu_collective_call_terminate_timeout_seconds=5" in os.environ["XLA_FLAGS"].split()
+    assert "--xla_cpu_collective_call_terminate_timeout_seconds=600" not in os.environ["XLA_FLAGS"]
+
+
+@pytest.mark.slow
+def test_a_run_on_a_loaded_host_slows_down_instead_of_aborting(artifact, tmp_path):
+    """Four processes spinning on this machine's cores while a cpu-8 step runs its collectives: the run finishes."""
+    burners = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 120\nwhile time.time() < end: pass"])
+               for _ in range(4)]
+    try:
+        proc = maxperf("run", str(artifact), "--steps", "3", "--warmup", "1", "--out", str(tmp_path / "loaded"),
+                       "--json", timeout=600)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["steps"] == 3

@@ -25,12 +25,32 @@ def _prepare(args) -> str | None:
     _check_processes(devices, args)
     if devices.get("platform") == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        patient_cpu_collectives(args.timeout)
         ensure_cpu_devices(devices["count"] // max(devices.get("processes", 1), 1))
     if devices.get("platform") == "gpu" and not any(v in os.environ for v in _GPU_ALLOCATOR_VARIABLES):
         # jax's GPU allocator takes 75% of the GPU's memory unless told otherwise, so a step that `compile` found
         # to fit the device could run out of memory here: give it what the verdict assumed, less the CUDA context
         os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = GPU_MEMORY_FRACTION
     return devices.get("platform")
+
+
+# XLA:CPU ends the process when a collective's devices have not all arrived within its termination timeout (40 s by
+# default: "Termination timeout for `all reduce RendezvousKey{...}` of 40 seconds exceeded", SIGABRT). The devices of
+# a cpu-N step are threads of this process sharing its cores, so on a loaded host one arrives late by the time its
+# work takes, not because a peer died: a run waits this many times --timeout (600 s at the default) before XLA gives
+# up, and slows down instead of aborting.
+CPU_COLLECTIVE_TIMEOUT_FACTOR = 10
+_CPU_COLLECTIVE_FLAGS = ("xla_cpu_collective_call_terminate_timeout_seconds", "xla_cpu_collective_timeout_seconds")
+
+
+def patient_cpu_collectives(timeout: float) -> None:
+    """XLA:CPU's collective timeouts set from `--timeout` (CPU_COLLECTIVE_TIMEOUT_FACTOR), before jax starts, where
+    XLA_FLAGS does not set them already."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    seconds = int(CPU_COLLECTIVE_TIMEOUT_FACTOR * timeout)
+    extra = [f"--{name}={seconds}" for name in _CPU_COLLECTIVE_FLAGS if f"--{name}=" not in flags]
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([*flags.split(), *extra])
 
 
 GPU_MEMORY_FRACTION = "0.95"
