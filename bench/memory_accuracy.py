@@ -30,8 +30,9 @@ all on v5p-32 (16 chips; the rest of the mesh is FSDP):
   as `maxperf estimate-memory` runs it by default); mixtral-8x7b under tensor parallelism with the mesh, policy and
   accumulation `maxperf plan` chose; deepseek-v3 with multi-token prediction (13 compiles); "depth":
   deepseek-v2-lite at 8 layers beside its 4, to check that the error does not depend on the depth (1 compile).
-46 TPU compiles in all. The groups run interleaved (policies, shapes, moe with depth), then rest, so that a run cut
-short covers each; then "gpu" (GPU_MOE, 19 compiles for H100s), whose summary stands apart and is not written by
+And "offload": MaxText's host-offload recipe on v6e-256 at llama3-70b's widths (OFFLOAD, 5 compiles). 51 TPU compiles
+in all. The groups run interleaved (policies, shapes, moe with depth), then rest and offload, so that a run cut short
+covers each; then "gpu" (GPU_MOE, 19 compiles for H100s), whose summary stands apart and is not written by
 `--error-json`.
 """
 
@@ -118,6 +119,18 @@ GPU_MOE = (("deepseek-v2-lite", "h100-8", ("per_device_batch_size=1",)),
            *((m, "h100-8x16", ("per_device_batch_size=1", "ici_expert_parallelism=8", "dcn_fsdp_parallelism=16"))
              for m in ("deepseek-v3", "qwen3-235b-a22b")))
 DEPTHS = (8,)
+# "offload": MaxText's host-offload recipes on v6e (its llama3.1-70b recipe offloads the layer input and q, k, v), at
+# llama3-70b's widths cut to 4 layers on v6e-256 (fsdp 256), L 8192, flash: the policy MaxText's recipe sets, the layer
+# input alone, q, k, v alone, and full remat beside them, at the recipe's B 5 and at B 2
+OFFLOAD_MODEL, OFFLOAD_TOPOLOGY = "llama3-70b", "v6e-256"
+OFFLOAD_COMMON = ("num_layers=4", "seq_len=8192", "attention=flash")
+OFFLOAD = (("per_device_batch_size=5", "remat_policy=custom", "decoder_layer_input=offload", "query_proj=offload",
+            "key_proj=offload", "value_proj=offload"),
+           ("per_device_batch_size=5", "remat_policy=custom", "decoder_layer_input=offload"),
+           ("per_device_batch_size=5", "remat_policy=custom", "query_proj=offload", "key_proj=offload",
+            "value_proj=offload"),
+           ("per_device_batch_size=5", "remat_policy=full"),
+           ("per_device_batch_size=2", "remat_policy=full"))
 
 
 def dense(tp: int, b: int, length: int, policy: str, kernel: str) -> tuple[str, ...]:
@@ -143,8 +156,9 @@ def cases() -> list[tuple[str, str, str, tuple[str, ...]]]:
     depth = [("depth", m, t, (f"num_layers={n}", *MOE_COMMON, *extra)) for m, t, extra in MOE[1:2] for n in DEPTHS]
     first = [c for trio in itertools.zip_longest(policies, shapes, moe[:2] + depth + moe[2:]) for c in trio if c]
     rest = [("rest", DENSE, DENSE_TOPOLOGY, dense(*BASE, p, KERNELS[i % 2])) for i, p in enumerate(POLICIES)]
+    offload = [("offload", OFFLOAD_MODEL, OFFLOAD_TOPOLOGY, (*OFFLOAD_COMMON, *extra)) for extra in OFFLOAD]
     gpu = [("gpu", m, t, extra) for m, t, extra in GPU_MOE]
-    return first + rest + gpu
+    return first + rest + offload + gpu
 
 
 def key(model: str, topology: str, overrides: tuple[str, ...]) -> str:
@@ -165,7 +179,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", type=Path, help="JSON file of compiler figures to reuse and extend")
     ap.add_argument("--only", default="", help="run only cases whose key contains this text")
-    ap.add_argument("--group", choices=("policies", "shapes", "moe", "depth", "rest", "gpu"), action="append",
+    ap.add_argument("--group", choices=("policies", "shapes", "moe", "depth", "rest", "offload", "gpu"),
+                    action="append",
                     help="run only this group (repeatable)")
     ap.add_argument("--cached-only", action="store_true", help="report only the cases the cache holds")
     ap.add_argument("--json", type=Path, help="also write the rows here")
