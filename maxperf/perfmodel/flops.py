@@ -314,7 +314,11 @@ _BLOCK_PAIRS: dict[tuple[int, int, int, int], float] = {}
 def executed_pairs(model: ModelConfig, train: TrainConfig, L: int, platform: str) -> tuple[float, ...]:
     """The pairs a flash kernel computes for each layer on a platform kind (block_pairs)."""
     bq, bkv = flash_blocks(train, platform, L)
-    return tuple(block_pairs(L, mask, bq, bkv) for mask in attention_rule.layer_masks(model))
+    memo = model_memo(model)
+    if (hit := memo.get(("executed_pairs", L, bq, bkv))) is None:
+        hit = memo["executed_pairs", L, bq, bkv] = tuple(block_pairs(L, mask, bq, bkv)
+                                                         for mask in attention_rule.layer_masks(model))
+    return hit
 
 
 @dataclass(frozen=True)

@@ -286,6 +286,9 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     return _settle(table, overlap)
 
 
+DEFAULT_OVERLAP = Overlap()
+
+
 def _mla_matmuls(table: Work, model: ModelConfig, T: float, H: float, fwd, bwd: float, c: int) -> None:
     """Latent attention's projections (models/layers/mla.py), H the local heads: q through its latent (or straight
     from D), the kv latent with the shared RoPE key, its up-projection to keys and values, the output."""
@@ -397,7 +400,7 @@ def _collective(table: Work, name: str, kind: str, nbytes: float, axes: tuple[st
     t = collective_time(kind, nbytes, axes, nets, pieces) if time is None else time
     if table.chip.kind != "cpu" and (t.ici_s or t.dcn_s):  # CPU collectives: measured rates, latency and overlap
         family = name.split()[0]
-        origin = OVERLAP_ORIGIN[family] if overlap == getattr(Overlap(), family) else "as given"
+        origin = OVERLAP_ORIGIN[family] if overlap == getattr(DEFAULT_OVERLAP, family) else "as given"
         table.assume("overlap " + family, f"{family} collectives {overlap:.0%} hidden ({origin})")
         table.assume("latency", f"{LATENCY_S['ici'] * 1e6:g} us per collective inside a slice or NVLink domain (assumed), "
                                 f"{table.constants.dcn_step_latency[table.chip.kind] * 1e6:g} us per step of its ring "

@@ -266,6 +266,11 @@ def half_scale(chip: Chip) -> float:
     return chip.mxu_width / 128 if chip.mxu_width else 1.0
 
 
+# A term's fields in the order Work records them: its words, then its numbers (Terms' arrays)
+COLUMNS = ("name", "kind", "family", "law", "fixed_s", "peak_s", "hbm_s", "side", "rate", "half", "half_scale",
+           "dcn_steps", "flops", "bytes", "overlap")
+
+
 class Work:
     """Records a step's work as Terms: matmuls with their FLOPs, bytes and shape; memory-bound work; collectives."""
 
@@ -273,9 +278,7 @@ class Work:
         self.chip, self.peak, self.constants = chip, chip.peak_flops(dtype), constants
         self.int8 = int8
         self.half = chip.measured_matmul_half(dtype)
-        self.columns: dict[str, list] = {k: [] for k in (
-            "name", "kind", "law", "fixed_s", "peak_s", "hbm_s", "side", "rate", "half", "half_scale", "dcn_steps",
-            "flops", "bytes", "family", "overlap")}
+        self.rows: list[tuple] = []  # one per term, in COLUMNS' order
         self.assumed: dict[str, str] = {}
 
     def assume(self, key: str, line: str) -> None:
@@ -286,11 +289,8 @@ class Work:
               side: float = 1.0, rate: float = 1.0, half: float = math.nan, half_scale: float = 1.0,
               dcn_steps: float = 0.0, flops: float = 0.0, nbytes: float = 0.0,
               family: str = "", overlap: float = 0.0) -> None:
-        for key, value in (("name", name), ("kind", kind), ("law", law), ("fixed_s", fixed_s), ("peak_s", peak_s),
-                           ("hbm_s", hbm_s), ("side", side), ("rate", rate), ("half", half),
-                           ("half_scale", half_scale), ("dcn_steps", dcn_steps), ("flops", flops),
-                           ("bytes", nbytes), ("family", family), ("overlap", overlap)):
-            self.columns[key].append(value)
+        self.rows.append((name, kind, family, law, fixed_s, peak_s, hbm_s, side, rate, half, half_scale, dcn_steps,
+                          flops, nbytes, overlap))
 
     def add(self, name: str, kind: str, seconds: float, flops: float = 0.0, nbytes: float = 0.0,
             overlap: float = 0.0, family: str = "", dcn_steps: float = 0.0) -> None:
@@ -390,9 +390,7 @@ class Work:
         self.add(name, "hbm", nbytes / (self.chip.elementwise_bandwidth or self.chip.hbm_bandwidth), 0.0, nbytes)
 
     def terms(self) -> Terms:
-        col = self.columns
-        arrays = {k: np.array(col[k], dtype=float) for k in ("law", "fixed_s", "peak_s", "hbm_s", "side", "rate",
-                                                             "half", "half_scale", "dcn_steps", "flops", "bytes",
-                                                             "overlap")}
+        names, kinds, families, *numbers = zip(*self.rows) if self.rows else ((),) * len(COLUMNS)
+        arrays = dict(zip(COLUMNS[3:], np.array(numbers, dtype=float).reshape(len(COLUMNS) - 3, -1)))
         arrays["law"] = arrays["law"].astype(int)
-        return Terms(name=tuple(col["name"]), kind=tuple(col["kind"]), family=tuple(col["family"]), **arrays)
+        return Terms(name=names, kind=kinds, family=families, **arrays)
