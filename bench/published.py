@@ -2,7 +2,7 @@
 constants.
 
     .venv/bin/python bench/published.py [--no-fit] [--only SUBSTRING] [--json FILE] [--free NAMES]
-                                        [--hold-out row,source,hardware]
+                                        [--hold-out row,source,hardware] [--hlo [--hlo-rows IDS]]
 
 Rows: bench/published/training.csv (what each source states, with its citation) and
 bench/published/maxperf_mapping.csv (how a row is written for maxperf: a preset, key=value overrides, a topology
@@ -40,6 +40,14 @@ predicted by constants fitted, from PRIOR, on the rest; a chip left with no rows
 applies to chips without rows (`stand_in`). Leave-one-source-out is the figure to expect on runs the model has not
 seen. The script also prints, for rows stating both TFLOP/s and tokens/s, the source's FLOPs per token over
 maxperf's, and the published runs that maxperf's memory model says would not fit.
+
+`--hlo` adds the step time read from the compiled program (maxperf.aot.hlo_time) on the rows of HLO_ROWS (or
+`--hlo-rows`): each row is compiled by `maxperf compile` (one process at a time, HLO_TIMEOUT_S each; the compile
+cache keeps the programs, so a second run re-reads them in seconds), and its HLO-derived error is printed beside the
+analytical one, with the HLO prediction over the analytical one. HLO_ROWS are rows whose step compiles in minutes on
+a 2-core machine: every chip generation with rows, single slices and several, FSDP and tensor parallelism; left out
+are the rows of 405B-parameter and 1T models and MaxText's unscanned A3 steps (`scan_layers=false`), whose compiles
+take far longer here, and rows that differ from a listed one only in their slice count beyond what is listed.
 """
 
 from __future__ import annotations
@@ -60,6 +68,14 @@ from maxperf.perfmodel import chips, work
 from maxperf.spec.errors import MaxperfError
 
 HERE = Path(__file__).resolve().parent / "published"
+ROOT = HERE.parent.parent
+# The rows `--hlo` compiles (see the docstring), and how long one compile may take here.
+HLO_ROWS = ("maxtext-v4-22b-x1", "maxtext-v4-22b-x4", "maxtext-v4-52b-x1", "maxtext-v5p-32b-v5p-128-x1",
+            "maxtext-v5p-64b-v5p-128-x1", "maxtext-v5p-128b-v5p-256-x1", "maxtext-v5p-128b-v5p-256-x2",
+            "maxtext-v5e-16b-x1", "maxtext-v5e-32b-x1", "maxtext-v5e-64b-x1", "maxtext-v5e-16b-x4",
+            "maxtext-v5e-32b-x16", "mpt-h100-7b-L2048-8gpu", "mpt-h100-1b-L2048-8gpu", "mpt-a100-7b-L2048-8gpu",
+            "ironwood-llama3.1-70b-L8192-bf16-64chips")
+HLO_TIMEOUT_S = 1800
 FAMILY_ORDER = ("fsdp", "tensor", "data", "sequence", "expert")  # the collectives' Overlap fields; the first three fitted
 
 
@@ -379,6 +395,77 @@ def held_out_errors(replay: Replay, rows: list[Row], pub: np.ndarray, start: Con
     return err
 
 
+def hlo_steps(rows: list[Row], ids: list[str], timeout: float) -> dict[str, dict]:
+    """For each row of `ids`: `maxperf compile` of its request in a process of its own (into a temporary directory;
+    the compile cache keeps the program), and the HLO-derived and analytical step times its estimate.json holds;
+    or why there are none."""
+    import os
+    import subprocess
+    import tempfile
+
+    out: dict[str, dict] = {}
+    by_id = {r.id: r for r in rows}
+    for rid in ids:
+        row = by_id.get(rid)
+        if row is None or row.reason:
+            out[rid] = {"error": row.reason if row is not None else "no such row"}
+            continue
+        m = row.mapping
+        with tempfile.TemporaryDirectory(prefix="maxperf-hlo-") as tmp:
+            command = [sys.executable, "-m", "maxperf.cli", "compile", "--topology", m["topology"], "--model",
+                       m["maxperf_model"], "--num-slices", m["num_slices"], *_overrides(row), "--out",
+                       f"{tmp}/artifact", "--json"]
+            start = time.time()
+            print(f"compiling {rid} ...", file=sys.stderr, flush=True)
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                                      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+            except subprocess.TimeoutExpired:
+                out[rid] = {"error": f"compile over {timeout:.0f} s"}
+                continue
+            estimate_path = Path(tmp) / "artifact" / "estimate.json"
+            if not estimate_path.is_file():
+                lines = [line for line in done.stderr.splitlines() if line.startswith("maxperf:")]
+                out[rid] = {"error": (lines[-1] if lines else f"exit {done.returncode}")[:160]}
+                continue
+            estimate = json.loads(estimate_path.read_text())
+            hlo = estimate["hlo_time"]
+            out[rid] = {"hlo_step_time_s": hlo["step_time_s"], "analytical_step_time_s": estimate["step_time_s"],
+                        "hlo_bottleneck": hlo["bottleneck"], "hlo_exposed_s": hlo["exposed_s"],
+                        "costing_seconds": hlo["costing_seconds"], "wall_seconds": time.time() - start}
+    return out
+
+
+def print_hlo(ok: list[Row], pub: np.ndarray, err0: np.ndarray, hlo: dict[str, dict], results: dict) -> None:
+    """The HLO-derived column: per compiled row, and the summary against the targets."""
+    print("\nstep time read from the compiled program (maxperf.aot.hlo_time), rows compiled:")
+    print(f"  {'row':<44} {'analytical':>10} {'HLO':>8} {'HLO / analytical':>17}  bound by")
+    errors, ratios = [], []
+    for i, r in enumerate(ok):
+        h = hlo.get(r.id)
+        if h is None or "hlo_step_time_s" not in h:
+            continue
+        tokens = r.estimate.flops.tokens * r.request.topology.devices_per_chip / h["hlo_step_time_s"]
+        err = tokens / pub[i] - 1
+        ratio = h["hlo_step_time_s"] / h["analytical_step_time_s"]
+        errors.append(err)
+        ratios.append(ratio)
+        results[r.id]["hlo"] = float(err)
+        results[r.id]["hlo_over_analytical"] = float(ratio)
+        print(f"  {r.id:<44} {100 * err0[i]:>+9.1f}% {100 * err:>+7.1f}% {ratio:>17.3f}  {h['hlo_bottleneck']}")
+    failed = {rid: h["error"] for rid, h in hlo.items() if "error" in h}
+    for rid, why in failed.items():
+        print(f"  {rid:<44} not compiled: {why}")
+    if errors:
+        a, close = np.abs(np.array(errors)), np.abs(np.array(ratios) - 1) <= 0.10
+        print(f"  HLO-derived, {len(errors)} rows: median {100 * np.median(a):.1f}%, worst {100 * a.max():.1f}% "
+              f"(targets 8% / 20%); within 10% of the analytical on {int(close.sum())} of {len(errors)} "
+              f"({100 * close.mean():.0f}%, target 80%)")
+        walls = [h["wall_seconds"] for h in hlo.values() if "wall_seconds" in h]
+        costs = [h["costing_seconds"] for h in hlo.values() if "costing_seconds" in h]
+        print(f"  compile processes {sum(walls):.0f} s in all; reading and costing each HLO at most {max(costs):.2f} s")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-fit", action="store_true", help="only the unfitted comparison")
@@ -391,6 +478,11 @@ def main() -> int:
                     help="comma-separated: row (leave one row out at a time), source (one source at a time), "
                          "hardware (one chip generation at a time); a chip left without rows takes the rule chips.py "
                          "applies to chips without rows")
+    ap.add_argument("--hlo", action="store_true",
+                    help="also compile the rows of HLO_ROWS (or --hlo-rows) and print the step time read from the "
+                         "compiled program beside the analytical one (minutes per row; the compile cache keeps them)")
+    ap.add_argument("--hlo-rows", default=",".join(HLO_ROWS), help="comma-separated row ids for --hlo")
+    ap.add_argument("--hlo-timeout", type=float, default=HLO_TIMEOUT_S, help="seconds one row's compile may take")
     args = ap.parse_args()
     free = tuple(n for n in args.free.split(",") if n)
     unknown_names = sorted(set(free) - {f.name for f in fields(Constants)})
@@ -484,6 +576,10 @@ def main() -> int:
     if unfit:
         print(f"\n{len(unfit)} of {len(ok)} rows ran as published but maxperf's memory model says they do not fit:")
         print(textwrap.fill(", ".join(unfit), 116, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False))
+
+    if args.hlo:
+        print_hlo(ok, pub, err0, hlo_steps(rows, [i for i in args.hlo_rows.split(",") if i], args.hlo_timeout),
+                  results)
 
     skipped = [r for r in rows if r.reason]
     if skipped:

@@ -120,9 +120,11 @@ def test_mfu_and_comparison_report(compiled, tmp_path):
         "memory": {"measured_peak_bytes": None}}))
     result = render([compiled[0], compiled[1], run_dir], tmp_path / "mfu.html", command=["maxperf", "report"])
     page = assert_self_contained(result.html_path)
-    assert page.svgs == 7 and page.labelled_svgs == 7  # time breakdown and memory, for each of three; step times
+    # the time breakdown, the HLO-derived time by kind and memory, for each of three; step times
+    assert page.svgs == 10 and page.labelled_svgs == 10
     text = result.html_path.read_text()
     assert "measured against predicted" in text and "side by side" in text and "★" in text
+    assert "step time read from the compiled program" in text and "instructions taking the most time" in text
     assert "jax" in text and "maxperf report" in text
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from maxperf import __version__
-from maxperf.aot import artifacts, cache, targets
+from maxperf.aot import artifacts, cache, hlo_time, targets
 from maxperf.perfmodel.calibration import StoredCalibration
 from maxperf.spec import presets
 from maxperf.spec.errors import DoesNotFit, MaxperfError
@@ -249,7 +249,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
     capacity = device_memory_bytes(topo)
     writer.write_text("hlo/lowered.stablehlo.mlir", lowered.as_text())
     options = targets.compiler_options(topo, random_bits=str(p.configs.train.quantization) != "none")
-    key = cache.key(lowered.as_text(), _target_identity(topo), options, library_versions())
+    key = cache.key(lowered.as_text(), target_identity(topo), options, library_versions())
     entry = cache.get(key)
     cache_hit = entry is not None
     t = time.perf_counter()
@@ -274,8 +274,8 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
             writer.write_json("memory.json", memory)
             _write_manifest(writer, p, spec, argv, time.perf_counter() - t, lower_seconds, start,
                             compiled=False, cache_hit=False)
-            _finish(writer)
-            raise DoesNotFit(_verdict_line(memory)) from None
+            finish(writer)
+            raise DoesNotFit(verdict_line(memory)) from None
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
         entry = cache.Entry(payload=payload, in_tree=str(in_tree), out_tree=str(out_tree),
                             memory=memory_fields(compiled.memory_analysis()), xla_cost=xla_cost(compiled),
@@ -290,6 +290,8 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
     writer.write_json("cost.json", cost)
     estimate = estimate_for(p, calibration)
     if estimate is not None:
+        say("reading the step time from the optimized HLO")
+        estimate["hlo_time"] = hlo_time.predict(entry.optimized_hlo, topo, p.mesh, calibration).as_dict()
         writer.write_json("estimate.json", estimate)
     artifacts.check_executable_pickle(entry.payload)
     blob = {"schema": artifacts.COMPILED_SCHEMA, "platform": topo.platform, "executable": entry.payload,
@@ -297,7 +299,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
     writer.write_bytes("compiled.pkl", pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL))
     _write_manifest(writer, p, spec, argv, compile_seconds, lower_seconds, start, compiled=True,
                     cache_hit=cache_hit)
-    _finish(writer)
+    finish(writer)
     return CompileResult(
         out_dir=out_dir, plan=p, param_count=spec.param_count, global_batch=spec.global_batch, fits=memory["fits"],
         memory=memory, cost=cost, estimate=estimate, compile_seconds=compile_seconds, lower_seconds=lower_seconds,
@@ -306,7 +308,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
     )
 
 
-def _finish(writer: artifacts.ArtifactWriter) -> None:
+def finish(writer: artifacts.ArtifactWriter) -> None:
     """Process 0 writes the artifact; the other processes of a multi-process compile discard their copy."""
     import jax
 
@@ -316,7 +318,7 @@ def _finish(writer: artifacts.ArtifactWriter) -> None:
         writer.abandon()
 
 
-def _verdict_line(memory: dict[str, Any]) -> str:
+def verdict_line(memory: dict[str, Any]) -> str:
     gib = 1 << 30
     used, hbm = memory.get("per_device_total_bytes"), memory["hbm_bytes"]
     if used:
@@ -332,7 +334,7 @@ def device_summary(mesh) -> dict[str, Any]:
             "processes": len({d.process_index for d in devices})}
 
 
-def _target_identity(topology: Topology) -> dict[str, Any]:
+def target_identity(topology: Topology) -> dict[str, Any]:
     """What the compiled code depends on besides the module: the target, and a user's GPU spec by content."""
     target = topology.as_dict()
     if topology.target_config_path:

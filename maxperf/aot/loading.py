@@ -16,6 +16,8 @@ from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.parallelism import ParallelismConfig
 from maxperf.spec.request import Request
+from maxperf.spec.steps import StepName, UserRequest
+from maxperf.spec.topology import Topology
 from maxperf.spec.train import TrainConfig
 
 
@@ -23,10 +25,19 @@ from maxperf.spec.train import TrainConfig
 class Artifact:
     directory: Path
     manifest: dict
-    plan: Request
+    plan: Request | None  # maxperf's own step; None for a user's step (`user`)
     payload: bytes  # jax's serialized executable, already checked
     in_tree: str
     out_tree: str
+    user: UserRequest | None = None  # a user's step (`maxperf compile --step MODULE:FACTORY`)
+
+    @property
+    def topology(self) -> Topology:
+        return self.user.topology if self.user is not None else self.plan.topology
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.user.mesh if self.user is not None else self.plan.mesh
 
     def json(self, name: str) -> dict | None:
         """Another JSON file of the artifact (memory.json, cost.json, estimate.json), if it was written."""
@@ -60,6 +71,30 @@ class Artifact:
         )
         return spec, compiled
 
+    def user_step(self, device_list=None):
+        """(the user's Step, made again by its factory over `device_list`, the loaded executable, the jax Mesh)."""
+        import jax
+        from jax.experimental import serialize_executable
+
+        from maxperf.aot import targets, user_step
+
+        device_list = list(device_list) if device_list is not None else jax.devices()
+        mesh = targets.jax_mesh(self.user.topology, self.user.mesh, device_list)
+        step = user_step.make_step(self.user.step, mesh, self.user.args)
+        in_tree = jax.tree.structure((tuple(step.args), {}))
+        options = {"donate_argnums": step.donate}
+        if step.out_shardings is not None:
+            options["out_shardings"] = step.out_shardings
+        with user_step.context(step, mesh):
+            out_tree = jax.tree.structure(jax.eval_shape(jax.jit(step.fn, **options), *step.args))
+        if str(in_tree) != self.in_tree or str(out_tree) != self.out_tree:
+            raise ArtifactError(f"{self.directory}: --step {self.user.step} now makes arguments or results of another "
+                                "structure than the ones compiled (its code or its libraries changed?); compile again")
+        compiled = serialize_executable.deserialize_and_load(
+            self.payload, in_tree, out_tree, backend=device_list[0].client, execution_devices=device_list
+        )
+        return step, compiled, mesh
+
 
 def load(path: str | os.PathLike) -> Artifact:
     """Reads `DIR` or `DIR/compiled.pkl`; refuses altered, truncated or crafted files and other library versions."""
@@ -79,8 +114,30 @@ def load(path: str | os.PathLike) -> Artifact:
     if not isinstance(payload, bytes):
         raise ArtifactError(f"{directory}/compiled.pkl holds no executable")
     artifacts.check_executable_pickle(payload)
-    return Artifact(directory, manifest, plan_from_manifest(manifest), payload, blob.get("in_tree", ""),
-                    blob.get("out_tree", ""))
+    user = user_request_from_manifest(manifest)
+    return Artifact(directory, manifest, None if user is not None else plan_from_manifest(manifest), payload,
+                    blob.get("in_tree", ""), blob.get("out_tree", ""), user)
+
+
+def user_request_from_manifest(manifest: dict[str, Any]) -> UserRequest | None:
+    """The user's step a manifest records (`step`), or None for maxperf's own step."""
+    step = manifest.get("step")
+    if not isinstance(step, dict) or step.get("kind") != "user":
+        return None
+    try:
+        topo = manifest["topology"]
+        topology = topologies.get(topo["name"], num_slices=topo.get("num_slices", 1),
+                                  target_config_path=topo.get("target_config_path"))
+        mesh = manifest["mesh"]
+        args = step["args"]
+        if not isinstance(args, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in args.items()):
+            raise ValueError("the step's args are not text")
+        return UserRequest(topology, StepName(module=str(step["module"]), factory=str(step["function"])),
+                           from_dict(ParallelismConfig, manifest["parallelism"]),
+                           Mesh(ici=mesh["ici"], dcn=mesh["dcn"]), dict(args))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ArtifactError(f"manifest.json does not describe a user's step this maxperf reads ({type(e).__name__}: "
+                            f"{str(e)[:200]}); compile again with this installation") from None
 
 
 def _check_versions(directory: Path, manifest: dict) -> None:

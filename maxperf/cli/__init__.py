@@ -39,6 +39,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
                 return code
         return args.func(args)
     except MaxperfError as e:
+        if getattr(e, "details", None) and getattr(args, "verbose", False):  # the user's traceback (their step's)
+            print(e.details, file=sys.stderr, end="", flush=True)
         return fail(args, f"maxperf: error: {e}", e.exit_code)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM as Terminated
         signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT

@@ -17,15 +17,35 @@ JSON_HELP = "print the result as one JSON document on stdout (progress stays on 
 ERROR_SCHEMA = "maxperf.error/1"  # what `--json` prints on stdout when the command fails
 
 
-def add_request_arguments(parser: argparse.ArgumentParser, *, model_default: str | None) -> None:
-    """--topology, --model, --num-slices and the key=value overrides: what names a request (spec.request.resolve)."""
+def add_request_arguments(parser: argparse.ArgumentParser, *, model_default: str | None,
+                          model_required: bool | None = None) -> None:
+    """--topology, --model, --num-slices and the key=value overrides: what names a request (spec.request.resolve).
+    `model_required`: None, required when there is no default."""
     parser.add_argument("--topology", required=True, help="e.g. v5p-1024, v5e-256, h100-8x16, cpu-8")
-    parser.add_argument("--model", default=model_default, required=model_default is None,
+    parser.add_argument("--model", default=model_default,
+                        required=model_default is None if model_required is None else model_required,
                         help="a preset name (see `maxperf models`)"
                         + (f"; default {model_default}" if model_default else ""))
     parser.add_argument("--num-slices", type=int, default=1, help="slices side by side over DCN")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. per_device_batch_size=4 ici_tensor=4 (see `maxperf keys`)")
+
+
+def add_step_argument(parser: argparse.ArgumentParser) -> None:
+    """--step: maxperf's own train step (`train`, the default), or a user's factory MODULE:FACTORY (spec.steps)."""
+    parser.add_argument("--step", default="train",
+                        help="the step to compile: train (maxperf's, of --model; the default), or your own as "
+                             "MODULE:FACTORY (e.g. examples.vision_step:make_step), a function that receives the "
+                             "mesh and the key=value words and returns a maxperf Step")
+
+
+def print_hlo_line(hlo: dict, analytical_s: float | None = None) -> None:
+    """The step time read from the optimized HLO, in one line (beside the analytical one where there is one)."""
+    against = (f"; {hlo['step_time_s'] / analytical_s - 1:+.0%} against the analytical"
+               if analytical_s else "")
+    print(f"  from the HLO     {hlo['step_time_s']:.4g} s/step, bound by {hlo['bottleneck']} (compute "
+          f"{hlo['compute_s']:.3g} s, memory {hlo['hbm_s']:.3g} s, collectives {hlo['ici_s'] + hlo['dcn_s']:.3g} s, "
+          f"{hlo['exposed_s']:.3g} s exposed){against}")
 
 
 def print_json(value) -> None:

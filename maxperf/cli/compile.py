@@ -11,8 +11,10 @@ from maxperf.cli.common import (
     GIB,
     JSON_HELP,
     add_request_arguments,
+    add_step_argument,
     batch_words,
     compile_only_environment,
+    print_hlo_line,
     print_json,
     progress,
     short_count,
@@ -20,6 +22,7 @@ from maxperf.cli.common import (
 from maxperf.spec import topology as topologies
 from maxperf.spec.errors import MaxperfError
 from maxperf.spec.presets import DEFAULT_MODEL
+from maxperf.spec.steps import parse_step
 
 COMPILE_SCHEMA = "maxperf.compile/1"  # `maxperf compile --json`
 
@@ -31,8 +34,17 @@ def cmd_compile(args) -> int:
     if distributed.initialize(args, "cpu"):
         say(f"{supervisor.JOINED} {args.coordinator} as process {args.process_id} of {args.num_processes}")
 
-    result = aot.compile(args.topology, args.model, args.overrides, num_slices=args.num_slices, out=args.out,
-                         target_config=args.target_config, progress=say, argv=sys.argv, force=args.force)
+    step = parse_step(args.step)
+    if step.is_user:
+        if args.model is not None:
+            raise MaxperfError(f"--model names one of maxperf's models; --step {step} builds its own step: drop "
+                               "--model")
+        from maxperf.cli import user_step
+
+        return user_step.compiled(args, step, say)
+    result = aot.compile(args.topology, args.model or DEFAULT_MODEL, args.overrides, num_slices=args.num_slices,
+                         out=args.out, target_config=args.target_config, progress=say, argv=sys.argv,
+                         force=args.force)
     p, mem, cost = result.plan, result.memory, result.cost
     if args.json:
         print_json(compile_summary(result))
@@ -49,6 +61,8 @@ def cmd_compile(args) -> int:
         e = result.estimate
         print(f"  predicted        {e['step_time_s']:.4g} s/step, {e['tflops_per_chip']:.4g} TFLOP/s per chip, "
               f"MFU {e['mfu']:.1%}, bound by {e['bottleneck']}")
+        if e.get("hlo_time"):
+            print_hlo_line(e["hlo_time"], e["step_time_s"])
     compiled = ("from the compile cache, no compile" if result.cache_hit else f"{result.compile_seconds:.1f} s")
     print(f"  compile time     {compiled} (lowering {result.lower_seconds:.1f} s, whole "
           f"{result.total_seconds:.1f} s); host peak RSS {result.peak_rss_bytes / GIB:.2f} GiB")
@@ -75,7 +89,7 @@ def _check_processes(args) -> None:
 def compile_summary(result) -> dict:
     """What `maxperf compile` prints, as JSON: the plan (topology, mesh, batch) and the compile's figures."""
     p = result.plan
-    return {"schema": COMPILE_SCHEMA, "out_dir": str(result.out_dir), "model": p.model.name,
+    return {"schema": COMPILE_SCHEMA, "out_dir": str(result.out_dir), "step": "train", "model": p.model.name,
             "topology": p.topology.name, "num_slices": p.topology.num_slices,
             "mesh": {"axes": p.mesh.axes, "ici": p.mesh.ici, "dcn": p.mesh.dcn},
             "per_device_batch_size": p.configs.train.per_device_batch_size, "global_batch": result.global_batch,
@@ -88,8 +102,11 @@ def compile_summary(result) -> dict:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("compile", help="compile the train step for a topology and write its artifacts")
+    p = sub.add_parser("compile", help="compile the train step (or your own step) for a topology and write its "
+                                       "artifacts")
     add_request_arguments(p, model_default=DEFAULT_MODEL)
+    p.set_defaults(model=None)  # DEFAULT_MODEL unless --step names a user's factory, which takes no --model
+    add_step_argument(p)
     p.add_argument("--out", help="output directory (default: artifacts/MODEL_TOPOLOGY); an existing one must be an "
                                  "earlier compile's artifact")
     p.add_argument("--force", action="store_true",

@@ -6,17 +6,31 @@ from maxperf.cli.common import (
     GIB,
     JSON_HELP,
     add_request_arguments,
+    add_step_argument,
     compile_only_environment,
     print_json,
     print_warnings,
     progress,
 )
 from maxperf.reports import memory as memory_parts
+from maxperf.spec.errors import MaxperfError
 from maxperf.spec.request import resolve
+from maxperf.spec.steps import parse_step
 
 
 def cmd_estimate_memory(args) -> int:
     compile_only_environment(args.topology)
+    step = parse_step(args.step)
+    if step.is_user:
+        if args.model is not None:
+            raise MaxperfError(f"--model names one of maxperf's models; --step {step} builds its own step: drop "
+                               "--model")
+        from maxperf.cli import user_step
+
+        return user_step.memory(args, step, progress())
+    if args.model is None:
+        raise MaxperfError("give --model (a preset, see `maxperf models`), or --step MODULE:FACTORY for your own "
+                           "step")
     from maxperf.search import memory_fit  # loads numpy, and the compiler when it compiles
 
     if args.analytical_only:  # a compile says them itself, as it starts
@@ -132,7 +146,8 @@ def _gib(value) -> str:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("estimate-memory", help="analytical memory per device beside the compiler's, fit, max batch")
-    add_request_arguments(p, model_default=None)
+    add_request_arguments(p, model_default=None, model_required=False)
+    add_step_argument(p)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument("--analytical-only", action="store_true", help="perfmodel's figures only, no compile")
     p.add_argument("--max-batch", action="store_true",
@@ -141,4 +156,5 @@ def add_parser(sub) -> None:
                                  "default: a temporary directory, removed")
     p.add_argument("--force", action="store_true",
                    help="replace an earlier output of this command in --out even if it holds other files")
+    p.add_argument("--verbose", action="store_true", help="with --step: the traceback of a failing factory or step")
     p.set_defaults(func=cmd_estimate_memory)

@@ -115,13 +115,19 @@ def cmd_run(args) -> int:
     print(f"ran {result.steps} steps on {result.devices} {result.device_kind} device(s) {written}")
     print(f"  step time        median {result.step_time_s:.4f} s (p10 {result.step_time_p10_s:.4f}, p90 "
           f"{result.step_time_p90_s:.4f}, min {result.step_time_min_s:.4f})")
-    print(f"  tokens/s         {result.tokens_per_s:,.0f}")
-    print(f"  TFLOP/s/device   {result.tflops_per_device:.3f} (MFU {result.mfu:.1%} of "
-          f"{result.peak_flops_per_device / 1e12:.2f} TFLOP/s, {result.peak_source})")
-    if result.predicted_step_time_s:
-        print(f"  predicted        {result.predicted_step_time_s:.4f} s; measured/predicted "
+    if result.tokens_per_s is not None:
+        print(f"  {result.unit + '/s':<16} {result.tokens_per_s:,.0f}")
+    if result.tflops_per_device is not None:
+        print(f"  TFLOP/s/device   {result.tflops_per_device:.3f} (MFU {result.mfu:.1%} of "
+              f"{result.peak_flops_per_device / 1e12:.2f} TFLOP/s, {result.peak_source})")
+    if result.predicted_step_time_s and result.step == "train":
+        print(f"  predicted        {result.predicted_step_time_s:.4f} s (analytical); measured/predicted "
               f"{result.measured_over_predicted:.2f}")
-    print(f"  loss             {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    if result.hlo_predicted_step_time_s:
+        print(f"  from the HLO     {result.hlo_predicted_step_time_s:.4f} s; measured/predicted "
+              f"{result.measured_over_hlo_predicted:.2f}")
+    if result.losses:
+        print(f"  loss             {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
     mem = result.memory
     if mem.get("measured_peak_bytes") is not None:
         print(f"  memory/device    peak {mem['measured_peak_bytes'] / GIB:.2f} GiB; compiler said "

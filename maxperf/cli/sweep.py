@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from maxperf.cli.common import JSON_HELP, print_json, progress
+from maxperf.cli.common import JSON_HELP, add_step_argument, print_json, progress
 from maxperf.spec.errors import MaxperfError
+from maxperf.spec.steps import parse_step
 
 
 def _grid_axes(words: list[str]) -> dict[str, list[str]]:
@@ -29,7 +30,15 @@ def cmd_sweep(args) -> int:
         raise MaxperfError(f"--num-slices takes whole numbers separated by commas, got {args.num_slices!r}")
     if args.workers is not None and args.workers < 1:
         raise MaxperfError(f"--workers must be >= 1, got {args.workers}")
-    result = sweep(args.model, [t for t in args.topologies.split(",") if t], num_slices=slices,
+    step = parse_step(args.step)
+    if step.is_user and args.model is not None:
+        raise MaxperfError(f"--model names one of maxperf's models; --step {step} builds its own step: drop --model")
+    if not step.is_user and args.model is None:
+        raise MaxperfError("give --model (a preset, see `maxperf models`), or --step MODULE:FACTORY for your own "
+                           "step")
+    # a user's step is swept under its factory's name (MODULE:FACTORY; presets never hold ':')
+    result = sweep(str(step) if step.is_user else args.model, [t for t in args.topologies.split(",") if t],
+                   num_slices=slices,
                    axes=_grid_axes(args.overrides), analytical_only=args.analytical_only, out=args.out,
                    workers=args.workers, progress=progress())
     for r in result.rows:
@@ -54,7 +63,8 @@ def cmd_sweep(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="estimate and compile a model over a grid of topologies and settings")
-    p.add_argument("--model", required=True, help="a preset name (see `maxperf models`)")
+    p.add_argument("--model", help="a preset name (see `maxperf models`)")
+    add_step_argument(p)
     p.add_argument("--topologies", required=True, help="comma-separated, e.g. v5p-8,v5p-16,v5p-32")
     p.add_argument("--num-slices", default="1", help="comma-separated slice counts, e.g. 1,2,4")
     p.add_argument("--analytical-only", action="store_true", help="estimate only, no compiles")

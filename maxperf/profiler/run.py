@@ -39,9 +39,9 @@ class RunResult:
     step_time_p10_s: float
     step_time_p90_s: float
     step_time_min_s: float
-    tokens_per_s: float
-    tflops_per_device: float
-    mfu: float
+    tokens_per_s: float | None  # in `unit` per second; None where a user's step gives no tokens_per_step
+    tflops_per_device: float | None  # None where a user's step gives no model_flops
+    mfu: float | None
     peak_flops_per_device: float
     peak_source: str
     losses: list[float]
@@ -61,6 +61,11 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
     calibration: dict[str, Any] | None = None  # CPU: the calibration the peak came from (StoredCalibration.record())
     partial: bool = False  # interrupted: `steps` counts the timed steps measured before it
+    # the step time read from the compiled program (estimate.json's hlo_time), beside the measurement
+    hlo_predicted_step_time_s: float | None = None
+    measured_over_hlo_predicted: float | None = None
+    step: str = "train"  # maxperf's train step, or a user's MODULE:FACTORY
+    unit: str = "tokens"  # what tokens_per_s counts (a user's step names its own: images, ...)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -132,7 +137,7 @@ def _token_rows(path: Path, L: int, V: int):
     return tokens
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     k = (len(ordered) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
@@ -202,6 +207,11 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
     from maxperf.user_cache import calibration_for
 
     artifact = load(path)
+    if artifact.user is not None:
+        from maxperf.profiler import user_run
+
+        return user_run.run(artifact, steps=steps, warmup=warmup, profile=profile, data=data, checkpoint=checkpoint,
+                            restore=restore, out=out, progress=progress, peer_timeout=peer_timeout, force=force)
     devices = check_devices(artifact, jax.devices())
     if checkpoint is not None:
         checkpoints.check_destination(Path(checkpoint))  # a save that cannot happen fails before the first step
@@ -226,23 +236,20 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
     try:
         profile_summary = None
         try:
-            for i in range(warmup + steps):
-                batch = batch_for(i)
-                jax.block_until_ready(batch)
-                t = time.perf_counter()
+            def execute(batch):
+                nonlocal state
                 state, metrics = step(state, batch)
                 jax.block_until_ready((state, metrics))
-                elapsed = time.perf_counter() - t
-                if watchdog:
-                    watchdog.beat(elapsed)
-                loss = float(metrics["loss"])
-                if i >= warmup:
-                    times.append(elapsed)
-                    losses.append(loss)
-                say(f"{'warm-up' if i < warmup else 'step'} {i + 1 - (0 if i < warmup else warmup)}: "
-                    f"{elapsed:.4f} s, loss {loss:.4f}")
+                return float(metrics["loss"])
+
+            timed_steps(batch_for, execute, warmup, steps, times, losses, watchdog, say)
             if profile:
-                profile_summary = _profile(step, state, batch_for, warmup + steps, writer, out_dir, watchdog, say)
+                def traced(i):
+                    nonlocal state
+                    state, metrics = step(state, batch_for(i))
+                    jax.block_until_ready((state, metrics))
+
+                profile_summary = profile_steps(traced, warmup + steps, writer, out_dir, watchdog, say)
         except KeyboardInterrupt as e:
             if not times:
                 raise
@@ -263,11 +270,12 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         if interrupted is not None:
             notes.insert(0, f"interrupted after {len(times)} of {steps} timed steps: the figures are of those")
         predicted = estimate.get("step_time_s") if estimate else None
+        hlo = (estimate or {}).get("hlo_time") or {}
         memory = {"compiler_per_device_bytes": (artifact.json("memory.json") or {}).get("per_device_total_bytes"),
                   **device_memory(devices)}
         result = RunResult(
             out_dir=out_dir, steps=len(times), warmup=warmup, step_times_s=times, step_time_s=median,
-            step_time_p10_s=_percentile(times, 0.1), step_time_p90_s=_percentile(times, 0.9),
+            step_time_p10_s=percentile(times, 0.1), step_time_p90_s=percentile(times, 0.9),
             step_time_min_s=min(times), tokens_per_s=spec.global_batch * p.configs.train.seq_len / median,
             tflops_per_device=flops / median / 1e12, mfu=flops / (median * peak), peak_flops_per_device=peak,
             peak_source=("calibrated by `maxperf calibrate`" if chip.calibrated else chip.note or "published"),
@@ -277,6 +285,8 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
             profile=profile_summary, checkpoint=saved, restored_from=str(restore) if restore else None,
             data=str(data) if data else "synthetic uniform tokens", artifact=str(artifact.directory.resolve()),
             notes=notes, calibration=record, partial=interrupted is not None,
+            hlo_predicted_step_time_s=hlo.get("step_time_s"),
+            measured_over_hlo_predicted=median / hlo["step_time_s"] if hlo.get("step_time_s") else None,
         )
         if jax.process_index() == 0:
             writer.write_json("run.json", result.as_dict())
@@ -301,8 +311,31 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
     return result
 
 
-def _profile(step, state, batch_for, first: int, writer: artifacts.ArtifactWriter, out_dir: Path,
-             watchdog: Watchdog | None, say: Callable[[str], None]) -> dict[str, Any]:
+def timed_steps(prepare: Callable[[int], Any], execute: Callable[[Any], float | None], warmup: int, steps: int,
+                times: list[float], losses: list[float], watchdog: Watchdog | None, say: Callable[[str], None]) -> None:
+    """Runs `warmup` then `steps` steps, appending each timed step's seconds and loss to `times` and `losses` as it
+    finishes (so an interrupted run keeps them): `prepare(i)` makes step i's input, untimed and ready on the
+    devices; `execute(input)` runs the step to completion and returns its loss (None: none recorded)."""
+    import jax
+
+    for i in range(warmup + steps):
+        given = prepare(i)
+        jax.block_until_ready(given)
+        t = time.perf_counter()
+        loss = execute(given)
+        elapsed = time.perf_counter() - t
+        if watchdog:
+            watchdog.beat(elapsed)
+        if i >= warmup:
+            times.append(elapsed)
+            if loss is not None:
+                losses.append(loss)
+        say(f"{'warm-up' if i < warmup else 'step'} {i + 1 - (0 if i < warmup else warmup)}: {elapsed:.4f} s"
+            + (f", loss {loss:.4f}" if loss is not None else ""))
+
+
+def profile_steps(run_step: Callable[[int], None], first: int, writer: artifacts.ArtifactWriter, out_dir: Path,
+                  watchdog: Watchdog | None, say: Callable[[str], None]) -> dict[str, Any]:
     """Traces PROFILED_STEPS more steps into the run's trace/ and summarizes them; the summary names the files where
     they will be once the run's output is in place, not in its temporary directory."""
     import jax
@@ -313,8 +346,7 @@ def _profile(step, state, batch_for, first: int, writer: artifacts.ArtifactWrite
     say(f"profiling {PROFILED_STEPS} steps")
     with jax.profiler.trace(str(writer.tmp / "trace")):
         for i in range(PROFILED_STEPS):
-            state, metrics = step(state, batch_for(first + i))
-            jax.block_until_ready((state, metrics))
+            run_step(first + i)
             if watchdog:
                 watchdog.beat(0.0)
     summary = summarize(writer.tmp / "trace").as_dict()

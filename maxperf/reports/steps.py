@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from maxperf.reports import figures
+from maxperf.reports import figures, hlo
 from maxperf.reports import memory as parts
 from maxperf.reports.page import GIB, MIB, Page, Section, gib, percent, read_json, seconds, size, topology_label
 
@@ -119,6 +119,7 @@ def read(page: Page, kind: str, directory: Path) -> Step:
         where = f"{run.get('devices', '?')} x {run.get('device_kind', '?')}" if run else "?"
     label = f"{model or 'model unknown'} / {where}"
     train = manifest.get("train", {})
+    user = manifest.get("step") if isinstance(manifest.get("step"), dict) else None  # a user's step
     dcn = manifest.get("mesh", {}).get("dcn", {})
     mesh = " x ".join(f"{a}={n}" + (f" ({dcn[a]} over DCN)" if dcn.get(a, 1) > 1 else "")
                       for a, n in manifest.get("mesh", {}).get("axes", {}).items() if n > 1) or "1"
@@ -127,7 +128,12 @@ def read(page: Page, kind: str, directory: Path) -> Step:
                           + (f" x A={train['grad_accum_steps']} microbatches" if train.get("grad_accum_steps", 1) > 1
                              else "") + f", global {manifest.get('global_batch')}" if manifest else ""),
                 "sequence": f"L={train.get('seq_len')}" if manifest else "", "directory": str(directory),
+                "step": user.get("factory", "") if user else "train",
                 "kind": "measured run" if run else "compile"}
+    if user:
+        settings["batch"] = (f"{user['tokens_per_step']:g} {user.get('unit', 'tokens')} per step"
+                             if user.get("tokens_per_step") else "")
+        settings["sequence"] = ""
     s = Section(label + (" (measured)" if run else ""), "mfu")
     _facts(s, manifest, topo, where, settings, run)
     verdict = _verdict(estimate, memory, topo, run)
@@ -137,6 +143,8 @@ def read(page: Page, kind: str, directory: Path) -> Step:
         _measured(page, s, run, estimate, memory, topo, label)
     if estimate.get("breakdown"):
         _time(page, s, estimate, label)
+    if estimate.get("hlo_time"):
+        hlo.section(page, s, estimate["hlo_time"], estimate.get("step_time_s") if not user else None, label)
     if estimate.get("memory") or memory:
         _memory(page, s, estimate.get("memory") or {}, memory, topo, label)
     s.notes = list(dict.fromkeys([*s.notes, *(estimate.get("notes") or []), *((run or {}).get("notes") or [])]))
@@ -151,6 +159,7 @@ def read(page: Page, kind: str, directory: Path) -> Step:
     numbers = {"fits": verdict[0], "tokens per step": tokens, "predicted step time (s)": estimate.get("step_time_s")
                or (run or {}).get("predicted_step_time_s"), "predicted tokens/s": estimate.get("tokens_per_s"),
                "predicted TFLOP/s per chip": estimate.get("tflops_per_chip"), "predicted MFU": estimate.get("mfu"),
+               "predicted step time from the HLO (s)": (estimate.get("hlo_time") or {}).get("step_time_s"),
                "analytical memory (GiB)": gib(estimate.get("memory_per_device_bytes")),
                "compiler memory (GiB)": gib(memory.get("per_device_total_bytes")),
                "compile (s)": manifest.get("compile_seconds")}
@@ -158,13 +167,25 @@ def read(page: Page, kind: str, directory: Path) -> Step:
         numbers.update({"measured step time (s)": run.get("step_time_s"), "measured tokens/s": run.get("tokens_per_s"),
                         "measured TFLOP/s per device": run.get("tflops_per_device"), "measured MFU": run.get("mfu"),
                         "measured / predicted step time": run.get("measured_over_predicted"),
+                        "measured / HLO-predicted step time": run.get("measured_over_hlo_predicted"),
                         "final loss": (run.get("losses") or [None])[-1]})
     page.sections.append(s)
     return Step(label, settings, _config(manifest), numbers, s, directory)
 
 
 def _facts(s: Section, manifest: dict, topo: dict, where: str, settings: dict, run: dict | None) -> None:
-    if manifest:
+    user = manifest.get("step") if isinstance(manifest.get("step"), dict) else None
+    if user:
+        args = " ".join(f"{k}={v}" for k, v in (user.get("args") or {}).items())
+        per_step = (f"{user['tokens_per_step']:g} {user.get('unit', 'tokens')} per step"
+                    if user.get("tokens_per_step") else "not given")
+        s.facts += [("step", f"{user.get('factory')}" + (f" ({args})" if args else "")),
+                    ("topology", f"{where}: {topo.get('chips')} {topo.get('chip')} chips, {topo.get('devices')} "
+                                 f"devices, {topo.get('hosts')} hosts"),
+                    ("mesh", settings["mesh"]), ("throughput unit", per_step)]
+        if manifest.get("compile_seconds") is not None:
+            s.facts.append(("compile", f"{manifest['compile_seconds']:.1f} s"))
+    elif manifest:
         s.facts += [("model", manifest.get("model", {}).get("name", "?")),
                     ("topology", f"{where}: {topo.get('chips')} {topo.get('chip')} chips, {topo.get('devices')} "
                                  f"devices, {topo.get('hosts')} hosts"),

@@ -83,6 +83,11 @@ def point_key(model: str, point: Point, analytical_only: bool,
             "calibration_sha256": calibration.sha256 if calibration is not None else None}
 
 
+def is_user_step(model: str) -> bool:
+    """A sweep of a user's step names its factory, MODULE:FACTORY, where a sweep of maxperf's names a preset."""
+    return ":" in model
+
+
 def grid(topologies: Sequence[str], num_slices: Sequence[int], axes: dict[str, Sequence[str]]) -> list[Point]:
     keys = list(axes)
     combos = list(itertools.product(*(axes[k] for k in keys))) or [()]
@@ -111,6 +116,13 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
                            "reason": None, "warnings": "",
                            "key": json.dumps(point_key(model, point, analytical_only, calibration))}
     start = time.perf_counter()
+    if is_user_step(model):  # a user's step (spec.steps): compiled, its step time read from its HLO
+        from maxperf.search import user_points
+
+        row.update(user_points.point(model, point, Path(directory) / "artifact"))
+        row["seconds"] = time.perf_counter() - start
+        _save_point(Path(directory), row)
+        return row
     try:
         p = planning.resolve(point.topology, model, point.overrides, num_slices=point.num_slices)
         row["warnings"] = "; ".join(p.warnings)  # mesh axes that do not divide a dimension (spec.request)
@@ -129,7 +141,8 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
                                      calibration=calibration)
                 row.update(compiler_memory_bytes=result.memory["per_device_total_bytes"], fits=result.fits,
                            compile_seconds=result.compile_seconds, compiler_flops_per_device=result.cost[
-                               "flops_per_device"], artifact=str(Path(directory) / "artifact"))
+                               "flops_per_device"], artifact=str(Path(directory) / "artifact"),
+                           hlo_step_time_s=((result.estimate or {}).get("hlo_time") or {}).get("step_time_s"))
                 if not result.fits:
                     row.update(status="does not fit", reason="compiler memory exceeds HBM")
             except DoesNotFit as e:
@@ -239,10 +252,15 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
     say = progress or (lambda _: None)
     if not topologies:
         raise MaxperfError("--topologies is empty; give a comma-separated list such as v5p-8,v5p-16,v5p-32")
-    presets.get(model)
     points = grid(topologies, num_slices, axes or {})
-    chips = {planning.resolve(point.topology, model, point.overrides, num_slices=point.num_slices).topology.chip
-             for point in points}  # every mistake in the grid is found before any work starts
+    if is_user_step(model):
+        from maxperf.search import user_points
+
+        chips = user_points.check(model, points, analytical_only)
+    else:
+        presets.get(model)
+        chips = {planning.resolve(point.topology, model, point.overrides, num_slices=point.num_slices).topology.chip
+                 for point in points}  # every mistake in the grid is found before any work starts
     calibration = load_calibration() if "cpu" in chips else None  # loaded once: every point uses the same
     out_dir = Path(out)
     # before any work: a directory that is not an earlier sweep's is refused, and one sweep writes there at a time

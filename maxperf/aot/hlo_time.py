@@ -1,0 +1,759 @@
+"""Step time read from the compiled program: the optimized HLO's schedule walked instruction by instruction, each
+costed on the target chip with perfmodel's rates and network model, while loops by their trip counts.
+
+Pure text processing (no jax): the module is parsed by maxperf.aot.hlo_cost, which also counts the matmul FLOPs.
+
+How an instruction is costed, per execution (`OpTime`):
+- matmuls (a dot, a convolution, or a fusion or GEMM custom call holding them): a roofline, max(FLOPs / (peak x
+  efficiency), bytes / HBM bandwidth), with perfmodel's matmul efficiency (perfmodel.work: the chip's sustained
+  fraction of its peak x m / (m + HALF), m the matmul's smallest side, x the share of a TPU's matrix units its
+  contraction and output dims fill), at the peak of its operands' element type;
+- flash attention kernels (splash on TPU, Pallas Triton on GPU): their FLOPs (hlo_cost.attention_kernel) at the
+  chip's sustained rate x perfmodel's fitted flash efficiency x the share of the matrix units the head dim fills;
+  other Pallas kernels by the cost estimate they carry (FLOPs and bytes, a roofline);
+- everything else (fusions of elementwise work, reductions, copies, slices, sorts): the bytes it reads and writes
+  in device memory at HBM bandwidth (on CPU devices, the calibrated rate of a fused elementwise kernel). A fusion
+  reads of an operand only what its slices take, writes an in-place dynamic-update-slice's update only, and on
+  TPUs what lives in on-chip memory (memory space S(1)) costs nothing;
+- collectives (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute, and fusions wrapping them):
+  the bytes of the whole buffer over the devices of one replica group, priced by perfmodel.network over the
+  topology's links (ICI torus or NVLink inside a slice or host, DCN or InfiniBand across), the group's devices
+  mapped to mesh axes through the device assignment (partition i is the i-th device of the mesh);
+- asynchronous copies (copy-start / copy-done, and TPU's slice-start, dynamic-slice-start, ...): their bytes at
+  HBM bandwidth, or over the host link where one side is pinned host memory (S(5)).
+
+How instructions combine (`_Walker`): the schedule is the instruction order of each computation (the module is
+scheduled). Compute runs in order on one stream; a collective or an asynchronous copy runs on its own resource
+(ICI, DCN, host link, DMA) from where it is issued until its result is first needed: an async start/done pair
+(GPU, TPU copies) overlaps what the schedule puts between them; on TPUs, whose collectives the printed HLO shows
+synchronous but which the TPU backend runs asynchronously, a collective overlaps the work up to its first user; on
+CPUs nothing overlaps (XLA:CPU's collectives are copies on the cores that compute: perfmodel.cpu.OVERLAP). A while
+loop costs its trip count times its body, whose collectives may overlap the next iteration (an iteration takes the
+longer of its compute and each resource's busy time); a conditional its costliest branch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from maxperf.aot import hlo_cost
+from maxperf.perfmodel import network
+from maxperf.perfmodel.chips import Chip
+from maxperf.perfmodel.work import SHIPPED, Constants, half_scale, matmul_efficiency, mxu_fill
+from maxperf.spec.logical_axes import MESH_AXES
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.topology import Topology
+
+SCHEMA = "maxperf.hlo-time/1"  # estimate.json's `hlo_time`
+SOURCE = "read from the optimized HLO"
+TOP = 15  # instructions listed by predicted time
+
+# Bytes per element of HLO's element types.
+_ELEMENT_BYTES = {"pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
+                  "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+                  "c128": 16, "token": 0, "tuple": 0}
+# An array in a shape: element type, dims, and its layout (where the memory space S(n) is).
+_TYPED_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](?:\{([^}]*)\})?")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
+ON_CHIP = 1  # TPU memory space 1: VMEM, on-chip (copies into it are prefetches)
+HOST = 5  # memory space 5: pinned host memory (offloaded activations or state)
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_BYTES_ESTIMATE = re.compile(r'"cost_estimate":\{[^}]*?"bytes_accessed":"?(\d+)')
+_REPLICA_GROUPS = re.compile(r"replica_groups=(\{\{[^=]*?\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|"
+                             r"mesh\[[^\]]*\]\s*\{[^}]*\})")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_LHS_BATCH = re.compile(r"lhs_batch_dims=\{([\d,]*)\}")
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_RHS_BATCH = re.compile(r"rhs_batch_dims=\{([\d,]*)\}")
+_RHS_CONTRACTING = re.compile(r"rhs_contracting_dims=\{([\d,]*)\}")
+_PARAMETER_NUMBER = re.compile(r"^\s*(\d+)\)")
+
+# Opcodes that move nothing and take no time: values renamed, tuples assembled, scheduling marks.
+_FREE = frozenset(
+    "parameter get-tuple-element tuple bitcast constant partition-id replica-id after-all add-dependency "
+    "opt-barrier domain get-dimension-size set-dimension-size".split())
+COLLECTIVES = frozenset("all-gather all-reduce reduce-scatter all-to-all collective-permute ragged-all-to-all "
+                        "collective-broadcast".split())
+# Asynchronous pairs: the start issues the work, the done waits for it.
+_STARTS = {f"{c}-start": c for c in ("all-gather", "all-reduce", "collective-permute", "reduce-scatter",
+                                     "all-to-all", "ragged-all-to-all", "collective-broadcast")}
+_DONES = frozenset({f"{c}-done" for c in _STARTS.values()} | {"async-done", "fusion-done", "copy-done",
+                                                                "slice-done", "dynamic-slice-done",
+                                                                "dynamic-update-slice-done", "recv-done",
+                                                                "send-done"})
+_ASYNC_MEMORY = frozenset("copy-start slice-start dynamic-slice-start dynamic-update-slice-start".split())
+_ATTENTION = "attention kernel"
+
+# A fixed cost per kernel a device launches, beside its work: an assumption. TPUs run the whole step as one
+# program of bundles (no launches); a GPU launches each fusion as a kernel, a few microseconds apart when XLA does not
+# capture them in a CUDA graph; XLA:CPU runs each operation as a thunk.
+KERNEL_OVERHEAD_S = {"tpu": 0.0, "gpu": 2e-6, "cpu": 1e-6}
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """One instruction of the schedule: its predicted seconds, FLOPs and bytes per execution, and how often it
+    runs per step (a loop body's instructions by the trip count)."""
+
+    name: str
+    opcode: str  # "fusion", "convolution", "all-gather", "custom-call:tpu_custom_call", ...
+    kind: str  # "matmul", "attention kernel", "kernel", "memory", "collective", "async copy", "host copy"
+    source: str  # the jax operation it came from (the instruction's op_name metadata)
+    executions: float
+    seconds: float
+    flops: float
+    bytes: float
+    bound: str  # "compute", "hbm", "ici", "dcn", "host"
+    computation: str = ""
+
+    @property
+    def total_s(self) -> float:
+        return self.seconds * self.executions
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "opcode": self.opcode, "kind": self.kind, "source": self.source,
+                "executions": self.executions, "seconds_each": self.seconds, "seconds": self.total_s,
+                "flops": self.flops * self.executions, "bytes": self.bytes * self.executions, "bound": self.bound,
+                "computation": self.computation}
+
+
+@dataclass(frozen=True)
+class HloTime:
+    """The step time predicted from one optimized HLO module on one topology (SOURCE says where it came from)."""
+
+    step_time_s: float
+    compute_s: float  # matmuls and kernels bound by their FLOPs, on the compute stream
+    hbm_s: float  # work bound by device memory bandwidth, on the compute stream
+    ici_s: float  # collectives inside a slice or NVLink domain, total before overlap
+    dcn_s: float  # collectives across slices or hosts (their ICI part included), total before overlap
+    host_s: float  # copies over the host link
+    exposed_s: float  # network and copy time not hidden behind compute: step time - compute stream
+    bottleneck: str  # "compute", "hbm", "ici", "dcn", "host"
+    flops: float  # matmul FLOPs per device per step, attention kernels included
+    top: tuple[OpTime, ...]
+    by_kind: Mapping[str, float]  # seconds per instruction kind, before overlap
+    kernels: int  # instructions executed per step (loop bodies by their trip counts), free ones not counted
+    assumptions: tuple[str, ...]
+    not_modelled: tuple[str, ...]  # what was costed by bytes only or not at all, one line each
+    chip: str
+    seconds: float = 0.0  # reading and costing the module here
+    source: str = SOURCE
+
+    def as_dict(self) -> dict:
+        out = {"schema": SCHEMA, "source": self.source, "chip": self.chip, "step_time_s": self.step_time_s,
+               "compute_s": self.compute_s, "hbm_s": self.hbm_s, "ici_s": self.ici_s, "dcn_s": self.dcn_s,
+               "host_s": self.host_s, "exposed_s": self.exposed_s, "bottleneck": self.bottleneck,
+               "flops_per_device": self.flops, "kernels": self.kernels, "by_kind": dict(self.by_kind),
+               "top": [op.as_dict() for op in self.top], "assumptions": list(self.assumptions),
+               "not_modelled": list(self.not_modelled), "costing_seconds": self.seconds}
+        return out
+
+
+@dataclass
+class _Cost:
+    seconds: float
+    kind: str
+    bound: str
+    flops: float = 0.0
+    nbytes: float = 0.0
+    resource: str = "compute"  # "compute" or a network / copy resource: "ici", "dcn", "host", "dma"
+    mode: str = "run"  # "run" (the compute stream), "issue" (asynchronous), "block" (a synchronous collective)
+
+
+@dataclass
+class _Stats:
+    op: OpTime
+    executions: float = 0.0
+
+
+@dataclass
+class _Accounts:
+    ops: dict[tuple[str, str], _Stats] = field(default_factory=dict)
+    not_modelled: dict[str, int] = field(default_factory=dict)
+
+
+def _arrays(shape: str) -> list[tuple[str, list[int], int]]:
+    """(element type, dims, memory space) of each array in a shape, a tuple's elements in order."""
+    out = []
+    for dtype, dims, layout in _TYPED_ARRAY.findall(shape):
+        space = _MEMORY_SPACE.search(layout or "")
+        out.append((dtype, [int(d.lstrip("<=")) for d in dims.split(",") if d], int(space.group(1)) if space else 0))
+    return out
+
+
+def _bytes(shape: str, skip_on_chip: bool = True) -> float:
+    """Bytes of a shape's arrays in device memory (on-chip arrays left out)."""
+    return sum(math.prod(d) * _ELEMENT_BYTES.get(t, 4) for t, d, s in _arrays(shape) if not (skip_on_chip and
+                                                                                           s == ON_CHIP))
+
+
+def _space(shape: str) -> set[int]:
+    return {s for _, _, s in _arrays(shape)}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+class _Walker:
+    """Costs the instructions of one module and simulates its schedule (see the module docstring)."""
+
+    def __init__(self, hlo_text: str, chip: Chip, topology: Topology, mesh: Mesh, constants: Constants):
+        self.comps, self.entry = hlo_cost._parse(hlo_text)
+        self.chip, self.topology, self.mesh, self.constants = chip, topology, mesh, constants
+        self.kind = chip.kind
+        self.nets = network.axis_networks(mesh, chip, topology)
+        self.axes = [mesh.axes[a] for a in MESH_AXES]
+        self.bandwidth = chip.elementwise_bandwidth or chip.hbm_bandwidth
+        self.locals: dict[str, hlo_cost._Local] = {}
+        self.fusion_io: dict[str, tuple[dict[int, float], float | None]] = {}
+        self.accounts = _Accounts()
+        self.durations: dict[str, float] = {}
+        self.overlaps = chip.kind != "cpu"
+        self.tpu_async = chip.kind == "tpu"
+
+    # -- costing one instruction --------------------------------------------------------------------------------
+
+    def local(self, name: str) -> hlo_cost._Local:
+        if name not in self.locals:
+            self.locals[name] = hlo_cost._local(self.comps[name], self.comps)
+        return self.locals[name]
+
+    def matmul_flops(self, comp_name: str, depth: int = 0) -> tuple[float, float]:
+        """(matmul FLOPs, attention kernel FLOPs) of a fused computation, nested fusions included."""
+        if comp_name not in self.comps or depth > 8:
+            return 0.0, 0.0
+        local = self.local(comp_name)
+        attention = sum(v for k, v in local.by_opcode.items() if k.startswith("attention-kernel:"))
+        flops = local.vector[0] + local.vector[1] + local.vector[2] - attention
+        for callee, multiplier, applying in local.edges:
+            if not applying:
+                f, a = self.matmul_flops(callee, depth + 1)
+                flops += multiplier * f
+                attention += multiplier * a
+        return flops, attention
+
+    def operand_bytes(self, instrs, rest: str, skip_on_chip: bool = True) -> tuple[float, set[int]]:
+        total, spaces = 0.0, set()
+        for o in hlo_cost._operands(rest):
+            if o in instrs:
+                total += _bytes(instrs[o][0], skip_on_chip)
+                spaces |= _space(instrs[o][0])
+        return total, spaces
+
+    def fused_io(self, comp_name: str) -> tuple[dict[int, float], float | None]:
+        """For a fused computation: the bytes read of each parameter that is only sliced (its slices' sizes) or only
+        updated in place (nothing), and the bytes written when its root updates a parameter in place (the
+        update's); None where the output is written whole."""
+        if comp_name in self.fusion_io:
+            return self.fusion_io[comp_name]
+        comp = self.comps[comp_name]
+        params: dict[str, int] = {}
+        users: dict[str, list[tuple[str, int]]] = {}
+        for name, (shape, opcode, rest) in comp.instrs.items():
+            if opcode == "parameter":
+                m = _PARAMETER_NUMBER.match(rest)
+                if m:
+                    params[name] = int(m.group(1))
+            for i, o in enumerate(hlo_cost._operands(rest)):
+                users.setdefault(o, []).append((name, i))
+        read: dict[int, float] = {}
+        in_place: set[str] = set()
+        written: float | None = None
+        roots = [comp.root] if comp.root else []
+        if comp.root and comp.instrs[comp.root][1] == "tuple":
+            roots = hlo_cost._operands(comp.instrs[comp.root][2])
+        updates = [r for r in roots if r in comp.instrs and comp.instrs[r][1] == "dynamic-update-slice"]
+        if updates and len(updates) == len(roots):
+            written = 0.0
+            for r in updates:
+                ops = hlo_cost._operands(comp.instrs[r][2])
+                written += _bytes(comp.instrs[ops[1]][0]) if len(ops) > 1 and ops[1] in comp.instrs else 0.0
+                if ops and ops[0] in params:
+                    in_place.add(ops[0])
+        for name, number in params.items():
+            uses = users.get(name, [])
+            if name in in_place and all(u in updates and i == 0 for u, i in uses):
+                read[number] = 0.0
+            elif uses and all(comp.instrs[u][1] in ("dynamic-slice", "slice", "gather") and i == 0 for u, i in uses):
+                read[number] = sum(_bytes(comp.instrs[u][0]) for u, _ in uses)
+        self.fusion_io[comp_name] = (read, written)
+        return read, written
+
+    def fusion_bytes(self, instrs, shape: str, rest: str, comp_name: str) -> float:
+        read, written = self.fused_io(comp_name) if comp_name in self.comps else ({}, None)
+        total = 0.0
+        for i, o in enumerate(hlo_cost._operands(rest)):
+            if o in instrs:
+                total += read.get(i, _bytes(instrs[o][0]))
+        return total + (_bytes(shape) if written is None else written)
+
+    def peak(self, dtype: str) -> float:
+        chip = self.chip
+        if dtype.startswith("f8"):
+            return chip.peak_fp8_flops or chip.peak_bf16_flops
+        if dtype in ("s8", "u8", "s4", "u4"):
+            return chip.peak_int8_ops or chip.peak_bf16_flops
+        return chip.peak_flops("float32" if dtype in ("f32", "f64") else "bfloat16")
+
+    def matmul_shape(self, comp_name: str | None, instrs, rest: str, opcode: str, shape: str
+                     ) -> tuple[float, float, float, str]:
+        """(M, K, N, operand element type) of the largest matmul in a fusion or of one dot / convolution."""
+        candidates = []
+        if comp_name is not None and comp_name in self.comps:
+            inner = self.comps[comp_name].instrs
+            for s, op, r in inner.values():
+                if op in ("dot", "convolution"):
+                    candidates.append((inner, s, op, r))
+                elif op == "fusion":
+                    for key, names in hlo_cost._callees(r):
+                        if key == "calls" and names and names[0] in self.comps:
+                            sub = self.comps[names[0]].instrs
+                            candidates += [(sub, s2, op2, r2) for s2, op2, r2 in sub.values()
+                                           if op2 in ("dot", "convolution")]
+        else:
+            candidates.append((instrs, shape, opcode, rest))
+        best = None
+        for inner, s, op, r in candidates:
+            dims = self.dot_dims(inner, s, op, r)
+            if dims and (best is None or math.prod(dims[:3]) > math.prod(best[:3])):
+                best = dims
+        return best or (1.0, 1.0, 1.0, "bf16")
+
+    def dot_dims(self, instrs, shape: str, opcode: str, rest: str) -> tuple[float, float, float, str] | None:
+        ops = hlo_cost._operands(rest)
+        if len(ops) < 2 or ops[0] not in instrs or ops[1] not in instrs:
+            return None
+        lhs, rhs = _arrays(instrs[ops[0]][0]), _arrays(instrs[ops[1]][0])
+        if not lhs or not rhs:
+            return None
+        dtype, lhs_dims, _ = lhs[0]
+        rhs_dims = rhs[0][1]
+        out = math.prod(hlo_cost._dims(shape)) or 1
+        if opcode == "dot":
+            lb = _ints(m.group(1)) if (m := _LHS_BATCH.search(rest)) else []
+            lc = _ints(m.group(1)) if (m := _LHS_CONTRACTING.search(rest)) else []
+            rb = _ints(m.group(1)) if (m := _RHS_BATCH.search(rest)) else []
+            rc = _ints(m.group(1)) if (m := _RHS_CONTRACTING.search(rest)) else []
+            M = math.prod(d for i, d in enumerate(lhs_dims) if i not in lb and i not in lc)
+            K = math.prod(lhs_dims[i] for i in lc if i < len(lhs_dims))
+            N = math.prod(d for i, d in enumerate(rhs_dims) if i not in rb and i not in rc)
+            return float(M), float(K), float(N), dtype
+        # a convolution (TPUs write batched and plain matmuls so): sides from its operands' and result's sizes
+        flops = hlo_cost._convolution_flops(shape, rest, instrs) or 0.0
+        return (*matmul_sides(math.prod(lhs_dims), math.prod(rhs_dims), out, flops), dtype)
+
+    def matmul_seconds(self, flops: float, nbytes: float, M: float, K: float, N: float, dtype: str) -> tuple[float,
+                                                                                                               str]:
+        chip, c = self.chip, self.constants
+        half = chip.measured_matmul_half("bfloat16" if dtype == "bf16" else "float32") if chip.kind == "cpu" else None
+        m = max(min(M, K, N), 1.0)
+        efficiency = matmul_efficiency(chip, m, half * 1.0 if half is not None else
+                                       c.matmul_half[chip.kind] * half_scale(chip), c)
+        efficiency *= mxu_fill(chip, *(d for d in (K, N) if d >= 128))
+        at_rate = flops / (self.peak(dtype) * max(efficiency, 1e-6))
+        at_bandwidth = nbytes / chip.hbm_bandwidth
+        return (at_rate, "compute") if at_rate >= at_bandwidth else (at_bandwidth, "hbm")
+
+    def memory_cost(self, nbytes: float, kind: str = "memory") -> _Cost:
+        return _Cost(nbytes / self.bandwidth, kind, "hbm", nbytes=nbytes)
+
+    def cost(self, comp, name: str) -> _Cost:
+        shape, opcode, rest = comp.instrs[name]
+        instrs = comp.instrs
+        if opcode in COLLECTIVES or opcode in _STARTS:
+            return self.collective(instrs, _STARTS.get(opcode, opcode), shape, rest,
+                                   asynchronous=opcode in _STARTS or self.tpu_async)
+        if opcode in _ASYNC_MEMORY:
+            return self.async_copy(instrs, shape, rest)
+        if opcode == "fusion" or opcode == "fusion-start":
+            called = next((names[0] for key, names in hlo_cost._callees(rest) if key == "calls" and names), None)
+            if called is not None and called in self.comps:
+                inner = self.wrapped_collective(called)
+                if inner is not None:
+                    kind, inner_shape, inner_rest, inner_instrs = inner
+                    return self.collective(inner_instrs, kind, inner_shape, inner_rest,
+                                           asynchronous=opcode == "fusion-start" or self.tpu_async,
+                                           outer=(instrs, rest))
+            return self.kernel(instrs, shape, rest, called)
+        if opcode in ("dot", "convolution"):
+            return self.kernel(instrs, shape, rest, None, opcode)
+        if opcode == "custom-call":
+            return self.custom_call(instrs, name, shape, rest)
+        read, spaces = self.operand_bytes(instrs, rest)
+        out = _bytes(shape)
+        if opcode in ("dynamic-slice", "slice", "gather"):
+            return self.memory_cost(2 * out)
+        if opcode == "dynamic-update-slice":
+            ops = hlo_cost._operands(rest)
+            update = _bytes(instrs[ops[1]][0]) if len(ops) > 1 and ops[1] in instrs else out
+            return self.memory_cost(2 * update)
+        if opcode in ("broadcast", "iota", "rng-bit-generator", "rng"):
+            return self.memory_cost(out)
+        if opcode == "copy" and (HOST in spaces or HOST in _space(shape)):
+            return _Cost((read + out) / 2 / (self.chip.host_link_bandwidth or self.chip.hbm_bandwidth), "host copy",
+                         "host", nbytes=read + out)
+        return self.memory_cost(read + out)
+
+    def kernel(self, instrs, shape: str, rest: str, called: str | None, opcode: str = "fusion") -> _Cost:
+        if called is not None:
+            flops, attention = self.matmul_flops(called)
+            nbytes = self.fusion_bytes(instrs, shape, rest, called)
+        else:
+            local_flops = hlo_cost._convolution_flops(shape, rest, instrs) if opcode == "convolution" else None
+            if opcode == "dot":
+                dims = self.dot_dims(instrs, shape, opcode, rest)
+                local_flops = 2.0 * dims[0] * dims[1] * dims[2] * self.batch(instrs, rest) if dims else 0.0
+            flops, attention = local_flops or 0.0, 0.0
+            nbytes = self.operand_bytes(instrs, rest)[0] + _bytes(shape)
+        if attention:
+            return self.attention_cost(attention, nbytes, 128)
+        if flops <= 0:
+            return self.memory_cost(nbytes)
+        M, K, N, dtype = self.matmul_shape(called, instrs, rest, opcode, shape)
+        seconds, bound = self.matmul_seconds(flops, nbytes, M, K, N, dtype)
+        return _Cost(seconds, "matmul", bound, flops, nbytes)
+
+    def batch(self, instrs, rest: str) -> float:
+        ops = hlo_cost._operands(rest)
+        batch = _ints(m.group(1)) if (m := _LHS_BATCH.search(rest)) else []
+        if not ops or ops[0] not in instrs:
+            return 1.0
+        dims = hlo_cost._dims(instrs[ops[0]][0])
+        return float(math.prod(dims[i] for i in batch if i < len(dims)))
+
+    def attention_cost(self, flops: float, nbytes: float, head_dim: float) -> _Cost:
+        chip, c = self.chip, self.constants
+        rate = (self.peak("bf16") * c.fraction(chip) * c.flash_efficiency.get(chip.kind, 1.0)
+                * mxu_fill(chip, head_dim))
+        seconds = max(flops / rate, nbytes / chip.hbm_bandwidth)
+        return _Cost(seconds, _ATTENTION, "compute" if flops / rate >= nbytes / chip.hbm_bandwidth else "hbm", flops,
+                     nbytes)
+
+    def custom_call(self, instrs, name: str, shape: str, rest: str) -> _Cost:
+        target = m.group(1) if (m := hlo_cost._TARGET.search(rest)) else "?"
+        if target in hlo_cost._NO_FLOP_TARGETS:
+            return _Cost(0.0, "memory", "hbm")
+        nbytes = self.operand_bytes(instrs, rest)[0] + _bytes(shape)
+        attention = hlo_cost.attention_kernel(name, shape, rest, instrs)
+        if attention is not None:
+            floats = [instrs[o][0] for o in hlo_cost._operands(rest)
+                      if o in instrs and hlo_cost._FLOAT_ARRAY.match(instrs[o][0])]
+            head_dim = (hlo_cost._dims(floats[0]) or [128])[-1] if floats else 128
+            return self.attention_cost(attention[1], nbytes, head_dim)
+        flops = hlo_cost._custom_call_flops(shape, rest, instrs)
+        if flops is None:
+            self.note(f"custom call {target}: costed by the bytes of its operands and results only")
+            return self.memory_cost(nbytes, "kernel")
+        if target.startswith(hlo_cost._GEMM_TARGETS):
+            out = hlo_cost._dims(shape) or [1, 1]
+            K = flops / (2 * max(math.prod(out), 1))
+            dtype = _arrays(instrs[hlo_cost._operands(rest)[0]][0])[0][0] if hlo_cost._operands(rest) and \
+                hlo_cost._operands(rest)[0] in instrs else "bf16"
+            seconds, bound = self.matmul_seconds(flops, nbytes, out[-2] if len(out) > 1 else 1, K, out[-1], dtype)
+            return _Cost(seconds, "matmul", bound, flops, nbytes)
+        estimated = _BYTES_ESTIMATE.search(rest)  # a Pallas kernel's own cost estimate
+        nbytes = float(estimated.group(1)) if estimated else nbytes
+        rate = self.peak("bf16") * self.constants.fraction(self.chip)
+        seconds = max(flops / rate, nbytes / self.chip.hbm_bandwidth)
+        return _Cost(seconds, "kernel", "compute" if flops / rate >= nbytes / self.chip.hbm_bandwidth else "hbm",
+                     flops, nbytes)
+
+    def wrapped_collective(self, comp_name: str):
+        """(kind, shape, rest, instructions) of the collective a fusion or async wrapper runs, if it runs one."""
+        comp = self.comps[comp_name]
+        for shape, opcode, rest in comp.instrs.values():
+            if opcode in COLLECTIVES:
+                return opcode, shape, rest, comp.instrs
+        return None
+
+    def async_copy(self, instrs, shape: str, rest: str) -> _Cost:
+        read, spaces = self.operand_bytes(instrs, rest)
+        moved = _bytes(shape, skip_on_chip=False) / 2 if shape.startswith("(") else _bytes(shape, skip_on_chip=False)
+        moved = min(moved, read) if read else moved
+        host = HOST in spaces or HOST in _space(shape)
+        if host and self.chip.host_link_bandwidth:
+            return _Cost(moved / self.chip.host_link_bandwidth, "host copy", "host", nbytes=moved, resource="host",
+                         mode="issue")
+        return _Cost(moved / self.chip.hbm_bandwidth, "async copy", "hbm", nbytes=moved, resource="dma",
+                     mode="issue")
+
+    # -- collectives --------------------------------------------------------------------------------------------
+
+    def group(self, rest: str) -> list[int] | None:
+        """The devices (partition ids) of the first replica group; None: every device."""
+        m = _REPLICA_GROUPS.search(rest)
+        if m is None or m.group(1) == "{}":
+            return None
+        text = m.group(1)
+        if text.startswith("{{"):
+            return _ints(text[2:text.index("}")])
+        if text.startswith("["):
+            shape_text, _, source = text.partition("<=")
+            shape = _ints(shape_text.strip("[]"))
+            dims_text, _, perm_text = source.partition("T")
+            dims = _ints(dims_text.strip("[]"))
+            order = list(range(math.prod(dims)))
+            if perm_text:
+                order = _transpose(order, dims, _ints(perm_text.strip("()")))
+            size = shape[-1] if len(shape) > 1 else shape[0]
+            return order[:size]
+        # mesh['a'=2,'b'=4] {'b'}: devices in mesh order, the group varying over the listed axes
+        names = re.findall(r"'([^']+)'=(\d+)", text)
+        listed = re.findall(r"'([^']+)'", text[text.index("{"):])
+        dims = [int(n) for _, n in names]
+        axis_names = [a for a, _ in names]
+        varying = [axis_names.index(a) for a in listed if a in axis_names]
+        fixed = [i for i in range(len(dims)) if i not in varying]
+        order = _transpose(list(range(math.prod(dims))), dims, fixed + varying)
+        return order[:math.prod(dims[i] for i in varying)]
+
+    def spans(self, members: list[int] | None) -> dict[str, tuple[int, int]]:
+        """For each mesh axis a group spans: (members inside a fast-interconnect domain, domains)."""
+        sizes = self.axes
+        if members is None:
+            members = list(range(math.prod(sizes)))
+        coords = [_unravel(d, sizes) for d in members if d < math.prod(sizes)]
+        out = {}
+        for i, axis in enumerate(MESH_AXES):
+            values = {c[i] for c in coords}
+            if len(values) > 1:
+                ici = self.mesh.ici.get(axis, 1)
+                out[axis] = (len({v % ici for v in values}), len({v // ici for v in values}))
+        return out
+
+    def collective(self, instrs, kind: str, shape: str, rest: str, asynchronous: bool, outer=None) -> _Cost:
+        """One collective: its buffer over its group, priced by perfmodel.network; `outer` (instructions, rest):
+        the fusion that wraps it, whose operands are the buffer."""
+        operand_instrs, operand_rest = outer if outer is not None else (instrs, rest)
+        # the buffer wherever it lives (a TPU gathers from and into on-chip memory too)
+        operand = self.operand_bytes(operand_instrs, operand_rest, skip_on_chip=False)[0]
+        if kind == "collective-permute":
+            return self.permute(rest, operand, asynchronous)
+        spans = self.spans(self.group(rest))
+        n = math.prod(i * o for i, o in spans.values()) if spans else 1
+        if n <= 1:
+            return _Cost(0.0, "collective", "ici", resource="ici", mode="issue" if asynchronous else "block")
+        axes = tuple(spans)
+        nets = {a: dataclasses.replace(self.nets[a], inner=spans[a][0], outer=spans[a][1]) for a in axes}
+        if kind in ("all-to-all", "ragged-all-to-all"):
+            t = network.all_to_all_time(operand, axes, nets)
+        else:
+            full = operand * n if kind == "all-gather" else operand
+            t = network.collective_time("all-reduce" if kind not in network.FACTOR else kind, full, axes, nets)
+        latency = self.constants.dcn_step_latency.get(self.kind, 0.0) * t.dcn_steps
+        seconds = t.ici_s + t.dcn_s + latency
+        across = t.dcn_s > 0 or t.dcn_steps > 0
+        return _Cost(seconds, "collective", "dcn" if across else "ici", nbytes=operand,
+                     resource="dcn" if across else "ici", mode="issue" if asynchronous else "block")
+
+    def permute(self, rest: str, nbytes: float, asynchronous: bool) -> _Cost:
+        pairs = re.findall(r"\{(\d+),(\d+)\}", m.group(1)) if (m := _PAIRS.search(rest)) else []
+        mode = "issue" if asynchronous else "block"
+        if not pairs:
+            return _Cost(0.0, "collective", "ici", resource="ici", mode=mode)
+        across = any(self.domain(int(a)) != self.domain(int(b)) for a, b in pairs)
+        chip = self.chip
+        if across:
+            seconds = nbytes / chip.host_network_per_chip + self.constants.dcn_step_latency.get(self.kind, 0.0)
+            return _Cost(seconds, "collective", "dcn", nbytes=nbytes, resource="dcn", mode=mode)
+        link = chip.link_bandwidth * (chip.link_count if chip.kind == "gpu" else 1)
+        seconds = nbytes / link + network.LATENCY_S["ici"]
+        return _Cost(seconds, "collective", "ici", nbytes=nbytes, resource="ici", mode=mode)
+
+    def domain(self, device: int) -> tuple[int, ...]:
+        coords = _unravel(device, self.axes)
+        return tuple(c // self.mesh.ici.get(a, 1) for c, a in zip(coords, MESH_AXES))
+
+    def note(self, line: str) -> None:
+        self.accounts.not_modelled[line] = self.accounts.not_modelled.get(line, 0) + 1
+
+    # -- the schedule -------------------------------------------------------------------------------------------
+
+    def simulate(self, comp_name: str, executions: float, steady: bool = False) -> float:
+        """The seconds one execution of `comp_name` takes (see the module docstring); each instruction's cost is
+        recorded `executions` times. `steady`: a loop body, whose asynchronous work may run into the next
+        iteration."""
+        comp = self.comps[comp_name]
+        t = 0.0
+        ready: dict[str, float] = {}
+        free: dict[str, float] = {}
+        busy: dict[str, float] = {}
+        overhead = KERNEL_OVERHEAD_S.get(self.kind, 0.0)
+        for name, (shape, opcode, rest) in comp.instrs.items():
+            operands = hlo_cost._operands(rest) if "%" in rest else []
+            arrived = max((ready.get(o, 0.0) for o in operands), default=0.0)
+            if opcode in _FREE:
+                if arrived:
+                    ready[name] = arrived
+                continue
+            if opcode in _DONES:
+                t = max(t, arrived)
+                ready[name] = t
+                continue
+            if opcode == "while":
+                t = max(t, arrived) + self.loop(comp, name, rest, executions)
+                continue
+            if opcode in ("call", "conditional", "async-start"):
+                t = max(t, arrived) + self.calls(opcode, rest, executions)
+                continue
+            cost = self.cost(comp, name)
+            self.record(comp_name, name, opcode, rest, cost, executions)
+            if cost.mode == "run" or not self.overlaps:
+                t = max(t, arrived) + cost.seconds + (overhead if cost.seconds else 0.0)
+                continue
+            begin = max(t, arrived, free.get(cost.resource, 0.0))
+            end = begin + cost.seconds
+            free[cost.resource] = end
+            busy[cost.resource] = busy.get(cost.resource, 0.0) + cost.seconds
+            if cost.mode == "block":
+                t = end
+            ready[name] = end
+        if steady:
+            return max(t, *busy.values()) if busy else t
+        return max(t, *free.values()) if free else t
+
+    def loop(self, comp, name: str, rest: str, executions: float) -> float:
+        trip, _ = hlo_cost._trip_count(comp, name, self.comps)
+        callees = dict(hlo_cost._callees(rest))
+        body = callees.get("body", [None])[0]
+        cond = callees.get("condition", [None])[0]
+        if trip is None:
+            self.note("a while loop whose trip count was not found: its body counted once")
+            trip = 1
+        seconds = 0.0
+        if body in self.comps:
+            seconds += trip * self.simulate(body, executions * trip, steady=True)
+        if cond in self.comps:
+            seconds += (trip + 1) * self.simulate(cond, executions * (trip + 1))
+        return seconds
+
+    def calls(self, opcode: str, rest: str, executions: float) -> float:
+        names = [n for _, group in hlo_cost._callees(rest) for n in group if n in self.comps]
+        if not names:
+            return 0.0
+        if opcode != "conditional":
+            return sum(self.simulate(n, executions) for n in names)
+        longest = max(names, key=lambda n: self.simulate(n, 0.0))
+        return self.simulate(longest, executions)
+
+    def record(self, comp_name: str, name: str, opcode: str, rest: str, cost: _Cost, executions: float) -> None:
+        if not executions:
+            return
+        key = (comp_name, name)
+        stats = self.accounts.ops.get(key)
+        if stats is None:
+            source = m.group(1) if (m := _OP_NAME.search(rest)) else ""
+            label = opcode
+            if opcode == "custom-call" and (t := hlo_cost._TARGET.search(rest)):
+                label = f"custom-call:{t.group(1)}"
+            op = OpTime(name, label, cost.kind, source, 0.0, cost.seconds, cost.flops, cost.nbytes, cost.bound,
+                        comp_name)
+            stats = self.accounts.ops[key] = _Stats(op)
+        stats.executions += executions
+
+    def run(self) -> float:
+        return self.simulate(self.entry, 1.0)
+
+
+def matmul_sides(lhs: float, rhs: float, out: float, flops: float) -> tuple[float, float, float]:
+    """(M, K, N) of G matmuls [M, K] x [K, N] from the element counts of their operands (G M K, G K N), result
+    (G M N) and their FLOPs (2 G M N K): M = GMNK / GKN, and so on. It reads the sides of a convolution whatever
+    dims play the batch, contraction and output (TPUs write matmuls as convolutions whose windows walk heads or
+    layers)."""
+    p = flops / 2
+    if p <= 0 or min(lhs, rhs, out) <= 0:
+        return 1.0, 1.0, 1.0
+    return max(p / rhs, 1.0), max(p / out, 1.0), max(p / lhs, 1.0)
+
+
+def _unravel(index: int, sizes: list[int]) -> list[int]:
+    coords = []
+    for n in reversed(sizes):
+        coords.append(index % n)
+        index //= n
+    return coords[::-1]
+
+
+def _transpose(order: list[int], dims: list[int], perm: list[int]) -> list[int]:
+    """`order` laid out in `dims` (row-major), transposed by `perm`, flattened."""
+    strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
+    shape = [dims[p] for p in perm]
+    out = []
+    for flat in range(math.prod(dims)):
+        coords = _unravel(flat, shape)
+        out.append(order[sum(c * strides[p] for c, p in zip(coords, perm))])
+    return out
+
+
+def assumptions(chip: Chip, constants: Constants) -> tuple[str, ...]:
+    lines = [f"each instruction costed on one {chip.name} device at perfmodel's rates: matmuls at "
+             f"{constants.fraction(chip):.2f} of peak x m / (m + HALF) (HALF {constants.matmul_half[chip.kind]:g}"
+             f"{f' x {half_scale(chip):g}' if half_scale(chip) != 1 else ''}), memory-bound work at "
+             f"{(chip.elementwise_bandwidth or chip.hbm_bandwidth) / 1e9:.0f} GB/s"]
+    if chip.kind in ("tpu", "gpu"):
+        lines.append(f"flash attention kernels at {constants.flash_efficiency.get(chip.kind, 1.0):.2f} of the matmul "
+                     "rate (perfmodel's fit)")
+    lines.append({"tpu": "collectives overlap compute from where the schedule issues them to their first use (the TPU "
+                         "backend runs them asynchronously)",
+                  "gpu": "asynchronous collectives overlap what the schedule puts between their start and done; "
+                         "synchronous ones block",
+                  "cpu": "nothing overlaps: XLA:CPU's collectives run on the cores that compute"}[chip.kind])
+    if KERNEL_OVERHEAD_S.get(chip.kind):
+        lines.append(f"{KERNEL_OVERHEAD_S[chip.kind] * 1e6:g} us per kernel launched (assumed)")
+    return tuple(lines)
+
+
+def hlo_time(hlo_text: str, chip: Chip, topology: Topology, mesh: Mesh, constants: Constants = SHIPPED,
+             top: int = TOP) -> HloTime:
+    """The step time of the optimized HLO module `hlo_text` on one device of `topology` (`chip`: the device as
+    perfmodel.estimate.device_for gives it), its mesh `mesh`: see the module docstring."""
+    start = time.perf_counter()
+    walker = _Walker(hlo_text, chip, topology, mesh, constants)
+    step = walker.run()
+    ops = [dataclasses.replace(s.op, executions=s.executions) for s in walker.accounts.ops.values()]
+    totals = {"compute": 0.0, "hbm": 0.0, "ici": 0.0, "dcn": 0.0, "host": 0.0}
+    by_kind: dict[str, float] = {}
+    flops = 0.0
+    kernels = 0.0
+    for op in ops:
+        resource = op.bound
+        totals[resource] = totals.get(resource, 0.0) + op.total_s
+        by_kind[op.kind] = by_kind.get(op.kind, 0.0) + op.total_s
+        flops += op.flops * op.executions if op.kind in ("matmul", _ATTENTION, "kernel") else 0.0
+        kernels += op.executions
+    on_stream = totals["compute"] + totals["hbm"]
+    stream = on_stream + KERNEL_OVERHEAD_S.get(chip.kind, 0.0) * kernels
+    exposed = max(step - stream, 0.0)
+    networks = {k: totals[k] for k in ("ici", "dcn", "host")}
+    slow = max(networks, key=networks.get)
+    if networks[slow] > stream:
+        bottleneck = slow
+    else:
+        bottleneck = "compute" if totals["compute"] >= totals["hbm"] else "hbm"
+        if exposed > max(totals["compute"], totals["hbm"]):
+            bottleneck = slow
+    ranked = sorted(ops, key=lambda op: -op.total_s)[:top]
+    notes = [f"{line} ({n}x)" if n > 1 else line for line, n in walker.accounts.not_modelled.items()]
+    return HloTime(step_time_s=step, compute_s=totals["compute"], hbm_s=totals["hbm"], ici_s=totals["ici"],
+                   dcn_s=totals["dcn"], host_s=totals["host"], exposed_s=exposed, bottleneck=bottleneck, flops=flops,
+                   top=tuple(ranked), by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+                   kernels=int(kernels), assumptions=assumptions(chip, constants), not_modelled=tuple(notes),
+                   chip=chip.name, seconds=time.perf_counter() - start)
+
+
+def predict(hlo_text: str, topology: Topology, mesh: Mesh, calibration=None, constants: Constants = SHIPPED
+            ) -> HloTime:
+    """`hlo_time` on one device of `topology` as perfmodel sees it (perfmodel.estimate.device_for), with the user's
+    stored calibration for CPU topologies unless `calibration` is given."""
+    from maxperf.perfmodel.estimate import device_for
+    from maxperf.user_cache import calibration_for
+
+    if calibration is None and topology.platform == "cpu":
+        calibration = calibration_for(topology)
+    return hlo_time(hlo_text, device_for(topology, calibration), topology, mesh, constants)

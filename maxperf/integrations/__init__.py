@@ -1,0 +1,1 @@
+"""Other codebases' steps as maxperf user steps (`maxperf compile --step MODULE:FACTORY`)."""

@@ -1,0 +1,157 @@
+"""`maxperf run` of a user's step: the factory called again over this machine's devices, its executable loaded,
+its arguments made by `Step.init`, each step's results carried into the next step's arguments (`Step.carry`), and
+the measured step set against the step time read from the compiled program (estimate.json)."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from maxperf.aot import artifacts
+from maxperf.aot.loading import Artifact
+from maxperf.aot.user_step import Step, UserStepError, context, first_line, traceback_text
+from maxperf.profiler.run import (
+    RunResult,
+    Watchdog,
+    calibration_mismatch,
+    check_devices,
+    device_memory,
+    percentile,
+    profile_steps,
+    timed_steps,
+    untuned_gpu_step,
+)
+from maxperf.spec.errors import MaxperfError
+
+
+def default_carry(step: Step, name: str) -> Callable[[tuple, Any], tuple]:
+    """A step `(state, ...) -> (state, ...)`: its first result becomes its next first argument; a step that donates
+    nothing may take the same arguments again; any other needs `Step.carry`."""
+    import jax
+
+    def carry(args: tuple, outputs: Any) -> tuple:
+        if (isinstance(outputs, (tuple, list)) and outputs
+                and jax.tree.structure(outputs[0]) == jax.tree.structure(args[0])):
+            return (outputs[0], *args[1:])
+        if not step.donate:
+            return args
+        raise UserStepError(f"--step {name}: its results do not begin with a new value of its first (donated) "
+                            "argument; give Step.carry(args, outputs) -> the next step's arguments")
+
+    return carry
+
+
+def run(artifact: Artifact, *, steps: int, warmup: int, profile: bool = False, data=None, checkpoint=None,
+        restore=None, out=None, progress: Callable[[str], None] | None = None, peer_timeout: float = 60.0,
+        force: bool = False) -> RunResult:
+    """Runs a user's compiled step `steps` times after `warmup` steps and measures it (see the module docstring)."""
+    say = progress or (lambda _: None)
+    import jax
+
+    from maxperf.perfmodel.estimate import device_for, fallback_notes
+    from maxperf.user_cache import calibration_for
+
+    name = str(artifact.user.step)
+    for option, given in (("--data", data), ("--checkpoint", checkpoint), ("--restore", restore)):
+        if given is not None:
+            raise MaxperfError(f"{option} is for maxperf's train step; --step {name} makes its own arguments "
+                               "(Step.init)")
+    devices = check_devices(artifact, jax.devices())
+    out_dir = Path(out) if out is not None else artifact.directory / "run"
+    artifacts.claim_output(out_dir, "run", force=force, inputs=[artifact.directory])
+    say(f"calling the step's factory {name} and loading the executable onto {len(devices)} "
+        f"{devices[0].platform} device(s)")
+    step, compiled, mesh = artifact.user_step(devices)
+    if step.init is None:
+        raise UserStepError(f"--step {name} gives no Step.init: `maxperf run` needs it to make the step's arguments")
+    try:
+        with context(step, mesh):
+            args = tuple(step.init(0))
+    except Exception as e:
+        raise UserStepError(f"Step.init of --step {name} raised {first_line(e)} (--verbose shows its traceback)",
+                            traceback_text(e)) from None
+    if len(args) != len(step.args):
+        raise UserStepError(f"Step.init of --step {name} made {len(args)} arguments; the step takes "
+                            f"{len(step.args)}")
+    carry = step.carry or default_carry(step, name)
+    current: dict[str, Any] = {"args": args, "outputs": None}
+
+    def prepare(i: int) -> tuple:
+        if current["outputs"] is not None:
+            current["args"] = tuple(carry(current["args"], current["outputs"]))
+            current["outputs"] = None
+        return current["args"]
+
+    def execute(given: tuple) -> float | None:
+        outputs = compiled(*given)
+        jax.block_until_ready(outputs)
+        current["outputs"] = outputs
+        return float(step.loss(outputs)) if step.loss is not None else None
+
+    writer = artifacts.ArtifactWriter(out_dir, "run", force=force, inputs=[artifact.directory])
+    watchdog = Watchdog(peer_timeout) if jax.process_count() > 1 else None
+    times: list[float] = []
+    losses: list[float] = []
+    interrupted: KeyboardInterrupt | None = None
+    try:
+        profile_summary = None
+        try:
+            timed_steps(prepare, execute, warmup, steps, times, losses, watchdog, say)
+            if profile:
+                profile_summary = profile_steps(lambda i: execute(prepare(i)), warmup + steps, writer, out_dir,
+                                                watchdog, say)
+        except KeyboardInterrupt as e:
+            if not times:
+                raise
+            interrupted, profile_summary = e, None
+        if watchdog:
+            watchdog.stop()
+        topology = artifact.topology
+        calibration = calibration_for(topology)
+        chip = device_for(topology, calibration)
+        peak = chip.peak_flops("bfloat16")
+        median = statistics.median(times)
+        estimate = artifact.json("estimate.json") or {}
+        predicted = estimate.get("step_time_s")
+        record = calibration.record() if calibration is not None else None
+        notes = [*fallback_notes(topology, chip, calibration), *calibration_mismatch(estimate, record),
+                 *untuned_gpu_step(artifact.manifest)]
+        if interrupted is not None:
+            notes.insert(0, f"interrupted after {len(times)} of {steps} timed steps: the figures are of those")
+        per_device = step.model_flops / topology.num_devices if step.model_flops else None
+        result = RunResult(
+            out_dir=out_dir, steps=len(times), warmup=warmup, step_times_s=times, step_time_s=median,
+            step_time_p10_s=percentile(times, 0.1), step_time_p90_s=percentile(times, 0.9),
+            step_time_min_s=min(times),
+            tokens_per_s=step.tokens_per_step / median if step.tokens_per_step else None,
+            tflops_per_device=per_device / median / 1e12 if per_device else None,
+            mfu=per_device / (median * peak) if per_device else None, peak_flops_per_device=peak,
+            peak_source=("calibrated by `maxperf calibrate`" if chip.calibrated else chip.note or "published"),
+            losses=losses, platform=devices[0].platform, device_kind=devices[0].device_kind, devices=len(devices),
+            processes=jax.process_count(), process_index=jax.process_index(), predicted_step_time_s=predicted,
+            measured_over_predicted=median / predicted if predicted else None,
+            memory={"compiler_per_device_bytes": (artifact.json("memory.json") or {}).get("per_device_total_bytes"),
+                    **device_memory(devices)},
+            profile=profile_summary, data="Step.init's arguments, carried from step to step",
+            artifact=str(artifact.directory.resolve()), notes=notes, calibration=record,
+            partial=interrupted is not None, hlo_predicted_step_time_s=predicted,
+            measured_over_hlo_predicted=median / predicted if predicted else None, step=name, unit=step.unit,
+        )
+        if jax.process_index() == 0:
+            writer.write_json("run.json", result.as_dict())
+            writer.commit()
+        else:
+            writer.abandon()
+            result = dataclasses.replace(result, out_dir=None)
+    except BaseException:
+        writer.abandon()
+        raise
+    finally:
+        if watchdog:
+            watchdog.stop()
+    if interrupted is not None:
+        raise interrupted
+    return result

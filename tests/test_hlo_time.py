@@ -1,0 +1,265 @@
+"""`hlo_time`: the step time read from optimized HLO. Hand-written modules with known answers (rooflines, loops,
+overlap on each platform, replica groups, bytes of fusions), and compiled steps whose prediction lands in
+estimate.json."""
+
+import json
+import math
+
+import pytest
+
+from maxperf.aot import hlo_time
+from maxperf.perfmodel import chips, network
+from maxperf.perfmodel.work import SHIPPED, half_scale, matmul_efficiency, mxu_fill
+from maxperf.spec import mesh as mesh_mod
+from maxperf.spec import topology as topologies
+from maxperf.spec.parallelism import ParallelismConfig
+
+
+def predict(text: str, topology: str = "v5p-16", parallelism: ParallelismConfig | None = None):
+    topo = topologies.get(topology)
+    mesh = mesh_mod.resolve(parallelism or ParallelismConfig(), topo)
+    return hlo_time.hlo_time(text, chips.get(topo.chip), topo, mesh)
+
+
+def seconds_of(result, name: str) -> float:
+    return next(op.seconds for op in result.top if op.name == name)
+
+
+DOT = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[4096,2048], w: bf16[2048,8192]) -> bf16[4096,8192] {
+  %x = bf16[4096,2048]{1,0} parameter(0)
+  %w = bf16[2048,8192]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[4096,8192]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_a_matmul_is_a_roofline_at_perfmodels_efficiency():
+    result = predict(DOT)
+    chip = chips.get("tpu-v5p")
+    flops = 2 * 4096 * 2048 * 8192
+    half = SHIPPED.matmul_half["tpu"] * half_scale(chip)
+    efficiency = matmul_efficiency(chip, 2048, half) * mxu_fill(chip, 2048, 8192)
+    nbytes = 2 * (4096 * 2048 + 2048 * 8192 + 4096 * 8192)
+    expected = max(flops / (chip.peak_bf16_flops * efficiency), nbytes / chip.hbm_bandwidth)
+    assert result.step_time_s == pytest.approx(expected)
+    assert result.flops == flops and result.bottleneck == "compute"
+    assert result.top[0].kind == "matmul" and result.top[0].bound == "compute"
+
+
+def test_a_thin_matmul_runs_at_perfmodels_thin_matmul_rate():
+    text = DOT.replace("4096,2048", "8,2048").replace("4096,8192", "8,8192")
+    result = predict(text)
+    chip = chips.get("tpu-v5p")
+    efficiency = matmul_efficiency(chip, 8, SHIPPED.matmul_half["tpu"] * half_scale(chip)) * mxu_fill(chip, 2048, 8192)
+    assert result.step_time_s == pytest.approx(2 * 8 * 2048 * 8192 / (chip.peak_bf16_flops * efficiency))
+
+
+ADD = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: f32[4096,4096], b: f32[4096,4096]) -> f32[4096,4096] {
+  %a = f32[4096,4096]{1,0} parameter(0)
+  %b = f32[4096,4096]{1,0} parameter(1)
+  ROOT %add.1 = f32[4096,4096]{1,0} add(%a, %b)
+}
+"""
+
+
+def test_elementwise_work_is_its_bytes_at_hbm_bandwidth():
+    result = predict(ADD)
+    assert result.top[0].bound == "hbm" and result.bottleneck == "hbm"
+    assert result.step_time_s == pytest.approx(3 * 4 * 4096 * 4096 / chips.get("tpu-v5p").hbm_bandwidth)
+
+
+LOOP = """HloModule m, is_scheduled=true
+
+%body (p: (s32[], bf16[1024,1024], bf16[1024,1024])) -> (s32[], bf16[1024,1024], bf16[1024,1024]) {
+  %p = (s32[], bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %h = bf16[1024,1024]{1,0} get-tuple-element(%p), index=1
+  %w = bf16[1024,1024]{1,0} get-tuple-element(%p), index=2
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %dot.2 = bf16[1024,1024]{1,0} dot(%h, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) tuple(%next, %dot.2, %w)
+}
+
+%cond (q: (s32[], bf16[1024,1024], bf16[1024,1024])) -> pred[] {
+  %q = (s32[], bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %n = s32[] constant(TRIPS)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+ENTRY %main (h0: bf16[1024,1024], w0: bf16[1024,1024]) -> bf16[1024,1024] {
+  %h0 = bf16[1024,1024]{1,0} parameter(0)
+  %w0 = bf16[1024,1024]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) tuple(%zero, %h0, %w0)
+  %loop = (s32[], bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = bf16[1024,1024]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_a_loop_costs_its_trip_count_times_its_body():
+    one, many = predict(LOOP.replace("TRIPS", "1")), predict(LOOP.replace("TRIPS", "48"))
+    dot = next(op for op in many.top if op.name == "dot.2")
+    assert dot.executions == 48
+    assert many.flops == 48 * one.flops == 48 * 2 * 1024**3
+    assert many.step_time_s == pytest.approx(48 * seconds_of(many, "dot.2") + 49 * seconds_of(many, "lt")
+                                             + 48 * seconds_of(many, "next"))
+    assert many.kernels == 48 * 2 + 49  # the add and the dot of each iteration, each condition's compare
+
+
+# A gathered weight used by the second matmul (LATE) or by the first (EARLY), the gather issued before both.
+GATHER = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[2048,2048], w: bf16[2048,2048], g: bf16[256,2048]) -> bf16[2048,2048] {
+  %x = bf16[2048,2048]{1,0} parameter(0)
+  %w = bf16[2048,2048]{1,0} parameter(1)
+  %g = bf16[256,2048]{1,0} parameter(2)
+  %ag = bf16[2048,2048]{1,0} all-gather(%g), replica_groups=GROUPS, dimensions={0}
+  %d1 = bf16[2048,2048]{1,0} dot(%x, FIRST), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %d2 = bf16[2048,2048]{1,0} dot(%d1, SECOND), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+LATE = GATHER.replace("FIRST", "%w").replace("SECOND", "%ag")
+EARLY = GATHER.replace("FIRST", "%ag").replace("SECOND", "%w")
+EVERY_DEVICE = "[1,8]<=[8]"
+
+
+def test_a_tpu_collective_overlaps_the_work_before_its_first_use():
+    late = predict(LATE.replace("GROUPS", EVERY_DEVICE))
+    early = predict(EARLY.replace("GROUPS", EVERY_DEVICE))
+    ag, d1, d2 = (seconds_of(late, n) for n in ("ag", "d1", "d2"))
+    assert ag > 0
+    assert late.step_time_s == pytest.approx(max(ag, d1) + d2)
+    assert early.step_time_s == pytest.approx(ag + d1 + d2)
+    assert early.exposed_s == pytest.approx(ag) and late.exposed_s == pytest.approx(max(ag - d1, 0.0))
+
+
+ASYNC = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[2048,2048], w: bf16[2048,2048], g: bf16[256,2048]) -> bf16[2048,2048] {
+  %x = bf16[2048,2048]{1,0} parameter(0)
+  %w = bf16[2048,2048]{1,0} parameter(1)
+  %g = bf16[256,2048]{1,0} parameter(2)
+  %ags = (bf16[256,2048]{1,0}, bf16[2048,2048]{1,0}) all-gather-start(%g), replica_groups=[1,8]<=[8], dimensions={0}
+  %d1 = bf16[2048,2048]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %agd = bf16[2048,2048]{1,0} all-gather-done(%ags)
+  ROOT %d2 = bf16[2048,2048]{1,0} dot(%d1, %agd), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_a_gpu_async_pair_overlaps_what_lies_between_and_a_synchronous_collective_blocks():
+    overlapped = predict(ASYNC, "h100-8")
+    ag, d1, d2 = (seconds_of(overlapped, n) for n in ("ags", "d1", "d2"))
+    overhead = hlo_time.KERNEL_OVERHEAD_S["gpu"]
+    assert overlapped.step_time_s == pytest.approx(max(ag, d1 + overhead) + d2 + overhead)
+    blocking = predict(LATE.replace("GROUPS", EVERY_DEVICE), "h100-8")
+    assert blocking.step_time_s == pytest.approx(seconds_of(blocking, "ag") + seconds_of(blocking, "d1")
+                                                 + seconds_of(blocking, "d2") + 2 * overhead)
+
+
+def test_on_cpu_devices_nothing_overlaps():
+    result = predict(LATE.replace("GROUPS", EVERY_DEVICE), "cpu-8")
+    total = sum(seconds_of(result, n) for n in ("ag", "d1", "d2"))
+    assert result.step_time_s == pytest.approx(total + 3 * hlo_time.KERNEL_OVERHEAD_S["cpu"])  # the collective too
+
+
+@pytest.mark.parametrize("groups", ["{{0,1,2,3,4,5,6,7}}", "[1,8]<=[8]", "[1,8]<=[2,4]T(1,0)",
+                                    "mesh['data'=1,'fsdp'=8] {'fsdp'}", "mesh['axis_0'=8] {'axis_0'}"])
+def test_every_spelling_of_one_group_is_priced_by_perfmodels_network(groups):
+    topo = topologies.get("v5p-16")
+    mesh = mesh_mod.resolve(ParallelismConfig(), topo)
+    nets = network.axis_networks(mesh, chips.get("tpu-v5p"), topo)
+    expected = network.collective_time("all-gather", 2048 * 2048 * 2, ("fsdp",), nets).ici_s
+    result = predict(EARLY.replace("GROUPS", groups))
+    assert seconds_of(result, "ag") == pytest.approx(expected)
+
+
+def test_a_group_along_one_axis_is_priced_over_that_axis_only():
+    two = ParallelismConfig(ici_fsdp=4, ici_tensor=2)
+    topo = topologies.get("v5p-16")
+    mesh = mesh_mod.resolve(two, topo)
+    nets = network.axis_networks(mesh, chips.get("tpu-v5p"), topo)
+    # devices in mesh order (data, stage, fsdp, ..., tensor, expert): pairs along tensor are consecutive ids
+    result = predict(EARLY.replace("GROUPS", "[4,2]<=[8]").replace("bf16[256,2048]", "bf16[1024,2048]"), "v5p-16",
+                     two)
+    expected = network.collective_time("all-gather", 2048 * 2048 * 2, ("tensor",), nets).ici_s
+    assert seconds_of(result, "ag") == pytest.approx(expected)
+
+
+def test_collectives_across_slices_pay_the_dcn():
+    one = predict(EARLY.replace("GROUPS", "[1,8]<=[8]"), "v5p-16")
+    topo = topologies.get("v5p-8", num_slices=2)
+    mesh = mesh_mod.resolve(ParallelismConfig(), topo)  # data=2 over DCN, fsdp=4 inside each slice
+    across = hlo_time.hlo_time(EARLY.replace("GROUPS", "[4,2]<=[2,4]T(1,0)"), chips.get("tpu-v5p"), topo, mesh)
+    op = next(o for o in across.top if o.name == "ag")
+    assert op.bound == "dcn"
+    assert op.seconds > 10 * seconds_of(one, "ag")
+
+
+FUSED = """HloModule m, is_scheduled=true
+
+%sliced (p0: f32[64,1024,1024], p1: s32[]) -> f32[1,1024,1024] {
+  %p0 = f32[64,1024,1024]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = f32[1,1024,1024]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,1024,1024}
+  ROOT %neg = f32[1,1024,1024]{2,1,0} negate(%ds)
+}
+
+%updated (q0: f32[64,1024,1024], q1: f32[1,1024,1024], q2: s32[]) -> f32[64,1024,1024] {
+  %q0 = f32[64,1024,1024]{2,1,0} parameter(0)
+  %q1 = f32[1,1024,1024]{2,1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %z2 = s32[] constant(0)
+  ROOT %dus = f32[64,1024,1024]{2,1,0} dynamic-update-slice(%q0, %q1, %q2, %z2, %z2)
+}
+
+ENTRY %main (a: f32[64,1024,1024], i: s32[]) -> f32[64,1024,1024] {
+  %a = f32[64,1024,1024]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %f1 = f32[1,1024,1024]{2,1,0} fusion(%a, %i), kind=kLoop, calls=%sliced
+  ROOT %f2 = f32[64,1024,1024]{2,1,0} fusion(%a, %f1, %i), kind=kLoop, calls=%updated
+}
+"""
+
+
+def test_a_fusion_reads_only_its_slices_and_writes_only_its_update():
+    result = predict(FUSED)
+    layer = 4 * 1024 * 1024
+    by_name = {op.name: op for op in result.top}
+    assert by_name["f1"].bytes == pytest.approx(2 * layer + 4)  # the slice read, the result written, the index
+    assert by_name["f2"].bytes == pytest.approx(2 * layer + 4)  # the update read and written in place
+    assert by_name["f1"].kind == "memory" and by_name["f1"].bound == "hbm"
+
+
+def test_matmul_sides_from_sizes_read_a_batched_matmul_written_as_a_convolution():
+    G, M, K, N = 32, 2048, 128, 2048
+    assert hlo_time.matmul_sides(G * M * K, G * K * N, G * M * N, 2 * G * M * N * K) == (M, K, N)
+
+
+def test_the_result_is_json_with_its_source_and_top_instructions():
+    out = predict(LOOP.replace("TRIPS", "4")).as_dict()
+    assert out["schema"] == hlo_time.SCHEMA and out["source"] == hlo_time.SOURCE
+    assert out["top"][0]["name"] == "dot.2" and out["top"][0]["executions"] == 4
+    assert out["top"][0]["seconds"] == pytest.approx(4 * out["top"][0]["seconds_each"])
+    assert json.loads(json.dumps(out)) == out
+    assert any("matmuls at" in line for line in out["assumptions"])
+
+
+@pytest.mark.slow
+def test_a_compiled_tpu_step_carries_its_hlo_time_beside_the_analytical_one(tmp_path):
+    from maxperf import aot
+
+    result = aot.compile("v5p-8", "tiny", ["seq_len=256", "per_device_batch_size=8"], out=tmp_path / "out")
+    hlo = json.loads((tmp_path / "out" / "estimate.json").read_text())["hlo_time"]
+    assert hlo["chip"] == "tpu-v5p" and hlo["step_time_s"] > 0
+    assert hlo["flops_per_device"] == pytest.approx(result.cost["flops_per_device"], rel=1e-6)
+    assert {op["kind"] for op in hlo["top"]} & {"matmul", "attention kernel"}
+    assert math.isfinite(hlo["step_time_s"] / result.estimate["step_time_s"])

@@ -1,0 +1,206 @@
+"""A user's step through maxperf (`--step MODULE:FACTORY`): reading the option, the factory's words, the checks
+of what a factory returns, every kind of bad input as one line with exit 2 and nothing written, and the example
+step compiled for TPU, GPU and CPU topologies and run on cpu-8 against its HLO-derived prediction."""
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cli_util import maxperf
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from maxperf.aot import targets, user_step
+from maxperf.aot.user_step import Step, UserStepError
+from maxperf.spec import steps
+from maxperf.spec import topology as topologies
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.parallelism import ParallelismConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = "examples.vision_step:make_step"
+
+
+@pytest.fixture
+def mesh():
+    topo = topologies.get("cpu-8")
+    from maxperf.spec import mesh as mesh_mod
+
+    return targets.jax_mesh(topo, mesh_mod.resolve(ParallelismConfig(), topo))
+
+
+def test_step_values_are_builtin_names_or_user_factories(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert steps.parse_step("train").builtin == "train"
+    assert steps.parse_step("pkg.mod:fn") == steps.StepName(module="pkg.mod", factory="fn")
+    assert steps.parse_step("path/to/file.py:fn").module == "path/to/file.py"
+    named = steps.parse_step("examples.vision_step")  # an importable module: its make_step
+    assert named.is_user and named.factory == steps.DEFAULT_FACTORY
+    for bad in ("prefil", "pkg.mod:", ":fn", "pkg:not-a-name"):
+        with pytest.raises(MaxperfError, match="--step"):
+            steps.parse_step(bad)
+
+
+def test_mesh_words_size_the_mesh_and_the_others_go_to_the_factory():
+    request = steps.resolve_user("cpu-8", "m:f", ["ici_tensor=2", "batch=64", "ici_fsdp_parallelism=4", "lr=0.1"])
+    assert request.mesh.axes["tensor"] == 2 and request.mesh.axes["fsdp"] == 4
+    assert request.args == {"batch": "64", "lr": "0.1"}
+    assert "ici_tensor=2" in request.words and "batch=64" in request.words
+    with pytest.raises(MaxperfError, match="given twice"):
+        steps.resolve_user("cpu-8", "m:f", ["batch=1", "batch=2"])
+    with pytest.raises(MaxperfError, match="not key=value"):
+        steps.resolve_user("cpu-8", "m:f", ["batch"])
+    with pytest.raises(MaxperfError, match="multiply"):
+        steps.resolve_user("cpu-8", "m:f", ["ici_tensor=3"])
+    with pytest.raises(MaxperfError, match="maxperf's own step"):
+        steps.resolve_user("cpu-8", "train")
+
+
+def factory(mesh, batch: int = 8, rate=0.5, name="x", flag: bool = False, *, layers: int):
+    return (batch, rate, name, flag, layers)
+
+
+def test_words_take_the_types_of_the_factorys_parameters():
+    name = steps.StepName(module="m", factory="factory")
+    got = user_step.factory_arguments(factory, name, {"batch": "64", "rate": "1e-3", "name": "y", "flag": "true",
+                                                      "layers": "2"})
+    assert got == {"batch": 64, "rate": 1e-3, "name": "y", "flag": True, "layers": 2}
+    with pytest.raises(UserStepError, match="did you mean batch"):
+        user_step.factory_arguments(factory, name, {"btch": "1", "layers": "1"})
+    with pytest.raises(UserStepError, match="an integer"):
+        user_step.factory_arguments(factory, name, {"batch": "many", "layers": "1"})
+    with pytest.raises(UserStepError, match="give layers="):
+        user_step.factory_arguments(factory, name, {})
+
+
+def abstract(mesh, spec=P()):
+    return jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, spec))
+
+
+def test_a_checked_step_has_every_argument_sharded_over_the_mesh(mesh):
+    args = (abstract(mesh, P("fsdp")), jax.ShapeDtypeStruct((8,), jnp.int32),
+            jax.ShapeDtypeStruct((8,), jnp.int32, sharding=P("fsdp")))
+    step = user_step.check(Step(fn=lambda a, b, c: a, args=args), mesh, "m:f")
+    a, b, c = step.args
+    assert a.sharding.spec == P("fsdp")
+    assert b.sharding == NamedSharding(mesh, P()) and c.sharding == NamedSharding(mesh, P("fsdp"))
+    assert step.name == "m:f"
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda mesh: {"fn": None}, "not a maxperf Step"),
+    (lambda mesh: Step(fn=3, args=()), "not the step function"),
+    (lambda mesh: Step(fn=abs, args=(jnp.zeros((8, 4)),)), "Step.args[0] is a concrete"),
+    (lambda mesh: Step(fn=abs, args=({"x": np.zeros(3)},)), "Step.args[0]['x'] is a concrete ndarray"),
+    (lambda mesh: Step(fn=abs, args=("text",)), "not a jax.ShapeDtypeStruct"),
+    (lambda mesh: Step(fn=abs, args=(jax.ShapeDtypeStruct((8,), jnp.float32, sharding=P("batch")),)),
+     "an axis the mesh lacks"),
+    (lambda mesh: Step(fn=abs, args=(jax.ShapeDtypeStruct(
+        (8,), jnp.float32, sharding=NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",)), P())),)),
+     "other devices"),
+    (lambda mesh: Step(fn=abs, args=(abstract(mesh),), donate=(1,)), "not an index"),
+    (lambda mesh: Step(fn=abs, args=(abstract(mesh),), model_flops=-1.0), "positive number"),
+    (lambda mesh: Step(fn=abs, args=(abstract(mesh),), init=5), "Step.init should be a function"),
+])
+def test_what_a_factory_must_not_return(mesh, make, needle):
+    with pytest.raises(UserStepError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        user_step.check(make(mesh), mesh, "m:f")
+
+
+BAD_STEPS = '''
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from maxperf.aot.user_step import Step
+
+
+def raises(mesh):
+    raise ValueError("the factory's own failure")
+
+
+def wrong_type(mesh):
+    return {"fn": None}
+
+
+def concrete(mesh):
+    return Step(fn=lambda x: x * 2, args=(jnp.zeros((8, 4)),))
+
+
+def missing_axis(mesh):
+    return Step(fn=lambda x: x * 2, args=(jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=P("batch")),))
+
+
+def fails_to_trace(mesh):
+    x = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    return Step(fn=lambda x: x @ x, args=(x,))
+'''
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_line_exit_2_nothing_written_and_the_traceback_only_with_verbose(tmp_path):
+    module = tmp_path / "bad_steps.py"
+    module.write_text(BAD_STEPS)
+    work = tmp_path / "work"
+    work.mkdir()
+    cases = [(f"{module}:raises", "the factory's own failure"), (f"{module}:wrong_type", "not a maxperf Step"),
+             (f"{module}:concrete", "is a concrete"), (f"{module}:missing_axis", "an axis the mesh lacks"),
+             (f"{module}:fails_to_trace", "tracing or lowering"), (f"{module}:absent", "has no 'absent'"),
+             ("no_such_module_here:make", "importing no_such_module_here failed")]
+    for step, needle in cases:
+        proc = maxperf("compile", "--step", step, "--topology", "cpu-8", "--out", str(work / "out"), cwd=work)
+        assert proc.returncode == 2, (step, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert lines[-1].startswith("maxperf: error:") and needle in lines[-1], (step, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        assert not any(work.iterdir()), list(work.iterdir())  # nothing written, no lock or partial directory
+    verbose = maxperf("compile", "--step", f"{module}:raises", "--topology", "cpu-8", "--verbose", cwd=work)
+    assert verbose.returncode == 2
+    assert "Traceback" in verbose.stderr and 'raise ValueError("the factory' in verbose.stderr
+    assert verbose.stderr.strip().splitlines()[-1].startswith("maxperf: error:")
+    with_model = maxperf("compile", "--step", EXAMPLE, "--model", "tiny", "--topology", "cpu-8", cwd=ROOT)
+    assert with_model.returncode == 2 and "drop --model" in with_model.stderr
+
+
+@pytest.mark.slow
+def test_the_example_compiles_and_runs_on_cpu_8_against_its_hlo_prediction(tmp_path):
+    out, run = tmp_path / "vision", tmp_path / "run"
+    compiled = maxperf("compile", "--step", EXAMPLE, "--topology", "cpu-8", "per_device_batch=4", "width=8",
+                       "image_size=16", "--out", str(out), "--json", cwd=ROOT)
+    assert compiled.returncode == 0, compiled.stderr
+    summary = json.loads(compiled.stdout)
+    assert summary["step"] == EXAMPLE and summary["args"] == {"per_device_batch": "4", "width": "8",
+                                                              "image_size": "16"}
+    estimate = json.loads((out / "estimate.json").read_text())
+    assert estimate["schema"] == "maxperf.hlo-estimate/1" and estimate["unit"] == "images"
+    assert estimate["step_time_s"] == estimate["hlo_time"]["step_time_s"] > 0
+    assert estimate["tokens_per_s"] == pytest.approx(32 / estimate["step_time_s"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["step"]["factory"] == EXAMPLE and manifest["tokens_per_step"] == 32
+    ran = maxperf("run", str(out), "--steps", "3", "--warmup", "1", "--out", str(run), "--json", cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr
+    result = json.loads(ran.stdout)
+    assert result["step"] == EXAMPLE and result["unit"] == "images" and result["steps"] == 3
+    assert result["hlo_predicted_step_time_s"] == estimate["step_time_s"]
+    assert result["measured_over_hlo_predicted"] == pytest.approx(result["step_time_s"] / estimate["step_time_s"])
+    assert len(result["losses"]) == 3 and all(np.isfinite(result["losses"]))
+    assert json.loads((run / "run.json").read_text())["step_time_s"] == result["step_time_s"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["v5p-256", "h100-8x2"])
+def test_the_example_compiles_for_a_tpu_and_a_gpu_topology(tmp_path, topology, monkeypatch):
+    from maxperf.aot import user_compile
+
+    monkeypatch.chdir(ROOT)
+    result = user_compile.compile_step(topology, EXAMPLE, ["per_device_batch=8"], out=tmp_path / "out")
+    assert result.fits
+    hlo = result.estimate["hlo_time"]
+    assert hlo["step_time_s"] > 0 and hlo["flops_per_device"] > 0
+    assert result.estimate["mfu"] is not None and 0 < result.estimate["mfu"] < 1
+    devices = topologies.get(topology).num_devices
+    assert result.step.tokens_per_step == 8 * devices
+    assert any(op["kind"] == "collective" for op in hlo["top"]) or hlo["ici_s"] + hlo["dcn_s"] > 0
