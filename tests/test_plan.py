@@ -58,7 +58,8 @@ def test_resolve_fills_the_minus_one_axes_and_refuses_what_does_not_cover_the_de
     with pytest.raises(MaxperfError, match="multiply to 4 but there are 8 devices in each slice of cpu-8"):
         resolve_mesh(ParallelismConfig(ici_fsdp=2, ici_tensor=2), T.get("cpu-8"))
     shape = resolve_mesh(ParallelismConfig(ici_tensor=2), T.get("v5p-16", num_slices=2))
-    assert shape.axes == {"data": 2, "fsdp": 4, "fsdp_transpose": 1, "sequence": 1, "tensor": 2, "expert": 1}
+    assert shape.axes == {"data": 2, "stage": 1, "fsdp": 4, "fsdp_transpose": 1, "sequence": 1, "tensor": 2,
+                          "expert": 1}
     assert shape.ici["data"] == 1 and shape.dcn["data"] == 2
 
 
@@ -79,8 +80,8 @@ def test_compile_for_two_gpu_hosts(tmp_path, capsys):
     out = tmp_path / "h100"
     assert main(["compile", "--topology", "h100-8x2", "--model", "tiny", "seq_len=128", "--out", str(out)]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["mesh"]["dcn"] == {"data": 2, "fsdp": 1, "fsdp_transpose": 1, "sequence": 1, "tensor": 1,
-                                       "expert": 1}
+    assert manifest["mesh"]["dcn"] == {"data": 2, "stage": 1, "fsdp": 1, "fsdp_transpose": 1, "sequence": 1,
+                                       "tensor": 1, "expert": 1}
     assert manifest["mesh"]["ici"]["fsdp"] == 8
     assert manifest["devices"]["count"] == 16 and manifest["devices"]["processes"] == 2
     assert json.loads((out / "estimate.json").read_text())["chips"] == 16
@@ -92,7 +93,8 @@ def test_the_compiled_mesh_keeps_each_gpu_host_on_the_ici_axes():
 
     p = resolve("h100-8x2", "tiny")
     mesh = targets.jax_mesh(p.topology, p.mesh)
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 8, "fsdp_transpose": 1, "sequence": 1, "tensor": 1, "expert": 1}
+    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 8, "fsdp_transpose": 1, "sequence": 1, "tensor": 1,
+                                "expert": 1}
     hosts = [[d.process_index for d in row] for row in mesh.devices.reshape(2, 8)]
     assert hosts == [[0] * 8, [1] * 8]
 

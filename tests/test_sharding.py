@@ -32,8 +32,10 @@ def strict_ranks():
 
 
 def test_rules_are_maxtexts():
-    # MaxText configs/base.yml logical_axis_rules (its `context` is maxperf's `sequence`)
-    assert MESH_AXES == ("data", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert")
+    # MaxText configs/base.yml mesh_axes and logical_axis_rules (its `context` is maxperf's `sequence`)
+    assert MESH_AXES == ("data", "stage", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert")
+    assert RULES["activation_embed_and_logits_batch"] == ("data", "stage", "fsdp", "fsdp_transpose", "expert")
+    assert RULES["activation_stage"] == ("stage",)
     assert RULES["activation_batch"] == ("data", "fsdp", "fsdp_transpose", "expert")
     assert RULES["activation_embed"] == ("tensor",)
     assert RULES["mlp"] == ("fsdp_transpose", "tensor")
@@ -64,7 +66,8 @@ def test_parameters_and_batch_follow_the_rules_in_the_step():
 def test_plan_reads_maxtexts_fsdp_transpose_and_dcn_keys():
     p = resolve("v5p-8", "tiny", ["ici_fsdp_transpose_parallelism=2", "dcn_data_parallelism=1",
                                "dcn_fsdp_transpose_parallelism=2"], num_slices=2)
-    assert p.mesh.ici == {"data": 1, "fsdp": 2, "fsdp_transpose": 2, "sequence": 1, "tensor": 1, "expert": 1}
+    assert p.mesh.ici == {"data": 1, "stage": 1, "fsdp": 2, "fsdp_transpose": 2, "sequence": 1, "tensor": 1,
+                          "expert": 1}
     assert p.mesh.dcn["fsdp_transpose"] == 2
     assert p.mesh.axes["fsdp_transpose"] == 4
     mesh = Mesh.of(p.mesh.axes, p.mesh.dcn).check(p.topology)
@@ -276,9 +279,10 @@ def test_fsdp_transpose_takes_its_own_torus_dimension_and_gathers_over_it():
     assert t.ici_s == pytest.approx(63 / 64 * 64 * 2**20 / (6 * chip.link_bandwidth) + 5e-6)
 
 
-def test_a_mesh_written_before_fsdp_transpose_existed_still_reads():
+def test_a_mesh_written_before_fsdp_transpose_and_stage_existed_still_reads():
     from maxperf.spec.mesh import Mesh
 
     old = Mesh(ici={"data": 1, "fsdp": 8, "sequence": 1, "tensor": 1, "expert": 1}, dcn={"data": 1, "fsdp": 1})
-    assert old.axes == {"data": 1, "fsdp": 8, "fsdp_transpose": 1, "sequence": 1, "tensor": 1, "expert": 1}
+    assert old.axes == {"data": 1, "stage": 1, "fsdp": 8, "fsdp_transpose": 1, "sequence": 1, "tensor": 1,
+                        "expert": 1}
     assert old.devices == 8

@@ -24,7 +24,7 @@ from maxperf.spec.topology import Topology
 # Mesh axes are laid out innermost first (the one needing the most bandwidth takes the fastest, nearest chips),
 # as jax's mesh_utils.create_device_mesh and MaxText's default ordering do for tensor parallelism; fsdp_transpose
 # sits inside fsdp, as in MaxText's mesh_axes.
-INNERMOST_FIRST = ("tensor", "sequence", "expert", "fsdp_transpose", "fsdp", "data")
+INNERMOST_FIRST = ("tensor", "sequence", "expert", "fsdp_transpose", "fsdp", "stage", "data")
 # A torus ring runs both ways round each dimension it spans: 2 links per dimension, one direction each.
 LINKS_PER_TORUS_DIM = 2
 # Fixed cost per collective (launch and synchronisation) inside a slice or NVLink domain, an assumption: a few hops of

@@ -148,6 +148,7 @@ def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_t
     topo, model, train = base.topology, base.configs.model, base.configs.train
     devices = topo.num_devices
     ici_pins = {a: int(pinned[f"ici_{a}"]) for a in MESH_AXES if f"ici_{a}" in pinned}
+    ici_pins.setdefault("stage", 1)  # pipeline stages only where pinned
     # across slices only data and fsdp, as MaxText advises (its dcn_*_parallelism notes); a pin may choose others
     dcn_pins = {a: int(pinned[f"dcn_{a}"]) if f"dcn_{a}" in pinned else 1 for a in MESH_AXES
                 if a not in DCN_SEARCHED or f"dcn_{a}" in pinned}

@@ -15,8 +15,9 @@ from collections.abc import Mapping, Sequence
 LogicalAxes = tuple[str | None, ...]
 
 # MaxText's mesh axes (configs/base.yml mesh_axes) that maxperf's layers use, outermost first; MaxText's `context` is
-# `sequence` here. Each may span DCN too (MaxText's dcn_*_parallelism), though MaxText advises only data and fsdp.
-MESH_AXES = ("data", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert")
+# `sequence` here (its ici_context_parallelism sets it), its `stage` the pipeline's stages. Each may span DCN too
+# (MaxText's dcn_*_parallelism), though MaxText advises only data, fsdp and the pipeline's stages.
+MESH_AXES = ("data", "stage", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert")
 DCN_AXES = MESH_AXES
 
 # logical name -> mesh axes that shard it, outermost first: MaxText's logical_axis_rules (configs/base.yml), with
@@ -36,6 +37,11 @@ RULES: dict[str, tuple[str, ...]] = {
     "activation_exp": ("expert",),
     "activation_batch_no_exp": ("data", "fsdp", "fsdp_transpose"),
     "activation_batch": ("data", "fsdp", "fsdp_transpose", "expert"),
+    # the batch of the embeddings, the logits and the step's input: over the pipeline's stages too, which hold no
+    # layers there (MaxText's activation_embed_and_logits_batch)
+    "activation_embed_and_logits_batch": ("data", "stage", "fsdp", "fsdp_transpose", "expert"),
+    # a pipeline's stage dimension of its per-stage activations (MaxText's activation_stage)
+    "activation_stage": ("stage",),
     "activation_length": ("sequence",),
     "activation_embed": ("tensor",),
     # parameters: a mixture of experts' weights [E, ...] put E over `expert` first (MaxText's exp rule)
@@ -57,6 +63,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "norm_fsdp": ("fsdp",),
     "position": (),
     "layers": (),
+    # the layer axis of a pipelined stack, stored stage-major: each stage holds its own layers (MaxText's `layers`
+    # rule; maxperf's other stacks keep every layer on every device, as MaxText's outside a pipeline)
+    "stage_layers": ("stage",),
 }
 _ORDER = {name: i for i, name in enumerate(RULES)}
 

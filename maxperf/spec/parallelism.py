@@ -14,12 +14,14 @@ class ParallelismConfig:
     """Mesh axis sizes; -1 on one axis fills what the others leave (`maxperf.spec.mesh.resolve` resolves them)."""
 
     ici_data: int = 1
+    ici_stage: int = 1  # pipeline stages (MaxText's ici_pipeline_parallelism)
     ici_fsdp: int = -1
     ici_fsdp_transpose: int = 1
     ici_sequence: int = 1
     ici_tensor: int = 1
     ici_expert: int = 1
     dcn_data: int = -1
+    dcn_stage: int = 1  # MaxText's dcn_pipeline_parallelism
     dcn_fsdp: int = 1
     dcn_fsdp_transpose: int = 1
     dcn_sequence: int = 1

@@ -156,6 +156,13 @@ def params_per_device(model: ModelConfig, sizes: tuple[tuple[str, int], ...]) ->
     memo = model_memo(model)  # per mesh: a search asks for it again with every batch and policy
     if (held := memo.get(("params_per_device", sizes))) is None:
         axes = dict(sizes)
-        held = memo["params_per_device", sizes] = sum(x.count * local_size(x.shape, x.logical, axes)
-                                                      for x in state_arrays(model))
+        held = memo["params_per_device", sizes] = (
+            sum(x.count * local_size(x.shape, x.logical, axes) * stage_share(x, axes) for x in param_arrays(model))
+            + sum(x.count * local_size(x.shape, x.logical, axes) for x in mtp_arrays(model)))
     return held
+
+
+def stage_share(x: ParamArray, axes: dict[str, int]) -> float:
+    """The share of a decoder array's layers one device holds: a pipeline's stage holds 1 / stages of the decoder's
+    layers (the whole decoder is pipelined: maxperf.spec.pipeline); arrays outside the layers are on every stage."""
+    return 1 / axes.get("stage", 1) if x.block else 1.0

@@ -1,0 +1,124 @@
+"""A pipeline's schedule as MaxText resolves it (configs/types.py): stages from the `stage` mesh axis, the layers each
+stage runs per repeat, the repeats (circular pipelining, NVIDIA's virtual stages), the microbatches, and the
+iterations of the loop that runs them (layers/pipeline.py). Everything that counts a pipelined step reads this."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from maxperf.spec.errors import MaxperfError
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.model import ModelConfig
+from maxperf.spec.train import TrainConfig
+
+
+@dataclass(frozen=True)
+class Schedule:
+    stages: int  # S: ici_pipeline_parallelism x dcn_pipeline_parallelism
+    microbatches: int  # M: num_pipeline_microbatches, a multiple of S
+    repeats: int  # R: num_pipeline_repeats; > 1 is a circular pipeline
+    units_per_stage: int  # U: the stack's units each stage runs per repeat (num_layers_per_pipeline_stage)
+    delay: int = 1  # 2 with pipeline_delay_activation_forwarding
+    fsdp_gather_once: bool = False  # pipeline_fsdp_ag_once
+
+    @property
+    def iterations(self) -> int:
+        """The loop's iterations: M x R carry work, delay x (S - 1) more drain the pipeline (the bubble)."""
+        return self.microbatches * self.repeats + self.bubble_iterations
+
+    @property
+    def bubble_iterations(self) -> int:
+        return self.delay * (self.stages - 1)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of each stage's iterations that compute nothing of use: delay (S - 1) / (M R + delay (S - 1)),
+        MaxText's base.yml formula."""
+        return self.bubble_iterations / self.iterations
+
+    @property
+    def circular_storage(self) -> bool:
+        """Whether the last stage's outputs wait in a buffer of the whole batch before the next repeat (R > 1 and
+        more microbatches than delay x S)."""
+        return self.repeats > 1 and self.microbatches > self.stages * self.delay
+
+    def as_dict(self) -> dict:
+        return {"stages": self.stages, "microbatches": self.microbatches, "repeats": self.repeats,
+                "layers_per_stage": self.units_per_stage, "iterations": self.iterations,
+                "bubble_fraction": round(self.bubble_fraction, 4), "delay": self.delay,
+                "fsdp_gather_once": self.fsdp_gather_once}
+
+
+def schedule(stages: int, pipelined_units: int, batch: int, *, microbatches: int = -1, repeats: int = -1,
+             units_per_stage: int = 1, delay: bool = False, fsdp_gather_once: bool = False,
+             unit_name: str = "layers") -> Schedule | None:
+    """The schedule of `pipelined_units` units over `stages` stages for a batch of `batch` examples per step's
+    microbatch (MaxText's micro_batch_size_to_train_on), or None without a pipeline (one stage). Every mistake is one
+    MaxperfError naming what would be valid."""
+    if stages <= 1:
+        return None
+    if units_per_stage < 1:
+        raise MaxperfError(f"num_layers_per_pipeline_stage={units_per_stage} must be at least 1")
+    per_repeat = stages * units_per_stage
+    if repeats == -1:
+        if pipelined_units % per_repeat:
+            valid = [u for u in range(1, pipelined_units + 1) if pipelined_units % (stages * u) == 0]
+            raise MaxperfError(
+                f"{stages} pipeline stages x num_layers_per_pipeline_stage={units_per_stage} do not divide the "
+                f"{pipelined_units} pipelined {unit_name}; "
+                + (f"num_layers_per_pipeline_stage can be {', '.join(map(str, valid))}" if valid else
+                   f"choose a stage count that divides {pipelined_units}"))
+        repeats = pipelined_units // per_repeat
+    elif repeats < 1 or stages * repeats * units_per_stage != pipelined_units:
+        raise MaxperfError(
+            f"stages ({stages}) x num_pipeline_repeats ({repeats}) x num_layers_per_pipeline_stage "
+            f"({units_per_stage}) must equal the {pipelined_units} pipelined {unit_name}; num_pipeline_repeats=-1 "
+            "derives it")
+    gap = 2 if delay else 1
+    if microbatches == -1:
+        microbatches = gap * stages
+    if microbatches < 1 or microbatches % stages:
+        raise MaxperfError(f"num_pipeline_microbatches={microbatches} must be a positive multiple of the {stages} "
+                           f"pipeline stages, e.g. {stages} or {2 * stages}")
+    if delay and microbatches < 2 * stages:
+        raise MaxperfError(f"pipeline_delay_activation_forwarding needs at least 2 x {stages} = {2 * stages} "
+                           f"microbatches, got num_pipeline_microbatches={microbatches}")
+    if batch % microbatches:
+        fits = [m for m in range(stages, batch + 1, stages) if batch % m == 0]
+        raise MaxperfError(f"the batch of {batch} examples does not split into num_pipeline_microbatches="
+                           f"{microbatches}; " + (f"choose one of {', '.join(map(str, fits[:8]))}" if fits else
+                                                  f"make the batch a multiple of {stages}"))
+    return Schedule(stages, microbatches, repeats, units_per_stage, gap, fsdp_gather_once)
+
+
+def pipelined_units(model: ModelConfig) -> tuple[int, int]:
+    """(units, layers per unit) of the stack a pipeline runs: the decoder's repeating unit (a layer; Llama 4
+    Maverick's dense-then-MoE pair), every layer of the model; a MaxperfError where layers stand outside it."""
+    step = model.interleave_moe_layer_step if model.is_moe else 1
+    first = model.first_num_dense_layers if model.is_moe else 0
+    if first:
+        raise MaxperfError(
+            f"pipeline parallelism over {model.name}: its {first} leading dense layers would run outside the "
+            "pipeline (MaxText pipelines only the MoE layers of such a model); maxperf pipelines whole decoders; "
+            "use ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
+    units, rest = divmod(model.num_layers, step)
+    if rest:
+        raise MaxperfError(f"pipeline parallelism over {model.name}: its {model.num_layers} layers are not whole "
+                           f"blocks of {step} (dense then MoE); choose num_layers a multiple of {step}")
+    return units, step
+
+
+def of(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> Schedule | None:
+    """The step's schedule on `mesh` (None with one stage): its microbatch (MaxText's micro_batch_size_to_train_on)
+    is B x devices examples."""
+    stages = mesh.axes["stage"]
+    if stages <= 1:
+        return None
+    units, step = pipelined_units(model)
+    if train.pipeline_parallel_layers not in (-1, units * step):
+        raise MaxperfError(f"pipeline_parallel_layers={train.pipeline_parallel_layers}: maxperf pipelines all "
+                           f"{units * step} layers of {model.name}; leave it at -1")
+    return schedule(stages, units, train.micro_batch(mesh.devices), microbatches=train.num_pipeline_microbatches,
+                    repeats=train.num_pipeline_repeats, units_per_stage=train.num_layers_per_pipeline_stage,
+                    delay=train.pipeline_delay_activation_forwarding, fsdp_gather_once=train.pipeline_fsdp_ag_once,
+                    unit_name="layers" if step == 1 else f"blocks of {step} layers")
