@@ -465,3 +465,21 @@ def test_tiny_triton_flash_compile_counts_its_kernels(tmp_path):
     # backward in 32x32 blocks, 36 of 64 visible
     forward, backward = 2 * 4 * 3 * 128 * 128, 14 * 36 * 32 * 32
     assert hlo["attention_kernel_flops"] == model.num_layers * (forward + backward) * model.head_dim * heads
+
+
+CUDNN_BACKWARD = """HloModule m
+
+ENTRY %main (x: f32[8,16,16,32], dy: f32[8,16,16,64]) -> f32[3,3,32,64] {
+  %x = f32[8,16,16,32]{3,2,1,0} parameter(0)
+  %dy = f32[8,16,16,64]{3,2,1,0} parameter(1)
+  %dk = (f32[3,3,32,64]{3,2,1,0}, u8[0]{0}) custom-call(%x, %dy), CONVOLUTION, custom_call_target="__cudnn$convBackwardFilter"
+  ROOT %out = f32[3,3,32,64]{3,2,1,0} get-tuple-element(%dk), index=0
+}
+""".replace("CONVOLUTION", "window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f")
+
+
+def test_cudnn_convolutions_count_the_forward_products():
+    cost = hlo_flops(CUDNN_BACKWARD)
+    assert cost.unhandled_custom_calls == {}
+    # the kernel gradient: the forward output's elements (dy) x the kernel's elements per output feature
+    assert cost.flops == cost.custom_call_flops == 2 * (8 * 16 * 16 * 64) * (3 * 3 * 32)

@@ -263,3 +263,22 @@ def test_a_compiled_tpu_step_carries_its_hlo_time_beside_the_analytical_one(tmp_
     assert hlo["flops_per_device"] == pytest.approx(result.cost["flops_per_device"], rel=1e-6)
     assert {op["kind"] for op in hlo["top"]} & {"matmul", "attention kernel"}
     assert math.isfinite(hlo["step_time_s"] / result.estimate["step_time_s"])
+
+
+CUDNN = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: f32[64,32,32,64], k: f32[3,3,64,128]) -> f32[64,32,32,128] {
+  %x = f32[64,32,32,64]{3,2,1,0} parameter(0)
+  %k = f32[3,3,64,128]{3,2,1,0} parameter(1)
+  %conv = (f32[64,32,32,128]{3,2,1,0}, u8[0]) custom-call(%x, %k), CONVOLUTION, custom_call_target="__cudnn$convForward"
+  ROOT %out = f32[64,32,32,128]{3,2,1,0} get-tuple-element(%conv), index=0
+}
+""".replace("CONVOLUTION", "window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f")
+
+
+def test_a_cudnn_convolution_is_a_matmul_of_its_forward_products():
+    result = predict(CUDNN, "h100-8")
+    op = result.top[0]
+    assert op.kind == "matmul" and op.opcode == "custom-call:__cudnn$convForward"
+    assert op.flops == 2 * (64 * 32 * 32 * 128) * (3 * 3 * 64)  # output elements x kernel elements per feature
+    assert not result.not_modelled

@@ -9,6 +9,8 @@ What counts (per device: SPMD-partitioned HLO already has per-device shapes):
   HloCostAnalysis). `convolution` (TPU lowers matmuls, batched ones too, to these inside fusions): 2 x output
   batch and feature elements x kernel input features x the (output, window) position pairs that read a real input
   element, per `dim_labels` and `window`, as XLA counts them: padding and dilation holes cost nothing.
+  cuDNN convolution custom calls (`__cudnn$conv...`, forward and backward): 2 x the forward convolution's output
+  elements x its kernel's elements per output feature, padding counted as computed.
   cuBLAS gemm custom calls (`__cublas$gemm`, `__cublas$lt$matmul...`): the dot formula on the dimension numbers
   in their backend_config. Other custom calls are listed in `unhandled_custom_calls` unless their backend_config
   carries a `cost_estimate` (Pallas kernels), which is used.
@@ -71,6 +73,7 @@ _ELEMENTWISE = frozenset(
     "round-nearest-even compare select clamp and or xor not shift-left shift-right-arithmetic shift-right-logical "
     "convert is-finite real imag complex popcnt count-leading-zeros stochastic-convert reduce-precision".split())
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")  # prefixes: the Lt family has $f8 / $mx variants
+_CUDNN_CONVOLUTION = "__cudnn$conv"  # convForward, convBackwardInput, convBackwardFilter, convBiasActivationForward
 # Custom calls that move or annotate data and do no arithmetic.
 _NO_FLOP_TARGETS = frozenset(
     "Sharding SPMDFullToShardShape SPMDShardToFullShape AllocateBuffer MoveToHost MoveToDevice "
@@ -373,8 +376,32 @@ def _custom_call_flops(shape: str, rest: str, instrs: dict[str, tuple[str, str, 
         lhs_dims = _dims(lhs[0])
         # The result is a tuple (output, workspace): the output comes first.
         return 2.0 * _elements(shape) * math.prod(lhs_dims[d] for d in _int_list(contracting.group(1)))
+    if target.group(1).startswith(_CUDNN_CONVOLUTION):
+        return _cudnn_convolution_flops(target.group(1), shape, rest, instrs)
     estimate = _COST_ESTIMATE.search(rest)
     return float(estimate.group(1)) if estimate else None
+
+
+def _cudnn_convolution_flops(target: str, shape: str, rest: str, instrs: dict[str, tuple[str, str, str]]
+                             ) -> float | None:
+    """A cuDNN convolution custom call (XLA:GPU's convolutions, forward and backward): 2 x the forward convolution's
+    output elements x its kernel's elements per output feature. The backward ones compute the same products: the
+    input gradient from the output gradient (operand 0) and the kernel (operand 1), the kernel gradient from the
+    input and the output gradient (operand 1). Padding is counted as computed (no valid-window correction)."""
+    operands = _operands(rest)
+    labels = _DIM_LABELS.search(rest)
+    if labels is None or len(operands) < 2 or any(o not in instrs for o in operands[:2]):
+        return None
+    if "BackwardFilter" in target:
+        out, kernel = instrs[operands[1]][0], shape
+    elif "BackwardInput" in target:
+        out, kernel = instrs[operands[0]][0], instrs[operands[1]][0]
+    else:
+        out, kernel = shape, instrs[operands[1]][0]
+    kernel_labels, kernel_dims = labels.group(2), _dims(kernel)
+    if "o" not in kernel_labels or len(kernel_dims) != len(kernel_labels):
+        return None
+    return 2.0 * _elements(out) * _elements(kernel) / max(kernel_dims[kernel_labels.index("o")], 1)
 
 
 def attention_kernel(name: str, shape: str, rest: str, instrs: dict[str, tuple[str, str, str]]
@@ -655,3 +682,24 @@ def hlo_flops(hlo_text: str) -> HloCost:
         unknown_trip_counts=sum(1 for loop in loops if loop.trip_count is None), conditionals=conditionals,
         unhandled_custom_calls=custom_calls, unresolved_operands=unresolved, computations=len(counts),
         attention_kernel_flops=sum(v for k, v in by_opcode.items() if k.startswith(_ATTENTION_KEY)))
+
+
+# The module as this file reads it, for maxperf.aot.hlo_time, which times the instructions these functions count:
+# the parsed computations, one computation's own work, an instruction's operands, callees and trip count, and the
+# FLOPs of a convolution or custom call.
+Computation = _Comp
+LocalWork = _Local
+parse_computations = _parse
+local_work = _local
+operands = _operands
+callees = _callees
+dims = _dims
+trip_count = _trip_count
+convolution_flops = _convolution_flops
+custom_call_flops = _custom_call_flops
+CUSTOM_CALL_TARGET = _TARGET
+NO_FLOP_TARGETS = _NO_FLOP_TARGETS
+FLOAT_ARRAY = _FLOAT_ARRAY
+GEMM_TARGETS = _GEMM_TARGETS
+CUDNN_CONVOLUTION = _CUDNN_CONVOLUTION
+ATTENTION_KEY = _ATTENTION_KEY

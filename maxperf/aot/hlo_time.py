@@ -204,24 +204,23 @@ class _Walker:
     """Costs the instructions of one module and simulates its schedule (see the module docstring)."""
 
     def __init__(self, hlo_text: str, chip: Chip, topology: Topology, mesh: Mesh, constants: Constants):
-        self.comps, self.entry = hlo_cost._parse(hlo_text)
+        self.comps, self.entry = hlo_cost.parse_computations(hlo_text)
         self.chip, self.topology, self.mesh, self.constants = chip, topology, mesh, constants
         self.kind = chip.kind
         self.nets = network.axis_networks(mesh, chip, topology)
         self.axes = [mesh.axes[a] for a in MESH_AXES]
         self.bandwidth = chip.elementwise_bandwidth or chip.hbm_bandwidth
-        self.locals: dict[str, hlo_cost._Local] = {}
+        self.locals: dict[str, hlo_cost.LocalWork] = {}
         self.fusion_io: dict[str, tuple[dict[int, float], float | None]] = {}
         self.accounts = _Accounts()
-        self.durations: dict[str, float] = {}
         self.overlaps = chip.kind != "cpu"
         self.tpu_async = chip.kind == "tpu"
 
     # -- costing one instruction --------------------------------------------------------------------------------
 
-    def local(self, name: str) -> hlo_cost._Local:
+    def local(self, name: str) -> hlo_cost.LocalWork:
         if name not in self.locals:
-            self.locals[name] = hlo_cost._local(self.comps[name], self.comps)
+            self.locals[name] = hlo_cost.local_work(self.comps[name], self.comps)
         return self.locals[name]
 
     def matmul_flops(self, comp_name: str, depth: int = 0) -> tuple[float, float]:
@@ -229,7 +228,7 @@ class _Walker:
         if comp_name not in self.comps or depth > 8:
             return 0.0, 0.0
         local = self.local(comp_name)
-        attention = sum(v for k, v in local.by_opcode.items() if k.startswith("attention-kernel:"))
+        attention = sum(v for k, v in local.by_opcode.items() if k.startswith(hlo_cost.ATTENTION_KEY))
         flops = local.vector[0] + local.vector[1] + local.vector[2] - attention
         for callee, multiplier, applying in local.edges:
             if not applying:
@@ -240,7 +239,7 @@ class _Walker:
 
     def operand_bytes(self, instrs, rest: str, skip_on_chip: bool = True) -> tuple[float, set[int]]:
         total, spaces = 0.0, set()
-        for o in hlo_cost._operands(rest):
+        for o in hlo_cost.operands(rest):
             if o in instrs:
                 total += _bytes(instrs[o][0], skip_on_chip)
                 spaces |= _space(instrs[o][0])
@@ -260,19 +259,19 @@ class _Walker:
                 m = _PARAMETER_NUMBER.match(rest)
                 if m:
                     params[name] = int(m.group(1))
-            for i, o in enumerate(hlo_cost._operands(rest)):
+            for i, o in enumerate(hlo_cost.operands(rest)):
                 users.setdefault(o, []).append((name, i))
         read: dict[int, float] = {}
         in_place: set[str] = set()
         written: float | None = None
         roots = [comp.root] if comp.root else []
         if comp.root and comp.instrs[comp.root][1] == "tuple":
-            roots = hlo_cost._operands(comp.instrs[comp.root][2])
+            roots = hlo_cost.operands(comp.instrs[comp.root][2])
         updates = [r for r in roots if r in comp.instrs and comp.instrs[r][1] == "dynamic-update-slice"]
         if updates and len(updates) == len(roots):
             written = 0.0
             for r in updates:
-                ops = hlo_cost._operands(comp.instrs[r][2])
+                ops = hlo_cost.operands(comp.instrs[r][2])
                 written += _bytes(comp.instrs[ops[1]][0]) if len(ops) > 1 and ops[1] in comp.instrs else 0.0
                 if ops and ops[0] in params:
                     in_place.add(ops[0])
@@ -288,7 +287,7 @@ class _Walker:
     def fusion_bytes(self, instrs, shape: str, rest: str, comp_name: str) -> float:
         read, written = self.fused_io(comp_name) if comp_name in self.comps else ({}, None)
         total = 0.0
-        for i, o in enumerate(hlo_cost._operands(rest)):
+        for i, o in enumerate(hlo_cost.operands(rest)):
             if o in instrs:
                 total += read.get(i, _bytes(instrs[o][0]))
         return total + (_bytes(shape) if written is None else written)
@@ -311,7 +310,7 @@ class _Walker:
                 if op in ("dot", "convolution"):
                     candidates.append((inner, s, op, r))
                 elif op == "fusion":
-                    for key, names in hlo_cost._callees(r):
+                    for key, names in hlo_cost.callees(r):
                         if key == "calls" and names and names[0] in self.comps:
                             sub = self.comps[names[0]].instrs
                             candidates += [(sub, s2, op2, r2) for s2, op2, r2 in sub.values()
@@ -326,7 +325,7 @@ class _Walker:
         return best or (1.0, 1.0, 1.0, "bf16")
 
     def dot_dims(self, instrs, shape: str, opcode: str, rest: str) -> tuple[float, float, float, str] | None:
-        ops = hlo_cost._operands(rest)
+        ops = hlo_cost.operands(rest)
         if len(ops) < 2 or ops[0] not in instrs or ops[1] not in instrs:
             return None
         lhs, rhs = _arrays(instrs[ops[0]][0]), _arrays(instrs[ops[1]][0])
@@ -334,7 +333,7 @@ class _Walker:
             return None
         dtype, lhs_dims, _ = lhs[0]
         rhs_dims = rhs[0][1]
-        out = math.prod(hlo_cost._dims(shape)) or 1
+        out = math.prod(hlo_cost.dims(shape)) or 1
         if opcode == "dot":
             lb = _ints(m.group(1)) if (m := _LHS_BATCH.search(rest)) else []
             lc = _ints(m.group(1)) if (m := _LHS_CONTRACTING.search(rest)) else []
@@ -345,7 +344,7 @@ class _Walker:
             N = math.prod(d for i, d in enumerate(rhs_dims) if i not in rb and i not in rc)
             return float(M), float(K), float(N), dtype
         # a convolution (TPUs write batched and plain matmuls so): sides from its operands' and result's sizes
-        flops = hlo_cost._convolution_flops(shape, rest, instrs) or 0.0
+        flops = hlo_cost.convolution_flops(shape, rest, instrs) or 0.0
         return (*matmul_sides(math.prod(lhs_dims), math.prod(rhs_dims), out, flops), dtype)
 
     def matmul_seconds(self, flops: float, nbytes: float, M: float, K: float, N: float, dtype: str) -> tuple[float,
@@ -372,7 +371,7 @@ class _Walker:
         if opcode in _ASYNC_MEMORY:
             return self.async_copy(instrs, shape, rest)
         if opcode == "fusion" or opcode == "fusion-start":
-            called = next((names[0] for key, names in hlo_cost._callees(rest) if key == "calls" and names), None)
+            called = next((names[0] for key, names in hlo_cost.callees(rest) if key == "calls" and names), None)
             if called is not None and called in self.comps:
                 inner = self.wrapped_collective(called)
                 if inner is not None:
@@ -390,7 +389,7 @@ class _Walker:
         if opcode in ("dynamic-slice", "slice", "gather"):
             return self.memory_cost(2 * out)
         if opcode == "dynamic-update-slice":
-            ops = hlo_cost._operands(rest)
+            ops = hlo_cost.operands(rest)
             update = _bytes(instrs[ops[1]][0]) if len(ops) > 1 and ops[1] in instrs else out
             return self.memory_cost(2 * update)
         if opcode in ("broadcast", "iota", "rng-bit-generator", "rng"):
@@ -405,7 +404,7 @@ class _Walker:
             flops, attention = self.matmul_flops(called)
             nbytes = self.fusion_bytes(instrs, shape, rest, called)
         else:
-            local_flops = hlo_cost._convolution_flops(shape, rest, instrs) if opcode == "convolution" else None
+            local_flops = hlo_cost.convolution_flops(shape, rest, instrs) if opcode == "convolution" else None
             if opcode == "dot":
                 dims = self.dot_dims(instrs, shape, opcode, rest)
                 local_flops = 2.0 * dims[0] * dims[1] * dims[2] * self.batch(instrs, rest) if dims else 0.0
@@ -420,11 +419,11 @@ class _Walker:
         return _Cost(seconds, "matmul", bound, flops, nbytes)
 
     def batch(self, instrs, rest: str) -> float:
-        ops = hlo_cost._operands(rest)
+        ops = hlo_cost.operands(rest)
         batch = _ints(m.group(1)) if (m := _LHS_BATCH.search(rest)) else []
         if not ops or ops[0] not in instrs:
             return 1.0
-        dims = hlo_cost._dims(instrs[ops[0]][0])
+        dims = hlo_cost.dims(instrs[ops[0]][0])
         return float(math.prod(dims[i] for i in batch if i < len(dims)))
 
     def attention_cost(self, flops: float, nbytes: float, head_dim: float) -> _Cost:
@@ -436,26 +435,28 @@ class _Walker:
                      nbytes)
 
     def custom_call(self, instrs, name: str, shape: str, rest: str) -> _Cost:
-        target = m.group(1) if (m := hlo_cost._TARGET.search(rest)) else "?"
-        if target in hlo_cost._NO_FLOP_TARGETS:
+        target = m.group(1) if (m := hlo_cost.CUSTOM_CALL_TARGET.search(rest)) else "?"
+        if target in hlo_cost.NO_FLOP_TARGETS:
             return _Cost(0.0, "memory", "hbm")
         nbytes = self.operand_bytes(instrs, rest)[0] + _bytes(shape)
         attention = hlo_cost.attention_kernel(name, shape, rest, instrs)
         if attention is not None:
-            floats = [instrs[o][0] for o in hlo_cost._operands(rest)
-                      if o in instrs and hlo_cost._FLOAT_ARRAY.match(instrs[o][0])]
-            head_dim = (hlo_cost._dims(floats[0]) or [128])[-1] if floats else 128
+            floats = [instrs[o][0] for o in hlo_cost.operands(rest)
+                      if o in instrs and hlo_cost.FLOAT_ARRAY.match(instrs[o][0])]
+            head_dim = (hlo_cost.dims(floats[0]) or [128])[-1] if floats else 128
             return self.attention_cost(attention[1], nbytes, head_dim)
-        flops = hlo_cost._custom_call_flops(shape, rest, instrs)
+        flops = hlo_cost.custom_call_flops(shape, rest, instrs)
         if flops is None:
             self.note(f"custom call {target}: costed by the bytes of its operands and results only")
             return self.memory_cost(nbytes, "kernel")
-        if target.startswith(hlo_cost._GEMM_TARGETS):
-            out = hlo_cost._dims(shape) or [1, 1]
-            K = flops / (2 * max(math.prod(out), 1))
-            dtype = _arrays(instrs[hlo_cost._operands(rest)[0]][0])[0][0] if hlo_cost._operands(rest) and \
-                hlo_cost._operands(rest)[0] in instrs else "bf16"
-            seconds, bound = self.matmul_seconds(flops, nbytes, out[-2] if len(out) > 1 else 1, K, out[-1], dtype)
+        if target.startswith((*hlo_cost.GEMM_TARGETS, hlo_cost.CUDNN_CONVOLUTION)):  # cuBLAS GEMMs, cuDNN convs
+            sizes = [math.prod(hlo_cost.dims(instrs[o][0])) for o in hlo_cost.operands(rest)[:2] if o in instrs]
+            if len(sizes) < 2:
+                sizes = [1, 1]
+            M, K, N = matmul_sides(sizes[0], sizes[1], math.prod(hlo_cost.dims(shape)) or 1, flops)
+            operand = hlo_cost.operands(rest)[0] if hlo_cost.operands(rest) else None
+            dtype = _arrays(instrs[operand][0])[0][0] if operand in instrs else "bf16"
+            seconds, bound = self.matmul_seconds(flops, nbytes, M, K, N, dtype)
             return _Cost(seconds, "matmul", bound, flops, nbytes)
         estimated = _BYTES_ESTIMATE.search(rest)  # a Pallas kernel's own cost estimate
         nbytes = float(estimated.group(1)) if estimated else nbytes
@@ -586,7 +587,7 @@ class _Walker:
         busy: dict[str, float] = {}
         overhead = KERNEL_OVERHEAD_S.get(self.kind, 0.0)
         for name, (shape, opcode, rest) in comp.instrs.items():
-            operands = hlo_cost._operands(rest) if "%" in rest else []
+            operands = hlo_cost.operands(rest) if "%" in rest else []
             arrived = max((ready.get(o, 0.0) for o in operands), default=0.0)
             if opcode in _FREE:
                 if arrived:
@@ -619,8 +620,8 @@ class _Walker:
         return max(t, *free.values()) if free else t
 
     def loop(self, comp, name: str, rest: str, executions: float) -> float:
-        trip, _ = hlo_cost._trip_count(comp, name, self.comps)
-        callees = dict(hlo_cost._callees(rest))
+        trip, _ = hlo_cost.trip_count(comp, name, self.comps)
+        callees = dict(hlo_cost.callees(rest))
         body = callees.get("body", [None])[0]
         cond = callees.get("condition", [None])[0]
         if trip is None:
@@ -634,7 +635,7 @@ class _Walker:
         return seconds
 
     def calls(self, opcode: str, rest: str, executions: float) -> float:
-        names = [n for _, group in hlo_cost._callees(rest) for n in group if n in self.comps]
+        names = [n for _, group in hlo_cost.callees(rest) for n in group if n in self.comps]
         if not names:
             return 0.0
         if opcode != "conditional":
@@ -650,7 +651,7 @@ class _Walker:
         if stats is None:
             source = m.group(1) if (m := _OP_NAME.search(rest)) else ""
             label = opcode
-            if opcode == "custom-call" and (t := hlo_cost._TARGET.search(rest)):
+            if opcode == "custom-call" and (t := hlo_cost.CUSTOM_CALL_TARGET.search(rest)):
                 label = f"custom-call:{t.group(1)}"
             op = OpTime(name, label, cost.kind, source, 0.0, cost.seconds, cost.flops, cost.nbytes, cost.bound,
                         comp_name)

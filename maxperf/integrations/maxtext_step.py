@@ -58,6 +58,18 @@ def mesh_words(mesh) -> list[str]:
     return words
 
 
+def with_shardings(tree, shardings):
+    """`tree`'s arrays as jax.ShapeDtypeStructs carrying `shardings`, a tree of shardings or a prefix of `tree`
+    (MaxText gives its batch one sharding for every array)."""
+    import jax
+    from jax.sharding import Sharding
+
+    def attach(sharding, subtree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree)
+
+    return jax.tree.map(attach, shardings, tree, is_leaf=lambda s: s is None or isinstance(s, Sharding))
+
+
 def make_step(mesh, model_name: str = "default", **overrides: str) -> Step:
     """MaxText's train step for `model_name` with its config keys `overrides` (see the module docstring)."""
     import jax
@@ -94,8 +106,7 @@ def make_step(mesh, model_name: str = "default", **overrides: str) -> Step:
     data_sharding = sharding.get_input_data_sharding(config, maxtext_mesh)
     fn, in_shardings, out_shardings, _, donate = maxtext_utils.get_functional_train_with_signature(
         train.train_step, data_sharding, input_state_shardings, model, config, params_shardings)
-    args = tuple(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), arg, shardings)
-                 for arg, shardings in zip(shaped_args, in_shardings))
+    args = tuple(with_shardings(arg, shardings) for arg, shardings in zip(shaped_args, in_shardings))
 
     @contextlib.contextmanager
     def context():
