@@ -6,7 +6,8 @@ HLO takes, and MaxText's own step through maxperf against MaxText's train_compil
 
 `costing` compiles (or takes from the compile cache) llama2-7b for a v5p-1024 pod, B 1, L 2048, flash attention,
 full remat, then reads and costs its optimized HLO REPEAT times in this process, from the text file to the result,
-and prints the median and the slowest against the 2 s target, with the prediction beside the analytical one.
+and prints the median and the slowest wall time against the 2 s target, the CPU time beside it (on a shared machine
+the wall time is mostly other processes'), and the prediction beside the analytical one.
 
 `maxtext` runs, for each case, MaxText's `train_compile` in its own venv (PEER_VENV, default /tmp/peer, made by
 ../shared/peer/maxtext_aot.sh; bench/maxtext_compare.py's runner) and `maxperf compile --step
@@ -72,15 +73,17 @@ def costing(repeat: int) -> None:
           f"{' (from the compile cache)' if result.cache_hit else ''}")
     path = out / "hlo" / "optimized.hlo.txt"
     artifact = aot.load(out)
-    times, predicted = [], None
+    times, cpu, predicted = [], [], None
     for _ in range(repeat):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         predicted = hlo_time.predict(path.read_text(), artifact.topology, artifact.mesh)
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
     size = path.stat().st_size
     print(f"  optimized HLO {size / 1e6:.2f} MB, {predicted.kernels:,} instructions executed per step")
     print(f"  reading and costing it: median {statistics.median(times):.3f} s, slowest {max(times):.3f} s over "
-          f"{repeat} runs (target < {TARGET_S:g} s)")
+          f"{repeat} runs (target < {TARGET_S:g} s); CPU time median {statistics.median(cpu):.3f} s, load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"  step time from the HLO {predicted.step_time_s:.4f} s (bound by {predicted.bottleneck}; exposed "
           f"collectives {predicted.exposed_s:.4f} s), analytical {result.estimate['step_time_s']:.4f} s")
 

@@ -282,3 +282,37 @@ def test_a_cudnn_convolution_is_a_matmul_of_its_forward_products():
     assert op.kind == "matmul" and op.opcode == "custom-call:__cudnn$convForward"
     assert op.flops == 2 * (64 * 32 * 32 * 128) * (3 * 3 * 64)  # output elements x kernel elements per feature
     assert not result.not_modelled
+
+
+SCATTER = """HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%all-reduce-scatter (input: bf16[2048,2048]) -> bf16[256,2048] {
+  %input = bf16[2048,2048]{1,0} parameter(0)
+  %ar = bf16[2048,2048]{1,0} all-reduce(%input), replica_groups=[1,8]<=[8], to_apply=%add
+  %pid = u32[] partition-id()
+  %c = u32[] constant(256)
+  %offset = u32[] multiply(%pid, %c)
+  %zero = u32[] constant(0)
+  ROOT %ds = bf16[256,2048]{1,0} dynamic-slice(%ar, %offset, %zero), dynamic_slice_sizes={256,2048}
+}
+
+ENTRY %main (g: bf16[2048,2048]) -> bf16[256,2048] {
+  %g = bf16[2048,2048]{1,0} parameter(0)
+  ROOT %rs = bf16[256,2048]{1,0} fusion(%g), kind=kCustom, calls=%all-reduce-scatter
+}
+"""
+
+
+def test_a_tpu_all_reduce_scatter_fusion_is_priced_as_a_reduce_scatter():
+    topo = topologies.get("v5p-16")
+    nets = network.axis_networks(mesh_mod.resolve(ParallelismConfig(), topo), chips.get("tpu-v5p"), topo)
+    result = predict(SCATTER)
+    expected = network.collective_time("reduce-scatter", 2048 * 2048 * 2, ("fsdp",), nets).ici_s
+    assert seconds_of(result, "rs") == pytest.approx(expected)
+    assert result.top[0].kind == "collective"

@@ -204,3 +204,23 @@ def test_the_example_compiles_for_a_tpu_and_a_gpu_topology(tmp_path, topology, m
     devices = topologies.get(topology).num_devices
     assert result.step.tokens_per_step == 8 * devices
     assert any(op["kind"] == "collective" for op in hlo["top"]) or hlo["ici_s"] + hlo["dcn_s"] > 0
+
+
+def test_maxtexts_step_takes_maxperfs_mesh_as_maxtexts_parallelism_keys():
+    from maxperf.integrations import maxtext_step
+    from maxperf.spec import mesh as mesh_mod
+
+    topo = topologies.get("cpu-8")
+    mesh = targets.jax_mesh(topo, mesh_mod.resolve(ParallelismConfig(ici_fsdp=4, ici_tensor=2), topo))
+    words = maxtext_step.mesh_words(mesh)
+    assert "ici_fsdp_parallelism=4" in words and "ici_tensor_parallelism=2" in words
+    assert "ici_context_parallelism=1" in words  # maxperf's sequence axis is MaxText's context
+    assert all(w.endswith("=1") for w in words if w.startswith("dcn_"))  # one slice
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("maxtext") is not None,
+                    reason="MaxText is installed here: the step builds")
+def test_maxtexts_step_without_maxtext_says_how_to_install_it(mesh):
+    name = steps.StepName(module="maxperf.integrations.maxtext_step", factory="make_step")
+    with pytest.raises(UserStepError, match=r"MaxText is not installed here: install MaxText beside maxperf"):
+        user_step.make_step(name, mesh, {"model_name": "llama2-7b"})

@@ -35,11 +35,14 @@ longer of its compute and each resource's busy time); a conditional its costlies
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from maxperf.aot import hlo_cost
 from maxperf.perfmodel import network
@@ -213,6 +216,7 @@ class _Walker:
         self.locals: dict[str, hlo_cost.LocalWork] = {}
         self.fusion_io: dict[str, tuple[dict[int, float], float | None]] = {}
         self.accounts = _Accounts()
+        self.span_cache: dict[tuple[int, ...] | None, dict[str, tuple[int, int]]] = {}
         self.overlaps = chip.kind != "cpu"
         self.tpu_async = chip.kind == "tpu"
 
@@ -466,10 +470,16 @@ class _Walker:
                      flops, nbytes)
 
     def wrapped_collective(self, comp_name: str):
-        """(kind, shape, rest, instructions) of the collective a fusion or async wrapper runs, if it runs one."""
+        """(kind, shape, rest, instructions) of the collective a fusion or async wrapper runs, if it runs one. A TPU
+        "all-reduce-scatter" fusion, an all-reduce of which each device keeps its own slice (the computation's root
+        dynamic-slices the all-reduce's result), runs as a reduce-scatter."""
         comp = self.comps[comp_name]
-        for shape, opcode, rest in comp.instrs.values():
+        for name, (shape, opcode, rest) in comp.instrs.items():
             if opcode in COLLECTIVES:
+                if opcode == "all-reduce" and comp.root in comp.instrs:
+                    _, root_op, root_rest = comp.instrs[comp.root]
+                    if root_op == "dynamic-slice" and hlo_cost.operands(root_rest)[:1] == [name]:
+                        return "reduce-scatter", shape, rest, comp.instrs
                 return opcode, shape, rest, comp.instrs
         return None
 
@@ -486,46 +496,30 @@ class _Walker:
 
     # -- collectives --------------------------------------------------------------------------------------------
 
-    def group(self, rest: str) -> list[int] | None:
+    def group(self, rest: str) -> tuple[int, ...] | None:
         """The devices (partition ids) of the first replica group; None: every device."""
         m = _REPLICA_GROUPS.search(rest)
         if m is None or m.group(1) == "{}":
             return None
-        text = m.group(1)
-        if text.startswith("{{"):
-            return _ints(text[2:text.index("}")])
-        if text.startswith("["):
-            shape_text, _, source = text.partition("<=")
-            shape = _ints(shape_text.strip("[]"))
-            dims_text, _, perm_text = source.partition("T")
-            dims = _ints(dims_text.strip("[]"))
-            order = list(range(math.prod(dims)))
-            if perm_text:
-                order = _transpose(order, dims, _ints(perm_text.strip("()")))
-            size = shape[-1] if len(shape) > 1 else shape[0]
-            return order[:size]
-        # mesh['a'=2,'b'=4] {'b'}: devices in mesh order, the group varying over the listed axes
-        names = re.findall(r"'([^']+)'=(\d+)", text)
-        listed = re.findall(r"'([^']+)'", text[text.index("{"):])
-        dims = [int(n) for _, n in names]
-        axis_names = [a for a, _ in names]
-        varying = [axis_names.index(a) for a in listed if a in axis_names]
-        fixed = [i for i in range(len(dims)) if i not in varying]
-        order = _transpose(list(range(math.prod(dims))), dims, fixed + varying)
-        return order[:math.prod(dims[i] for i in varying)]
+        return _first_group(m.group(1))
 
-    def spans(self, members: list[int] | None) -> dict[str, tuple[int, int]]:
+    def spans(self, members: tuple[int, ...] | None) -> dict[str, tuple[int, int]]:
         """For each mesh axis a group spans: (members inside a fast-interconnect domain, domains)."""
+        if members not in self.span_cache:
+            self.span_cache[members] = self._spans(members)
+        return self.span_cache[members]
+
+    def _spans(self, members: tuple[int, ...] | None) -> dict[str, tuple[int, int]]:
         sizes = self.axes
-        if members is None:
-            members = list(range(math.prod(sizes)))
-        coords = [_unravel(d, sizes) for d in members if d < math.prod(sizes)]
+        total = math.prod(sizes)
+        ids = np.arange(total) if members is None else np.array([d for d in members if d < total], dtype=int)
+        coords = np.unravel_index(ids, sizes)
         out = {}
         for i, axis in enumerate(MESH_AXES):
-            values = {c[i] for c in coords}
+            values = np.unique(coords[i])
             if len(values) > 1:
                 ici = self.mesh.ici.get(axis, 1)
-                out[axis] = (len({v % ici for v in values}), len({v // ici for v in values}))
+                out[axis] = (len(np.unique(values % ici)), len(np.unique(values // ici)))
         return out
 
     def collective(self, instrs, kind: str, shape: str, rest: str, asynchronous: bool, outer=None) -> _Cost:
@@ -681,15 +675,30 @@ def _unravel(index: int, sizes: list[int]) -> list[int]:
     return coords[::-1]
 
 
-def _transpose(order: list[int], dims: list[int], perm: list[int]) -> list[int]:
-    """`order` laid out in `dims` (row-major), transposed by `perm`, flattened."""
-    strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
-    shape = [dims[p] for p in perm]
-    out = []
-    for flat in range(math.prod(dims)):
-        coords = _unravel(flat, shape)
-        out.append(order[sum(c * strides[p] for c, p in zip(coords, perm))])
-    return out
+@functools.lru_cache(maxsize=1024)
+def _first_group(text: str) -> tuple[int, ...]:
+    """The devices of the first group of a replica_groups attribute: explicit ({{0,1},{2,3}}), iota
+    ([G,S]<=[dims]T(perm): arange laid out in dims, transposed, cut into G groups of S) or a mesh
+    (mesh['a'=2,'b'=4] {'b'}: devices in mesh order, the group varying over the listed axes)."""
+    if text.startswith("{{"):
+        return tuple(_ints(text[2:text.index("}")]))
+    if text.startswith("["):
+        shape_text, _, source = text.partition("<=")
+        shape = _ints(shape_text.strip("[]"))
+        dims_text, _, perm_text = source.partition("T")
+        dims = _ints(dims_text.strip("[]"))
+        order = np.arange(math.prod(dims)).reshape(dims)
+        if perm_text:
+            order = order.transpose(_ints(perm_text.strip("()")))
+        return tuple(int(d) for d in order.reshape(-1)[:shape[-1] if len(shape) > 1 else shape[0]])
+    names = re.findall(r"'([^']+)'=(\d+)", text)
+    listed = re.findall(r"'([^']+)'", text[text.index("{"):])
+    dims = [int(n) for _, n in names]
+    axis_names = [a for a, _ in names]
+    varying = [axis_names.index(a) for a in listed if a in axis_names]
+    fixed = [i for i in range(len(dims)) if i not in varying]
+    order = np.arange(math.prod(dims)).reshape(dims).transpose(fixed + varying).reshape(-1)
+    return tuple(int(d) for d in order[:math.prod(dims[i] for i in varying)])
 
 
 def assumptions(chip: Chip, constants: Constants) -> tuple[str, ...]:

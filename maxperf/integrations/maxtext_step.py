@@ -72,6 +72,7 @@ def with_shardings(tree, shardings):
 
 def make_step(mesh, model_name: str = "default", **overrides: str) -> Step:
     """MaxText's train step for `model_name` with its config keys `overrides` (see the module docstring)."""
+    config_path = base_config()  # says how to install MaxText where it is missing
     import jax
     from flax.core.spmd import logical_axis_rules
     from jax.sharding import AxisType
@@ -85,7 +86,7 @@ def make_step(mesh, model_name: str = "default", **overrides: str) -> Step:
     slices = len({getattr(d, "slice_index", 0) for d in devices})
     platform = devices[0].platform
     work = tempfile.mkdtemp(prefix="maxperf-maxtext-")
-    argv = ["maxtext", base_config(), f"model_name={model_name}", "internal_compile=true",
+    argv = ["maxtext", config_path, f"model_name={model_name}", "internal_compile=true",
             f"internal_compile_num_devices={len(devices)}", f"compile_topology_num_slices={slices}",
             "run_name=maxperf", f"base_output_directory={work}", "jax_cache_dir=", "log_config=false",
             "enable_checkpointing=false", *mesh_words(mesh),
