@@ -45,6 +45,11 @@ def _value_and_grads(kernel, q, k, v, *more):
     return jax.jit(jax.value_and_grad(f, argnums=tuple(range(3 + len(more)))))(q, k, v, *more)
 
 
+def _ids(q):
+    """The blockwise kernel's query positions: the keys' own."""
+    return jnp.arange(q.shape[1], dtype=jnp.int32)
+
+
 def _dot(window, softcap):
     return lambda q, k, v, sinks=None: ak.dot_product(q, k, v, window, softcap=softcap, float32_qk_product=False,
                                                       float32_logits=False, sinks_KxG=sinks)
@@ -61,7 +66,7 @@ def _assert_all_close(got, ref):
 def test_blockwise_matches_dot_product(window, softcap):
     q, k, v = _qkv(L=1024)  # two key blocks of CPU_BLOCK
     ref = _value_and_grads(_dot(window, softcap), q, k, v)
-    got = _value_and_grads(lambda q, k, v: ak.blockwise(q, k, v, jnp.int32(window), None, softcap), q, k, v)
+    got = _value_and_grads(lambda q, k, v: ak.blockwise(q, k, v, jnp.int32(window), None, _ids(q), softcap), q, k, v)
     _assert_all_close(got, ref)
 
 
@@ -72,7 +77,7 @@ SINKS_KxG = jnp.asarray([[0.5, -1.0], [2.0, 0.0]])  # one learned logit per quer
 def test_blockwise_with_sinks_matches_dot_product_and_their_gradient(window):
     q, k, v = _qkv(L=1024)
     ref = _value_and_grads(_dot(window, None), q, k, v, SINKS_KxG)
-    got = _value_and_grads(lambda q, k, v, s: ak.blockwise(q, k, v, jnp.int32(window), s, None), q, k, v,
+    got = _value_and_grads(lambda q, k, v, s: ak.blockwise(q, k, v, jnp.int32(window), s, _ids(q), None), q, k, v,
                            SINKS_KxG)
     _assert_all_close(got, ref)
     assert float(jnp.max(jnp.abs(ref[1][3]))) > 1e-3  # the sinks' gradient is there, and equal
@@ -96,7 +101,7 @@ def test_a_chunk_cannot_see_across_its_boundary():
     """Gradients of chunked attention (chunks of 8): query i's output moves with key j exactly when j <= i in i's
     chunk."""
     q, k, v = _qkv(L=32)
-    for kernel in (_dot(-8, None), lambda q, k, v: ak.blockwise(q, k, v, jnp.int32(-8), None, None)):
+    for kernel in (_dot(-8, None), lambda q, k, v: ak.blockwise(q, k, v, jnp.int32(-8), None, _ids(q), None)):
         dk = jax.jacrev(lambda k: kernel(q, k, v)[0, :, 0, 0, 0])(k)  # [L queries, B, L keys, K, Dh]
         seen = np.asarray(jnp.any(dk[:, 0, :, 0] != 0, axis=-1))  # [query, key]
         i, j = np.arange(32)[:, None], np.arange(32)[None, :]

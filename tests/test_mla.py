@@ -67,7 +67,8 @@ def test_blockwise_takes_a_narrower_value_head():
     q, k, v = _qkv(L=1024)  # two key blocks of CPU_BLOCK
     ref = _value_and_grads(_dot, q, k, v)
     assert ref[1][2].shape == v.shape
-    _assert_close(_value_and_grads(lambda q, k, v: ak.blockwise(q, k, v, jnp.int32(0), None, None), q, k, v), ref)
+    ids = jnp.arange(q.shape[1], dtype=jnp.int32)
+    _assert_close(_value_and_grads(lambda q, k, v: ak.blockwise(q, k, v, jnp.int32(0), None, ids, None), q, k, v), ref)
 
 
 @pytest.mark.slow

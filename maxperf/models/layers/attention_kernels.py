@@ -7,6 +7,12 @@ for interleaved local and global layers; `attention_rule.layer_masks`): query i 
 W > 0, i - j < W (a sliding window), for W < 0, i // C = j // C with C = -W (Llama 4's chunks). Attention sinks
 (gpt-oss), where given, are a float32 logit per query head [K, G] that joins each softmax's denominator only.
 It returns the context [B, L, K, G, Dv].
+
+Under context parallelism (the sequence split over `sequence`, MaxText's `context`; models/context.py) each device
+attends with its own queries to the keys and values gathered whole (MaxText's all_gather strategy): splash attention
+with its mask split by query shard (q_seq_shards), the blockwise kernel elsewhere (the GPU's Triton kernel knows no
+query offset), and the dot product by the sharding rules. Load-balanced sequences come reordered; each kernel then
+masks by each query's place in the original sequence and restores the gathered keys' order.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from maxperf.models import context
 from maxperf.spec import attention_rule
 from maxperf.spec.attention_rule import SPLASH_BLOCKS, choose, implementation, unserved  # noqa: F401 (the model's names for them)
 from maxperf.spec.model import ModelConfig
@@ -38,6 +46,7 @@ class AttentionOptions:
     float32_logits: bool = False
     splash_blocks: tuple[int, ...] = (512,) * 8  # in SPLASH_BLOCKS order
     interpret: bool = False  # run Pallas kernels in interpret mode (tests on CPU)
+    load_balance: bool = True  # context_parallel_load_balance: sequences come reordered under context parallelism
 
     @classmethod
     def from_train(cls, train: TrainConfig) -> AttentionOptions:
@@ -70,16 +79,22 @@ def attend(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, *, softcap: float | Non
     _, L, _, _, Dh = q_BxLxKxGxDh.shape
     impl = choose(options.kernel, platform_of_mesh(), L=L, Dh=Dh, Dv=v_BxLxKxDh.shape[-1], windows=windows,
                   softcap=softcap, blocks=options.splash_blocks, sinks=sinks_KxG is not None)
+    cp_axes, cp = context.shards(L)
+    balanced = options.load_balance and cp > 1
     if impl == "dot_product":
         return dot_product(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=softcap,
                            float32_qk_product=options.float32_qk_product, float32_logits=options.float32_logits,
-                           sinks_KxG=sinks_KxG)
+                           sinks_KxG=sinks_KxG, ids=context.query_ids(L, cp, balanced))
     if impl == "splash":
         return splash(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=softcap, blocks=options.splash_blocks,
-                      windows=windows, interpret=options.interpret, sinks_KxG=sinks_KxG)
+                      windows=windows, interpret=options.interpret, sinks_KxG=sinks_KxG, cp=(cp_axes, cp, balanced))
+    if cp > 1:
+        return blockwise_context(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, sinks_KxG, softcap,
+                                 (cp_axes, cp, balanced))
     if impl == "gpu_flash":
         return gpu_flash(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window)
-    return blockwise(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, jnp.asarray(window, jnp.int32), sinks_KxG, softcap)
+    return blockwise(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, jnp.asarray(window, jnp.int32), sinks_KxG,
+                     jnp.arange(L, dtype=jnp.int32), softcap)
 
 
 def visible(i, j, window):
@@ -99,10 +114,11 @@ def visible(i, j, window):
 
 
 def dot_product(q, k, v, window, *, softcap, float32_qk_product: bool, float32_logits: bool,
-                sinks_KxG: jax.Array | None = None) -> jax.Array:
+                sinks_KxG: jax.Array | None = None, ids=None) -> jax.Array:
     """Scores [B, K, G, L, L] in the compute dtype (float32 with float32_qk_product), softmax in float32 with
     float32_logits, as MaxText's defaults (both off) and switches; a sink logit joins each row's max and sum (MaxText
-    appends it to the scores as one more column that meets no value)."""
+    appends it to the scores as one more column that meets no value). `ids`: each position's place in the original
+    sequence (a load-balanced reorder's; None: in order)."""
     L, dtype = q.shape[1], q.dtype
     if float32_qk_product:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
@@ -111,7 +127,8 @@ def dot_product(q, k, v, window, *, softcap, float32_qk_product: bool, float32_l
         s_BxKxGxLxS = softcap * jnp.tanh(s_BxKxGxLxS / softcap)
     if float32_logits:
         s_BxKxGxLxS = s_BxKxGxLxS.astype(jnp.float32)
-    i, j = jnp.arange(L)[:, None], jnp.arange(L)[None, :]
+    ids = jnp.arange(L) if ids is None else jnp.asarray(ids)
+    i, j = ids[:, None], ids[None, :]
     masked = jnp.asarray(max(_MASKED, float(jnp.finfo(s_BxKxGxLxS.dtype).min) * 0.7), s_BxKxGxLxS.dtype)
     s_BxKxGxLxS = jnp.where(visible(i, j, window)[None, None, None], s_BxKxGxLxS, masked)
     # MaxText's compute_local_attention: unnormalized exponentials times v, the output divided by their sum; the
@@ -152,11 +169,11 @@ def _kv_blocks(x_BxSxKxDh, b):
     return jnp.moveaxis(x_BxSxKxDh.reshape(B, S // b, b, K, Dh), 1, 0)
 
 
-def _blockwise_forward(q, k, v, window, sinks_KxG, softcap):
+def _blockwise_forward(q, k, v, window, sinks_KxG, q_ids, softcap):
     B, L, K, G, _ = q.shape
     Dv = v.shape[-1]
     b = _block(k.shape[1])
-    i = jnp.arange(L)
+    i = q_ids
 
     def body(carry, xs):
         o, m, l = carry  # o [B, K, G, L, Dv], running max m and sum l [B, K, G, L], all float32
@@ -181,25 +198,25 @@ def _blockwise_forward(q, k, v, window, sinks_KxG, softcap):
     return out_BxLxKxGxDh, m + jnp.log(l)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def blockwise(q, k, v, window, sinks_KxG, softcap):
-    """Flash attention's algorithm (Dao et al. 2022) in plain JAX: no [L, L] scores forward or backward."""
-    return _blockwise_forward(q, k, v, window, sinks_KxG, softcap)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def blockwise(q, k, v, window, sinks_KxG, q_ids, softcap):
+    """Flash attention's algorithm (Dao et al. 2022) in plain JAX: no [L, L] scores forward or backward. `q_ids`:
+    int32 [Lq], each query's position among the keys (arange: the queries are the keys' own positions)."""
+    return _blockwise_forward(q, k, v, window, sinks_KxG, q_ids, softcap)[0]
 
 
-def _blockwise_fwd(q, k, v, window, sinks_KxG, softcap):
-    out, lse = _blockwise_forward(q, k, v, window, sinks_KxG, softcap)
+def _blockwise_fwd(q, k, v, window, sinks_KxG, q_ids, softcap):
+    out, lse = _blockwise_forward(q, k, v, window, sinks_KxG, q_ids, softcap)
     # the residuals beyond q, k, v carry the context's checkpoint name: a remat policy that keeps the context keeps
     # them too, and the backward needs no second forward (as MaxText names splash attention's)
     out, lse = checkpoint_name(out, "context"), checkpoint_name(lse, "context")
-    return out, (q, k, v, window, sinks_KxG, out, lse)
+    return out, (q, k, v, window, sinks_KxG, q_ids, out, lse)
 
 
 def _blockwise_bwd(softcap, residuals, do_BxLxKxGxDh):
-    q, k, v, window, sinks_KxG, out, lse = residuals
-    L = q.shape[1]
+    q, k, v, window, sinks_KxG, q_ids, out, lse = residuals
     b = _block(k.shape[1])
-    i = jnp.arange(L)
+    i = q_ids
     do = do_BxLxKxGxDh.astype(jnp.float32)
     delta = jnp.einsum("BLKGd,BLKGd->BKGL", do, out.astype(jnp.float32))
 
@@ -226,10 +243,41 @@ def _blockwise_bwd(softcap, residuals, do_BxLxKxGxDh):
     if sinks_KxG is not None:  # the sink's probability exp(sink - lse) meets no value: d sink = -sum p_sink delta
         p_sink = jnp.exp(sinks_KxG.astype(jnp.float32)[None, :, :, None] - lse)
         dsinks = (-jnp.sum(p_sink * delta, axis=(0, 3))).astype(sinks_KxG.dtype)
-    return dq.astype(q.dtype), unblock(dk, k), unblock(dv, v), None, dsinks
+    return dq.astype(q.dtype), unblock(dk, k), unblock(dv, v), None, dsinks, None
 
 
 blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def _context_specs(B: int, H: int, K: int, cp_axes: tuple[str, ...]):
+    """shard_map specs under context parallelism for q [B, L, K, G, Dh] (its sequence split), k and v [B, L, K, Dh]
+    (gathered whole), and the query ids [L] (split as q's sequence)."""
+    from jax.sharding import PartitionSpec as P
+
+    q_spec, kv_spec = _head_specs(B, H, K)
+    seq = cp_axes[0] if len(cp_axes) == 1 else cp_axes
+    return (P(q_spec[0], seq, kv_spec[1], None, None), P(kv_spec[0], None, kv_spec[1], None), P(seq))
+
+
+def blockwise_context(q, k, v, window, sinks_KxG, softcap, cp) -> jax.Array:
+    """The blockwise kernel under context parallelism: each device's queries (their places in the sequence beside
+    them) against the keys and values gathered whole, put back in sequence order where the sequence came balanced."""
+    from jax.sharding import PartitionSpec as P
+
+    cp_axes, n, balanced = cp
+    B, L, K, G, _ = q.shape
+    q_spec, kv_spec, ids_spec = _context_specs(B, K * G, K, cp_axes)
+    ids = jnp.asarray(context.query_ids(L, n, balanced), jnp.int32)
+    sinks = () if sinks_KxG is None else (sinks_KxG,)
+
+    def local(q, k, v, ids, window, *sinks):
+        if balanced:
+            k, v = context.restore(k, n), context.restore(v, n)
+        return blockwise(q, k, v, window, sinks[0] if sinks else None, ids, softcap)
+
+    fn = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, ids_spec, P(), *(P(kv_spec[2]) for _ in sinks)),
+                       out_specs=q_spec, check_vma=False)
+    return fn(q, k, v, ids, jnp.asarray(window, jnp.int32), *sinks)
 
 
 # --- TPU: Pallas splash attention, under shard_map over batch and heads (as MaxText) --------------------------
@@ -250,7 +298,11 @@ def _head_specs(B: int, H: int, K: int):
 
 
 def splash(q, k, v, window, *, softcap, blocks: tuple[int, ...], windows: tuple[int, ...] = (0,),
-           interpret: bool = False, sinks_KxG: jax.Array | None = None) -> jax.Array:
+           interpret: bool = False, sinks_KxG: jax.Array | None = None, cp=((), 1, False)) -> jax.Array:
+    """`cp`: (the mesh axes splitting the sequence, their product, whether the sequence came balanced)."""
+    if cp[1] > 1:
+        return _splash_context(q, k, v, window, softcap=softcap, blocks=blocks, windows=windows, interpret=interpret,
+                               sinks_KxG=sinks_KxG, cp=cp)
     B, L, K, G, Dh = q.shape
     q_BxHxLxDh = jnp.einsum("BLKGd->BKGLd", q).reshape(B, K * G, L, Dh)
     k_BxKxLxDh, v_BxKxLxDh = jnp.einsum("BLKd->BKLd", k), jnp.einsum("BLKd->BKLd", v)
@@ -286,7 +338,9 @@ def splash(q, k, v, window, *, softcap, blocks: tuple[int, ...], windows: tuple[
     return jnp.einsum("BKGLd->BLKGd", o_BxHxLxDh.reshape(B, K, G, L, v.shape[-1]))
 
 
-def _splash_kernel(H: int, L: int, window: int, softcap, blocks: dict, interpret: bool):
+def _splash_kernel(H: int, L: int, window: int, softcap, blocks: dict, interpret: bool, head_shards: int = 1,
+                   q_seq_shards: int = 1, q_ids=None):
+    """`q_ids`: each query row's place in the sequence (a balanced reorder's), None: in order."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -296,10 +350,58 @@ def _splash_kernel(H: int, L: int, window: int, softcap, blocks: dict, interpret
         mask = sm.ChunkedCausalMask((L, L), chunk_size=-window)
     else:
         mask = sm.CausalMask((L, L))
+    if q_ids is not None:  # the masks compare positions through q_sequence, and hash and compare by it
+        mask.q_sequence = np.asarray(q_ids, np.int32)
     sizes = sk.BlockSizes(**{name.removeprefix("sa_"): value for name, value in blocks.items()})
-    return sk.make_splash_mha(sm.MultiHeadMask([mask] * H), block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                              attn_logits_soft_cap=softcap, residual_checkpoint_name="context",
-                              interpret=interpret)
+    return sk.make_splash_mha(sm.MultiHeadMask([mask] * H), block_sizes=sizes, head_shards=head_shards,
+                              q_seq_shards=q_seq_shards, attn_logits_soft_cap=softcap,
+                              residual_checkpoint_name="context", interpret=interpret)
+
+
+def _splash_context(q, k, v, window, *, softcap, blocks, windows, interpret, sinks_KxG, cp) -> jax.Array:
+    """Splash attention under context parallelism, as MaxText's all-gather path: the kernel's mask split by query
+    shard (q_seq_shards) and by head shard, each device's queries against the keys and values gathered whole (back
+    in sequence order where the sequence came balanced)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    cp_axes, n, balanced = cp
+    B, L, K, G, Dh = q.shape
+    H = K * G
+    q_BxHxLxDh = jnp.einsum("BLKGd->BKGLd", q).reshape(B, H, L, Dh)
+    k_BxKxLxDh, v_BxKxLxDh = jnp.einsum("BLKd->BKLd", k), jnp.einsum("BLKd->BKLd", v)
+    head_q, head_kv = _head_specs(B, H, K)
+    seq = cp_axes[0] if len(cp_axes) == 1 else cp_axes
+    q_spec = P(head_q[0], head_q[1], seq, None)
+    mesh = jax.sharding.get_abstract_mesh()
+    heads = head_q[1]
+    head_shards = math.prod(dict(mesh.shape)[a] for a in ((heads,) if isinstance(heads, str) else heads or ()))
+    # query tiles within a device's share of the sequence, key tiles within the whole
+    kernel_blocks = {name: min(x, L // n if name.startswith("sa_block_q") else L) for name, x in zip(SPLASH_BLOCKS,
+                                                                                                  blocks)}
+    ids = context.query_ids(L, n, balanced)
+    choices = [window] if isinstance(window, int) else sorted(set(windows))
+    kernels = [_splash_kernel(H, L, w, softcap, kernel_blocks, interpret, head_shards, n, ids) for w in choices]
+    kernel_specs = [kern.manual_sharding_spec(NamedSharding(mesh, P(heads, seq))) for kern in kernels]
+    sinks = () if sinks_KxG is None else (sinks_KxG.astype(jnp.float32).reshape(H),)
+    index = jnp.asarray(0 if isinstance(window, int) else
+                        jnp.searchsorted(jnp.asarray(choices, jnp.int32), window), jnp.int32)
+
+    def local(q, k, v, kernels, index, *sinks):
+        if balanced:
+            k, v = context.restore(k, n, axis=2), context.restore(v, n, axis=2)
+
+        def run(kernel):
+            return jax.vmap(lambda q, k, v: kernel(q, k, v, sinks=sinks[0] if sinks else None))(q, k, v)
+
+        if len(kernels) == 1:
+            return run(kernels[0])
+        return jax.lax.switch(index, [functools.partial(run, kern) for kern in kernels])
+
+    fn = jax.shard_map(local, in_specs=(q_spec, head_kv, head_kv, kernel_specs, P(), *(P(heads) for _ in sinks)),
+                       out_specs=q_spec, check_vma=False)
+    o_BxHxLxDh = fn(q_BxHxLxDh, k_BxKxLxDh, v_BxKxLxDh, kernels, index, *sinks)
+    return jnp.einsum("BKGLd->BLKGd", o_BxHxLxDh.reshape(B, K, G, L, v.shape[-1]))
 
 
 # --- GPU: Pallas (Triton) flash attention -------------------------------------------------------------------

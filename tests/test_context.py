@@ -1,0 +1,86 @@
+"""Context parallelism: the load-balanced order (MaxText's DUAL_CHUNK_SWAP), and each attention kernel with the
+sequence split over `sequence` equal to the unsplit dot product, balanced or not."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from models_util import cpu_mesh
+
+from maxperf.models import context
+from maxperf.models.layers import attention_kernels as ak
+
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def test_the_balanced_order_is_maxtexts_dual_chunk_swap():
+    # MaxText's reorder_causal_load_balanced docstring: GPU0 [0, 1, 14, 15], GPU1 [4, 5, 10, 11], ...
+    order = context.balanced_order(16, 4)
+    assert order.tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
+    x = jnp.arange(2 * 16).reshape(2, 16)
+    np.testing.assert_array_equal(context.restore(context.reorder(x, 4), 4), x)
+    # every shard attends to as many keys under a causal mask
+    per_shard = (order.reshape(4, 4) + 1).sum(axis=1)
+    assert len(set(per_shard.tolist())) == 1
+    with pytest.raises(ValueError, match="needs L a multiple of 8"):
+        context.balanced_order(12, 4)
+
+
+def _qkv(L=256, B=2, K=2, G=2, Dh=16):
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    return (0.3 * jax.random.normal(keys[0], (B, L, K, G, Dh)), jax.random.normal(keys[1], (B, L, K, Dh)),
+            jax.random.normal(keys[2], (B, L, K, Dh)))
+
+
+def _dot(q, k, v, window=0):
+    return ak.dot_product(q, k, v, window, softcap=None, float32_qk_product=False, float32_logits=False)
+
+
+def _split(kernel, q, k, v, balanced):
+    """sum(sin(attention)) and its gradients, the sequence split in 2 over `sequence` (balanced: reordered first and
+    put back after), batch over fsdp and heads over tensor."""
+    mesh = cpu_mesh({"fsdp": 2, "sequence": 2, "tensor": 2})
+
+    def f(q, k, v):
+        if balanced:
+            q, k, v = (context.reorder(x, 2) for x in (q, k, v))
+        out = kernel(q, k, v, ((("sequence",), 2, balanced)))
+        return jnp.sum(jnp.sin(context.restore(out, 2) if balanced else out))
+
+    with jax.set_mesh(mesh):
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v)
+
+
+def _assert_close(got, ref):
+    np.testing.assert_allclose(got[0], ref[0], **TOLERANCE)
+    for a, b in zip(got[1], ref[1]):
+        np.testing.assert_allclose(a, b, **TOLERANCE)
+
+
+@pytest.mark.parametrize("balanced", [True, False])
+@pytest.mark.parametrize("window", [0, 100])
+def test_the_blockwise_kernel_split_over_the_sequence_equals_the_dot_product(balanced, window):
+    q, k, v = _qkv()
+    ref = jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(_dot(q, k, v, window))), argnums=(0, 1, 2))(q, k, v)
+    got = _split(lambda q, k, v, cp: ak.blockwise_context(q, k, v, window, None, None, cp), q, k, v, balanced)
+    _assert_close(got, ref)
+
+
+def test_the_dot_product_masks_a_balanced_sequence_by_its_original_places():
+    q, k, v = _qkv()
+    ref = jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(_dot(q, k, v))), argnums=(0, 1, 2))(q, k, v)
+    got = _split(lambda q, k, v, cp: ak.dot_product(q, k, v, 0, softcap=None, float32_qk_product=False,
+                                                    float32_logits=False, ids=context.query_ids(256, 2, True)),
+                 q, k, v, True)
+    _assert_close(got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("balanced, window", [(True, 0), (False, 0), (True, 100)])
+def test_splash_split_over_the_sequence_equals_the_dot_product(balanced, window):
+    # interpret mode on CPU devices: the kernel's mask split by query shard and head shard, as on a TPU
+    q, k, v = _qkv(L=512)
+    ref = jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(_dot(q, k, v, window))), argnums=(0, 1, 2))(q, k, v)
+    got = _split(lambda q, k, v, cp: ak.splash(q, k, v, window, softcap=None, blocks=(128,) * 8, interpret=True,
+                                               cp=cp), q, k, v, balanced)
+    _assert_close(got, ref)
