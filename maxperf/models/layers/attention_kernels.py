@@ -46,7 +46,7 @@ class AttentionOptions:
     float32_logits: bool = False
     splash_blocks: tuple[int, ...] = (512,) * 8  # in SPLASH_BLOCKS order
     interpret: bool = False  # run Pallas kernels in interpret mode (tests on CPU)
-    load_balance: bool = True  # context_parallel_load_balance: sequences come reordered under context parallelism
+    load_balance: bool = False  # context_parallel_load_balance: sequences come reordered under context parallelism
 
     @classmethod
     def from_train(cls, train: TrainConfig) -> AttentionOptions:
