@@ -26,6 +26,7 @@ The fit. These constants of the perfmodel (work.Constants and Overlap) are fitte
     Overlap.fsdp, .tensor, .data           hidden fraction of each collective family
     flash_efficiency["tpu"], ["gpu"]       flash attention kernels' fraction of the sustained matmul rate
     dcn_step_latency["tpu"]                seconds per step of a collective's ring across slices
+    fp8_efficiency["tpu"], ["gpu"]         FP8 matmuls' share of the FP8 peak relative to bf16 matmuls' (FP8 rows)
 
 By default all but elementwise_d_passes, Overlap.tensor and Overlap.data are fitted (FREE: those three trade off
 against the others and stay as the perfmodel ships them), each fit starting from PRIOR (the assumptions before any
@@ -39,7 +40,10 @@ fitted on all rows. Held out (`--hold-out`, default row,source): each row (leave
 predicted by constants fitted, from PRIOR, on the rest; a chip left with no rows in a fit takes the rule chips.py
 applies to chips without rows (`stand_in`). Leave-one-source-out is the figure to expect on runs the model has not
 seen. The script also prints, for rows stating both TFLOP/s and tokens/s, the source's FLOPs per token over
-maxperf's, and the published runs that maxperf's memory model says would not fit.
+maxperf's, and the published runs that maxperf's memory model says would not fit. The rows that train in FP8
+(quantization set to an FP8 recipe) are summarized again as their own group. Rows on a chip with no fitted fraction
+(B200) take the rule for chips without rows (chips.fraction_without_rows) over the fitted fractions, as the
+perfmodel does.
 
 `--hlo` adds the step time read from the compiled program (maxperf.aot.hlo_time) on the rows of HLO_ROWS (or
 `--hlo-rows`): each row is compiled by `maxperf compile` (one process at a time, HLO_TIMEOUT_S each; the compile
@@ -67,6 +71,7 @@ import numpy as np
 from maxperf import perfmodel, spec
 from maxperf.perfmodel import chips, work
 from maxperf.spec.errors import MaxperfError
+from maxperf.spec.fp8 import recipe as fp8_recipe
 
 HERE = Path(__file__).resolve().parent / "published"
 ROOT = HERE.parent.parent
@@ -99,6 +104,11 @@ class Row:
     @property
     def group(self) -> str:
         return self.data["hardware"].split(" (")[0].replace("NVIDIA ", "")
+
+    @property
+    def fp8(self) -> bool:
+        """The row trains in FP8 (its request's quantization is an FP8 recipe)."""
+        return self.request is not None and fp8_recipe(str(self.request.train.quantization)) is not None
 
 
 def load_rows(only: str = "") -> list[Row]:
@@ -179,13 +189,16 @@ class Constants:
     flash_tpu: float
     flash_gpu: float
     dcn_latency_tpu: float
+    fp8_tpu: float
+    fp8_gpu: float
 
     @classmethod
     def current(cls) -> Constants:
         o, shipped = work.Overlap(), work.SHIPPED
         return cls(*(shipped.matmul_fraction[c] for c in FRACTION_CHIPS), shipped.matmul_half["tpu"],
                    shipped.matmul_half["gpu"], float(shipped.elementwise_d_passes), o.fsdp, o.tensor, o.data,
-                   shipped.flash_efficiency["tpu"], shipped.flash_efficiency["gpu"], shipped.dcn_step_latency["tpu"])
+                   shipped.flash_efficiency["tpu"], shipped.flash_efficiency["gpu"], shipped.dcn_step_latency["tpu"],
+                   shipped.fp8_efficiency["tpu"], shipped.fp8_efficiency["gpu"])
 
     def fractions(self) -> dict[str, float]:
         return {c: getattr(self, _fraction_field(c)) for c in FRACTION_CHIPS}
@@ -201,14 +214,18 @@ class Constants:
         return replace(work.Overlap(), fsdp=self.overlap_fsdp, tensor=self.overlap_tensor, data=self.overlap_data)
 
     def perfmodel(self) -> work.Constants:
-        """These values as the perfmodel's Constants (the chips without rows keep theirs)."""
-        shipped = work.SHIPPED
+        """These values as the perfmodel's Constants, the chips without rows taking the rule over these fitted
+        fractions (rounded as chips.py rounds the shipped rule)."""
+        shipped, fitted = work.SHIPPED, self.fractions()
+        rule = {name: round(chips.fraction_without_rows(name, fitted), 3)
+                for name, origin in chips.MATMUL_FRACTION_ORIGIN.items() if origin == "assumed"}
         return work.Constants(
-            matmul_fraction={**shipped.matmul_fraction, **self.fractions()},
+            matmul_fraction={**shipped.matmul_fraction, **rule, **fitted},
             matmul_half={**shipped.matmul_half, "tpu": self.tpu_half, "gpu": self.gpu_half},
             elementwise_d_passes=self.elementwise_d_passes,
             flash_efficiency={**shipped.flash_efficiency, "tpu": self.flash_tpu, "gpu": self.flash_gpu},
-            dcn_step_latency={**shipped.dcn_step_latency, "tpu": self.dcn_latency_tpu})
+            dcn_step_latency={**shipped.dcn_step_latency, "tpu": self.dcn_latency_tpu},
+            fp8_efficiency={**shipped.fp8_efficiency, "tpu": self.fp8_tpu, "gpu": self.fp8_gpu})
 
 
 NAMES = {
@@ -218,16 +235,19 @@ NAMES = {
     "overlap_tensor": "Overlap.tensor", "overlap_data": "Overlap.data",
     "flash_tpu": 'flash_efficiency["tpu"]', "flash_gpu": 'flash_efficiency["gpu"]',
     "dcn_latency_tpu": 'dcn_step_latency["tpu"]',
+    "fp8_tpu": 'fp8_efficiency["tpu"]', "fp8_gpu": 'fp8_efficiency["gpu"]',
 }
 BOUNDS = {**{_fraction_field(c): (0.3, 1.0) for c in FRACTION_CHIPS}, "tpu_half": (0.0, 4096.0),
           "gpu_half": (0.0, 4096.0),
           "elementwise_d_passes": (0.0, 60.0), "overlap_fsdp": (0.0, 1.0), "overlap_tensor": (0.0, 1.0),
           "overlap_data": (0.0, 1.0), "flash_tpu": (0.2, 1.0), "flash_gpu": (0.2, 1.0),
-          "dcn_latency_tpu": (0.0, 0.05)}
+          "dcn_latency_tpu": (0.0, 0.05), "fp8_tpu": (0.3, 1.5), "fp8_gpu": (0.3, 1.5)}
 # Where every fit starts: the constants as assumed before any fit (commit 3960e00: matmul MAX 0.9 on TPU, HALF 128,
 # 18 passes, overlaps 0.8 / 0 / 0.5, flash 0.6 / 0.5) with the GPUs' measured GEMM rates, so that neither the
-# in-sample nor a leave-one-out fit starts from constants that a held-out row helped fit.
-PRIOR = Constants(0.9, 0.9, 0.9, 0.9, 0.869, 0.869, 0.803, 128.0, 128.0, 18.0, 0.8, 0.0, 0.5, 0.6, 0.5, 30e-6)
+# in-sample nor a leave-one-out fit starts from constants that a held-out row helped fit. FP8 matmuls start as
+# efficient as bf16 ones (1.0).
+PRIOR = Constants(0.9, 0.9, 0.9, 0.9, 0.869, 0.869, 0.803, 128.0, 128.0, 18.0, 0.8, 0.0, 0.5, 0.6, 0.5, 30e-6, 1.0,
+                  1.0)
 # The constants fitted by default: the others trade off against them and are held at their earlier fit
 FREE = tuple(f.name for f in fields(Constants) if f.name not in ("elementwise_d_passes", "overlap_tensor", "overlap_data"))
 LO = np.array([BOUNDS[f.name][0] for f in fields(Constants)])
@@ -244,12 +264,9 @@ class Replay:
         self.terms = work.Terms.concat(terms)
         self.step = np.concatenate([np.full(len(t.law), i) for i, t in enumerate(terms)]).astype(int)
         self.chip = [r.estimate.chip for r in rows]
-        unknown_chips = sorted(set(self.chip) - set(FRACTION_CHIPS))
-        if unknown_chips:
-            raise SystemExit(f"rows on chips with no fitted fraction: {', '.join(unknown_chips)}; add them to "
-                             "FRACTION_CHIPS")
-        chip_of_term = np.array([FRACTION_CHIPS.index(self.chip[i]) for i in self.step], dtype=int)
-        self.chip_index = chip_of_term
+        # chips with no fitted fraction take the rule for chips without rows, after the fitted ones
+        self.chips = (*FRACTION_CHIPS, *sorted(set(self.chip) - set(FRACTION_CHIPS)))
+        self.chip_index = np.array([self.chips.index(self.chip[i]) for i in self.step], dtype=int)
         self.gpu = np.array([steptime_kind(self.chip[i]) == "gpu" for i in self.step])
         self.comm = self.terms.comm
         family = list(self.terms.family)
@@ -263,11 +280,15 @@ class Replay:
         self.gpu_dcn_latency = work.SHIPPED.dcn_step_latency["gpu"]
 
     def step_times(self, c: Constants) -> np.ndarray:
-        fraction = np.array([getattr(c, _fraction_field(name)) for name in FRACTION_CHIPS])[self.chip_index]
+        fitted = c.fractions()
+        # rounded as chips.py rounds the shipped rule, so that the shipped constants replay estimate exactly
+        rule = [round(chips.fraction_without_rows(name, fitted), 3) for name in self.chips[len(FRACTION_CHIPS):]]
+        fraction = np.array([*fitted.values(), *rule])[self.chip_index]
         half = np.where(self.gpu, c.gpu_half, c.tpu_half)
         flash = np.where(self.gpu, c.flash_gpu, c.flash_tpu)
         latency = np.where(self.gpu, self.gpu_dcn_latency, c.dcn_latency_tpu)
-        seconds, _ = work.price(self.terms, fraction, half, flash, c.elementwise_d_passes, latency)
+        fp8 = np.where(self.gpu, c.fp8_gpu, c.fp8_tpu)
+        seconds, _ = work.price(self.terms, fraction, half, flash, c.elementwise_d_passes, latency, fp8)
         per_family = np.array([c.overlap_fsdp, c.overlap_tensor, c.overlap_data, self.unfitted.sequence,
                                self.unfitted.expert, 0.0])
         overlap = per_family[self.family_index] + self.fixed_overlap
@@ -319,9 +340,19 @@ def fit(replay: Replay, rows: list[Row], mask: np.ndarray, start: Constants, fre
     pub = np.array([r.published_tokens for r in rows])
     tokens_per_chip = np.array([r.estimate.flops.tokens * r.request.topology.devices_per_chip for r in rows])
     names = [f.name for f in fields(Constants)]
-    idx = np.array([names.index(n) for n in free], dtype=int)
-    lo, hi = LO[idx], HI[idx]
     x_all = start.vector()
+    # a constant that no row of the fit depends on (the FP8 efficiency of a kind with no FP8 row among them) keeps
+    # its start: with nothing to fit it would drift anywhere within its bounds, and price the held-out rows so
+    base = replay.step_times(start)[mask]
+
+    def moves(name: str) -> bool:
+        x, (low, high) = x_all.copy(), BOUNDS[name]
+        i = names.index(name)
+        x[i] = low + 0.5 * (high - low) if x[i] != low + 0.5 * (high - low) else low
+        return bool(np.any(replay.step_times(Constants.from_vector(x))[mask] != base))
+
+    idx = np.array([names.index(n) for n in free if moves(n)], dtype=int)
+    lo, hi = LO[idx], HI[idx]
 
     def unpack(x):
         out = x_all.copy()
@@ -386,8 +417,9 @@ def held_out_errors(replay: Replay, rows: list[Row], pub: np.ndarray, start: Con
         mask = everything.copy()
         mask[out] = False
         c = fit(replay, rows, mask, start, free, restarts=2)
-        fitted_chips = {rows[i].estimate.chip for i in np.flatnonzero(mask)}
-        orphans = {rows[i].estimate.chip for i in out} - fitted_chips
+        # the chips whose fraction is fitted (B200's always takes the rule)
+        fitted_chips = {rows[i].estimate.chip for i in np.flatnonzero(mask)} & set(FRACTION_CHIPS)
+        orphans = {rows[i].estimate.chip for i in out} & set(FRACTION_CHIPS) - fitted_chips
         if orphans:
             c = stand_in(c, orphans, fitted_chips)
         err[out] = predicted_from_steps(rows, replay.step_times(c))[out] / pub[out] - 1
@@ -432,6 +464,8 @@ def hlo_steps(rows: list[Row], ids: list[str], timeout: float) -> dict[str, dict
             out[rid] = {"hlo_step_time_s": hlo["step_time_s"], "analytical_step_time_s": estimate["step_time_s"],
                         "hlo_bottleneck": hlo["bottleneck"], "hlo_exposed_s": hlo["exposed_s"],
                         "costing_seconds": hlo["costing_seconds"], "wall_seconds": time.time() - start}
+            print(f"  {rid}: from the HLO {hlo['step_time_s']:.4g} s, analytical {estimate['step_time_s']:.4g} s "
+                  f"({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
     return out
 
 
@@ -545,7 +579,9 @@ def main() -> int:
     groups = sorted({r.group for r in ok})
     print(f"{'rows':<22} {'n':>3}  {'unfitted':<28}" + ("" if err_in is None else f" {'in-sample':<28}"
                                                         + "".join(f" {HOLD_OUTS[m]:<28}" for m in held)))
-    for name, sel in [("all", np.ones(len(ok), bool))] + [(g, np.array([r.group == g for r in ok])) for g in groups]:
+    fp8_rows = [("FP8 (all chips)", np.array([r.fp8 for r in ok]))] if any(r.fp8 for r in ok) else []
+    for name, sel in ([("all", np.ones(len(ok), bool))] + [(g, np.array([r.group == g for r in ok])) for g in groups]
+                      + fp8_rows):
         line = f"{name:<22} {int(sel.sum()):>3}  {_summary(err0[sel]):<28}"
         if err_in is not None:
             line += f" {_summary(err_in[sel]):<28}" + "".join(f" {_summary(e[sel]):<28}" for e in held.values())

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from maxperf.perfmodel import memory, working
+from maxperf.perfmodel import working
 from maxperf.perfmodel.memory import MINIMAL_SAVED_COPIES
 from maxperf.search import memory_fit
 from maxperf.search.memory_fit import Trial, _next_batch

@@ -1,5 +1,6 @@
 """quantization=int8 (models/layers/quantization.py): AQT's numerics bit for bit, gradients as AQT defines them, a
-tiny model that learns under it, s8 dots in the compiled step, and MaxText's other values refused."""
+tiny model that learns under it, s8 dots in the compiled step, and MaxText's values maxperf does not build refused
+(the FP8 ones: tests/test_fp8.py)."""
 
 import os
 import re
@@ -178,9 +179,9 @@ def test_moe_sparse_path_is_refused():
         tiny("quantization=int8", preset="tiny-moe", devices=1)
 
 
-@pytest.mark.parametrize("value", ["fp8", "int8w", "int4w", "intmp", "nanoo_fp8", "fp8_full", "aqt_fp8"])
+@pytest.mark.parametrize("value", ["int8w", "int4w", "intmp", "nanoo_fp8", "te_nvfp4"])
 def test_other_maxtext_values_are_refused(value):
-    with pytest.raises(MaxperfError, match="valid values: none, int8"):
+    with pytest.raises(MaxperfError, match="valid values: none, int8, fp8, aqt_fp8"):
         overrides.apply(presets.get("tiny"), [f"quantization={value}"])
 
 
@@ -190,7 +191,8 @@ def test_maxtext_empty_value_is_none():
 
 def test_cli_bad_value_exits_2_with_one_line():
     run = subprocess.run([sys.executable, "-m", "maxperf.cli", "estimate", "--topology", "v5p-8", "--model", "tiny",
-                          "quantization=fp8"], capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          "quantization=nanoo_fp8"], capture_output=True, text=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert run.returncode == 2, run.stderr
     lines = [line for line in run.stderr.splitlines() if "quantization" in line]
     assert lines == [lines[0]] and "valid values: none, int8" in lines[0] and "Traceback" not in run.stderr
@@ -204,7 +206,8 @@ def _rows(chip: str, *words: str) -> dict:
 
     train = overrides.apply(presets.get("llama2-7b"), list(words)).train
     assert isinstance(train, TrainConfig)
-    e = estimate(Request.of(Topo(chip, 64, hosts=16, torus=(4, 4, 4)), presets.get("llama2-7b"), train, {"fsdp": 64}, {}))
+    e = estimate(Request.of(Topo(chip, 64, hosts=16, torus=(4, 4, 4)), presets.get("llama2-7b"), train, {"fsdp": 64},
+                            {}))
     return {r.name: r for r in e.breakdown}
 
 

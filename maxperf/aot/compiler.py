@@ -248,7 +248,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
     lower_seconds = time.perf_counter() - t
     capacity = device_memory_bytes(topo)
     writer.write_text("hlo/lowered.stablehlo.mlir", lowered.as_text())
-    options = targets.compiler_options(topo, random_bits=str(p.configs.train.quantization) != "none")
+    options = targets.compiler_options(topo, random_bits=str(p.configs.train.quantization) == "int8")
     key = cache.key(lowered.as_text(), target_identity(topo), options, library_versions())
     entry = cache.get(key)
     cache_hit = entry is not None

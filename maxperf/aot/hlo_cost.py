@@ -12,7 +12,10 @@ What counts (per device: SPMD-partitioned HLO already has per-device shapes):
   cuDNN convolution custom calls (`__cudnn$conv...`, forward and backward): 2 x the forward convolution's output
   elements x its kernel's elements per output feature, padding counted as computed.
   cuBLAS gemm custom calls (`__cublas$gemm`, `__cublas$lt$matmul...`): the dot formula on the dimension numbers
-  in their backend_config. Other custom calls are listed in `unhandled_custom_calls` unless their backend_config
+  in their backend_config; cuDNN's block-scaled GEMM (`__cudnn$blockScaledDot`, MXFP8) its [B, M, K] x [B, N, K]
+  product. `matmul_flops_by_operands` splits these matmul FLOPs by their operands' element types (f8e4m3fn x
+  f8e4m3fn for an FP8 forward, bf16 x bf16, ...), which says whether an FP8 step's matmuls stayed FP8. Other custom
+  calls are listed in `unhandled_custom_calls` unless their backend_config
   carries a `cost_estimate` (Pallas kernels), which is used.
 - Elementwise arithmetic: 1 flop per result element; transcendental ops counted apart, as XLA does.
   Reductions (`reduce`, `all-reduce`, `reduce-window`, `scatter`, `sort`, `map`, ...): their scalar
@@ -74,6 +77,8 @@ _ELEMENTWISE = frozenset(
     "convert is-finite real imag complex popcnt count-leading-zeros stochastic-convert reduce-precision".split())
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")  # prefixes: the Lt family has $f8 / $mx variants
 _CUDNN_CONVOLUTION = "__cudnn$conv"  # convForward, convBackwardInput, convBackwardFilter, convBiasActivationForward
+_BLOCK_SCALED_DOT = "__cudnn$blockScaledDot"  # operands [B, M, K] and [B, N, K] with their block scales
+_ELEMENT_TYPE = re.compile(r"^\(?(\w+)\[")
 # Custom calls that move or annotate data and do no arithmetic.
 _NO_FLOP_TARGETS = frozenset(
     "Sharding SPMDFullToShardShape SPMDShardToFullShape AllocateBuffer MoveToHost MoveToDevice "
@@ -121,6 +126,9 @@ class HloCost:
     # Pallas flash attention kernels (part of custom_call_flops), counted from their operand shapes under a causal
     # mask (see `attention_kernel`): they carry no cost estimate of their own
     attention_kernel_flops: float = 0.0
+    # the dots', convolutions' and GEMM custom calls' FLOPs by their two operands' element types ("bf16 x bf16",
+    # "f8e5m2 x f8e4m3fn"); attention kernels and other custom calls are not in it
+    matmul_flops_by_operands: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -141,6 +149,7 @@ class _Local:
     loops: list[tuple[str, str, int | None, str]]  # (while op, body, trip count, source)
     custom_calls: dict[str, int]
     unresolved: int
+    by_operands: dict[str, float]  # matmul flops by operand element types
 
 
 _DOT, _CONV, _CUSTOM, _ELEM, _TRANS = range(5)
@@ -237,6 +246,7 @@ def _local(comp: _Comp, comps: dict[str, _Comp]) -> _Local:
     branch_groups: list[list[str]] = []
     loops: list[tuple[str, str, int | None, str]] = []
     custom_calls: dict[str, int] = {}
+    by_operands: dict[str, float] = {}
     unresolved = 0
     instrs = comp.instrs
 
@@ -244,6 +254,11 @@ def _local(comp: _Comp, comps: dict[str, _Comp]) -> _Local:
         vector[kind] += flops
         if kind != _TRANS:
             by_opcode[key] = by_opcode.get(key, 0.0) + flops
+
+    def matmul(rest: str, flops: float) -> None:
+        types = [_element_type(instrs[o][0]) if o in instrs else "?" for o in _operands(rest)[:2]]
+        key = " x ".join(types)
+        by_operands[key] = by_operands.get(key, 0.0) + flops
 
     for name, (shape, opcode, rest) in instrs.items():
         if opcode in _ELEMENTWISE:
@@ -257,13 +272,16 @@ def _local(comp: _Comp, comps: dict[str, _Comp]) -> _Local:
                 unresolved += 1
                 continue
             lhs_dims = _dims(lhs[0])
-            add(_DOT, "dot", 2.0 * _elements(shape) * math.prod(lhs_dims[d] for d in _int_list(m.group(1))))
+            flops = 2.0 * _elements(shape) * math.prod(lhs_dims[d] for d in _int_list(m.group(1)))
+            add(_DOT, "dot", flops)
+            matmul(rest, flops)
         elif opcode == "convolution":
             flops = _convolution_flops(shape, rest, instrs)
             if flops is None:
                 unresolved += 1
                 continue
             add(_CONV, "convolution", flops)
+            matmul(rest, flops)
         elif opcode == "custom-call":
             attention = attention_kernel(name, shape, rest, instrs)
             if attention is not None:
@@ -277,6 +295,8 @@ def _local(comp: _Comp, comps: dict[str, _Comp]) -> _Local:
                     custom_calls[target] = custom_calls.get(target, 0) + 1
             else:
                 add(_CUSTOM, f"custom-call:{target}", flops)
+                if target.startswith(_GEMM_TARGETS) or target == _BLOCK_SCALED_DOT:
+                    matmul(rest, flops)
         if ("=%" not in rest and "={%" not in rest) or opcode in _ASYNC_REPEATS:  # cheap: most ops call nothing
             continue
         callees = _callees(rest)
@@ -294,7 +314,13 @@ def _local(comp: _Comp, comps: dict[str, _Comp]) -> _Local:
                 edges.extend((n, float(_applications(opcode, key, shape, rest, instrs)), opcode) for n in names)
             else:  # fusion, call, async-start, custom-call's called computations: once per execution
                 edges.extend((n, 1.0, "") for n in names)
-    return _Local(vector, by_opcode, edges, branch_groups, loops, custom_calls, unresolved)
+    return _Local(vector, by_opcode, edges, branch_groups, loops, custom_calls, unresolved, by_operands)
+
+
+def _element_type(shape: str) -> str:
+    """'f8e4m3fn' of 'f8e4m3fn[256,64]{1,0}'; a tuple's first element's."""
+    m = _ELEMENT_TYPE.match(shape)
+    return m.group(1) if m else "?"
 
 
 def _convolution_flops(shape: str, rest: str, instrs: dict[str, tuple[str, str, str]]) -> float | None:
@@ -376,6 +402,10 @@ def _custom_call_flops(shape: str, rest: str, instrs: dict[str, tuple[str, str, 
         lhs_dims = _dims(lhs[0])
         # The result is a tuple (output, workspace): the output comes first.
         return 2.0 * _elements(shape) * math.prod(lhs_dims[d] for d in _int_list(contracting.group(1)))
+    if target.group(1) == _BLOCK_SCALED_DOT:  # (output [B, M, N], workspace) from [B, M, K] x [B, N, K]
+        operands = _operands(rest)
+        lhs = instrs.get(operands[0]) if operands else None
+        return None if lhs is None else 2.0 * _elements(shape) * _dims(lhs[0])[-1]
     if target.group(1).startswith(_CUDNN_CONVOLUTION):
         return _cudnn_convolution_flops(target.group(1), shape, rest, instrs)
     estimate = _COST_ESTIMATE.search(rest)
@@ -653,6 +683,7 @@ def hlo_flops(hlo_text: str) -> HloCost:
     vector = [0.0] * 5
     reduction = 0.0
     by_opcode: dict[str, float] = {}
+    by_operands: dict[str, float] = {}
     custom_calls: dict[str, int] = {}
     loops: list[Loop] = []
     unresolved = conditionals = 0
@@ -668,6 +699,8 @@ def hlo_flops(hlo_text: str) -> HloCost:
             vector[i] += executions * v
         for op, flops in local.by_opcode.items():
             by_opcode[op] = by_opcode.get(op, 0.0) + executions * flops
+        for types, flops in local.by_operands.items():
+            by_operands[types] = by_operands.get(types, 0.0) + executions * flops
         for target, n in local.custom_calls.items():
             custom_calls[target] = custom_calls.get(target, 0) + n
         unresolved += local.unresolved
@@ -681,7 +714,8 @@ def hlo_flops(hlo_text: str) -> HloCost:
         by_opcode=dict(sorted(by_opcode.items(), key=lambda kv: -kv[1])), loops=tuple(loops),
         unknown_trip_counts=sum(1 for loop in loops if loop.trip_count is None), conditionals=conditionals,
         unhandled_custom_calls=custom_calls, unresolved_operands=unresolved, computations=len(counts),
-        attention_kernel_flops=sum(v for k, v in by_opcode.items() if k.startswith(_ATTENTION_KEY)))
+        attention_kernel_flops=sum(v for k, v in by_opcode.items() if k.startswith(_ATTENTION_KEY)),
+        matmul_flops_by_operands=dict(sorted(by_operands.items(), key=lambda kv: -kv[1])))
 
 
 # The module as this file reads it, for maxperf.aot.hlo_time, which times the instructions these functions count:

@@ -1,11 +1,14 @@
 """The train step, its abstract shapes and shardings over a mesh, and concrete initialization for running.
 
-The state is a plain pytree: {"step", "params" (nested dicts of arrays), "opt_state" (optax's)}. The batch follows
-MaxText's convention: the global batch is B x (all devices), so each device sees B x L tokens per step.
+The state is a plain pytree: {"step", "params" (nested dicts of arrays), "opt_state" (optax's)}, and under a delayed
+FP8 recipe "fp8": each stack's scales and amax histories (fp8_state), which the step replaces by their gradient, the
+recipe's update, instead of updating them with the optimizer. The batch follows MaxText's convention: the global
+batch is B x (all devices), so each device sees B x L tokens per step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,15 +20,16 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxperf.models.layers import attention_kernels, quantization
+from maxperf.models.layers import attention_kernels, fp8, quantization
 from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.decoder import RESIDUAL
 from maxperf.models.layers.moe import MoEOptions, bias_update
 from maxperf.models.sharding import constrain, partition_spec
-from maxperf.models.transformer import Transformer, stack_axis
+from maxperf.models.transformer import Transformer, stack_axis, stacks
+from maxperf.spec.fp8 import recipe as fp8_recipe
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.remat import remat_names
-from maxperf.spec.train import TrainConfig
+from maxperf.spec.train import AttentionKernel, TrainConfig
 
 BATCH_AXES = ("activation_batch", "activation_length")
 EPS = 1e-8  # MaxText's EPS (utils/globals.py) under a loss's token count
@@ -99,13 +103,49 @@ def make_optimizer(train: TrainConfig) -> tuple[optax.GradientTransformation, op
     return optax.chain(optax.clip_by_global_norm(train.grad_clip_norm), adamw), schedule
 
 
+def fp8_sites(model: ModelConfig, train: TrainConfig) -> dict[str, int]:
+    """The quantized matmuls one unit of each stack (and each multi-token-prediction module, "mtp/k") calls: counted
+    by tracing the forward abstractly (the attention kernel does not change them)."""
+    md = model_def(model, dataclasses.replace(train, attention=AttentionKernel.DOT_PRODUCT))
+    L = train.seq_len
+
+    def forward(params):
+        net = nnx.merge(md.graphdef, params)
+        tokens = jnp.zeros((1, L), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), tokens.shape)
+        out = net.forward(tokens, positions)
+        if model.mtp_num_layers:
+            net.predict_ahead(out.pre_norm, tokens, tokens, jnp.ones((1, L)), positions,
+                              lambda x, t, m: jnp.zeros((), jnp.float32))
+        return out.hidden
+
+    with quantization.count_sites() as sites:
+        jax.eval_shape(forward, md.params)
+    return sites
+
+
+def fp8_state(model: ModelConfig, train: TrainConfig) -> dict[str, jax.Array] | None:
+    """A delayed FP8 recipe's initial scales (1) and amax histories (empty), per stack [repeats, matmuls, 3,
+    1 + history] and per multi-token-prediction module [1, ...]; None for any other quantization."""
+    recipe = fp8_recipe(str(train.quantization))
+    if recipe is None or not recipe.state_scales:
+        return None
+    sites = fp8_sites(model, train)
+    repeats = {st.name: st.count for st in stacks(model)}
+    return {tag: fp8.initial_meta(recipe, n, (repeats.get(tag, 1),)) for tag, n in sites.items()}
+
+
 def init_fn(model: ModelConfig, train: TrainConfig) -> Callable[[jax.Array], dict]:
     """key -> the initial train state."""
     optimizer, _ = make_optimizer(train)
+    sites = fp8_state(model, train)
 
     def init(key: jax.Array) -> dict:
         params = nnx.to_pure_dict(nnx.state(build_model(model, train, nnx.Rngs(params=key))))
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+        if sites is not None:
+            state["fp8"] = jax.tree.map(jnp.array, sites)
+        return state
 
     return init
 
@@ -116,7 +156,7 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
     optimizer, schedule = make_optimizer(train)
     A = train.grad_accum_steps
 
-    def loss_sum(params, batch, key):
+    def loss_sum(params, meta, batch, key):
         """The masked cross-entropy summed over tokens, plus the auxiliary losses scaled by the token count so that
         dividing by the tokens gives MaxText's loss + weight x moe_lb_loss + mtp_loss: for a mixture of experts the
         load-balancing loss (its weight times the mean over MoE layers, those of the MTP modules too), with
@@ -134,12 +174,12 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
                 return tiled_nll_sum(net, x_BxLxD, targets_BxL, m_BxL, train.num_vocab_tiling)
             return jnp.sum(cross_entropy(net.logits(x_BxLxD), targets_BxL) * m_BxL)
 
-        out = net.forward(inputs_BxL, positions_BxL, key)
+        out = net.forward(inputs_BxL, positions_BxL, key, meta)
         total, lb_loss, counts = nll_sum(out.hidden, batch["targets"], mask_BxL), out.lb_loss, out.counts
         mtp_loss = jnp.zeros((), jnp.float32)
         if model.mtp_num_layers:
             ahead = net.predict_ahead(out.pre_norm, inputs_BxL, batch["targets"], mask_BxL, positions_BxL, nll_sum,
-                                      key)
+                                      key, meta)
             mtp_loss = train.mtp_loss_scaling_factor * jnp.sum(ahead.nll_K) / (jnp.sum(ahead.weights_K) + EPS)
             total = total + mtp_loss * tokens
             counts = {**counts, **ahead.counts}
@@ -150,16 +190,17 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
             total = total + train.load_balance_loss_weight * lb_loss * tokens
         return total, (tokens, lb_loss, mtp_loss, counts)
 
-    grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+    # the gradients of the parameters and of a delayed FP8 recipe's state (its update: layers/fp8.py)
+    grad_fn = jax.value_and_grad(loss_sum, argnums=(0, 1), has_aux=True)
 
-    def loss_mean(params, batch, key):
+    def loss_mean(params, meta, batch, key):
         """MaxText's objective without gradient accumulation: the summed loss over the tokens (+ EPS), so that the
         backward pass yields the gradient normalized (1/tokens enters with the logits' gradient), not a sum that is
         divided afterwards; with accumulation, as MaxText's, the microbatches' sums and then one division."""
-        total, aux = loss_sum(params, batch, key)
+        total, aux = loss_sum(params, meta, batch, key)
         return total / (aux[0] + EPS), (total, aux)
 
-    mean_grad_fn = jax.value_and_grad(loss_mean, has_aux=True)
+    mean_grad_fn = jax.value_and_grad(loss_mean, argnums=(0, 1), has_aux=True)
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         params, opt_state = state["params"], state["opt_state"]
@@ -169,8 +210,9 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         if train.parameter_memory_host_offload:
             params = jax.device_put(params, jax.memory.Space.Device)
         key = quantization.step_key(train, state["step"])  # int8's stochastic rounding; None without it
+        meta = state.get("fp8")  # a delayed FP8 recipe's scales and histories; None without one
         if A == 1:
-            (_, (total, (tokens, lb_loss, mtp_loss, counts))), grads = mean_grad_fn(params, batch, key)
+            (_, (total, (tokens, lb_loss, mtp_loss, counts))), (grads, meta) = mean_grad_fn(params, meta, batch, key)
         else:
             # the step's A x B x devices rows, microbatch a the rows a, a+A, ...: every device keeps 1/A of its own
             # rows in each, B of them per device (MaxText's per_device_batch_size is one microbatch)
@@ -178,18 +220,20 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
 
             def accumulate(carry, mb_a):
                 mb, a = mb_a
-                (t, (n, lb, mtp, c)), g = grad_fn(params, mb, None if key is None else jax.random.fold_in(key, a))
-                c_total, c_tokens, c_lb, c_mtp, c_counts, c_grads = carry
+                c_total, c_tokens, c_lb, c_mtp, c_counts, c_grads, c_meta = carry
+                # each microbatch scales by the FP8 state the one before it left, as steps do
+                (t, (n, lb, mtp, c)), (g, m) = grad_fn(params, c_meta, mb,
+                                                        None if key is None else jax.random.fold_in(key, a))
                 return (c_total + t, c_tokens + n, c_lb + lb / A, c_mtp + mtp / A, jax.tree.map(jnp.add, c_counts, c),
-                        jax.tree.map(jnp.add, c_grads, g)), None
+                        jax.tree.map(jnp.add, c_grads, g), m), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             # the expert loads summed over the microbatches: one update from the step's whole batch, as MaxText's
             # gradient accumulation does
             no_counts = {path: jnp.zeros(c.shape, c.dtype) for path, c in jax.eval_shape(
-                lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro), key)[0][1][3]).items()}
-            (total, tokens, lb_loss, mtp_loss, counts, grads), _ = jax.lax.scan(
-                accumulate, (0.0, 0.0, 0.0, 0.0, no_counts, zeros), (micro, jnp.arange(A)))
+                lambda: grad_fn(params, meta, jax.tree.map(lambda x: x[0], micro), key)[0][1][3]).items()}
+            (total, tokens, lb_loss, mtp_loss, counts, grads, meta), _ = jax.lax.scan(
+                accumulate, (0.0, 0.0, 0.0, 0.0, no_counts, zeros, meta), (micro, jnp.arange(A)))
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype) / (tokens + EPS).astype(p.dtype), grads, params)
         denom = jnp.maximum(tokens, 1.0)
         if train.optimizer_memory_host_offload:
@@ -199,6 +243,8 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         if counts:  # after the optimizer's update, as MaxText applies it; the bias has no gradient (route)
             new_params = update_routed_bias(new_params, counts, train.routed_bias_update_rate)
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
+        if meta is not None:
+            new_state["fp8"] = meta
         metrics = {
             "loss": total / denom,
             "grad_norm": optax.tree.norm(grads),
@@ -303,6 +349,8 @@ def abstract_step(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> Abstrac
     if train.optimizer_memory_host_offload:
         opt_shardings = jax.tree.map(_on_host, opt_shardings)
     state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
+    if "fp8" in state:  # a few KiB per matmul: replicated
+        state_shardings["fp8"] = jax.tree.map(lambda _: replicated, state["fp8"])
     shape = (train.global_batch(mesh.size), train.seq_len)  # A microbatches of B x devices rows
     batch = {
         "inputs": jax.ShapeDtypeStruct(shape, jnp.int32),

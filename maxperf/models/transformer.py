@@ -18,6 +18,7 @@ from maxperf.models.layers.mtp import MTPModule, shift_left
 from maxperf.models.layers.norms import make_norm
 from maxperf.models.sharding import constrain
 from maxperf.spec import attention_rule
+from maxperf.spec.fp8 import Fp8Recipe
 from maxperf.spec.model import ModelConfig, Positions
 
 
@@ -133,9 +134,12 @@ def _unit_maker(pattern: tuple[bool, ...], cfg: ModelConfig, dtype, attention: A
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, scan_layers: bool,
                  remat: tuple | None, rngs: nnx.Rngs, attention: AttentionOptions = AttentionOptions(),
-                 moe: MoEOptions = MoEOptions(), quantization: quant.Int8 | None = None, param_scan_axis: int = 1):
-        """`remat`: maxperf.spec.remat.remat_names(train), the checkpoint names each layer saves and offloads; None: no remat.
-        `quantization`: the layers' matmuls in int8 (layers/quantization.py); None: in the compute dtype.
+                 moe: MoEOptions = MoEOptions(), quantization: quant.Int8 | Fp8Recipe | None = None,
+                 param_scan_axis: int = 1):
+        """`remat`: maxperf.spec.remat.remat_names(train), the checkpoint names each layer saves and offloads; None: no
+        remat.
+        `quantization`: the layers' matmuls in int8 or an FP8 recipe (layers/quantization.py, layers/fp8.py); None:
+        in the compute dtype.
         `param_scan_axis`: where a scanned stack's layer axis sits in its weights (`stack_axis`)."""
         quant.check_moe(quantization, cfg.is_moe, moe.sparse_matmul)
         self.cfg = cfg
@@ -169,14 +173,16 @@ class Transformer(nnx.Module):
         """float32 logits [B, L, V]."""
         return self.logits(self.forward(tokens_BxL, positions_BxL).hidden)
 
-    def forward(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, key: jax.Array | None = None) -> Forward:
+    def forward(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, key: jax.Array | None = None,
+                fp8: dict[str, jax.Array] | None = None) -> Forward:
         """The decoder's outputs for the loss: hidden states before and after the final norm, the mixture of experts'
         load-balancing loss averaged over the MoE layers (MaxText's moe_lb_loss, unweighted; 0 for a dense model), and
         the expert loads of the layers that record them (MoEOptions.count_experts). `key`: the int8 matmuls'
-        stochastic rounding noise (a fresh one each step; None: a fixed one)."""
+        stochastic rounding noise (a fresh one each step; None: a fixed one). `fp8`: a delayed FP8 recipe's scales
+        and amax histories per stack [repeats, matmuls, 3, 1 + history] (train_step.fp8_state; None: counting)."""
         cfg = self.cfg
         x_BxLxD = constrain(self.embed_tokens(tokens_BxL, positions_BxL), RESIDUAL)
-        x_BxLxD, aux, counts = self._layers(x_BxLxD, positions_BxL, key)
+        x_BxLxD, aux, counts = self._layers(x_BxLxD, positions_BxL, key, fp8)
         return Forward(x_BxLxD, self.final_norm(x_BxLxD), aux / max(1, sum(cfg.moe_layers())), counts)
 
     def embed_tokens(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
@@ -190,7 +196,8 @@ class Transformer(nnx.Module):
         return x_BxLxD
 
     def predict_ahead(self, pre_norm_BxLxD: jax.Array, tokens_BxL: jax.Array, targets_BxL: jax.Array,
-                      mask_BxL: jax.Array, positions_BxL: jax.Array, nll_sum, key: jax.Array | None = None) -> Ahead:
+                      mask_BxL: jax.Array, positions_BxL: jax.Array, nll_sum, key: jax.Array | None = None,
+                      fp8: dict[str, jax.Array] | None = None) -> Ahead:
         """The multi-token-prediction modules (layers/mtp.py) over the decoder's output: depth k sees the tokens and
         targets shifted k to the left (the last k positions masked out) and predicts the token k + 1 ahead.
         `nll_sum(hidden_BxLxD, targets_BxL, mask_BxL)`: the masked cross-entropy sum of final-normed hidden states
@@ -205,9 +212,10 @@ class Transformer(nnx.Module):
             tokens_k, targets_k, mask_k, positions_k = shifted
             x_BxLxD = module.project(h_BxLxD, self.embed_tokens(tokens_k, positions_k))
             graphdef, state = nnx.split(module.layer)
-            apply = self._unit_fn(graphdef, positions_BxL, (mask, rope), 1, in_scan=False)
+            apply = self._unit_fn(graphdef, positions_BxL, (mask, rope), 1, in_scan=False, tag=f"mtp/{k}")
             unit_key = None if key is None else jax.random.fold_in(key, cfg.num_layers + k)
-            h_BxLxD, a, c = apply(x_BxLxD, state, masks_P, ropes_P, unit_key)
+            meta = None if fp8 is None else fp8[f"mtp/{k}"][0]
+            h_BxLxD, a, c = apply(x_BxLxD, state, masks_P, ropes_P, unit_key, meta)
             aux = aux + a
             counts.update({f"mtp/{k}/layer/{path}": v for path, v in c.items()})
             losses.append(nll_sum(module.final_norm(h_BxLxD), targets_k, mask_k))
@@ -225,8 +233,8 @@ class Transformer(nnx.Module):
             logits_BxLxV = cfg.final_logit_softcap * jnp.tanh(logits_BxLxV / cfg.final_logit_softcap)
         return logits_BxLxV
 
-    def _layers(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
-                key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    def _layers(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, key: jax.Array | None = None,
+                fp8: dict[str, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """(x, summed load-balancing loss, expert loads keyed by the parameter path of their router's bias)."""
         windows = list(attention_rule.layer_masks(self.cfg))
         ropes = [not nope for nope in self.cfg.nope_layers()]
@@ -238,16 +246,18 @@ class Transformer(nnx.Module):
         for st in self.stacks:
             P = len(st.pattern)
             span = slice(st.start, st.start + st.count * P)
-            per_unit = (jnp.asarray(windows[span], jnp.int32).reshape(st.count, P),
-                        jnp.asarray(ropes[span], jnp.bool_).reshape(st.count, P))
-            if self.quantization is not None:  # each unit's own noise key
+            keys = None
+            if isinstance(self.quantization, quant.Int8):  # each unit's own noise key
                 base = jax.random.key(0, impl=quant.NOISE_IMPL) if key is None else key
-                per_unit = (*per_unit, jax.random.split(jax.random.fold_in(base, st.start), st.count))
+                keys = jax.random.split(jax.random.fold_in(base, st.start), st.count)
+            per_unit = (jnp.asarray(windows[span], jnp.int32).reshape(st.count, P),
+                        jnp.asarray(ropes[span], jnp.bool_).reshape(st.count, P), keys,
+                        None if fp8 is None else fp8[st.name])  # each unit's FP8 scales and histories
             layers = getattr(self, st.name)
             if self.scan_layers:
                 graphdef, state = nnx.split(layers)
                 state = _move_layer_axis(state, self.param_scan_axis, 0)  # the scan steps over axis 0
-                apply = self._unit_fn(graphdef, positions_BxL, static, P)
+                apply = self._unit_fn(graphdef, positions_BxL, static, P, tag=st.name)
 
                 def body(carry, sw, apply=apply):
                     x, a = carry
@@ -259,20 +269,21 @@ class Transformer(nnx.Module):
                 continue
             for i, unit in enumerate(layers):
                 graphdef, state = nnx.split(unit)
-                apply = self._unit_fn(graphdef, positions_BxL, static, P)
-                x_BxLxD, a_unit, c_unit = apply(x_BxLxD, state, *(u[i] for u in per_unit))
+                apply = self._unit_fn(graphdef, positions_BxL, static, P, tag=st.name)
+                x_BxLxD, a_unit, c_unit = apply(x_BxLxD, state, *(None if u is None else u[i] for u in per_unit))
                 aux = aux + a_unit
                 counts.update({f"{st.name}/{i}/{path}": c for path, c in c_unit.items()})
         return x_BxLxD, aux, counts
 
     def _unit_fn(self, graphdef, positions_BxL: jax.Array, static: tuple[int | None, bool | None], P: int,
-                 in_scan: bool | None = None):
-        """(x, state, masks and RoPE flags of the unit's P layers) -> (x, aux, expert loads by the path of their
-        bias in the unit), rematerialized per the policy. `static`: the mask and RoPE flag every layer shares (None
-        where they differ). `in_scan`: whether the unit runs as a scan's body (default: as the decoder's layers)."""
+                 in_scan: bool | None = None, tag: str = ""):
+        """(x, state, masks and RoPE flags of the unit's P layers, int8's noise key, FP8 state) -> (x, aux, expert
+        loads by the path of their bias in the unit), rematerialized per the policy. `static`: the mask and RoPE flag
+        every layer shares (None where they differ). `in_scan`: whether the unit runs as a scan's body (default: as
+        the decoder's layers). `tag`: the unit's stack, under which a delayed FP8 recipe keeps its state."""
 
-        def apply(x_BxLxD, state, windows_P, ropes_P, key=None):
-            with quant.scope(self.quantization, key):
+        def apply(x_BxLxD, state, windows_P, ropes_P, key=None, meta=None):
+            with quant.scope(self.quantization, key, meta, tag):
                 return unit_with_aux(x_BxLxD, state, windows_P, ropes_P)
 
         def unit_with_aux(x_BxLxD, state, windows_P, ropes_P):

@@ -21,6 +21,7 @@ from maxperf.perfmodel.saved import (
 )
 from maxperf.perfmodel.sharding import activation_split, gathered_size, held
 from maxperf.perfmodel.working import working
+from maxperf.spec.fp8 import recipe as fp8_recipe
 from maxperf.spec.logical_axes import local_size, split
 from maxperf.spec.memo import model_memo
 from maxperf.spec.mesh import Mesh
@@ -95,6 +96,7 @@ class MemoryBreakdown:
     # between steps (not in HBM), and the part of an offloaded optimizer state in HBM at the step's peak
     host_state: float = 0.0
     optimizer_staged: float = 0.0
+    fp8_state: float = 0.0  # a delayed FP8 recipe's scales and amax histories (fp8_state_bytes), on every device
     # what the parameters, gradients and optimizer state of each part take ("experts": the MoE blocks' routers, routed
     # and shared experts; "attention": the attention blocks; "rest": embeddings, dense MLPs, norms), and what the
     # saved activations of each take (the MLP's part under "experts" in MoE layers, under "rest" in dense ones)
@@ -121,7 +123,7 @@ class MemoryBreakdown:
 
     @property
     def per_device_total_bytes(self) -> float:
-        return (self.params + self.optimizer + self.grad_accumulator + self.optimizer_staged
+        return (self.params + self.optimizer + self.grad_accumulator + self.optimizer_staged + self.fp8_state
                 + max(self.phases().values()))
 
     @property
@@ -147,9 +149,26 @@ class MemoryBreakdown:
             "per_device_total_bytes": self.per_device_total_bytes,
             "hbm_bytes": self.hbm_bytes, "headroom_bytes": self.headroom_bytes, "fits": self.fits,
             "host_offload": self.host_offload, "host_state": self.host_state,
-            "optimizer_staged": self.optimizer_staged, "host_bytes": self.host_bytes,
+            "optimizer_staged": self.optimizer_staged, "host_bytes": self.host_bytes, "fp8_state": self.fp8_state,
             "state_blocks": dict(self.state_blocks), "activation_blocks": dict(self.activation_blocks),
         }
+
+# A delayed FP8 recipe's state (models/layers/fp8.py): per quantized matmul, x's, W's and dy's scale and amax history,
+# float32, replicated (train_step.fp8_state).
+FP8_STATE_BYTES = 4
+
+
+def fp8_state_bytes(model: ModelConfig, train: TrainConfig) -> float:
+    """Bytes of a delayed FP8 recipe's scales and amax histories on each device: one row of 1 + history floats for
+    each of x, W and dy of every quantized matmul, the layers' projections (and their MTP modules') and a capacity
+    dispatch's two einsums per MoE layer; 0 for the recipes that keep none."""
+    recipe = fp8_recipe(str(train.quantization))
+    if recipe is None or not recipe.state_scales:
+        return 0.0
+    sites = sum(x.count for x in state_arrays(model) if x.matmul and x.block in ("attention", "mlp", "moe"))
+    sites += 2 * (sum(model.moe_layers()) + model.mtp_num_layers * model.moe_layers()[-1])
+    return sites * recipe.state_scales * (1 + recipe.history) * FP8_STATE_BYTES
+
 
 def params_per_device(model: ModelConfig, mesh: Mesh) -> float:
     """Parameters held by one device after sharding (the optimizer and gradients are sharded alike)."""
@@ -251,7 +270,7 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
             activations=activations, saved_copy=saved_copy, logits=logits, temporaries=temporaries,
             optimizer_temporaries=(GPU_OPTIMIZER_GRADIENT_COPIES if platform == "gpu" else OPTIMIZER_GRADIENT_COPIES)
             * gradients, hbm_bytes=hbm_bytes, host_offload=host_offload,
-            host_state=host_state, optimizer_staged=optimizer_staged,
+            host_state=host_state, optimizer_staged=optimizer_staged, fp8_state=fp8_state_bytes(model, train),
             state_blocks=tuple((k, n * state_per_param) for k, n in params_per_block(model, mesh).items()),
             activation_blocks=(("experts", parts["mlp"] if moe else 0.0),
                                ("attention", parts["attention"]),

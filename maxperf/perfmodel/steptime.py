@@ -50,6 +50,7 @@ from maxperf.perfmodel.work import (
     Overlap,
     Terms,
     Work,
+    fp8_matmuls,
     int8_matmuls,
     price,
     settle,
@@ -132,7 +133,7 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     micro = train.grad_accum_steps
     a = activation_split(model, train.per_device_batch_size, L, mesh)
     T, Bm = a.T, a.B  # tokens and examples of one microbatch on this device: B (per_device_batch_size) of them
-    table = Work(chip, train.compute_dtype, constants, int8_matmuls(train))
+    table = Work(chip, train.compute_dtype, constants, int8_matmuls(train), fp8_matmuls(train))
 
     # matmuls: forward, backward (2 x forward), and the forward again where remat recomputes it
     again = recomputed(model, train)
@@ -161,7 +162,8 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
         f = load_imbalance(train, mesh.axes["expert"], imbalance)
         _moe_matmuls(table, model, train, mesh, moe, T, Bm, a, f, fwd, c)
     # num_vocab_tiling: each chunk's logits are computed again in the backward
-    # MaxText does not quantize the logits (its logits_dense and the embedding's attend take no quantization)
+    # MaxText does not quantize the logits (its logits_dense and the embedding's attend take no quantization, int8
+    # or FP8)
     table.train_matmul("unembedding", T, D, a.V, micro * (1 + (train.num_vocab_tiling > 1)), micro, c,
                        quantized=False)
     # attention per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh. The dot product computes all
@@ -417,7 +419,7 @@ def _settle(table: Work, overlap: Overlap) -> StepTime:
     terms, chip, c = table.terms(), table.chip, table.constants
     seconds, flops_bound = price(terms, c.fraction(chip), c.matmul_half[chip.kind],
                                  c.flash_efficiency.get(chip.kind, 1.0), c.elementwise_d_passes,
-                                 c.dcn_step_latency[chip.kind])
+                                 c.dcn_step_latency[chip.kind], c.fp8_efficiency.get(chip.kind, 1.0))
     comm, hidden_share = terms.comm, terms.overlaps(overlap)
     steps, busy, spill = settle(seconds, comm, hidden_share, np.zeros(len(seconds), dtype=int), 1)
     exposed_s = np.where(comm, seconds - seconds * hidden_share * (1 - spill[0]), seconds)

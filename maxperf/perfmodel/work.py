@@ -19,6 +19,8 @@ import numpy as np
 from maxperf.perfmodel import cpu
 from maxperf.perfmodel.chips import MATMUL_FRACTION, MATMUL_FRACTION_ORIGIN, Chip
 from maxperf.spec.errors import require
+from maxperf.spec.fp8 import Fp8Recipe, Granularity, Scaling
+from maxperf.spec.fp8 import recipe as fp8_recipe
 from maxperf.spec.train import TrainConfig
 
 # Matmul efficiency = fraction x m / (m + HALF) x fill, m the smallest of the matmul's dimensions: the rate a large
@@ -52,6 +54,24 @@ FLASH_EFFICIENCY = {"tpu": 0.80, "gpu": 0.46}
 # operations, each assumed one pass over HBM). The int8 x int8 -> int32 dot reads 1-byte operands and writes its
 # dequantized output in the compute dtype (the int32 result scaled in the dot's output fusion, assumed).
 INT8_NOISE_BYTES = 8
+# FP8 recipes (maxperf.spec.fp8, models/layers/fp8.py): a quantized matmul runs at the chip's FP8 peak times the
+# share of it its shape sustains (the bf16 rule: fraction x m / (m + HALF) x fill) times FP8_EFFICIENCY, how much of
+# that an FP8 GEMM keeps relative to a bf16 one (its kernels, the scales applied in its epilogue, and what else the
+# FP8 recipes' frameworks run faster than the runs the bf16 fraction was fitted on). Fitted (FITTED_FP8) on
+# bench/published's FP8 rows: on GPU NVIDIA Megatron-Bridge's Llama 3 8B on 8 H100s and 8 B200s (current scaling,
+# 744 and 1,576 TFLOP/s per GPU: above the bf16 fraction fitted on MosaicML's and MaxText's H100 runs, so above 1), on
+# TPU the tpu-recipes Ironwood Llama 3.1 70B and 405B fp8_full rows.
+FP8_EFFICIENCY = {"tpu": 0.92, "gpu": 1.26, "cpu": 1.0}
+FITTED_FP8 = {"tpu": "bench/published.py, 2026-11-27, 2 TPU7x FP8 rows",
+              "gpu": "bench/published.py, 2026-11-27, 2 NVIDIA FP8 rows"}
+# The quantize passes, bytes per element quantized (c: the compute dtype's bytes), counted from the operations, each
+# assumed one pass over HBM: current scaling reads the operand for its amax, then again to scale and cast it, and
+# writes one byte (2c + 1); delayed scaling casts with the scale it has, so its amax and cast fuse into one read
+# (c + 1); MXFP8's amax is per 32-element block, fused with the cast, and writes a scale per block (c + 1 + 1/32).
+# The backward quantizes dy so; the forward's FP8 operands it reuses are transposed on GPU, whose FP8 GEMMs take
+# their operands in one layout only (cuBLASLt's TN: read and write one byte), where MXFP8 quantizes x and W again
+# along the backward's contraction.
+FP8_TRANSPOSE_BYTES = {"gpu": 2.0}
 # Seconds per step of a collective's ring across slices (TPU: each a transfer through both hosts' network stacks) or
 # per collective across hosts (GPU and CPU, NCCL and gloo pipelining their steps). TPU: fitted (FITTED) on the
 # MaxText v4 and v5e tables' rows over 1 to 32 slices, whose throughput falls with the slices as this latency grows
@@ -137,6 +157,7 @@ class Constants:
     flash_efficiency: Mapping[str, float] = field(default_factory=lambda: dict(FLASH_EFFICIENCY))  # per chip kind
     # seconds per step of a collective's ring across slices or hosts (network.CollectiveTime.dcn_steps), per kind
     dcn_step_latency: Mapping[str, float] = field(default_factory=lambda: dict(DCN_STEP_LATENCY))
+    fp8_efficiency: Mapping[str, float] = field(default_factory=lambda: dict(FP8_EFFICIENCY))  # per chip kind
 
     def fraction(self, chip: Chip) -> float:
         """The share of its peak a large matmul sustains on `chip`; 1.0 where none is recorded (CPU devices, whose
@@ -175,6 +196,7 @@ class Terms:
     bytes: np.ndarray
     family: tuple[str, ...]  # a collective's Overlap field; "" for work that is not a collective or has its own
     overlap: np.ndarray  # the hidden fraction of host copies (collectives take their family's from Overlap)
+    fp8: np.ndarray  # MATMUL: 1 for an FP8 matmul (priced at fp8_efficiency too), else 0
 
     @property
     def comm(self) -> np.ndarray:
@@ -194,12 +216,13 @@ class Terms:
         return np.array([getattr(overlap, f) if f else o for f, o in zip(self.family, self.overlap)], dtype=float)
 
 
-def price(terms: Terms, fraction, half, flash, d_passes, dcn_latency) -> tuple[np.ndarray, np.ndarray]:
-    """Seconds of each term, and whether a matmul is bound by its FLOPs (True) or its bytes. `fraction`, `half` and
-    `flash` are one value for the step or one per term (bench/published.py prices many steps at once)."""
+def price(terms: Terms, fraction, half, flash, d_passes, dcn_latency, fp8=1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of each term, and whether a matmul is bound by its FLOPs (True) or its bytes. `fraction`, `half`,
+    `flash` and `fp8` (FP8 matmuls' efficiency relative to bf16's) are one value for the step or one per term
+    (bench/published.py prices many steps at once)."""
     t = terms
     h = np.where(np.isnan(t.half), half * t.half_scale, t.half)
-    efficiency = t.rate * fraction * t.side / (t.side + h)
+    efficiency = t.rate * fraction * t.side / (t.side + h) * (1 + t.fp8 * (fp8 - 1))
     at_rate = t.peak_s / efficiency
     matmul = np.maximum(at_rate, t.hbm_s)
     seconds = np.where(t.law == MATMUL, matmul, t.fixed_s)
@@ -236,6 +259,18 @@ def int8_matmuls(train: TrainConfig) -> Int8Matmuls | None:
     return Int8Matmuls(weight_gradient=train.quantization_local_shard_count != 0)
 
 
+def fp8_matmuls(train: TrainConfig) -> Fp8Recipe | None:
+    """The train config's FP8 recipe (maxperf.spec.fp8); None for bf16 and int8."""
+    return fp8_recipe(str(train.quantization))
+
+
+def quantize_bytes(recipe: Fp8Recipe, c: int) -> float:
+    """HBM bytes per element an FP8 recipe's quantize pass moves (the note at FP8_EFFICIENCY)."""
+    if recipe.scaling is Scaling.BLOCK:
+        return c + 1 + 1 / recipe.block
+    return c + 1 if recipe.scaling is Scaling.DELAYED else 2 * c + 1
+
+
 def matmul_efficiency(chip: Chip, m: float, half: float | None = None, constants: Constants = SHIPPED) -> float:
     """The fraction of peak a matmul whose smallest side is m sustains: fraction x m / (m + HALF); `half` (a
     calibrated HALF) replaces the kind's."""
@@ -268,15 +303,16 @@ def half_scale(chip: Chip) -> float:
 
 # A term's fields in the order Work records them: its words, then its numbers (Terms' arrays)
 COLUMNS = ("name", "kind", "family", "law", "fixed_s", "peak_s", "hbm_s", "side", "rate", "half", "half_scale",
-           "dcn_steps", "flops", "bytes", "overlap")
+           "dcn_steps", "flops", "bytes", "overlap", "fp8")
 
 
 class Work:
     """Records a step's work as Terms: matmuls with their FLOPs, bytes and shape; memory-bound work; collectives."""
 
-    def __init__(self, chip: Chip, dtype: str, constants: Constants, int8: Int8Matmuls | None = None):
+    def __init__(self, chip: Chip, dtype: str, constants: Constants, int8: Int8Matmuls | None = None,
+                 fp8: Fp8Recipe | None = None):
         self.chip, self.peak, self.constants = chip, chip.peak_flops(dtype), constants
-        self.int8 = int8
+        self.int8, self.fp8 = int8, fp8
         self.half = chip.measured_matmul_half(dtype)
         self.rows: list[tuple] = []  # one per term, in COLUMNS' order
         self.assumed: dict[str, str] = {}
@@ -288,9 +324,9 @@ class Work:
     def _term(self, name: str, kind: str, law: int, *, fixed_s: float = 0.0, peak_s: float = 0.0, hbm_s: float = 0.0,
               side: float = 1.0, rate: float = 1.0, half: float = math.nan, half_scale: float = 1.0,
               dcn_steps: float = 0.0, flops: float = 0.0, nbytes: float = 0.0,
-              family: str = "", overlap: float = 0.0) -> None:
+              family: str = "", overlap: float = 0.0, fp8: bool = False) -> None:
         self.rows.append((name, kind, family, law, fixed_s, peak_s, hbm_s, side, rate, half, half_scale, dcn_steps,
-                          flops, nbytes, overlap))
+                          flops, nbytes, overlap, float(fp8)))
 
     def add(self, name: str, kind: str, seconds: float, flops: float = 0.0, nbytes: float = 0.0,
             overlap: float = 0.0, family: str = "", dcn_steps: float = 0.0) -> None:
@@ -301,13 +337,13 @@ class Work:
 
     def matmul(self, name: str, M: float, K: float, N: float, count: float, c: int,
                side: float | None = None, rate: float = 1.0, operand_bytes: float | None = None,
-               fill: float | None = None) -> None:
+               fill: float | None = None, fp8: bool = False) -> None:
         """`count` matmuls of M x K by K x N in compute dtype (c bytes): a roofline of FLOPs and HBM traffic (and on
         CPU devices what XLA:CPU's dot kernels add, perfmodel.cpu). `side` replaces the smallest side in the
         efficiency (`matmul_efficiency`); `rate` scales it (a kernel slower than a plain matmul of the shape), and so
         does the share of a TPU's matrix units its contraction K and output N fill (`mxu_fill`; `fill` replaces it
         where a kernel's own tiles decide); `operand_bytes`: the two operands' element size where it is not c (1 for
-        int8)."""
+        int8 and FP8); `fp8`: an FP8 matmul, priced at Constants.fp8_efficiency too."""
         flops = 2 * M * K * N * count
         nbytes = ((c if operand_bytes is None else operand_bytes) * (M * K + K * N) + c * M * N) * count
         if "matmul" in self.assumed:  # said once per step: spare the line's formatting on every matmul
@@ -328,7 +364,7 @@ class Work:
                    rate=rate * (mxu_fill(self.chip, *(d for d in (K, N) if d >= MIN_MXU_WIDTH)) if fill is None
                                 else fill),
                    half=math.nan if self.half is None else self.half, half_scale=half_scale(self.chip), flops=flops,
-                   nbytes=nbytes)
+                   nbytes=nbytes, fp8=fp8)
         if self.chip.kind == "cpu":
             cpu.dot_accumulator_faults(self.add, self.chip, M, K, N, count, c)
 
@@ -353,9 +389,13 @@ class Work:
         M x N). All run at the plain rate: compilers give the transposed operand the layout the matmul wants
         (XLA:CPU copies x to x^T, a T x D transpose, and runs the weight gradient as a plain matmul, as a cpu-2
         step's optimized HLO shows), so a library's slower rate for a transposed operand does not apply.
-        Under quantization=int8 (`self.int8`) a `quantized` one runs as `int8_train_matmul`."""
+        Under quantization=int8 (`self.int8`) a `quantized` one runs as `int8_train_matmul`, under an FP8 recipe
+        (`self.fp8`) as `fp8_train_matmul`."""
         if quantized and self.int8 is not None:
             self.int8_train_matmul(name, M, K, N, forward, backward, c, side, rate)
+            return
+        if quantized and self.fp8 is not None:
+            self.fp8_train_matmul(name, M, K, N, forward, backward, c, side, rate, fill)
             return
         self.matmul(name, M, K, N, forward, c, side, rate, fill=fill)
         self.matmul(name, M, N, K, backward, c, side, rate, fill=fill)
@@ -383,6 +423,37 @@ class Work:
         else:
             self.matmul(name, K, M, N, backward, c, side, rate)
         self.memory("int8 quantize", elements)
+
+    def fp8_train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
+                         side: float | None, rate: float, fill: float | None) -> None:
+        """train_matmul under an FP8 recipe (maxperf.spec.fp8): the forward, and the backward's two products where the
+        recipe quantizes the gradient, at the chip's FP8 peak (datasheet) with one-byte operands, priced at
+        Constants.fp8_efficiency too; the quantize passes over x, W and dy (`quantize_bytes`), and the backward's
+        transposes of the forward's FP8 operands or their requantization (FP8_TRANSPOSE_BYTES)."""
+        recipe, chip = self.fp8, self.chip
+        speedup = (chip.peak_fp8_flops or self.peak) / self.peak if chip.kind != "cpu" else 1.0
+        q = quantize_bytes(recipe, c)
+        if "fp8" not in self.assumed:
+            efficiency = self.constants.fp8_efficiency.get(chip.kind, 1.0)
+            origin = ("as given" if efficiency != FP8_EFFICIENCY.get(chip.kind) else
+                      "fitted" if chip.kind in FITTED_FP8 else "assumed")
+            self.assume("fp8", f"{recipe.name}: FP8 matmuls at {speedup:g}x the {chip.name} bf16 peak (datasheet) x "
+                               f"{efficiency:.2f} ({origin}); quantize passes of {q:g} bytes per element "
+                               "(counted); attention, logits and norms in the compute dtype")
+        fp8_rate = rate * speedup
+        self.matmul(name, M, K, N, forward, c, side, fp8_rate, operand_bytes=1, fill=fill, fp8=True)
+        elements = forward * q * (M * K + K * N)  # x and W, each forward and recomputation
+        if recipe.quantizes_backward:
+            self.matmul(name, M, N, K, backward, c, side, fp8_rate, operand_bytes=1, fill=fill, fp8=True)
+            self.matmul(name, K, M, N, backward, c, side, fp8_rate, operand_bytes=1, fill=fill, fp8=True)
+            # dy, once for both products (per channel twice: each product shifts another operand's scales onto it)
+            dy = 2 if recipe.granularity is Granularity.CHANNEL else 1
+            again = FP8_TRANSPOSE_BYTES.get(chip.kind, 0.0) if recipe.reuses_forward else q
+            elements += backward * (dy * q * M * N + again * (K * N + M * K))
+        else:
+            self.matmul(name, M, N, K, backward, c, side, rate, fill=fill)
+            self.matmul(name, K, M, N, backward, c, side, rate, fill=fill)
+        self.memory("fp8 quantize", elements)
 
     def memory(self, name: str, nbytes: float) -> None:
         """Memory-bound elementwise work: at HBM bandwidth, or where one was measured (CPU devices) at the rate of a

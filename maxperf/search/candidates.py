@@ -2,7 +2,8 @@
 estimated.
 
 A candidate is one mesh (ICI and DCN sizes of data, fsdp, fsdp_transpose, sequence, tensor, expert), one remat
-policy, one attention kernel, a per-device batch B and gradient accumulation A. Only meshes that divide what they must
+policy, one attention kernel, a per-device batch B and gradient accumulation A, and where `quantization=auto` lets the
+search choose, a precision: bf16 or the chip's FP8 recipe (spec.fp8.PREFERRED). Only meshes that divide what they must
 are enumerated: expert divides E (a dense model's expert axis is 1), tensor divides H and K, sequence divides L, each
 weight's and activation's sharded dimensions divide by their axes (a dimension the mesh does not divide would be
 replicated: `maxperf.spec.request` warns of it), and the batch axes divide a microbatch's rows. The axes are sized one
@@ -19,16 +20,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from maxperf.spec import fp8, presets
 from maxperf.spec import overrides as overrides_mod
-from maxperf.spec import presets
 from maxperf.spec import request as requests
 from maxperf.spec.errors import MaxperfError
+from maxperf.spec.hardware import CHIPS
 from maxperf.spec.logical_axes import MESH_AXES, undivided_axes
+from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.params import param_arrays
 from maxperf.spec.remat import CHECKPOINT_NAMES, REMAT_SAVED, RematPolicy
 from maxperf.spec.topology import Topology
-from maxperf.spec.train import AttentionKernel, TrainConfig
+from maxperf.spec.train import AttentionKernel, Quantization, TrainConfig
 
 # The remat policies searched: every named policy of MaxText's (custom needs its per-tensor keys: pin it to use it).
 REMAT_POLICIES = tuple(p.value for p in RematPolicy if p is not RematPolicy.CUSTOM)
@@ -38,7 +41,7 @@ KERNELS = (AttentionKernel.FLASH.value, AttentionKernel.DOT_PRODUCT.value)
 FREE_BATCHES = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
 # What the search decides; a pin (key=value) fixes it. Names after MaxText's aliases are resolved.
 SEARCHED_KEYS = {*(f"ici_{a}" for a in MESH_AXES), *(f"dcn_{a}" for a in MESH_AXES), "remat_policy", "attention",
-                 "per_device_batch_size", "grad_accum_steps"}
+                 "per_device_batch_size", "grad_accum_steps", "quantization"}
 DCN_SEARCHED = ("data", "fsdp")  # the axes searched across slices (others only where pinned)
 # The policies that keep their tensors in host memory, and what each policy keeps in device memory (`none`: all)
 OFFLOADED = frozenset(p for p in REMAT_POLICIES if p != "none" and REMAT_SAVED[RematPolicy(p)][1])
@@ -58,6 +61,7 @@ class Candidate:
     attention: str
     per_device_batch_size: float  # B: one microbatch per device (MaxText's meaning)
     grad_accum_steps: int  # A: microbatches per step
+    quantization: str = "none"  # the decoder layers' matmuls: "none" (the compute dtype) or an FP8 recipe
     step_time_s: float = 0.0
     tokens_per_s: float = 0.0
     mfu: float = 0.0
@@ -95,16 +99,25 @@ class Candidate:
                 *(f"dcn_{a}={n}" for a, n in self.dcn.items() if n > 1),
                 f"remat_policy={self.remat_policy}", f"attention={self.attention}",
                 f"per_device_batch_size={number(self.per_device_batch_size)}",
-                f"grad_accum_steps={self.grad_accum_steps}")
+                f"grad_accum_steps={self.grad_accum_steps}", *precision_words(self.quantization))
 
     def as_dict(self) -> dict[str, Any]:
         return {"ici": self.ici, "dcn": self.dcn, "mesh": self.mesh_shown(), "remat_policy": self.remat_policy,
                 "attention": self.attention, "per_device_batch_size": self.per_device_batch_size,
-                "grad_accum_steps": self.grad_accum_steps, "step_time_s": self.step_time_s,
+                "grad_accum_steps": self.grad_accum_steps, "quantization": self.quantization,
+                "step_time_s": self.step_time_s,
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "analytical_memory_bytes": self.memory_bytes,
                 "compiler_memory_bytes": self.compiler_memory_bytes, "bottleneck": self.bottleneck,
                 "status": self.status, "reason": self.reason, "verified": self.verified,
                 "compile_seconds": self.compile_seconds, "artifact": self.artifact}
+
+
+def precision_words(quantization: str) -> tuple[str, ...]:
+    """The key=value words of a precision ("none": none, the request's default); MaxText's Qwix recipe with the key
+    that selects Qwix."""
+    if quantization == "none":
+        return ()
+    return (f"quantization={quantization}", *(("use_qwix_quantization=true",) if quantization == "fp8_full" else ()))
 
 
 def mesh_shown(ici: dict[str, int], dcn: dict[str, int]) -> str:
@@ -116,12 +129,12 @@ def mesh_shown(ici: dict[str, int], dcn: dict[str, int]) -> str:
 
 @dataclass(eq=False)
 class MeshChoice:
-    """One mesh of the search and its candidates, by (kernel, B, A, remat policy)."""
+    """One mesh of the search and its candidates, by (kernel, precision, B, A, remat policy)."""
 
     ici: dict[str, int]
     dcn: dict[str, int]
     pairs: list[tuple[float, int]]  # the (B, A) whose microbatch rows its batch axes divide
-    cells: dict[tuple[str, float, int, str], Candidate]
+    cells: dict[tuple[str, str, float, int, str], Candidate]
 
 
 @dataclass
@@ -136,6 +149,7 @@ class Space:
     pairs: list[tuple[float, int]]  # (B, A) searched, before a mesh's batch axes are asked to divide them
     remats: list[str]
     kernels: list[str]
+    precisions: list[str]  # "none" and, where quantization=auto, the chip's FP8 recipe
     meshes: list[MeshChoice]
     candidates: list[Candidate]
 
@@ -157,6 +171,7 @@ def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_t
     pairs, rows = batches(global_batch_tokens, per_device_batch, devices, train.seq_len, pinned)
     remats = [pinned["remat_policy"]] if "remat_policy" in pinned else list(REMAT_POLICIES)
     kernels = [pinned["attention"]] if "attention" in pinned else list(KERNELS)
+    precisions = precisions_for(pinned.get("quantization", "none"), CHIPS[topo.chip])
 
     divisible = Divisibility(model, train.seq_len, [round(b * devices) for b, _ in pairs])
     meshes, candidates = [], []
@@ -164,13 +179,39 @@ def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_t
         split = batch_axes({a: ici[a] * dcn[a] for a in MESH_AXES})
         mesh = MeshChoice(ici, dcn, [(b, a) for b, a in pairs if round(b * devices) % split == 0], {})
         shown = mesh_shown(ici, dcn)
+        quants = [q for q in precisions if blocks_fit(q, model, topo, ici, dcn)]
         for (b, a) in mesh.pairs:
             for remat in remats:
                 for kernel in kernels:
-                    c = mesh.cells[(kernel, b, a, remat)] = Candidate(ici, dcn, remat, kernel, b, a, shown=shown)
-                    candidates.append(c)
+                    for q in quants:
+                        c = mesh.cells[(kernel, q, b, a, remat)] = Candidate(ici, dcn, remat, kernel, b, a, q,
+                                                                             shown=shown)
+                        candidates.append(c)
         meshes.append(mesh)
-    return Space(topo, model, train, fixed, rows, pairs, remats, kernels, meshes, candidates)
+    return Space(topo, model, train, fixed, rows, pairs, remats, kernels, precisions, meshes, candidates)
+
+
+def precisions_for(quantization: str, chip) -> list[str]:
+    """The precisions searched: quantization=auto tries bf16 and the chip's FP8 recipe where it has FP8 matrix units
+    (bf16 alone where it has none); any other value is searched alone, after checking the chip runs it."""
+    if quantization != "auto":
+        fp8.check_chip(quantization, chip)
+        return [quantization]
+    preferred = fp8.PREFERRED.get(chip.name)
+    return ["none", preferred] if preferred and (fp8.has_fp8(chip) or chip.kind == "cpu") else ["none"]
+
+
+def blocks_fit(quantization: str, model: ModelConfig, topo: Topology, ici: dict[str, int], dcn: dict[str, int]
+               ) -> bool:
+    """Whether a block-scaled recipe's weights split into whole blocks on this mesh (spec.fp8.check_blocks; GPUs
+    only)."""
+    if topo.platform != "gpu" or quantization == "none":
+        return True
+    try:
+        fp8.check_blocks(quantization, model, Mesh.of({a: ici[a] * dcn[a] for a in MESH_AXES}, dcn))
+    except MaxperfError:
+        return False
+    return True
 
 
 def batch_axes(axes: dict[str, int]) -> int:
@@ -279,6 +320,8 @@ def split_pins(model: ModelConfig, pins: Sequence[str]) -> tuple[dict[str, str],
         if name in SEARCHED_KEYS:
             if name in ("remat_policy", "attention"):  # its canonical value (MaxText's `autoselected` is auto)
                 value = getattr(overrides_mod.apply(model, [f"{name}={value}"]).train, name).value
+            elif name == "quantization":  # MaxText's "" and bf16 are none
+                value = overrides_mod.VALUE_ALIASES.get((Quantization, value), value)
             if not (name.startswith(("ici_", "dcn_")) and value.strip() == "-1"):  # -1: left to the search
                 searched[name] = value
         else:

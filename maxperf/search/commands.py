@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from maxperf.search.candidates import Candidate, number
+from maxperf.search.candidates import Candidate, number, precision_words
 from maxperf.spec import overrides as overrides_mod
 from maxperf.spec import presets
 
@@ -23,7 +23,7 @@ def maxtext_flags(c: Candidate) -> tuple[str, ...]:
               f"per_device_batch_size={number(c.per_device_batch_size)}"]
     if c.grad_accum_steps > 1:
         words.append(f"gradient_accumulation_steps={c.grad_accum_steps}")
-    return tuple(words)
+    return (*words, *precision_words(c.quantization))
 
 
 def command(c: Candidate, *, model: str, topology: str, platform: str, num_slices: int, seq_len: int,

@@ -32,6 +32,7 @@ unfit_at_smallest_batch).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -55,7 +56,7 @@ from maxperf.spec.mesh import Mesh
 from maxperf.spec.parallelism import ParallelismConfig
 from maxperf.spec.remat import RematPolicy
 from maxperf.spec.request import Request
-from maxperf.spec.train import AttentionKernel, TrainConfig
+from maxperf.spec.train import AttentionKernel, Quantization, TrainConfig
 from maxperf.user_cache import calibration_for
 
 SCHEMA = "maxperf.plan/2"  # 2: per_device_batch_size is one microbatch, as in MaxText
@@ -201,11 +202,14 @@ class _Estimator:
         # with A the same at every batch (the batch free), memory grows with B: the policies no other keeps less
         # than are estimated at the smallest B first, and one that does not fit there fits at no batch
         probe = len(pairs) > 1 and len({a for _, a in pairs}) == 1
-        for kernel in found.kernels:
+        for kernel, quant in itertools.product(found.kernels, found.precisions):
+            cells = {(b, a, remat): c for (k, q, b, a, remat), c in choice.cells.items() if k == kernel and q == quant}
+            if not cells:  # a precision this mesh cannot run (spec.fp8.check_blocks)
+                continue
             probed: dict[Candidate, MemoryBreakdown] = {}
             nowhere: dict[str, str] = {}  # policy -> why it fits at no batch
             for remat in self.heads if probe else ():
-                c = choice.cells[(kernel, *pairs[-1], remat)]
+                c = cells[(*pairs[-1], remat)]
                 probed[c] = self.memory(c, mesh)
                 if c.memory_bytes * self.factor > self.hbm:
                     nowhere[remat] = f"does not fit at {self.batch(*pairs[-1])}, its smallest microbatch"
@@ -215,7 +219,7 @@ class _Estimator:
                 unfit: list[str] = [q for q in nowhere if q not in OFFLOADED]
                 fit: dict[str, tuple[Candidate, MemoryBreakdown]] = {}
                 for remat in self.order:
-                    c = choice.cells[(kernel, b, a, remat)]
+                    c = cells[(b, a, remat)]
                     if remat in fitted_at:
                         c.skipped = f"{fitted_at[remat]} already fits; {smaller}"
                         continue
@@ -244,7 +248,7 @@ class _Estimator:
                         c.skipped = f"remat_policy={more} keeps more and fits: less recompute"
                         continue
                     # the request Request.of makes, with the mesh made once for its candidates
-                    request = Request(found.topology, Configs(found.model, self.train(remat, kernel, b, a),
+                    request = Request(found.topology, Configs(found.model, self.train(remat, kernel, b, a, quant),
                                                               parallelism), mesh)
                     est = perfmodel.estimate(request, calibration=self.calibration, memory=memory)
                     c.step_time_s, c.tokens_per_s, c.mfu = est.step_time_s, est.tokens_per_s, est.mfu
@@ -252,7 +256,7 @@ class _Estimator:
 
     def memory(self, c: Candidate, mesh: Mesh) -> MemoryBreakdown:
         """perfmodel's memory of the candidate, its total recorded on it."""
-        args = (c.remat_policy, c.attention, c.per_device_batch_size, c.grad_accum_steps)
+        args = (c.remat_policy, c.attention, c.per_device_batch_size, c.grad_accum_steps, c.quantization)
         memory = perfmodel.estimate_memory(self.found.model, self.train(*args, resolved=True), mesh, self.hbm,
                                            self.chip.kind)
         c.memory_bytes = memory.per_device_total_bytes
@@ -262,14 +266,16 @@ class _Estimator:
         """A microbatch as a reason names it: its A where the global batch is fixed, else its B."""
         return f"A={a}" if self.found.rows else f"B={number(b)}"
 
-    def train(self, remat: str, kernel: str, b: float, a: int, resolved: bool = False) -> TrainConfig:
-        """The request's train config with the candidate's remat policy, kernel, B and A (`resolved`: its attention
-        kernel resolved for the chip, as estimate_memory takes it)."""
-        key = (remat, kernel, b, a)
+    def train(self, remat: str, kernel: str, b: float, a: int, quant: str, resolved: bool = False) -> TrainConfig:
+        """The request's train config with the candidate's remat policy, kernel, B, A and precision (`resolved`: its
+        attention kernel resolved for the chip, as estimate_memory takes it)."""
+        key = (remat, kernel, b, a, quant)
         if key not in self.trains:
-            self.trains[key] = dataclasses.replace(self.found.train, remat_policy=RematPolicy(remat),
-                                                   attention=AttentionKernel(kernel), per_device_batch_size=b,
-                                                   grad_accum_steps=a)
+            q = Quantization(quant)
+            self.trains[key] = dataclasses.replace(
+                self.found.train, remat_policy=RematPolicy(remat), attention=AttentionKernel(kernel),
+                per_device_batch_size=b, grad_accum_steps=a, quantization=q,
+                use_qwix_quantization=self.found.train.use_qwix_quantization or q is Quantization.FP8_FULL)
             self.resolved[key] = resolve_attention(self.found.model, self.trains[key], self.chip.kind)
         return self.resolved[key] if resolved else self.trains[key]
 
@@ -333,12 +339,12 @@ def rank(result: SearchResult) -> None:
             c.reason = f"{ratio:.3f}x slower by {objective}"
 
 
-def complexity(c: Candidate) -> tuple[int, int, int, str]:
+def complexity(c: Candidate) -> tuple[int, int, int, int, str]:
     """How far a candidate is from the layouts production recipes run (MaxText's default: FSDP over the slice, data
-    parallelism across slices, one microbatch, flash attention): the mesh axes over 1 beyond those, gradient
-    accumulation, the dot product; then the mesh in words, so that ties order the same way every time."""
+    parallelism across slices, one microbatch, bf16, flash attention): the mesh axes over 1 beyond those, gradient
+    accumulation, FP8, the dot product; then the mesh in words, so that ties order the same way every time."""
     axes = sum(1 for a, n in c.axes.items() if n > 1 and a != "fsdp" and not (a == "data" and c.ici[a] == 1))
-    return axes, int(c.grad_accum_steps > 1), int(c.attention != "flash"), c.mesh_shown()
+    return axes, int(c.grad_accum_steps > 1), int(c.quantization != "none"), int(c.attention != "flash"), c.mesh_shown()
 
 
 def closest_miss(result: SearchResult, model, trains, topo, calibration) -> dict[str, Any]:
@@ -347,7 +353,7 @@ def closest_miss(result: SearchResult, model, trains, topo, calibration) -> dict
     c = result.candidates[0]  # the misses are sorted by memory
     limit, factor = result.hbm_bytes, 1 + result.margin.value
     need = c.memory_bytes * factor
-    train = trains[(c.remat_policy, c.attention, c.per_device_batch_size, c.grad_accum_steps)]
+    train = trains[(c.remat_policy, c.attention, c.per_device_batch_size, c.grad_accum_steps, c.quantization)]
     options = []
     chips = result.chips * 2 ** math.ceil(math.log2(need / limit))
     options.append(f"more chips: the state and a fixed global batch split over about {chips} chips instead of "

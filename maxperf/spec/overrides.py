@@ -79,8 +79,9 @@ OTHER_FLOAT_LIMIT = 1e12
 
 _CONFIGS = {"model": ModelConfig, "train": TrainConfig, "parallelism": ParallelismConfig}
 _FIXED = {"name", "rope_scaling"}  # not settable from the command line
-# MaxText's spellings of values: its `attention=autoselected` is maxperf's `auto`, its `quantization=""` `none`.
-VALUE_ALIASES = {(AttentionKernel, "autoselected"): "auto", (Quantization, ""): "none"}
+# MaxText's spellings of values: its `attention=autoselected` is maxperf's `auto`, its `quantization=""` `none`
+# (which `bf16` names too, beside `auto` and `fp8`, as `maxperf plan`'s precision choice).
+VALUE_ALIASES = {(AttentionKernel, "autoselected"): "auto", (Quantization, ""): "none", (Quantization, "bf16"): "none"}
 
 
 def _fields() -> dict[str, tuple[str, type]]:

@@ -13,19 +13,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from maxperf.spec import fp8, presets
 from maxperf.spec import mesh as mesh_mod
 from maxperf.spec import overrides as overrides_mod
-from maxperf.spec import presets
 from maxperf.spec import topology as topologies
 from maxperf.spec.configs import Configs
 from maxperf.spec.errors import MaxperfError
+from maxperf.spec.hardware import CHIPS
 from maxperf.spec.logical_axes import mesh_axes_for, undivided_axes
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.parallelism import ParallelismConfig
 from maxperf.spec.params import param_arrays, params_per_device
 from maxperf.spec.topology import Topology
-from maxperf.spec.train import DTYPE_BYTES, OPTIMIZER_STATES_PER_PARAM, TrainConfig
+from maxperf.spec.train import DTYPE_BYTES, OPTIMIZER_STATES_PER_PARAM, Quantization, TrainConfig
 
 GIB = 1 << 30
 
@@ -71,17 +72,24 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
         topology, num_slices=num_slices, target_config_path=None if target_config is None else str(target_config))
     model_cfg = model if isinstance(model, ModelConfig) else presets.get(model)
     configs = overrides_mod.apply(model_cfg, list(overrides))
+    notes: tuple[str, ...] = ()
+    if configs.train.quantization is Quantization.AUTO:  # only a search chooses the precision
+        configs = dataclasses.replace(configs, train=dataclasses.replace(configs.train,
+                                                                         quantization=Quantization.NONE))
+        notes = ("quantization=auto: bf16 here; `maxperf plan` chooses between bf16 and the chip's FP8 recipe",)
+    fp8.check_chip(configs.train.quantization, CHIPS[topo.chip])
     mesh = mesh_mod.resolve(configs.parallelism, topo)
     configs.train.micro_batch(mesh.devices)  # B x devices examples per microbatch: a whole number
     _check_experts(configs.model, mesh)
-    notes: tuple[str, ...] = ()
     if configs.parallelism == ParallelismConfig() and (keep := _fsdp_dividing_width(configs, mesh)):
         # the default mesh would replicate every weight along fsdp: fsdp takes what divides D, data the rest
-        notes = (f"the default fsdp={mesh.ici['fsdp']} does not divide D={configs.model.d_model}: planned "
-                 f"ici_fsdp={keep} ici_data={mesh.ici['fsdp'] // keep} instead, which does (set ici_fsdp to "
-                 "choose)",)
+        notes += (f"the default fsdp={mesh.ici['fsdp']} does not divide D={configs.model.d_model}: planned "
+                  f"ici_fsdp={keep} ici_data={mesh.ici['fsdp'] // keep} instead, which does (set ici_fsdp to "
+                  "choose)",)
         configs = dataclasses.replace(configs, parallelism=ParallelismConfig(ici_data=-1, ici_fsdp=keep))
         mesh = mesh_mod.resolve(configs.parallelism, topo)
+    if topo.platform == "gpu":
+        fp8.check_blocks(configs.train.quantization, configs.model, mesh)
     return Request(topo, configs, mesh, notes + replication_warnings(configs, mesh)
                    + gpu_grouped_matmul_warnings(configs, mesh, topo))
 

@@ -25,11 +25,20 @@ class AttentionKernel(enum.StrEnum):
 
 
 class Quantization(enum.StrEnum):
-    """MaxText's `quantization` of the decoder layers' matmuls (its "" is `none`). MaxText's other values (fp8,
-    nanoo_fp8, fp8_full, aqt_fp8, intmp, te_*, int8w, int4w, ...) are not implemented and refused."""
+    """MaxText's `quantization` of the decoder layers' matmuls (its "" is `none`; `bf16` is accepted for it). The FP8
+    values are maxperf.spec.fp8's recipes; MaxText's others (nanoo_fp8, intmp, te_nvfp4, int8w, int4w, ...) are not
+    implemented and refused. `auto`: `maxperf plan` chooses between bf16 and the chip's FP8 recipe; elsewhere bf16."""
 
     NONE = "none"
     INT8 = "int8"  # AQT config_v3: int8 forward and input gradient, the weight gradient per local_shard_count
+    FP8 = "fp8"
+    AQT_FP8 = "aqt_fp8"
+    AQT_FP8_FULL = "aqt_fp8_full"
+    FP8_FULL = "fp8_full"  # with use_qwix_quantization=true, as MaxText takes it
+    TE_FP8_DELAYEDSCALING = "te_fp8_delayedscaling"
+    TE_FP8_CURRENTSCALING = "te_fp8_currentscaling"
+    TE_MXFP8 = "te_mxfp8"
+    AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,8 @@ class TrainConfig:
     # separately scaled shards, 0 for that gradient in the compute dtype, -1 MaxText's default: the chips of one host
     quantization: Quantization = Quantization.NONE
     quantization_local_shard_count: int = -1
+    # MaxText's key: its quantization through Qwix (fp8_full, the TPU7x FP8 recipes' value) rather than AQT / flax
+    use_qwix_quantization: bool = False
 
     def __post_init__(self) -> None:
         B = self.per_device_batch_size
@@ -152,6 +163,13 @@ class TrainConfig:
         require(self.quantization_local_shard_count >= -1,
                  f"quantization_local_shard_count must be -1 (the chips of one host, MaxText's default), 0 (the weight "
                  f"gradient unquantized) or a positive shard count, got {self.quantization_local_shard_count}")
+        qwix = self.quantization in (Quantization.FP8_FULL, Quantization.AUTO, Quantization.NONE)
+        require(qwix or not self.use_qwix_quantization,
+                f"use_qwix_quantization=true with quantization={self.quantization}: maxperf builds Qwix's fp8_full "
+                "only; set quantization=fp8_full, or use_qwix_quantization=false for MaxText's AQT and flax values")
+        require(self.quantization is not Quantization.FP8_FULL or self.use_qwix_quantization,
+                "quantization=fp8_full is MaxText's Qwix recipe: set use_qwix_quantization=true with it, as MaxText "
+                "requires")
         require(self.num_vocab_tiling >= 1 and self.seq_len % self.num_vocab_tiling == 0,
                  f"num_vocab_tiling must be >= 1 and divide seq_len ({self.seq_len}), got {self.num_vocab_tiling}")
 

@@ -25,7 +25,9 @@ of Qwix, is a Linen module that wants flax's rng collections, and the numerics a
 tests/test_quantization.py checks this module against AQT's own outputs (a stored fixture).
 
 The matmul sites call `einsum`; it quantizes only inside `scope(...)` with a config, which the decoder sets around
-each layer with that layer's noise key, so layers need no extra argument."""
+each layer with that layer's noise key, so layers need no extra argument. The same sites run MaxText's FP8 values
+(maxperf.spec.fp8's recipes) through models/layers/fp8.py; a delayed-scaling recipe's scope holds the layer's
+scales and amax histories, one row per matmul in the order the layer calls them."""
 
 from __future__ import annotations
 
@@ -39,7 +41,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from maxperf.models.layers import fp8
 from maxperf.spec.errors import MaxperfError
+from maxperf.spec.fp8 import Fp8Recipe
+from maxperf.spec.fp8 import recipe as fp8_recipe
 
 INT8_BOUND = 127.5  # AQT's int8 quant bound (preserve_zero, not preserve_max_val): scale = absmax / 127.5
 INT8_CLIP = 127.0  # values are clipped to the last bucket's edge less half a bucket before rounding
@@ -56,11 +61,18 @@ class Int8:
     local_shard_count: int = 1
 
 
-def from_train(train) -> Int8 | None:
-    """The train config's quantization (TrainConfig.quantization); local_shard_count -1 is jax.local_device_count(),
-    MaxText's reading, unless the step's planner resolved it for the target (`resolve_local_shards`)."""
-    if str(train.quantization) == "none":
+def from_train(train) -> Int8 | Fp8Recipe | None:
+    """The train config's quantization (TrainConfig.quantization): Int8, an FP8 recipe, or None. int8's
+    local_shard_count -1 is jax.local_device_count(), MaxText's reading, unless the step's planner resolved it for
+    the target (`resolve_local_shards`)."""
+    value = str(train.quantization)
+    if value == "none":
         return None
+    if value == "auto":
+        raise MaxperfError("quantization=auto is a choice for `maxperf plan`; resolve the request first "
+                           "(maxperf.spec.resolve makes it bf16)")
+    if (recipe := fp8_recipe(value)) is not None:
+        return recipe
     count = train.quantization_local_shard_count
     return Int8(jax.local_device_count() if count == -1 else count)
 
@@ -68,7 +80,7 @@ def from_train(train) -> Int8 | None:
 def resolve_local_shards(train, mesh):
     """The train config with quantization_local_shard_count -1 read as MaxText reads it where the step runs:
     jax.local_device_count() of one host of `mesh`'s devices (4 on a v5p host)."""
-    if str(train.quantization) == "none" or train.quantization_local_shard_count != -1:
+    if str(train.quantization) != "int8" or train.quantization_local_shard_count != -1:
         return train
     devices = list(mesh.devices.flat)
     per_host = sum(d.process_index == devices[0].process_index for d in devices)
@@ -76,52 +88,85 @@ def resolve_local_shards(train, mesh):
 
 
 def step_key(train, step: jax.Array) -> jax.Array | None:
-    """The step's stochastic-rounding key (None without quantization): the seed's key folded with the step."""
-    if str(train.quantization) == "none":
+    """The step's stochastic-rounding key (None without int8): the seed's key folded with the step."""
+    if str(train.quantization) != "int8":
         return None
     return jax.random.fold_in(jax.random.key(train.seed, impl=NOISE_IMPL), step)
 
 
-def check_moe(config: Int8 | None, is_moe: bool, sparse_matmul: bool) -> None:
-    """int8 reaches a mixture of experts' dense (capacity) dispatch; MaxText quantizes the sparse path's grouped
-    matmul inside its megablox kernel, which maxperf does not."""
+def check_moe(config: Int8 | Fp8Recipe | None, is_moe: bool, sparse_matmul: bool) -> None:
+    """Quantization reaches a mixture of experts' dense (capacity) dispatch; MaxText quantizes the sparse path's
+    grouped matmul inside its megablox kernel (int8) or Qwix's grouped-matmul rule (fp8_full), which maxperf does
+    not."""
     if config is not None and is_moe and sparse_matmul:
-        raise MaxperfError("quantization=int8 with a mixture of experts needs sparse_matmul=false (the capacity "
+        name = "int8" if isinstance(config, Int8) else config.name
+        raise MaxperfError(f"quantization={name} with a mixture of experts needs sparse_matmul=false (the capacity "
                            "einsums, which it quantizes as MaxText does); the dropless grouped matmul is not quantized "
                            "here")
 
 
 @dataclass(frozen=True)
 class _Scope:
-    config: Int8
-    key: jax.Array
+    config: Int8 | Fp8Recipe
+    key: jax.Array | None  # int8's stochastic rounding
+    meta: jax.Array | None  # a delayed FP8 recipe's scales and histories, one row per einsum call
+    tag: str  # what `count_sites` files this scope's calls under
     calls: list[int]  # einsum calls traced so far in this scope, each folded into the key
 
 
 _SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("maxperf_quantization", default=None)
+_SITES: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("maxperf_fp8_sites", default=None)
 
 
 @contextlib.contextmanager
-def scope(config: Int8 | None, key: jax.Array | None):
-    """Quantizes the `einsum` calls traced inside under `config` (None: none), each call's stochastic rounding
-    drawing from `key` folded with the call's index in the scope."""
-    token = _SCOPE.set(None if config is None else _Scope(config, key, [0]))
+def scope(config: Int8 | Fp8Recipe | None, key: jax.Array | None, meta: jax.Array | None = None, tag: str = ""):
+    """Quantizes the `einsum` calls traced inside under `config` (None: none): int8's stochastic rounding drawing
+    from `key` folded with the call's index in the scope; a delayed FP8 recipe reading call i's scales and
+    histories from `meta[i]` (None while `count_sites` counts the calls)."""
+    active = None if config is None else _Scope(config, key, meta, tag, [0])
+    token = _SCOPE.set(active)
     try:
         yield
     finally:
         _SCOPE.reset(token)
+        if active is not None and (sites := _SITES.get()) is not None:
+            sites[tag] = max(sites.get(tag, 0), active.calls[0])
+
+
+@contextlib.contextmanager
+def count_sites():
+    """Within, each scope files its einsum calls under its tag: {tag: calls} (a delayed FP8 recipe's state has a
+    row per call)."""
+    sites: dict[str, int] = {}
+    token = _SITES.set(sites)
+    try:
+        yield sites
+    finally:
+        _SITES.reset(token)
 
 
 def einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """jnp.einsum of two operands, int8 under an active `scope` (MaxText's quantized DenseGeneral and einsums)."""
+    """jnp.einsum of two operands, quantized under an active `scope` (MaxText's quantized DenseGeneral and
+    einsums): int8, or an FP8 recipe."""
     active = _SCOPE.get()
     if active is None:
         return jnp.einsum(spec, x, w)
-    key = jax.random.fold_in(active.key, active.calls[0])
+    index = active.calls[0]
     active.calls[0] += 1
     dims, perm = _einsum_dims(spec, x.ndim, w.ndim)
-    out = int8_dot_general(x, w, key, dims, active.config.local_shard_count)
-    return jnp.transpose(out, perm)
+    if isinstance(active.config, Int8):
+        out = int8_dot_general(x, w, jax.random.fold_in(active.key, index), dims, active.config.local_shard_count)
+        return jnp.transpose(out, perm)
+    meta = None
+    if active.config.state_scales:
+        if active.meta is None:  # counting the calls: a stand-in state
+            meta = fp8.initial_meta(active.config, 1)[0]
+        elif index < active.meta.shape[0]:
+            meta = active.meta[index]
+        else:
+            raise MaxperfError(f"the FP8 state of {active.tag} has {active.meta.shape[0]} matmuls' scales; the layer "
+                               f"calls more")
+    return jnp.transpose(fp8.dot_general(x, w, meta, dims, active.config), perm)
 
 
 def _einsum_dims(spec: str, x_rank: int, w_rank: int) -> tuple[tuple, tuple[int, ...]]:
