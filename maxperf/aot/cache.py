@@ -4,6 +4,9 @@ jax's own persistent cache does not serve compile-only TPU and GPU targets, and 
 be serialized again; this cache keeps what `maxperf compile` writes instead: the serialized executable, XLA's
 memory and cost analyses and the optimized HLO, keyed by the lowered module, the target, the compile options and
 the library versions.
+
+A second store can be shared (`share`): on a cluster (maxperf.search.cluster), every node's compiles ask the machine
+that started them after a miss here, and give it what they compile, so a step is compiled once anywhere.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from maxperf.user_cache import cache_dir
 
@@ -31,6 +34,21 @@ class Entry:
     xla_cost: dict[str, float] | None  # XLA's cost analysis, None where the compiler gives none
     optimized_hlo: str
     compile_seconds: float  # how long the original compile took
+
+
+class SharedStore(Protocol):
+    def get(self, k: str) -> Entry | None: ...
+
+    def put(self, k: str, entry: Entry) -> None: ...
+
+
+_shared: SharedStore | None = None
+
+
+def share(store: SharedStore | None) -> None:
+    """Makes `store` this process's second cache (None: none): asked on a miss, given every new entry."""
+    global _shared
+    _shared = store
 
 
 def enabled() -> bool:
@@ -51,9 +69,19 @@ def key(lowered_text: str, target: dict[str, Any], options: dict[str, Any], vers
 
 
 def get(k: str) -> Entry | None:
-    """The entry for `k`, or None when absent or unreadable (a damaged entry is a miss, never an error)."""
+    """The entry for `k`, or None when absent or unreadable (a damaged entry is a miss, never an error); after a
+    miss, the shared store's entry, kept here too."""
     if not enabled():
         return None
+    entry = _local(k)
+    if entry is None and _shared is not None:
+        entry = _shared.get(k)
+        if entry is not None:
+            _store(k, entry)
+    return entry
+
+
+def _local(k: str) -> Entry | None:
     path = directory() / k
     try:
         meta = json.loads((path / "meta.json").read_text())
@@ -70,9 +98,16 @@ def get(k: str) -> Entry | None:
 
 
 def put(k: str, entry: Entry) -> None:
-    """Stores `entry` under `k` atomically; a cache that cannot be written is skipped silently."""
+    """Stores `entry` under `k` atomically, and in the shared store; a cache that cannot be written is skipped
+    silently."""
     if not enabled():
         return
+    _store(k, entry)
+    if _shared is not None:
+        _shared.put(k, entry)
+
+
+def _store(k: str, entry: Entry) -> None:
     root = directory()
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ words, and the compile-only environment."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -46,6 +47,47 @@ def print_hlo_line(hlo: dict, analytical_s: float | None = None) -> None:
     print(f"  from the HLO     {hlo['step_time_s']:.4g} s/step, bound by {hlo['bottleneck']} (compute "
           f"{hlo['compute_s']:.3g} s, memory {hlo['hbm_s']:.3g} s, collectives {hlo['ici_s'] + hlo['dcn_s']:.3g} s, "
           f"{hlo['exposed_s']:.3g} s exposed){against}")
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """--cluster and --keep-executables: compiles as tasks of a Ray cluster (maxperf.search.cluster)."""
+    parser.add_argument("--cluster", metavar="ADDRESS",
+                        help="compile on a Ray cluster: ray (the cluster this machine is a node of), "
+                             "ray://HOST:PORT (a head's Ray Client server) or HOST:PORT (its GCS address); needs "
+                             "pip install 'maxperf[cluster]' here and on every node")
+    parser.add_argument("--keep-executables", action="store_true",
+                        help="with --cluster: bring each compile's whole artifact home (compiled.pkl, hlo/), not "
+                             "only its JSON")
+
+
+def join_cluster(args, named, say, *, compiles: bool = True):
+    """The Ray cluster of --cluster, joined and checked before any work (its nodes' versions, room for each (name,
+    request) of `named`); a null context without --cluster. `compiles`: whether the command compiles at all."""
+    from maxperf.spec.errors import MaxperfError
+
+    if args.cluster is None:
+        if args.keep_executables:
+            raise MaxperfError("--keep-executables is for --cluster, whose compiles send home only their JSON; a "
+                               "compile on this machine keeps its whole artifact")
+        return contextlib.nullcontext()
+    if not compiles:
+        raise MaxperfError("--cluster sends compiles to Ray, and this command compiles nothing as asked; drop "
+                           "--cluster")
+    from maxperf.search import cluster
+
+    return cluster.connect(args.cluster, named, progress=say)
+
+
+def print_top(hlo: dict, shown: int = 8) -> None:
+    """The instructions that take the most time, read from the HLO, one line each with the jax operation they come
+    from."""
+    step = hlo["step_time_s"] or 1.0
+    print("  top instructions by predicted time (per step, before overlap):")
+    for op in hlo["top"][:shown]:
+        source = op["source"].rsplit("/", 1)[-1][:50] if op["source"] else ""
+        runs = f" x{op['executions']:g}" if op["executions"] != 1 else ""
+        print(f"    {op['seconds']:9.4g} s {op['seconds'] / step:5.1%}  {op['kind']:<16} {op['name'][:36]:<36}"
+              f"{runs:>6}  {source}")
 
 
 def print_json(value) -> None:

@@ -16,6 +16,7 @@ from maxperf.cli.common import (
     compile_only_environment,
     print_hlo_line,
     print_json,
+    print_top,
     progress,
     short_count,
 )
@@ -63,6 +64,7 @@ def cmd_compile(args) -> int:
               f"MFU {e['mfu']:.1%}, bound by {e['bottleneck']}")
         if e.get("hlo_time"):
             print_hlo_line(e["hlo_time"], e["step_time_s"])
+            print_top(e["hlo_time"], shown=5)
     compiled = ("from the compile cache, no compile" if result.cache_hit else f"{result.compile_seconds:.1f} s")
     print(f"  compile time     {compiled} (lowering {result.lower_seconds:.1f} s, whole "
           f"{result.total_seconds:.1f} s); host peak RSS {result.peak_rss_bytes / GIB:.2f} GiB")

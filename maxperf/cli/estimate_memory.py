@@ -5,9 +5,11 @@ from __future__ import annotations
 from maxperf.cli.common import (
     GIB,
     JSON_HELP,
+    add_cluster_arguments,
     add_request_arguments,
     add_step_argument,
     compile_only_environment,
+    join_cluster,
     print_json,
     print_warnings,
     progress,
@@ -33,24 +35,32 @@ def cmd_estimate_memory(args) -> int:
                            "step")
     from maxperf.search import memory_fit  # loads numpy, and the compiler when it compiles
 
+    request = resolve(args.topology, args.model, args.overrides, num_slices=args.num_slices)
     if args.analytical_only:  # a compile says them itself, as it starts
-        print_warnings(resolve(args.topology, args.model, args.overrides, num_slices=args.num_slices))
+        print_warnings(request)
     say = progress()
+    with join_cluster(args, [(request.topology.name, request)], say, compiles=not args.analytical_only) as cluster:
+        return _estimate(args, memory_fit, say, cluster)
+
+
+def _estimate(args, memory_fit, say, cluster) -> int:
+    """The comparison, or with --max-batch the search; compiled here, or with `cluster` on its nodes."""
     if args.max_batch:
         found = memory_fit.max_batch(args.topology, args.model, args.overrides, num_slices=args.num_slices,
                                      analytical_only=args.analytical_only, out=args.out, progress=say,
-                                     force=args.force)
+                                     force=args.force, cluster=cluster, keep_executables=args.keep_executables)
         # nothing fits: the figures at B=1 say by how much (the compile cache answers a compile already made)
         smallest = None if found.fits else memory_fit.compare(
             args.topology, args.model, [*args.overrides, "per_device_batch_size=1"], num_slices=args.num_slices,
-            analytical_only=args.analytical_only)
+            analytical_only=args.analytical_only, cluster=cluster)
         if args.json:
             print_json({**found.as_dict(), **({"at_batch_1": smallest.as_dict()} if smallest else {})})
         else:
             _print_max_batch(found, args.analytical_only, smallest)
         return 0 if found.fits else 3
     cmp = memory_fit.compare(args.topology, args.model, args.overrides, num_slices=args.num_slices,
-                             analytical_only=args.analytical_only, out=args.out, progress=say, force=args.force)
+                             analytical_only=args.analytical_only, out=args.out, progress=say, force=args.force,
+                             cluster=cluster, keep_executables=args.keep_executables)
     if args.json:
         print_json(cmp.as_dict())
     else:
@@ -156,5 +166,6 @@ def add_parser(sub) -> None:
                                  "default: a temporary directory, removed")
     p.add_argument("--force", action="store_true",
                    help="replace an earlier output of this command in --out even if it holds other files")
+    add_cluster_arguments(p)
     p.add_argument("--verbose", action="store_true", help="with --step: the traceback of a failing factory or step")
     p.set_defaults(func=cmd_estimate_memory)

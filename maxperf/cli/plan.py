@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from maxperf.aot import artifacts
-from maxperf.cli.common import JSON_HELP, print_json, progress
+from maxperf.cli.common import JSON_HELP, add_cluster_arguments, join_cluster, print_json, progress
 from maxperf.spec.errors import MaxperfError
 
 GIB = 1 << 30
@@ -37,12 +37,21 @@ def cmd_plan(args) -> int:
                                None if args.global_batch is None else parse_tokens(args.global_batch),
                                args.per_device_batch, args.objective, tuple(args.overrides))
     out = Path(args.out) if args.out else default_out(args)
-    # before the search: a directory that is not an earlier plan's is refused, and one plan writes there at a time
-    with artifacts.hold_output(out, "plan"):
+    if args.cluster is not None:
+        if args.workers is not None:
+            raise MaxperfError("--workers sizes this machine's pool; with --cluster, Ray runs as many compiles as the "
+                               "nodes hold: drop --workers")
+        artifacts.claim_output(out, "plan")  # a --out that would be refused is said before joining
+    # before the search: the cluster is joined and checked, a directory that is not an earlier plan's is refused, and
+    # one plan writes there at a time
+    with (join_cluster(args, [(f"{args.model} on {args.topology}", base_request(args))], say,
+                       compiles=args.verify > 0) as cluster,
+          artifacts.hold_output(out, "plan")):
         result = plan.search(request, progress=say)
         say(f"estimated in {result.search_seconds:.2f} s")
         if args.verify and result.fitting:
-            verify.verify(result, args.verify, out, workers=args.workers, progress=say)
+            verify.verify(result, args.verify, out, workers=args.workers, progress=say, cluster=cluster,
+                          keep_executables=args.keep_executables)
         path = plan.write(result, out)
     code = 0 if result.winner is not None else 3
     if args.json:
@@ -50,6 +59,17 @@ def cmd_plan(args) -> int:
         return code
     print_plan(result, path)
     return code
+
+
+def base_request(args):
+    """The request before the search, for the cluster's memory check: the model on the topology with the pins given
+    (or, where the pins alone do not resolve, without them; each candidate's compile is checked again)."""
+    from maxperf.spec.request import resolve
+
+    try:
+        return resolve(args.topology, args.model, args.overrides, num_slices=args.num_slices)
+    except MaxperfError:
+        return resolve(args.topology, args.model, [], num_slices=args.num_slices)
 
 
 def default_out(args) -> Path:
@@ -86,13 +106,15 @@ def print_plan(result, path: Path) -> None:
     for note in result.notes:
         print(f"  note: {note}")
     ranked = result.fitting[:SHOWN]
+    precisions = any(c.quantization != "none" for c in result.candidates)
     if ranked:
-        print(f"  {'#':>2} {'mesh':<40} {'remat':<20} {'kernel':<11} {'B':>5} {'A':>3} {'step':>9} {'tokens/s':>10} "
-              f"{'MFU':>6} {'GiB':>7} {'bound':<7} verified")
+        print(f"  {'#':>2} {'mesh':<40} {'remat':<20} {'kernel':<11} " + (f"{'precision':<21} " if precisions else "")
+              + f"{'B':>5} {'A':>3} {'step':>9} {'tokens/s':>10} {'MFU':>6} {'GiB':>7} {'bound':<7} verified")
         for i, c in enumerate(ranked, 1):
             mem = f"{c.memory_shown_bytes() / GIB:.2f}" + ("*" if c.compiler_memory_bytes is not None else "")
             verified = {None: "-", True: "fits", False: "NO"}[c.verified]
             print(f"  {i:>2} {c.mesh_shown():<40} {c.remat_policy:<20} {c.attention:<11} "
+                  + (f"{precision_name(c.quantization):<21} " if precisions else "") +
                   f"{c.per_device_batch_size:>5g} {c.grad_accum_steps:>3} {c.step_time_s:>8.4g}s "
                   f"{c.tokens_per_s:>10,.0f} {c.mfu:>6.1%} {mem:>7} {c.bottleneck:<7} {verified}")
         print(f"  (GiB: per device, * the compiler's; HBM {result.hbm_bytes / GIB:.2f} GiB)")
@@ -104,7 +126,8 @@ def print_plan(result, path: Path) -> None:
         cmd = result.command(winner)
         proof = "compiled and fits" if winner.verified else "not compiled (--verify 0)" if not result.compiles \
             else "not verified"
-        print(f"winner ({proof}): {winner.mesh_shown()}, remat {winner.remat_policy}, {winner.attention}, "
+        precision = f", {winner.quantization}" if winner.quantization != "none" else ""
+        print(f"winner ({proof}): {winner.mesh_shown()}, remat {winner.remat_policy}, {winner.attention}{precision}, "
               f"B={winner.per_device_batch_size:g} A={winner.grad_accum_steps}: {winner.step_time_s:.4g} s/step, "
               f"{winner.tokens_per_s:,.0f} tokens/s, MFU {winner.mfu:.1%}")
         print(f"  {cmd['maxperf']}")
@@ -112,6 +135,11 @@ def print_plan(result, path: Path) -> None:
     else:
         print_miss(result)
     print(f"wrote {path}")
+
+
+def precision_name(quantization: str) -> str:
+    """bf16 for "none" (the compute dtype), else the FP8 recipe's name."""
+    return "bf16" if quantization == "none" else quantization
 
 
 def print_miss(result) -> None:
@@ -146,6 +174,7 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, help="compile worker processes (default: bounded by cores and memory)")
     p.add_argument("--out", help="directory for plan.json and the compiled candidates (default "
                                  "artifacts/plan_MODEL_TOPOLOGY)")
+    add_cluster_arguments(p)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="pin a searched key (ici_tensor=4, remat_policy=full, attention=flash, grad_accum_steps=2) "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from maxperf.cli.common import JSON_HELP, add_step_argument, print_json, progress
+from maxperf.cli.common import JSON_HELP, add_cluster_arguments, add_step_argument, print_json, progress
 from maxperf.spec.errors import MaxperfError
 from maxperf.spec.steps import parse_step
 
@@ -30,6 +30,12 @@ def cmd_sweep(args) -> int:
         raise MaxperfError(f"--num-slices takes whole numbers separated by commas, got {args.num_slices!r}")
     if args.workers is not None and args.workers < 1:
         raise MaxperfError(f"--workers must be >= 1, got {args.workers}")
+    if args.keep_executables and args.cluster is None:
+        raise MaxperfError("--keep-executables is for --cluster, whose compiles send home only their JSON; a local "
+                           "sweep keeps every artifact")
+    if args.cluster is not None and args.workers is not None:
+        raise MaxperfError("--workers sizes this machine's pool; with --cluster, Ray runs as many compiles as the "
+                           "nodes hold: drop --workers")
     step = parse_step(args.step)
     if step.is_user and args.model is not None:
         raise MaxperfError(f"--model names one of maxperf's models; --step {step} builds its own step: drop --model")
@@ -40,7 +46,8 @@ def cmd_sweep(args) -> int:
     result = sweep(str(step) if step.is_user else args.model, [t for t in args.topologies.split(",") if t],
                    num_slices=slices,
                    axes=_grid_axes(args.overrides), analytical_only=args.analytical_only, out=args.out,
-                   workers=args.workers, progress=progress())
+                   workers=args.workers, progress=progress(), cluster=args.cluster,
+                   keep_executables=args.keep_executables)
     for r in result.rows:
         if r.get("warnings"):
             print(f"maxperf: warning: {r['point']}: {r['warnings']}", file=sys.stderr)
@@ -50,7 +57,9 @@ def cmd_sweep(args) -> int:
         print_json(result.as_dict())
         return code
     bad = [r for r in result.rows if r["status"] != "ok"]
-    print(f"swept {len(result.rows)} points ({result.computed} run now, {len(bad)} failed or did not fit) in "
+    where = (f" on the Ray cluster at {result.cluster['address']} ({len(result.cluster['nodes'])} nodes)"
+             if result.cluster else "")
+    print(f"swept {len(result.rows)} points ({result.computed} run now, {len(bad)} failed or did not fit){where} in "
           f"{result.seconds:.1f} s -> {result.out_dir}/results.csv, results.parquet")
     for r in result.rows:
         print(f"  {r['point']:<40} {r['status']:<13} step {r.get('predicted_step_time_s') or 0:.4g} s  "
@@ -70,6 +79,7 @@ def add_parser(sub) -> None:
     p.add_argument("--analytical-only", action="store_true", help="estimate only, no compiles")
     p.add_argument("--out", required=True, help="sweep directory (re-running it resumes)")
     p.add_argument("--workers", type=int, help="parallel worker processes (default: bounded by cores and memory)")
+    add_cluster_arguments(p)
     p.add_argument("--json", action="store_true", help=JSON_HELP + " (1 when a point failed)")
     p.add_argument("overrides", nargs="*", metavar="key=v1,v2", help="grid axes, e.g. per_device_batch_size=1,2")
     p.set_defaults(func=cmd_sweep)

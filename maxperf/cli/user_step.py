@@ -7,13 +7,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from maxperf.cli.common import GIB, print_hlo_line, print_json
+from maxperf.cli.common import GIB, print_hlo_line, print_json, print_top
 from maxperf.spec.errors import DoesNotFit, MaxperfError
 from maxperf.spec.steps import StepName
 
 COMPILE_SCHEMA = "maxperf.compile/1"
 MEMORY_SCHEMA = "maxperf.estimate-memory/1"
-SHOWN = 8  # instructions listed by predicted time
 
 
 def compiled(args, step: StepName, say) -> int:
@@ -50,16 +49,6 @@ def compiled(args, step: StepName, say) -> int:
     for note in [*e.get("notes", []), *e["hlo_time"].get("not_modelled", []), *result.limitations]:
         print(f"  note: {note}")
     return 0 if result.fits else 3
-
-
-def print_top(hlo: dict, shown: int = SHOWN) -> None:
-    step = hlo["step_time_s"] or 1.0
-    print("  top instructions by predicted time (per step, before overlap):")
-    for op in hlo["top"][:shown]:
-        source = op["source"].rsplit("/", 1)[-1][:50] if op["source"] else ""
-        runs = f" x{op['executions']:g}" if op["executions"] != 1 else ""
-        print(f"    {op['seconds']:9.4g} s {op['seconds'] / step:5.1%}  {op['kind']:<16} {op['name'][:36]:<36}"
-              f"{runs:>6}  {source}")
 
 
 def _memory_line(mem: dict) -> None:

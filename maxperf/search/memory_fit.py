@@ -6,6 +6,8 @@ per-device batch that fits, found by few compiles.
     cmp.analytical.per_device_total_bytes, cmp.compiler["per_device_total_bytes"], cmp.fits, cmp.difference
     best = memory_fit.max_batch("v5p-8", "llama2-7b", [])
     best.per_device_batch_size, best.compiles
+
+With `cluster` (a connected maxperf.search.cluster.Cluster), each compile runs as a task of that Ray cluster.
 """
 
 from __future__ import annotations
@@ -106,13 +108,20 @@ def analytical(p: Request) -> MemoryBreakdown:
 
 def compare(topology: str, model: str, overrides: Sequence[str] = (), *, num_slices: int = 1,
             analytical_only: bool = False, out: str | os.PathLike | None = None,
-            progress: Progress | None = None, force: bool = False) -> MemoryComparison:
+            progress: Progress | None = None, force: bool = False, cluster=None,
+            keep_executables: bool = False) -> MemoryComparison:
     """The analytical breakdown, and (unless `analytical_only`) the compiler's figures for the same step, compiled
-    into `out` when given (kept), else into a temporary directory (removed)."""
+    into `out` when given (kept), else into a temporary directory (removed); with `cluster`, compiled on a node of
+    that Ray cluster, its JSON (with `keep_executables`, all of it) written into `out`."""
     p = resolve(topology, model, overrides, num_slices=num_slices)
     mine = analytical(p)
     if analytical_only:
         return MemoryComparison(p, mine, None, None, None)
+    if cluster is not None:
+        memory, seconds, cache_hit = cluster.compile_memory(p, model, overrides, num_slices,
+                                                            out=None if out is None else Path(out), force=force,
+                                                            keep_executables=keep_executables, progress=progress)
+        return MemoryComparison(p, mine, memory, seconds, None if out is None else Path(out), cache_hit)
     memory, seconds, cache_hit = _compile_memory(p, model, overrides, num_slices, out, progress, force)
     return MemoryComparison(p, mine, memory, seconds, None if out is None else Path(out), cache_hit)
 
@@ -192,11 +201,12 @@ def _with_batch(p: Request, overrides: Sequence[str], num_slices: int, b: int) -
 
 def max_batch(topology: str, model: str, overrides: Sequence[str] = (), *, num_slices: int = 1,
               analytical_only: bool = False, out: str | os.PathLike | None = None,
-              progress: Progress | None = None, limit: int = MAX_BATCH_LIMIT, force: bool = False) -> MaxBatch:
+              progress: Progress | None = None, limit: int = MAX_BATCH_LIMIT, force: bool = False, cluster=None,
+              keep_executables: bool = False) -> MaxBatch:
     """The largest per_device_batch_size whose step fits, by compiles: start at perfmodel's answer, then aim each
     next compile where a line through the compiler's figures (or perfmodel's slope, with one figure) crosses the
     device memory, always strictly inside the bracket (largest fitting, smallest failing), so it ends; with
-    `out`, every trial's artifact is kept under out/batch-B."""
+    `out`, every trial's artifact is kept under out/batch-B. `cluster`: each compile a task of that Ray cluster."""
     p = resolve(topology, model, overrides, num_slices=num_slices)
     if out is not None and os.path.lexists(out) and not Path(out).is_dir():
         raise OutputRefused(f"--out {out} is a file; with --max-batch it is a directory of one artifact per trial")
@@ -215,7 +225,8 @@ def max_batch(topology: str, model: str, overrides: Sequence[str] = (), *, num_s
     while True:
         say(f"compile {len(trials) + 1}: per_device_batch_size={b}")
         cmp = compare(topology, model, [*overrides, f"per_device_batch_size={b}"], num_slices=num_slices,
-                      out=None if out is None else Path(out) / f"batch-{b}", progress=progress, force=force)
+                      out=None if out is None else Path(out) / f"batch-{b}", progress=progress, force=force,
+                      cluster=cluster, keep_executables=keep_executables)
         total = (cmp.compiler or {}).get("per_device_total_bytes")
         trials.append(Trial(b, cmp.fits, float(total) if total else None, cmp.compile_seconds or 0.0))
         results[b] = cmp

@@ -4,7 +4,8 @@ Each point runs in a worker process, which writes `DIR/points/NAME/point.json` (
 soon as the point is done. A re-run skips a point whose point.json was made by the same request (model, analytical
 or compiled, topology, slices, overrides, CPU calibration: its `key`) and did not end in an error, so a killed or
 interrupted sweep resumes where it stopped, and a different request in the same directory recomputes. The table of
-all points is written as `results.csv` and `results.parquet`.
+all points is written as `results.csv` and `results.parquet`. With `cluster`, the points are compiled as tasks of a
+Ray cluster instead (maxperf.search.cluster), and written here as each one finishes.
 
 Workers die with the sweep: SIGINT and SIGTERM end the running points at once (finished points stay), and a worker
 whose parent is gone (even by SIGKILL) is killed by the kernel (Linux's PR_SET_PDEATHSIG) or ends itself.
@@ -13,6 +14,7 @@ whose parent is gone (even by SIGKILL) is killed by the kernel (Linux's PR_SET_P
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -20,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -65,6 +68,7 @@ class SweepResult:
     rows: list[dict[str, Any]]
     computed: int  # points run now (the rest were finished before)
     seconds: float
+    cluster: dict[str, Any] | None = None  # the Ray cluster the points ran on (None: this machine's workers)
 
     @property
     def errors(self) -> list[dict[str, Any]]:
@@ -72,7 +76,8 @@ class SweepResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {"schema": RESULT_SCHEMA, "out_dir": str(self.out_dir), "points": len(self.rows),
-                "computed": self.computed, "errors": len(self.errors), "seconds": self.seconds, "rows": self.rows}
+                "computed": self.computed, "errors": len(self.errors), "seconds": self.seconds,
+                "cluster": self.cluster, "rows": self.rows}
 
 
 def point_key(model: str, point: Point, analytical_only: bool,
@@ -111,10 +116,8 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
     from maxperf.spec import request as planning
     from maxperf.spec.errors import DoesNotFit
 
-    row: dict[str, Any] = {"schema": POINT_SCHEMA, "point": point.name, "model": model, "topology": point.topology,
-                           "num_slices": point.num_slices, "overrides": " ".join(point.overrides), "status": "ok",
-                           "reason": None, "warnings": "",
-                           "key": json.dumps(point_key(model, point, analytical_only, calibration))}
+    row = new_row(model, point, analytical_only, calibration)
+    cpu_start = time.process_time()  # this process's CPU time, the compiler's threads included
     start = time.perf_counter()
     if is_user_step(model):  # a user's step (spec.steps): compiled, its step time read from its HLO
         from maxperf.search import user_points
@@ -143,6 +146,7 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
                            compile_seconds=result.compile_seconds, compiler_flops_per_device=result.cost[
                                "flops_per_device"], artifact=str(Path(directory) / "artifact"),
                            hlo_step_time_s=((result.estimate or {}).get("hlo_time") or {}).get("step_time_s"))
+                row["compile_cache_hit"] = result.cache_hit
                 if not result.fits:
                     row.update(status="does not fit", reason="compiler memory exceeds HBM")
             except DoesNotFit as e:
@@ -155,9 +159,34 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
         row.update(status="error", reason=str(e))
     except Exception as e:  # one broken point must not end the sweep
         row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
-    row["seconds"] = time.perf_counter() - start
+    row.update(seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - cpu_start,
+               host=socket.gethostname())
     _save_point(Path(directory), row)  # here, not in the parent: a finished point outlives a killed sweep
     return row
+
+
+def new_row(model: str, point: Point, analytical_only: bool,
+            calibration: StoredCalibration | None = None) -> dict[str, Any]:
+    """A point's row before it runs: what names it, and `key`, what a re-run compares."""
+    return {"schema": POINT_SCHEMA, "point": point.name, "model": model, "topology": point.topology,
+            "num_slices": point.num_slices, "overrides": " ".join(point.overrides), "status": "ok", "reason": None,
+            "warnings": "", "key": json.dumps(point_key(model, point, analytical_only, calibration))}
+
+
+def cpu_devices_needed(points: Sequence[Point]) -> int:
+    """The most CPU devices a point of `points` compiles for (0: none is a CPU topology): a worker starts jax with
+    as many, so that one worker can compile every point (jax's CPU device count is fixed once it starts)."""
+    from maxperf.spec import topology
+
+    counts = [0]
+    for pt in points:
+        try:
+            topo = topology.get(pt.topology, pt.num_slices)
+        except MaxperfError:  # not a catalog name (a user's step names its own): its point says why
+            continue
+        if topo.platform == "cpu":
+            counts.append(topo.num_devices)
+    return max(counts)
 
 
 def _save_point(directory: Path, row: dict[str, Any]) -> None:
@@ -178,7 +207,7 @@ def _finished(directory: Path, key: dict[str, Any]) -> bool:
             and row.get("status") != "error")
 
 
-def _remove_partials(out_dir: Path, points: Sequence[Point]) -> None:
+def remove_partials(out_dir: Path, points: Sequence[Point]) -> None:
     """What compiles killed with their sweep had begun to write beside the points' artifacts (temporary directories,
     lock files), and the point folders that leaves empty."""
     for pt in points:
@@ -201,9 +230,13 @@ def _remove_if_empty(directory: Path) -> None:
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _worker_init(parent_pid: int) -> None:
+def _worker_init(parent_pid: int, cpu_devices: int = 0) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if cpu_devices:
+        from maxperf.aot import targets
+
+        targets.ensure_cpu_devices(cpu_devices)
     try:
         import ctypes
 
@@ -244,14 +277,20 @@ def _stop(pool: cf.ProcessPoolExecutor, futures) -> None:
 
 def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = (1,),
           axes: dict[str, Sequence[str]] | None = None, analytical_only: bool = False, out: str | os.PathLike,
-          workers: int | None = None, progress: Callable[[str], None] | None = None) -> SweepResult:
-    """Runs every point of the grid not already finished under `out`, and writes the results table."""
+          workers: int | None = None, progress: Callable[[str], None] | None = None, cluster: str | None = None,
+          keep_executables: bool = False) -> SweepResult:
+    """Runs every point of the grid not already finished under `out`, and writes the results table. `cluster`: a
+    Ray address (search.cluster.parse_address) whose nodes compile the points; `keep_executables`: their
+    compiled.pkl comes home too, not only their JSON."""
     from maxperf.spec import presets
     from maxperf.spec import request as planning
 
     say = progress or (lambda _: None)
     if not topologies:
         raise MaxperfError("--topologies is empty; give a comma-separated list such as v5p-8,v5p-16,v5p-32")
+    if cluster is not None and analytical_only:
+        raise MaxperfError("--cluster sends compiles to Ray, and an --analytical-only sweep compiles nothing; drop "
+                           "--cluster")
     points = grid(topologies, num_slices, axes or {})
     if is_user_step(model):
         from maxperf.search import user_points
@@ -264,7 +303,7 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
     calibration = load_calibration() if "cpu" in chips else None  # loaded once: every point uses the same
     out_dir = Path(out)
     # before any work: a directory that is not an earlier sweep's is refused, and one sweep writes there at a time
-    with artifacts.hold_output(out_dir, "sweep"):
+    with _joined(cluster, model, points, out_dir, say) as session, artifacts.hold_output(out_dir, "sweep"):
         start = time.perf_counter()
         todo = [pt for pt in points
                 if not _finished(out_dir / "points" / pt.name, point_key(model, pt, analytical_only, calibration))]
@@ -272,13 +311,30 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
         out_dir.mkdir(exist_ok=True)
         try:
             if todo:
-                _remove_partials(out_dir, todo)
-                run_points(model, todo, out_dir, analytical_only=analytical_only, calibration=calibration,
-                           workers=workers or default_workers(len(todo)), progress=say, start=start)
+                remove_partials(out_dir, todo)
+                if session is not None:
+                    session.run_points(model, todo, out_dir, analytical_only=analytical_only,
+                                       calibration=calibration, keep_executables=keep_executables, progress=say,
+                                       start=start)
+                else:
+                    run_points(model, todo, out_dir, analytical_only=analytical_only, calibration=calibration,
+                               workers=workers or default_workers(len(todo)), progress=say, start=start)
         finally:  # interrupted or not, the tables say what points/ holds
             rows = _rows(out_dir, points, model, analytical_only, calibration)
             _write_tables(out_dir, rows, model, analytical_only, partial=len(rows) < len(points))
-    return SweepResult(out_dir, rows, len(todo), time.perf_counter() - start)
+    return SweepResult(out_dir, rows, len(todo), time.perf_counter() - start,
+                       None if session is None else session.as_dict())
+
+
+def _joined(address: str | None, model: str, points: Sequence[Point], out_dir: Path, say):
+    """The Ray cluster at `address`, joined and checked (reachable, the same library versions on every node, room
+    for each point's compile) before anything is written; None without an address."""
+    if address is None:
+        return contextlib.nullcontext()
+    from maxperf.search import cluster
+
+    artifacts.claim_output(out_dir, "sweep")  # a --out that would be refused is said before joining
+    return cluster.connect(address, cluster.point_requests(model, points), progress=say)
 
 
 def _rows(out_dir: Path, points: Sequence[Point], model: str, analytical_only: bool,
@@ -310,7 +366,8 @@ def run_points(model: str, todo: list[Point], out_dir: Path, *, analytical_only:
     done = 0
     try:
         pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                      initializer=_worker_init, initargs=(os.getpid(),))
+                                      initializer=_worker_init,
+                                      initargs=(os.getpid(), 0 if analytical_only else cpu_devices_needed(todo)))
         # Workers start while the points are submitted: they begin with SIGINT ignored, so a Ctrl-C during their
         # start-up prints no traceback of theirs.
         previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
@@ -329,7 +386,7 @@ def run_points(model: str, todo: list[Point], out_dir: Path, *, analytical_only:
         pool.shutdown()
     except (KeyboardInterrupt, _Terminated) as e:
         _stop(pool, futures)
-        _remove_partials(out_dir, todo)
+        remove_partials(out_dir, todo)
         signum = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
         finished = sum(_finished(out_dir / "points" / pt.name, point_key(model, pt, analytical_only, calibration))
                        for pt in todo)

@@ -1,8 +1,9 @@
 """`maxperf plan --verify K`: the best candidates of a search compiled, until K fit by the compiler.
 
-The compiles run as a sweep's points (its worker pool, point.json and resume). A compile that needs more memory than
-perfmodel said raises the margin to the error it measured, and the search runs again under it before the next compile,
-so a model perfmodel underestimates does not cost a compile per near-identical candidate.
+The compiles run as a sweep's points (its worker pool, or a Ray cluster's tasks; point.json and resume). A compile
+that needs more memory than perfmodel said raises the margin to the error it measured, and the search runs again
+under it before the next compile, so a model perfmodel underestimates does not cost a compile per near-identical
+candidate.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ MAX_COMPILES_PER_FIT = 4  # verification gives up after K x this many compiles
 
 
 def verify(result: SearchResult, k: int, out: str | os.PathLike, workers: int | None = None,
-           progress: Callable[[str], None] | None = None) -> SearchResult:
-    """Compiles the best candidates in worker processes, K at a time, dropping those the compiler says do not fit and
-    compiling the next, until K fit; the compiler's memory replaces perfmodel's and the candidates are ranked
-    again."""
+           progress: Callable[[str], None] | None = None, cluster=None,
+           keep_executables: bool = False) -> SearchResult:
+    """Compiles the best candidates in worker processes (with `cluster`, a connected search.cluster.Cluster: as its
+    tasks), K at a time, dropping those the compiler says do not fit and compiling the next, until K fit; the
+    compiler's memory replaces perfmodel's and the candidates are ranked again."""
     say = progress or (lambda _: None)
     start = time.perf_counter()
     out_dir = Path(out)
@@ -44,8 +46,12 @@ def verify(result: SearchResult, k: int, out: str | os.PathLike, workers: int | 
         points = {sweep.Point(result.topology_name, result.request.num_slices, (*result.fixed, *c.overrides())): c
                   for c in todo}
         say(f"compiling {len(points)} candidate(s): " + "; ".join(c.mesh_shown() for c in todo))
-        sweep.run_points(result.request.model, list(points), out_dir, calibration=calibration,
-                         workers=workers or sweep.default_workers(len(points)), progress=say)
+        if cluster is not None:
+            cluster.run_points(result.request.model, list(points), out_dir, calibration=calibration,
+                               keep_executables=keep_executables, progress=say)
+        else:
+            sweep.run_points(result.request.model, list(points), out_dir, calibration=calibration,
+                             workers=workers or sweep.default_workers(len(points)), progress=say)
         for point, c in points.items():
             compiled[c.overrides()] = c
             row = json.loads((out_dir / "points" / point.name / "point.json").read_text())
