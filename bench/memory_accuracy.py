@@ -30,9 +30,10 @@ all on v5p-32 (16 chips; the rest of the mesh is FSDP):
   as `maxperf estimate-memory` runs it by default); mixtral-8x7b under tensor parallelism with the mesh, policy and
   accumulation `maxperf plan` chose; deepseek-v3 with multi-token prediction (13 compiles); "depth":
   deepseek-v2-lite at 8 layers beside its 4, to check that the error does not depend on the depth (1 compile).
-And "offload": MaxText's host-offload recipe on v6e-256 at llama3-70b's widths (OFFLOAD, 5 compiles). 51 TPU compiles
-in all. The groups run interleaved (policies, shapes, moe with depth), then rest and offload, so that a run cut short
-covers each; then "gpu" (GPU_MOE, 19 compiles for H100s), whose summary stands apart and is not written by
+And "offload": MaxText's host-offload recipe on v6e-256 at llama3-70b's widths (OFFLOAD, 5 compiles); "pipeline":
+MaxText's pipeline parallelism at llama2-7b's widths cut to 8 layers (PIPELINE, 8 compiles). 59 TPU compiles in all.
+The groups run interleaved (policies, shapes, moe with depth), then rest and offload, so that a run cut short covers
+each; then pipeline, then "gpu" (GPU_MOE, 19 compiles for H100s), whose summary stands apart and is not written by
 `--error-json`.
 """
 
@@ -119,6 +120,24 @@ GPU_MOE = (("deepseek-v2-lite", "h100-8", ("per_device_batch_size=1",)),
            *((m, "h100-8x16", ("per_device_batch_size=1", "ici_expert_parallelism=8", "dcn_fsdp_parallelism=16"))
              for m in ("deepseek-v3", "qwen3-235b-a22b")))
 DEPTHS = (8,)
+# "pipeline": MaxText's pipeline (ici_pipeline_parallelism) at llama2-7b's widths cut to 8 layers, L 2048, flash, on
+# v5p-16 (8 chips: stage x fsdp) and v5p-32: MaxText's defaults (circular, as many microbatches as stages), more
+# microbatches, one repeat, the forwarding delay, the weights gathered once, 4 stages, tensor parallelism beside, and
+# another remat policy
+PIPELINE_COMMON = ("num_layers=8", "seq_len=2048", "attention=flash")
+PIPELINE = (("v5p-16", ("ici_pipeline_parallelism=2", "per_device_batch_size=4", "remat_policy=full")),
+            ("v5p-16", ("ici_pipeline_parallelism=2", "per_device_batch_size=4", "remat_policy=full",
+                        "num_pipeline_microbatches=8")),
+            ("v5p-16", ("ici_pipeline_parallelism=2", "per_device_batch_size=4", "remat_policy=full",
+                        "num_layers_per_pipeline_stage=4")),
+            ("v5p-16", ("ici_pipeline_parallelism=2", "per_device_batch_size=4", "remat_policy=full",
+                        "num_pipeline_microbatches=4", "pipeline_delay_activation_forwarding=true")),
+            ("v5p-16", ("ici_pipeline_parallelism=2", "per_device_batch_size=4", "remat_policy=full",
+                        "pipeline_fsdp_ag_once=true")),
+            ("v5p-32", ("ici_pipeline_parallelism=4", "per_device_batch_size=2", "remat_policy=full")),
+            ("v5p-32", ("ici_pipeline_parallelism=2", "ici_tensor_parallelism=2", "per_device_batch_size=4",
+                        "remat_policy=full")),
+            ("v5p-16", ("ici_pipeline_parallelism=2", "per_device_batch_size=2", "remat_policy=minimal")))
 # "offload": MaxText's host-offload recipes on v6e (its llama3.1-70b recipe offloads the layer input and q, k, v), at
 # llama3-70b's widths cut to 4 layers on v6e-256 (fsdp 256), L 8192, flash: the policy MaxText's recipe sets, the layer
 # input alone, q, k, v alone, and full remat beside them, at the recipe's B 5 and at B 2
@@ -157,8 +176,9 @@ def cases() -> list[tuple[str, str, str, tuple[str, ...]]]:
     first = [c for trio in itertools.zip_longest(policies, shapes, moe[:2] + depth + moe[2:]) for c in trio if c]
     rest = [("rest", DENSE, DENSE_TOPOLOGY, dense(*BASE, p, KERNELS[i % 2])) for i, p in enumerate(POLICIES)]
     offload = [("offload", OFFLOAD_MODEL, OFFLOAD_TOPOLOGY, (*OFFLOAD_COMMON, *extra)) for extra in OFFLOAD]
+    pipeline = [("pipeline", DENSE, t, (*PIPELINE_COMMON, *extra)) for t, extra in PIPELINE]
     gpu = [("gpu", m, t, extra) for m, t, extra in GPU_MOE]
-    return first + rest + offload + gpu
+    return first + rest + offload + pipeline + gpu
 
 
 def key(model: str, topology: str, overrides: tuple[str, ...]) -> str:
@@ -179,7 +199,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", type=Path, help="JSON file of compiler figures to reuse and extend")
     ap.add_argument("--only", default="", help="run only cases whose key contains this text")
-    ap.add_argument("--group", choices=("policies", "shapes", "moe", "depth", "rest", "offload", "gpu"),
+    ap.add_argument("--group", choices=("policies", "shapes", "moe", "depth", "rest", "offload", "pipeline", "gpu"),
                     action="append",
                     help="run only this group (repeatable)")
     ap.add_argument("--cached-only", action="store_true", help="report only the cases the cache holds")
@@ -229,7 +249,7 @@ def main() -> int:
         print("no case matched")
         return 1
     print()
-    for group in ("policies", "shapes", "rest", "moe", "depth"):
+    for group in ("policies", "shapes", "rest", "moe", "depth", "offload", "pipeline"):
         mine = [r for r in rows if r["group"] == group]
         if mine:
             s = summary(mine)

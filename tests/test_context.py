@@ -84,3 +84,30 @@ def test_splash_split_over_the_sequence_equals_the_dot_product(balanced, window)
     got = _split(lambda q, k, v, cp: ak.splash(q, k, v, window, softcap=None, blocks=(128,) * 8, interpret=True,
                                                cp=cp), q, k, v, balanced)
     _assert_close(got, ref)
+
+
+@pytest.mark.parametrize("balanced", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_a_step_with_the_sequence_split_gives_the_unsplit_loss(balanced):
+    """The train step over 4 CPU devices with the sequence split in 2 (MaxText's context parallelism, the batch
+    reordered by its load balancing or not) takes the same two losses as with fsdp alone, from the same state."""
+    import jax
+    from models_util import tiny, two_step_losses
+
+    from maxperf.models import train_step
+
+    words = ("seq_len=16", f"context_parallel_load_balance={str(balanced).lower()}")
+    _, flat = tiny(*words, "ici_fsdp=4", devices=4)
+    _, split = tiny(*words, "ici_sequence=2", "ici_fsdp=2", devices=4)
+    batch = jax.device_get(train_step.synthetic_batch(flat, seed=1))
+    np.testing.assert_allclose(two_step_losses(split, batch), two_step_losses(flat, batch), rtol=2e-5)
+
+
+def test_load_balancing_needs_whole_chunks_and_no_multi_token_prediction():
+    from maxperf.spec import resolve
+    from maxperf.spec.errors import MaxperfError
+
+    with pytest.raises(MaxperfError, match="seq_len=24 must be a multiple of 16"):
+        resolve("cpu-8", "tiny", ["seq_len=24", "ici_sequence=8"])
+    assert resolve("cpu-8", "tiny", ["seq_len=24", "ici_sequence=8", "context_parallel_load_balance=false"])
+    with pytest.raises(MaxperfError, match="multi-token prediction"):
+        resolve("cpu-4", "tiny", ["ici_sequence=2", "mtp_num_layers=1"])

@@ -94,3 +94,134 @@ def test_the_pipeline_equals_its_units_in_turn(S, M, R, U, delay, axes):
     np.testing.assert_array_equal(counts["positive"], ref_counts)
     np.testing.assert_allclose(grads[0], ref_grads[0][order].reshape(W_stored.shape), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(grads[1], ref_grads[1], rtol=1e-4, atol=1e-4)
+
+
+# the decoder pipelined in the model: the same loss and gradients as the unpipelined step
+
+
+def _stage_layer_axis(logical) -> int | None:
+    return logical.index("stage_layers") if "stage_layers" in logical else None
+
+
+def _pipelined_against_unpipelined(preset: str, words: tuple[str, ...], pipe: tuple[str, ...]):
+    """(loss, grads) of one batch through the decoder on 4 CPU devices pipelined over 2 stages by `pipe`, and the
+    same unpipelined (fsdp 4), the pipelined gradients put back in the model's layer order."""
+    from flax import nnx
+
+    from maxperf.models import train_step
+    from maxperf.models.transformer import stacks
+    from maxperf.spec import overrides, presets
+    from maxperf.spec import pipeline as pipeline_spec
+    from maxperf.spec import topology as topologies
+    from maxperf.spec.mesh import resolve as resolve_mesh
+
+    base = ["seq_len=16", "per_device_batch_size=2", "compute_dtype=float32", *words]
+    out = []
+    for extra in (("ici_fsdp=4",), ("ici_stage=2", "ici_fsdp=2", *pipe)):
+        cfg = overrides.apply(presets.get(preset), [*base, *extra])
+        spec_mesh = resolve_mesh(cfg.parallelism, topologies.get("cpu-4"))
+        mesh = cpu_mesh(spec_mesh)
+        md = train_step.model_def(cfg.model, cfg.train)
+        params = nnx.to_pure_dict(nnx.state(train_step.build_model(cfg.model, cfg.train, nnx.Rngs(params=0))))
+        schedule = pipeline_spec.of(cfg.model, cfg.train, spec_mesh)
+        order = None
+        if schedule is not None:  # the same weights, stored stage-major
+            order = pipeline.stage_major(stacks(cfg.model)[0].count, schedule)
+            params = jax.tree.map(lambda v, ax: v if _stage_layer_axis(ax) is None else
+                                  jnp.take(v, order, axis=_stage_layer_axis(ax)), params, md.logical_axes,
+                                  is_leaf=lambda x: isinstance(x, tuple))
+        rows = 8
+        tokens = jax.random.randint(jax.random.key(1), (rows, 17), 0, cfg.model.vocab_size)
+        positions = jnp.broadcast_to(jnp.arange(16), (rows, 16))
+
+        def loss(params):
+            logits = nnx.merge(md.graphdef, params)(tokens[:, :-1], positions)
+            return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+        with jax.set_mesh(mesh):
+            value, grads = jax.jit(jax.value_and_grad(loss))(params)
+        if order is not None:  # back to the model's order
+            back = pipeline.natural_order(len(order), schedule)
+            grads = jax.tree.map(lambda v, ax: v if _stage_layer_axis(ax) is None else
+                                 jnp.take(v, back, axis=_stage_layer_axis(ax)), grads, md.logical_axes,
+                                 is_leaf=lambda x: isinstance(x, tuple))
+        out.append((value, grads))
+    return out
+
+
+@pytest.mark.parametrize("preset, words, pipe", [
+    ("tiny", ("num_layers=4",), ()),  # 2 stages, 2 repeats of one layer (MaxText's -1)
+    pytest.param("tiny", ("num_layers=4",), ("num_pipeline_microbatches=4", "num_layers_per_pipeline_stage=2"),
+                 marks=pytest.mark.slow),
+    pytest.param("tiny", ("num_layers=4",),
+                 ("num_pipeline_microbatches=4", "pipeline_delay_activation_forwarding=true"), marks=pytest.mark.slow),
+    pytest.param("tiny", ("num_layers=4",), ("pipeline_fsdp_ag_once=true",), marks=pytest.mark.slow),
+    pytest.param("tiny-moe", (), (), marks=pytest.mark.slow),
+    pytest.param("tiny-mla", (), (), marks=pytest.mark.slow),
+])
+def test_the_pipelined_decoder_equals_the_unpipelined_one(preset, words, pipe):
+    """Loss equal to 1e-5 and gradients to 1e-4 of each one's largest entry (float32: the pipelined step sums its
+    microbatches' contributions in another order)."""
+    (ref_loss, ref_grads), (loss, grads) = _pipelined_against_unpipelined(preset, words, pipe)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * max(np.abs(b).max(), 1e-6)),
+                 grads, ref_grads)
+
+
+# perfmodel: the bubble, the stage transfers, the weights and activations a stage holds
+
+
+def _estimate(*words: str, topology: str = "v5p-16"):
+    from maxperf.perfmodel import estimate
+    from maxperf.spec import resolve
+
+    return estimate(resolve(topology, "llama2-7b", ["per_device_batch_size=4", "remat_policy=full", *words]))
+
+
+def _row(est, name):
+    return next(r for r in est.breakdown if r.name == name)
+
+
+def test_a_pipeline_computes_its_bubble_and_moves_its_stage_outputs():
+    """2 stages x 16 repeats (MaxText's -1: the layers over the stages) and 4 microbatches: 4 x 16 + 1 iterations, each
+    a layer on a quarter of the device's tokens, which are twice the unpipelined device's (the batch is not split over
+    `stage`): the layers' FLOPs are 65/64 of the unpipelined step's; the logits' are the same (their batch is split
+    over stages). Each iteration moves its outputs on, forward and backward."""
+    flat = _estimate()
+    piped = _estimate("ici_stage=2", "num_pipeline_microbatches=4")
+    assert _row(piped, "mlp down").flops == pytest.approx(_row(flat, "mlp down").flops * 65 / 64, rel=1e-12)
+    assert _row(piped, "unembedding").flops == pytest.approx(_row(flat, "unembedding").flops, rel=1e-12)
+    transfers = _row(piped, "pipeline stage transfers (ici)")
+    tokens = 4 * 2 * 2048 / 4  # B x stages x L over the microbatches
+    assert transfers.bytes == pytest.approx(2 * 65 * (2 + 1) * tokens * 4096 * 2)  # circular storage: 3 permutes
+    assert any("65 iterations (1.5% bubble" in a for a in piped.assumptions)
+    more = _estimate("ici_stage=2", "num_pipeline_microbatches=16")
+    assert _row(more, "mlp down").flops < _row(piped, "mlp down").flops  # a smaller bubble: 16 x 16 + 1 iterations
+
+
+def test_fsdp_gathers_once_per_step_with_pipeline_fsdp_ag_once():
+    """Each iteration gathers its layer forward and again backward (2 x 65 gathers), or the stage's 16 layers are
+    gathered once for the step (and the vocabulary table twice in both), held with their gradients."""
+    per_iteration = _estimate("ici_stage=2", "num_pipeline_microbatches=4")
+    once = _estimate("ici_stage=2", "num_pipeline_microbatches=4", "pipeline_fsdp_ag_once=true")
+    gathers = _row(per_iteration, "fsdp all-gather (ici)").bytes
+    assert gathers / 8.2 < _row(once, "fsdp all-gather (ici)").bytes < gathers / 7
+    assert once.memory_per_device_bytes > per_iteration.memory_per_device_bytes + 6 * 2**30  # the stage's 16 layers
+
+
+def test_a_stage_holds_its_layers_and_its_microbatches_activations():
+    from maxperf.perfmodel import estimate_memory
+    from maxperf.spec import resolve
+
+    def memory(*words):
+        r = resolve("v5p-16", "llama2-7b", ["per_device_batch_size=4", "remat_policy=full", *words])
+        return estimate_memory(r.model, r.train, r.mesh, 95 * 2**30, "tpu")
+
+    flat, piped = memory("ici_fsdp=4", "ici_data=2"), memory("ici_stage=2", "ici_fsdp=4")
+    # data=2 replicates every weight; stage=2 halves the layers' (not the embeddings')
+    assert piped.params < 0.6 * flat.params
+    # the same layer calls x tokens (33 iterations of a half-batch against 32 layers of the batch), plus the loop's
+    # buffers: each microbatch's outputs in the circular storage and state_io's share, with their gradients
+    carry = 32 * 4 * 2048 * 4096 * 2
+    assert piped.activations == pytest.approx(flat.activations * 33 / 32 + 2 * (1 + 0.5 + 0.5) * carry / 32,
+                                              rel=1e-9)

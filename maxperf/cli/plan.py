@@ -107,15 +107,18 @@ def print_plan(result, path: Path) -> None:
         print(f"  note: {note}")
     ranked = result.fitting[:SHOWN]
     precisions = any(c.quantization != "none" for c in result.candidates)
+    pipelined = any(c.pipeline_microbatches for c in result.candidates)
     if ranked:
         print(f"  {'#':>2} {'mesh':<40} {'remat':<20} {'kernel':<11} " + (f"{'precision':<21} " if precisions else "")
-              + f"{'B':>5} {'A':>3} {'step':>9} {'tokens/s':>10} {'MFU':>6} {'GiB':>7} {'bound':<7} verified")
+              + f"{'B':>5} {'A':>3} " + (f"{'M':>4} " if pipelined else "")
+              + f"{'step':>9} {'tokens/s':>10} {'MFU':>6} {'GiB':>7} {'bound':<7} verified")
         for i, c in enumerate(ranked, 1):
             mem = f"{c.memory_shown_bytes() / GIB:.2f}" + ("*" if c.compiler_memory_bytes is not None else "")
             verified = {None: "-", True: "fits", False: "NO"}[c.verified]
             print(f"  {i:>2} {c.mesh_shown():<40} {c.remat_policy:<20} {c.attention:<11} "
                   + (f"{precision_name(c.quantization):<21} " if precisions else "") +
-                  f"{c.per_device_batch_size:>5g} {c.grad_accum_steps:>3} {c.step_time_s:>8.4g}s "
+                  f"{c.per_device_batch_size:>5g} {c.grad_accum_steps:>3} "
+                  + (f"{c.pipeline_microbatches:>4} " if pipelined else "") + f"{c.step_time_s:>8.4g}s "
                   f"{c.tokens_per_s:>10,.0f} {c.mfu:>6.1%} {mem:>7} {c.bottleneck:<7} {verified}")
         print(f"  (GiB: per device, * the compiler's; HBM {result.hbm_bytes / GIB:.2f} GiB)")
     rejected = [c for c in result.candidates if c.verified is False]
@@ -128,7 +131,9 @@ def print_plan(result, path: Path) -> None:
             else "not verified"
         precision = f", {winner.quantization}" if winner.quantization != "none" else ""
         print(f"winner ({proof}): {winner.mesh_shown()}, remat {winner.remat_policy}, {winner.attention}{precision}, "
-              f"B={winner.per_device_batch_size:g} A={winner.grad_accum_steps}: {winner.step_time_s:.4g} s/step, "
+              f"B={winner.per_device_batch_size:g} A={winner.grad_accum_steps}"
+              + (f" M={winner.pipeline_microbatches}" if winner.pipeline_microbatches else "")
+              + f": {winner.step_time_s:.4g} s/step, "
               f"{winner.tokens_per_s:,.0f} tokens/s, MFU {winner.mfu:.1%}")
         print(f"  {cmd['maxperf']}")
         print(f"  MaxText: {cmd['maxtext'] or cmd['maxtext_note']}")

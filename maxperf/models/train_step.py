@@ -20,18 +20,20 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from maxperf.models import context
 from maxperf.models.layers import attention_kernels, fp8, quantization
 from maxperf.models.layers.attention_kernels import AttentionOptions
-from maxperf.models.layers.decoder import RESIDUAL
+from maxperf.models.layers.decoder import OUTER_RESIDUAL
 from maxperf.models.layers.moe import MoEOptions, bias_update
 from maxperf.models.sharding import constrain, partition_spec
-from maxperf.models.transformer import Transformer, stack_axis, stacks
+from maxperf.models.transformer import PipelineOptions, Transformer, stack_axis, stacks
 from maxperf.spec.fp8 import recipe as fp8_recipe
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.remat import remat_names
 from maxperf.spec.train import AttentionKernel, TrainConfig
 
-BATCH_AXES = ("activation_batch", "activation_length")
+# the step's input batch: over the pipeline's stages too (MaxText's input_data_sharding_logical_axes)
+BATCH_AXES = ("activation_embed_and_logits_batch", "activation_length")
 EPS = 1e-8  # MaxText's EPS (utils/globals.py) under a loss's token count
 
 
@@ -40,7 +42,7 @@ def build_model(model: ModelConfig, train: TrainConfig, rngs: nnx.Rngs) -> Trans
         model, param_dtype=jnp.dtype(train.param_dtype), compute_dtype=jnp.dtype(train.compute_dtype),
         scan_layers=train.scan_layers, param_scan_axis=train.param_scan_axis, remat=remat_names(train), rngs=rngs,
         attention=AttentionOptions.from_train(train), moe=MoEOptions.from_train(train),
-        quantization=quantization.from_train(train),
+        quantization=quantization.from_train(train), pipeline=PipelineOptions.from_train(train),
     )
 
 
@@ -72,12 +74,16 @@ def model_def(model: ModelConfig, train: TrainConfig) -> ModelDef:
     abstract = nnx.eval_shape(lambda: build_model(model, train, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     shapes, logical = [], []
+    # a decoder of one stack may be pipelined: its layer axis is stored stage-major and split over `stage`
+    # (models/pipeline.py), a no-op on a mesh of one stage
+    pipelinable = len(stacks(model)) == 1
     for path, var in nnx.to_flat_state(state):
         axes = tuple(var.get_metadata()["logical_axes"])
         value = var.get_value() if hasattr(var, "get_value") else var.value
         if len(value.shape) == len(axes) + 1:  # a scanned stack carries a layer axis (transformer.stack_axis)
             at = stack_axis(len(axes), train.param_scan_axis)
-            axes = (*axes[:at], "layers", *axes[at:])
+            layers = "stage_layers" if pipelinable and path[0] == stacks(model)[0].name else "layers"
+            axes = (*axes[:at], layers, *axes[at:])
         shapes.append((path, jax.ShapeDtypeStruct(value.shape, value.dtype)))
         logical.append((path, axes))
     return ModelDef(graphdef, _nested(shapes), _nested(logical))
@@ -164,8 +170,15 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         tokens, times mtp_loss_scaling_factor). With the token count, the unweighted load-balancing loss, the MTP
         loss and the expert loads of the layers that record them."""
         net = nnx.merge(graphdef, params)
+        positions_BxL = jnp.broadcast_to(jnp.arange(batch["inputs"].shape[1], dtype=jnp.int32),
+                                         batch["inputs"].shape)
+        cp = context.shards(train.seq_len)[1]
+        if train.context_parallel_load_balance and cp > 1:
+            # every sequence in the balanced order (MaxText reorders its input so), its positions with it: the
+            # attention kernels mask by each token's original place
+            batch = {k: context.reorder(v, cp) for k, v in batch.items()}
+            positions_BxL = context.reorder(positions_BxL, cp)
         inputs_BxL = batch["inputs"]
-        positions_BxL = jnp.broadcast_to(jnp.arange(inputs_BxL.shape[1], dtype=jnp.int32), inputs_BxL.shape)
         mask_BxL = batch["mask"].astype(jnp.float32)
         tokens = jnp.sum(mask_BxL)
 
@@ -296,7 +309,7 @@ def tiled_nll_sum(net: Transformer, x_BxLxD: jax.Array, targets_BxL: jax.Array, 
 
     @jax.checkpoint
     def chunk_sum(x_BxCxD, targets_BxC, mask_BxC):
-        logits_BxCxV = net.logits(constrain(x_BxCxD, RESIDUAL))
+        logits_BxCxV = net.logits(constrain(x_BxCxD, OUTER_RESIDUAL))
         return jnp.sum(cross_entropy(logits_BxCxV, targets_BxC) * mask_BxC)
 
     total, _ = jax.lax.scan(lambda t, xs: (t + chunk_sum(*xs), None), jnp.zeros((), jnp.float32),

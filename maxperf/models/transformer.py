@@ -9,17 +9,43 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxperf.models import pipeline
 from maxperf.models.layers import quantization as quant
 from maxperf.models.layers.attention_kernels import AttentionOptions
-from maxperf.models.layers.decoder import RESIDUAL, DecoderBlock, make_layer, norm_axis
+from maxperf.models.layers.decoder import OUTER_RESIDUAL, DecoderBlock, make_layer, norm_axis
 from maxperf.models.layers.embedding import Embed, LearnedPositions, Unembed
 from maxperf.models.layers.moe import EXPERT_COUNTS, MoEOptions
 from maxperf.models.layers.mtp import MTPModule, shift_left
 from maxperf.models.layers.norms import make_norm
-from maxperf.models.sharding import constrain
+from maxperf.models.sharding import constrain, partition_spec
 from maxperf.spec import attention_rule
+from maxperf.spec import pipeline as pipeline_spec
 from maxperf.spec.fp8 import Fp8Recipe
 from maxperf.spec.model import ModelConfig, Positions
+from maxperf.spec.train import TrainConfig
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What a pipelined decoder needs of the train config (MaxText's keys; maxperf.spec.pipeline resolves them with
+    the mesh's stages when the step is traced)."""
+
+    microbatches: int = -1
+    repeats: int = -1
+    units_per_stage: int = 1
+    delay: bool = False
+    fsdp_gather_once: bool = False
+
+    @classmethod
+    def from_train(cls, train: TrainConfig) -> PipelineOptions:
+        return cls(train.num_pipeline_microbatches, train.num_pipeline_repeats, train.num_layers_per_pipeline_stage,
+                   train.pipeline_delay_activation_forwarding, train.pipeline_fsdp_ag_once)
+
+
+def mesh_stages() -> int:
+    """The `stage` axis of the mesh the step is traced under (jax.set_mesh); 1 without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get("stage", 1)
 
 
 def remat_policy(names: tuple[tuple[str, ...], tuple[str, ...]]):
@@ -58,6 +84,30 @@ def _move_layer_axis(state: nnx.State, source: int, destination: int) -> nnx.Sta
         return var.replace(jnp.moveaxis(value, a, b)) if a != b else var
 
     return nnx.map_state(move, state)
+
+
+def _gathered_over_fsdp(state: nnx.State) -> nnx.State:
+    """A pipelined stack's parameters (layer axis first) gathered over the FSDP axes once, before the pipeline's loop
+    (MaxText's pipeline_fsdp_ag_once): split over `stage` and `tensor` only, a mixture of experts' over `expert`
+    too (each device keeps its own experts)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return state
+    sizes = dict(mesh.shape)
+
+    def gather(path, var):
+        if not isinstance(var, nnx.Param):
+            return var
+        logical = ("stage_layers", *var.get_metadata()["logical_axes"])
+        kept = {**sizes, **{a: 1 for a in FSDP_GATHERED if not (a == "expert" and "exp" in logical)}}
+        value = var.get_value()
+        return var.replace(jax.lax.with_sharding_constraint(value, partition_spec(value.shape, logical, kept)))
+
+    return nnx.map_state(gather, state)
+
+
+# The mesh axes a weight is gathered over before its matmul (perfmodel.sharding.FSDP_AXES)
+FSDP_GATHERED = ("fsdp", "fsdp_transpose", "sequence", "expert")
 
 
 @dataclass(frozen=True)
@@ -135,18 +185,21 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, scan_layers: bool,
                  remat: tuple | None, rngs: nnx.Rngs, attention: AttentionOptions = AttentionOptions(),
                  moe: MoEOptions = MoEOptions(), quantization: quant.Int8 | Fp8Recipe | None = None,
-                 param_scan_axis: int = 1):
+                 param_scan_axis: int = 1, pipeline: PipelineOptions = PipelineOptions()):
         """`remat`: maxperf.spec.remat.remat_names(train), the checkpoint names each layer saves and offloads; None: no
         remat.
         `quantization`: the layers' matmuls in int8 or an FP8 recipe (layers/quantization.py, layers/fp8.py); None:
         in the compute dtype.
-        `param_scan_axis`: where a scanned stack's layer axis sits in its weights (`stack_axis`)."""
+        `param_scan_axis`: where a scanned stack's layer axis sits in its weights (`stack_axis`).
+        `pipeline`: how the decoder's stack runs where the mesh has more than one `stage` (models/pipeline.py; its
+        weights are then stored stage-major, `pipeline.stage_major`)."""
         quant.check_moe(quantization, cfg.is_moe, moe.sparse_matmul)
         self.cfg = cfg
         self.quantization = quantization
         self.compute_dtype = compute_dtype
         self.scan_layers = scan_layers
         self.param_scan_axis = param_scan_axis
+        self.pipeline = pipeline
         self.remat = remat
         D, V = cfg.d_model, cfg.vocab_size
         self.embed = Embed(V, D, param_dtype, rngs)
@@ -181,8 +234,9 @@ class Transformer(nnx.Module):
         stochastic rounding noise (a fresh one each step; None: a fixed one). `fp8`: a delayed FP8 recipe's scales
         and amax histories per stack [repeats, matmuls, 3, 1 + history] (train_step.fp8_state; None: counting)."""
         cfg = self.cfg
-        x_BxLxD = constrain(self.embed_tokens(tokens_BxL, positions_BxL), RESIDUAL)
+        x_BxLxD = constrain(self.embed_tokens(tokens_BxL, positions_BxL), OUTER_RESIDUAL)
         x_BxLxD, aux, counts = self._layers(x_BxLxD, positions_BxL, key, fp8)
+        x_BxLxD = constrain(x_BxLxD, OUTER_RESIDUAL)
         return Forward(x_BxLxD, self.final_norm(x_BxLxD), aux / max(1, sum(cfg.moe_layers())), counts)
 
     def embed_tokens(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
@@ -227,7 +281,8 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         logits_BxLxV = self.embed.attend(x_BxLxD) if cfg.tie_embeddings else self.unembed(x_BxLxD)
         # sharded in the compute dtype, then cast (MaxText's cast_logits_to_fp32): the cast fuses into the loss
-        logits_BxLxV = constrain(logits_BxLxV, ("activation_batch", "activation_length", "activation_vocab"))
+        logits_BxLxV = constrain(logits_BxLxV, ("activation_embed_and_logits_batch", "activation_length",
+                                                "activation_vocab"))
         logits_BxLxV = logits_BxLxV.astype(jnp.float32)
         if cfg.final_logit_softcap is not None:
             logits_BxLxV = cfg.final_logit_softcap * jnp.tanh(logits_BxLxV / cfg.final_logit_softcap)
@@ -241,6 +296,8 @@ class Transformer(nnx.Module):
         # a mask (or RoPE choice) shared by every layer stays a Python constant, so the kernel's mask is static;
         # only layers that differ pass theirs through the scan
         static = (windows[0] if len(set(windows)) == 1 else None, ropes[0] if len(set(ropes)) == 1 else None)
+        if (stages := mesh_stages()) > 1:
+            return self._pipelined(x_BxLxD, positions_BxL, stages, static, windows, ropes, key, fp8)
         aux = jnp.zeros((), jnp.float32)
         counts: dict[str, jax.Array] = {}
         for st in self.stacks:
@@ -274,6 +331,45 @@ class Transformer(nnx.Module):
                 aux = aux + a_unit
                 counts.update({f"{st.name}/{i}/{path}": c for path, c in c_unit.items()})
         return x_BxLxD, aux, counts
+
+    def _pipelined(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, stages: int, static, windows, ropes,
+                   key: jax.Array | None, fp8: dict[str, jax.Array] | None
+                   ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """_layers over a mesh of `stages` pipeline stages: the decoder's one stack through models/pipeline.py, its
+        units stored stage-major (each stored position's mask, RoPE flag and expert loads follow the unit stored
+        there). spec.pipeline has checked that the model is one scanned stack the stages divide."""
+        (st,) = self.stacks
+        P, o = len(st.pattern), self.pipeline
+        schedule = pipeline_spec.schedule(stages, st.count, x_BxLxD.shape[0], microbatches=o.microbatches,
+                                          repeats=o.repeats, units_per_stage=o.units_per_stage, delay=o.delay,
+                                          fsdp_gather_once=o.fsdp_gather_once)
+        order = pipeline.stage_major(st.count, schedule)
+        keys = None
+        if isinstance(self.quantization, quant.Int8):
+            base = jax.random.key(0, impl=quant.NOISE_IMPL) if key is None else key
+            keys = jax.random.split(jax.random.fold_in(base, st.start), st.count)
+        graphdef, state = nnx.split(getattr(self, st.name))
+        state = _move_layer_axis(state, self.param_scan_axis, 0)
+        if o.fsdp_gather_once:
+            state = _gathered_over_fsdp(state)
+        stored = (state, jnp.asarray(windows, jnp.int32).reshape(st.count, P)[order],
+                  jnp.asarray(ropes, jnp.bool_).reshape(st.count, P)[order], keys,
+                  None if fp8 is None else fp8[st.name])
+        S, R, U = schedule.stages, schedule.repeats, schedule.units_per_stage
+        per_unit = jax.tree.map(lambda v: v.reshape(S, R, U, *v.shape[1:]), stored)
+
+        def unit(x_bxLxD, positions_bxL, one):
+            return self._unit_fn(graphdef, positions_bxL, static, P, in_scan=True, tag=st.name)(x_bxLxD, *one)
+
+        b = x_BxLxD.shape[0] // schedule.microbatches
+        counts_like = jax.eval_shape(lambda: unit(x_BxLxD[:b], positions_BxL[:b],
+                                                  jax.tree.map(lambda v: v[0, 0, 0], per_unit)))[2]
+        # each iteration rematerialized as a whole, as MaxText's pipeline does: its input and what the policy saves
+        # are kept, the iteration's slice of the stage's weights is taken again in the backward
+        policy = None if self.remat is None else remat_policy(self.remat)
+        x_BxLxD, aux, counts = pipeline.run(unit, per_unit, x_BxLxD, positions_BxL, schedule, policy=policy,
+                                            counts_like=counts_like)
+        return x_BxLxD, aux, {f"{st.name}/{path}": c[order] for path, c in counts.items()}
 
     def _unit_fn(self, graphdef, positions_BxL: jax.Array, static: tuple[int | None, bool | None], P: int,
                  in_scan: bool | None = None, tag: str = ""):

@@ -5,8 +5,10 @@ memory instead. Every assumption is a named constant, checked against XLA's memo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from maxperf.perfmodel import pipeline
 from maxperf.perfmodel.flops import moe_layers_of, mtp_depths
 from maxperf.perfmodel.moe import dispatch, moe_shape
 from maxperf.perfmodel.saved import (
@@ -33,6 +35,9 @@ from maxperf.spec.train import DTYPE_BYTES, OPTIMIZER_STATES_PER_PARAM, TrainCon
 
 # Gradient accumulation sums microbatch gradients in a float32 buffer (models/train_step.py).
 GRAD_ACCUMULATOR_BYTES = 4
+# A pipeline loop's buffers (pipeline_buffers) live as the forward's value and the backward's gradient: 2 copies
+# (counted from models/pipeline.py's carry, not yet measured).
+PIPELINE_BUFFER_COPIES = 2
 # The train step donates the state, so the updated params and optimizer state reuse the input buffers.
 STATE_DONATED = True
 # Logits: the compute-dtype unembedding output; since the cross-entropy picks the target logit by a one-hot
@@ -245,12 +250,17 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
 
     # scanned or not, the backward reads every layer's input: N x T x D (Korthikanti's 2sbh per layer for "full"),
     # in device memory unless the policy offloads it (MaxText's decoder_layer_input=offload; then it is among the
-    # offloaded tensors, layer_offloaded_per_token)
+    # offloaded tensors, layer_offloaded_per_token). A pipeline's device keeps them for each layer call of its loop
+    # (perfmodel.pipeline: iterations x the stage's layers, each on a pipeline microbatch's tokens), and its loop's
+    # buffers besides (pipeline_buffers)
+    view = pipeline.view(model, train, mesh)
+    Tl = T * view.layer_scale * view.token_scale  # tokens x layers as the layers' saved tensors count them, over N
     names = remat_names(train)
-    carry = 0.0 if names is not None and "decoder_layer_input" in names[1] else N * T * a.D * c
-    parts = {k: T * over_layers(model, lambda m: layer_saved_parts(model, train, mesh, remat=remat, moe_layer=m)[k])
+    carry = 0.0 if names is not None and "decoder_layer_input" in names[1] else N * Tl * a.D * c
+    carry += pipeline_buffers(view, T, a.D, c)
+    parts = {k: Tl * over_layers(model, lambda m: layer_saved_parts(model, train, mesh, remat=remat, moe_layer=m)[k])
              for k in ("attention", "mlp", "rest")}
-    saved = T * over_layers(model, lambda m: layer_saved_per_token(model, train, mesh, remat=remat, moe_layer=m))
+    saved = Tl * over_layers(model, lambda m: layer_saved_per_token(model, train, mesh, remat=remat, moe_layer=m))
     # multi-token prediction: each module's decoder layer keeps what a decoder layer of its kind keeps (its input and
     # the policy's tensors), and its projection what its backward reads (MTP_SAVED_D, MTP_SAVED_NORMS)
     depths = mtp_depths(model)
@@ -259,8 +269,8 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
                                                       moe_layer=moe_layers_of(model)[-1])) if depths else 0.0
     activations = carry + saved + mtp_saved
     saved_copy = (MINIMAL_SAVED_COPIES - 1) * saved if remat != "none" else 0.0
-    host_offload = T * over_layers(model, lambda m: layer_offloaded_per_token(model, train, mesh, m))
-    logits = _logits(model, train, mesh, platform, depths)
+    host_offload = Tl * over_layers(model, lambda m: layer_offloaded_per_token(model, train, mesh, m))
+    logits = _logits(model, train, mesh, platform, depths, view.logits_scale)
     work = working(model, train, mesh, platform)
     moe = moe_shape(model)
 
@@ -283,12 +293,30 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
     return breakdown(work.serial)
 
 
-def _logits(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str, depths: int) -> float:
+def pipeline_buffers(view: pipeline.View, T: float, D: float, c: int) -> float:
+    """A pipeline loop's own buffers on a device (models/pipeline.py), each with its gradient in the backward:
+    state_io (the stage's share of the microbatches, T / S tokens), the stage-to-stage shift (one pipeline
+    microbatch), and with circular storage the parked outputs (every microbatch: T tokens); with the forwarding
+    delay, each iteration's held-back output."""
+    if not view.pipelined:
+        return 0.0
+    s = view.schedule
+    tokens = T / s.stages + T / s.microbatches + (T if s.circular_storage else 0.0)
+    # with the forwarding delay each iteration keeps the output it holds back besides its input (measured: llama2-7b
+    # at 8 layers on v5p-16, 2 stages, 4 microbatches, B 4: 6.23 GiB compiled against 5.66 without it)
+    delayed = s.iterations * T / s.microbatches if s.delay == 2 else 0.0
+    return (PIPELINE_BUFFER_COPIES * tokens + delayed) * D * c
+
+
+def _logits(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str, depths: int,
+            share: float = 1.0) -> float:
     """The loss's logits (the decoder's and each MTP depth's) and the vocabulary table gathered for them; with
-    vocabulary tiling one chunk's logits and the table's gradient summed over the chunks."""
+    vocabulary tiling one chunk's logits and the table's gradient summed over the chunks. `share`: the part of the
+    device's tokens whose logits it computes (1 / stages in a pipeline, whose logits split the batch over stages)."""
     c = DTYPE_BYTES[train.compute_dtype]
     p = DTYPE_BYTES[train.param_dtype]
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
+    a = dataclasses.replace(a, B=a.B * share)
     tiles = train.num_vocab_tiling
     heads = 1 + MTP_LOGITS_PER_DEPTH * depths  # the decoder's logits, and those of each MTP depth
     table = next(x for x in param_arrays(model) if x.name == ("embedding" if model.tie_embeddings else "unembedding"))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from maxperf.perfmodel import cpu
+from maxperf.perfmodel import cpu, pipeline
 from maxperf.perfmodel.chips import Chip
 from maxperf.perfmodel.flops import (
     ATTENTION_SKIPS_MASKED,
@@ -130,9 +130,17 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     c = DTYPE_BYTES[train.compute_dtype]
     p = DTYPE_BYTES[train.param_dtype]
     D, N, Dh, L = model.d_model, model.num_layers, model.head_dim, train.seq_len
-    micro = train.grad_accum_steps
     a = activation_split(model, train.per_device_batch_size, L, mesh)
-    T, Bm = a.T, a.B  # tokens and examples of one microbatch on this device: B (per_device_batch_size) of them
+    # A pipeline (perfmodel.pipeline) runs each device's stage once per loop iteration on one pipeline microbatch:
+    # a layer's work counts `micro` times per layer of the model (the loop's iterations x the stage's layers over the
+    # model's, bubble included, per gradient-accumulation microbatch) on T tokens (the pipeline microbatch's); the
+    # logits and the loss run once per microbatch on Tu tokens (split over the stages too). Without a pipeline,
+    # micro is the accumulation's microbatches and T = Tu the device's tokens of one.
+    view = pipeline.view(model, train, mesh)
+    micro = train.grad_accum_steps * view.layer_scale
+    T, Bm = a.T * view.token_scale, a.B * view.token_scale  # tokens and examples of one layer call on this device
+    Tu = a.T * view.logits_scale
+    steps = train.grad_accum_steps  # what runs once per microbatch outside the layers
     table = Work(chip, train.compute_dtype, constants, int8_matmuls(train), fp8_matmuls(train))
 
     # matmuls: forward, backward (2 x forward), and the forward again where remat recomputes it
@@ -160,11 +168,11 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     f = 1.0
     if moe:
         f = load_imbalance(train, mesh.axes["expert"], imbalance)
-        _moe_matmuls(table, model, train, mesh, moe, T, Bm, a, f, fwd, c)
+        _moe_matmuls(table, model, train, mesh, moe, T, Bm, a, f, fwd, c, micro)
     # num_vocab_tiling: each chunk's logits are computed again in the backward
     # MaxText does not quantize the logits (its logits_dense and the embedding's attend take no quantization, int8
     # or FP8)
-    table.train_matmul("unembedding", T, D, a.V, micro * (1 + (train.num_vocab_tiling > 1)), micro, c,
+    table.train_matmul("unembedding", Tu, D, a.V, steps * (1 + (train.num_vocab_tiling > 1)), steps, c,
                        quantized=False)
     # attention per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh. The dot product computes all
     # L x L scores; the TPU and GPU flash kernels skip the blocks their mask hides (ATTENTION_SKIPS_MASKED), computing
@@ -229,7 +237,7 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
         table.assume("offload", f"offload copies {HOST_OFFLOAD_OVERLAP:.0%} hidden (assumed)")
         table.add("remat offload (host link)", "host", 2 * offloaded / chip.host_link_bandwidth, 0.0, 2 * offloaded,
                   HOST_OFFLOAD_OVERLAP)
-    table.memory("loss", micro * T * a.V * 4 * LOSS_FLOAT32_PASSES)
+    table.memory("loss", steps * Tu * a.V * 4 * LOSS_FLOAT32_PASSES)
     local_params = params_per_device(model, mesh)
     # MaxText's *_memory_host_offload: the state in pinned host memory crosses the host link to the device and back
     # each step, once per step whatever the microbatches
@@ -254,13 +262,17 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
         gathered = sum(held_gathered(x, mesh) * (x.count / N) for x in layer_arrays)
         vocab = held_gathered(table_array, mesh)
         # forward gather, backward gather again, gradient reduce-scatter: per layer and microbatch, each weight
-        # gathered by a collective of its own and a layer's gradients reduced by one combined collective
+        # gathered by a collective of its own and a layer's gradients reduced by one combined collective; a pipeline
+        # gathers its stage's layers each iteration, or with pipeline_fsdp_ag_once all of them once a step, its
+        # gradients reduced once after the loop
         g_bytes, rs = cpu.fsdp_collectives(p) if chip.kind == "cpu" else (c, "reduce-scatter")
         per_layer = sum(x.count / N for x in layer_arrays)
-        for kind, nbytes, count, pieces in (("all-gather", gathered * g_bytes, 2 * N * micro, per_layer),
-                                            ("all-gather", vocab * g_bytes, 2 * micro, 1),
-                                            (rs, gathered * p, N * micro, 1),
-                                            (rs, vocab * p, micro, 1)):
+        once = view.pipelined and view.schedule.fsdp_gather_once
+        gathers, scatters = (N / view.schedule.stages * steps,) * 2 if once else (2 * N * micro, N * micro)
+        for kind, nbytes, count, pieces in (("all-gather", gathered * g_bytes, gathers, per_layer),
+                                            ("all-gather", vocab * g_bytes, 2 * steps, 1),
+                                            (rs, gathered * p, scatters, 1),
+                                            (rs, vocab * p, steps, 1)):
             _collective(table, "fsdp " + kind, kind, nbytes, fsdp_axes, nets, count, overlap.fsdp, pieces)
         if chip.kind == "cpu":
             last = sum(held(x, mesh) * (x.count / N) for x in layer_arrays if x.logical[-1] == "embed")
@@ -268,7 +280,7 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
             cpu.weight_layout_copies(table.add, chip, last, first, p, N * micro)
     if moe is not None:
         experts = [x for x in arrays if x.expert_parallel]
-        _moe_collectives(table, model, train, mesh, moe, T, experts, nets, overlap, c, p)
+        _moe_collectives(table, model, train, mesh, moe, T, experts, nets, overlap, c, p, micro)
     if mesh.axes["tensor"] > 1:
         # Megatron-style: 2 all-reduces of T x D in the forward, 2 in the backward (Shoeybi et al. 2019, sec. 3)
         count = N * micro * (2 + 2 + ("out_proj" in again) + ("mlpwo" in again))
@@ -285,7 +297,27 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
         # XLA reduces each gradient array by a collective of its own
         _collective(table, "data all-reduce", "all-reduce", local_params * p, ("data",), nets, 1, overlap.data,
                     len(state_arrays(model)))
+    if view.pipelined:
+        _stage_transfers(table, view.schedule, T * a.D * c, nets["stage"], steps)
     return _settle(table, overlap)
+
+
+def _stage_transfers(table: Work, s, nbytes: float, net, steps: int) -> None:
+    """A pipeline's collective permutes over `stage`: each iteration's forward moves its stages' outputs on
+    (pipeline.transfers_per_iteration, `nbytes` each: a microbatch's activations on this device), the backward their
+    gradients back, hidden as the schedule lets them (pipeline.STAGE_OVERLAP: with the forwarding delay, each
+    iteration's transfers are independent of its compute)."""
+    t = pipeline.permute_time(nbytes, net)
+    count = 2 * s.iterations * pipeline.transfers_per_iteration(s) * steps
+    hidden = pipeline.STAGE_OVERLAP[s.delay]
+    table.assume("pipeline", f"pipeline: {s.stages} stages x {s.repeats} repeats, {s.microbatches} microbatches, "
+                             f"{s.iterations} iterations ({s.bubble_fraction:.1%} bubble, counted); stage transfers "
+                             f"{hidden:.0%} hidden (assumed)")
+    if t.ici_s:
+        table.add("pipeline stage transfers (ici)", "ici", count * t.ici_s, 0.0, count * nbytes, overlap=hidden)
+    if t.dcn_s:
+        table.add("pipeline stage transfers (dcn)", "dcn", count * t.dcn_s, 0.0, count * nbytes, overlap=hidden,
+                  dcn_steps=count * t.dcn_steps)
 
 
 DEFAULT_OVERLAP = Overlap()
@@ -308,12 +340,12 @@ def _mla_matmuls(table: Work, model: ModelConfig, T: float, H: float, fwd, bwd: 
 
 
 def _moe_matmuls(table: Work, model: ModelConfig, train: TrainConfig, mesh: Mesh, moe, T: float, Bm: float, a,
-                 f: float, fwd, c: int) -> None:
+                 f: float, fwd, c: int, micro: float) -> None:
     """A MoE layer's matmuls on one device: the router, the routed experts' grouped matmul as one matmul per local
     expert over its rows (the device's tokens x rows per token among its E / ep experts, f times the mean on the
     busiest device), each reading its own weights, the shared experts, and with the einsum dispatch its one-hot
     dispatch and combine einsums (models/layers/moe.py)."""
-    D, micro, layers = model.d_model, train.grad_accum_steps, moe.moe_layers
+    D, layers = model.d_model, moe.moe_layers
     again = recomputed(model, train, moe_layer=True)
     bwd = layers * micro
     kind = dispatch(train)
@@ -373,11 +405,11 @@ def _moe_matmuls(table: Work, model: ModelConfig, train: TrainConfig, mesh: Mesh
 
 
 def _moe_collectives(table: Work, model: ModelConfig, train: TrainConfig, mesh: Mesh, moe, T: float, expert_arrays,
-                     nets, overlap: Overlap, c: int, p: int) -> None:
+                     nets, overlap: Overlap, c: int, p: int, micro: float) -> None:
     """The routed experts' FSDP gathers (over the FSDP axes other than `expert`, each device gathering its own
     experts) and the expert-parallel all-to-alls: per MoE layer the dispatch and the combine in the forward, their
     gradients in the backward, and the dispatch again where remat recomputes the layer (models/layers/moe.py)."""
-    micro, layers = train.grad_accum_steps, moe.moe_layers
+    layers = moe.moe_layers
     axes = gather_axes(expert_arrays, mesh)
     if axes:
         gathered = sum(held_gathered(x, mesh) for x in expert_arrays)  # one MoE layer's

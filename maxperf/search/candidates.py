@@ -22,6 +22,7 @@ from typing import Any
 
 from maxperf.spec import fp8, presets
 from maxperf.spec import overrides as overrides_mod
+from maxperf.spec import pipeline as pipeline_spec
 from maxperf.spec import request as requests
 from maxperf.spec.errors import MaxperfError
 from maxperf.spec.hardware import CHIPS
@@ -62,6 +63,7 @@ class Candidate:
     per_device_batch_size: float  # B: one microbatch per device (MaxText's meaning)
     grad_accum_steps: int  # A: microbatches per step
     quantization: str = "none"  # the decoder layers' matmuls: "none" (the compute dtype) or an FP8 recipe
+    pipeline_microbatches: int = 0  # a pipelined mesh's num_pipeline_microbatches (0: no pipeline)
     step_time_s: float = 0.0
     tokens_per_s: float = 0.0
     mfu: float = 0.0
@@ -99,12 +101,14 @@ class Candidate:
                 *(f"dcn_{a}={n}" for a, n in self.dcn.items() if n > 1),
                 f"remat_policy={self.remat_policy}", f"attention={self.attention}",
                 f"per_device_batch_size={number(self.per_device_batch_size)}",
-                f"grad_accum_steps={self.grad_accum_steps}", *precision_words(self.quantization))
+                f"grad_accum_steps={self.grad_accum_steps}", *precision_words(self.quantization),
+                *((f"num_pipeline_microbatches={self.pipeline_microbatches}",) if self.pipeline_microbatches else ()))
 
     def as_dict(self) -> dict[str, Any]:
         return {"ici": self.ici, "dcn": self.dcn, "mesh": self.mesh_shown(), "remat_policy": self.remat_policy,
                 "attention": self.attention, "per_device_batch_size": self.per_device_batch_size,
                 "grad_accum_steps": self.grad_accum_steps, "quantization": self.quantization,
+                "pipeline_microbatches": self.pipeline_microbatches,
                 "step_time_s": self.step_time_s,
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "analytical_memory_bytes": self.memory_bytes,
                 "compiler_memory_bytes": self.compiler_memory_bytes, "bottleneck": self.bottleneck,
@@ -129,12 +133,13 @@ def mesh_shown(ici: dict[str, int], dcn: dict[str, int]) -> str:
 
 @dataclass(eq=False)
 class MeshChoice:
-    """One mesh of the search and its candidates, by (kernel, precision, B, A, remat policy)."""
+    """One mesh of the search and its candidates, by (kernel, precision, pipeline microbatches, B, A, remat
+    policy)."""
 
     ici: dict[str, int]
     dcn: dict[str, int]
     pairs: list[tuple[float, int]]  # the (B, A) whose microbatch rows its batch axes divide
-    cells: dict[tuple[str, str, float, int, str], Candidate]
+    cells: dict[tuple[str, str, int, float, int, str], Candidate]
 
 
 @dataclass
@@ -172,6 +177,7 @@ def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_t
     remats = [pinned["remat_policy"]] if "remat_policy" in pinned else list(REMAT_POLICIES)
     kernels = [pinned["attention"]] if "attention" in pinned else list(KERNELS)
     precisions = precisions_for(pinned.get("quantization", "none"), CHIPS[topo.chip])
+    pinned_microbatches = check_stages(model, train, ici_pins.get("stage", 1) * dcn_pins.get("stage", 1))
 
     divisible = Divisibility(model, train.seq_len, [round(b * devices) for b, _ in pairs])
     meshes, candidates = [], []
@@ -180,15 +186,48 @@ def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_t
         mesh = MeshChoice(ici, dcn, [(b, a) for b, a in pairs if round(b * devices) % split == 0], {})
         shown = mesh_shown(ici, dcn)
         quants = [q for q in precisions if blocks_fit(q, model, topo, ici, dcn)]
-        for (b, a) in mesh.pairs:
+        stages = ici["stage"] * dcn["stage"]
+        for (b, a) in list(mesh.pairs):
+            ms = pipeline_microbatches(stages, round(b * devices), train, pinned_microbatches)
+            if not ms:  # the microbatch's rows split into no valid number of pipeline microbatches
+                mesh.pairs.remove((b, a))
             for remat in remats:
                 for kernel in kernels:
                     for q in quants:
-                        c = mesh.cells[(kernel, q, b, a, remat)] = Candidate(ici, dcn, remat, kernel, b, a, q,
-                                                                             shown=shown)
-                        candidates.append(c)
+                        for m in ms:
+                            c = mesh.cells[(kernel, q, m, b, a, remat)] = Candidate(
+                                ici, dcn, remat, kernel, b, a, q, m, shown=shown)
+                            candidates.append(c)
         meshes.append(mesh)
     return Space(topo, model, train, fixed, rows, pairs, remats, kernels, precisions, meshes, candidates)
+
+
+# num_pipeline_microbatches searched where the stage axis is pinned and the count is not: these multiples of the stages
+MICROBATCH_MULTIPLES = (1, 2, 4, 8, 16)
+
+
+def check_stages(model: ModelConfig, train: TrainConfig, stages: int) -> int:
+    """Where `stages` (the pinned ici and dcn stage axes; 1: no pipeline) cannot run the model, one line saying
+    why; the pinned num_pipeline_microbatches (-1: searched)."""
+    if stages > 1:
+        units, _ = pipeline_spec.pipelined_units(model)
+        pipeline_spec.schedule(stages, units, stages * train.num_pipeline_microbatches
+                               if train.num_pipeline_microbatches > 0 else 2 * stages,
+                               microbatches=train.num_pipeline_microbatches, repeats=train.num_pipeline_repeats,
+                               units_per_stage=train.num_layers_per_pipeline_stage,
+                               delay=train.pipeline_delay_activation_forwarding)
+    return train.num_pipeline_microbatches
+
+
+def pipeline_microbatches(stages: int, rows: int, train: TrainConfig, pinned: int) -> list[int]:
+    """The num_pipeline_microbatches searched for a microbatch of `rows` over `stages` stages ([0] without a
+    pipeline): the pinned count, else multiples of the stages (2 x with the forwarding delay, as MaxText requires)
+    that divide the rows."""
+    if stages <= 1:
+        return [0]
+    least = 2 if train.pipeline_delay_activation_forwarding else 1
+    options = [pinned] if pinned > 0 else [k * stages for k in MICROBATCH_MULTIPLES if k >= least]
+    return [m for m in options if rows % m == 0 and m >= least * stages]
 
 
 def precisions_for(quantization: str, chip) -> list[str]:

@@ -9,20 +9,24 @@ from maxperf.spec import overrides as overrides_mod
 from maxperf.spec import presets
 
 _MAXTEXT_NAMES = {v: k for k, v in overrides_mod.ALIASES.items() if not k.startswith(("ici_", "dcn_"))}
+MAXTEXT_AXES = {"sequence": "context", "stage": "pipeline"}  # maxperf's mesh axes MaxText names otherwise
 
 
 def maxtext_flags(c: Candidate) -> tuple[str, ...]:
     """The candidate's words in MaxText's spellings: per_device_batch_size (one microbatch, in both), its
-    gradient_accumulation_steps the microbatches (A); mesh axes as *_parallelism, sequence as context."""
+    gradient_accumulation_steps the microbatches (A); mesh axes as *_parallelism, sequence as context, stage as
+    pipeline."""
     words = []
     for prefix, sizes in (("ici", c.ici), ("dcn", c.dcn)):
         for a, n in sizes.items():
             if n > 1 or (prefix == "ici" and a == "fsdp"):  # MaxText's ici_fsdp defaults to -1: always say it
-                words.append(f"{prefix}_{'context' if a == 'sequence' else a}_parallelism={n}")
+                words.append(f"{prefix}_{MAXTEXT_AXES.get(a, a)}_parallelism={n}")
     words += [f"remat_policy={c.remat_policy}", f"attention={c.attention}",
               f"per_device_batch_size={number(c.per_device_batch_size)}"]
     if c.grad_accum_steps > 1:
         words.append(f"gradient_accumulation_steps={c.grad_accum_steps}")
+    if c.pipeline_microbatches:
+        words.append(f"num_pipeline_microbatches={c.pipeline_microbatches}")
     return (*words, *precision_words(c.quantization))
 
 

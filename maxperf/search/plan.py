@@ -32,7 +32,6 @@ unfit_at_smallest_batch).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -196,16 +195,15 @@ class _Estimator:
         mesh = Mesh.of({a: choice.ici[a] * choice.dcn[a] for a in choice.ici}, choice.dcn).check(found.topology)
         parallelism = ParallelismConfig(**{f"ici_{a}": n for a, n in mesh.ici.items()},
                                         **{f"dcn_{a}": n for a, n in mesh.dcn.items()})
-        pairs = sorted(choice.pairs, key=lambda p: -p[0])
         smaller = ("more accumulation only repeats the weight gathers per microbatch" if found.rows else
                    "a smaller per-device batch does the same weight gathers for fewer tokens")
-        # with A the same at every batch (the batch free), memory grows with B: the policies no other keeps less
-        # than are estimated at the smallest B first, and one that does not fit there fits at no batch
-        probe = len(pairs) > 1 and len({a for _, a in pairs}) == 1
-        for kernel, quant in itertools.product(found.kernels, found.precisions):
-            cells = {(b, a, remat): c for (k, q, b, a, remat), c in choice.cells.items() if k == kernel and q == quant}
-            if not cells:  # a precision this mesh cannot run (spec.fp8.check_blocks)
-                continue
+        for kernel, quant, m in sorted({k[:3] for k in choice.cells}):
+            cells = {(b, a, remat): c for (k, q, mb, b, a, remat), c in choice.cells.items()
+                     if (k, q, mb) == (kernel, quant, m)}
+            pairs = sorted({(b, a) for b, a, _ in cells}, key=lambda p: -p[0])
+            # with A the same at every batch (the batch free), memory grows with B: the policies no other keeps
+            # less than are estimated at the smallest B first, and one that does not fit there fits at no batch
+            probe = len(pairs) > 1 and len({a for _, a in pairs}) == 1
             probed: dict[Candidate, MemoryBreakdown] = {}
             nowhere: dict[str, str] = {}  # policy -> why it fits at no batch
             for remat in self.heads if probe else ():
@@ -248,7 +246,7 @@ class _Estimator:
                         c.skipped = f"remat_policy={more} keeps more and fits: less recompute"
                         continue
                     # the request Request.of makes, with the mesh made once for its candidates
-                    request = Request(found.topology, Configs(found.model, self.train(remat, kernel, b, a, quant),
+                    request = Request(found.topology, Configs(found.model, self.train(remat, kernel, b, a, quant, m),
                                                               parallelism), mesh)
                     est = perfmodel.estimate(request, calibration=self.calibration, memory=memory)
                     c.step_time_s, c.tokens_per_s, c.mfu = est.step_time_s, est.tokens_per_s, est.mfu
@@ -256,7 +254,8 @@ class _Estimator:
 
     def memory(self, c: Candidate, mesh: Mesh) -> MemoryBreakdown:
         """perfmodel's memory of the candidate, its total recorded on it."""
-        args = (c.remat_policy, c.attention, c.per_device_batch_size, c.grad_accum_steps, c.quantization)
+        args = (c.remat_policy, c.attention, c.per_device_batch_size, c.grad_accum_steps, c.quantization,
+                c.pipeline_microbatches)
         memory = perfmodel.estimate_memory(self.found.model, self.train(*args, resolved=True), mesh, self.hbm,
                                            self.chip.kind)
         c.memory_bytes = memory.per_device_total_bytes
@@ -266,16 +265,18 @@ class _Estimator:
         """A microbatch as a reason names it: its A where the global batch is fixed, else its B."""
         return f"A={a}" if self.found.rows else f"B={number(b)}"
 
-    def train(self, remat: str, kernel: str, b: float, a: int, quant: str, resolved: bool = False) -> TrainConfig:
-        """The request's train config with the candidate's remat policy, kernel, B, A and precision (`resolved`: its
-        attention kernel resolved for the chip, as estimate_memory takes it)."""
-        key = (remat, kernel, b, a, quant)
+    def train(self, remat: str, kernel: str, b: float, a: int, quant: str, m: int = 0,
+              resolved: bool = False) -> TrainConfig:
+        """The request's train config with the candidate's remat policy, kernel, B, A, precision and pipeline
+        microbatches (`resolved`: its attention kernel resolved for the chip, as estimate_memory takes it)."""
+        key = (remat, kernel, b, a, quant, m)
         if key not in self.trains:
             q = Quantization(quant)
             self.trains[key] = dataclasses.replace(
                 self.found.train, remat_policy=RematPolicy(remat), attention=AttentionKernel(kernel),
                 per_device_batch_size=b, grad_accum_steps=a, quantization=q,
-                use_qwix_quantization=self.found.train.use_qwix_quantization or q is Quantization.FP8_FULL)
+                use_qwix_quantization=self.found.train.use_qwix_quantization or q is Quantization.FP8_FULL,
+                num_pipeline_microbatches=m or self.found.train.num_pipeline_microbatches)
             self.resolved[key] = resolve_attention(self.found.model, self.trains[key], self.chip.kind)
         return self.resolved[key] if resolved else self.trains[key]
 
@@ -353,7 +354,8 @@ def closest_miss(result: SearchResult, model, trains, topo, calibration) -> dict
     c = result.candidates[0]  # the misses are sorted by memory
     limit, factor = result.hbm_bytes, 1 + result.margin.value
     need = c.memory_bytes * factor
-    train = trains[(c.remat_policy, c.attention, c.per_device_batch_size, c.grad_accum_steps, c.quantization)]
+    train = trains[(c.remat_policy, c.attention, c.per_device_batch_size, c.grad_accum_steps, c.quantization,
+                    c.pipeline_microbatches)]
     options = []
     chips = result.chips * 2 ** math.ceil(math.log2(need / limit))
     options.append(f"more chips: the state and a fixed global batch split over about {chips} chips instead of "

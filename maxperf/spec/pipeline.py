@@ -115,6 +115,9 @@ def of(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> Schedule | None:
     if stages <= 1:
         return None
     units, step = pipelined_units(model)
+    if not train.scan_layers:
+        raise MaxperfError(f"pipeline parallelism ({stages} stages) runs the decoder as one scanned stack: set "
+                           "scan_layers=true, or ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
     if train.pipeline_parallel_layers not in (-1, units * step):
         raise MaxperfError(f"pipeline_parallel_layers={train.pipeline_parallel_layers}: maxperf pipelines all "
                            f"{units * step} layers of {model.name}; leave it at -1")

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from maxperf.spec import fp8, presets
+from maxperf.spec import fp8, pipeline, presets
 from maxperf.spec import mesh as mesh_mod
 from maxperf.spec import overrides as overrides_mod
 from maxperf.spec import topology as topologies
@@ -88,6 +88,8 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
                   "choose)",)
         configs = dataclasses.replace(configs, parallelism=ParallelismConfig(ici_data=-1, ici_fsdp=keep))
         mesh = mesh_mod.resolve(configs.parallelism, topo)
+    pipeline.of(configs.model, configs.train, mesh)  # a pipeline's schedule: each mistake one line
+    _check_context(configs, mesh)
     if topo.platform == "gpu":
         fp8.check_blocks(configs.train.quantization, configs.model, mesh)
     return Request(topo, configs, mesh, notes + replication_warnings(configs, mesh)
@@ -117,6 +119,22 @@ def _check_experts(model: ModelConfig, mesh: Mesh) -> None:
         raise MaxperfError(f"the expert axis ({mesh.ici['expert']} ICI x {mesh.dcn['expert']} DCN = {ep}) does not "
                            f"divide num_experts={model.num_experts}; choose an ici_expert x dcn_expert product that "
                            f"does, e.g. {fits[-1]}")
+
+
+def _check_context(configs: Configs, mesh: Mesh) -> None:
+    """Context parallelism's load balancing (models/context.py) cuts each sequence into 2 x context chunks, and
+    reorders the tokens, which multi-token prediction's shifted targets do not follow."""
+    cp, train = mesh.axes["sequence"], configs.train
+    if cp <= 1 or not train.context_parallel_load_balance or train.seq_len % cp:
+        return
+    if train.seq_len % (2 * cp):
+        raise MaxperfError(f"context_parallel_load_balance cuts each sequence into 2 x {cp} chunks: seq_len="
+                           f"{train.seq_len} must be a multiple of {2 * cp}, or set "
+                           "context_parallel_load_balance=false")
+    if configs.model.mtp_num_layers:
+        raise MaxperfError("multi-token prediction shifts targets along the sequence, which "
+                           "context_parallel_load_balance reorders: set context_parallel_load_balance=false with "
+                           f"context parallelism ({cp})")
 
 
 def _fsdp_dividing_width(configs: Configs, mesh: Mesh) -> int | None:

@@ -118,6 +118,19 @@ class TrainConfig:
     quantization_local_shard_count: int = -1
     # MaxText's key: its quantization through Qwix (fp8_full, the TPU7x FP8 recipes' value) rather than AQT / flax
     use_qwix_quantization: bool = False
+    # pipeline parallelism over the `stage` mesh axis (ici_pipeline_parallelism, dcn_pipeline_parallelism), MaxText's
+    # keys and defaults (maxperf.spec.pipeline resolves them): -1 microbatches is the stages (2 x the stages with the
+    # forwarding delay), -1 repeats what the layers need; each stage runs num_layers_per_pipeline_stage layers per
+    # repeat; pipeline_parallel_layers -1 pipelines every layer
+    num_pipeline_microbatches: int = -1
+    num_pipeline_repeats: int = -1
+    num_layers_per_pipeline_stage: int = 1
+    pipeline_parallel_layers: int = -1
+    pipeline_delay_activation_forwarding: bool = False
+    pipeline_fsdp_ag_once: bool = False
+    # MaxText's key and default: under context parallelism (ici_context_parallelism, maxperf's sequence axis) each
+    # sequence is reordered so that every shard holds as much of a causal mask's work (models/context.py)
+    context_parallel_load_balance: bool = True
 
     def __post_init__(self) -> None:
         B = self.per_device_batch_size

@@ -52,7 +52,8 @@ class AttentionOptions:
     def from_train(cls, train: TrainConfig) -> AttentionOptions:
         return cls(kernel=AttentionKernel(train.attention), float32_qk_product=train.float32_qk_product,
                    float32_logits=train.float32_logits,
-                   splash_blocks=tuple(getattr(train, name) for name in SPLASH_BLOCKS))
+                   splash_blocks=tuple(getattr(train, name) for name in SPLASH_BLOCKS),
+                   load_balance=train.context_parallel_load_balance)
 
 
 def platform_kind(platform: str) -> str:

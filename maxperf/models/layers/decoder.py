@@ -17,6 +17,10 @@ from maxperf.models.sharding import constrain
 from maxperf.spec.model import ModelConfig
 
 RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
+# the residual stream outside the decoder's layers (the embeddings, the final norm, the logits' input): its batch
+# over the pipeline's stages too, which hold no layers there (MaxText's activation_embed_and_logits_batch); the
+# same as RESIDUAL without a pipeline
+OUTER_RESIDUAL = ("activation_embed_and_logits_batch", "activation_length", "activation_embed")
 
 
 def norm_axis(cfg: ModelConfig) -> str:
