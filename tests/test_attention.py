@@ -121,6 +121,29 @@ def test_splash_in_interpret_mode_matches_dot_product(window, softcap):
 
 
 @pytest.mark.slow
+def test_splash_with_its_fused_backward_matches_dot_product():
+    """sa_use_fused_bwd_kernel: dq, dk and dv from one kernel (the dq kernel's tiles unused), the same values."""
+    q, k, v = _qkv(L=256)
+    ref = _value_and_grads(_dot(0, None), q, k, v)
+    got = _value_and_grads(lambda q, k, v: ak.splash(q, k, v, 0, softcap=None, blocks=(128,) * 8, interpret=True,
+                                                     fused_bwd=True), q, k, v)
+    _assert_all_close(got, ref)
+
+
+def test_splash_backward_counts_the_kernels_it_runs():
+    """perfmodel: splash's default backward is two kernels (dk and dv, then dq), each computing the scores and dP
+    again: 7 matmuls a block against 5 fused; with full remat the forward's two run again, so 4 + 7 against 4 + 5."""
+    from maxperf.perfmodel import estimate
+    from maxperf.spec import resolve
+
+    def attention(*words):
+        e = estimate(resolve("v5p-8", "llama2-7b", ["remat_policy=full", "attention=flash", *words]))
+        return next(r for r in e.breakdown if r.name == "attention (flash kernel)").flops
+
+    assert attention("sa_use_fused_bwd_kernel=true") / attention() == pytest.approx(9 / 11, rel=1e-12)
+
+
+@pytest.mark.slow
 def test_splash_chunks_and_sinks_in_interpret_mode_match_dot_product():
     # splash's ChunkedCausalMask (chunks of 128) with sinks, and the sinks' gradient
     q, k, v = _qkv(L=256)

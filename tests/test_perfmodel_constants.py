@@ -67,20 +67,24 @@ def test_accelerators_fuse_elementwise_passes_that_xla_cpu_runs_on_their_own():
 
 def test_an_estimate_names_the_fitted_and_assumed_constants_it_rests_on():
     e = estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 16, "tensor": 4}, {}))
+    shipped = work.SHIPPED
     assert e.assumptions == (
-        "matmuls at 0.88 of peak (fitted) x m / (m + 666), m a matmul's smallest side (HALF fitted), x the share of "
-        "its 128-wide matrix units a matmul fills",
-        "flash attention at 0.80 of the matmul rate (fitted)",
-        "2.7 elementwise HBM passes over D per token and layer (fitted), 3 over F (assumed)",
-        "fsdp collectives 42% hidden (fitted)",
-        "5 us per collective inside a slice or NVLink domain (assumed), 1500 us per step of its ring across (fitted)",
+        f"matmuls at {chips.MATMUL_FRACTION['tpu-v5p']:.2f} of peak (fitted) x m / (m + {work.MATMUL_HALF['tpu']}), "
+        "m a matmul's smallest side (HALF fitted), x the share of its 128-wide matrix units a matmul fills",
+        f"flash attention at {work.FLASH_EFFICIENCY['tpu']:.2f} of the matmul rate (fitted)",
+        f"{work.ELEMENTWISE_D_PASSES:g} elementwise HBM passes over D per token and layer (fitted), 3 over F (assumed)",
+        f"fsdp collectives {work.Overlap().fsdp:.0%} hidden (fitted)",
+        "5 us per collective inside a slice or NVLink domain (assumed), "
+        f"{shipped.dcn_step_latency['tpu'] * 1e6:g} us per step of its ring across (fitted)",
         "tensor collectives 99% hidden (fitted)",
     )
     assert json.loads(json.dumps(e.as_dict()))["assumptions"] == list(e.assumptions)
     given = estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 64}, {}), overlap=0.3).assumptions
     assert "fsdp collectives 30% hidden (as given)" in given
     h200 = estimate(Request.of(Topo("h200", 16, 8, hosts=2), LLAMA, TRAIN, {"data": 2, "fsdp": 8}, {"data": 2})).assumptions
-    assert h200[0].startswith("matmuls at 0.62 of peak (assumed) x m / (m + 713)")
+    # H200 is H100 SXM's compute (chips.SAME_COMPUTE): its fraction, not fitted on a row of its own
+    assert h200[0].startswith(f"matmuls at {chips.MATMUL_FRACTION['h100-sxm']:.2f} of peak (assumed) x m / "
+                              f"(m + {work.MATMUL_HALF['gpu']})")
     assert "data collectives 0% hidden (fitted)" in h200
 
 
@@ -101,6 +105,9 @@ def test_maxperf_estimate_prints_its_assumptions(capsys):
                               json=False)
     assert cmd_estimate(args) == 0
     out = capsys.readouterr().out
-    assert "\n  assumptions:     matmuls at 0.88 of peak (fitted) x m / (m + 666)" in out
-    assert "\n                   fsdp collectives 42% hidden (fitted)\n" in out
-    assert "\n  uncertainty      +-8%: each source's published runs predicted by constants fitted without them" in out
+    assert (f"\n  assumptions:     matmuls at {chips.MATMUL_FRACTION['tpu-v5p']:.2f} of peak (fitted) x m / "
+            f"(m + {work.MATMUL_HALF['tpu']})") in out
+    assert f"\n                   fsdp collectives {work.Overlap().fsdp:.0%} hidden (fitted)\n" in out
+    held_out = work.HELD_OUT_ERROR["source"][0]
+    assert (f"\n  uncertainty      +-{held_out:.0%}: each source's published runs predicted by constants fitted "
+            "without them") in out

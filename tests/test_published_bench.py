@@ -39,6 +39,8 @@ def _moved(bench):
         lo, hi = bench.BOUNDS[f.name]
         value = getattr(base, f.name)
         moved[f.name] = min(hi, max(lo, value * (0.8 + 0.03 * i) if value else 0.3))
+        if moved[f.name] == value:  # at its upper bound: moved down
+            moved[f.name] = max(lo, value * 0.9)
     return replace(base, **moved)
 
 

@@ -23,15 +23,15 @@ from maxperf.spec.hardware import CHIPS, Chip
 # best shapes over 100 iterations, sit above what training steps reach. Chips without rows take
 # `fraction_without_rows` of the fitted ones. [fit]: bench/published.py (FITTED_ON), per chip n rows.
 MATMUL_FRACTION = {
-    "tpu-v4": 0.82,  # [fit] 6 rows (MaxText v4 table)
-    "tpu-v5e": 0.99,  # [fit] 24 rows (MaxText v5e table)
-    "tpu-v5p": 0.88,  # [fit] 16 rows (MaxText v5p table)
-    "tpu7x": 0.93,  # [fit] 3 rows (tpu-recipes Ironwood)
-    "a100-40gb": 0.79,  # [fit] 4 rows (MPT)
-    "a100-80gb": 0.83,  # [fit] 9 rows (MPT)
-    "h100-sxm": 0.62,  # [fit] 19 rows (MPT, MaxText A3)
+    "tpu-v4": 0.814,  # [fit] 6 rows (MaxText v4 table)
+    "tpu-v5e": 0.995,  # [fit] 24 rows (MaxText v5e table)
+    "tpu-v5p": 0.882,  # [fit] 16 rows (MaxText v5p table)
+    "tpu7x": 0.978,  # [fit] 5 rows (tpu-recipes Ironwood)
+    "a100-40gb": 0.775,  # [fit] 4 rows (MPT)
+    "a100-80gb": 0.824,  # [fit] 9 rows (MPT)
+    "h100-sxm": 0.616,  # [fit] 21 rows (MPT, MaxText A3, NVIDIA Megatron-Bridge)
 }
-FITTED_ON = "bench/published.py, 2026-11-25, 81 rows"
+FITTED_ON = "bench/published.py, 2026-11-27, 86 rows"
 # Chips whose tensor cores, clocks and power limit are another's: H200 is H100 SXM's compute at the same 700 W with
 # more and faster HBM ([h200]; [mamf] "H200 is the same")
 SAME_COMPUTE = {"h200": "h100-sxm"}

@@ -40,8 +40,19 @@ TRAIN_FACTOR = 3
 # blocks); the CPU's blockwise kernel masks every block like the dot product (steptime handles CPUs).
 ATTENTION_SKIPS_MASKED = {"dot_product": False, "flash": True}
 # Flash attention's backward runs five matmuls per score block (the scores again, dV, dP, dQ, dK: Dao et al. 2022,
-# algorithm 2) against the forward's two.
+# algorithm 2) against the forward's two, where one kernel computes dQ, dK and dV together (FlashAttention-2 and
+# cuDNN's on GPU; splash with sa_use_fused_bwd_kernel). Splash's default backward is two kernels, each computing the
+# scores and dP again: dK and dV over the key tiles (4 matmuls), dQ over the query tiles (3): seven
+# (jax.experimental.pallas.ops.tpu.splash_attention: _splash_attention_bwd_dkv and _bwd_dq).
 FLASH_BACKWARD_MATMULS = 5
+SPLASH_SPLIT_BACKWARD_MATMULS = 7
+
+
+def flash_backward_matmuls(train: TrainConfig, kind: str) -> int:
+    """The matmuls per score block of a flash kernel's backward on a chip kind ("tpu": splash, split unless
+    sa_use_fused_bwd_kernel)."""
+    split = kind == "tpu" and not train.sa_use_fused_bwd_kernel
+    return SPLASH_SPLIT_BACKWARD_MATMULS if split else FLASH_BACKWARD_MATMULS
 
 def attention_kernel(train: TrainConfig) -> str:
     """"flash" or "dot_product": `auto` is flash (splash on TPU, Pallas on GPU, blockwise on CPU), as MaxText picks;
@@ -362,8 +373,10 @@ DISPATCH_BACKWARD_EINSUMS = 1
 COMBINE_BACKWARD_EINSUMS = 2
 
 
-def count_flops(model: ModelConfig, train: TrainConfig, params_per_device: float | None = None) -> FlopCounts:
-    """`params_per_device`: the parameters this device's optimizer updates (its shard); all of them if None."""
+def count_flops(model: ModelConfig, train: TrainConfig, params_per_device: float | None = None,
+                kind: str = "gpu") -> FlopCounts:
+    """`params_per_device`: the parameters this device's optimizer updates (its shard); all of them if None;
+    `kind`: the chip kind, whose flash kernel's backward the executed FLOPs count (flash_backward_matmuls)."""
     # a step is A microbatches of B examples per device (MaxText's per_device_batch_size is one microbatch)
     B, L, N = train.per_device_batch_size * train.grad_accum_steps, train.seq_len, model.num_layers
     params = count_params(model)
@@ -376,8 +389,9 @@ def count_flops(model: ModelConfig, train: TrainConfig, params_per_device: float
     kernel = attention_kernel(train)
     attn_exec_fwd = attention_fwd_flops(model, B, L, executed=True, kernel=kernel)
     # the backward: twice the forward for the dot product's einsums; flash recomputes the scores in its own
-    # backward kernel (FLASH_BACKWARD_MATMULS against the forward's two)
-    attn_exec_bwd = attn_exec_fwd * (FLASH_BACKWARD_MATMULS / 2 if kernel == "flash" else 2)
+    # backward kernel (flash_backward_matmuls against the forward's two)
+    flash_bwd = flash_backward_matmuls(train, kind) / 2
+    attn_exec_bwd = attn_exec_fwd * (flash_bwd if kernel == "flash" else 2)
     # remat: the named projections and attention pieces the backward computes again (see `recomputed`); measured
     # here for full: tiny shape on v5p-8, scan_layers=false: XLA's extra FLOPs of full over none = 0.813e9 = this
     # count (tests/test_perfmodel_xla_flops.py)
@@ -402,7 +416,7 @@ def count_flops(model: ModelConfig, train: TrainConfig, params_per_device: float
     weight_fwd += mtp.weights
     attn_model_fwd += mtp.attention
     attn_exec_fwd += mtp.attention_executed
-    attn_exec_bwd += mtp.attention_executed * (FLASH_BACKWARD_MATMULS / 2 if kernel == "flash" else 2)
+    attn_exec_bwd += mtp.attention_executed * (flash_bwd if kernel == "flash" else 2)
     recompute += mtp.recompute
     shard = params.total if params_per_device is None else params_per_device
     optimizer = OPTIMIZER_FLOPS_PER_PARAM * shard

@@ -19,9 +19,9 @@ from maxperf.perfmodel.flops import (
     ATTENTION_SKIPS_MASKED,
     COMBINE_BACKWARD_EINSUMS,
     DISPATCH_BACKWARD_EINSUMS,
-    FLASH_BACKWARD_MATMULS,
     attention_kernel,
     executed_pairs,
+    flash_backward_matmuls,
     gated,
     head_dims,
     is_mla,
@@ -187,7 +187,7 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
         scores_fwd, context_fwd = 1 + ("scores" in again), 1 + ("context" in again)
         if flash_rate:
             # the forward kernel (2 matmuls), again where remat recomputes it, and the backward kernel's
-            flops = 2 * a.L * L * (Dq + Dv) / 2 * (2 * context_fwd + FLASH_BACKWARD_MATMULS) * count
+            flops = 2 * a.L * L * (Dq + Dv) / 2 * (2 * context_fwd + flash_backward_matmuls(train, chip.kind)) * count
             if "flash" not in table.assumed:  # once, not per layer
                 table.assume("flash", f"flash attention at {flash_rate:.2f} of the matmul rate (fitted)")
             table.flash("attention (flash kernel)", flops, Dq, Dv)

@@ -85,6 +85,9 @@ class TrainConfig:
     sa_block_kv_dkv_compute: int = 512
     sa_block_q_dq: int = 512
     sa_block_kv_dq: int = 512
+    # MaxText's key and default: splash's backward as two kernels (dq; dk and dv), each computing the scores and
+    # their gradient again, or (true) as one
+    sa_use_fused_bwd_kernel: bool = False
     # MaxText's num_vocab_tiling: the loss over this many chunks of the tokens, each chunk's [B, L/n, V] logits
     # computed in the forward and again in the backward, so the whole [B, L, V] logits never exist
     num_vocab_tiling: int = 1

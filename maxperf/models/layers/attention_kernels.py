@@ -45,6 +45,7 @@ class AttentionOptions:
     float32_qk_product: bool = False
     float32_logits: bool = False
     splash_blocks: tuple[int, ...] = (512,) * 8  # in SPLASH_BLOCKS order
+    fused_bwd: bool = False  # sa_use_fused_bwd_kernel: splash's backward as one kernel (dq, dk and dv together)
     interpret: bool = False  # run Pallas kernels in interpret mode (tests on CPU)
     load_balance: bool = False  # context_parallel_load_balance: sequences come reordered under context parallelism
 
@@ -53,6 +54,7 @@ class AttentionOptions:
         return cls(kernel=AttentionKernel(train.attention), float32_qk_product=train.float32_qk_product,
                    float32_logits=train.float32_logits,
                    splash_blocks=tuple(getattr(train, name) for name in SPLASH_BLOCKS),
+                   fused_bwd=train.sa_use_fused_bwd_kernel,
                    load_balance=train.context_parallel_load_balance)
 
 
@@ -88,7 +90,8 @@ def attend(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, *, softcap: float | Non
                            sinks_KxG=sinks_KxG, ids=context.query_ids(L, cp, balanced))
     if impl == "splash":
         return splash(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=softcap, blocks=options.splash_blocks,
-                      windows=windows, interpret=options.interpret, sinks_KxG=sinks_KxG, cp=(cp_axes, cp, balanced))
+                      windows=windows, interpret=options.interpret, sinks_KxG=sinks_KxG, cp=(cp_axes, cp, balanced),
+                      fused_bwd=options.fused_bwd)
     if cp > 1:
         return blockwise_context(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, sinks_KxG, softcap,
                                  (cp_axes, cp, balanced))
@@ -299,15 +302,17 @@ def _head_specs(B: int, H: int, K: int):
 
 
 def splash(q, k, v, window, *, softcap, blocks: tuple[int, ...], windows: tuple[int, ...] = (0,),
-           interpret: bool = False, sinks_KxG: jax.Array | None = None, cp=((), 1, False)) -> jax.Array:
-    """`cp`: (the mesh axes splitting the sequence, their product, whether the sequence came balanced)."""
+           interpret: bool = False, sinks_KxG: jax.Array | None = None, cp=((), 1, False),
+           fused_bwd: bool = False) -> jax.Array:
+    """`cp`: (the mesh axes splitting the sequence, their product, whether the sequence came balanced);
+    `fused_bwd`: the backward as one kernel (MaxText's sa_use_fused_bwd_kernel), the dq kernel's tiles unused."""
     if cp[1] > 1:
         return _splash_context(q, k, v, window, softcap=softcap, blocks=blocks, windows=windows, interpret=interpret,
-                               sinks_KxG=sinks_KxG, cp=cp)
+                               sinks_KxG=sinks_KxG, cp=cp, fused_bwd=fused_bwd)
     B, L, K, G, Dh = q.shape
     q_BxHxLxDh = jnp.einsum("BLKGd->BKGLd", q).reshape(B, K * G, L, Dh)
     k_BxKxLxDh, v_BxKxLxDh = jnp.einsum("BLKd->BKLd", k), jnp.einsum("BLKd->BKLd", v)
-    kernel_blocks = dict(zip(SPLASH_BLOCKS, (min(x, L) for x in blocks)))
+    kernel_blocks = {**dict(zip(SPLASH_BLOCKS, (min(x, L) for x in blocks))), FUSED: fused_bwd}
 
     sinks_H = None if sinks_KxG is None else sinks_KxG.astype(jnp.float32).reshape(K * G)
 
@@ -339,6 +344,9 @@ def splash(q, k, v, window, *, softcap, blocks: tuple[int, ...], windows: tuple[
     return jnp.einsum("BKGLd->BLKGd", o_BxHxLxDh.reshape(B, K, G, L, v.shape[-1]))
 
 
+FUSED = "use_fused_bwd_kernel"  # beside the tiles in a kernel's blocks: the backward as one kernel
+
+
 def _splash_kernel(H: int, L: int, window: int, softcap, blocks: dict, interpret: bool, head_shards: int = 1,
                    q_seq_shards: int = 1, q_ids=None):
     """`q_ids`: each query row's place in the sequence (a balanced reorder's), None: in order."""
@@ -353,13 +361,17 @@ def _splash_kernel(H: int, L: int, window: int, softcap, blocks: dict, interpret
         mask = sm.CausalMask((L, L))
     if q_ids is not None:  # the masks compare positions through q_sequence, and hash and compare by it
         mask.q_sequence = np.asarray(q_ids, np.int32)
-    sizes = sk.BlockSizes(**{name.removeprefix("sa_"): value for name, value in blocks.items()})
+    fused = blocks.get(FUSED, False)
+    sizes = sk.BlockSizes(use_fused_bwd_kernel=fused, **{
+        name.removeprefix("sa_"): value for name, value in blocks.items()
+        if name != FUSED and not (fused and name.endswith("_dq"))})
     return sk.make_splash_mha(sm.MultiHeadMask([mask] * H), block_sizes=sizes, head_shards=head_shards,
                               q_seq_shards=q_seq_shards, attn_logits_soft_cap=softcap,
                               residual_checkpoint_name="context", interpret=interpret)
 
 
-def _splash_context(q, k, v, window, *, softcap, blocks, windows, interpret, sinks_KxG, cp) -> jax.Array:
+def _splash_context(q, k, v, window, *, softcap, blocks, windows, interpret, sinks_KxG, cp,
+                    fused_bwd: bool = False) -> jax.Array:
     """Splash attention under context parallelism, as MaxText's all-gather path: the kernel's mask split by query
     shard (q_seq_shards) and by head shard, each device's queries against the keys and values gathered whole (back
     in sequence order where the sequence came balanced)."""
@@ -380,6 +392,7 @@ def _splash_context(q, k, v, window, *, softcap, blocks, windows, interpret, sin
     # query tiles within a device's share of the sequence, key tiles within the whole
     kernel_blocks = {name: min(x, L // n if name.startswith("sa_block_q") else L) for name, x in zip(SPLASH_BLOCKS,
                                                                                                   blocks)}
+    kernel_blocks[FUSED] = fused_bwd
     ids = context.query_ids(L, n, balanced)
     choices = [window] if isinstance(window, int) else sorted(set(windows))
     kernels = [_splash_kernel(H, L, w, softcap, kernel_blocks, interpret, head_shards, n, ids) for w in choices]
