@@ -376,7 +376,7 @@ COMPILE_PROGRESS = ["devices", "abstract state", "lowering", "compiling", "writi
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _have_plugins(), reason="libtpu and the CUDA plugin are not both installed")
+@pytest.mark.skipif(not _have_plugins(), reason="needs the tpu and gpu extras: pip install 'maxperf[tpu,gpu]'")
 @pytest.mark.parametrize("argv, progress", [
     (["compile", "--topology", "v5p-8", "--out", "c"], COMPILE_PROGRESS),
     (["compile", "--topology", "h100-8", "--out", "c"], COMPILE_PROGRESS),
@@ -542,6 +542,8 @@ def test_every_json_command_prints_an_error_document_on_stdout(capfd, tmp_path):
                   "unknown topology 'v5p-9'"),
         "plan": (["plan", "--model", "tiny", "--topology", "v5p-9", "--out", str(tmp_path / "p"), "--json"],
                  "unknown topology 'v5p-9'"),
+        "keys": (["keys", "--json", "extra"], "maxperf keys: unrecognized arguments: extra"),
+        "cache": (["cache", "list", "--older-than", "2", "--json"], "--older-than is for `maxperf cache clear`"),
     }
     assert set(failing) == _json_commands()
     for command, (argv, says) in failing.items():
@@ -553,9 +555,93 @@ def test_every_json_command_prints_an_error_document_on_stdout(capfd, tmp_path):
         doc = json.loads(out)
         assert code == 2 and doc == {"schema": "maxperf.error/1", "error": doc["error"], "exit": 2}, (command, out)
         assert says in doc["error"], (command, doc)
-        if command in ("models", "topologies"):
+        if command in ("models", "topologies", "keys"):  # argparse's usage errors
             assert err.splitlines()[-1] == doc["error"].replace(": ", ": error: ", 1), err
         else:
             assert err == f"maxperf: error: {doc['error']}\n", (command, err)
     assert main(["estimate", "--topology", "v5p-9", "--model", "tiny"]) == 2
     assert capfd.readouterr().out == ""  # without --json, stdout stays empty
+
+
+# MaxText command lines as they are
+
+
+def test_a_maxtext_command_line_names_the_request_its_options_would(capsys):
+    """train_compile's words (its config file, model_name, compile_topology and compile_topology_num_slices) give the
+    same estimate as maxperf's options; the words that change nothing of the step are named once and ignored."""
+    code, out, err = run_main(capsys, "estimate", "--json", "maxtext/configs/base.yml", "model_name=llama2-7b",
+                              "compile_topology=v5p-256", "compile_topology_num_slices=2", "steps=10",
+                              "run_name=x", "dataset_type=synthetic", "base_output_directory=gs://b",
+                              "per_device_batch_size=2")
+    assert code == 0, err
+    mine = run_main(capsys, "estimate", "--json", "--model", "llama2-7b", "--topology", "v5p-256", "--num-slices",
+                    "2", "per_device_batch_size=2")
+    assert json.loads(out) == json.loads(mine[1])
+    assert err.splitlines() == ["maxperf: note: MaxText's maxtext/configs/base.yml, steps, run_name, dataset_type, "
+                                "base_output_directory change nothing of the step: ignored"]
+
+
+def test_maxtexts_scaled_default_model_is_the_scaled_family(capsys):
+    assert parse_args(build_parser(), ["estimate", "global_parameter_scale=8", "compile_topology=v5p-8"]).model == \
+        "scaled-8"
+    assert parse_args(build_parser(), ["compile", "model_name=default", "compile_topology=v5p-8"]).model == "scaled-1"
+    assert parse_args(build_parser(), ["estimate", "model_name=deepseek3-671b", "compile_topology=v5p-8"]).model == \
+        "deepseek-v3"
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["estimate", "model_name=llama9", "compile_topology=v5p-8"], "model_name=llama9 names no model maxperf has; did "
+                                                                  "you mean llama3-8b"),
+    (["estimate", "--model", "tiny"], "the following arguments are required: --topology (or MaxText's "
+                                      "compile_topology=)"),
+    (["estimate", "--model", "tiny", "--topology", "v5p-8", "compile_topology=v5p-16"],
+     "--topology v5p-8 and compile_topology=v5p-16 disagree: give one"),
+    (["estimate", "model_name=llama2-7b", "global_parameter_scale=4", "compile_topology=v5p-8"],
+     "global_parameter_scale=4 grows MaxText's default model"),
+    (["estimate", "--model", "tiny", "--topology", "v5p-8", "steps_to_run=5"], "unknown override key 'steps_to_run'"),
+])
+def test_maxtext_words_maxperf_cannot_take_are_one_line_exit_2(capsys, argv, line):
+    try:  # a usage error leaves through argparse (SystemExit), a bad key through main's one line
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and line in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
+def test_keys_describes_every_key(capsys):
+    """Every override key with its config, type, default, bound, MaxText's spellings and a meaning; --json the same."""
+    from maxperf.spec import overrides
+
+    code, out, _ = run_main(capsys, "keys", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["schema"] == "maxperf.keys/1"
+    rows = {k["key"]: k for k in doc["keys"]}
+    assert sorted(rows) == overrides.valid_keys()
+    assert all(k["meaning"] and k["type"] and k["config"] in ("model", "train", "parallelism") for k in rows.values())
+    assert rows["seq_len"]["maxtext"] == ["max_target_length"] and rows["seq_len"]["bound"] == 1 << 21
+    assert rows["ici_stage"]["maxtext"] == ["ici_pipeline_parallelism"] and rows["ici_stage"]["default"] == 1
+    assert rows["remat_policy"]["default"] == "full" and "minimal" in rows["remat_policy"]["type"].split("|")
+    assert rows["sa_use_fused_bwd_kernel"] == {"key": "sa_use_fused_bwd_kernel", "config": "train", "type": "bool",
+                                               "default": False, "bound": None, "maxtext": [],
+                                               "meaning": "splash's backward as one kernel instead of two"}
+    code, out, _ = run_main(capsys, "keys")
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == 1 + len(rows)
+    assert any(line.startswith("seq_len ") and "(max_target_length)" in line for line in lines)
+
+
+def test_a_long_phase_says_it_is_still_working(capsys, monkeypatch):
+    """XLA's compile can be silent for minutes: while a phase lasts, a line every STILL_RUNNING_S (shortened here)."""
+    from maxperf.cli import common
+
+    monkeypatch.setitem(common.STILL_RUNNING_S, "other", 1.0)
+    say = common.progress()
+    say("compiling")
+    time.sleep(2.6)
+    say("writing artifacts")
+    lines = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(PROGRESS + "compiling", lines[0]) and re.fullmatch(PROGRESS + "writing artifacts", lines[-1])
+    middle = lines[1:-1]
+    assert len(middle) >= 1 and all(re.fullmatch(PROGRESS + r"still working \(\d+ s since the last step above\)", x)
+                                    for x in middle), lines

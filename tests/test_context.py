@@ -86,7 +86,8 @@ def test_splash_split_over_the_sequence_equals_the_dot_product(balanced, window)
     _assert_close(got, ref)
 
 
-@pytest.mark.parametrize("balanced", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("balanced", [True, False])
 def test_a_step_with_the_sequence_split_gives_the_unsplit_loss(balanced):
     """The train step over 4 CPU devices with the sequence split in 2 (MaxText's context parallelism, the batch
     reordered by its load balancing or not) takes the same two losses as with fsdp alone, from the same state."""

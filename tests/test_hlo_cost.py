@@ -341,7 +341,8 @@ def test_cpu_scan_counts_every_layer_where_cost_analysis_counts_one(grad):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="needs the tpu extra: pip install 'maxperf[tpu]'")
 def test_tpu_scan_trip_count_from_the_condition_and_unrolled_matches_cost_analysis():
     from maxperf.aot import targets
 
@@ -436,7 +437,8 @@ def test_triton_flash_kernel_flops_from_operand_shapes(name, result, flops):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="needs the tpu extra: pip install 'maxperf[tpu]'")
 def test_tiny_splash_compile_counts_every_layer_and_its_kernels(tmp_path):
     from maxperf.aot import compiler
 

@@ -132,6 +132,7 @@ def _grads(*words):
     return grads
 
 
+@pytest.mark.slow
 def test_layer_axis_second_is_the_same_model():
     """param_scan_axis 1 (MaxText's default) moves the scanned weights' layer axis, nothing else: the same initial
     values, moved, and the same losses as param_scan_axis 0."""

@@ -342,6 +342,7 @@ def test_each_step_moves_every_layers_bias_by_its_loads_exactly(scan):
                                       (0.02 * np.sign(mean - counts)).astype(np.float32))
 
 
+@pytest.mark.slow
 def test_the_bias_moves_the_loads_towards_balance():
     model, train, batch = balanced_tiny(True, rate=0.01)
     state = train_step.init_fn(model, train)(jax.random.PRNGKey(0))

@@ -105,6 +105,7 @@ def test_the_loss_adds_the_depths_mean_cross_entropy_times_the_scaling_factor(na
     assert float(off["mtp_loss"]) == 0.0
 
 
+@pytest.mark.slow
 def test_a_tiny_model_with_mtp_learns_the_sequence():
     model, train = with_mtp("tiny-mla", 1), train_cfg(learning_rate=3e-3)
     state = train_step.init_fn(model, train)(jax.random.PRNGKey(0))

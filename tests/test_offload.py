@@ -66,7 +66,8 @@ def test_offloaded_state_crosses_the_host_link_both_ways(offload, states):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="needs the tpu extra: pip install 'maxperf[tpu]'")
 def test_offloaded_state_compiles_for_tpu_in_pinned_host_memory(tmp_path):
     from maxperf.aot import compiler
 

@@ -92,6 +92,7 @@ def test_an_earlier_artifact_is_replaced_and_a_foreign_file_in_it_is_refused(com
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]
 
 
+@pytest.mark.slow
 def test_a_compile_artifact_is_not_replaced_by_a_run(compiled, tmp_path):
     out = tmp_path / "art"
     aot.compile("cpu-8", "tiny", TINY, out=out)
@@ -301,3 +302,60 @@ def test_profile_files_are_in_the_output_directory(compiled, tmp_path):
     files = json.loads((tmp_path / "p" / "run.json").read_text())["profile"]["files"]
     assert files and files == result.profile["files"]
     assert all(f.startswith(str(tmp_path / "p" / "trace") + os.sep) and os.path.isfile(f) for f in files)
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o077, 0o700), (0o002, 0o775)])
+def test_an_output_directory_takes_the_users_umask(tmp_path, umask, mode):
+    """The artifact is written in a temporary directory renamed into place: it ends with the mode a mkdir would give
+    it, not tempfile's 0700."""
+    from maxperf.aot import artifacts
+
+    previous = os.umask(umask)
+    try:
+        writer = artifacts.ArtifactWriter(tmp_path / "out", "compile")
+        writer.write_text("a.txt", "x")
+        out = writer.commit()
+    finally:
+        os.umask(previous)
+    assert (out.stat().st_mode & 0o777) == mode
+
+
+def _cached(k: str, size: int, label: str):
+    from maxperf.aot import cache
+
+    cache.put(k, cache.Entry(payload=b"x" * size, in_tree="t", out_tree="t", memory={}, xla_cost=None,
+                             optimized_hlo="", compile_seconds=1.0, label=label))
+
+
+def test_the_compile_cache_keeps_to_its_bound_least_recently_used_first(tmp_path, monkeypatch):
+    from maxperf.aot import cache
+
+    monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.setenv("MAXPERF_CACHE_MAX_BYTES", str(2500))
+    for i, k in enumerate(("a" * 64, "b" * 64)):
+        _cached(k, 1000, f"step {i}")
+        os.utime(cache.directory() / k / cache.USED, (1000 + i, 1000 + i))
+    assert cache.get("a" * 64) is not None  # a hit: "a" is now the most recently used
+    _cached("c" * 64, 1000, "step 2")  # past 2500 bytes: "b", used least recently, goes
+    assert sorted(e.key[0] for e in cache.entries()) == ["a", "c"]
+    assert [e.label for e in cache.entries()][0] == "step 2"
+
+
+def test_maxperf_cache_sizes_lists_and_clears(tmp_path, monkeypatch, capsys):
+    from maxperf.cli import main
+
+    monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path / "c"))
+    _cached("d" * 64, 2 << 20, "tiny on cpu-2")
+    assert main(["cache", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == "maxperf.cache/1" and [e["label"] for e in doc["entries"]] == ["tiny on cpu-2"]
+    assert doc["bytes"] > 2 << 20 and doc["max_bytes"] == 10 << 30
+    assert main(["cache", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "1 entries, 2.0 MiB" in out and "dddddddddddddddd" in out and "tiny on cpu-2" in out
+    assert main(["cache", "clear", "--older-than", "1"]) == 0  # used just now: kept
+    assert "removed 0 entries" in capsys.readouterr().out
+    assert main(["cache", "clear"]) == 0
+    assert "removed 1 entries (2.0 MiB)" in capsys.readouterr().out
+    assert main(["cache", "list", "--older-than", "1"]) == 2
+    assert capsys.readouterr().err.strip() == "maxperf: error: --older-than is for `maxperf cache clear`"

@@ -149,15 +149,14 @@ def _pipelined_against_unpipelined(preset: str, words: tuple[str, ...], pipe: tu
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, words, pipe", [
-    ("tiny", ("num_layers=4",), ()),  # 2 stages, 2 repeats of one layer (MaxText's -1)
-    pytest.param("tiny", ("num_layers=4",), ("num_pipeline_microbatches=4", "num_layers_per_pipeline_stage=2"),
-                 marks=pytest.mark.slow),
-    pytest.param("tiny", ("num_layers=4",),
-                 ("num_pipeline_microbatches=4", "pipeline_delay_activation_forwarding=true"), marks=pytest.mark.slow),
-    pytest.param("tiny", ("num_layers=4",), ("pipeline_fsdp_ag_once=true",), marks=pytest.mark.slow),
-    pytest.param("tiny-moe", (), (), marks=pytest.mark.slow),
-    pytest.param("tiny-mla", (), (), marks=pytest.mark.slow),
+    ("tiny", ("num_layers=4",), ()),  # 2 stages, 2 repeats of a layer (MaxText's -1)
+    ("tiny", ("num_layers=4",), ("num_pipeline_microbatches=4", "num_layers_per_pipeline_stage=2")),
+    ("tiny", ("num_layers=4",), ("num_pipeline_microbatches=4", "pipeline_delay_activation_forwarding=true")),
+    ("tiny", ("num_layers=4",), ("pipeline_fsdp_ag_once=true",)),
+    ("tiny-moe", (), ()),
+    ("tiny-mla", (), ()),
 ])
 def test_the_pipelined_decoder_equals_the_unpipelined_one(preset, words, pipe):
     """Loss equal to 1e-5 and gradients to 1e-4 of each one's largest entry (float32: the pipelined step sums its

@@ -15,7 +15,8 @@ from maxperf.spec.mesh import resolve as resolve_mesh
 from maxperf.spec.parallelism import ParallelismConfig
 from maxperf.spec.request import resolve
 
-needs_cuda_plugin = pytest.mark.skipif(gpu_targets.plugin_library() is None, reason="CUDA plugin not installed")
+needs_cuda_plugin = pytest.mark.skipif(gpu_targets.plugin_library() is None,
+                                       reason="needs the gpu extra: pip install 'maxperf[gpu]'")
 
 # --- the mesh over fast-interconnect domains -------------------------------------------------------------------
 

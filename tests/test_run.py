@@ -84,6 +84,7 @@ def test_profile_writes_a_trace_and_summarizes_it(artifact, tmp_path):
     assert prof["open_command"] == f"maxperf xprof {tmp_path / 'p' / 'trace'}"  # served on 127.0.0.1 only
 
 
+@pytest.mark.slow
 def test_restored_run_continues_the_loss(artifact, tmp_path):
     straight = runner.run(artifact, steps=6, warmup=0, out=tmp_path / "a")
     first = runner.run(artifact, steps=3, warmup=0, out=tmp_path / "b", checkpoint=tmp_path / "ckpt")
@@ -93,6 +94,7 @@ def test_restored_run_continues_the_loss(artifact, tmp_path):
     assert resumed.losses == pytest.approx(straight.losses[3:], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_token_file_feeds_the_step(artifact, tmp_path):
     import numpy as np
 

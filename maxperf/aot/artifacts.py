@@ -275,6 +275,13 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def directory_mode() -> int:
+    """The mode a new directory gets under the process's umask (tempfile.mkdtemp makes its directories 0700)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o777 & ~mask
+
+
 class ArtifactWriter:
     """Collects files in a temporary directory beside `out` and moves them into place in one rename.
 
@@ -292,6 +299,7 @@ class ArtifactWriter:
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
             self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".partial", dir=self.out.parent))
+            os.chmod(self.tmp, directory_mode())  # mkdtemp's 0700 made the user's umask's
         except OSError as e:
             self._unlock()
             raise OutputRefused(f"--out {self.out}: cannot write in {self.out.parent} ({e.strerror})") from None

@@ -7,6 +7,9 @@ the library versions.
 
 A second store can be shared (`share`): on a cluster (maxperf.search.cluster), every node's compiles ask the machine
 that started them after a miss here, and give it what they compile, so a step is compiled once anywhere.
+
+The cache holds at most `max_bytes()` (MAXPERF_CACHE_MAX_BYTES, default 10 GiB): after each new entry the entries
+used least recently go until it fits. `maxperf cache` lists, sizes and clears it (`entries`, `clear`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,6 +27,7 @@ from typing import Any, Protocol
 from maxperf.user_cache import cache_dir
 
 SCHEMA = "maxperf.compile-cache/1"
+DEFAULT_MAX_BYTES = 10 << 30
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,24 @@ class Entry:
     xla_cost: dict[str, float] | None  # XLA's cost analysis, None where the compiler gives none
     optimized_hlo: str
     compile_seconds: float  # how long the original compile took
+    label: str = ""  # what was compiled, for `maxperf cache list` ("llama2-7b on v5p-8", a user's step)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One entry as the cache holds it."""
+
+    key: str
+    bytes: int
+    label: str
+    created: float  # seconds since the epoch
+    used: float  # the last hit, or the creation
+
+
+def max_bytes() -> int:
+    """MAXPERF_CACHE_MAX_BYTES, else DEFAULT_MAX_BYTES; a value that is not a whole number of bytes is the default."""
+    text = os.environ.get("MAXPERF_CACHE_MAX_BYTES", "")
+    return int(text) if text.isdigit() else DEFAULT_MAX_BYTES
 
 
 class SharedStore(Protocol):
@@ -90,11 +113,16 @@ def _local(k: str) -> Entry | None:
         payload = (path / "executable.bin").read_bytes()
         if hashlib.sha256(payload).hexdigest() != meta["executable_sha256"]:
             return None
-        return Entry(payload=payload, in_tree=meta["in_tree"], out_tree=meta["out_tree"], memory=meta["memory"],
-                     xla_cost=meta["xla_cost"], optimized_hlo=(path / "optimized.hlo.txt").read_text(),
-                     compile_seconds=meta["compile_seconds"])
+        entry = Entry(payload=payload, in_tree=meta["in_tree"], out_tree=meta["out_tree"], memory=meta["memory"],
+                      xla_cost=meta["xla_cost"], optimized_hlo=(path / "optimized.hlo.txt").read_text(),
+                      compile_seconds=meta["compile_seconds"], label=meta.get("label", ""))
     except (OSError, ValueError, KeyError):
         return None
+    try:
+        (path / USED).touch()  # the last use, which eviction goes by
+    except OSError:
+        pass
+    return entry
 
 
 def put(k: str, entry: Entry) -> None:
@@ -117,6 +145,7 @@ def _store(k: str, entry: Entry) -> None:
         meta = {k2: v for k2, v in asdict(entry).items() if k2 not in ("payload", "optimized_hlo")}
         meta.update(schema=SCHEMA, executable_sha256=hashlib.sha256(entry.payload).hexdigest())
         (tmp / "meta.json").write_text(json.dumps(meta))
+        (tmp / USED).touch()
         final = root / k
         if final.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -124,3 +153,56 @@ def _store(k: str, entry: Entry) -> None:
             os.replace(tmp, final)
     except OSError:
         return
+    evict(max_bytes(), keep=k)
+
+
+USED = "used"  # an empty file in each entry, touched on each hit
+
+
+def entries() -> list[Stored]:
+    """Every complete entry, the most recently used first."""
+    root = directory()
+    out = []
+    for path in root.iterdir() if root.is_dir() else ():
+        if path.name.startswith(".") or not path.is_dir():
+            continue  # an entry being written
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+            size = sum(f.stat().st_size for f in path.iterdir())
+            created = (path / "meta.json").stat().st_mtime
+            used = (path / USED).stat().st_mtime if (path / USED).exists() else created
+        except (OSError, ValueError):
+            continue
+        out.append(Stored(path.name, size, meta.get("label", ""), created, used))
+    return sorted(out, key=lambda e: -e.used)
+
+
+def evict(limit: int, keep: str | None = None) -> list[Stored]:
+    """Removes the entries used least recently until the cache holds at most `limit` bytes (never `keep`, the entry
+    just stored); the entries removed."""
+    held = entries()
+    total = sum(e.bytes for e in held)
+    removed = []
+    for e in reversed(held):  # least recently used first
+        if total <= limit:
+            break
+        if e.key == keep:
+            continue
+        shutil.rmtree(directory() / e.key, ignore_errors=True)
+        total -= e.bytes
+        removed.append(e)
+    return removed
+
+
+def clear(older_than_s: float | None = None) -> list[Stored]:
+    """Removes every entry (or those not used for `older_than_s` seconds), and what an interrupted write left; the
+    entries removed."""
+    now = time.time()
+    gone = [e for e in entries() if older_than_s is None or now - e.used > older_than_s]
+    for e in gone:
+        shutil.rmtree(directory() / e.key, ignore_errors=True)
+    if older_than_s is None and directory().is_dir():
+        for path in directory().iterdir():  # half-written entries of a killed compile
+            if path.name.startswith("."):
+                shutil.rmtree(path, ignore_errors=True)
+    return gone

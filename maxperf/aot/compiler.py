@@ -279,7 +279,9 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
         entry = cache.Entry(payload=payload, in_tree=str(in_tree), out_tree=str(out_tree),
                             memory=memory_fields(compiled.memory_analysis()), xla_cost=xla_cost(compiled),
-                            optimized_hlo=compiled.as_text(), compile_seconds=time.perf_counter() - t)
+                            optimized_hlo=compiled.as_text(), compile_seconds=time.perf_counter() - t,
+                            label=f"{p.model.name} on {topo.name}" + (f" x{topo.num_slices}" if topo.num_slices > 1
+                                                                      else ""))
         cache.put(key, entry)
     compile_seconds = time.perf_counter() - t
     say("writing artifacts")

@@ -152,7 +152,7 @@ def _compile_into(writer, request: UserRequest, user: Step, mesh, lowered, say, 
         entry = cache.Entry(payload=payload, in_tree=str(in_tree), out_tree=str(out_tree),
                             memory=compiler.memory_fields(compiled.memory_analysis()),
                             xla_cost=compiler.xla_cost(compiled), optimized_hlo=compiled.as_text(),
-                            compile_seconds=time.perf_counter() - t)
+                            compile_seconds=time.perf_counter() - t, label=f"--step {user.name} on {topo.name}")
         cache.put(key, entry)
     compile_seconds = time.perf_counter() - t
     say("reading the step time from the optimized HLO")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from maxperf.cli.common import GIB, JSON_HELP, print_json
-from maxperf.spec import overrides, presets
+from maxperf.spec import keys, presets
 from maxperf.spec import topology as topologies
+
+KEYS_SCHEMA = "maxperf.keys/1"
 
 
 def cmd_models(args) -> int:
@@ -50,12 +52,18 @@ def cmd_topologies(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    aliases: dict[str, list[str]] = {}
-    for alias, key in overrides.ALIASES.items():
-        aliases.setdefault(key, []).append(alias)
-    for key in overrides.valid_keys():
-        extra = f"  (MaxText: {', '.join(aliases[key])})" if key in aliases else ""
-        print(f"{key}{extra}")
+    described = keys.describe()
+    if args.json:
+        print_json({"schema": KEYS_SCHEMA, "keys": [k.as_dict() for k in described]})
+        return 0
+    print(f"{'key':<36} {'config':<11} {'type':<14} {'default':<10} {'bound':>9}  meaning (MaxText's spellings)")
+    for k in described:
+        default = k.default.value if hasattr(k.default, "value") else k.default
+        kind = k.type if len(k.type) <= 14 else "choice"
+        bound = "" if k.bound is None else f"{k.bound:.4g}"
+        extra = f" ({', '.join(k.maxtext)})" if k.maxtext else ""
+        print(f"{k.name:<36} {k.config:<11} {kind:<14} {str(default):<10} {bound:>9}  {k.meaning}{extra}"
+              + (f"; one of {k.type.replace('|', ', ')}" if kind == "choice" else ""))
     return 0
 
 
@@ -69,5 +77,6 @@ def add_parsers(sub) -> None:
     p.add_argument("--platform", choices=["tpu", "gpu", "cpu"], help="only this platform's topologies")
     p.set_defaults(func=cmd_topologies)
 
-    p = sub.add_parser("keys", help="list the key=value override keys and their MaxText aliases")
+    p = sub.add_parser("keys", help="list the key=value override keys: type, default, bound, meaning, MaxText aliases")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_keys)

@@ -8,7 +8,9 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
+import weakref
 
 from maxperf.aot.artifacts import to_json
 from maxperf.spec.gpu_targets import CHIP_TO_DEVICE, driver_present
@@ -21,15 +23,21 @@ ERROR_SCHEMA = "maxperf.error/1"  # what `--json` prints on stdout when the comm
 def add_request_arguments(parser: argparse.ArgumentParser, *, model_default: str | None,
                           model_required: bool | None = None) -> None:
     """--topology, --model, --num-slices and the key=value overrides: what names a request (spec.request.resolve).
-    `model_required`: None, required when there is no default."""
-    parser.add_argument("--topology", required=True, help="e.g. v5p-1024, v5e-256, h100-8x16, cpu-8")
+    `model_required`: None, required when there is no default. A MaxText command line's words name them too
+    (spec.maxtext_line: compile_topology=, model_name=, ...), so neither option is required by the parser itself:
+    parser.read_maxtext_words checks them once MaxText's words are read."""
+    parser.add_argument("--topology", help="e.g. v5p-1024, v5e-256, h100-8x16, cpu-8 (MaxText's compile_topology=)")
     parser.add_argument("--model", default=model_default,
-                        required=model_default is None if model_required is None else model_required,
-                        help="a preset name (see `maxperf models`)"
+                        help="a preset name (see `maxperf models`; MaxText's model_name= or global_parameter_scale=)"
                         + (f"; default {model_default}" if model_default else ""))
-    parser.add_argument("--num-slices", type=int, default=1, help="slices side by side over DCN")
+    parser.add_argument("--num-slices", type=int, default=None,
+                        help="slices side by side over DCN (MaxText's compile_topology_num_slices=; default 1)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="config overrides, e.g. per_device_batch_size=4 ici_tensor=4 (see `maxperf keys`)")
+                        help="config overrides, e.g. per_device_batch_size=4 ici_tensor=4 (see `maxperf keys`); a "
+                             "MaxText command line's words as they are (its config file, model_name, "
+                             "compile_topology, and keys with no effect on the step, which are named and ignored)")
+    parser.set_defaults(request_words=True, model_required=model_default is None if model_required is None
+                        else model_required)
 
 
 def add_step_argument(parser: argparse.ArgumentParser) -> None:
@@ -106,14 +114,69 @@ def print_warnings(request) -> None:
         print(f"maxperf: warning: {line}", file=sys.stderr)
 
 
+# While one phase runs (XLA's compile can take minutes), a line says it still does this often: more often on a
+# terminal, where someone watches
+STILL_RUNNING_S = {"tty": 10.0, "other": 30.0}
+
+
 def progress():
-    """A function that prints a phase on stderr with the seconds since this call: `[  12.3s] compiling`."""
-    start = time.perf_counter()
+    """A function that prints a phase on stderr with the seconds since this call: `[  12.3s] compiling`; while a
+    phase lasts, a line every STILL_RUNNING_S says work goes on: `[  42.3s] still working (30 s since the last step
+    above)`. The watching thread ends once the function is gone (the command done)."""
+    return _Progress(STILL_RUNNING_S["tty" if sys.stderr.isatty() else "other"])
 
-    def say(phase: str) -> None:
-        print(f"[{time.perf_counter() - start:6.1f}s] {phase}", file=sys.stderr, flush=True)
 
-    return say
+class _Progress:
+    def __init__(self, every: float):
+        self.start = self.said = self.began = time.perf_counter()
+        self.every, self.phase, self.lock = every, None, threading.Lock()
+        threading.Thread(target=_watch, args=(weakref.ref(self),), name="maxperf-progress", daemon=True).start()
+
+    def __call__(self, phase: str) -> None:
+        with self.lock:
+            self.said = self.began = time.perf_counter()
+            self.phase = phase
+            print(f"[{self.said - self.start:6.1f}s] {phase}", file=sys.stderr, flush=True)
+
+    def tick(self) -> None:
+        with self.lock:
+            now = time.perf_counter()
+            if self.phase is not None and now - self.said >= self.every:
+                print(f"[{now - self.start:6.1f}s] still working ({now - self.began:.0f} s since the last step "
+                      "above)", file=sys.stderr, flush=True)
+                self.said = now
+
+
+def _watch(ref: weakref.ref) -> None:
+    while (progress_of := ref()) is not None:
+        progress_of.tick()
+        del progress_of
+        time.sleep(1.0)
+
+
+def step_settings(p) -> dict:
+    """How the request's step runs, as `compile --json` and `estimate --json` say it: the remat policy, the attention
+    kernel asked for and the one it resolves to on the chip, the matmuls' precision, and a pipeline's schedule."""
+    from maxperf.perfmodel.flops import attention_kernel, resolve_attention
+    from maxperf.spec import pipeline
+
+    train = p.configs.train
+    schedule = pipeline.of(p.model, train, p.mesh)
+    return {"remat_policy": train.remat_policy.value, "attention": train.attention.value,
+            "attention_kernel": attention_kernel(resolve_attention(p.model, train, p.topology.platform)),
+            "quantization": train.quantization.value, "compute_dtype": train.compute_dtype,
+            "pipeline": None if schedule is None else schedule.as_dict()}
+
+
+def print_step_settings(p) -> None:
+    """The `step` line of compile's and estimate's summaries (step_settings in words)."""
+    s = step_settings(p)
+    kernel = s["attention_kernel"] + (f" ({s['attention']})" if s["attention"] != s["attention_kernel"] else "")
+    precision = s["compute_dtype"] if s["quantization"] == "none" else f"{s['quantization']} matmuls"
+    piped = s["pipeline"]
+    pipe = (f", pipeline {piped['stages']} stages x {piped['repeats']} repeats, {piped['microbatches']} microbatches"
+            if piped else "")
+    print(f"  step             remat {s['remat_policy']}, attention {kernel}, {precision}{pipe}")
 
 
 def short_count(n: float) -> str:

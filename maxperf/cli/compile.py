@@ -16,9 +16,11 @@ from maxperf.cli.common import (
     compile_only_environment,
     print_hlo_line,
     print_json,
+    print_step_settings,
     print_top,
     progress,
     short_count,
+    step_settings,
 )
 from maxperf.spec import topology as topologies
 from maxperf.spec.errors import MaxperfError
@@ -55,6 +57,7 @@ def cmd_compile(args) -> int:
     print(f"  parameters       {short_count(result.param_count)}; global batch "
           f"{batch_words(p.configs.train, result.global_batch)}")
     print("  mesh             " + " x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1))
+    print_step_settings(p)
     print(f"  memory/device    {mem['per_device_total_bytes'] / GIB:.2f} GiB of {mem['hbm_bytes'] / GIB:.2f} GiB "
           f"({'fits' if mem['fits'] else 'DOES NOT FIT'}, headroom {mem['headroom_bytes'] / GIB:.2f} GiB)")
     print(f"  FLOPs/device     {cost['flops_per_device'] / 1e12:.4g} TFLOP per step ({cost['flops_source']})")
@@ -96,7 +99,8 @@ def compile_summary(result) -> dict:
             "mesh": {"axes": p.mesh.axes, "ici": p.mesh.ici, "dcn": p.mesh.dcn},
             "per_device_batch_size": p.configs.train.per_device_batch_size, "global_batch": result.global_batch,
             "grad_accum_steps": p.configs.train.grad_accum_steps,
-            "seq_len": p.configs.train.seq_len, "param_count": result.param_count, "fits": result.fits,
+            "seq_len": p.configs.train.seq_len, **step_settings(p), "param_count": result.param_count,
+            "fits": result.fits,
             "memory": result.memory, "cost": result.cost, "estimate": result.estimate,
             "cache_hit": result.cache_hit, "compile_seconds": result.compile_seconds,
             "lower_seconds": result.lower_seconds, "total_seconds": result.total_seconds,

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from maxperf.cli.common import GIB, JSON_HELP, add_request_arguments, batch_words, print_json, print_warnings
+from maxperf.cli.common import (
+    GIB,
+    JSON_HELP,
+    add_request_arguments,
+    batch_words,
+    print_json,
+    print_step_settings,
+    print_warnings,
+    step_settings,
+)
 from maxperf.spec.request import resolve
 
 
@@ -19,6 +28,7 @@ def cmd_estimate(args) -> int:
     print(f"{p.model.name} on {p.topology.display_name} ({p.topology.chips} {est.chip} chips), mesh "
           + (" x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1) or "1 (one device)"))
     print(f"  global batch     {batch_words(p.configs.train, p.configs.train.global_batch(p.mesh.devices))}")
+    print_step_settings(p)
     spread = f" +-{est.uncertainty.relative:.0%}" if est.uncertainty else ""
     print(f"  step time        {est.step_time_s:.4f} s{spread}, bound by {est.bottleneck}")
     print(f"  tokens/s         {est.tokens_per_s:,.0f}")
@@ -48,8 +58,7 @@ def estimate_summary(p, est) -> dict:
             "mesh": {"axes": p.mesh.axes, "ici": p.mesh.ici, "dcn": p.mesh.dcn},
             "warnings": list(p.warnings),
             "per_device_batch_size": t.per_device_batch_size, "grad_accum_steps": t.grad_accum_steps,
-            "global_batch": t.global_batch(p.mesh.devices), "seq_len": t.seq_len,
-            "remat_policy": t.remat_policy.value}
+            "global_batch": t.global_batch(p.mesh.devices), "seq_len": t.seq_len, **step_settings(p)}
 
 
 def add_parser(sub) -> None:

@@ -3,19 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from maxperf import __version__
-from maxperf.cli import calibrate, catalogs, estimate, estimate_memory, plan, report, run, sweep, xprof
+from maxperf.cli import (
+    cache,
+    calibrate,
+    catalogs,
+    estimate,
+    estimate_memory,
+    plan,
+    report,
+    run,
+    supervisor,
+    sweep,
+    xprof,
+)
 from maxperf.cli import compile as compile_command
 from maxperf.cli.common import print_error_document
+from maxperf.spec import maxtext_line
+from maxperf.spec.errors import MaxperfError
 
 DESCRIPTION = ("The `maxperf` command: parse, call the Python API, print. Exit codes: 0 ok, 1 failure, 2 bad input, "
                "3 no fit.")
 # in the order `maxperf --help` lists them
 COMMANDS = (catalogs.add_parsers, compile_command.add_parser, estimate.add_parser, estimate_memory.add_parser,
             calibrate.add_parser, run.add_parser, sweep.add_parser, report.add_parser, xprof.add_parser,
-            plan.add_parser)
+            plan.add_parser, cache.add_parser)
 
 
 class Parser(argparse.ArgumentParser):
@@ -50,4 +65,35 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     command.json_words = "--json" in argv[1:]
     args = command.parse_intermixed_args(argv[1:])
     args.command = argv[0]
+    if getattr(args, "request_words", False):
+        read_maxtext_words(command, args)
     return args
+
+
+def read_maxtext_words(command: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A MaxText command line's words (spec.maxtext_line) into --topology, --model and --num-slices, the words with
+    no effect on the step named once on stderr; a clash with the options, or a topology or model named nowhere, is a
+    usage error."""
+    try:
+        line = maxtext_line.read(args.overrides)
+    except MaxperfError as e:
+        command.error(str(e))
+    for option, value, theirs in (("topology", line.topology, maxtext_line.TOPOLOGY_KEY),
+                                  ("num_slices", line.num_slices, maxtext_line.SLICES_KEY)):
+        mine = getattr(args, option)
+        if value is not None and mine is not None and mine != value:
+            command.error(f"--{option.replace('_', '-')} {mine} and {theirs}={value} disagree: give one")
+        if value is not None:
+            setattr(args, option, value)
+    if line.model is not None:
+        args.model = line.model
+    if args.num_slices is None:
+        args.num_slices = 1
+    if args.topology is None:
+        command.error("the following arguments are required: --topology (or MaxText's compile_topology=)")
+    if args.model is None and args.model_required:
+        command.error("the following arguments are required: --model (or MaxText's model_name=)")
+    args.overrides = list(line.overrides)
+    if line.ignored and supervisor.CHILD not in os.environ:  # said once: by the process the user started
+        print(f"maxperf: note: MaxText's {', '.join(line.ignored)} change nothing of the step: ignored",
+              file=sys.stderr)

@@ -87,12 +87,15 @@ def _render(paths: list[str | os.PathLike], out_html: str | os.PathLike, command
     out = Path(out_html)
     if out.is_dir():
         raise MaxperfError(f"-o {out} is a directory; give the HTML file to write, e.g. -o {out / 'report.html'}")
+    from maxperf.aot.artifacts import directory_mode
+
     files = out.with_name(out.stem + "_files")
     if os.path.lexists(files) and not files.is_dir():
         raise MaxperfError(f"{files} is a file, where the report's CSV tables go; move it or choose another -o")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{files.name}.", dir=out.parent))
+        os.chmod(staging, directory_mode())  # mkdtemp's 0700 made the user's umask's
     except OSError as e:
         raise MaxperfError(f"-o {out}: cannot write in {out.parent} ({e.strerror})") from None
     try:

@@ -1,0 +1,102 @@
+"""MaxText command lines as they are: `maxperf compile maxtext/configs/base.yml model_name=llama2-7b
+compile_topology=v5p-256 compile_topology_num_slices=2 steps=10 run_name=x ...` names the same request as
+`maxperf compile --model llama2-7b --topology v5p-256 --num-slices 2`. MaxText's config file (base.yml, whose defaults
+are maxperf's), its model and topology keys are read here; its keys that change nothing of the step (where it writes,
+what it logs, checkpoints and profiles, which data it reads, how long it trains) are accepted and named once as
+ignored; every other word is a key=value override as before."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from maxperf.spec import presets
+from maxperf.spec.errors import MaxperfError, closest
+
+# MaxText's keys (configs/base.yml) that change nothing of the compiled step or its time: the run's name and output,
+# its length and schedule of side work, checkpointing, logging and metrics, profiling, the input pipeline and its
+# data, evaluation, and how the job reaches its devices.
+RUN_KEYS = frozenset("""
+    run_name base_output_directory steps log_period enable_checkpointing async_checkpointing checkpoint_period
+    max_checkpoints_to_keep load_parameters_path load_full_state_path checkpoint_storage_use_ocdbt
+    checkpoint_storage_use_zarr3 enable_single_replica_ckpt_restoring enable_emergency_checkpoint
+    local_checkpoint_directory local_checkpoint_period enable_continuous_checkpointing save_config_to_gcs
+    dataset_type dataset_path dataset_name eval_dataset_name train_split eval_split hf_path hf_data_dir
+    hf_train_files hf_eval_files hf_access_token grain_train_files grain_eval_files grain_worker_count
+    tokenizer_path tokenizer_type add_bos add_eos packing shuffle data_shuffle_seed reuse_example_batch
+    eval_interval eval_steps target_eval_loss eval_per_device_batch_size
+    profiler profiler_steps skip_first_n_steps_for_profiler profile_periodically_period upload_all_profiler_results
+    profile_cleanly hide_profiler_step_metric
+    metrics_file gcs_metrics enable_tensorboard use_vertex_tensorboard vertex_tensorboard_project
+    vertex_tensorboard_region enable_goodput_recording monitor_goodput goodput_upload_interval_seconds
+    enable_pathways_goodput monitor_step_time_deviation step_deviation_interval_seconds
+    skip_jax_distributed_system enable_single_controller hardware jax_cache_dir jax_distributed_initialization_timeout
+    compiled_trainstep_file compile_topology_slice_type enable_data_shuffling
+""".split())
+MODEL_KEY, SCALE_KEY = "model_name", "global_parameter_scale"
+TOPOLOGY_KEY, SLICES_KEY = "compile_topology", "compile_topology_num_slices"
+_FROM_MAXTEXT = {theirs: ours for ours, theirs in presets.MAXTEXT_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class Line:
+    """A command line's words once MaxText's own are read: the key=value overrides left, and the topology, model and
+    slice count MaxText's keys named (None where they named none), and the words ignored."""
+
+    overrides: tuple[str, ...]
+    topology: str | None = None
+    model: str | None = None
+    num_slices: int | None = None
+    ignored: tuple[str, ...] = ()
+
+
+def read(words: Sequence[str]) -> Line:
+    """The request MaxText's words in `words` name; a MaxperfError, one line, for a value maxperf cannot take."""
+    overrides, ignored = [], []
+    found: dict[str, str] = {}
+    for word in words:
+        key, eq, value = word.partition("=")
+        if not eq:
+            if word.endswith((".yml", ".yaml")):  # MaxText's config file: its defaults are maxperf's
+                ignored.append(word)
+                continue
+            overrides.append(word)  # not MaxText's: the overrides say what is wrong with it
+        elif key in RUN_KEYS:
+            ignored.append(key)
+        elif key in (MODEL_KEY, SCALE_KEY, TOPOLOGY_KEY, SLICES_KEY):
+            found[key] = value
+        else:
+            overrides.append(word)
+    return Line(tuple(overrides), found.get(TOPOLOGY_KEY), _model(found), _slices(found), tuple(ignored))
+
+
+def _model(found: dict[str, str]) -> str | None:
+    name, scale = found.get(MODEL_KEY), found.get(SCALE_KEY)
+    if scale is not None:
+        if not scale.isdigit() or int(scale) < 1 or int(scale) & (int(scale) - 1):
+            raise MaxperfError(f"{SCALE_KEY}={scale}: maxperf's scaled family takes a power of two (1, 2, 4, ...)")
+        if name in (None, "default"):
+            return f"scaled-{int(scale)}"
+        if int(scale) != 1:
+            raise MaxperfError(f"{SCALE_KEY}={scale} grows MaxText's default model; with {MODEL_KEY}={name} leave it "
+                               "out (or at 1)")
+    if name is None:
+        return None
+    if name == "default":
+        return "scaled-1"
+    if name in _FROM_MAXTEXT:
+        return _FROM_MAXTEXT[name]
+    if name in presets.names():
+        return name
+    hits = closest(name, sorted({*_FROM_MAXTEXT, *presets.names()}))
+    raise MaxperfError(f"{MODEL_KEY}={name} names no model maxperf has; "
+                       + (f"did you mean {', '.join(hits[:3])}? " if hits else "") + "`maxperf models` lists them")
+
+
+def _slices(found: dict[str, str]) -> int | None:
+    value = found.get(SLICES_KEY)
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise MaxperfError(f"{SLICES_KEY}={value} must be a whole number of slices, 1 or more")
+    return int(value)
