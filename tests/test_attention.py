@@ -208,10 +208,13 @@ def test_maxtext_keys_and_values():
     (["attention=fast"], "cpu", "attention=fast is not valid; .*valid values: auto, dot_product, flash"),
     (["attention_type=sliding"], "cpu", "did you mean local_sliding"),
     (["sa_block_q=100"], "tpu", "sa_block_q must be a positive multiple of 128, got 100"),
-    (["attention=flash", "seq_len=1000"], "tpu", "needs sa_block_q .* to divide seq_len=1000"),
+    (["attention=flash", "seq_len=1000"], "tpu", r"needs seq_len a multiple of 128, got 1000 \(e.g. seq_len=896 or "
+                                                 r"1024\)"),
+    (["attention=flash", "seq_len=1152"], "tpu", r"needs sa_block_q \(512\) to divide seq_len=1152 or exceed it; set "
+                                                 r"sa_block_q=384 \(a multiple of 128 that divides 1152\)"),
     (["attention=flash", "seq_len=200", "sa_block_q=128", "sa_block_kv=128", "sa_block_kv_compute=128",
       "sa_block_q_dkv=128", "sa_block_kv_dkv=128", "sa_block_kv_dkv_compute=128", "sa_block_q_dq=128",
-      "sa_block_kv_dq=128"], "tpu", "needs sa_block_q .* to divide seq_len=200"),
+      "sa_block_kv_dq=128"], "tpu", "needs seq_len a multiple of 128, got 200"),
     (["attention=flash", "attention_type=local_sliding", "window=64"], "gpu",
      "serves attention_type=global and chunk only, got sliding windows of 64 tokens; valid: attention=dot_product"),
     (["attention=flash", "attn_logit_softcap=30"], "gpu", "has no logit soft-capping"),

@@ -306,7 +306,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
         out_dir=out_dir, plan=p, param_count=spec.param_count, global_batch=spec.global_batch, fits=memory["fits"],
         memory=memory, cost=cost, estimate=estimate, compile_seconds=compile_seconds, lower_seconds=lower_seconds,
         total_seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes(),
-        limitations=targets.limitations(topo), cache_hit=cache_hit,
+        limitations=targets.limitations(topo, p.model.is_moe), cache_hit=cache_hit,
     )
 
 
@@ -371,7 +371,7 @@ def _write_manifest(writer: artifacts.ArtifactWriter, p: Request, spec, argv, co
         "lower_seconds": round(lower_seconds, 3),
         "wall_seconds": round(time.perf_counter() - start, 3),
         "peak_rss_bytes": peak_rss_bytes(),
-        "limitations": targets.limitations(p.topology),
+        "limitations": targets.limitations(p.topology, p.model.is_moe),
         "files": writer.hashes(),
     }
     writer.write_json("manifest.json", manifest)

@@ -253,8 +253,9 @@ def compiler_options(topology: Topology, random_bits: bool = False) -> dict[str,
     return {}
 
 
-def limitations(topology: Topology) -> list[str]:
-    """What compiling for this topology on this machine cannot give, in words the CLI prints."""
+def limitations(topology: Topology, moe: bool = True) -> list[str]:
+    """What compiling for this topology on this machine cannot give, in words the CLI prints; `moe`: the step may
+    sort tokens (a mixture of experts, or a user's step)."""
     notes: list[str] = []
     if topology.platform == "gpu":
         notes.append("`maxperf run` gives jax's GPU allocator 95% of each GPU's memory "
@@ -274,9 +275,10 @@ def limitations(topology: Topology) -> list[str]:
         ]
         if topology.ici_domains > 1:
             notes.append("the one-shot all-reduce kernel is disabled (multi-host compile); a GPU run matches that")
-        notes.append("sorts (a mixture of experts' token sort under expert parallelism) use XLA's own sort kernel: "
-                     "CUB's radix sort, which a GPU compile picks for large sorts, needs the GPU to size its scratch "
-                     "memory")
+        if moe:
+            notes.append("sorts (a mixture of experts' token sort under expert parallelism) use XLA's own sort kernel: "
+                         "CUB's radix sort, which a GPU compile picks for large sorts, needs the GPU to size its "
+                         "scratch memory")
     if topology.platform == "tpu" and topology.devices_per_chip > 1:
         notes.append(f"each {topology.chip} chip is {topology.devices_per_chip} JAX devices; memory is per device, "
                      f"{topology.devices_per_chip} per chip")

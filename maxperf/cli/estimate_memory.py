@@ -130,7 +130,10 @@ def _print_comparison(cmp) -> None:
 
 
 def _print_max_batch(found, analytical_only: bool, smallest=None) -> None:
-    if analytical_only:
+    if not found.fits:
+        print("no per_device_batch_size fits" + (" (analytical, no compile)" if analytical_only else
+                                                  f" ({found.compiles} compiles)"))
+    elif analytical_only:
         print(f"largest per_device_batch_size that fits (analytical, no compile): {found.per_device_batch_size}")
     else:
         print(f"largest per_device_batch_size that fits: {found.per_device_batch_size} ({found.compiles} compiles; "
@@ -144,9 +147,12 @@ def _print_max_batch(found, analytical_only: bool, smallest=None) -> None:
         _print_comparison(found.best)
     if smallest is not None:
         need, hbm = smallest.per_device_total_bytes, smallest.hbm_bytes
+        remedies = " or ".join(["more chips", "more fsdp sharding"]
+                               + ([] if str(smallest.plan.configs.train.remat_policy) == "full"
+                                  else ["remat_policy=full"]))
         print(f"  nothing fits: per_device_batch_size=1 needs {need / GIB:.2f} GiB per device of {hbm / GIB:.2f} GiB "
-              f"({(need - hbm) / GIB:.2f} GiB over, {need / hbm:.2f}x); more chips, more fsdp sharding or "
-              "remat_policy=full need less per device")
+              f"({(need - hbm) / GIB:.2f} GiB over, {need / hbm:.2f}x); {remedies} need less per device, host "
+              "offload (optimizer_memory_host_offload=true) moves the state off it")
         _print_comparison(smallest)
 
 

@@ -43,7 +43,7 @@ def cmd_sweep(args) -> int:
         raise MaxperfError("give --model (a preset, see `maxperf models`), or --step MODULE:FACTORY for your own "
                            "step")
     # a user's step is swept under its factory's name (MODULE:FACTORY; presets never hold ':')
-    result = sweep(str(step) if step.is_user else args.model, [t for t in args.topologies.split(",") if t],
+    result = sweep(str(step) if step.is_user else args.model, list(dict.fromkeys(t.strip() for t in args.topologies.split(",") if t.strip())),
                    num_slices=slices,
                    axes=_grid_axes(args.overrides), analytical_only=args.analytical_only, out=args.out,
                    workers=args.workers, progress=progress(), cluster=args.cluster,
@@ -62,8 +62,9 @@ def cmd_sweep(args) -> int:
     print(f"swept {len(result.rows)} points ({result.computed} run now, {len(bad)} failed or did not fit){where} in "
           f"{result.seconds:.1f} s -> {result.out_dir}/results.csv, results.parquet")
     for r in result.rows:
-        print(f"  {r['point']:<40} {r['status']:<13} step {r.get('predicted_step_time_s') or 0:.4g} s  "
-              f"MFU {r.get('predicted_mfu') or 0:.1%}" + (f"  ({r['reason']})" if r.get("reason") else ""))
+        step, mfu = r.get("predicted_step_time_s"), r.get("predicted_mfu")
+        figures = f"step {step:.4g} s  MFU {mfu:.1%}" if step and mfu is not None else "no estimate"
+        print(f"  {r['point']:<40} {r['status']:<13} {figures}" + (f"  ({r['reason']})" if r.get("reason") else ""))
     if result.errors:
         print(f"maxperf: error: {len(result.errors)} of {len(result.rows)} points failed (status error in "
               f"{result.out_dir}/results.csv)", file=sys.stderr)

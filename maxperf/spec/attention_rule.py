@@ -48,12 +48,14 @@ def unserved(impl: str, *, L: int, Dh: int, windows: tuple[int, ...], softcap: f
     dim (the narrower side is padded with zeros) and chunks (as segments), but no sliding window and no sinks (MaxText
     serves sinks on GPU with cuDNN through Transformer Engine only)."""
     if impl == "splash":
+        if L % 128:  # the kernel's tiles are multiples of the 128 lanes (any head dim compiles: it is padded)
+            return (f"needs seq_len a multiple of 128, got {L} (e.g. seq_len={max(128, L // 128 * 128)} or "
+                    f"{(L // 128 + 1) * 128}); or attention=dot_product")
         for name, value in zip(SPLASH_BLOCKS, blocks):
             if L % min(value, L):
-                return (f"needs {name} ({value}) to divide seq_len={L} or exceed it; set {name} to a multiple of 128 "
-                        f"that divides {L}, or attention=dot_product")
-        if L % 128:  # the kernel's tiles are multiples of the 128 lanes (any head dim compiles: it is padded)
-            return f"needs seq_len a multiple of 128, got {L}; valid: attention=dot_product"
+                fits = [b for b in range(128, L + 1, 128) if L % b == 0 and b <= value]
+                return (f"needs {name} ({value}) to divide seq_len={L} or exceed it; set {name}={fits[-1]} (a "
+                        f"multiple of 128 that divides {L}), or attention=dot_product")
     if impl == "gpu_flash":
         if any(w > 0 for w in windows):
             sliding = ", ".join(str(w) for w in windows if w > 0)

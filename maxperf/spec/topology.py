@@ -273,6 +273,19 @@ def catalog() -> list[Topology]:
     return list(_catalog().values())
 
 
+def _unknown_topology(name: str, key: str, table) -> MaxperfError:
+    """An unknown topology's error: where it names a family and a size (v5p-65), that family's sizes nearest to it
+    (v5p-64, v5p-128); else the names nearest in spelling."""
+    m = re.fullmatch(r"([a-z0-9]+)-(\d+)", key)
+    sizes = sorted((int(k.rsplit("-", 1)[1]), k) for k in table if m and re.fullmatch(rf"{m.group(1)}-\d+", k))
+    if not sizes:
+        return unknown("topology", name, list(table))
+    want = int(m.group(2))
+    nearest = [k for _, k in sorted(sizes, key=lambda s: (abs(math.log(s[0] / want)) if want else s[0], s[0]))[:3]]
+    return MaxperfError(f"unknown topology {name!r}; did you mean {', '.join(nearest)}? (`maxperf topologies` lists "
+                        "them)")
+
+
 def get(name: str, num_slices: int = 1, target_config_path: str | None = None) -> Topology:
     """The topology called `name` (a Cloud TPU accelerator type, `h100-8x16`, `cpu-8`), over `num_slices` slices.
 
@@ -293,7 +306,7 @@ def get(name: str, num_slices: int = 1, target_config_path: str | None = None) -
     elif (m := re.fullmatch(r"cpu-(\d+)(?:x(\d+))?", key)) and int(m.group(1)) >= 1 and int(m.group(2) or 1) >= 1:
         topology = _cpu_topology(int(m.group(1)), int(m.group(2) or 1))
     else:
-        raise unknown("topology", name, list(table))
+        raise _unknown_topology(name, key, table)
     if num_slices > 1:
         if topology.platform == "cpu":
             raise MaxperfError(f"{topology.name} is one process; for more CPU devices use cpu-N, not num_slices")
