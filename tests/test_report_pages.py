@@ -189,10 +189,14 @@ def test_cells_that_do_not_apply_are_blank_and_tables_have_totals(compiled, tmp_
     assert "<td>-</td>" not in html
 
 
-def test_strong_scaling_is_blank_where_the_global_batch_changes(mixed_report):
+def test_strong_scaling_is_left_out_where_the_global_batch_grows_with_the_chips(mixed_report):
+    """A per-device-batch sweep's global batch grows with the chips: no strong scaling to show, and a note says why."""
     rows = tables(mixed_report)["scaling-efficiency-against-the-fewest-chips-of-the-same-chip-and-settings"]
     grown = [r for r in rows if r["against"] not in ("(the base)",)]
-    assert grown and all(r["strong-scaling efficiency (same global batch only)"] == "" for r in grown)
+    assert grown and all("strong-scaling efficiency (same global batch only)" not in r for r in grown)
+    assert all(r["weak-scaling efficiency"] != "" for r in grown)
+    html = mixed_report.html_path.read_text()
+    assert "global batch grows with the chips (a per-device batch), so only weak scaling is shown" in html
 
 
 # defect 4: a step that does not fit says so
@@ -397,3 +401,24 @@ def test_steps_of_the_same_work_compare_step_times(compiled, tmp_path):
     assert side["tokens per step"]["A"] == side["tokens per step"]["B"] == str(8 * 64)  # 8 devices x B=1 x L=64
     assert float(side["predicted tokens/s"]["A"]) > 0 and side["predicted step time (s)"]["ratio last / first"]
     assert "step-time-of-each-s" in tables(result)  # the same work: step times side by side
+
+
+def test_numbers_read_as_numbers():
+    """Throughputs in thousands, host memory in MiB: no scientific notation in a table cell."""
+    from maxperf.reports.page import fmt, size
+
+    assert fmt(128103.4) == "128,103" and fmt(1234.5) == "1234" and fmt(0.01234) == "0.01234"
+    assert size(24110 * 2**20) == "23.54 GiB" and size(512.25 * 2**20) == "512.2 MiB"
+    assert size(1000.5 * 2**20) == "1,000.5 MiB"
+
+
+def test_a_limit_far_above_the_lines_is_named_not_drawn():
+    """A 95 GiB HBM line over 2-6 GiB of memory would flatten the lines against the axis: the panel's title names it
+    instead; within reach it is drawn."""
+    from maxperf.reports import figures
+
+    far = figures.Panel("v5p", lines=[("a", [8, 16], [2.0, 6.0])], limit=(95.0, "HBM 95 GiB"))
+    near = figures.Panel("v5p", lines=[("a", [8, 16], [40.0, 80.0])], limit=(95.0, "HBM 95 GiB"))
+    svg_far = figures.panels([far], xlabel="chips", ylabel="GiB", alt="far", from_zero=True)
+    svg_near = figures.panels([near], xlabel="chips", ylabel="GiB", alt="near", from_zero=True)
+    assert "above the chart" in svg_far and "above the chart" not in svg_near

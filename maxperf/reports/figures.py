@@ -116,6 +116,10 @@ class Panel:
     over: list[tuple[float, float]] = field(default_factory=list)  # points marked as not fitting
 
 
+# A panel's limit line is drawn only within this many times its highest point; beyond, its title names it
+LIMIT_IN_VIEW = 4.0
+
+
 def panels(panels_: Sequence[Panel], *, xlabel: str, ylabel: str, alt: str, logx: bool = True,
            from_zero: bool = False) -> str:
     """Side by side axes, one per panel; a label keeps its colour across panels; one legend below them all."""
@@ -141,13 +145,19 @@ def panels(panels_: Sequence[Panel], *, xlabel: str, ylabel: str, alt: str, logx
         for x, y in panel.over:
             (h,) = ax.plot([x], [y], marker="x", markersize=9, color="#c62828", linestyle="none")
             handles.setdefault("does not fit", h)
+        highest = max([y for _, _, ys in panel.lines for y in ys if y is not None] + [y for _, y in panel.over],
+                      default=0.0)
+        title = panel.title
         if panel.limit is not None:
             value, name = panel.limit
-            ax.axhline(value, color="black", linestyle=":", linewidth=1.2)
-            ax.annotate(name, (0.02, value), xycoords=("axes fraction", "data"), va="bottom", fontsize=7)
+            if highest and value > LIMIT_IN_VIEW * highest:  # drawn, it would flatten the lines against the axis
+                title += f"\n({name}: above the chart)"
+            else:
+                ax.axhline(value, color="black", linestyle=":", linewidth=1.2)
+                ax.annotate(name, (0.02, value), xycoords=("axes fraction", "data"), va="bottom", fontsize=7)
         if logx:
             ax.set_xscale("log", base=2)
-        ax.set_title(panel.title, fontsize=9)
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)

@@ -74,7 +74,7 @@ def fmt(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"  # 128,103 tokens/s, not 1.281e+05
     return str(value)
 
 
@@ -85,7 +85,7 @@ def gib(value: float | None) -> float | None:
 def size(nbytes: float | None) -> str:
     if nbytes is None:
         return "?"
-    return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / MIB:.3g} MiB"
+    return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / MIB:,.1f} MiB"
 
 
 def topology_label(name: str, num_slices: int | None) -> str:

@@ -167,6 +167,11 @@ def _efficiency(page: Page, s: Section, ok) -> None:
                       if r["global_batch"] == base["global_batch"] else None)
             rows.append([chip, name, r["label"], int(r["chips"]), base["label"], int(r["global_batch"]), weak,
                          strong])
-    s.tables.append(page.table("scaling efficiency against the fewest chips of the same chip and settings", [
-        "chip", "settings", "topology", "chips", "against", "global batch", "weak-scaling efficiency",
-        "strong-scaling efficiency (same global batch only)"], rows))
+    columns = ["chip", "settings", "topology", "chips", "against", "global batch", "weak-scaling efficiency",
+               "strong-scaling efficiency (same global batch only)"]
+    if all(row[-1] is None for row in rows):  # the batch grows with the chips: no strong scaling to show
+        rows, columns = [row[:-1] for row in rows], columns[:-1]
+        s.notes.append("strong-scaling efficiency compares steps of one global batch on more chips; this sweep's "
+                       "global batch grows with the chips (a per-device batch), so only weak scaling is shown")
+    s.tables.append(page.table("scaling efficiency against the fewest chips of the same chip and settings", columns,
+                               rows))

@@ -122,7 +122,7 @@ def read(page: Page, kind: str, directory: Path) -> Step:
     user = manifest.get("step") if isinstance(manifest.get("step"), dict) else None  # a user's step
     dcn = manifest.get("mesh", {}).get("dcn", {})
     mesh = " x ".join(f"{a}={n}" + (f" ({dcn[a]} over DCN)" if dcn.get(a, 1) > 1 else "")
-                      for a, n in manifest.get("mesh", {}).get("axes", {}).items() if n > 1) or "1"
+                      for a, n in manifest.get("mesh", {}).get("axes", {}).items() if n > 1) or "one device"
     settings = {"topology": where, "mesh": mesh if manifest else "",
                 "batch": (f"B={train.get('per_device_batch_size')} per device"
                           + (f" x A={train['grad_accum_steps']} microbatches" if train.get("grad_accum_steps", 1) > 1
