@@ -380,7 +380,8 @@ COMPILE_PROGRESS = ["devices", "abstract state", "lowering", "compiling", "writi
 @pytest.mark.parametrize("argv, progress", [
     (["compile", "--topology", "v5p-8", "--out", "c"], COMPILE_PROGRESS),
     (["compile", "--topology", "h100-8", "--out", "c"], COMPILE_PROGRESS),
-    (["estimate-memory", "--topology", "v5p-8"], COMPILE_PROGRESS),
+    (["estimate-memory", "--topology", "v5p-8"], [*COMPILE_PROGRESS[:4], "reading the compiler's figures",
+                                                  COMPILE_PROGRESS[5]]),
     (["sweep", "--topologies", "v5p-8,h100-8", "--out", "s"], ["2 points", r"\[1/2\]", r"\[2/2\]"]),
 ], ids=["compile-tpu", "compile-gpu", "estimate-memory", "sweep"])
 def test_commands_that_load_plugins_write_only_maxperfs_lines_on_stderr(tmp_path, argv, progress):

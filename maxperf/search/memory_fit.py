@@ -132,11 +132,15 @@ def _compile_memory(p: Request, model: str, overrides: Sequence[str], num_slices
     fits: into `out` when given (kept), else into a temporary directory (removed)."""
     from maxperf import aot
 
+    say = progress
+    if out is None and progress is not None:  # nothing is kept: its phases say what they do for the comparison
+        def say(phase: str) -> None:
+            progress("reading the compiler's figures" if phase == "writing artifacts" else phase)
     with tempfile.TemporaryDirectory(prefix="maxperf-memory-") as tmp:
         target = Path(out) if out is not None else Path(tmp) / "artifact"
         try:
             result = aot.compile(p.topology.name, model, overrides, num_slices=num_slices, out=target,
-                                 progress=progress, force=force)
+                                 progress=say, force=force)
             return dict(result.memory), result.compile_seconds, result.cache_hit
         except DoesNotFit:  # the verdict and XLA's figures were written before the error
             manifest = json.loads((target / "manifest.json").read_text())
