@@ -316,3 +316,37 @@ def test_a_tpu_all_reduce_scatter_fusion_is_priced_as_a_reduce_scatter():
     expected = network.collective_time("reduce-scatter", 2048 * 2048 * 2, ("fsdp",), nets).ici_s
     assert seconds_of(result, "rs") == pytest.approx(expected)
     assert result.top[0].kind == "collective"
+
+
+COLLECTIVE_MATMUL = """HloModule m, is_scheduled=true
+
+%collective_matmul (w: bf16[256,2048], x: bf16[4096,2048], saved: bf16[32,4096,2048]) -> bf16[4096,2048] {
+  %w = bf16[256,2048]{1,0} parameter(0)
+  %x = bf16[4096,2048]{1,0} parameter(1)
+  %saved = bf16[32,4096,2048]{2,1,0} parameter(2)
+  %ag = bf16[2048,2048]{1,0} all-gather(%w), replica_groups=[1,8]<=[8], dimensions={0}
+  ROOT %dot = bf16[4096,2048]{1,0} dot(%x, %ag), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (w: bf16[256,2048], x: bf16[4096,2048], saved: bf16[32,4096,2048]) -> bf16[4096,2048] {
+  %w = bf16[256,2048]{1,0} parameter(0)
+  %x = bf16[4096,2048]{1,0} parameter(1)
+  %saved = bf16[32,4096,2048]{2,1,0} parameter(2)
+  ROOT %cm = bf16[4096,2048]{1,0} fusion(%w, %x, %saved), kind=kOutput, calls=%collective_matmul
+}
+"""
+
+
+def test_a_collective_matmul_fusion_is_its_matmul_or_its_gather_of_its_own_operand():
+    """A TPU continuation fusion gathers a weight shard and multiplies as the pieces arrive: the slower of its matmul
+    and its all-gather, the gather's buffer its own operand (the 0.5 MiB shard x 8), not the fusion's operands (a
+    loop's carried [32, 4096, 2048] buffer came in as one, and was priced as gathered)."""
+    topo = topologies.get("v5p-16")
+    nets = network.axis_networks(mesh_mod.resolve(ParallelismConfig(), topo), chips.get("tpu-v5p"), topo)
+    gather = network.collective_time("all-gather", 256 * 2048 * 2 * 8, ("fsdp",), nets).ici_s
+    matmul = predict(DOT.replace("4096,8192", "4096,2048").replace("bf16[2048,8192]", "bf16[2048,2048]")).step_time_s
+    result = predict(COLLECTIVE_MATMUL)
+    # the fusion's own traffic (its operands read, its result written) may add to the matmul's roofline; the
+    # carried buffer priced as gathered would be 8 x 512 MiB over the ICI, about 200 times the matmul
+    assert gather < matmul <= seconds_of(result, "cm") < 3 * matmul
+    assert result.top[0].kind == "matmul"
