@@ -122,6 +122,7 @@ class SearchResult:
             "global_batch_tokens": r.global_batch_tokens, "per_device_batch": r.per_device_batch,
             "global_batch_rows": self.global_batch_rows, "seq_len": self.seq_len, "pins": list(r.pins),
             "fixed_overrides": list(self.fixed), "hbm_bytes": self.hbm_bytes, "margin": self.margin.as_dict(),
+            "tie": self.tie,  # candidates within this share of the fastest rank as ties, the simplest first
             # every candidate enumerated divides the model and the batch (maxperf.search.candidates): none indivisible
             "counts": {"enumerated": len(self.candidates), "indivisible": 0,
                        "memory_estimated": sum(c.memory_bytes > 0 for c in self.candidates),
