@@ -17,6 +17,7 @@ import pytest
 from maxperf.cli import main
 from maxperf.cli.compile import COMPILE_SCHEMA
 from maxperf.cli.parser import build_parser, parse_args
+from maxperf.spec.request import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_FIT = ["--topology", "v5p-8", "--model", "llama2-70b"]  # 70B parameters and AdamW in 8 x 95 GiB: no
@@ -580,6 +581,46 @@ def test_a_maxtext_command_line_names_the_request_its_options_would(capsys):
     assert json.loads(out) == json.loads(mine[1])
     assert err.splitlines() == ["maxperf: note: MaxText's maxtext/configs/base.yml, steps, run_name, dataset_type, "
                                 "base_output_directory change nothing of the step: ignored"]
+
+
+def test_a_tpu_recipes_keys_paste_as_they_are(capsys):
+    """An Ironwood recipe's MaxText keys: those that tune MaxText's own kernels are named once as not reproduced, the
+    experts' sharding switches at their default change nothing, and the rest are the step's (the optimizer's first
+    moment in bfloat16, tokamax's splash as jax's with the fused backward and the recipe's layouts)."""
+    recipe = ["compile_topology=tpu7x-8", "model_name=llama3.1-8b", "per_device_batch_size=1", "use_iota_embed=True",
+              "opt_type=adamw", "mu_dtype=bfloat16", "sa_q_layout=SEQ_MINOR", "sa_k_layout=SEQ_MINOR",
+              "use_tokamax_splash=True", "use_splash_scheduler=True", "cost_estimate_flops_fwd=5000000000000",
+              "wi_tile_fwd_batch_seq=256", "shard_exp_on_fsdp=False", "attention=flash", "steps=30"]
+    code, out, err = run_main(capsys, "estimate", "--json", *recipe)
+    assert code == 0, err
+    assert err.splitlines() == [
+        "maxperf: note: MaxText's shard_exp_on_fsdp, steps change nothing of the step: ignored",
+        "maxperf: note: MaxText's use_splash_scheduler, cost_estimate_flops_fwd, wi_tile_fwd_batch_seq tune its own "
+        "kernels and collectives; maxperf compiles jax's kernels and XLA's collectives as they come: not reproduced"]
+    args = parse_args(build_parser(), ["estimate", *recipe])
+    train = resolve(args.topology, args.model, args.overrides).configs.train
+    assert (train.mu_dtype, train.sa_q_layout, train.sa_v_layout) == ("bfloat16", "SEQ_MINOR", "HEAD_DIM_MINOR")
+    assert train.use_tokamax_splash and train.sa_use_fused_bwd_kernel  # tokamax's splash has only the fused backward
+    plain = run_main(capsys, "estimate", "--json", *(w for w in recipe if not w.startswith("mu_dtype")))[1]
+    # AdamW's first moment in 2 bytes instead of 4: the optimizer's 8 bytes per float32 parameter become 6
+    mine, theirs = json.loads(out)["memory"], json.loads(plain)["memory"]
+    assert mine["optimizer"] == pytest.approx(theirs["optimizer"] * 6 / 8)
+
+
+@pytest.mark.parametrize("word, line", [
+    ("shard_exp_on_fsdp=True", "shard_exp_on_fsdp=True: maxperf shards the experts' weights by MaxText's default "
+                               "rules only (shard_exp_on_fsdp=false)"),
+    ("opt_type=sgd", "opt_type=sgd: maxperf compiles AdamW, as MaxText's adamw and adam_pax"),
+    ("sa_q_layout=SEQ", "sa_q_layout must be one of HEAD_DIM_MINOR, SEQ_MINOR"),
+    ("grad_dtype=int8", "grad_dtype must be one of float32, bfloat16, float16"),
+])
+def test_maxtext_values_maxperf_does_not_compile_are_refused(capsys, word, line):
+    try:  # a MaxText word leaves through argparse (SystemExit), a bad value through main's one line
+        code = main(["estimate", "--model", "tiny", "--topology", "v5p-8", word])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and line in err.strip().splitlines()[-1] and "Traceback" not in err
 
 
 def test_maxtexts_scaled_default_model_is_the_scaled_family(capsys):

@@ -314,3 +314,22 @@ def test_embedding_lookup_gathers_in_the_compute_dtype():
                 yield from gathers(sub)
 
     assert list(gathers(jaxpr.jaxpr)) == [jnp.bfloat16]
+
+
+def test_maxtexts_mu_and_grad_dtypes_reach_the_optimizer_and_perfmodel():
+    """mu_dtype keeps AdamW's first moment in its dtype (the second in the parameters'); grad_dtype is what the update
+    reads, and perfmodel counts both in those bytes."""
+    from maxperf.perfmodel import estimate_memory
+    from maxperf.spec.mesh import Mesh
+    from maxperf.spec.train import TrainConfig
+
+    params = {"w": jnp.ones((4, 8), jnp.float32)}
+    train = TrainConfig(mu_dtype="bfloat16")
+    state = train_step.make_optimizer(train)[0].init(params)
+    moments = [s for s in jax.tree.leaves(state) if getattr(s, "shape", None) == (4, 8)]
+    assert sorted(str(m.dtype) for m in moments) == ["bfloat16", "float32"]
+    model, mesh = presets.get("llama2-7b"), Mesh.of({"fsdp": 8})
+    plain = estimate_memory(model, TrainConfig(), mesh, hbm_bytes=95e9)
+    half = estimate_memory(model, TrainConfig(mu_dtype="bfloat16", grad_dtype="bfloat16"), mesh, hbm_bytes=95e9)
+    assert half.optimizer == pytest.approx(plain.optimizer * 6 / 8)
+    assert half.gradients == pytest.approx(plain.gradients / 2)

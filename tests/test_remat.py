@@ -55,11 +55,12 @@ def test_custom_policy_reads_maxtexts_per_tensor_keys():
     assert set(offloaded) == {"mlpwo", "context"}
 
 
-def _layer_residual_names(policy: str, kernel: str) -> set[str]:
-    """The checkpoint names among what one dense layer keeps for its backward under a policy."""
+def _layer_residual_names(policy: str, kernel: str, *words: str) -> set[str]:
+    """The checkpoint names among what one dense layer keeps for its backward under a policy (`words`: custom's
+    per-name keys, name=device)."""
     model = ModelConfig(name="t", vocab_size=16, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
                         d_ff=32)
-    train = TrainConfig(remat_policy=policy, attention=kernel)
+    train = TrainConfig(remat_policy=policy, attention=kernel, **dict(w.split("=") for w in words))
     from maxperf.models.layers.attention_kernels import AttentionOptions
 
     layer = DenseDecoderLayer(model, jnp.float32, nnx.Rngs(0), AttentionOptions.from_train(train))
@@ -83,9 +84,19 @@ def test_the_model_names_what_each_policy_keeps(policy):
     # a gated MLP, no fused qkv; the MLP's output (mlpwo) only a post-norm would read back, so it is never kept here
     read_back = {"query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0", "mlpwi_1"}
     expected = MAXTEXT[policy][0] & read_back
-    assert _layer_residual_names(policy, "dot_product") == expected
-    # flash kernels name their residuals (output and log-sum-exp) "context": one policy keeps both or neither
+    # as in MaxText, "context" names a flash kernel's residuals (its output and log-sum-exp) only: the dot product's
+    # output is "attention_out", which none of these policies keeps
+    assert _layer_residual_names(policy, "dot_product") == expected - {"context"}
     assert _layer_residual_names(policy, "flash") == expected
+
+
+def test_custom_keeps_the_attention_output_by_its_own_name():
+    # custom keeps the layer input on device by default (MaxText's decoder_layer_input=device)
+    words = ["attention_out=device"]
+    assert _layer_residual_names("custom", "dot_product", *words) == {"decoder_layer_input", "attention_out"}
+    assert _layer_residual_names("custom", "flash", *words) == {"decoder_layer_input", "attention_out"}
+    assert _layer_residual_names("custom", "flash", "context=device") == {"decoder_layer_input", "context"}
+    assert _layer_residual_names("custom", "dot_product", "context=device") == {"decoder_layer_input"}
 
 
 @pytest.mark.slow
@@ -136,8 +147,9 @@ def test_flash_keeps_no_scores():
     # residuals: its output in its own layout and the float32 log-sum-exp per head (perfmodel/memory.py SCORE_SAVED,
     # FLASH_LSE_BYTES: the forward scan's stacks of a compiled step)
     assert dot - flash == H * 2 * 2 * 8192 + 2 * H * Dh - (2 * H * Dh + 4 * H)
-    # the context, and the kernel's residuals, all named "context"
-    assert a["context"] == 2 * (2 * H * Dh) + 4 * H
+    # "context" the kernel's residuals, as MaxText names them; the output in the model's layout "attention_out"
+    assert a["context"] == 2 * H * Dh + 4 * H
+    assert a["attention_out"] == 2 * H * Dh
 
 
 def test_recompute_follows_what_each_policy_keeps():
@@ -151,7 +163,8 @@ def test_recompute_follows_what_each_policy_keeps():
     mlp_in = per_token["mlpwi_0"] + per_token["mlpwi_1"]
     assert counts["none"].recompute_flops == 0
     assert counts["minimal"].recompute_flops == attention_fwd  # the dot product's scores and context, again
-    assert counts["minimal_with_context"].recompute_flops == attention_fwd / 2  # the scores (probabilities) only
+    # MaxText's dot product names no "context": minimal_with_context recomputes what minimal does
+    assert counts["minimal_with_context"].recompute_flops == attention_fwd
     assert counts["save_dot_except_mlp"].recompute_flops == pytest.approx(N * T * mlp_in + attention_fwd)
     assert counts["save_qkv_proj"].recompute_flops == pytest.approx(
         N * T * (per_token["out_proj"] + mlp_in) + attention_fwd)

@@ -95,15 +95,17 @@ def param_count(model: ModelConfig) -> int:
 
 
 def make_optimizer(train: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW (Loshchilov & Hutter 2019) with linear warm-up and cosine decay, after global-norm clipping."""
+    """AdamW (Loshchilov & Hutter 2019) with linear warm-up and cosine decay, after global-norm clipping; MaxText's
+    opt_type adam_pax (the same two states per parameter and the same update's cost) compiles as AdamW too."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=train.learning_rate, warmup_steps=train.warmup_steps,
         decay_steps=train.warmup_steps + train.decay_steps, end_value=train.learning_rate * train.min_lr_ratio,
     )
 
     # every parameter decays, norm scales and biases too: MaxText's adamw_mask is empty by default
+    # mu_dtype: the first moment's dtype (MaxText's key), the parameters' where unset
     adamw = optax.adamw(schedule, b1=train.adam_b1, b2=train.adam_b2, eps=train.adam_eps,
-                        weight_decay=train.weight_decay)
+                        weight_decay=train.weight_decay, mu_dtype=jnp.dtype(train.mu_dtype) if train.mu_dtype else None)
     if train.grad_clip_norm is None:
         return adamw, schedule
     return optax.chain(optax.clip_by_global_norm(train.grad_clip_norm), adamw), schedule
@@ -248,6 +250,8 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
             (total, tokens, lb_loss, mtp_loss, counts, grads, meta), _ = jax.lax.scan(
                 accumulate, (0.0, 0.0, 0.0, 0.0, no_counts, zeros, meta), (micro, jnp.arange(A)))
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype) / (tokens + EPS).astype(p.dtype), grads, params)
+        # MaxText's grad_dtype: float32 gradients cast to it before the update
+        grads = jax.tree.map(lambda g: g.astype(train.grad_dtype) if g.dtype == jnp.float32 else g, grads)
         denom = jnp.maximum(tokens, 1.0)
         if train.optimizer_memory_host_offload:
             opt_state = jax.device_put(opt_state, jax.memory.Space.Device)

@@ -81,7 +81,8 @@ def recomputed(model: ModelConfig, train: TrainConfig, moe_layer: bool = False) 
     einsum).
 
     What the backward reads: the attention backward q, k, v and (flash) the kernel's residuals, named "context", or
-    (dot product) the probabilities, which no policy names; the output projection's weight gradient the context;
+    (dot product) the probabilities, which no policy names; the output projection's weight gradient the attention's
+    output, "attention_out" (with flash a transpose of the kernel's output, which "context" keeps);
     the MLP block's norm the residual stream after attention, so the output projection; the MLP's backward its
     wi outputs; only a post-norm (Gemma 2) reads the wo output, but in a MoE layer the gradient of the routing
     weights reads the experts' outputs (the combine is a weighted sum), so there the wo output is recomputed unless
@@ -99,10 +100,12 @@ def recomputed(model: ModelConfig, train: TrainConfig, moe_layer: bool = False) 
     out = {n for n in ("query_proj", "key_proj", "value_proj", "out_proj", *wi) if n not in kept}
     if (model.post_norms or moe_layer) and "mlpwo" not in kept:
         out.add("mlpwo")
-    if "context" not in kept:
-        out.add("context")
-    if attention_kernel(train) == "dot_product" or "context" not in kept:
-        out.add("scores")
+    if attention_kernel(train) == "dot_product":
+        out.add("scores")  # the probabilities, which no name keeps
+        if "attention_out" not in kept:
+            out.add("context")
+    elif "context" not in kept:  # the forward kernel again, for its residuals
+        out |= {"scores", "context"}
     if moe_layer:
         out.add("router")
         if dispatch(train) != "sparse":  # the experts' input is the dispatch einsum's output, named by no policy

@@ -31,7 +31,7 @@ from maxperf.spec.model import ModelConfig
 from maxperf.spec.params import ParamArray, param_arrays, state_arrays
 from maxperf.spec.params import params_per_device as held_params
 from maxperf.spec.remat import remat_names
-from maxperf.spec.train import DTYPE_BYTES, OPTIMIZER_STATES_PER_PARAM, TrainConfig
+from maxperf.spec.train import DTYPE_BYTES, TrainConfig, gradient_bytes, optimizer_state_bytes
 
 # Gradient accumulation sums microbatch gradients in a float32 buffer (models/train_step.py).
 GRAD_ACCUMULATOR_BYTES = 4
@@ -229,12 +229,13 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
 
     local_params = params_per_device(model, mesh)
     params = local_params * p
-    optimizer = OPTIMIZER_STATES_PER_PARAM * local_params * p
+    optimizer = optimizer_state_bytes(train) * local_params
     local_grads = local_params + expert_gradient_excess(model, train, mesh)
-    gradients = local_grads * p
+    gradients = local_grads * gradient_bytes(train)
     # models/train_step.py accumulates microbatch gradients in float32 whatever the param dtype
     accumulator = local_grads * GRAD_ACCUMULATOR_BYTES if micro > 1 else 0.0
-    state_per_param = p * (2 + OPTIMIZER_STATES_PER_PARAM) + (GRAD_ACCUMULATOR_BYTES if micro > 1 else 0)
+    state_per_param = (p + gradient_bytes(train) + optimizer_state_bytes(train)
+                       + (GRAD_ACCUMULATOR_BYTES if micro > 1 else 0))
     if not STATE_DONATED:
         params, optimizer = 2 * params, 2 * optimizer
     # state in pinned host memory between steps: the parameters come to HBM for the whole step (the forward and

@@ -66,7 +66,7 @@ MTP_SAVED_NORMS = 3
 MTP_LOGITS_PER_DEPTH = 1
 MTP_TABLE_GRADIENTS_PER_HEAD = 1
 # The checkpoint names of the attention block's tensors and of the MLP's (a MoE layer's experts'), for the breakdown
-ATTENTION_NAMES = ("query_proj", "key_proj", "value_proj", "qkv_proj", "context", "out_proj")
+ATTENTION_NAMES = ("query_proj", "key_proj", "value_proj", "qkv_proj", "context", "attention_out", "out_proj")
 
 
 def routed_rows_held(moe: MoeShape, train: TrainConfig, mesh: Mesh) -> float:
@@ -86,8 +86,9 @@ def named_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh, moe_laye
     c = DTYPE_BYTES[train.compute_dtype]
     D, Dh = model.d_model, model.head_dim
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
-    # a flash kernel's residuals carry the context's name too: its output in the kernel's [B, H, L, Dh] layout (beside
-    # the context in the model's) and the float32 log-sum-exp (measured here: jax's saved_residuals of a layer)
+    # MaxText's "context" is a flash kernel's residuals: its output in the kernel's [B, H, L, Dh] layout and the
+    # float32 log-sum-exp (measured here: jax's saved_residuals of a layer); the dot product names none. The output in
+    # the model's layout is "attention_out".
     flash = attention_kernel(train) == "flash"
     moe = moe_shape(model) if moe_layer else None
     F = a.F if moe is None else (routed_rows_held(moe, train, mesh) + moe.S) * a.Fe
@@ -105,14 +106,14 @@ def named_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh, moe_laye
         Dq, Dv = head_dims(model)
         kernel = c * a.H * Dv + FLASH_LSE_BYTES * a.H if flash else 0.0
         return {"query_proj": c * a.H * Dq, "key_proj": c * a.H * Dq, "value_proj": c * a.H * Dv,
-                "context": c * a.H * Dv + kernel, "out_proj": c * a.D, **wi, "mlpwo": wo,
+                "context": kernel, "attention_out": c * a.H * Dv, "out_proj": c * a.D, **wi, "mlpwo": wo,
                 "decoder_layer_input": c * a.D}
     kernel = c * a.H * Dh + FLASH_LSE_BYTES * a.H if flash else 0.0
     if model.fused_qkv:
         qkv = {"qkv_proj": c * (a.H + 2 * a.K) * Dh}
     else:
         qkv = {"query_proj": c * a.H * Dh, "key_proj": c * a.K * Dh, "value_proj": c * a.K * Dh}
-    return {**qkv, "context": c * a.H * Dh + kernel, "out_proj": c * a.D, **wi, "mlpwo": wo,
+    return {**qkv, "context": kernel, "attention_out": c * a.H * Dh, "out_proj": c * a.D, **wi, "mlpwo": wo,
             "decoder_layer_input": c * a.D}
 
 def layer_saved_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh, *, remat: str,

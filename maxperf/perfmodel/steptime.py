@@ -60,7 +60,7 @@ from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.params import state_arrays
 from maxperf.spec.topology import Topology
-from maxperf.spec.train import DTYPE_BYTES, OPTIMIZER_STATES_PER_PARAM, TrainConfig
+from maxperf.spec.train import DTYPE_BYTES, TrainConfig, optimizer_state_bytes
 
 # XLA:GPU's jax.lax.ragged_dot (the dropless grouped matmul, sparse_matmul=true) runs as if each local expert's matmul
 # took every row, not its own: at GPU_RAGGED_DOT_RATE / (local experts) of the modelled per-expert rate. Fitted on
@@ -241,9 +241,8 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     local_params = params_per_device(model, mesh)
     # MaxText's *_memory_host_offload: the state in pinned host memory crosses the host link to the device and back
     # each step, once per step whatever the microbatches
-    offloaded_states = (OPTIMIZER_STATES_PER_PARAM * train.optimizer_memory_host_offload
-                        + train.parameter_memory_host_offload)
-    state = offloaded_states * local_params * p
+    state = (optimizer_state_bytes(train) * train.optimizer_memory_host_offload
+             + p * train.parameter_memory_host_offload) * local_params
     if state and chip.host_link_bandwidth:
         table.add("state offload (host link)", "host", 2 * state / chip.host_link_bandwidth, 0.0, 2 * state,
                   STATE_OFFLOAD_OVERLAP)

@@ -82,13 +82,19 @@ MEANINGS = {
     "per_device_batch_size": "B, one microbatch per device (fractions allowed, as in MaxText)", "seq_len": "L, tokens "
     "per sequence (MaxText's max_target_length)", "grad_accum_steps": "A, microbatches per step",
     "compute_dtype": "the activations' and matmuls' dtype", "param_dtype": "the parameters' and optimizer's dtype",
+    "mu_dtype": "AdamW's first moment's dtype (param_dtype's where empty)",
+    "grad_dtype": "float32 gradients are cast to it before the update", "opt_type": "the optimizer: adamw or "
+    "adam_pax (compiled as AdamW)", "sa_q_layout": "splash's q layout (HEAD_DIM_MINOR or SEQ_MINOR)",
+    "sa_k_layout": "splash's k layout", "sa_v_layout": "splash's v layout", "use_tokamax_splash": "MaxText's tokamax "
+    "splash (compiled as jax's splash with the fused backward)",
     "learning_rate": "AdamW's peak learning rate", "warmup_steps": "linear warm-up steps",
     "decay_steps": "cosine decay steps after warm-up", "min_lr_ratio": "the learning rate's final fraction",
     "weight_decay": "AdamW's weight decay",
     "adam_b1": "AdamW's beta1", "adam_b2": "AdamW's beta2", "adam_eps": "AdamW's epsilon", "grad_clip_norm": "clip the "
     "gradients' global norm (none: no clipping)", "seed": "the initialization seed", "remat_policy": "what the "
     "backward keeps, recomputes or offloads (MaxText's policies)", "decoder_layer_input": "remat_policy=custom: the "
-    "layer input kept (device), recomputed or offloaded", "context": "remat_policy=custom: attention's output",
+    "layer input kept (device), recomputed or offloaded", "context": "remat_policy=custom: a flash kernel's residuals (its output and log-sum-exp)",
+    "attention_out": "remat_policy=custom: attention's output",
     "mlpwi": "remat_policy=custom: the MLP's up projection", "mlpwi_0": "remat_policy=custom: the MLP's gate",
     "mlpwi_1": "remat_policy=custom: the MLP's up projection (gated)", "mlpwo": "remat_policy=custom: the MLP's output",
     "query_proj": "remat_policy=custom: q", "key_proj": "remat_policy=custom: k", "value_proj": "remat_policy=custom: "

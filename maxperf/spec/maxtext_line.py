@@ -3,7 +3,8 @@ compile_topology=v5p-256 compile_topology_num_slices=2 steps=10 run_name=x ...` 
 `maxperf compile --model llama2-7b --topology v5p-256 --num-slices 2`. MaxText's config file (base.yml, whose defaults
 are maxperf's), its model and topology keys are read here; its keys that change nothing of the step (where it writes,
 what it logs, checkpoints and profiles, which data it reads, how long it trains) are accepted and named once as
-ignored; every other word is a key=value override as before."""
+ignored, and those that tune its own kernels' and collectives' scheduling (TUNING_KEYS) named once as not
+reproduced; every other word is a key=value override as before."""
 
 from __future__ import annotations
 
@@ -31,8 +32,29 @@ RUN_KEYS = frozenset("""
     vertex_tensorboard_region enable_goodput_recording monitor_goodput goodput_upload_interval_seconds
     enable_pathways_goodput monitor_step_time_deviation step_deviation_interval_seconds
     skip_jax_distributed_system enable_single_controller hardware jax_cache_dir jax_distributed_initialization_timeout
-    compiled_trainstep_file compile_topology_slice_type enable_data_shuffling
+    compiled_trainstep_file compile_topology_slice_type enable_data_shuffling max_train_steps save_final_checkpoint
+    start_step_to_checkpoint checkpoint_storage_concurrent_gb checkpoint_storage_target_data_file_size_bytes
+    grain_file_type output_dir
 """.split())
+# MaxText's keys that tune how its own kernels and collectives run without changing the step's shapes, shardings or
+# (beyond rounding) its arithmetic: tokamax's splash scheduler, its cost hints and dq reduction, a max-logit estimate,
+# the tiles of local (sliding-window) layers, tokamax's grouped matmul and megablox's tiles, its sort's custom VJP,
+# two-stage FSDP all-gathers, how the device mesh is laid over the chips, random routing for benchmarks, the MoE
+# combine's float32 sum (maxperf's sums in float32) and FP8 scale calibration. maxperf compiles jax's splash and
+# megablox kernels and XLA's collectives as they come: these are accepted and named once as not reproduced.
+_TILES = [f"{w}_tile_{p}_{d}" for w in ("wi", "wo") for p in ("fwd", "dlhs", "drhs")
+          for d in ("batch_seq", "embed_dim", "mlp_dim", "buffer_count")]
+TUNING_KEYS = frozenset("""
+    use_splash_scheduler local_use_splash_scheduler cost_estimate_flops_fwd cost_estimate_flops_bwd dq_reduction_steps
+    use_max_logit_estimate use_tokamax_gmm use_custom_sort_vjp moe_fsdp_use_two_stage_all_gather
+    dense_fsdp_use_two_stage_all_gather allow_split_physical_axes use_random_routing float32_weight_sum
+    weight_quantization_calibration_method act_quantization_calibration_method bwd_quantization_calibration_method
+    local_sa_block_q local_sa_block_kv local_sa_block_kv_compute local_sa_block_q_dkv local_sa_block_kv_dkv
+    local_sa_block_kv_dkv_compute local_sa_block_q_dq local_sa_block_kv_dq
+""".split() + _TILES)
+# MaxText's switches of the experts' weights' sharding that maxperf compiles at MaxText's default only (the experts
+# sharded by the logical rules): at it they change nothing; another value is refused
+DEFAULT_ONLY = {"shard_exp_on_fsdp": "false", "fsdp_shard_on_exp": "false", "use_2d_fsdp_sharding": "false"}
 MODEL_KEY, SCALE_KEY = "model_name", "global_parameter_scale"
 TOPOLOGY_KEY, SLICES_KEY = "compile_topology", "compile_topology_num_slices"
 _FROM_MAXTEXT = {theirs: ours for ours, theirs in presets.MAXTEXT_NAMES.items()}
@@ -48,11 +70,12 @@ class Line:
     model: str | None = None
     num_slices: int | None = None
     ignored: tuple[str, ...] = ()
+    untuned: tuple[str, ...] = ()  # TUNING_KEYS given
 
 
 def read(words: Sequence[str]) -> Line:
     """The request MaxText's words in `words` name; a MaxperfError, one line, for a value maxperf cannot take."""
-    overrides, ignored = [], []
+    overrides, ignored, untuned = [], [], []
     found: dict[str, str] = {}
     for word in words:
         key, eq, value = word.partition("=")
@@ -63,11 +86,19 @@ def read(words: Sequence[str]) -> Line:
             overrides.append(word)  # not MaxText's: the overrides say what is wrong with it
         elif key in RUN_KEYS:
             ignored.append(key)
+        elif key in TUNING_KEYS:
+            untuned.append(key)
+        elif key in DEFAULT_ONLY:
+            if value.strip().lower() != DEFAULT_ONLY[key]:
+                raise MaxperfError(f"{key}={value}: maxperf shards the experts' weights by MaxText's default rules "
+                                   f"only ({key}={DEFAULT_ONLY[key]})")
+            ignored.append(key)
         elif key in (MODEL_KEY, SCALE_KEY, TOPOLOGY_KEY, SLICES_KEY):
             found[key] = value
         else:
             overrides.append(word)
-    return Line(tuple(overrides), found.get(TOPOLOGY_KEY), _model(found), _slices(found), tuple(ignored))
+    return Line(tuple(overrides), found.get(TOPOLOGY_KEY), _model(found), _slices(found), tuple(ignored),
+                tuple(untuned))
 
 
 def _model(found: dict[str, str]) -> str | None:

@@ -58,6 +58,14 @@ register(
     "llama3.1-405b",
     lambda: _llama("llama3.1-405b", 128256, 16384, 126, 128, 8, 53248, 5e5, rope_scaling=RopeScaling()),
 )
+# MaxText's other names of the same widths (its configs/models/llama3.1-8b, llama3.1-70b, llama3.3-70b and
+# llama3-405b.yml equal llama3-8b's, llama3-70b's and llama3.1-405b's); it scales RoPE for the names starting
+# "llama3.1" only (layers/attentions.py)
+register("llama3.1-8b", lambda: _llama("llama3.1-8b", 128256, 4096, 32, 32, 8, 14336, 5e5, rope_scaling=RopeScaling()))
+register("llama3.1-70b",
+         lambda: _llama("llama3.1-70b", 128256, 8192, 80, 64, 8, 28672, 5e5, rope_scaling=RopeScaling()))
+register("llama3.3-70b", lambda: _llama("llama3.3-70b", 128256, 8192, 80, 64, 8, 28672, 5e5))
+register("llama3-405b", lambda: _llama("llama3-405b", 128256, 16384, 126, 128, 8, 53248, 5e5))
 # Mistral 7B v0.1 (Jiang et al. 2023, table 1): sliding window of 4096
 register(
     "mistral-7b",
@@ -287,7 +295,8 @@ for _log2 in range(11):
 # gemma3 configs are 4b, 12b and 27b).
 MAXTEXT_NAMES = {
     **{name: name for name in (
-        "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3.1-405b", "mistral-7b", "gemma-2b",
+        "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3.1-405b", "llama3.1-8b",
+        "llama3.1-70b", "llama3.3-70b", "llama3-405b", "mistral-7b", "gemma-2b",
         "gemma-7b", "gemma2-2b", "gemma2-9b", "gemma2-27b", "gemma3-4b", "gemma3-12b", "gemma3-27b", "qwen3-0.6b",
         "qwen3-8b", "qwen3-32b", "gpt3-175b", "mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b",
         "gpt-oss-20b", "gpt-oss-120b")},
@@ -334,6 +343,10 @@ PUBLISHED_PARAMS = {
     "llama3-8b": 8.03e9,
     "llama3-70b": 70.6e9,
     "llama3.1-405b": 405.8e9,
+    "llama3.1-8b": 8.03e9,
+    "llama3.1-70b": 70.6e9,
+    "llama3.3-70b": 70.6e9,
+    "llama3-405b": 405.8e9,
     "mistral-7b": 7.24e9,
     "gemma-2b": 2.51e9,
     "gemma-7b": 8.54e9,

@@ -35,8 +35,10 @@ class RematLocation(enum.StrEnum):
 
 # The checkpoint names the decoder layer gives its tensors (MaxText's), and what each remat policy saves on device
 # and offloads to the host (layers/decoders.py get_remat_policy).
-CHECKPOINT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "qkv_proj", "context", "out_proj",
-                    "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo")
+# "context" names only a flash kernel's residuals (its output in the kernel's layout and the log-sum-exp; MaxText's
+# splash and cuDNN paths), "attention_out" the attention's output in the model's layout, as MaxText names them.
+CHECKPOINT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "qkv_proj", "context",
+                    "attention_out", "out_proj", "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo")
 _QKV = ("query_proj", "key_proj", "value_proj", "qkv_proj")
 _MINIMAL = (*_QKV, "out_proj", "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo")
 REMAT_SAVED: dict[RematPolicy, tuple[tuple[str, ...], tuple[str, ...]]] = {

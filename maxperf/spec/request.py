@@ -26,7 +26,7 @@ from maxperf.spec.model import ModelConfig
 from maxperf.spec.parallelism import ParallelismConfig
 from maxperf.spec.params import param_arrays, params_per_device
 from maxperf.spec.topology import Topology
-from maxperf.spec.train import DTYPE_BYTES, OPTIMIZER_STATES_PER_PARAM, Quantization, TrainConfig
+from maxperf.spec.train import DTYPE_BYTES, Quantization, TrainConfig, optimizer_state_bytes
 
 GIB = 1 << 30
 
@@ -172,7 +172,7 @@ def replication_warnings(configs: Configs, mesh: Mesh) -> tuple[str, ...]:
             held_of[key] = shape[dim] // math.prod(axes[a] for a in split)
     if not found:
         return ()
-    state_per_param = DTYPE_BYTES[str(train.param_dtype)] * (1 + OPTIMIZER_STATES_PER_PARAM)
+    state_per_param = DTYPE_BYTES[str(train.param_dtype)] + optimizer_state_bytes(train)
     held = params_per_device(model, mesh.sizes) * state_per_param
     even = sum(x.count * math.prod(x.shape) for x in param_arrays(model)) * state_per_param / mesh.devices
     lines = []

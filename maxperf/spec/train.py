@@ -14,6 +14,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # AdamW keeps two states per parameter, its first and second moments (optax.adamw's mu and nu)
 OPTIMIZER_STATES_PER_PARAM = 2
+OPTIMIZERS = ("adamw", "adam_pax")  # MaxText's opt_type values compiled (as AdamW: the same state and update cost)
+SPLASH_LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")  # splash's QKVLayout names
 
 
 class AttentionKernel(enum.StrEnum):
@@ -49,6 +51,13 @@ class TrainConfig:
     seq_len: int = 2048  # L
     compute_dtype: str = "bfloat16"
     param_dtype: str = "float32"
+    # AdamW's first moment's dtype (MaxText's mu_dtype); empty: the parameters' (param_dtype), as MaxText's default
+    mu_dtype: str = ""
+    # MaxText's key and default: float32 gradients are cast to this dtype before the update (bfloat16 halves them)
+    grad_dtype: str = "float32"
+    # MaxText's optimizer: adamw, or adam_pax (Pax's Adam: the same two states per parameter and the same update's
+    # cost, compiled as AdamW); MaxText's sgd and muon are not compiled
+    opt_type: str = "adamw"
     learning_rate: float = 3e-4
     warmup_steps: int = 100
     decay_steps: int = 10_000  # cosine decay to min_lr_ratio * learning_rate after warm-up
@@ -63,6 +72,7 @@ class TrainConfig:
     # remat_policy=custom: where each named tensor is kept (MaxText's keys and defaults)
     decoder_layer_input: RematLocation = RematLocation.DEVICE
     context: RematLocation = RematLocation.REMAT
+    attention_out: RematLocation = RematLocation.REMAT
     mlpwi: RematLocation = RematLocation.REMAT
     mlpwi_0: RematLocation = RematLocation.REMAT
     mlpwi_1: RematLocation = RematLocation.REMAT
@@ -88,6 +98,13 @@ class TrainConfig:
     # MaxText's key and default: splash's backward as two kernels (dq; dk and dv), each computing the scores and
     # their gradient again, or (true) as one
     sa_use_fused_bwd_kernel: bool = False
+    # MaxText's keys: splash's q, k and v layouts in the kernel (HEAD_DIM_MINOR or SEQ_MINOR)
+    sa_q_layout: str = "HEAD_DIM_MINOR"
+    sa_k_layout: str = "HEAD_DIM_MINOR"
+    sa_v_layout: str = "HEAD_DIM_MINOR"
+    # MaxText's key: its vendored tokamax splash kernel, whose backward is always one kernel; maxperf compiles jax's
+    # splash with the same tiles and layouts and the fused backward (sa_use_fused_bwd_kernel follows it)
+    use_tokamax_splash: bool = False
     # MaxText's num_vocab_tiling: the loss over this many chunks of the tokens, each chunk's [B, L/n, V] logits
     # computed in the forward and again in the backward, so the whole [B, L, V] logits never exist
     num_vocab_tiling: int = 1
@@ -146,6 +163,16 @@ class TrainConfig:
         for field in ("compute_dtype", "param_dtype"):
             value = getattr(self, field)
             require(value in DTYPES, f"{field} must be one of {', '.join(DTYPES)}, got {value!r}")
+        require(self.mu_dtype in ("", *DTYPES),
+                f"mu_dtype must be one of {', '.join(DTYPES)} (or empty: param_dtype's), got {self.mu_dtype!r}")
+        require(self.grad_dtype in DTYPES, f"grad_dtype must be one of {', '.join(DTYPES)}, got {self.grad_dtype!r}")
+        require(self.opt_type in OPTIMIZERS, f"opt_type={self.opt_type}: maxperf compiles AdamW, as MaxText's "
+                f"{' and '.join(OPTIMIZERS)} (MaxText's sgd and muon are not compiled)")
+        for name in ("sa_q_layout", "sa_k_layout", "sa_v_layout"):
+            require(getattr(self, name) in SPLASH_LAYOUTS,
+                    f"{name} must be one of {', '.join(SPLASH_LAYOUTS)}, got {getattr(self, name)!r}")
+        if self.use_tokamax_splash:  # tokamax's splash has only the fused backward (MaxText sets it so)
+            object.__setattr__(self, "sa_use_fused_bwd_kernel", True)
         require(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}")
         require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
         require(self.decay_steps >= 1, f"decay_steps must be >= 1, got {self.decay_steps}")
@@ -206,3 +233,17 @@ def micro_batch(B: float, devices: int) -> int:
             f"per_device_batch_size={B} over {devices} devices gives a microbatch of {rows:g} examples, which must be "
             f"a whole number; choose B so that B x {devices} is whole")
     return int(rows)
+
+
+def optimizer_state_bytes(train: TrainConfig) -> int:
+    """Bytes of AdamW's state per parameter: its first moment in mu_dtype (param_dtype's where unset), its second in
+    param_dtype."""
+    p = DTYPE_BYTES[train.param_dtype]
+    return (DTYPE_BYTES[train.mu_dtype] if train.mu_dtype else p) + p * (OPTIMIZER_STATES_PER_PARAM - 1)
+
+
+def gradient_bytes(train: TrainConfig) -> int:
+    """Bytes of one parameter's gradient as the update reads it: float32 gradients cast to grad_dtype (MaxText's
+    train step), others in the parameters' dtype."""
+    p = DTYPE_BYTES[train.param_dtype]
+    return DTYPE_BYTES[train.grad_dtype] if train.param_dtype == "float32" else p

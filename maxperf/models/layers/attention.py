@@ -103,7 +103,8 @@ class Attention(nnx.Module):
         o_BxLxKxGxDh = attend(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=cfg.attn_logit_softcap,
                               options=self.options, windows=self.windows, sinks_KxG=sinks_KxG)
         o_BxLxHxDh = o_BxLxKxGxDh.reshape(B, L, cfg.num_heads, Dh)
-        o_BxLxHxDh = checkpoint_name(o_BxLxHxDh, "context")
+        # MaxText's names: "attention_out" this output; "context" only a flash kernel's residuals (attention_kernels)
+        o_BxLxHxDh = checkpoint_name(o_BxLxHxDh, "attention_out")
         out_BxLxD = quantization.einsum("BLHd,HdD->BLD", o_BxLxHxDh, self.o_HxDhxD[...].astype(dtype))
         if cfg.attention_bias:
             out_BxLxD = out_BxLxD + self.o_bias_D[...].astype(dtype)[None, None]

@@ -46,6 +46,7 @@ class AttentionOptions:
     float32_logits: bool = False
     splash_blocks: tuple[int, ...] = (512,) * 8  # in SPLASH_BLOCKS order
     fused_bwd: bool = False  # sa_use_fused_bwd_kernel: splash's backward as one kernel (dq, dk and dv together)
+    layouts: tuple[str, str, str] = ("HEAD_DIM_MINOR",) * 3  # sa_q_layout, sa_k_layout, sa_v_layout
     interpret: bool = False  # run Pallas kernels in interpret mode (tests on CPU)
     load_balance: bool = False  # context_parallel_load_balance: sequences come reordered under context parallelism
 
@@ -55,6 +56,7 @@ class AttentionOptions:
                    float32_logits=train.float32_logits,
                    splash_blocks=tuple(getattr(train, name) for name in SPLASH_BLOCKS),
                    fused_bwd=train.sa_use_fused_bwd_kernel,
+                   layouts=(train.sa_q_layout, train.sa_k_layout, train.sa_v_layout),
                    load_balance=train.context_parallel_load_balance)
 
 
@@ -91,7 +93,7 @@ def attend(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, *, softcap: float | Non
     if impl == "splash":
         return splash(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=softcap, blocks=options.splash_blocks,
                       windows=windows, interpret=options.interpret, sinks_KxG=sinks_KxG, cp=(cp_axes, cp, balanced),
-                      fused_bwd=options.fused_bwd)
+                      fused_bwd=options.fused_bwd, layouts=options.layouts)
     if cp > 1:
         return blockwise_context(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, sinks_KxG, softcap,
                                  (cp_axes, cp, balanced))
@@ -303,16 +305,17 @@ def _head_specs(B: int, H: int, K: int):
 
 def splash(q, k, v, window, *, softcap, blocks: tuple[int, ...], windows: tuple[int, ...] = (0,),
            interpret: bool = False, sinks_KxG: jax.Array | None = None, cp=((), 1, False),
-           fused_bwd: bool = False) -> jax.Array:
+           fused_bwd: bool = False, layouts: tuple[str, str, str] = ("HEAD_DIM_MINOR",) * 3) -> jax.Array:
     """`cp`: (the mesh axes splitting the sequence, their product, whether the sequence came balanced);
-    `fused_bwd`: the backward as one kernel (MaxText's sa_use_fused_bwd_kernel), the dq kernel's tiles unused."""
+    `fused_bwd`: the backward as one kernel (MaxText's sa_use_fused_bwd_kernel), the dq kernel's tiles unused;
+    `layouts`: q's, k's and v's layouts in the kernel (MaxText's sa_q_layout, sa_k_layout, sa_v_layout)."""
     if cp[1] > 1:
         return _splash_context(q, k, v, window, softcap=softcap, blocks=blocks, windows=windows, interpret=interpret,
-                               sinks_KxG=sinks_KxG, cp=cp, fused_bwd=fused_bwd)
+                               sinks_KxG=sinks_KxG, cp=cp, fused_bwd=fused_bwd, layouts=layouts)
     B, L, K, G, Dh = q.shape
     q_BxHxLxDh = jnp.einsum("BLKGd->BKGLd", q).reshape(B, K * G, L, Dh)
     k_BxKxLxDh, v_BxKxLxDh = jnp.einsum("BLKd->BKLd", k), jnp.einsum("BLKd->BKLd", v)
-    kernel_blocks = {**dict(zip(SPLASH_BLOCKS, (min(x, L) for x in blocks))), FUSED: fused_bwd}
+    kernel_blocks = {**dict(zip(SPLASH_BLOCKS, (min(x, L) for x in blocks))), FUSED: fused_bwd, LAYOUTS: layouts}
 
     sinks_H = None if sinks_KxG is None else sinks_KxG.astype(jnp.float32).reshape(K * G)
 
@@ -345,6 +348,7 @@ def splash(q, k, v, window, *, softcap, blocks: tuple[int, ...], windows: tuple[
 
 
 FUSED = "use_fused_bwd_kernel"  # beside the tiles in a kernel's blocks: the backward as one kernel
+LAYOUTS = "layouts"  # and q's, k's and v's layouts (QKVLayout names)
 
 
 def _splash_kernel(H: int, L: int, window: int, softcap, blocks: dict, interpret: bool, head_shards: int = 1,
@@ -362,16 +366,17 @@ def _splash_kernel(H: int, L: int, window: int, softcap, blocks: dict, interpret
     if q_ids is not None:  # the masks compare positions through q_sequence, and hash and compare by it
         mask.q_sequence = np.asarray(q_ids, np.int32)
     fused = blocks.get(FUSED, False)
-    sizes = sk.BlockSizes(use_fused_bwd_kernel=fused, **{
+    q_layout, k_layout, v_layout = (sk.QKVLayout[x] for x in blocks.get(LAYOUTS, ("HEAD_DIM_MINOR",) * 3))
+    sizes = sk.BlockSizes(use_fused_bwd_kernel=fused, q_layout=q_layout, k_layout=k_layout, v_layout=v_layout, **{
         name.removeprefix("sa_"): value for name, value in blocks.items()
-        if name != FUSED and not (fused and name.endswith("_dq"))})
+        if name not in (FUSED, LAYOUTS) and not (fused and name.endswith("_dq"))})
     return sk.make_splash_mha(sm.MultiHeadMask([mask] * H), block_sizes=sizes, head_shards=head_shards,
                               q_seq_shards=q_seq_shards, attn_logits_soft_cap=softcap,
                               residual_checkpoint_name="context", interpret=interpret)
 
 
 def _splash_context(q, k, v, window, *, softcap, blocks, windows, interpret, sinks_KxG, cp,
-                    fused_bwd: bool = False) -> jax.Array:
+                    fused_bwd: bool = False, layouts: tuple[str, str, str] = ("HEAD_DIM_MINOR",) * 3) -> jax.Array:
     """Splash attention under context parallelism, as MaxText's all-gather path: the kernel's mask split by query
     shard (q_seq_shards) and by head shard, each device's queries against the keys and values gathered whole (back
     in sequence order where the sequence came balanced)."""
@@ -392,7 +397,7 @@ def _splash_context(q, k, v, window, *, softcap, blocks, windows, interpret, sin
     # query tiles within a device's share of the sequence, key tiles within the whole
     kernel_blocks = {name: min(x, L // n if name.startswith("sa_block_q") else L) for name, x in zip(SPLASH_BLOCKS,
                                                                                                   blocks)}
-    kernel_blocks[FUSED] = fused_bwd
+    kernel_blocks[FUSED], kernel_blocks[LAYOUTS] = fused_bwd, layouts
     ids = context.query_ids(L, n, balanced)
     choices = [window] if isinstance(window, int) else sorted(set(windows))
     kernels = [_splash_kernel(H, L, w, softcap, kernel_blocks, interpret, head_shards, n, ids) for w in choices]

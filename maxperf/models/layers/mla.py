@@ -87,6 +87,6 @@ class LatentAttention(nnx.Module):
         v_BxLxHxDv = checkpoint_name(constrain(v_BxLxHxDv, HEADS), "value_proj")
         o_BxLxHx1xDv = attend(q_BxLxHxDq[:, :, :, None, :], k_BxLxHxDq, v_BxLxHxDv, 0, softcap=None,
                               options=self.options)
-        o_BxLxHxDv = checkpoint_name(o_BxLxHx1xDv.reshape(B, L, H, Dv), "context")
+        o_BxLxHxDv = checkpoint_name(o_BxLxHx1xDv.reshape(B, L, H, Dv), "attention_out")
         out_BxLxD = quantization.einsum("BLHd,HdD->BLD", o_BxLxHxDv, self.o_HxDvxD[...].astype(dtype))
         return checkpoint_name(out_BxLxD, "out_proj")
