@@ -130,6 +130,26 @@ def test_splash_with_its_fused_backward_matches_dot_product():
     _assert_all_close(got, ref)
 
 
+@pytest.mark.slow
+def test_splash_with_maxtexts_layouts_matches_dot_product():
+    """sa_q_layout, sa_k_layout, sa_v_layout: the kernel's layouts (as the Ironwood recipes set them), the same
+    values; the layouts reach the kernel's block sizes."""
+    q, k, v = _qkv(L=256)
+    ref = _value_and_grads(_dot(0, None), q, k, v)
+    layouts = ("SEQ_MINOR", "SEQ_MINOR", "HEAD_DIM_MINOR")
+    got = _value_and_grads(lambda q, k, v: ak.splash(q, k, v, 0, softcap=None, blocks=(128,) * 8, interpret=True,
+                                                     fused_bwd=True, layouts=layouts), q, k, v)
+    _assert_all_close(got, ref)
+
+
+def test_splash_kernel_takes_the_layouts_it_is_given():
+    blocks = {**dict(zip(ak.SPLASH_BLOCKS, (128,) * 8)), ak.FUSED: True, ak.LAYOUTS: ("SEQ_MINOR", "HEAD_DIM_MINOR",
+                                                                                       "SEQ_MINOR")}
+    sizes = ak._splash_kernel(4, 256, 0, None, blocks, True).tree_flatten()[1]["block_sizes"]
+    assert (sizes.q_layout.name, sizes.k_layout.name, sizes.v_layout.name) == blocks[ak.LAYOUTS]
+    assert sizes.use_fused_bwd_kernel
+
+
 def test_splash_backward_counts_the_kernels_it_runs():
     """perfmodel: splash's default backward is two kernels (dk and dv, then dq), each computing the scores and dP
     again: 7 matmuls a block against 5 fused; with full remat the forward's two run again, so 4 + 7 against 4 + 5."""
