@@ -6,7 +6,10 @@
 For each case it compiles the train step for a TPU or GPU topology (compile-only devices, through maxperf.aot, into
 a temporary directory; one compile at a time) and prints the analytical per-device total (perfmodel.estimate_memory)
 beside the compiler's (argument + output - alias + temp + code, from memory_analysis), the signed error of the
-analytical figure, and per group the median and worst absolute error. `--cache FILE` keeps the compiler's figures
+analytical figure, and per group the median and worst absolute error; beside them, from libtpu's INFO log (TPU_LOG_DIR,
+unbuffered), the bytes live at the peak (the total less the heap's fragmentation), the analytical figure's error
+against them and the fragmentation's share of the temporaries. Every case not in the cache compiles (maxperf's
+compile cache off: a cached compile logs nothing). `--cache FILE` keeps the compiler's figures
 in a JSON file keyed by the case, so that a second run after a change to perfmodel's formulas recompiles nothing
 (the compiler's figures depend on the step, not on perfmodel); delete the file to measure again; `--cached-only`
 reports the cached cases alone. `--error-json` writes the summary of every TPU case reported (median and worst
@@ -44,12 +47,22 @@ import datetime
 import itertools
 import json
 import os
+import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices; nothing runs here
+# libtpu logs, for each program it compiles, its HBM temporaries: the bytes live at the heap's peak ("Unpadded") and
+# the heap's fragmentation beside them; memory_analysis's temp counts both. Set before libtpu loads.
+TPU_LOG = Path(os.environ.setdefault("TPU_LOG_DIR", tempfile.mkdtemp(prefix="maxperf-memacc-tpulog-")))
+# unbuffered (glog writes a buffered message out only when a later one comes), so that a compile's block is in the
+# log when it returns; a compile served from maxperf's compile cache logs nothing: every case not in --cache compiles
+os.environ["LIBTPU_INIT_ARGS"] = " ".join((os.environ.get("LIBTPU_INIT_ARGS", ""), "--logbuflevel=-1")).strip()
+os.environ["MAXPERF_NO_CACHE"] = "1"
+LOG_WAIT_S = 10.0
 
 from maxperf.search import memory_fit  # noqa: E402
 
@@ -185,6 +198,45 @@ def key(model: str, topology: str, overrides: tuple[str, ...]) -> str:
     return " ".join((model, topology, *overrides))
 
 
+UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}  # libtpu's sizes: 10.21G is GiB
+HBM_TEMP = re.compile(r"module name: jit_step\n(?:[^\n]*\n)*?Program hbm requirement [^\n]*\n(?:[^\n]*\n)*?"
+                      r"\s+HLO temp\s+([\d.]+)([KMGT]?)B? \([^)]*"
+                      r"Unpadded \(([\d.]+)([KMGT]?)B?\)[^)]*\)[^(]*fragmentation \(([\d.]+)([KMGT]?)B?\)")
+
+
+class LibtpuLog:
+    """The HBM temporaries of the train step (jit_step) libtpu compiled since the last read (tpu_driver.INFO in
+    TPU_LOG)."""
+
+    def __init__(self) -> None:
+        self.offset = self._size()
+
+    @staticmethod
+    def _path() -> Path:
+        return TPU_LOG / "tpu_driver.INFO"
+
+    def _size(self) -> int:
+        return self._path().stat().st_size if self._path().exists() else 0
+
+    def read(self) -> dict | None:
+        """{"temp", "live", "fragmentation"} in bytes of the train step compiled since the last read, waiting
+        up to LOG_WAIT_S for glog to write it; None where libtpu logged none."""
+        deadline = time.monotonic() + LOG_WAIT_S
+        while True:
+            data = b""
+            if self._path().exists():
+                with self._path().open("rb") as f:
+                    f.seek(self.offset)
+                    data = f.read()
+            found = [{"temp": float(m[0]) * UNITS[m[1]], "live": float(m[2]) * UNITS[m[3]],
+                      "fragmentation": float(m[4]) * UNITS[m[5]]}
+                     for m in HBM_TEMP.findall(data.decode("utf-8", "replace"))]
+            if found or time.monotonic() > deadline:
+                self.offset += len(data)
+                return max(found, key=lambda d: d["temp"], default=None)
+            time.sleep(1.0)
+
+
 def summary(rows: list[dict]) -> dict:
     errors = [abs(r["error"]) for r in rows]
     under = sorted(-r["error"] for r in rows)  # positive where the analytical figure is below the compiler's
@@ -207,15 +259,16 @@ def main() -> int:
     ap.add_argument("--error-json", type=Path, help="write the TPU groups' summary (memory_error.json schema)")
     args = ap.parse_args()
     cache = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
+    log = LibtpuLog()
     rows = []
     print(f"{'group':<8} {'model':<16} {'topology':<8} {'tp':>2} {'B':>2} {'L':>4} {'remat':<32} {'kernel':<11} "
-          f"{'analytical':>10} {'compiler':>9} {'error':>7}  compile")
+          f"{'analytical':>10} {'compiler':>9} {'error':>7} {'live':>6} {'error':>7} {'frag':>5}  compile")
     for group, model, topology, overrides in cases():
         k = key(model, topology, overrides)
         if (args.only and args.only not in k) or (args.group and group not in args.group):
             continue
         if k in cache:
-            compiler, seconds = cache[k]["compiler"], None
+            compiler, seconds, libtpu = cache[k]["compiler"], None, cache[k].get("libtpu")
             cmp = memory_fit.compare(topology, model, overrides, analytical_only=True)
         elif args.cached_only:
             continue
@@ -224,25 +277,31 @@ def main() -> int:
             cmp = memory_fit.compare(topology, model, overrides,
                                      progress=lambda s: print(f"  [{k}] {s}", file=sys.stderr, flush=True))
             compiler, seconds = cmp.compiler, time.perf_counter() - t0
+            libtpu = log.read() if not topology.startswith(("h100", "a100", "h200", "b200")) else None
             if args.cache:  # reread: another run may have added cases since
                 cache = json.loads(args.cache.read_text()) if args.cache.exists() else {}
-                cache[k] = {"compiler": compiler}
+                cache[k] = {"compiler": compiler, **({"libtpu": libtpu} if libtpu else {})}
                 tmp = args.cache.with_name(args.cache.name + ".tmp")
                 tmp.write_text(json.dumps(cache, indent=1) + "\n")
                 tmp.replace(args.cache)
         analytical = cmp.analytical.per_device_total_bytes
         total = compiler["per_device_total_bytes"]
         error = (analytical - total) / total
+        # the compiler's figure less the heap's fragmentation: what is live at the peak
+        live = total - libtpu["fragmentation"] if libtpu else None
         train = cmp.plan.configs.train
         tp = cmp.plan.mesh.axes.get("tensor", 1)
         remat, kernel = str(train.remat_policy.value), str(getattr(train.attention, "value", train.attention))
         rows.append({"group": group, "model": model, "topology": topology, "overrides": list(overrides),
                      "tensor": tp, "batch": train.per_device_batch_size, "seq_len": train.seq_len, "remat": remat,
                      "kernel": kernel, "analytical_bytes": analytical, "compiler_bytes": total, "error": error,
+                     "live_bytes": live, "fragmentation": libtpu["fragmentation"] / libtpu["temp"] if libtpu else None,
                      "fits": bool(compiler["fits"]),
                      "compiler": compiler, "analytical": cmp.analytical.as_dict()})
         print(f"{group:<8} {model:<16} {topology:<8} {tp:>2} {train.per_device_batch_size:>2} {train.seq_len:>4} "
-              f"{remat:<32} {kernel:<11} {analytical / GIB:>10.2f} {total / GIB:>9.2f} {error:>+7.1%}  "
+              f"{remat:<32} {kernel:<11} {analytical / GIB:>10.2f} {total / GIB:>9.2f} {error:>+7.1%} "
+              + (f"{live / GIB:>6.2f} {(analytical - live) / live:>+7.1%} "
+                 f"{libtpu['fragmentation'] / libtpu['temp']:>5.1%}  " if live else f"{'':>6} {'':>7} {'':>5}  ")
               + ("cached" if seconds is None else f"{seconds:.0f} s") + ("" if compiler["fits"] else "  (does not fit)")
               + (f"  [{' '.join(overrides)}]" if group == "gpu" else ""), flush=True)
     if not rows:

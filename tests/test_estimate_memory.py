@@ -6,6 +6,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -215,11 +216,18 @@ RECORDED_COMPILES = [
                              "remat_policy=qkv_proj_offloaded", "attention=dot_product"], 3366803136),
     ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=4", "per_device_batch_size=2", "remat_policy=custom",
                              "query_proj=device", "key_proj=offload", "value_proj=offload", "context=device",
-                             "mlpwi_0=device", "mlpwo=offload", "attention=flash"], 3519503552),
+                             "mlpwi_0=device", "mlpwo=offload", "attention=flash"], 3385174720),
     ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=8", "per_device_batch_size=16", "seq_len=4096",
                              "remat_policy=full", "attention=flash"], 29085014720),
     ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=16", "per_device_batch_size=2", "seq_len=8192",
                              "remat_policy=save_dot_except_mlp", "attention=flash"], 11833242304),
+    # FSDP over 256 devices at llama3-70b's widths (weights gathered whole), L 8192: MaxText's v6e host-offload recipe
+    # (the layer input and q, k, v offloaded) and full remat
+    ("llama3-70b", "v6e-256", ["num_layers=4", "seq_len=8192", "attention=flash", "per_device_batch_size=5",
+                               "remat_policy=custom", "decoder_layer_input=offload", "query_proj=offload",
+                               "key_proj=offload", "value_proj=offload"], 18974766272),
+    ("llama3-70b", "v6e-256", ["num_layers=4", "seq_len=8192", "attention=flash", "per_device_batch_size=2",
+                               "remat_policy=full"], 11271573184),
     # expert parallelism: the experts' backward over the dropless receive buffer's rows
     ("qwen3-235b-a22b", "v5p-256", [*LLAMA_4, "per_device_batch_size=2", "remat_policy=full", "attention=flash",
                                     "ici_expert_parallelism=16"], 36065454304),
@@ -249,6 +257,25 @@ def test_the_unembedding_gradient_inputs_stay_through_the_backward_only_when_ten
     tokens = 2 * 16 // (16 // tensor) * 2048  # one data shard's tokens: the global batch over fsdp = 16 / tensor
     expected = tokens * (4096 + 32000 // tensor) * 2 if late else 0  # bf16 [T, D] and [T, V / tensor]
     assert counted.temporaries - without.temporaries == expected
+
+
+def test_weights_gathered_whole_hold_the_table_gradient_and_fuse_the_recomputed_mlp(monkeypatch):
+    """FSDP shards thinner than the matrix unit (v6e-256: 32 rows of D 8192): the table's weight gradient all-reduced
+    whole through the backward scan, and the MLP's recomputed up projection fused into its gradients' fusion
+    (perfmodel.working: GATHERED_TABLE_GRADIENTS, RECOMPUTED_MLP_F_GATHERED)."""
+    overrides = ["num_layers=4", "seq_len=8192", "attention=flash", "per_device_batch_size=2", "remat_policy=full"]
+    counted = memory_fit.compare("v6e-256", "llama3-70b", overrides, analytical_only=True).analytical
+    monkeypatch.setattr(working, "GATHERED_TABLE_GRADIENTS", 0)
+    monkeypatch.setattr(working, "RECOMPUTED_MLP_F_GATHERED", working.RECOMPUTED_MLP_F)
+    windowed = memory_fit.compare("v6e-256", "llama3-70b", overrides, analytical_only=True).analytical
+    T, D, F, V = 2 * 8192, 8192, 28672, 128256
+    assert counted.temporaries - windowed.temporaries == 2 * D * V - 2 * (working.RECOMPUTED_MLP_F - 1) * F * T
+    # where the shards are thick enough for windowed einsums (v5p-32, fsdp 16: 256 rows) neither applies
+    thick = ["num_layers=4", "per_device_batch_size=2", "remat_policy=full", "attention=flash"]
+    a = memory_fit.compare("v5p-32", "llama2-7b", thick, analytical_only=True).analytical
+    monkeypatch.undo()
+    assert memory_fit.compare("v5p-32", "llama2-7b", thick, analytical_only=True).analytical.temporaries == \
+        a.temporaries
 
 
 # The MoE issue's target, 15% of XLA's per-device total (libtpu 0.0.52), on the compiles whose buffers the MoE
@@ -311,3 +338,37 @@ def test_gpu_moe_analytical_total_is_within_fifteen_percent_of_recorded_compiles
                                                                                  compiled):
     a = memory_fit.compare(topology, model, overrides, analytical_only=True).analytical
     assert abs(a.per_device_total_bytes / compiled - 1) <= 0.15
+
+
+LIBTPU_LOG = """I1127 11:21:33.724044 6842 deepsea_compiler_backend.cc:2385] XLA::TPU module name: jit_step
+I1127 11:21:33.724049 6842 deepsea_compiler_backend.cc:2387] XLA::TPU program HBM usage: 10.27G / 31.24G
+I1127 11:21:33.724078 6842 deepsea_compiler_backend.cc:2434] Program sflag requirement 484B:
+    HLO temp           120B (100.0% utilization: Unpadded (120B) Padded (120B), 0.0% fragmentation (0B))
+Program hbm requirement 10.27G:
+    global            1.58M
+    scoped           15.81M
+    HLO temp         10.21G (100.0% utilization: Unpadded (8.47G) Padded (8.47G), 17.0% fragmentation (1.74G))
+Program vmem requirement 127.18M:
+    HLO temp         95.92M (0.0% utilization: Unpadded (0B) Padded (0B), 100.0% fragmentation (95.92M))
+"""
+
+
+def test_memory_bench_reads_the_train_steps_hbm_temporaries_from_libtpus_log(tmp_path, monkeypatch):
+    """bench/memory_accuracy.py: the train step's HBM block (not the sflag or vmem ones), libtpu's G being GiB; what a
+    read returned is not returned again."""
+    import importlib.util
+
+    monkeypatch.setenv("TPU_LOG_DIR", str(tmp_path))
+    for name in ("MAXPERF_NO_CACHE", "LIBTPU_INIT_ARGS", "JAX_PLATFORMS"):  # the bench sets them: restored after
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+        if not os.environ[name]:
+            monkeypatch.delenv(name)
+    spec = importlib.util.spec_from_file_location("memory_accuracy_bench",
+                                                  Path(__file__).parent.parent / "bench" / "memory_accuracy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "LOG_WAIT_S", 0.0)
+    log = bench.LibtpuLog()
+    (tmp_path / "tpu_driver.INFO").write_text("I1127 earlier lines\n" + LIBTPU_LOG)
+    assert log.read() == {"temp": 10.21 * 2**30, "live": 8.47 * 2**30, "fragmentation": 1.74 * 2**30}
+    assert log.read() is None

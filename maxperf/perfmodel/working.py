@@ -39,6 +39,14 @@ RECOMPUTED_SCORE_BUFFERS = 1
 # ... and where the policy keeps neither of the MLP's input projections, their recomputed outputs with the
 # activation's, three F-wide buffers (the same case: a rematted_computation fusion writing three bf16[1,8192,11008]).
 RECOMPUTED_MLP_F = 3
+# Where the weights are gathered whole (FSDP shards thinner than WINDOWED_MIN_ROWS, below) the recomputed up
+# projection and the activation fuse into the output fusion that writes the gate's and up's gradients: only the
+# recomputed gate is written, one F-wide buffer beside the three of the backward. Measured here with libtpu 0.0.52:
+# llama3-70b widths at 4 layers on v6e-256 (fsdp 256), L 8192, flash, remat full and custom with q, k, v and the
+# layer input offloaded, B 5: the backward scan's body holds the recomputed gate bf16[5,8192,28672], dy W_o^T and a
+# (bf16[5,8192,28672] x 2) fusion that reads the gathered up-projection weight, four F-wide buffers; llama2-7b at
+# 4 layers on v5p-128 (fsdp 64), B 4, L 2048, full remat, flash: the same four bf16[4,2048,11008].
+RECOMPUTED_MLP_F_GATHERED = 1
 # Offloaded tensors of two layers are in device memory during the backward: the last layer's, which the forward
 # leaves on device for the backward that starts with it, and the next layer's, brought back while the current one is
 # differentiated. Measured here with libtpu 0.0.52: llama2-7b widths at 4 layers on v5p-32, tensor 4, B 2, L 2048,
@@ -151,6 +159,12 @@ BACKWARD_MLP_D_BUFFERS = 2
 # takes the gradient earlier (3.52 GiB per device against maxperf's 3.69). Without a data split (tensor 16 on 16
 # chips) nothing is reduced and the weight gradient is taken at once.
 LATE_TABLE_GRADIENT_INPUTS = 1
+# Where the weights are gathered whole, the vocabulary table's weight gradient is all-reduced whole in the compute
+# dtype ([D, V / tensor]) instead of reduce-scattered a window at a time, and it stays live through the backward
+# scan. Measured here with libtpu 0.0.52: llama3-70b widths at 4 layers on v6e-256 (fsdp 256), L 8192, flash, B 2 and
+# 5, remat full and custom: an all-reduce bf16[8192,128256] (1.96 GiB) live across the backward scan; llama2-7b at
+# 4 layers on v5p-128 (fsdp 64): bf16[4096,32000]. XLA:TPU only (the GPU's compiles were not read for it).
+GATHERED_TABLE_GRADIENTS = 1
 
 
 def recomputed_attention_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh, remat: str) -> float:
@@ -210,8 +224,9 @@ def working(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str) -
     # its attention (q, k, v and the kernel's residuals, or the scores) is live through both, the MLP's recomputed
     # gate and up through the MLP's part only; the larger part counts
     names = remat_names(train, remat)
-    recomputed_mlp = (RECOMPUTED_MLP_F * F_local if names is not None
-                      and not ({"mlpwi", "mlpwi_0", "mlpwi_1"} & (names[0] | names[1])) else 0.0)
+    tpu_gathered = not windowed and platform != "gpu"  # XLA:TPU with the weights gathered whole
+    recomputed_mlp = ((RECOMPUTED_MLP_F_GATHERED if tpu_gathered else RECOMPUTED_MLP_F) * F_local
+                      if names is not None and not ({"mlpwi", "mlpwi_0", "mlpwi_1"} & (names[0] | names[1])) else 0.0)
     Dq, Dv = head_dims(model) if is_mla(model) else (model.head_dim, model.head_dim)
     qkv = c * ((a.H + a.K) * Dq + a.K * Dv)  # q, k and v, or their gradients
     recomputed = (recomputed_attention_per_token(model, train, mesh, remat) + qkv) if names is not None else 0.0
@@ -251,10 +266,12 @@ def working(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str) -
     expert_grad_copy = (GPU_EXPERT_GRADIENT_COPIES * p * sum(
         x.count * held(x, mesh) for x in state_arrays(model)
         if x.expert_parallel and held_gathered(x, mesh) > held(x, mesh)) if gpu_ragged else 0.0)
-    # with MTP heads, the vocabulary table's gradient of each head (the decoder's and every depth's), whole
+    # with MTP heads, the vocabulary table's gradient of each head (the decoder's and every depth's), whole; else,
+    # with the weights gathered whole, the decoder's (GATHERED_TABLE_GRADIENTS)
     depths = mtp_depths(model)
-    table_grads = (MTP_TABLE_GRADIENTS_PER_HEAD * (1 + depths) * gathered_size(table.shape, table.logical, mesh) * c
-                   if depths else 0.0)
+    table_size = gathered_size(table.shape, table.logical, mesh) * c
+    table_grads = (MTP_TABLE_GRADIENTS_PER_HEAD * (1 + depths) * table_size if depths
+                   else GATHERED_TABLE_GRADIENTS * table_size if tpu_gathered else 0.0)
 
     # pipeline_fsdp_ag_once: the stage's layers gathered once for the step, with their gradients beside them in the
     # compute dtype (MaxText's note on the key), instead of a layer's at a time; and a stage of U layers a repeat
