@@ -585,7 +585,7 @@ def test_a_maxtext_command_line_names_the_request_its_options_would(capsys):
 
 def test_a_tpu_recipes_keys_paste_as_they_are(capsys):
     """An Ironwood recipe's MaxText keys: those that tune MaxText's own kernels are named once as not reproduced, the
-    experts' sharding switches at their default change nothing, and the rest are the step's (the optimizer's first
+    experts' sharding switch at its default changes nothing, and the rest are the step's (the optimizer's first
     moment in bfloat16, tokamax's splash as jax's with the fused backward and the recipe's layouts)."""
     recipe = ["compile_topology=tpu7x-8", "model_name=llama3.1-8b", "per_device_batch_size=1", "use_iota_embed=True",
               "opt_type=adamw", "mu_dtype=bfloat16", "sa_q_layout=SEQ_MINOR", "sa_k_layout=SEQ_MINOR",
@@ -594,7 +594,7 @@ def test_a_tpu_recipes_keys_paste_as_they_are(capsys):
     code, out, err = run_main(capsys, "estimate", "--json", *recipe)
     assert code == 0, err
     assert err.splitlines() == [
-        "maxperf: note: MaxText's shard_exp_on_fsdp, steps change nothing of the step: ignored",
+        "maxperf: note: MaxText's steps change nothing of the step: ignored",
         "maxperf: note: MaxText's use_splash_scheduler, cost_estimate_flops_fwd, wi_tile_fwd_batch_seq tune its own "
         "kernels and collectives; maxperf compiles jax's kernels and XLA's collectives as they come: not reproduced"]
     args = parse_args(build_parser(), ["estimate", *recipe])
@@ -607,9 +607,28 @@ def test_a_tpu_recipes_keys_paste_as_they_are(capsys):
     assert mine["optimizer"] == pytest.approx(theirs["optimizer"] * 6 / 8)
 
 
+def test_gpt_oss_ironwood_recipe_pastes_with_its_experts_stored_over_fsdp(capsys):
+    """tpu-recipes' gpt-oss-120b on tpu7x-4x4x4 (xpk's name for its 64 chips) sets fsdp_shard_on_exp, MaxText's earlier
+    name of shard_exp_on_fsdp: the experts stored with E over fsdp hold and gather the same bytes, so the estimate is
+    the default layout's."""
+    recipe = ["compile_topology=tpu7x-4x4x4", "model_name=gpt-oss-120b", "per_device_batch_size=10",
+              "max_target_length=8192", "weight_dtype=float32", "remat_policy=custom", "decoder_layer_input=offload",
+              "mlpwo=offload", "megablox=True", "sparse_matmul=True", "attention=flash", "ici_fsdp_parallelism=64",
+              "ici_data_parallelism=2", "dcn_data_parallelism=-1"]
+    code, out, err = run_main(capsys, "estimate", "--json", *recipe, "fsdp_shard_on_exp=True")
+    assert code == 0, err
+    code, plain, err = run_main(capsys, "estimate", "--json", *recipe)
+    assert code == 0, err
+    mine, theirs = json.loads(out), json.loads(plain)
+    assert (mine["topology"], mine["chips"]) == ("tpu7x-128", 64)
+    assert mine["step_time_s"] == pytest.approx(theirs["step_time_s"], rel=1e-9)
+    assert mine["memory_per_device_bytes"] == pytest.approx(theirs["memory_per_device_bytes"], rel=1e-9)
+    assert mine["fits"]
+
+
 @pytest.mark.parametrize("word, line", [
-    ("shard_exp_on_fsdp=True", "shard_exp_on_fsdp=True: maxperf shards the experts' weights by MaxText's default "
-                               "rules only (shard_exp_on_fsdp=false)"),
+    ("use_2d_fsdp_sharding=True", "use_2d_fsdp_sharding=True: maxperf shards the experts' weights by MaxText's "
+                                  "default rules only (use_2d_fsdp_sharding=false)"),
     ("opt_type=sgd", "opt_type=sgd: maxperf compiles AdamW, as MaxText's adamw and adam_pax"),
     ("sa_q_layout=SEQ", "sa_q_layout must be one of HEAD_DIM_MINOR, SEQ_MINOR"),
     ("grad_dtype=int8", "grad_dtype must be one of float32, bfloat16, float16"),

@@ -217,6 +217,40 @@ def test_expert_weights_shard_their_experts_over_the_expert_axis():
     assert tuple(mlp["wo_ExFxD"].spec) == ("expert", None, None, "fsdp")
 
 
+@pytest.mark.parametrize("name", ["shard_exp_on_fsdp", "fsdp_shard_on_exp"])  # MaxText's name and its earlier one
+def test_shard_exp_on_fsdp_stores_the_experts_over_fsdp_with_d_whole(name):
+    cfg = overrides.apply(presets.get("tiny-moe"), [*BASE, "per_device_batch_size=1", "ici_fsdp=4", f"{name}=true"])
+    assert cfg.model.shard_exp_on_fsdp
+    mesh = cpu_mesh(resolve_mesh(cfg.parallelism, topologies.get("cpu-4")), jax.devices()[:4])
+    spec = train_step.abstract_step(cfg.model, cfg.train, mesh)
+    mlp = spec.state_shardings["params"]["layers"]["mlp"]
+    assert tuple(mlp["wi_0_ExDxF"].spec) == ("fsdp", None, None, None)  # [E, N, D, F]: E over fsdp, D whole
+    assert tuple(mlp["wo_ExFxD"].spec) == ("fsdp", None, None, None)
+
+
+@pytest.mark.slow
+def test_a_step_with_the_experts_stored_over_fsdp_equals_one_device():
+    """The same computation as MaxText's default layout: only where the experts' weights are stored differs."""
+    one, g_one, params = loss_and_grads(["shared_experts=1"], 1)
+    fsdp, g_fsdp, _ = loss_and_grads(["shared_experts=1", "ici_fsdp=4", "shard_exp_on_fsdp=true"], 4, params=params)
+    assert fsdp == pytest.approx(one, rel=1e-5)
+    assert max_diff(g_fsdp, g_one) < 1e-5
+
+
+def test_the_experts_gathered_inside_the_dispatch_keep_their_shards_layout():
+    """Each expert weight enters the dispatch as its parameter is stored and is gathered over the FSDP axes of the
+    dimension stored sharded: D by default, E under shard_exp_on_fsdp; the expert and tensor axes are kept."""
+    sizes = {"data": 1, "fsdp": 2, "fsdp_transpose": 1, "sequence": 1, "tensor": 2, "expert": 1}
+    spec, gathered = moe._stored_and_gathered((4, 8, 16), ("exp", "embed", "mlp"), sizes, None, "tensor")
+    assert (tuple(spec), gathered) == ((None, "fsdp", "tensor"), ((1, ("fsdp",)),))
+    spec, gathered = moe._stored_and_gathered((4, 8, 16), ("exp_fsdp", None, "mlp"), {**sizes, "tensor": 1}, None,
+                                              None)
+    assert (tuple(spec), gathered) == (("fsdp", None, None), ((0, ("fsdp",)),))
+    spec, gathered = moe._stored_and_gathered((4, 16, 8), ("exp", "mlp", "embed"), {**sizes, "expert": 2}, "expert",
+                                              "tensor")
+    assert (tuple(spec), gathered) == (("expert", "tensor", "fsdp"), ((2, ("fsdp",)),))
+
+
 # --- the decoder ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("N,dense,step", [(2, 0, 1), (5, 1, 2), (6, 2, 3), (4, 0, 2), (3, 3, 1)])
@@ -393,6 +427,9 @@ def test_without_a_rate_the_bias_stays_and_no_loads_are_taken():
     (["capacity_factor=1.25"], r"capacity_factor=1.25 drops tokens in the dense dispatch: set sparse_matmul=false"),
     (["n_routing_groups=3", "topk_routing_group=1"], r"n_routing_groups dividing num_experts \(4\)"),
     (["routed_bias_update_rate=-0.001"], r"routed_bias_update_rate must be >= 0 .*got -0.001"),
+    (["shard_exp_on_fsdp=true", "ici_fsdp=4", "ici_tensor=2"],
+     r"shard_exp_on_fsdp=true needs ici_tensor=1 and ici_expert=1 \(as MaxText\), not tensor=2 expert=1"),
+    (["shard_exp_on_fsdp=true", "ici_fsdp=8"], r"splits the 4 experts over fsdp=8, which does not divide them.*e\.g\. 4"),
 ])
 def test_bad_moe_settings_are_refused(words, match):
     with pytest.raises(MaxperfError, match=match):

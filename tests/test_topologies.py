@@ -76,6 +76,21 @@ def test_v5litepod_is_an_alias_of_v5e():
     assert T.get("V5P-8") == T.get("v5p-8")
 
 
+@pytest.mark.parametrize("grid, name", [("tpu7x-4x4x4", "tpu7x-128"), ("tpu7x-8x4x4", "tpu7x-256"),
+                                        ("v5p-2x2x1", "v5p-8"), ("v6e-16x16", "v6e-256"), ("v6e-4x4", "v6e-16"),
+                                        ("v5litepod-2x4", "v5e-8"), ("v4-4x4x8", "v4-256")])
+def test_a_tpu_slice_may_be_named_by_its_chip_grid(grid, name):
+    """xpk's --device-type and GKE's topology name a slice by its chips' grid, sides in any order."""
+    assert T.get(grid) == T.get(name)
+
+
+def test_a_chip_grid_no_slice_has_names_the_nearest_shapes():
+    with pytest.raises(MaxperfError, match=r"no tpu7x slice has the chip grid 4x4x5 \(80 chips\); the nearest are "
+                                           r"4x4x4 \(tpu7x-128\), 4x4x8 \(tpu7x-256\)"):
+        T.get("tpu7x-4x4x5")
+    assert T.get("h100-8x2").chip == "h100-sxm"  # a GPU system's count of hosts, not a chip grid
+
+
 def test_unknown_topology_suggests_close_names():
     with pytest.raises(MaxperfError, match="did you mean.*v5p-1024"):
         T.get("v5p-1023")

@@ -51,7 +51,8 @@ MEANINGS = {
     "max_position": "size of the learned position table (positions=learned)",
     "activation": "the MLP's activation", "mlp_activations_limit": "clamped_swiglu's clip",
     "norm": "rmsnorm or layernorm", "norm_eps": "the norms' epsilon", "norm_fsdp": "norm scales sharded over fsdp, as "
-    "MaxText's llama2 configs do", "post_norms": "norms after attention and MLP too (Gemma 2)",
+    "MaxText's llama2 configs do", "shard_exp_on_fsdp": "MoE: the experts' weights stored with E over fsdp and D "
+    "whole (MaxText's key; needs fsdp dividing E, no tensor or expert parallelism)", "post_norms": "norms after attention and MLP too (Gemma 2)",
     "positions": "rope, learned or none", "rope_theta": "RoPE's base", "local_rope_theta": "the sliding-window layers' "
     "RoPE base (none: rope_theta)", "rope_linear_scaling_factor": "positions divided by this on RoPE layers",
     "nope_layer_interval": "every n-th layer uses no RoPE (-1: all do)", "temperature_tuning": "the RoPE-free layers' "

@@ -54,6 +54,8 @@ RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "mlp": ("fsdp_transpose", "tensor"),
     "embed": ("fsdp", "fsdp_transpose", "sequence", "expert"),
+    # the experts' E under shard_exp_on_fsdp, their D then whole (MaxText's embed_moe rule on E)
+    "exp_fsdp": ("fsdp", "fsdp_transpose", "sequence"),
     # latent attention's compressed q and kv widths, input side of the up-projections: sharded as D (MaxText's
     # q_lora and kv_lora rules)
     "q_lora": ("fsdp", "fsdp_transpose", "sequence", "expert"),

@@ -52,9 +52,9 @@ TUNING_KEYS = frozenset("""
     local_sa_block_q local_sa_block_kv local_sa_block_kv_compute local_sa_block_q_dkv local_sa_block_kv_dkv
     local_sa_block_kv_dkv_compute local_sa_block_q_dq local_sa_block_kv_dq
 """.split() + _TILES)
-# MaxText's switches of the experts' weights' sharding that maxperf compiles at MaxText's default only (the experts
-# sharded by the logical rules): at it they change nothing; another value is refused
-DEFAULT_ONLY = {"shard_exp_on_fsdp": "false", "fsdp_shard_on_exp": "false", "use_2d_fsdp_sharding": "false"}
+# MaxText's switches of the experts' weights' sharding that maxperf compiles at MaxText's default only: at it they
+# change nothing; another value is refused (shard_exp_on_fsdp is a model key, ModelConfig.shard_exp_on_fsdp)
+DEFAULT_ONLY = {"use_2d_fsdp_sharding": "false"}
 MODEL_KEY, SCALE_KEY = "model_name", "global_parameter_scale"
 TOPOLOGY_KEY, SLICES_KEY = "compile_topology", "compile_topology_num_slices"
 _FROM_MAXTEXT = {theirs: ours for ours, theirs in presets.MAXTEXT_NAMES.items()}

@@ -118,6 +118,11 @@ class ModelConfig:
     # the D-wide norm scales sharded over fsdp (logical axis norm_fsdp), as MaxText's llama2 configs' logical rule
     # ['norm', 'fsdp'] does; else over tensor (its base rule)
     norm_fsdp: bool = False
+    # MaxText's shard_exp_on_fsdp (formerly fsdp_shard_on_exp): the routed experts' weights [E, D, Fe] and [E, Fe, D]
+    # stored with E over the FSDP axes (logical axis exp_fsdp, MaxText's embed_moe) and D whole, instead of E over
+    # `expert` and D over FSDP; gathered whole before the grouped matmuls either way. MaxText requires fsdp to divide
+    # E and no tensor or expert parallelism (spec.request checks both)
+    shard_exp_on_fsdp: bool = False
     # MaxText's fused_qkv and fused_mlp: one projection matmul for q, k and v (checkpoint name qkv_proj), and one for
     # the gated MLP's gate and up (checkpoint name mlpwi); the same FLOPs and parameters, one weight each
     fused_qkv: bool = False

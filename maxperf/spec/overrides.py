@@ -17,6 +17,7 @@ from maxperf.spec.train import AttentionKernel, Quantization, TrainConfig
 # MaxText's names (MaxText/configs/base.yml) for the same settings.
 ALIASES = {
     "max_target_length": "seq_len",
+    "fsdp_shard_on_exp": "shard_exp_on_fsdp",  # MaxText's earlier name
     "dtype": "compute_dtype",
     "weight_dtype": "param_dtype",
     "gradient_accumulation_steps": "grad_accum_steps",

@@ -101,16 +101,25 @@ def mla_arrays(model: ModelConfig) -> list[ParamArray]:
                 ParamArray("o", (H, Dv, D), ("heads", "head_dim", "embed"), N, True, "attention")]
 
 
+def expert_axes(model: ModelConfig) -> tuple[tuple[str | None, ...], tuple[str | None, ...]]:
+    """The logical axes of the routed experts' wi [E, D, Fe] and wo [E, Fe, D]: E over `expert` and D over the FSDP
+    axes (MaxText's default), or E over the FSDP axes and D whole (shard_exp_on_fsdp)."""
+    if model.shard_exp_on_fsdp:
+        return ("exp_fsdp", None, "mlp"), ("exp_fsdp", "mlp", None)
+    return ("exp", "embed", "mlp"), ("exp", "mlp", "embed")
+
+
 def moe_arrays(model: ModelConfig) -> list[ParamArray]:
     """A MoE block's arrays (models/layers/moe.py, as MaxText's RoutedMoE): the router [D, E], the experts' wi_0,
     wi_1 [E, D, Fe] and wo [E, Fe, D], the shared experts as one MLP of width S x Fe."""
     D, n, E, Fe = model.d_model, sum(model.moe_layers()), model.num_experts, model.moe_mlp_dim
     gated = model.activation.gated
+    wi, wo = expert_axes(model)
     arrays = [ParamArray("router", (D, E), ("embed", None), n, True, "moe"),
-              ParamArray("experts_up", (E, D, Fe), ("exp", "embed", "mlp"), n, True, "moe", True),
-              ParamArray("experts_down", (E, Fe, D), ("exp", "mlp", "embed"), n, True, "moe", True)]
+              ParamArray("experts_up", (E, D, Fe), wi, n, True, "moe", True),
+              ParamArray("experts_down", (E, Fe, D), wo, n, True, "moe", True)]
     if gated:
-        arrays.append(ParamArray("experts_gate", (E, D, Fe), ("exp", "embed", "mlp"), n, True, "moe", True))
+        arrays.append(ParamArray("experts_gate", (E, D, Fe), wi, n, True, "moe", True))
     if model.routed_bias:
         arrays.append(ParamArray("router_bias", (E,), (None,), n, False, "moe"))
     if model.mlp_bias:  # gpt-oss's expert biases

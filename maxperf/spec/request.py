@@ -119,6 +119,18 @@ def _check_experts(model: ModelConfig, mesh: Mesh) -> None:
         raise MaxperfError(f"the expert axis ({mesh.ici['expert']} ICI x {mesh.dcn['expert']} DCN = {ep}) does not "
                            f"divide num_experts={model.num_experts}; choose an ici_expert x dcn_expert product that "
                            f"does, e.g. {fits[-1]}")
+    if model.shard_exp_on_fsdp:  # MaxText's own checks of the key (pyconfig)
+        if not model.is_moe:
+            raise MaxperfError("shard_exp_on_fsdp=true shards a mixture of experts' weights, and this model has no "
+                               "routed experts (num_experts=1); leave it false")
+        if mesh.axes["tensor"] > 1 or mesh.axes["expert"] > 1:
+            raise MaxperfError(f"shard_exp_on_fsdp=true needs ici_tensor=1 and ici_expert=1 (as MaxText), not "
+                               f"tensor={mesh.axes['tensor']} expert={mesh.axes['expert']}; set them to 1 or "
+                               "shard_exp_on_fsdp=false")
+        if model.num_experts % mesh.axes["fsdp"]:
+            raise MaxperfError(f"shard_exp_on_fsdp=true splits the {model.num_experts} experts over fsdp="
+                               f"{mesh.axes['fsdp']}, which does not divide them; choose an fsdp that does, e.g. "
+                               f"{max(n for n in range(1, mesh.axes['fsdp'] + 1) if model.num_experts % n == 0)}")
 
 
 def _check_context(configs: Configs, mesh: Mesh) -> None:

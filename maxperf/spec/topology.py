@@ -286,6 +286,26 @@ def _unknown_topology(name: str, key: str, table) -> MaxperfError:
                         "them)")
 
 
+def _by_chip_grid(name: str, key: str, table: dict[str, Topology]) -> Topology | None:
+    """A TPU slice named by its family and chip grid, as xpk's --device-type and GKE's topology spell it
+    (`tpu7x-4x4x4`, `v5p-2x2x1`, `v6e-16x16`): the catalog's slice of that shape (its sides in any order); None where
+    `key` is not of that form; a MaxperfError naming the family's shapes nearest in chip count where no slice has it."""
+    m = re.fullmatch(r"([a-z0-9]+)-(\d+(?:x\d+){1,2})", key)
+    family = next((f for f in _TPU_FAMILIES if m and f.prefix == m.group(1)), None)
+    if family is None:
+        return None
+    shape = tuple(int(side) for side in m.group(2).split("x"))
+    mine = [t for t in table.values() if t.chip == family.chip]
+    for topology in mine:
+        if sorted(topology.torus) == sorted(shape):
+            return topology
+    chips = math.prod(shape)
+    nearest = sorted(mine, key=lambda t: (abs(math.log(t.chips_per_slice / chips)) if chips else 0, t.chips_per_slice))
+    shown = ", ".join(f"{'x'.join(map(str, t.torus))} ({t.name})" for t in nearest[:3])
+    raise MaxperfError(f"no {family.prefix} slice has the chip grid {m.group(2)} ({chips} chips); the nearest are "
+                       f"{shown} (`maxperf topologies` lists them)")
+
+
 def get(name: str, num_slices: int = 1, target_config_path: str | None = None) -> Topology:
     """The topology called `name` (a Cloud TPU accelerator type, `h100-8x16`, `cpu-8`), over `num_slices` slices.
 
@@ -303,6 +323,8 @@ def get(name: str, num_slices: int = 1, target_config_path: str | None = None) -
     table = _catalog()
     if key in table:
         topology = table[key]
+    elif (grid := _by_chip_grid(name, key, table)) is not None:
+        topology = grid
     elif (m := re.fullmatch(r"cpu-(\d+)(?:x(\d+))?", key)) and int(m.group(1)) >= 1 and int(m.group(2) or 1) >= 1:
         topology = _cpu_topology(int(m.group(1)), int(m.group(2) or 1))
     else:

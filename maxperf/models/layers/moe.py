@@ -38,6 +38,7 @@ from maxperf.models.sharding import constrain, mesh_axes_for
 from maxperf.spec.errors import MaxperfError
 from maxperf.spec.grouped_matmul import megablox_tiling
 from maxperf.spec.model import Activation, ModelConfig, RoutedScoreFunc
+from maxperf.spec.params import expert_axes
 from maxperf.spec.train import TrainConfig
 
 BATCH_TOKENS = ("activation_batch", "activation_length", None)
@@ -169,10 +170,11 @@ class MoE(nnx.Module):
         self.cfg = cfg
         self.options = options
         self.router = Router(D, E, dtype, rngs, cfg.routed_bias)
+        wi, wo = expert_axes(cfg)
         if cfg.activation.gated:
-            self.wi_0_ExDxF = param(rngs, (E, D, F), ("exp", "embed", "mlp"), dtype, fan_in=D)
-        self.wi_1_ExDxF = param(rngs, (E, D, F), ("exp", "embed", "mlp"), dtype, fan_in=D)
-        self.wo_ExFxD = param(rngs, (E, F, D), ("exp", "mlp", "embed"), dtype, fan_in=F)
+            self.wi_0_ExDxF = param(rngs, (E, D, F), wi, dtype, fan_in=D)
+        self.wi_1_ExDxF = param(rngs, (E, D, F), wi, dtype, fan_in=D)
+        self.wo_ExFxD = param(rngs, (E, F, D), wo, dtype, fan_in=F)
         if cfg.mlp_bias:
             if cfg.activation.gated:
                 self.wi_0_bias_ExF = param(rngs, (E, F), ("exp", "mlp"), dtype, init="zeros")
@@ -335,6 +337,29 @@ def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activati
     return out_TxD
 
 
+def _stored_and_gathered(shape, logical, sizes, e_axis: str | None, f_axis: str | None
+                         ) -> tuple[PartitionSpec, tuple[tuple[int, tuple[str, ...]], ...]]:
+    """An expert weight's PartitionSpec entering the shard_map and (dimension, mesh axes) of what is gathered inside
+    it: each device keeps its experts (E over `e_axis`) and its slice of F (over `f_axis`); the FSDP axes of the
+    dimension the parameter stores sharded (D, or E under shard_exp_on_fsdp) enter sharded and are gathered inside."""
+    entries, gathered = [], []
+    for dim, (name, entry) in enumerate(zip(logical, mesh_axes_for(shape, logical, sizes))):
+        kept = e_axis if name == "exp" else f_axis if name == "mlp" else None
+        axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        fsdp = tuple(a for a in axes if a not in (e_axis, f_axis)) if name in ("embed", "exp_fsdp") else ()
+        if fsdp:
+            gathered.append((dim, fsdp))
+        both = ((kept,) if kept else ()) + fsdp
+        entries.append(None if not both else both[0] if len(both) == 1 else both)
+    return PartitionSpec(*entries), tuple(gathered)
+
+
+def _gather(w, gathered: tuple[tuple[int, tuple[str, ...]], ...]):
+    for dim, axes in gathered:
+        w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
+    return w
+
+
 def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelConfig,
                     megablox: bool = False, biases=None) -> jax.Array:
     """Dropless routed experts: ragged_dot over each device's tokens sorted by expert, all_to_all between expert
@@ -370,26 +395,23 @@ def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCo
     F = cfg.moe_mlp_dim
     f_axis = "tensor" if tp > 1 and F % tp == 0 else None
     e_axis = "expert" if ep > 1 else None
-    # each weight enters with its D dimension as the parameter holds it (FSDP), cast on its shard, and is gathered
-    # inside
-    d_axes = mesh_axes_for(weights[1].shape, ("exp", "embed", "mlp"), sizes)[1]
-    d_axes = () if d_axes is None else d_axes if isinstance(d_axes, tuple) else (d_axes,)
-    d_axes = tuple(a for a in d_axes if a not in (e_axis, f_axis))
-    d_spec = d_axes or None
-    wi_spec, wo_spec = PartitionSpec(e_axis, d_spec, f_axis), PartitionSpec(e_axis, f_axis, d_spec)
+    # each weight enters sharded as the parameter holds it (FSDP over D, or over E under shard_exp_on_fsdp), cast on
+    # its shard, and is gathered inside: each device keeps its experts (`expert`) and its slice of F (`tensor`)
+    wi_logical, wo_logical = expert_axes(cfg)
+    wi_spec, wi_gather = _stored_and_gathered(weights[1].shape, wi_logical, sizes, e_axis, f_axis)
+    wo_spec, wo_gather = _stored_and_gathered(weights[2].shape, wo_logical, sizes, e_axis, f_axis)
     x_spec, routed_spec = PartitionSpec(*tokens), PartitionSpec(*tokens[:2], None)
 
     gated = weights[0] is not None
     w_specs = (wi_spec, wi_spec, wo_spec)[0 if gated else 1:]
-    d_dims = (1, 1, 2)[0 if gated else 1:]
+    gathers = (wi_gather, wi_gather, wo_gather)[0 if gated else 1:]
     b_specs = ()
     if biases is not None:
         b_specs = (PartitionSpec(e_axis, f_axis), PartitionSpec(e_axis, f_axis), PartitionSpec(e_axis, None))
         b_specs, biases = b_specs[0 if gated else 1:], biases[0 if gated else 1:]
 
     def shard(x_bxlxD, experts_bxlxK, weights_bxlxK, ws, bs):
-        if d_axes:
-            ws = tuple(jax.lax.all_gather(w, d_axes, axis=dim, tiled=True) for w, dim in zip(ws, d_dims))
+        ws = tuple(_gather(w, gather) for w, gather in zip(ws, gathers))
         b, l, _ = x_bxlxD.shape
         out_TxD = _local_experts(x_bxlxD.reshape(b * l, D), experts_bxlxK.reshape(b * l, -1),
                                  weights_bxlxK.reshape(b * l, -1), ws if gated else (None, *ws), ep_axis=e_axis,
