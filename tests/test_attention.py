@@ -205,6 +205,24 @@ def test_auto_picks_flash_on_tpu_and_gpu_and_blockwise_on_cpu():
     assert ak.implementation(AttentionKernel.DOT_PRODUCT, "tpu") == "dot_product"
 
 
+@pytest.mark.parametrize("kernel", ["cudnn_flash_te", "cudnn_flash_jax"])
+def test_maxtexts_cudnn_kernels_are_the_gpu_flash_kernel_and_refused_on_tpu(kernel):
+    """MaxText's GPU configs choose cuDNN's fused attention (cudnn_flash_te): maxperf compiles and prices it as its GPU
+    flash kernel, says so, and refuses it on TPU as MaxText's cuDNN kernels cannot run there."""
+    from maxperf import perfmodel
+    from maxperf.spec.request import resolve
+
+    assert [ak.implementation(AttentionKernel(kernel), p) for p in ("gpu", "cpu")] == ["gpu_flash", "blockwise"]
+    request = resolve("h100-8", "tiny", [f"attention={kernel}"])
+    assert any(f"attention={kernel} (cuDNN's fused attention in MaxText) is compiled as attention=flash" in w
+               for w in request.warnings)
+    flash = perfmodel.estimate(resolve("h100-8", "tiny", ["attention=flash"]))
+    assert perfmodel.estimate(request).step_time_s == flash.step_time_s
+    with pytest.raises(MaxperfError, match=f"attention={kernel} is cuDNN's fused attention, a GPU kernel; on TPU use "
+                                           "attention=flash"):
+        resolve("v5p-8", "tiny", [f"attention={kernel}"])
+
+
 def test_auto_falls_back_to_the_dot_product_where_flash_cannot_serve():
     short = overrides.apply(presets.get("tiny"), ["seq_len=64"])  # splash tiles are multiples of 128
     assert ak.check(short.model, short.train, "tpu") == "dot_product"

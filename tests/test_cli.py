@@ -607,6 +607,20 @@ def test_a_tpu_recipes_keys_paste_as_they_are(capsys):
     assert mine["optimizer"] == pytest.approx(theirs["optimizer"] * 6 / 8)
 
 
+def test_maxtexts_gpu_recipe_pastes_as_it_is(capsys):
+    """MaxText's configs/gpu/a3/llama_3.1_405b/128vm.sh: cuDNN's attention through Transformer Engine, the logits'
+    dot in bfloat16 and cuDNN's packed segments, over 128 hosts of 8 H100s."""
+    recipe = ["compile_topology=h100-8x128", "hardware=gpu", "model_name=llama3.1-405b", "attention=cudnn_flash_te",
+              "remat_policy=full", "use_iota_embed=True", "scan_layers=True", "logits_dot_in_fp32=False",
+              "per_device_batch_size=1.0", "max_target_length=8192", "dcn_fsdp_parallelism=128",
+              "ici_fsdp_parallelism=8", "max_segments_per_seq=32"]
+    code, out, err = run_main(capsys, "estimate", "--json", *recipe)
+    assert code == 0, err
+    d = json.loads(out)
+    assert (d["topology"], d["attention_kernel"], d["fits"]) == ("h100-8x128", "flash", True)
+    assert "max_segments_per_seq tune its own kernels" in err and "compiled as attention=flash" in err
+
+
 def test_gpt_oss_ironwood_recipe_pastes_with_its_experts_stored_over_fsdp(capsys):
     """tpu-recipes' gpt-oss-120b on tpu7x-4x4x4 (xpk's name for its 64 chips) sets fsdp_shard_on_exp, MaxText's earlier
     name of shard_exp_on_fsdp: the experts stored with E over fsdp hold and gather the same bytes, so the estimate is

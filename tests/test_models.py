@@ -83,6 +83,25 @@ def _logits(cfg, tokens):
 
 
 @pytest.mark.slow
+def test_logits_dot_in_fp32_multiplies_the_hidden_states_and_table_in_float32():
+    """MaxText's logits_dot_in_fp32: the logits' matmul takes float32 operands, where by default it takes the compute
+    dtype's (bfloat16 here) and only its result is cast."""
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 0, 256, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), tokens.shape)
+    for tied in ("false", "true"):
+        cfg = overrides.apply(presets.get("tiny"), ["compute_dtype=bfloat16", f"tie_embeddings={tied}",
+                                                    "logits_dot_in_fp32=true"])
+        net = train_step.build_model(cfg.model, cfg.train, nnx.Rngs(params=0))
+        assert net.logits_in_fp32
+        hidden = net.forward(tokens, positions).hidden
+        table = net.embed.table_VxD[...].T if cfg.model.tie_embeddings else net.unembed.w_DxV[...]
+        expected = jnp.einsum("BLD,DV->BLV", hidden.astype(jnp.float32), table.astype(jnp.float32))
+        np.testing.assert_allclose(net.logits(hidden), expected, rtol=1e-5, atol=1e-5)
+        net.logits_in_fp32 = False  # MaxText's default: the product in bfloat16, rounded
+        assert not np.allclose(net.logits(hidden), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("words", [(), ("attention_type=local_sliding", "window=4"), ("positions=learned",)])
 def test_causality(words):
     cfg, _ = tiny(*words)

@@ -420,11 +420,23 @@ def test_without_a_rate_the_bias_stays_and_no_loads_are_taken():
 
 # --- refusals ------------------------------------------------------------------------------------------------------
 
+def test_the_sparse_dispatch_takes_a_capacity_factor_as_maxtext_does_by_not_reading_it():
+    """MaxText's GPU Mixtral config sets capacity_factor=1.0 beside the default sparse_matmul=true: its sparse
+    dispatch is dropless and never reads the factor. maxperf says so and steps and estimates as dropless."""
+    from maxperf import perfmodel
+
+    capped = resolve("h100-8", "tiny-moe", ["capacity_factor=1.0"])
+    assert any("capacity_factor=1 drops tokens only in the einsum dispatch (sparse_matmul=false); the sparse dispatch "
+               "is dropless and does not read it, as in MaxText" in w for w in capped.warnings)
+    dropless = resolve("h100-8", "tiny-moe", [])
+    assert perfmodel.estimate(capped).step_time_s == perfmodel.estimate(dropless).step_time_s
+    assert moe.MoEOptions.from_train(capped.configs.train).sparse_matmul
+
+
 @pytest.mark.parametrize("words,match", [
     (["ici_expert=8", "ici_fsdp=1"], r"expert axis \(8 ICI x 1 DCN = 8\) does not divide num_experts=4.*e\.g\. 4"),
     (["num_experts_per_tok=5"], r"num_experts_per_tok \(top-k\) must be between 1 and num_experts \(4\), got 5"),
     (["capacity_factor=0", "sparse_matmul=false"], r"capacity_factor must be -1 \(dropless.*or > 0.*got 0"),
-    (["capacity_factor=1.25"], r"capacity_factor=1.25 drops tokens in the dense dispatch: set sparse_matmul=false"),
     (["n_routing_groups=3", "topk_routing_group=1"], r"n_routing_groups dividing num_experts \(4\)"),
     (["routed_bias_update_rate=-0.001"], r"routed_bias_update_rate must be >= 0 .*got -0.001"),
     (["shard_exp_on_fsdp=true", "ici_fsdp=4", "ici_tensor=2"],

@@ -269,3 +269,20 @@ def test_gpu_memory_follows_what_an_h100_compiled(name, batch, compiled_gib):
     train = TrainConfig(per_device_batch_size=batch, seq_len=2048)
     total = estimate(Request.of(h100, presets.get(name), train, {"fsdp": 1}, {})).memory_per_device_bytes
     assert total / 2**30 == pytest.approx(compiled_gib, rel=0.08)
+
+
+@pytest.mark.parametrize("topology, rate", [("h100-8", 0.5), ("v5p-8", 1.0)])
+def test_logits_dot_in_fp32_prices_the_unembedding_in_float32(topology, rate):
+    """Four-byte operands everywhere; on GPUs the TF32 peak (half of bf16's on an H100), on TPUs one bf16 pass."""
+    from maxperf.spec.request import resolve
+
+    def unembedding(words):
+        e = estimate(resolve(topology, "llama2-7b", ["per_device_batch_size=2", *words]))
+        return next(b for b in e.breakdown if b.name == "unembedding")
+
+    plain, fp32 = unembedding([]), unembedding(["logits_dot_in_fp32=true"])
+    assert fp32.flops == plain.flops and fp32.bytes == pytest.approx(2 * plain.bytes, rel=1e-12)
+    if rate < 1:  # compute-bound at half the rate
+        assert fp32.seconds == pytest.approx(plain.seconds / rate, rel=1e-9)
+    else:  # the same peak: no slower unless its bytes now bind
+        assert plain.seconds <= fp32.seconds < 1.5 * plain.seconds

@@ -43,6 +43,7 @@ def build_model(model: ModelConfig, train: TrainConfig, rngs: nnx.Rngs) -> Trans
         scan_layers=train.scan_layers, param_scan_axis=train.param_scan_axis, remat=remat_names(train), rngs=rngs,
         attention=AttentionOptions.from_train(train), moe=MoEOptions.from_train(train),
         quantization=quantization.from_train(train), pipeline=PipelineOptions.from_train(train),
+        logits_in_fp32=train.logits_dot_in_fp32,
     )
 
 

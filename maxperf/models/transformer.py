@@ -185,14 +185,16 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, scan_layers: bool,
                  remat: tuple | None, rngs: nnx.Rngs, attention: AttentionOptions = AttentionOptions(),
                  moe: MoEOptions = MoEOptions(), quantization: quant.Int8 | Fp8Recipe | None = None,
-                 param_scan_axis: int = 1, pipeline: PipelineOptions = PipelineOptions()):
+                 param_scan_axis: int = 1, pipeline: PipelineOptions = PipelineOptions(),
+                 logits_in_fp32: bool = False):
         """`remat`: maxperf.spec.remat.remat_names(train), the checkpoint names each layer saves and offloads; None: no
         remat.
         `quantization`: the layers' matmuls in int8 or an FP8 recipe (layers/quantization.py, layers/fp8.py); None:
         in the compute dtype.
         `param_scan_axis`: where a scanned stack's layer axis sits in its weights (`stack_axis`).
         `pipeline`: how the decoder's stack runs where the mesh has more than one `stage` (models/pipeline.py; its
-        weights are then stored stage-major, `pipeline.stage_major`)."""
+        weights are then stored stage-major, `pipeline.stage_major`).
+        `logits_in_fp32`: the logits' matmul in float32 (MaxText's logits_dot_in_fp32)."""
         quant.check_moe(quantization, cfg.is_moe, moe.sparse_matmul)
         self.cfg = cfg
         self.quantization = quantization
@@ -201,6 +203,7 @@ class Transformer(nnx.Module):
         self.param_scan_axis = param_scan_axis
         self.pipeline = pipeline
         self.remat = remat
+        self.logits_in_fp32 = logits_in_fp32
         D, V = cfg.d_model, cfg.vocab_size
         self.embed = Embed(V, D, param_dtype, rngs)
         if cfg.positions is Positions.LEARNED:
@@ -279,6 +282,8 @@ class Transformer(nnx.Module):
     def logits(self, x_BxLxD: jax.Array) -> jax.Array:
         """float32 logits [B, L, V] of hidden states (any leading dims B, L: a chunk of the tokens too)."""
         cfg = self.cfg
+        if self.logits_in_fp32:  # the table is cast to the hidden states' dtype
+            x_BxLxD = x_BxLxD.astype(jnp.float32)
         logits_BxLxV = self.embed.attend(x_BxLxD) if cfg.tie_embeddings else self.unembed(x_BxLxD)
         # sharded in the compute dtype, then cast (MaxText's cast_logits_to_fp32): the cast fuses into the loss
         logits_BxLxV = constrain(logits_BxLxV, ("activation_embed_and_logits_batch", "activation_length",

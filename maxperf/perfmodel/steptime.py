@@ -172,8 +172,11 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     # num_vocab_tiling: each chunk's logits are computed again in the backward
     # MaxText does not quantize the logits (its logits_dense and the embedding's attend take no quantization, int8
     # or FP8)
-    table.train_matmul("unembedding", Tu, D, a.V, steps * (1 + (train.num_vocab_tiling > 1)), steps, c,
-                       quantized=False)
+    # logits_dot_in_fp32: float32 operands, at the chip's float32 peak (TF32 on GPUs; one bf16 pass on TPUs)
+    fp32 = train.logits_dot_in_fp32
+    table.train_matmul("unembedding", Tu, D, a.V, steps * (1 + (train.num_vocab_tiling > 1)), steps,
+                       4 if fp32 else c, quantized=False,
+                       rate=chip.peak_flops("float32") / table.peak if fp32 else 1.0)
     # attention per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh. The dot product computes all
     # L x L scores; the TPU and GPU flash kernels skip the blocks their mask hides (ATTENTION_SKIPS_MASKED), computing
     # the others whole (executed_pairs), at a kernel rate with no softmax passes over HBM

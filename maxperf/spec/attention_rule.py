@@ -24,7 +24,15 @@ def implementation(kernel, platform: str) -> str:
     """The kernel that serves `attention=kernel` on a platform kind ("tpu", "gpu", "cpu")."""
     if _value(kernel) == "dot_product":
         return "dot_product"
+    if _value(kernel) in CUDNN and platform == "tpu":
+        raise MaxperfError(f"attention={_value(kernel)} is cuDNN's fused attention, a GPU kernel; on TPU use "
+                           "attention=flash (splash) or dot_product")
     return {"tpu": "splash", "gpu": "gpu_flash"}.get(platform, "blockwise")
+
+
+# MaxText's kernels of cuDNN's fused attention (Transformer Engine's and jax's bindings): GPU only, compiled as the GPU
+# flash kernel (spec.train.AttentionKernel)
+CUDNN = ("cudnn_flash_te", "cudnn_flash_jax")
 
 
 def layer_masks(model) -> tuple[int, ...]:

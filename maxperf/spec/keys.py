@@ -100,8 +100,10 @@ MEANINGS = {
     "mlpwi_1": "remat_policy=custom: the MLP's up projection (gated)", "mlpwo": "remat_policy=custom: the MLP's output",
     "query_proj": "remat_policy=custom: q", "key_proj": "remat_policy=custom: k", "value_proj": "remat_policy=custom: "
     "v", "qkv_proj": "remat_policy=custom: the fused q, k, v", "out_proj": "remat_policy=custom: attention's output "
-    "projection", "attention": "the kernel: auto, flash or dot_product (MaxText's autoselected is auto)",
+    "projection", "attention": "the kernel: auto, flash or dot_product (MaxText's autoselected is auto; its GPU "
+    "cudnn_flash_te and cudnn_flash_jax compile as flash)",
     "float32_qk_product": "dot_product: q k^T in float32", "float32_logits": "dot_product: the softmax in float32",
+    "logits_dot_in_fp32": "the logits' matmul in float32",
     "sa_block_q": "splash attention's query tile", "sa_block_kv": "splash attention's key tile",
     "sa_block_kv_compute": "splash attention's key compute tile", "sa_block_q_dkv": "splash dK/dV kernel's query tile",
     "sa_block_kv_dkv": "splash dK/dV kernel's key tile", "sa_block_kv_dkv_compute": "splash dK/dV kernel's key "

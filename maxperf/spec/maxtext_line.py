@@ -39,7 +39,8 @@ RUN_KEYS = frozenset("""
 # MaxText's keys that tune how its own kernels and collectives run without changing the step's shapes, shardings or
 # (beyond rounding) its arithmetic: tokamax's splash scheduler, its cost hints and dq reduction, a max-logit estimate,
 # the tiles of local (sliding-window) layers, tokamax's grouped matmul and megablox's tiles, its sort's custom VJP,
-# two-stage FSDP all-gathers, how the device mesh is laid over the chips, random routing for benchmarks, the MoE
+# two-stage FSDP all-gathers, how the device mesh is laid over the chips, random routing for benchmarks, the packed
+# segments cuDNN's attention is built for (max_segments_per_seq; maxperf's batches are unpacked), the MoE
 # combine's float32 sum (maxperf's sums in float32) and FP8 scale calibration. maxperf compiles jax's splash and
 # megablox kernels and XLA's collectives as they come: these are accepted and named once as not reproduced.
 _TILES = [f"{w}_tile_{p}_{d}" for w in ("wi", "wo") for p in ("fwd", "dlhs", "drhs")
@@ -47,7 +48,7 @@ _TILES = [f"{w}_tile_{p}_{d}" for w in ("wi", "wo") for p in ("fwd", "dlhs", "dr
 TUNING_KEYS = frozenset("""
     use_splash_scheduler local_use_splash_scheduler cost_estimate_flops_fwd cost_estimate_flops_bwd dq_reduction_steps
     use_max_logit_estimate use_tokamax_gmm use_custom_sort_vjp moe_fsdp_use_two_stage_all_gather
-    dense_fsdp_use_two_stage_all_gather allow_split_physical_axes use_random_routing float32_weight_sum
+    dense_fsdp_use_two_stage_all_gather allow_split_physical_axes custom_mesh use_random_routing max_segments_per_seq float32_weight_sum
     weight_quantization_calibration_method act_quantization_calibration_method bwd_quantization_calibration_method
     local_sa_block_q local_sa_block_kv local_sa_block_kv_compute local_sa_block_q_dkv local_sa_block_kv_dkv
     local_sa_block_kv_dkv_compute local_sa_block_q_dq local_sa_block_kv_dq

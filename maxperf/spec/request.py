@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from maxperf.spec import fp8, pipeline, presets
+from maxperf.spec import attention_rule, fp8, pipeline, presets
 from maxperf.spec import mesh as mesh_mod
 from maxperf.spec import overrides as overrides_mod
 from maxperf.spec import topology as topologies
@@ -78,6 +78,14 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
                                                                          quantization=Quantization.NONE))
         notes = ("quantization=auto: bf16 here; `maxperf plan` chooses between bf16 and the chip's FP8 recipe",)
     fp8.check_chip(configs.train.quantization, CHIPS[topo.chip])
+    if configs.model.is_moe and configs.train.sparse_matmul and configs.train.capacity_factor > 0:
+        notes += (f"capacity_factor={configs.train.capacity_factor:g} drops tokens only in the einsum dispatch "
+                  "(sparse_matmul=false); the sparse dispatch is dropless and does not read it, as in MaxText",)
+    if str(configs.train.attention) in attention_rule.CUDNN:
+        kernel = attention_rule.implementation(configs.train.attention, topo.platform)  # refuses a TPU
+        notes += (f"attention={configs.train.attention} (cuDNN's fused attention in MaxText) is compiled as "
+                  f"attention=flash, maxperf's {'Pallas Triton kernel' if kernel == 'gpu_flash' else 'CPU kernel'}, "
+                  "and priced as flash",)
     mesh = mesh_mod.resolve(configs.parallelism, topo)
     configs.train.micro_batch(mesh.devices)  # B x devices examples per microbatch: a whole number
     _check_experts(configs.model, mesh)
@@ -98,8 +106,7 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
 
 def gpu_grouped_matmul_warnings(configs: Configs, mesh: Mesh, topo: Topology) -> tuple[str, ...]:
     """On GPU a dropless MoE step's jax.lax.ragged_dot has no grouped GEMM: XLA multiplies every routed row by each
-    local expert (perfmodel's RAGGED_EXPANDED_D_BUFFERS), which MaxText's GPU MoE configs avoid with the dense
-    dispatch."""
+    local expert (perfmodel's RAGGED_EXPANDED_D_BUFFERS), which the einsum dispatch avoids."""
     if topo.platform != "gpu" or not configs.model.is_moe or not configs.train.sparse_matmul:
         return ()
     local = configs.model.num_experts // mesh.axes["expert"]
@@ -107,7 +114,7 @@ def gpu_grouped_matmul_warnings(configs: Configs, mesh: Mesh, topo: Topology) ->
         return ()
     return (f"on GPU XLA runs the dropless experts (sparse_matmul=true) as dense products of every routed row with "
             f"each of the device's {local} local experts: its buffers and FLOPs are {local}x a grouped matmul's. "
-            f"MaxText's GPU MoE configs set sparse_matmul=false with a capacity_factor (e.g. 1.25); more expert "
+            f"sparse_matmul=false with a capacity_factor (e.g. 1.25) dispatches by einsums instead; more expert "
             f"parallelism leaves fewer local experts",)
 
 

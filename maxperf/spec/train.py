@@ -24,6 +24,12 @@ class AttentionKernel(enum.StrEnum):
     AUTO = "auto"  # flash on TPU and GPU, as MaxText picks; the blockwise flash on CPU
     DOT_PRODUCT = "dot_product"  # the materialized [L, L] scores and softmax
     FLASH = "flash"  # TPU: Pallas splash attention; GPU: Pallas (Triton) flash attention; CPU: blockwise
+    # MaxText's GPU kernels of cuDNN's fused flash attention, through Transformer Engine (cudnn_flash_te, its GPU
+    # configs' choice) or jax's binding (cudnn_flash_jax): maxperf compiles them as its GPU flash kernel (Pallas
+    # Triton; cuDNN's graphs are built by a cuDNN library and GPU the compiling machine lacks) and perfmodel prices
+    # them as flash; refused on TPU as MaxText's are
+    CUDNN_FLASH_TE = "cudnn_flash_te"
+    CUDNN_FLASH_JAX = "cudnn_flash_jax"
 
 
 class Quantization(enum.StrEnum):
@@ -86,6 +92,10 @@ class TrainConfig:
     # dot_product only (MaxText's switches, default off): the q k^T product, and the softmax, in float32
     float32_qk_product: bool = False
     float32_logits: bool = False
+    # MaxText's logits_dot_in_fp32: the logits' matmul (the unembedding, or the tied embedding's) in float32, its
+    # hidden states and table cast up; XLA's default precision then decides the passes (one bf16 pass on TPU, TF32
+    # on NVIDIA GPUs)
+    logits_dot_in_fp32: bool = False
     # splash attention's tiles (MaxText's keys and defaults)
     sa_block_q: int = 512
     sa_block_kv: int = 512
@@ -190,9 +200,6 @@ class TrainConfig:
         require(self.capacity_factor == -1 or self.capacity_factor > 0,
                  f"capacity_factor must be -1 (dropless, MaxText's default) or > 0 (each expert takes that many "
                  f"times its even share of the tokens), got {self.capacity_factor:g}")
-        require(self.capacity_factor == -1 or not self.sparse_matmul,
-                 f"capacity_factor={self.capacity_factor:g} drops tokens in the dense dispatch: set "
-                 "sparse_matmul=false with it, or capacity_factor=-1 for the dropless sparse one")
         require(self.load_balance_loss_weight >= 0,
                  f"load_balance_loss_weight must be >= 0, got {self.load_balance_loss_weight:g}")
         require(self.routed_bias_update_rate >= 0,
