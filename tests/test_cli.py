@@ -623,8 +623,9 @@ def test_maxtexts_gpu_recipe_pastes_as_it_is(capsys):
 
 def test_gpt_oss_ironwood_recipe_pastes_with_its_experts_stored_over_fsdp(capsys):
     """tpu-recipes' gpt-oss-120b on tpu7x-4x4x4 (xpk's name for its 64 chips) sets fsdp_shard_on_exp, MaxText's earlier
-    name of shard_exp_on_fsdp: the experts stored with E over fsdp hold and gather the same bytes, so the estimate is
-    the default layout's."""
+    name of shard_exp_on_fsdp: the experts stored with E over fsdp gather the same bytes, so the step time is the
+    default layout's; with D whole the experts' shards are not thin, and the memory is 1.98 GiB less (compiled at 4
+    layers with libtpu 0.0.52: 63.11 against 65.10 GiB per device, 1.99 less)."""
     recipe = ["compile_topology=tpu7x-4x4x4", "model_name=gpt-oss-120b", "per_device_batch_size=10",
               "max_target_length=8192", "weight_dtype=float32", "remat_policy=custom", "decoder_layer_input=offload",
               "mlpwo=offload", "megablox=True", "sparse_matmul=True", "attention=flash", "ici_fsdp_parallelism=64",
@@ -636,7 +637,8 @@ def test_gpt_oss_ironwood_recipe_pastes_with_its_experts_stored_over_fsdp(capsys
     mine, theirs = json.loads(out), json.loads(plain)
     assert (mine["topology"], mine["chips"]) == ("tpu7x-128", 64)
     assert mine["step_time_s"] == pytest.approx(theirs["step_time_s"], rel=1e-9)
-    assert mine["memory_per_device_bytes"] == pytest.approx(theirs["memory_per_device_bytes"], rel=1e-9)
+    assert theirs["memory_per_device_bytes"] - mine["memory_per_device_bytes"] == pytest.approx(1.98 * 2**30,
+                                                                                               rel=0.01)
     assert mine["fits"]
 
 

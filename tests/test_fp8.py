@@ -259,13 +259,28 @@ def test_cli_fp8_on_v5p_exits_2_in_one_line():
     assert len(lines) == 1 and "tpu-v5p" in lines[0] and "h100-sxm" in lines[0] and "Traceback" not in run.stderr
 
 
-def test_qwix_value_needs_qwix_and_qwix_builds_fp8_full_only():
+def test_qwix_values_need_qwix_and_qwix_builds_fp8_full_and_fp8_gpu_only():
     model = presets.get("tiny")
-    with pytest.raises(MaxperfError, match="use_qwix_quantization=true"):
-        overrides.apply(model, ["quantization=fp8_full"])
-    with pytest.raises(MaxperfError, match="fp8_full only"):
+    for value in ("fp8_full", "fp8_gpu"):
+        with pytest.raises(MaxperfError, match=f"quantization={value} is MaxText's Qwix recipe: set "
+                                               "use_qwix_quantization=true"):
+            overrides.apply(model, [f"quantization={value}"])
+        assert overrides.apply(model, [f"quantization={value}", "use_qwix_quantization=true"]).train.use_qwix_quantization
+    with pytest.raises(MaxperfError, match="fp8_full and fp8_gpu only"):
         overrides.apply(model, ["quantization=fp8", "use_qwix_quantization=true"])
-    assert overrides.apply(model, ["quantization=fp8_full", "use_qwix_quantization=true"]).train.use_qwix_quantization
+
+
+def test_qwix_fp8_gpu_is_flaxs_fp8_recipe():
+    """MaxText's Qwix fp8_gpu provider wraps flax's Fp8DirectDotGeneralOp and Fp8Einsum, as quantization=fp8 does: the
+    same recipe, the same estimate."""
+    from maxperf import perfmodel
+
+    ours, flax = recipes.RECIPES["fp8_gpu"], recipes.RECIPES["fp8"]
+    assert (ours.scaling, ours.granularity, ours.forward, ours.gradient, ours.reuses_forward, ours.history) == (
+        flax.scaling, flax.granularity, flax.forward, flax.gradient, flax.reuses_forward, flax.history)
+    qwix = perfmodel.estimate(resolve("h100-8", "tiny", ["quantization=fp8_gpu", "use_qwix_quantization=true"]))
+    plain = perfmodel.estimate(resolve("h100-8", "tiny", ["quantization=fp8"]))
+    assert (qwix.step_time_s, qwix.memory_per_device_bytes) == (plain.step_time_s, plain.memory_per_device_bytes)
 
 
 def test_auto_is_bf16_outside_plan_and_bf16_is_none():

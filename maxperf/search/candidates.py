@@ -121,7 +121,8 @@ def precision_words(quantization: str) -> tuple[str, ...]:
     that selects Qwix."""
     if quantization == "none":
         return ()
-    return (f"quantization={quantization}", *(("use_qwix_quantization=true",) if quantization == "fp8_full" else ()))
+    return (f"quantization={quantization}",
+            *(("use_qwix_quantization=true",) if quantization in ("fp8_full", "fp8_gpu") else ()))
 
 
 def mesh_shown(ici: dict[str, int], dcn: dict[str, int]) -> str:

@@ -21,6 +21,8 @@ rest stay in the compute dtype. The formats, scales and what the backward multip
   dot_general_qt with e4m3 weights and activations, e5m2 gradients, absmax scales per channel computed from the
   operands; the backward multiplies the forward's e4m3 operands, their scales moved onto the gradient before it is
   quantized (Qwix's scale shifting).
+- `fp8_gpu` with use_qwix_quantization=true: Qwix's NvidaFp8Provider, which wraps the same flax ops as `fp8`
+  (Fp8DirectDotGeneralOp for dot_general, Fp8Einsum for einsums): `fp8`'s recipe.
 - `te_fp8_delayedscaling`, `te_fp8_currentscaling`, `te_mxfp8`: Transformer Engine's DelayedScaling (HYBRID:
   e4m3 forward, e5m2 gradients; amax history 1024, max, margin 0), Float8CurrentScaling (HYBRID, one scale per
   tensor from the tensor itself) and MXFP8BlockScaling (E4M3 throughout, a power-of-two E8M0 scale per 32
@@ -29,7 +31,7 @@ rest stay in the compute dtype. The formats, scales and what the backward multip
   fused cast-transpose and cuBLASLt GEMMs), which maxperf does not install.
 
 Not built: `nanoo_fp8` (AMD MI300's e4m3fnuz / e5m2fnuz formats; maxperf's catalog has no AMD GPU), te_nvfp4 (FP4),
-`intmp` and the other Qwix values (fp8, fp8_gpu, fp8_e4m3, fp8_e5m2, fp8_nanoo with use_qwix_quantization=true).
+`intmp` and the other Qwix values (fp8, fp8_e4m3, fp8_e5m2, fp8_nanoo with use_qwix_quantization=true).
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ RECIPES = {r.name: r for r in (
     Fp8Recipe("aqt_fp8_full", Scaling.CURRENT, Granularity.TENSOR, reuses_forward=False,
               source="AQT config_v4, per-tensor scales"),
     Fp8Recipe("fp8_full", Scaling.CURRENT, Granularity.CHANNEL, qwix=True, source="Qwix dot_general_qt"),
+    Fp8Recipe("fp8_gpu", Scaling.DELAYED, Granularity.TENSOR, history=HISTORY, qwix=True,
+              source="Qwix NvidaFp8Provider: flax.linen Fp8DirectDotGeneralOp / Fp8Einsum, as fp8"),
     Fp8Recipe("te_fp8_delayedscaling", Scaling.DELAYED, Granularity.TENSOR, history=HISTORY,
               source="Transformer Engine DelayedScaling (HYBRID)"),
     Fp8Recipe("te_fp8_currentscaling", Scaling.CURRENT, Granularity.TENSOR,

@@ -43,6 +43,7 @@ class Quantization(enum.StrEnum):
     AQT_FP8 = "aqt_fp8"
     AQT_FP8_FULL = "aqt_fp8_full"
     FP8_FULL = "fp8_full"  # with use_qwix_quantization=true, as MaxText takes it
+    FP8_GPU = "fp8_gpu"  # with use_qwix_quantization=true: Qwix's NVIDIA provider of flax's FP8 ops (`fp8`'s)
     TE_FP8_DELAYEDSCALING = "te_fp8_delayedscaling"
     TE_FP8_CURRENTSCALING = "te_fp8_currentscaling"
     TE_MXFP8 = "te_mxfp8"
@@ -213,13 +214,14 @@ class TrainConfig:
         require(self.quantization_local_shard_count >= -1,
                  f"quantization_local_shard_count must be -1 (the chips of one host, MaxText's default), 0 (the weight "
                  f"gradient unquantized) or a positive shard count, got {self.quantization_local_shard_count}")
-        qwix = self.quantization in (Quantization.FP8_FULL, Quantization.AUTO, Quantization.NONE)
+        qwix = self.quantization in (Quantization.FP8_FULL, Quantization.FP8_GPU, Quantization.AUTO,
+                                     Quantization.NONE)
         require(qwix or not self.use_qwix_quantization,
                 f"use_qwix_quantization=true with quantization={self.quantization}: maxperf builds Qwix's fp8_full "
-                "only; set quantization=fp8_full, or use_qwix_quantization=false for MaxText's AQT and flax values")
-        require(self.quantization is not Quantization.FP8_FULL or self.use_qwix_quantization,
-                "quantization=fp8_full is MaxText's Qwix recipe: set use_qwix_quantization=true with it, as MaxText "
-                "requires")
+                "and fp8_gpu only; set one of them, or use_qwix_quantization=false for MaxText's AQT and flax values")
+        require(self.quantization not in (Quantization.FP8_FULL, Quantization.FP8_GPU) or self.use_qwix_quantization,
+                f"quantization={self.quantization} is MaxText's Qwix recipe: set use_qwix_quantization=true with it, "
+                "as MaxText requires")
         require(self.num_vocab_tiling >= 1 and self.seq_len % self.num_vocab_tiling == 0,
                  f"num_vocab_tiling must be >= 1 and divide seq_len ({self.seq_len}), got {self.num_vocab_tiling}")
 
