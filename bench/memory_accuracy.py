@@ -165,6 +165,21 @@ OFFLOAD = (("per_device_batch_size=5", "remat_policy=custom", "decoder_layer_inp
            ("per_device_batch_size=2", "remat_policy=full"))
 
 
+# "tpu7x": libtpu's TPU7x target (working.LATE_TABLE_GRADIENT_CHIPS): llama2-7b's widths at 4 layers on tpu7x-128,
+# B 2, L 2048, full remat, over fsdp alone and beside a data axis, and tpu-recipes' gpt-oss-120b recipe cut to 4 layers
+# (data 2 x fsdp 64, B 10, L 8192): full remat, and the recipe's offloads with the experts stored both ways
+TPU7X = (("llama2-7b", ("num_layers=4", "seq_len=2048", "per_device_batch_size=2", "ici_fsdp_parallelism=128",
+                        "remat_policy=full", "attention=flash")),
+         ("llama2-7b", ("num_layers=4", "seq_len=2048", "per_device_batch_size=2", "ici_data_parallelism=2",
+                        "ici_fsdp_parallelism=64", "remat_policy=full", "attention=flash")),
+         *(("gpt-oss-120b", ("num_layers=4", "per_device_batch_size=10", "seq_len=8192", "attention=flash",
+                             "ici_fsdp_parallelism=64", "ici_data_parallelism=2", *extra))
+           for extra in (("remat_policy=full", "shard_exp_on_fsdp=true"),
+                         ("remat_policy=custom", "decoder_layer_input=offload", "mlpwo=offload",
+                          "shard_exp_on_fsdp=true"),
+                         ("remat_policy=custom", "decoder_layer_input=offload", "mlpwo=offload"))))
+
+
 def dense(tp: int, b: int, length: int, policy: str, kernel: str) -> tuple[str, ...]:
     return (LAYERS, f"ici_tensor_parallelism={tp}", f"per_device_batch_size={b}", f"seq_len={length}",
             f"remat_policy={policy}", *(CUSTOM if policy == "custom" else ()), f"attention={kernel}")
@@ -190,8 +205,9 @@ def cases() -> list[tuple[str, str, str, tuple[str, ...]]]:
     rest = [("rest", DENSE, DENSE_TOPOLOGY, dense(*BASE, p, KERNELS[i % 2])) for i, p in enumerate(POLICIES)]
     offload = [("offload", OFFLOAD_MODEL, OFFLOAD_TOPOLOGY, (*OFFLOAD_COMMON, *extra)) for extra in OFFLOAD]
     pipeline = [("pipeline", DENSE, t, (*PIPELINE_COMMON, *extra)) for t, extra in PIPELINE]
+    tpu7x = [("tpu7x", m, "tpu7x-128", extra) for m, extra in TPU7X]
     gpu = [("gpu", m, t, extra) for m, t, extra in GPU_MOE]
-    return first + rest + offload + pipeline + gpu
+    return first + rest + offload + pipeline + tpu7x + gpu
 
 
 def key(model: str, topology: str, overrides: tuple[str, ...]) -> str:
@@ -251,7 +267,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", type=Path, help="JSON file of compiler figures to reuse and extend")
     ap.add_argument("--only", default="", help="run only cases whose key contains this text")
-    ap.add_argument("--group", choices=("policies", "shapes", "moe", "depth", "rest", "offload", "pipeline", "gpu"),
+    ap.add_argument("--group", choices=("policies", "shapes", "moe", "depth", "rest", "offload", "pipeline", "tpu7x",
+                                        "gpu"),
                     action="append",
                     help="run only this group (repeatable)")
     ap.add_argument("--cached-only", action="store_true", help="report only the cases the cache holds")
@@ -308,7 +325,7 @@ def main() -> int:
         print("no case matched")
         return 1
     print()
-    for group in ("policies", "shapes", "rest", "moe", "depth", "offload", "pipeline"):
+    for group in ("policies", "shapes", "rest", "moe", "depth", "offload", "pipeline", "tpu7x"):
         mine = [r for r in rows if r["group"] == group]
         if mine:
             s = summary(mine)

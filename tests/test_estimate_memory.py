@@ -231,6 +231,19 @@ RECORDED_COMPILES = [
     # expert parallelism: the experts' backward over the dropless receive buffer's rows
     ("qwen3-235b-a22b", "v5p-256", [*LLAMA_4, "per_device_batch_size=2", "remat_policy=full", "attention=flash",
                                     "ici_expert_parallelism=16"], 36065454304),
+    # TPU7x: libtpu takes the vocabulary table's gradient after the backward scan (working.LATE_TABLE_GRADIENT_CHIPS)
+    ("llama2-7b", "tpu7x-128", [*LLAMA_4, "per_device_batch_size=2", "ici_fsdp_parallelism=128", "remat_policy=full",
+                                "attention=flash"], 1787093696),
+    ("llama2-7b", "tpu7x-128", [*LLAMA_4, "per_device_batch_size=2", "ici_data_parallelism=2",
+                                "ici_fsdp_parallelism=64", "remat_policy=full", "attention=flash"], 2102551232),
+    # tpu-recipes' gpt-oss-120b at 4 layers: remat full, and the recipe's offloads in both expert layouts
+    *(("gpt-oss-120b", "tpu7x-128", ["num_layers=4", "per_device_batch_size=10", "seq_len=8192", "attention=flash",
+                                     "ici_fsdp_parallelism=64", "ici_data_parallelism=2", *extra], compiled)
+      for extra, compiled in ((("remat_policy=full", "shard_exp_on_fsdp=true"), 68874917696),
+                              (("remat_policy=custom", "decoder_layer_input=offload", "mlpwo=offload",
+                                "shard_exp_on_fsdp=true"), 67761346880),
+                              (("remat_policy=custom", "decoder_layer_input=offload", "mlpwo=offload"),
+                               69900762432))),
 ]
 
 
@@ -372,3 +385,16 @@ def test_memory_bench_reads_the_train_steps_hbm_temporaries_from_libtpus_log(tmp
     (tmp_path / "tpu_driver.INFO").write_text("I1127 earlier lines\n" + LIBTPU_LOG)
     assert log.read() == {"temp": 10.21 * 2**30, "live": 8.47 * 2**30, "fragmentation": 1.74 * 2**30}
     assert log.read() is None
+
+
+def test_tpu7x_holds_the_logits_gradient_and_final_hidden_state_through_the_backward():
+    """On TPU7x libtpu takes the vocabulary table's gradient after the backward scan: the logits' gradient [T, V] and
+    the final hidden state [T, D] (compute dtype) join the backward's working set, and the table's own gradient is not
+    held through it; v5p at the same mesh takes the gradient before the scan."""
+    words = [*LLAMA_4, "per_device_batch_size=2", "ici_fsdp_parallelism=128", "remat_policy=full", "attention=flash"]
+    tpu7x = memory_fit.compare("tpu7x-128", "llama2-7b", words, analytical_only=True).analytical
+    T, D, V, c = 2 * 2048, 4096, 32000, 2
+    table = D * V * c  # the gathered table's gradient, held through the backward scan on v5p (gathered whole)
+    v5p_words = [w for w in words if not w.startswith("ici_fsdp")] + ["ici_fsdp_parallelism=128"]
+    v5p = memory_fit.compare("v5p-256", "llama2-7b", v5p_words, analytical_only=True).analytical
+    assert tpu7x.temporaries - v5p.temporaries == pytest.approx(T * (D + V) * c - table, rel=1e-6)

@@ -149,7 +149,7 @@ def estimate(request: Request, *, overlap: Overlap | float | None = None,
     params = count_params(model)
     flops = count_flops(model, train, params_per_device(model, mesh), chip.kind)
     if memory is None:
-        memory = estimate_memory(model, train, mesh, chip.hbm_bytes, chip.kind)
+        memory = estimate_memory(model, train, mesh, chip.hbm_bytes, chip.kind, chip.name)
     time = step_time(model, train, mesh, chip, topology, overlap, max(memory.phases().values()), load_imbalance,
                      constants)
     peak = chip.peak_flops(train.compute_dtype)

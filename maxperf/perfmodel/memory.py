@@ -216,9 +216,10 @@ def expert_gradient_excess(model: ModelConfig, train: TrainConfig, mesh: Mesh) -
                if x.expert_parallel)
 
 def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_bytes: float,
-                    platform: str = "tpu") -> MemoryBreakdown:
+                    platform: str = "tpu", chip: str = "") -> MemoryBreakdown:
     """`platform` ("tpu", "gpu", "cpu"): whose compiler's buffer choices to follow where they differ (GPU: the loss's
-    float32 logits, the optimizer's gradient copy, the grouped matmuls' expansion); CPU follows the TPU's."""
+    float32 logits, the optimizer's gradient copy, the grouped matmuls' expansion); CPU follows the TPU's. `chip`: the
+    chip's name, where one generation's compiler schedules apart (working.LATE_TABLE_GRADIENT_CHIPS)."""
     c = DTYPE_BYTES[train.compute_dtype]
     p = DTYPE_BYTES[train.param_dtype]
     remat = str(train.remat_policy)
@@ -272,7 +273,7 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
     saved_copy = (MINIMAL_SAVED_COPIES - 1) * saved if remat != "none" else 0.0
     host_offload = Tl * over_layers(model, lambda m: layer_offloaded_per_token(model, train, mesh, m))
     logits = _logits(model, train, mesh, platform, depths, view.logits_scale)
-    work = working(model, train, mesh, platform)
+    work = working(model, train, mesh, platform, chip)
     moe = moe_shape(model)
 
     def breakdown(temporaries: float) -> MemoryBreakdown:

@@ -159,6 +159,15 @@ BACKWARD_MLP_D_BUFFERS = 2
 # takes the gradient earlier (3.52 GiB per device against maxperf's 3.69). Without a data split (tensor 16 on 16
 # chips) nothing is reduced and the weight gradient is taken at once.
 LATE_TABLE_GRADIENT_INPUTS = 1
+# libtpu's TPU7x target takes the table's weight gradient after the backward scan whatever the mesh, holding the logits'
+# gradient ([T, V] in the compute dtype) and the final hidden state ([T, D]) through every layer's backward, and
+# reduces the gradient after it (so it is not held through the scan as GATHERED_TABLE_GRADIENTS has it elsewhere).
+# Measured here with libtpu 0.0.52, 4 layers, remat full, flash: llama2-7b widths on tpu7x-128, B 2, L 2048, at fsdp
+# 128 (1.66 GiB per device compiled, 1.46 analytical without this, 1.74 with it) and at data 2 x fsdp 64 (1.96; 1.58,
+# 1.86), where v5p-256 at data 2 x fsdp 64 takes the gradient before the backward scan; gpt-oss-120b on tpu7x-128
+# (data 2 x fsdp 64, B 10, L 8192: bf16[10,8192,201088] live from the loss to the gradient after the backward scan)
+# at remat full (64.14; 36.83, 62.2) and with the decoder input and wo offloaded (65.10; 37.72, 66.3).
+LATE_TABLE_GRADIENT_CHIPS = ("tpu7x",)
 # Where the weights are gathered whole, the vocabulary table's weight gradient is all-reduced whole in the compute
 # dtype ([D, V / tensor]) instead of reduce-scattered a window at a time, and it stays live through the backward
 # scan. Measured here with libtpu 0.0.52: llama3-70b widths at 4 layers on v6e-256 (fsdp 256), L 8192, flash, B 2 and
@@ -192,8 +201,9 @@ class Working:
     serial: float
 
 
-def working(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str) -> Working:
-    """The backward's working set on a platform kind ("tpu", "gpu", "cpu"; CPU follows the TPU's buffers)."""
+def working(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str, chip: str = "") -> Working:
+    """The backward's working set on a platform kind ("tpu", "gpu", "cpu"; CPU follows the TPU's buffers); `chip`: the
+    chip's name where its compiler's schedule differs (LATE_TABLE_GRADIENT_CHIPS)."""
     c = DTYPE_BYTES[train.compute_dtype]
     p = DTYPE_BYTES[train.param_dtype]
     remat = str(train.remat_policy)
@@ -260,8 +270,10 @@ def working(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str) -
                                              for m in layer_kinds(model))
     batch_split = split((micro_batch(train.per_device_batch_size, mesh.devices),), ("activation_batch",),
                         mesh.axes)[0]
+    late_chip = chip in LATE_TABLE_GRADIENT_CHIPS
     late_table_gradient = (LATE_TABLE_GRADIENT_INPUTS * T_logits * (D + a.V) * c if platform != "gpu"
-                           and train.num_vocab_tiling == 1 and a.V < model.vocab_size and batch_split > 1 else 0.0)
+                           and train.num_vocab_tiling == 1 and (late_chip or a.V < model.vocab_size and batch_split > 1)
+                           else 0.0)
     # XLA:GPU's second layout of the scanned experts' gradients while they are FSDP-sharded (GPU_EXPERT_GRADIENT_COPIES)
     expert_grad_copy = (GPU_EXPERT_GRADIENT_COPIES * p * sum(
         x.count * held(x, mesh) for x in state_arrays(model)
@@ -271,7 +283,7 @@ def working(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str) -
     depths = mtp_depths(model)
     table_size = gathered_size(table.shape, table.logical, mesh) * c
     table_grads = (MTP_TABLE_GRADIENTS_PER_HEAD * (1 + depths) * table_size if depths
-                   else GATHERED_TABLE_GRADIENTS * table_size if tpu_gathered else 0.0)
+                   else GATHERED_TABLE_GRADIENTS * table_size if tpu_gathered and not late_chip else 0.0)
 
     # pipeline_fsdp_ag_once: the stage's layers gathered once for the step, with their gradients beside them in the
     # compute dtype (MaxText's note on the key), instead of a layer's at a time; and a stage of U layers a repeat

@@ -103,7 +103,7 @@ def analytical(p: Request) -> MemoryBreakdown:
     mesh = Mesh.of(p.mesh.axes, p.mesh.dcn).check(p.topology)
     chip = device_for(p.topology)
     train = resolve_attention(p.configs.model, p.configs.train, chip.kind)
-    return estimate_memory(p.configs.model, train, mesh, chip.hbm_bytes, chip.kind)
+    return estimate_memory(p.configs.model, train, mesh, chip.hbm_bytes, chip.kind, chip.name)
 
 
 def compare(topology: str, model: str, overrides: Sequence[str] = (), *, num_slices: int = 1,

@@ -258,7 +258,7 @@ class _Estimator:
         args = (c.remat_policy, c.attention, c.per_device_batch_size, c.grad_accum_steps, c.quantization,
                 c.pipeline_microbatches)
         memory = perfmodel.estimate_memory(self.found.model, self.train(*args, resolved=True), mesh, self.hbm,
-                                           self.chip.kind)
+                                           self.chip.kind, self.chip.name)
         c.memory_bytes = memory.per_device_total_bytes
         return memory
 
