@@ -165,15 +165,17 @@ OFFLOAD = (("per_device_batch_size=5", "remat_policy=custom", "decoder_layer_inp
            ("per_device_batch_size=2", "remat_policy=full"))
 
 
-# "tpu7x": libtpu's TPU7x target (working.LATE_TABLE_GRADIENT_CHIPS): llama2-7b's widths at 4 layers on tpu7x-128,
-# B 2, L 2048, full remat, over fsdp alone and beside a data axis, and tpu-recipes' gpt-oss-120b recipe cut to 4 layers
-# (data 2 x fsdp 64, B 10, L 8192): full remat, and the recipe's offloads with the experts stored both ways
-TPU7X = (("llama2-7b", ("num_layers=4", "seq_len=2048", "per_device_batch_size=2", "ici_fsdp_parallelism=128",
-                        "remat_policy=full", "attention=flash")),
-         ("llama2-7b", ("num_layers=4", "seq_len=2048", "per_device_batch_size=2", "ici_data_parallelism=2",
-                        "ici_fsdp_parallelism=64", "remat_policy=full", "attention=flash")),
-         *(("gpt-oss-120b", ("num_layers=4", "per_device_batch_size=10", "seq_len=8192", "attention=flash",
-                             "ici_fsdp_parallelism=64", "ici_data_parallelism=2", *extra))
+# "tpu7x": libtpu's TPU7x target (working.LATE_TABLE_GRADIENT_CHIPS): llama2-7b's widths at 4 layers, B 2, L 2048,
+# full remat, on tpu7x-128 over fsdp alone and beside a data axis (shards thinner than the matrix unit) and on tpu7x-8
+# (thick), and tpu-recipes' gpt-oss-120b recipe cut to 4 layers (data 2 x fsdp 64, B 10, L 8192): full remat, and the
+# recipe's offloads with the experts stored both ways
+LLAMA_TPU7X = ("num_layers=4", "seq_len=2048", "per_device_batch_size=2")
+TPU7X = (*(("llama2-7b", t, (*LLAMA_TPU7X, *mesh, "remat_policy=full", "attention=flash"))
+           for t, mesh in (("tpu7x-128", ("ici_fsdp_parallelism=128",)),
+                           ("tpu7x-128", ("ici_data_parallelism=2", "ici_fsdp_parallelism=64")), ("tpu7x-8", ()))),
+         *(("gpt-oss-120b", "tpu7x-128", ("num_layers=4", "per_device_batch_size=10", "seq_len=8192",
+                                          "attention=flash", "ici_fsdp_parallelism=64", "ici_data_parallelism=2",
+                                          *extra))
            for extra in (("remat_policy=full", "shard_exp_on_fsdp=true"),
                          ("remat_policy=custom", "decoder_layer_input=offload", "mlpwo=offload",
                           "shard_exp_on_fsdp=true"),
@@ -205,7 +207,7 @@ def cases() -> list[tuple[str, str, str, tuple[str, ...]]]:
     rest = [("rest", DENSE, DENSE_TOPOLOGY, dense(*BASE, p, KERNELS[i % 2])) for i, p in enumerate(POLICIES)]
     offload = [("offload", OFFLOAD_MODEL, OFFLOAD_TOPOLOGY, (*OFFLOAD_COMMON, *extra)) for extra in OFFLOAD]
     pipeline = [("pipeline", DENSE, t, (*PIPELINE_COMMON, *extra)) for t, extra in PIPELINE]
-    tpu7x = [("tpu7x", m, "tpu7x-128", extra) for m, extra in TPU7X]
+    tpu7x = [("tpu7x", m, t, extra) for m, t, extra in TPU7X]
     gpu = [("gpu", m, t, extra) for m, t, extra in GPU_MOE]
     return first + rest + offload + pipeline + tpu7x + gpu
 

@@ -236,6 +236,7 @@ RECORDED_COMPILES = [
                                 "attention=flash"], 1787093696),
     ("llama2-7b", "tpu7x-128", [*LLAMA_4, "per_device_batch_size=2", "ici_data_parallelism=2",
                                 "ici_fsdp_parallelism=64", "remat_policy=full", "attention=flash"], 2102551232),
+    ("llama2-7b", "tpu7x-8", [*LLAMA_4, "per_device_batch_size=2", "remat_policy=full", "attention=flash"], 4212114112),
     # tpu-recipes' gpt-oss-120b at 4 layers: remat full, and the recipe's offloads in both expert layouts
     *(("gpt-oss-120b", "tpu7x-128", ["num_layers=4", "per_device_batch_size=10", "seq_len=8192", "attention=flash",
                                      "ici_fsdp_parallelism=64", "ici_data_parallelism=2", *extra], compiled)
