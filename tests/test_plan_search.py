@@ -135,6 +135,11 @@ def test_the_margin_comes_from_measured_error(tmp_path):
     assert margin.load_margin("cpu", path).value == 0.0
     gpu = margin.load_margin("gpu", path)
     assert gpu.value == pytest.approx(0.21) and "no gpu figure" in gpu.source
+    assert margin.load_margin("tpu", path, chip="tpu-v5p").value == pytest.approx(0.21)
+    path.write_text(json.dumps({"tpu": {"median": 0.05, "worst": 0.48, "worst_underestimate": 0.21, "cases": 7},
+                                "tpu7x": {"median": 0.1, "worst": 0.2, "worst_underestimate": 0.18, "cases": 6}}))
+    own = margin.load_margin("tpu", path, chip="tpu7x")  # a generation measured apart takes its own figure
+    assert own.value == pytest.approx(0.18) and "tpu7x" in own.source and "6 cases" in own.source
     missing = margin.load_margin("tpu", tmp_path / "absent.json")
     assert missing.value == margin.FALLBACK_MARGIN and "not found" in missing.source
 

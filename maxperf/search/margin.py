@@ -31,9 +31,10 @@ class Margin:
         return {"value": self.value, "source": self.source}
 
 
-def load_margin(platform: str, path: Path = MEMORY_ERROR_PATH) -> Margin:
-    """The largest measured underestimate of memory (compiler / analytical - 1) for `platform` from
-    memory_error.json ({platform: {"worst_underestimate": x, "median": y, "cases": n, ...}}); a platform it does not
+def load_margin(platform: str, path: Path = MEMORY_ERROR_PATH, chip: str | None = None) -> Margin:
+    """The largest measured underestimate of memory (compiler / analytical - 1) for `chip` where memory_error.json
+    measures that chip apart (a generation whose compiler schedules apart: "tpu7x"), else for `platform`, from
+    memory_error.json ({name: {"worst_underestimate": x, "median": y, "cases": n, ...}}); a platform it does not
     name takes the largest of those it does; no file, the fallback figure. Each Margin says where its figure came
     from."""
     try:
@@ -48,11 +49,12 @@ def load_margin(platform: str, path: Path = MEMORY_ERROR_PATH) -> Margin:
     def need(row: dict) -> float:  # an over-estimate needs no margin
         return max(float(row["worst_underestimate"]), 0.0)
 
-    if platform in rows:
-        row = rows[platform]
-        return Margin(need(row), f"the largest measured {platform} underestimate of memory (compiler over analytical) "
-                      f"in {path.name} ({row.get('cases', '?')} cases, median |error| "
-                      f"{abs(float(row.get('median', 0))):.1%})")
+    for name in (chip, platform):
+        if name in rows:
+            row = rows[name]
+            return Margin(need(row), f"the largest measured {name} underestimate of memory (compiler over "
+                          f"analytical) in {path.name} ({row.get('cases', '?')} cases, median |error| "
+                          f"{abs(float(row.get('median', 0))):.1%})")
     if rows:
         name = max(rows, key=lambda n: need(rows[n]))
         return Margin(need(rows[name]), f"the largest measured underestimate of memory in {path.name}, on {name} "

@@ -157,7 +157,7 @@ def search(req: PlanRequest, progress: Callable[[str], None] | None = None, marg
                   per_device_batch=req.per_device_batch, pins=req.pins)
     topo, model, train0 = found.topology, found.model, found.train
     calibration = calibration_for(topo)
-    margin = margin or load_margin(topo.platform)
+    margin = margin or load_margin(topo.platform, chip=topo.chip)
     say(f"{len(found.candidates)} candidates over {len(found.meshes)} meshes that divide the model and the batch")
 
     estimator = _Estimator(found, device_for(topo, calibration), calibration, margin)
