@@ -85,3 +85,19 @@ def test_offloaded_state_compiles_for_tpu_in_pinned_host_memory(tmp_path):
     assert params == opt["argument_bytes"] - both["argument_bytes"]
     # AdamW's two moments per parameter, beside the step counts (scalars, a padded tile each at most)
     assert abs(opt["host_argument_bytes"] - OPTIMIZER_STATES_PER_PARAM * params) <= 1024
+
+
+def test_a_moe_layer_offloads_its_experts_rows_across_the_host_link():
+    """remat_policy=custom mlpwo=offload: a MoE layer's experts' output is top-k rows of D per token, and the step
+    time carries them over the host link both ways (the memory model counts them already: saved.over_layers)."""
+    from maxperf.spec.request import resolve
+
+    words = ["per_device_batch_size=2", "seq_len=256", "remat_policy=custom"]
+    cfg = resolve("v5p-8", "tiny-moe", words).configs
+    m, T = cfg.model, 2 * 256
+    host = {}
+    for extra in ((), ("mlpwo=offload",)):
+        e = estimate(resolve("v5p-8", "tiny-moe", [*words, "decoder_layer_input=offload", *extra]))
+        host[extra] = next(b.bytes for b in e.breakdown if b.name == "remat offload (host link)")
+    rows = m.num_experts_per_tok * m.d_model * 2  # bf16 rows of the k experts each token went to
+    assert host[("mlpwo=offload",)] - host[()] == pytest.approx(2 * m.num_layers * T * rows, rel=1e-9)

@@ -235,7 +235,9 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     softmax_fwd = (4 * SOFTMAX_FWD_FLOAT32 + c) * (1 + ("scores" in again))
     if not attention_rate and not flash_rate:
         table.memory("softmax", scores * (softmax_fwd + 4 * SOFTMAX_BWD_FLOAT32))
-    offloaded = N * micro * T * layer_offloaded_per_token(model, train, mesh)
+    # every layer's own: a MoE layer's experts offload their rows (mlpwo: top-k x D per token)
+    offloaded = micro * T * over_layers(model, lambda moe_layer: layer_offloaded_per_token(model, train, mesh,
+                                                                                            moe_layer))
     if offloaded and chip.host_link_bandwidth:
         table.assume("offload", f"offload copies {HOST_OFFLOAD_OVERLAP:.0%} hidden (assumed)")
         table.add("remat offload (host link)", "host", 2 * offloaded / chip.host_link_bandwidth, 0.0, 2 * offloaded,
