@@ -350,3 +350,27 @@ def test_a_collective_matmul_fusion_is_its_matmul_or_its_gather_of_its_own_opera
     # carried buffer priced as gathered would be 8 x 512 MiB over the ICI, about 200 times the matmul
     assert gather < matmul <= seconds_of(result, "cm") < 3 * matmul
     assert result.top[0].kind == "matmul"
+
+
+OFFLOAD = """HloModule m, is_scheduled=true
+
+ENTRY %main (h: bf16[4,1024,2048], x: bf16[1,1024,2048], i: s32[]) -> bf16[1,1024,2048] {
+  %h = bf16[4,1024,2048]{2,1,0:T(8,128)(2,1)S(5)} parameter(0)
+  %x = bf16[1,1024,2048]{2,1,0:T(8,128)(2,1)} parameter(1)
+  %i = s32[]{:T(128)} parameter(2)
+  %dus-start = ((bf16[4,1024,2048]{2,1,0:T(8,128)(2,1)S(5)}, bf16[1,1024,2048]{2,1,0:T(8,128)(2,1)}, s32[]{:T(128)}, s32[]{:T(128)}, s32[]{:T(128)}), bf16[4,1024,2048]{2,1,0:T(8,128)(2,1)S(5)}, u32[]{:S(2)}) dynamic-update-slice-start(%h, %x, %i, %i, %i)
+  %dus-done = bf16[4,1024,2048]{2,1,0:T(8,128)(2,1)S(5)} dynamic-update-slice-done(%dus-start)
+  %ds-start = ((bf16[4,1024,2048]{2,1,0:T(8,128)(2,1)S(5)}, s32[]{:T(128)}, s32[]{:T(128)}, s32[]{:T(128)}), bf16[1,1024,2048]{2,1,0:T(8,128)(2,1)}, u32[]{:S(2)}) dynamic-slice-start(%dus-done, %i, %i, %i), dynamic_slice_sizes={1,1024,2048}
+  ROOT %ds-done = bf16[1,1024,2048]{2,1,0:T(8,128)(2,1)} dynamic-slice-done(%ds-start)
+}
+"""
+
+
+def test_an_offload_moves_one_layers_slice_over_the_host_link_not_the_stacked_buffer():
+    """A remat policy's offload writes one layer into the stacked host buffer (dynamic-update-slice) and brings one
+    back (dynamic-slice): each crosses the host link with the slice's bytes, not the buffer's four layers."""
+    result = predict(OFFLOAD, "v6e-8")
+    layer = 1024 * 2048 * 2
+    link = chips.get("tpu-v6e").host_link_bandwidth
+    assert seconds_of(result, "dus-start") == pytest.approx(layer / link, rel=1e-6)
+    assert seconds_of(result, "ds-start") == pytest.approx(layer / link, rel=1e-3)

@@ -373,7 +373,7 @@ class _Walker:
             return self.collective(instrs, _STARTS.get(opcode, opcode), shape, rest,
                                    asynchronous=opcode in _STARTS or self.tpu_async)
         if opcode in _ASYNC_MEMORY:
-            return self.async_copy(instrs, shape, rest)
+            return self.async_copy(instrs, shape, rest, opcode)
         if opcode == "fusion" or opcode == "fusion-start":
             called = next((names[0] for key, names in hlo_cost.callees(rest) if key == "calls" and names), None)
             if called is not None and called in self.comps:
@@ -488,10 +488,21 @@ class _Walker:
                 return opcode, shape, rest, comp.instrs
         return None
 
-    def async_copy(self, instrs, shape: str, rest: str) -> _Cost:
+    def async_copy(self, instrs, shape: str, rest: str, opcode: str = "copy-start") -> _Cost:
+        """An asynchronous copy's bytes over the host link or HBM: a copy's whole operand, a dynamic-update-slice's
+        update alone (written into its buffer in place; a remat policy's offload of one layer into the stacked host
+        buffer), a dynamic-slice's result alone (one layer brought back)."""
         read, spaces = self.operand_bytes(instrs, rest)
-        moved = _bytes(shape, skip_on_chip=False) / 2 if shape.startswith("(") else _bytes(shape, skip_on_chip=False)
-        moved = min(moved, read) if read else moved
+        ops = hlo_cost.operands(rest)
+        if opcode == "dynamic-update-slice-start" and len(ops) > 1 and ops[1] in instrs:
+            moved = _bytes(instrs[ops[1]][0], skip_on_chip=False)
+        elif opcode == "dynamic-slice-start" and read:
+            # ((operand, indices...), result, context): the result beside what it reads
+            moved = max(_bytes(shape, skip_on_chip=False) - read - 4, 0.0)
+        else:
+            moved = (_bytes(shape, skip_on_chip=False) / 2 if shape.startswith("(")
+                     else _bytes(shape, skip_on_chip=False))
+            moved = min(moved, read) if read else moved
         host = HOST in spaces or HOST in _space(shape)
         if host and self.chip.host_link_bandwidth:
             return _Cost(moved / self.chip.host_link_bandwidth, "host copy", "host", nbytes=moved, resource="host",
