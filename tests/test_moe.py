@@ -433,6 +433,11 @@ def test_the_sparse_dispatch_takes_a_capacity_factor_as_maxtext_does_by_not_read
     assert moe.MoEOptions.from_train(capped.configs.train).sparse_matmul
 
 
+def test_shard_exp_on_fsdp_on_a_dense_model_changes_nothing_and_says_so():
+    dense = resolve("cpu-8", "tiny", ["shard_exp_on_fsdp=true"])
+    assert any("this model has none, and it changes nothing, as in MaxText" in w for w in dense.warnings)
+
+
 @pytest.mark.parametrize("words,match", [
     (["ici_expert=8", "ici_fsdp=1"], r"expert axis \(8 ICI x 1 DCN = 8\) does not divide num_experts=4.*e\.g\. 4"),
     (["num_experts_per_tok=5"], r"num_experts_per_tok \(top-k\) must be between 1 and num_experts \(4\), got 5"),

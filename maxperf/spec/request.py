@@ -78,6 +78,9 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
                                                                          quantization=Quantization.NONE))
         notes = ("quantization=auto: bf16 here; `maxperf plan` chooses between bf16 and the chip's FP8 recipe",)
     fp8.check_chip(configs.train.quantization, CHIPS[topo.chip])
+    if configs.model.shard_exp_on_fsdp and not configs.model.is_moe:
+        notes += ("shard_exp_on_fsdp=true shards a mixture of experts' weights; this model has none, and it changes "
+                  "nothing, as in MaxText",)
     if configs.model.is_moe and configs.train.sparse_matmul and configs.train.capacity_factor > 0:
         notes += (f"capacity_factor={configs.train.capacity_factor:g} drops tokens only in the einsum dispatch "
                   "(sparse_matmul=false); the sparse dispatch is dropless and does not read it, as in MaxText",)
@@ -126,10 +129,7 @@ def _check_experts(model: ModelConfig, mesh: Mesh) -> None:
         raise MaxperfError(f"the expert axis ({mesh.ici['expert']} ICI x {mesh.dcn['expert']} DCN = {ep}) does not "
                            f"divide num_experts={model.num_experts}; choose an ici_expert x dcn_expert product that "
                            f"does, e.g. {fits[-1]}")
-    if model.shard_exp_on_fsdp:  # MaxText's own checks of the key (pyconfig)
-        if not model.is_moe:
-            raise MaxperfError("shard_exp_on_fsdp=true shards a mixture of experts' weights, and this model has no "
-                               "routed experts (num_experts=1); leave it false")
+    if model.shard_exp_on_fsdp and model.is_moe:  # MaxText's own checks of the key (pyconfig)
         if mesh.axes["tensor"] > 1 or mesh.axes["expert"] > 1:
             raise MaxperfError(f"shard_exp_on_fsdp=true needs ici_tensor=1 and ici_expert=1 (as MaxText), not "
                                f"tensor={mesh.axes['tensor']} expert={mesh.axes['expert']}; set them to 1 or "
