@@ -621,6 +621,24 @@ def test_maxtexts_gpu_recipe_pastes_as_it_is(capsys):
     assert "max_segments_per_seq tune its own kernels" in err and "compiled as attention=flash" in err
 
 
+def test_deepseek_v3_2d_fsdp_recipe_pastes_as_its_plain_config_and_says_so(capsys):
+    """tpu-recipes' DeepSeek-V3 on tpu7x-4x8x8 names deepseek3-671b-2dfsdp, MaxText's DeepSeek-V3 with logical-axis
+    rules of its own, and use_2d_fsdp_sharding=True: the same bytes per device by maxperf's rules, so the estimate is
+    the plain config's, with a line naming what is not reproduced."""
+    recipe = ["compile_topology=tpu7x-4x8x8", "per_device_batch_size=8", "max_target_length=4096",
+              "ici_fsdp_transpose_parallelism=2", "ici_fsdp_parallelism=-1", "remat_policy=custom",
+              "decoder_layer_input=offload", "use_2d_fsdp_sharding=True", "attention=flash"]
+    code, out, err = run_main(capsys, "estimate", "--json", "model_name=deepseek3-671b-2dfsdp", *recipe)
+    assert code == 0, err
+    assert ("maxperf: note: MaxText's model_name=deepseek3-671b-2dfsdp, use_2d_fsdp_sharding lay the weights out over "
+            "fsdp and fsdp_transpose by rules of their own") in err
+    code, plain, err = run_main(capsys, "estimate", "--json", "model_name=deepseek3-671b",
+                                *(w for w in recipe if not w.startswith("use_2d")))
+    assert code == 0, err
+    assert json.loads(out)["step_time_s"] == json.loads(plain)["step_time_s"]
+    assert json.loads(out)["model"] == "deepseek-v3"
+
+
 def test_gpt_oss_ironwood_recipe_pastes_with_its_experts_stored_over_fsdp(capsys):
     """tpu-recipes' gpt-oss-120b on tpu7x-4x4x4 (xpk's name for its 64 chips) sets fsdp_shard_on_exp, MaxText's earlier
     name of shard_exp_on_fsdp: the experts stored with E over fsdp gather the same bytes, so the step time is the
@@ -643,8 +661,6 @@ def test_gpt_oss_ironwood_recipe_pastes_with_its_experts_stored_over_fsdp(capsys
 
 
 @pytest.mark.parametrize("word, line", [
-    ("use_2d_fsdp_sharding=True", "use_2d_fsdp_sharding=True: maxperf shards the experts' weights by MaxText's "
-                                  "default rules only (use_2d_fsdp_sharding=false)"),
     ("opt_type=sgd", "opt_type=sgd: maxperf compiles AdamW, as MaxText's adamw and adam_pax"),
     ("sa_q_layout=SEQ", "sa_q_layout must be one of HEAD_DIM_MINOR, SEQ_MINOR"),
     ("grad_dtype=int8", "grad_dtype must be one of float32, bfloat16, float16"),

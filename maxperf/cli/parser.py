@@ -97,6 +97,10 @@ def read_maxtext_words(command: argparse.ArgumentParser, args: argparse.Namespac
     if line.ignored and supervisor.CHILD not in os.environ:  # said once: by the process the user started
         print(f"maxperf: note: MaxText's {', '.join(line.ignored)} change nothing of the step: ignored",
               file=sys.stderr)
+    if line.layouts and supervisor.CHILD not in os.environ:
+        print(f"maxperf: note: MaxText's {', '.join(line.layouts)} lay the weights out over fsdp and fsdp_transpose by "
+              "rules of their own; maxperf lays them out by its rules, the same bytes per device, each weight gathered "
+              "whole before its matmuls either way: not reproduced", file=sys.stderr)
     if line.untuned and supervisor.CHILD not in os.environ:
         print(f"maxperf: note: MaxText's {', '.join(line.untuned)} tune its own kernels and collectives; maxperf "
               "compiles jax's kernels and XLA's collectives as they come: not reproduced", file=sys.stderr)

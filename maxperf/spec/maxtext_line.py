@@ -55,7 +55,14 @@ TUNING_KEYS = frozenset("""
 """.split() + _TILES)
 # MaxText's switches of the experts' weights' sharding that maxperf compiles at MaxText's default only: at it they
 # change nothing; another value is refused (shard_exp_on_fsdp is a model key, ModelConfig.shard_exp_on_fsdp)
-DEFAULT_ONLY = {"use_2d_fsdp_sharding": "false"}
+DEFAULT_ONLY: dict[str, str] = {}
+# MaxText's keys and model configs that lay the weights out over fsdp and fsdp_transpose by rules of their own ("2D
+# FSDP"): the experts' use_2d_fsdp_sharding, and DeepSeek-V3's deepseek3-671b-2dfsdp, its model config with its own
+# logical-axis rules (configs/models/deepseek3-671b-2dfsdp.yml). Each device holds and gathers the same bytes by
+# maxperf's rules, every weight gathered whole before its matmuls either way: accepted, the model as its plain config,
+# and named once as not reproduced.
+LAYOUT_KEYS = frozenset({"use_2d_fsdp_sharding"})
+LAYOUT_MODELS = {"deepseek3-671b-2dfsdp": "deepseek3-671b"}
 MODEL_KEY, SCALE_KEY = "model_name", "global_parameter_scale"
 TOPOLOGY_KEY, SLICES_KEY = "compile_topology", "compile_topology_num_slices"
 _FROM_MAXTEXT = {theirs: ours for ours, theirs in presets.MAXTEXT_NAMES.items()}
@@ -72,11 +79,12 @@ class Line:
     num_slices: int | None = None
     ignored: tuple[str, ...] = ()
     untuned: tuple[str, ...] = ()  # TUNING_KEYS given
+    layouts: tuple[str, ...] = ()  # LAYOUT_KEYS and LAYOUT_MODELS given (the model as its plain config)
 
 
 def read(words: Sequence[str]) -> Line:
     """The request MaxText's words in `words` name; a MaxperfError, one line, for a value maxperf cannot take."""
-    overrides, ignored, untuned = [], [], []
+    overrides, ignored, untuned, layouts = [], [], [], []
     found: dict[str, str] = {}
     for word in words:
         key, eq, value = word.partition("=")
@@ -89,17 +97,25 @@ def read(words: Sequence[str]) -> Line:
             ignored.append(key)
         elif key in TUNING_KEYS:
             untuned.append(key)
+        elif key in LAYOUT_KEYS:
+            if value.strip().lower() == "true":
+                layouts.append(key)
+            else:
+                ignored.append(key)
         elif key in DEFAULT_ONLY:
             if value.strip().lower() != DEFAULT_ONLY[key]:
                 raise MaxperfError(f"{key}={value}: maxperf shards the experts' weights by MaxText's default rules "
                                    f"only ({key}={DEFAULT_ONLY[key]})")
             ignored.append(key)
         elif key in (MODEL_KEY, SCALE_KEY, TOPOLOGY_KEY, SLICES_KEY):
+            if key == MODEL_KEY and value in LAYOUT_MODELS:
+                layouts.append(f"{MODEL_KEY}={value}")
+                value = LAYOUT_MODELS[value]
             found[key] = value
         else:
             overrides.append(word)
     return Line(tuple(overrides), found.get(TOPOLOGY_KEY), _model(found), _slices(found), tuple(ignored),
-                tuple(untuned))
+                tuple(untuned), tuple(layouts))
 
 
 def _model(found: dict[str, str]) -> str | None:
