@@ -277,6 +277,24 @@ def test_a_killed_sweeps_workers_die_with_it(tmp_path):
     assert len(workers) >= 2 and _wait_gone(workers) == []  # it kills what outlived the sweep, after 30 s
 
 
+def test_a_point_stopped_between_its_artifact_and_its_point_json_leaves_no_folder(tmp_path):
+    """An interrupted sweep keeps the folders of the points with a point.json (done, or failed) and removes the
+    others: one whose artifact was in place but whose point.json was not is not finished, and the tables do not
+    list it."""
+    from maxperf.search.sweep import grid, remove_partials
+
+    points = grid(["v5p-8", "v5p-16", "v5p-32"], [1], {})
+    done, stopped, partial = (tmp_path / "points" / pt.name for pt in points)
+    (done / "artifact").mkdir(parents=True)
+    (done / "point.json").write_text("{}")
+    (stopped / "artifact").mkdir(parents=True)
+    (stopped / "artifact" / "manifest.json").write_text("{}")
+    (partial / ".artifact.1.partial").mkdir(parents=True)
+    remove_partials(tmp_path, points)
+    assert sorted(p.name for p in (tmp_path / "points").iterdir()) == [points[0].name]
+    assert (done / "artifact").is_dir()
+
+
 def test_a_sweep_is_not_resumed_by_another_request(tmp_path):
     from maxperf.search.sweep import _finished, grid, point_key, sweep
 

@@ -209,13 +209,16 @@ def _finished(directory: Path, key: dict[str, Any]) -> bool:
 
 def remove_partials(out_dir: Path, points: Sequence[Point]) -> None:
     """What compiles killed with their sweep had begun to write beside the points' artifacts (temporary directories,
-    lock files), and the point folders that leaves empty."""
+    lock files), and the folders of points without a point.json: a point stopped after its artifact was in place but
+    before its point.json was is not finished (a re-run computes it again), and its folder would disagree with the
+    tables, which list the points with a point.json."""
     for pt in points:
         directory = out_dir / "points" / pt.name
         for partial in directory.glob(".artifact.*.partial"):
             shutil.rmtree(partial, ignore_errors=True)
         artifacts.remove_stale_lock(directory / "artifact")
-        _remove_if_empty(directory)
+        if directory.is_dir() and not (directory / "point.json").exists():
+            shutil.rmtree(directory, ignore_errors=True)
     _remove_if_empty(out_dir / "points")
 
 
