@@ -15,10 +15,10 @@ from maxperf.perfmodel.saved import (
     MTP_LOGITS_PER_DEPTH,
     MTP_SAVED_D,
     MTP_SAVED_NORMS,
-    layer_offloaded_per_token,
     layer_saved_parts,
     layer_saved_per_token,
     norm_saved_bytes,
+    offloaded_per_token,
     over_layers,
 )
 from maxperf.perfmodel.sharding import activation_split, gathered_size, held
@@ -271,7 +271,7 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
                                                       moe_layer=moe_layers_of(model)[-1])) if depths else 0.0
     activations = carry + saved + mtp_saved
     saved_copy = (MINIMAL_SAVED_COPIES - 1) * saved if remat != "none" else 0.0
-    host_offload = Tl * over_layers(model, lambda m: layer_offloaded_per_token(model, train, mesh, m))
+    host_offload = Tl * offloaded_per_token(model, train, mesh)
     logits = _logits(model, train, mesh, platform, depths, view.logits_scale)
     work = working(model, train, mesh, platform, chip)
     moe = moe_shape(model)

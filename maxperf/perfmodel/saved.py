@@ -202,6 +202,11 @@ def layer_offloaded_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh
     sizes = named_per_token(model, train, mesh, moe_layer)
     return sum(sizes.get(n, 0.0) for n in names[1])
 
+def offloaded_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> float:
+    """Bytes every layer together offloads per local token, each layer kind at its own size (a MoE layer's experts'
+    rows beside a dense layer's)."""
+    return over_layers(model, lambda moe_layer: layer_offloaded_per_token(model, train, mesh, moe_layer))
+
 def over_layers(model: ModelConfig, per_layer) -> float:
     """The sum of `per_layer(moe_layer)` over the decoder layers: dense layers' and MoE layers'."""
     moe = moe_shape(model)

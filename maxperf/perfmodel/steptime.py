@@ -40,7 +40,7 @@ from maxperf.perfmodel.moe import (
     rows_per_token,
 )
 from maxperf.perfmodel.network import LATENCY_S, CollectiveTime, all_to_all_time, axis_networks, collective_time
-from maxperf.perfmodel.saved import layer_offloaded_per_token, over_layers
+from maxperf.perfmodel.saved import offloaded_per_token, over_layers
 from maxperf.perfmodel.sharding import activation_split, gather_axes, held, held_gathered, param_arrays
 from maxperf.perfmodel.work import (
     MATMUL,
@@ -235,9 +235,7 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     softmax_fwd = (4 * SOFTMAX_FWD_FLOAT32 + c) * (1 + ("scores" in again))
     if not attention_rate and not flash_rate:
         table.memory("softmax", scores * (softmax_fwd + 4 * SOFTMAX_BWD_FLOAT32))
-    # every layer's own: a MoE layer's experts offload their rows (mlpwo: top-k x D per token)
-    offloaded = micro * T * over_layers(model, lambda moe_layer: layer_offloaded_per_token(model, train, mesh,
-                                                                                            moe_layer))
+    offloaded = micro * T * offloaded_per_token(model, train, mesh)
     if offloaded and chip.host_link_bandwidth:
         table.assume("offload", f"offload copies {HOST_OFFLOAD_OVERLAP:.0%} hidden (assumed)")
         table.add("remat offload (host link)", "host", 2 * offloaded / chip.host_link_bandwidth, 0.0, 2 * offloaded,

@@ -264,8 +264,8 @@ class Divisibility:
     each weight's and activation's sharded dimensions, and the rows of at least one microbatch."""
 
     def __init__(self, model: ModelConfig, seq_len: int, microbatch_rows: Sequence[int]):
+        self.model = model
         self.experts = model.num_experts if model.is_moe else 1
-        self.experts_on_fsdp = model.is_moe and model.shard_exp_on_fsdp
         self.heads, self.kv_heads, self.seq_len = model.num_heads, model.num_kv_heads, seq_len
         self.rows = tuple(microbatch_rows)
         self.arrays = [(x.shape, x.logical) for x in param_arrays(model)]
@@ -276,8 +276,8 @@ class Divisibility:
     def divides(self, axes: dict[str, int]) -> bool:
         if self.experts % axes["expert"] or self.seq_len % axes["sequence"]:
             return False
-        if self.experts_on_fsdp and (axes["tensor"] > 1 or axes["expert"] > 1 or self.experts % axes["fsdp"]):
-            return False  # MaxText's conditions for shard_exp_on_fsdp (spec.request)
+        if requests.experts_on_fsdp_problem(self.model, axes) is not None:
+            return False
         if self.heads % axes["tensor"] or self.kv_heads % axes["tensor"]:
             return False
         split = batch_axes(axes)

@@ -129,15 +129,24 @@ def _check_experts(model: ModelConfig, mesh: Mesh) -> None:
         raise MaxperfError(f"the expert axis ({mesh.ici['expert']} ICI x {mesh.dcn['expert']} DCN = {ep}) does not "
                            f"divide num_experts={model.num_experts}; choose an ici_expert x dcn_expert product that "
                            f"does, e.g. {fits[-1]}")
-    if model.shard_exp_on_fsdp and model.is_moe:  # MaxText's own checks of the key (pyconfig)
-        if mesh.axes["tensor"] > 1 or mesh.axes["expert"] > 1:
-            raise MaxperfError(f"shard_exp_on_fsdp=true needs ici_tensor=1 and ici_expert=1 (as MaxText), not "
-                               f"tensor={mesh.axes['tensor']} expert={mesh.axes['expert']}; set them to 1 or "
-                               "shard_exp_on_fsdp=false")
-        if model.num_experts % mesh.axes["fsdp"]:
-            raise MaxperfError(f"shard_exp_on_fsdp=true splits the {model.num_experts} experts over fsdp="
-                               f"{mesh.axes['fsdp']}, which does not divide them; choose an fsdp that does, e.g. "
-                               f"{max(n for n in range(1, mesh.axes['fsdp'] + 1) if model.num_experts % n == 0)}")
+    if (why := experts_on_fsdp_problem(model, mesh.axes)) is not None:
+        raise MaxperfError(why)
+
+
+def experts_on_fsdp_problem(model: ModelConfig, axes: Mapping[str, int]) -> str | None:
+    """Why a mesh of these axis sizes cannot store a mixture of experts' weights with E over fsdp
+    (shard_exp_on_fsdp=true), as MaxText's own checks of the key say (pyconfig); None where it can, or where the key
+    is off or the model has no routed experts."""
+    if not (model.shard_exp_on_fsdp and model.is_moe):
+        return None
+    if axes["tensor"] > 1 or axes["expert"] > 1:
+        return (f"shard_exp_on_fsdp=true needs ici_tensor=1 and ici_expert=1 (as MaxText), not tensor={axes['tensor']} "
+                f"expert={axes['expert']}; set them to 1 or shard_exp_on_fsdp=false")
+    if model.num_experts % axes["fsdp"]:
+        return (f"shard_exp_on_fsdp=true splits the {model.num_experts} experts over fsdp={axes['fsdp']}, which does "
+                "not divide them; choose an fsdp that does, e.g. "
+                f"{max(n for n in range(1, axes['fsdp'] + 1) if model.num_experts % n == 0)}")
+    return None
 
 
 def _check_context(configs: Configs, mesh: Mesh) -> None:
