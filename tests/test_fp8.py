@@ -265,7 +265,8 @@ def test_qwix_values_need_qwix_and_qwix_builds_fp8_full_and_fp8_gpu_only():
         with pytest.raises(MaxperfError, match=f"quantization={value} is MaxText's Qwix recipe: set "
                                                "use_qwix_quantization=true"):
             overrides.apply(model, [f"quantization={value}"])
-        assert overrides.apply(model, [f"quantization={value}", "use_qwix_quantization=true"]).train.use_qwix_quantization
+        qwix = overrides.apply(model, [f"quantization={value}", "use_qwix_quantization=true"])
+        assert qwix.train.use_qwix_quantization
     with pytest.raises(MaxperfError, match="fp8_full and fp8_gpu only"):
         overrides.apply(model, ["quantization=fp8", "use_qwix_quantization=true"])
 

@@ -446,7 +446,8 @@ def test_shard_exp_on_fsdp_on_a_dense_model_changes_nothing_and_says_so():
     (["routed_bias_update_rate=-0.001"], r"routed_bias_update_rate must be >= 0 .*got -0.001"),
     (["shard_exp_on_fsdp=true", "ici_fsdp=4", "ici_tensor=2"],
      r"shard_exp_on_fsdp=true needs ici_tensor=1 and ici_expert=1 \(as MaxText\), not tensor=2 expert=1"),
-    (["shard_exp_on_fsdp=true", "ici_fsdp=8"], r"splits the 4 experts over fsdp=8, which does not divide them.*e\.g\. 4"),
+    (["shard_exp_on_fsdp=true", "ici_fsdp=8"],
+     r"splits the 4 experts over fsdp=8, which does not divide them.*e\.g\. 4"),
 ])
 def test_bad_moe_settings_are_refused(words, match):
     with pytest.raises(MaxperfError, match=match):

@@ -52,7 +52,8 @@ MEANINGS = {
     "activation": "the MLP's activation", "mlp_activations_limit": "clamped_swiglu's clip",
     "norm": "rmsnorm or layernorm", "norm_eps": "the norms' epsilon", "norm_fsdp": "norm scales sharded over fsdp, as "
     "MaxText's llama2 configs do", "shard_exp_on_fsdp": "MoE: the experts' weights stored with E over fsdp and D "
-    "whole (MaxText's key; needs fsdp dividing E, no tensor or expert parallelism)", "post_norms": "norms after attention and MLP too (Gemma 2)",
+    "whole (MaxText's key; needs fsdp dividing E, no tensor or expert parallelism)",
+    "post_norms": "norms after attention and MLP too (Gemma 2)",
     "positions": "rope, learned or none", "rope_theta": "RoPE's base", "local_rope_theta": "the sliding-window layers' "
     "RoPE base (none: rope_theta)", "rope_linear_scaling_factor": "positions divided by this on RoPE layers",
     "nope_layer_interval": "every n-th layer uses no RoPE (-1: all do)", "temperature_tuning": "the RoPE-free layers' "
@@ -94,7 +95,8 @@ MEANINGS = {
     "adam_b1": "AdamW's beta1", "adam_b2": "AdamW's beta2", "adam_eps": "AdamW's epsilon", "grad_clip_norm": "clip the "
     "gradients' global norm (none: no clipping)", "seed": "the initialization seed", "remat_policy": "what the "
     "backward keeps, recomputes or offloads (MaxText's policies)", "decoder_layer_input": "remat_policy=custom: the "
-    "layer input kept (device), recomputed or offloaded", "context": "remat_policy=custom: a flash kernel's residuals (its output and log-sum-exp)",
+    "layer input kept (device), recomputed or offloaded",
+    "context": "remat_policy=custom: a flash kernel's residuals (its output and log-sum-exp)",
     "attention_out": "remat_policy=custom: attention's output",
     "mlpwi": "remat_policy=custom: the MLP's up projection", "mlpwi_0": "remat_policy=custom: the MLP's gate",
     "mlpwi_1": "remat_policy=custom: the MLP's up projection (gated)", "mlpwo": "remat_policy=custom: the MLP's output",

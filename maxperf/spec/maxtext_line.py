@@ -48,7 +48,8 @@ _TILES = [f"{w}_tile_{p}_{d}" for w in ("wi", "wo") for p in ("fwd", "dlhs", "dr
 TUNING_KEYS = frozenset("""
     use_splash_scheduler local_use_splash_scheduler cost_estimate_flops_fwd cost_estimate_flops_bwd dq_reduction_steps
     use_max_logit_estimate use_tokamax_gmm use_custom_sort_vjp moe_fsdp_use_two_stage_all_gather
-    dense_fsdp_use_two_stage_all_gather allow_split_physical_axes custom_mesh use_random_routing max_segments_per_seq float32_weight_sum
+    dense_fsdp_use_two_stage_all_gather allow_split_physical_axes custom_mesh use_random_routing max_segments_per_seq
+    float32_weight_sum
     weight_quantization_calibration_method act_quantization_calibration_method bwd_quantization_calibration_method
     local_sa_block_q local_sa_block_kv local_sa_block_kv_compute local_sa_block_q_dkv local_sa_block_kv_dkv
     local_sa_block_kv_dkv_compute local_sa_block_q_dq local_sa_block_kv_dq
