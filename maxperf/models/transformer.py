@@ -337,6 +337,53 @@ class Transformer(nnx.Module):
                 counts.update({f"{st.name}/{i}/{path}": c for path, c in c_unit.items()})
         return x_BxLxD, aux, counts
 
+    def serve(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, caches: dict[str, list[dict[str, jax.Array]]],
+              mode: str, quant_axis: str | None = None) -> tuple[jax.Array, dict[str, list[dict[str, jax.Array]]]]:
+        """A serving step's forward (models/serving.py): the float32 logits of each sequence's last position
+        [B, 1, V] and the caches with the new positions stored. `caches`: for each stack, one cache per layer of its
+        repeating unit, each array with the stack's repeats first (layers/kv_cache.py); `mode` prefill or decode;
+        `quant_axis`: the cache's int8 scales' axes (None: the cache in the compute dtype)."""
+        from maxperf.models.layers import kv_cache
+
+        if mesh_stages() > 1:
+            raise ValueError("serving steps run without pipeline stages")
+        windows = list(attention_rule.layer_masks(self.cfg))
+        ropes = [not nope for nope in self.cfg.nope_layers()]
+        static = (windows[0] if len(set(windows)) == 1 else None, ropes[0] if len(set(ropes)) == 1 else None)
+        x_BxLxD = constrain(self.embed_tokens(tokens_BxL, positions_BxL), OUTER_RESIDUAL)
+        updated = {}
+        for st in self.stacks:
+            P = len(st.pattern)
+            span = slice(st.start, st.start + st.count * P)
+            per_unit = (jnp.asarray(windows[span], jnp.int32).reshape(st.count, P),
+                        jnp.asarray(ropes[span], jnp.bool_).reshape(st.count, P))
+            layers = getattr(self, st.name)
+
+            def unit(x, state, windows_P, ropes_P, caches_P, graphdef):
+                apply = self._unit_fn(graphdef, positions_BxL, static, P, in_scan=True)
+                with kv_cache.session(mode, caches_P, quant_axis) as s:
+                    x, _, _ = apply(x, state, windows_P, ropes_P)
+                return x, s.updated
+
+            if self.scan_layers:
+                graphdef, state = nnx.split(layers)
+                state = _move_layer_axis(state, self.param_scan_axis, 0)
+
+                def body(x, xs, graphdef=graphdef, unit=unit):
+                    return unit(x, *xs, graphdef=graphdef)
+
+                x_BxLxD, updated[st.name] = jax.lax.scan(body, x_BxLxD, (state, *per_unit, caches[st.name]))
+                continue
+            outs = []
+            for i, layer in enumerate(layers):
+                graphdef, state = nnx.split(layer)
+                x_BxLxD, out = unit(x_BxLxD, state, per_unit[0][i], per_unit[1][i],
+                                    jax.tree.map(lambda c, i=i: c[i], caches[st.name]), graphdef=graphdef)
+                outs.append(out)
+            updated[st.name] = jax.tree.map(lambda *cs: jnp.stack(cs), *outs)
+        x_BxLxD = self.final_norm(constrain(x_BxLxD, OUTER_RESIDUAL))
+        return self.logits(x_BxLxD[:, -1:]), updated
+
     def _pipelined(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, stages: int, static, windows, ropes,
                    key: jax.Array | None, fp8: dict[str, jax.Array] | None
                    ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:

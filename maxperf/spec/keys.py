@@ -81,6 +81,9 @@ MEANINGS = {
     "expert", "norm_topk_prob": "renormalize the top-k weights to sum to 1", "mlp_bias": "biases on the experts' "
     "matmuls", "mtp_num_layers": "DeepSeek-V3's multi-token prediction modules",
     # train
+    "max_prefill_predict_length": "serving: P, the prompt's tokens (prefill)", "quantize_kvcache":
+    "serving: the key/value cache in int8", "kv_quant_dtype": "serving: the cache's quantized dtype (int8)",
+    "kv_quant_axis": "serving: the cache scales' axes (heads_and_dkv or dkv)",
     "per_device_batch_size": "B, one microbatch per device (fractions allowed, as in MaxText)", "seq_len": "L, tokens "
     "per sequence (MaxText's max_target_length)", "grad_accum_steps": "A, microbatches per step",
     "compute_dtype": "the activations' and matmuls' dtype", "param_dtype": "the parameters' and optimizer's dtype",

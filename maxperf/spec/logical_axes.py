@@ -68,6 +68,11 @@ RULES: dict[str, tuple[str, ...]] = {
     # the layer axis of a pipelined stack, stored stage-major: each stage holds its own layers (MaxText's `layers`
     # rule; maxperf's other stacks keep every layer on every device, as MaxText's outside a pipeline)
     "stage_layers": ("stage",),
+    # the serving steps' key/value cache (MaxText's cache_batch, cache_sequence, cache_kv): sequences as the
+    # activations' batch, kv heads over tensor
+    "cache_batch": ("data", "fsdp", "fsdp_transpose", "expert"),
+    "cache_sequence": (),
+    "cache_kv_heads": ("tensor",),
 }
 _ORDER = {name: i for i, name in enumerate(RULES)}
 

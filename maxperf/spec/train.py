@@ -162,6 +162,13 @@ class TrainConfig:
     # MaxText's key and default: under context parallelism (ici_context_parallelism, maxperf's sequence axis) each
     # sequence is reordered so that every shard holds as much of a causal mask's work (models/context.py)
     context_parallel_load_balance: bool = True
+    # the serving steps (compile --step prefill|decode; models/serving.py), MaxText's keys and defaults: prompts of
+    # max_prefill_predict_length tokens into a cache of seq_len (max_target_length) positions; the cache in int8
+    # with quantize_kvcache, its scales over the heads and head dim (heads_and_dkv) or the head dim (dkv)
+    max_prefill_predict_length: int = 64
+    quantize_kvcache: bool = False
+    kv_quant_dtype: str = "int8"
+    kv_quant_axis: str = "heads_and_dkv"
 
     def __post_init__(self) -> None:
         B = self.per_device_batch_size
@@ -222,6 +229,12 @@ class TrainConfig:
         require(self.quantization not in (Quantization.FP8_FULL, Quantization.FP8_GPU) or self.use_qwix_quantization,
                 f"quantization={self.quantization} is MaxText's Qwix recipe: set use_qwix_quantization=true with it, "
                 "as MaxText requires")
+        require(self.max_prefill_predict_length >= 1,
+                f"max_prefill_predict_length (the prompt's tokens) must be >= 1, got {self.max_prefill_predict_length}")
+        require(self.kv_quant_dtype == "int8", f"kv_quant_dtype={self.kv_quant_dtype}: maxperf stores the cache in "
+                "int8 (MaxText's int4 is not built)")
+        require(self.kv_quant_axis in ("heads_and_dkv", "dkv"),
+                f"kv_quant_axis must be heads_and_dkv or dkv, got {self.kv_quant_axis!r}")
         require(self.num_vocab_tiling >= 1 and self.seq_len % self.num_vocab_tiling == 0,
                  f"num_vocab_tiling must be >= 1 and divide seq_len ({self.seq_len}), got {self.num_vocab_tiling}")
 

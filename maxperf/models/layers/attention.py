@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxperf.models.layers import quantization
+from maxperf.models.layers import kv_cache, quantization
 from maxperf.models.layers.attention_kernels import AttentionOptions, attend
 from maxperf.models.layers.mla import LatentAttention
 from maxperf.models.layers.norms import RMSNorm
@@ -100,8 +100,16 @@ class Attention(nnx.Module):
             q_BxLxHxDh = _tune_temperature(q_BxLxHxDh, positions_BxL, rope)
         q_BxLxKxGxDh = q_BxLxHxDh.reshape(B, L, K, G, Dh)
         sinks_KxG = self.sinks_H[...].astype(jnp.float32).reshape(K, G) if cfg.attention_sinks else None
-        o_BxLxKxGxDh = attend(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=cfg.attn_logit_softcap,
-                              options=self.options, windows=self.windows, sinks_KxG=sinks_KxG)
+        def attend_prompt():
+            return attend(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, window, softcap=cfg.attn_logit_softcap,
+                          options=self.options, windows=self.windows, sinks_KxG=sinks_KxG)
+
+        if kv_cache.current() is None:
+            o_BxLxKxGxDh = attend_prompt()
+        else:  # a serving step: the keys and values go to the cache
+            o_BxLxKxGxDh = kv_cache.cached_gqa(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, positions_BxL, window,
+                                               softcap=cfg.attn_logit_softcap, sinks_KxG=sinks_KxG,
+                                               attend_prompt=attend_prompt)
         o_BxLxHxDh = o_BxLxKxGxDh.reshape(B, L, cfg.num_heads, Dh)
         # MaxText's names: "attention_out" this output; "context" only a flash kernel's residuals (attention_kernels)
         o_BxLxHxDh = checkpoint_name(o_BxLxHxDh, "attention_out")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxperf.models.layers import quantization
+from maxperf.models.layers import kv_cache, quantization
 from maxperf.models.layers.attention_kernels import AttentionOptions, attend
 from maxperf.models.layers.norms import RMSNorm
 from maxperf.models.layers.params import param
@@ -76,6 +76,12 @@ class LatentAttention(nnx.Module):
         ckv_BxLxE = constrain(quantization.einsum("BLD,DE->BLE", x_BxLxD, self.wkv_a_DxE[...].astype(dtype)), LATENT)
         c_BxLxC = self.kv_norm(ckv_BxLxE[..., :C])
         k_rope_BxLx1xDr = apply_rope(ckv_BxLxE[:, :, None, C:], positions_BxL, inv_freq)
+        if kv_cache.current() is not None:  # a serving step: the latents go to the cache
+            mode, cache = kv_cache.cached_latent(c_BxLxC, k_rope_BxLx1xDr[:, :, 0], positions_BxL)
+            if mode == kv_cache.DECODE:
+                o_BxLxHxDv = kv_cache.latent_decode(q_BxLxHxDq[..., :Dn], q_BxLxHxDq[..., Dn:],
+                                                    self.wkv_b_CxHxE[...].astype(dtype), Dn, cache, positions_BxL)
+                return quantization.einsum("BLHd,HdD->BLD", o_BxLxHxDv, self.o_HxDvxD[...].astype(dtype))
         kv_BxLxHxE = quantization.einsum("BLC,CHe->BLHe", c_BxLxC, self.wkv_b_CxHxE[...].astype(dtype))
         kv_BxLxHxE = constrain(kv_BxLxHxE, HEADS)
         k_BxLxHxDq = jnp.concatenate([kv_BxLxHxE[..., :Dn], jnp.broadcast_to(k_rope_BxLx1xDr, (B, L, H, Dr))],

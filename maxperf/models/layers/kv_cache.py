@@ -1,0 +1,196 @@
+"""The serving steps' key/value cache: what each attention layer stores, how it is written, and decoding against it.
+
+A layer's cache holds, for B sequences and S positions (MaxText's max_target_length):
+- grouped-query attention: its keys and values after RoPE and the QK norms, `k` and `v` [B, S, K, Dh];
+- latent attention (MLA): the normed kv latent `c` [B, S, C] and the shared RoPE key `kr` [B, S, Dr], from which
+  decoding attends in the latent space (DeepSeek-AI 2024, "DeepSeek-V2", appendix: the up-projections absorbed
+  into the query and the output), so that a token's cache is C + Dr numbers per layer whatever the head count.
+
+With MaxText's `quantize_kvcache=true` (`kv_quant_dtype=int8`) each stored tensor is int8 with a scale per
+position: absmax / 127 over the heads and head dim (`kv_quant_axis=heads_and_dkv`, MaxText's default) or over the
+head dim only (`dkv`), the scales in the compute dtype.
+
+The decoder opens a `session` around each scanned unit with the caches of its layers, in the order the unit calls
+them; each attention block takes the next one (`take`), writes its new positions and hands the updated cache back
+(`give`), so the layers need no extra argument. Prefill writes positions 0..P-1 and attends within the prompt with
+the training kernels; decode writes each sequence's one new position and attends over the whole cache, masked to
+the positions at or before it (and within the layer's window or chunk).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+
+from maxperf.models.layers.attention_kernels import visible
+from maxperf.models.sharding import constrain
+
+PREFILL, DECODE = "prefill", "decode"
+INT8_MAX = 127.0
+
+# logical axes of the stored tensors (maxperf.spec.logical_axes: sequences over the batch axes, heads over tensor)
+KV_AXES = ("cache_batch", "cache_sequence", "cache_kv_heads", None)
+LATENT_AXES = ("cache_batch", "cache_sequence", None)
+SCALE_AXES = {"heads_and_dkv": ("cache_batch", "cache_sequence"),
+              "dkv": ("cache_batch", "cache_sequence", "cache_kv_heads")}
+
+
+@dataclass
+class Session:
+    """The caches of one decoder unit's layers, in call order, and the updated ones handed back."""
+
+    mode: str
+    caches: list[dict[str, jax.Array]]
+    quant_axis: str | None  # None: the cache in the compute dtype
+    updated: list[dict[str, jax.Array]] = field(default_factory=list)
+
+
+_SESSION: contextvars.ContextVar[Session | None] = contextvars.ContextVar("maxperf_kv_session", default=None)
+
+
+@contextlib.contextmanager
+def session(mode: str, caches: list[dict[str, jax.Array]], quant_axis: str | None = None):
+    active = Session(mode, list(caches), quant_axis)
+    token = _SESSION.set(active)
+    try:
+        yield active
+    finally:
+        _SESSION.reset(token)
+        if len(active.updated) != len(caches):
+            raise RuntimeError(f"a decoder unit with {len(caches)} cached layers handed back {len(active.updated)}")
+
+
+def current() -> Session | None:
+    return _SESSION.get()
+
+
+def take() -> dict[str, jax.Array]:
+    return current().caches[len(current().updated)]
+
+
+def give(cache: dict[str, jax.Array]) -> None:
+    current().updated.append(cache)
+
+
+def quantize(x: jax.Array, axis: str, dtype) -> tuple[jax.Array, jax.Array]:
+    """int8 values and their scales: over the last dim (`dkv`) or the last two (`heads_and_dkv`)."""
+    reduce = (-1,) if axis == "dkv" or x.ndim < 4 else (-2, -1)
+    x32 = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x32), axis=reduce, keepdims=True) / INT8_MAX
+    q = jnp.round(x32 / jnp.where(scale == 0, 1.0, scale))
+    return jnp.clip(q, -INT8_MAX, INT8_MAX).astype(jnp.int8), jnp.squeeze(scale, reduce).astype(dtype)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    scale = scale.reshape(scale.shape + (1,) * (q.ndim - scale.ndim))
+    return q.astype(dtype) * scale.astype(dtype)
+
+
+def write(cache: dict[str, jax.Array], name: str, x: jax.Array, positions_BxL: jax.Array, mode: str,
+          quant_axis: str | None) -> dict[str, jax.Array]:
+    """`cache` with `x` [B, L, ...] stored at each sequence's positions (prefill: 0..L-1, one block; decode: one
+    position per sequence, a scatter)."""
+    out = dict(cache)
+    parts = {name: x}
+    if quant_axis is not None:
+        q, scale = quantize(x, quant_axis, cache[f"{name}_scale"].dtype)
+        parts = {name: q, f"{name}_scale": scale}
+    for key, value in parts.items():
+        stored = cache[key]
+        value = value.astype(stored.dtype)
+        if mode == PREFILL:
+            out[key] = jax.lax.dynamic_update_slice(stored, value, (0,) * stored.ndim)
+        else:
+            rows_Bx1 = jnp.arange(stored.shape[0])[:, None]
+            out[key] = stored.at[rows_Bx1, positions_BxL].set(value, mode="drop")
+    return out
+
+
+def read(cache: dict[str, jax.Array], name: str, dtype) -> jax.Array:
+    """A stored tensor [B, S, ...] in the compute dtype."""
+    if f"{name}_scale" in cache:
+        return dequantize(cache[name], cache[f"{name}_scale"], dtype)
+    return cache[name].astype(dtype)
+
+
+def _softmax_rows(s_BxKxGxLxS: jax.Array, mask_Bx1x1xLxS: jax.Array, sinks_KxG: jax.Array | None) -> jax.Array:
+    """Softmax over the cache positions in float32, a sink logit joining each row's max and sum."""
+    s = jnp.where(mask_Bx1x1xLxS, s_BxKxGxLxS.astype(jnp.float32), -1e30)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    if sinks_KxG is not None:
+        sink = sinks_KxG.astype(jnp.float32)[None, :, :, None, None]
+        m = jnp.maximum(m, sink)
+    e = jnp.exp(s - m)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    if sinks_KxG is not None:
+        total = total + jnp.exp(sink - m)
+    return e / total
+
+
+def _mask(positions_BxL: jax.Array, S: int, window) -> jax.Array:
+    """[B, 1, 1, L, S]: cache position j visible from query position i."""
+    j = jnp.arange(S, dtype=jnp.int32)[None, None, :]
+    return visible(positions_BxL[:, :, None], j, window)[:, None, None]
+
+
+def decode_attention(q_BxLxKxGxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, positions_BxL: jax.Array,
+                     window, *, softcap: float | None, sinks_KxG: jax.Array | None) -> jax.Array:
+    """The queries (already scaled) over the whole cache, masked to the positions each may see."""
+    s = jnp.einsum("BLKGd,BSKd->BKGLS", q_BxLxKxGxDh, k_BxSxKxDh, preferred_element_type=jnp.float32)
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    p = _softmax_rows(s, _mask(positions_BxL, k_BxSxKxDh.shape[1], window), sinks_KxG)
+    return jnp.einsum("BKGLS,BSKd->BLKGd", p.astype(v_BxSxKxDh.dtype), v_BxSxKxDh)
+
+
+def cached_gqa(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, positions_BxL, window, *, softcap, sinks_KxG, attend_prompt):
+    """A grouped-query layer's attention in a serving step: stores its keys and values, then attends within the
+    prompt (prefill, `attend_prompt()`) or over the cache (decode)."""
+    s = current()
+    cache = take()
+    cache = write(cache, "k", k_BxLxKxDh, positions_BxL, s.mode, s.quant_axis)
+    cache = write(cache, "v", v_BxLxKxDh, positions_BxL, s.mode, s.quant_axis)
+    cache = {k: constrain(v, _axes_of(k, v)) for k, v in cache.items()}
+    give(cache)
+    if s.mode == PREFILL:
+        return attend_prompt()
+    dtype = q_BxLxKxGxDh.dtype
+    return decode_attention(q_BxLxKxGxDh, read(cache, "k", dtype), read(cache, "v", dtype), positions_BxL, window,
+                            softcap=softcap, sinks_KxG=sinks_KxG)
+
+
+def cached_latent(c_BxLxC, kr_BxLxDr, positions_BxL) -> tuple[str, dict[str, jax.Array]]:
+    """A latent-attention layer's cache with its new latents and RoPE keys stored; (mode, cache)."""
+    s = current()
+    cache = take()
+    cache = write(cache, "c", c_BxLxC, positions_BxL, s.mode, s.quant_axis)
+    cache = write(cache, "kr", kr_BxLxDr, positions_BxL, s.mode, s.quant_axis)
+    cache = {k: constrain(v, _axes_of(k, v)) for k, v in cache.items()}
+    give(cache)
+    return s.mode, cache
+
+
+def latent_decode(qn_BxLxHxDn, qr_BxLxHxDr, w_kv_CxHxE, Dn: int, cache: dict[str, jax.Array],
+                  positions_BxL) -> jax.Array:
+    """Absorbed latent attention over the cache: the queries' position-free part taken into the latent space by the
+    keys' up-projection, scores against the stored latents plus the RoPE part against the stored RoPE keys, the
+    weighted latents taken out by the values' up-projection. [B, L, H, Dv]."""
+    dtype = qn_BxLxHxDn.dtype
+    c_BxSxC, kr_BxSxDr = read(cache, "c", dtype), read(cache, "kr", dtype)
+    wk_CxHxDn, wv_CxHxDv = w_kv_CxHxE[..., :Dn], w_kv_CxHxE[..., Dn:]
+    q_BxLxHxC = jnp.einsum("BLHn,CHn->BLHC", qn_BxLxHxDn, wk_CxHxDn)
+    s = (jnp.einsum("BLHC,BSC->BHLS", q_BxLxHxC, c_BxSxC, preferred_element_type=jnp.float32)
+         + jnp.einsum("BLHr,BSr->BHLS", qr_BxLxHxDr, kr_BxSxDr, preferred_element_type=jnp.float32))
+    p = _softmax_rows(s[:, :, None], _mask(positions_BxL, c_BxSxC.shape[1], 0), None)[:, :, 0]
+    o_BxLxHxC = jnp.einsum("BHLS,BSC->BLHC", p.astype(dtype), c_BxSxC)
+    return jnp.einsum("BLHC,CHv->BLHv", o_BxLxHxC, wv_CxHxDv)
+
+
+def _axes_of(name: str, x: jax.Array) -> tuple:
+    if name.endswith("_scale"):
+        return SCALE_AXES["dkv" if x.ndim == 3 else "heads_and_dkv"]
+    return KV_AXES if x.ndim == 4 else LATENT_AXES

@@ -1,0 +1,147 @@
+"""The serving steps (models/serving.py): greedy decoding with the cache gives the tokens, and the logits, of
+recomputing the whole sequence without it; int8 weights and an int8 cache stay close to them; bad requests are
+refused in one line."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxperf.models import serving, train_step
+from maxperf.models.layers import kv_cache
+from maxperf.spec import overrides, presets
+from maxperf.spec.errors import MaxperfError
+
+P, STEPS, B = 8, 6, 2
+BASE = ["max_target_length=24", f"max_prefill_predict_length={P}", "compute_dtype=float32",
+        "per_device_batch_size=2", "attention=dot_product"]
+
+
+def configs(name: str, words: list[str] = ()):
+    c = overrides.apply(presets.get(name), [*BASE, *words])
+    return c.model, c.train
+
+
+def generate(model, train, params, prompt_BxP):
+    """Greedy tokens and each step's logits through prefill and decode with the cache."""
+    prefill, decode = jax.jit(serving.make_prefill(model, train)), jax.jit(serving.make_decode(model, train))
+    cache, token = prefill(params, {"tokens": prompt_BxP})
+    tokens = [token]
+    for i in range(STEPS):
+        positions = jnp.full((prompt_BxP.shape[0],), P + i, jnp.int32)
+        cache, token = decode(params, cache, {"tokens": tokens[-1], "positions": positions})
+        tokens.append(token)
+    return jnp.stack(tokens, 1)
+
+
+def recompute(model, train, params, prompt_BxP):
+    """Greedy tokens by running the whole sequence through the model at every step, and the last step's logits."""
+    smodel, strain = serving.serving_configs(model, train)
+    net = nnx.merge(train_step.model_def(smodel, strain).graphdef, serving.widen(params, jnp.float32))
+    seq, tokens = prompt_BxP, []
+    for _ in range(STEPS + 1):
+        logits = net(seq, jnp.broadcast_to(jnp.arange(seq.shape[1], dtype=jnp.int32), seq.shape))
+        tokens.append(jnp.argmax(logits[:, -1], -1).astype(jnp.int32))
+        seq = jnp.concatenate([seq, tokens[-1][:, None]], 1)
+    return jnp.stack(tokens, 1), seq
+
+
+def prompt(model):
+    return jnp.asarray(np.random.default_rng(1).integers(0, model.vocab_size, (B, P)), jnp.int32)
+
+
+@pytest.mark.parametrize("name,words", [
+    ("tiny", []),  # dense, grouped-query
+    ("tiny", ["scan_layers=false"]),
+    ("tiny", ["attention_type=local_sliding", "sliding_window_size=4"]),
+    ("tiny", ["attention_type=chunk", "chunk_attn_window_size=4"]),
+    ("tiny", ["attn_logit_softcap=20", "final_logit_softcap=30", "attention_sinks=true"]),
+    ("tiny-moe", []),
+    ("tiny-mla", []),
+])
+def test_decoding_with_the_cache_gives_the_tokens_of_recomputing(name, words):
+    model, train = configs(name, words)
+    params = serving.init_params(model, train, seed=0)
+    x = prompt(model)
+    with_cache = generate(model, train, params, x)
+    without, _ = recompute(model, train, params, x)
+    np.testing.assert_array_equal(np.asarray(with_cache), np.asarray(without))
+
+
+def test_decode_logits_equal_the_full_forward():
+    """Beyond the argmax: the logits a decode step computes are the full forward's at that position."""
+    model, train = configs("tiny-mla")
+    params = serving.init_params(model, train, seed=0)
+    x = prompt(model)
+    _, seq = recompute(model, train, params, x)
+    smodel, strain = serving.serving_configs(model, train)
+    net = nnx.merge(train_step.model_def(smodel, strain).graphdef, params)
+    L = seq.shape[1]
+    full = net(seq, jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), seq.shape))
+    cache = serving.empty_cache(serving.cache_layout(smodel, strain, B))
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    _, cache = net.serve(seq[:, :P], positions, cache, kv_cache.PREFILL)
+    for t in range(P, L):
+        logits, cache = net.serve(seq[:, t:t + 1], jnp.full((B, 1), t, jnp.int32), cache, kv_cache.DECODE)
+        np.testing.assert_allclose(np.asarray(logits[:, 0]), np.asarray(full[:, t]), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("words", [["quantize_kvcache=true"], ["quantize_kvcache=true", "kv_quant_axis=dkv"],
+                                   ["quantization=int8"], ["quantization=fp8"]])
+def test_int8_weights_and_cache_stay_close(words):
+    """int8 storage changes the numbers a little, not the model: the logits of a decode step stay within a few
+    percent of the unquantized ones, and the int8 arrays are what is stored."""
+    model, train = configs("tiny", words)
+    ref_model, ref_train = configs("tiny")
+    params = serving.init_params(model, train, seed=0)
+    ref_params = serving.init_params(ref_model, ref_train, seed=0)
+    if words[0].startswith("quantization="):
+        narrow = [x for x in jax.tree.leaves(params) if x.dtype in (jnp.int8, jnp.float8_e4m3fn)]
+        assert narrow and params["embed"]["table_VxD"].dtype == jnp.float32
+    else:
+        layout = serving.cache_layout(*serving.serving_configs(model, train), B)
+        assert layout["layers"][0]["k"].dtype == jnp.int8
+    x = prompt(model)
+    outs = []
+    for m, t, p in ((model, train, params), (ref_model, ref_train, ref_params)):
+        prefill, decode = jax.jit(serving.make_prefill(m, t)), jax.jit(serving.make_decode(m, t))
+        cache, token = prefill(p, {"tokens": x})
+        smodel, strain = serving.serving_configs(m, t)
+        net = nnx.merge(train_step.model_def(smodel, strain).graphdef, serving.widen(p, jnp.float32))
+        logits, _ = net.serve(token[:, None], jnp.full((B, 1), P, jnp.int32), cache, kv_cache.DECODE,
+                              serving.quant_axis(t))
+        outs.append(np.asarray(logits))
+    scale = np.abs(outs[1]).max()
+    error = np.abs(outs[0] - outs[1]).max() / scale
+    # e4m3 keeps 3 mantissa bits (a weight within 1/16 of itself), int8 about 1/250 of its channel's largest
+    assert 0 < error < (0.15 if "quantization=fp8" in words else 0.05), error
+
+
+def test_int8_cache_is_a_quarter_of_float32():
+    model, train = configs("tiny")
+    _, q_train = configs("tiny", ["quantize_kvcache=true"])
+    full = serving.cache_bytes(serving.cache_layout(model, train, B))
+    quantized = serving.cache_bytes(serving.cache_layout(model, q_train, B))
+    K, Dh = model.num_kv_heads, model.head_dim
+    # int8 values plus one float32 scale per position over K x Dh numbers
+    assert quantized == pytest.approx(full * (1 + 4 / (K * Dh)) / 4)
+
+
+@pytest.mark.parametrize("words,kind,expected", [
+    (["max_prefill_predict_length=32"], "prefill", "longer than the cache"),
+    (["quantization=te_mxfp8"], "decode", "int8 or fp8 weights"),
+])
+def test_bad_serving_requests_say_what_is_wrong(words, kind, expected):
+    model, train = configs("tiny", words)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    with pytest.raises(MaxperfError, match=expected):
+        serving.abstract_serve(model, train, mesh, kind)
+
+
+def test_a_batch_the_mesh_cannot_split_is_refused():
+    model, train = configs("tiny", ["per_device_batch_size=0.5"])
+    with pytest.raises(MaxperfError, match="cannot be split over the mesh's 4 batch shards"):
+        serving.check(model, train, 4, {"fsdp": 4}, "decode")
