@@ -1,0 +1,153 @@
+"""maxperf's serving model (perfmodel/serving.py) against published serving measurements, with held-out fits.
+
+    .venv/bin/python bench/serving.py [--json FILE]
+
+Rows: bench/published/serving.csv, each with its citation and the line it was read from (NVIDIA's TensorRT-LLM
+performance tables and blog posts: static batches of identical requests on H100 and H200 in FP8, tensor parallel
+within one node). Two kinds of figure:
+
+- output tokens/s per GPU of a static batch (TensorRT-LLM's gptSessionBenchmark: batch x output length / the whole
+  batch's latency / GPUs), predicted as perfmodel.serving.static_batch_seconds: the prefill of the prompts, then a
+  decode step per output token over the growing cache;
+- time to first token at batch 1, predicted as the prefill step.
+
+The error is predicted / published - 1 of throughput (tokens/s, or 1 / TTFT). The fitted constant is
+DECODE_HBM_EFFICIENCY["gpu"] (the share of HBM bandwidth decode reads sustain), by a grid over 0.40-1.00 on the
+median |log(predicted / published)|. "shipped" is maxperf's constant; "held out by source" predicts each source's
+rows with the constant fitted on the other sources' rows only (what users should expect on runs it was not fitted
+on); "in-sample" fits all rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from maxperf.perfmodel import serving  # noqa: E402
+from maxperf.perfmodel.estimate import device_for  # noqa: E402
+from maxperf.spec.request import resolve  # noqa: E402
+
+ROWS = ROOT / "bench" / "published" / "serving.csv"
+GRID = [round(0.40 + 0.01 * i, 2) for i in range(61)]
+
+
+@dataclasses.dataclass
+class Row:
+    id: int
+    source: str
+    topology: str
+    model: str
+    batch: int
+    input_len: int
+    output_len: int
+    words: list[str]
+    metric: str
+    value: float
+
+    @property
+    def label(self) -> str:
+        return (f"{self.model} {self.topology} B{self.batch} {self.input_len}/{self.output_len} "
+                f"{'TTFT' if self.metric == 'ttft_ms' else 'tok/s/GPU'}")
+
+
+def load_rows(path: Path = ROWS) -> list[Row]:
+    rows = []
+    with open(path) as f:
+        for i, r in enumerate(csv.DictReader(f)):
+            rows.append(Row(i, r["source"], r["topology"], r["model"], int(r["batch"]), int(r["input_len"]),
+                            int(r["output_len"]), r["words"].split(), r["metric"], float(r["value"])))
+    return rows
+
+
+def request(row: Row):
+    chips = int(row.topology.rsplit("-", 1)[1])
+    words = [*row.words, f"per_device_batch_size={row.batch / chips:g}",
+             f"max_prefill_predict_length={row.input_len}", f"max_target_length={row.input_len + row.output_len}"]
+    return resolve(row.topology, row.model, words)
+
+
+def predict(row: Row, k: serving.ServingConstants) -> float:
+    """The row's figure as maxperf predicts it, in the row's unit."""
+    p = request(row)
+    chip = device_for(p.topology)
+    if row.metric == "ttft_ms":
+        sizes = dict(p.mesh.sizes)
+        b = row.batch / serving.batch_split(sizes, row.batch)
+        return 1e3 * serving.prefill_phase(p.model, p.train, p.mesh, chip, p.topology, b, row.input_len, k).seconds
+    seconds = serving.static_batch_seconds(p.model, p.train, p.mesh, chip, p.topology, row.input_len,
+                                           row.output_len, k)
+    return row.batch * row.output_len / seconds / p.topology.chips
+
+
+def error(row: Row, predicted: float) -> float:
+    """predicted / published - 1 of throughput."""
+    if row.metric == "ttft_ms":
+        return row.value / predicted - 1
+    return predicted / row.value - 1
+
+
+def with_efficiency(e: float) -> serving.ServingConstants:
+    return dataclasses.replace(serving.SHIPPED_SERVING, hbm_efficiency=tuple(
+        {**dict(serving.SHIPPED_SERVING.hbm_efficiency), "gpu": e}.items()))
+
+
+def fit(rows: list[Row]) -> float:
+    """The HBM efficiency with the least median |log(predicted / published)| over `rows`."""
+    def loss(e: float) -> float:
+        k = with_efficiency(e)
+        return statistics.median(abs(math.log1p(error(r, predict(r, k)))) for r in rows)
+    return min(GRID, key=loss)
+
+
+def summary(errors: list[float]) -> str:
+    a = [abs(x) for x in errors]
+    return f"n={len(a)} median {100 * statistics.median(a):.1f}% worst {100 * max(a):.1f}%"
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    rows = load_rows()
+    shipped = {r.id: predict(r, serving.SHIPPED_SERVING) for r in rows}
+    in_sample_e = fit(rows)
+    held = {}
+    fitted_without = {}
+    for source in sorted({r.source for r in rows}):
+        e = fitted_without[source] = fit([r for r in rows if r.source != source])
+        k = with_efficiency(e)
+        held.update({r.id: predict(r, k) for r in rows if r.source == source})
+    k_in = with_efficiency(in_sample_e)
+    print(f"{'row':<48} {'published':>10} {'shipped':>9} {'held out':>9}")
+    for r in rows:
+        print(f"{r.label:<48} {r.value:>10.4g} {100 * error(r, shipped[r.id]):>+8.1f}% "
+              f"{100 * error(r, held[r.id]):>+8.1f}%")
+    groups = {"all": rows, "static batch tok/s": [r for r in rows if r.metric != "ttft_ms"],
+              "TTFT": [r for r in rows if r.metric == "ttft_ms"]}
+    out = {"rows": len(rows), "fitted_gpu_hbm_efficiency": in_sample_e, "fitted_without": fitted_without,
+           "shipped_gpu_hbm_efficiency": serving.SHIPPED_SERVING.efficiency("gpu"), "groups": {}}
+    for name, rs in groups.items():
+        lines = {"shipped": [error(r, shipped[r.id]) for r in rs],
+                 "held out by source": [error(r, held[r.id]) for r in rs],
+                 "in-sample": [error(r, predict(r, k_in)) for r in rs]}
+        for kind, errs in lines.items():
+            print(f"{name:<20} {kind:<20} {summary(errs)}")
+        out["groups"][name] = {kind: {"median": statistics.median(abs(x) for x in errs),
+                                      "worst": max(abs(x) for x in errs)} for kind, errs in lines.items()}
+    print(f"fitted GPU HBM efficiency: {in_sample_e} in-sample; without each source: {fitted_without}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()

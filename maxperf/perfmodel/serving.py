@@ -1,0 +1,361 @@
+"""Serving: the memory, prefill time and decode time of models/serving.py's steps, as arithmetic on the spec.
+
+Per device, B sequences over the batch axes (data x fsdp x expert), heads and the MLP over `tensor`:
+- memory: the weights (the compute dtype, or 1 byte a number under quantization=int8 / fp8, the embedding table and
+  head in the compute dtype), the cache of S positions (models/serving.cache_layout), and the largest temporaries
+  (a layer's activations, the last position's logits).
+- decode, one token for each of B sequences at a cache filled to `context` positions: each matmul's time is the
+  larger of its FLOPs at the chip's sustained rate and its bytes (the weights it reads) at HBM bandwidth x
+  DECODE_HBM_EFFICIENCY; attention reads the filled part of the cache (within a layer's window), as the paged and
+  ragged kernels of serving stacks do; a mixture of experts reads the experts its tokens reach; under tensor
+  parallelism two all-reduces of the activations per layer; a fixed cost per layer (DECODE_LAYER_S).
+- prefill, B prompts of P tokens: the training forward's matmuls at the chip's sustained rate for their shapes
+  (perfmodel.work.matmul_efficiency), causal attention at the flash kernels' efficiency, and the same all-reduces
+  over B x P tokens.
+int8 and FP8 matmuls run at the chip's int8 / FP8 peak where it has one (MaxText's AQT int8 serving; TensorRT-LLM's
+FP8), else at the bf16 rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from maxperf.perfmodel.chips import Chip
+from maxperf.perfmodel.network import axis_networks, collective_time
+from maxperf.perfmodel.work import FLASH_EFFICIENCY, SHIPPED, matmul_efficiency
+from maxperf.spec.logical_axes import RULES, local_size, split
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.model import AttentionType, ModelConfig
+from maxperf.spec.params import param_arrays
+from maxperf.spec.topology import Topology
+from maxperf.spec.train import DTYPE_BYTES, Quantization, TrainConfig
+
+# The share of HBM bandwidth a decode step's weight and cache reads sustain. GPU: fitted (FITTED_ON, 62 rows of
+# NVIDIA's TensorRT-LLM tables on H100 and H200; each source's rows held out in turn it moves between 0.55 and 0.71).
+# TPU: assumed the GPU's; no published TPU decode measurement was found that maxperf can express (bench/published/
+# README.md says which were read and why each was left out).
+DECODE_HBM_EFFICIENCY = {"gpu": 0.63, "tpu": 0.63, "cpu": 1.0}
+# Seconds per decoder layer per decode step that neither FLOPs nor bytes explain: kernel launches and the
+# synchronization between a layer's kernels (assumed: ten kernels a layer at a few microseconds each on GPU, XLA's
+# fused TPU programs fewer)
+DECODE_LAYER_S = {"gpu": 20e-6, "tpu": 10e-6, "cpu": 0.0}
+FITTED_ON = "bench/serving.py, 2026-11-27"
+
+
+@dataclass(frozen=True)
+class ServingConstants:
+    """The serving model's constants (bench/serving.py fits `hbm_efficiency`)."""
+
+    hbm_efficiency: tuple[tuple[str, float], ...] = tuple(DECODE_HBM_EFFICIENCY.items())
+    layer_s: tuple[tuple[str, float], ...] = tuple(DECODE_LAYER_S.items())
+
+    def efficiency(self, kind: str) -> float:
+        return dict(self.hbm_efficiency)[kind]
+
+    def layer(self, kind: str) -> float:
+        return dict(self.layer_s)[kind]
+
+
+SHIPPED_SERVING = ServingConstants()
+# Bytes a stored weight number takes, by quantization (models/serving.STORAGE)
+WEIGHT_BYTES = {Quantization.INT8: 1, Quantization.FP8: 1}
+UNQUANTIZED = ("embedding", "unembedding", "positions")  # spec.params names: tables and head
+
+
+@dataclass(frozen=True)
+class ServingMemory:
+    weights_bytes: float
+    cache_bytes: float
+    temp_bytes: float
+    hbm_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weights_bytes + self.cache_bytes + self.temp_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.hbm_bytes
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One step's time, per device: compute, memory and collective parts and what bounds it."""
+
+    seconds: float
+    compute_s: float
+    memory_s: float
+    collective_s: float
+    fixed_s: float
+    flops: float
+    bytes: float
+
+    @property
+    def bottleneck(self) -> str:
+        parts = {"compute": self.compute_s, "HBM bandwidth": self.memory_s, "collectives": self.collective_s,
+                 "per-layer overhead": self.fixed_s}
+        return max(parts, key=parts.get)
+
+
+@dataclass(frozen=True)
+class ServingEstimate:
+    model: str
+    chip: str
+    devices: int
+    batch: int  # sequences, all devices
+    prompt: int  # P
+    cache: int  # S
+    context: float  # the cache positions filled when decode is priced
+    memory: ServingMemory
+    prefill: Phase
+    decode: Phase
+    max_batch_per_device: float  # the largest per_device_batch_size whose memory fits
+
+    @property
+    def ttft_s(self) -> float:
+        return self.prefill.seconds
+
+    @property
+    def time_per_output_token_s(self) -> float:
+        return self.decode.seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.decode.seconds
+
+    @property
+    def tokens_per_s_per_chip(self) -> float:
+        return self.tokens_per_s / self.devices
+
+    def as_dict(self) -> dict:
+        phase = lambda p: {**dataclasses.asdict(p), "bottleneck": p.bottleneck}  # noqa: E731
+        return {"schema": "maxperf.serving_estimate/1", "model": self.model, "chip": self.chip,
+                "devices": self.devices, "batch": self.batch, "prompt_tokens": self.prompt,
+                "cache_positions": self.cache, "context": self.context,
+                "memory": {**dataclasses.asdict(self.memory), "total_bytes": self.memory.total_bytes,
+                           "fits": self.memory.fits},
+                "prefill": phase(self.prefill), "decode": phase(self.decode), "ttft_s": self.ttft_s,
+                "time_per_output_token_s": self.time_per_output_token_s, "tokens_per_s": self.tokens_per_s,
+                "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
+                "max_batch_per_device": self.max_batch_per_device,
+                "constants": {"decode_hbm_efficiency": DECODE_HBM_EFFICIENCY, "decode_layer_s": DECODE_LAYER_S,
+                              "fitted_on": FITTED_ON}}
+
+
+def serving_model(model: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(model, mtp_num_layers=0)
+
+
+def weight_bytes(train: TrainConfig, name: str) -> float:
+    if name in UNQUANTIZED:
+        return DTYPE_BYTES[train.compute_dtype]
+    return WEIGHT_BYTES.get(train.quantization, DTYPE_BYTES[train.compute_dtype])
+
+
+def _arrays(model: ModelConfig, sizes: dict[str, int], train: TrainConfig):
+    """(array, elements one device holds, bytes of one element) for every weight."""
+    for x in param_arrays(serving_model(model)):
+        yield x, x.count * local_size(x.shape, x.logical, sizes), weight_bytes(train, x.name)
+
+
+def batch_split(sizes: dict[str, int], B: int) -> int:
+    return split((B,), ("cache_batch",), sizes)[0]
+
+
+def cache_bytes_per_token(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], layer_window=None) -> float:
+    """Bytes of one sequence's cache per position on one device, all layers (layers whose window is shorter than
+    the positions counted by `layer_window(w)`, the share of positions they hold)."""
+    c = DTYPE_BYTES[train.compute_dtype]
+    q = 1 if train.quantize_kvcache else c
+    if model.attention_type is AttentionType.MLA:
+        width = (model.kv_lora_rank + model.qk_rope_head_dim) * q + (2 * c if train.quantize_kvcache else 0)
+        per_layer = width
+    else:
+        K, Dh = model.num_kv_heads, model.head_dim
+        kv_split = split((K,), ("cache_kv_heads",), sizes)[0]
+        scales = 0.0
+        if train.quantize_kvcache:
+            scales = 2 * c * ((K / kv_split) if train.kv_quant_axis == "dkv" else 1)
+        per_layer = 2 * K / kv_split * Dh * q + scales
+    if layer_window is None:
+        return per_layer * model.num_layers
+    from maxperf.spec import attention_rule
+
+    return per_layer * sum(layer_window(w) for w in attention_rule.layer_masks(model))
+
+
+def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_bytes: float, kind: str = "decode",
+                    per_device_batch: float | None = None) -> ServingMemory:
+    sizes = dict(mesh.sizes)
+    devices = math.prod(sizes.values())
+    B = (per_device_batch if per_device_batch is not None else train.per_device_batch_size) * devices
+    b = B / batch_split(sizes, int(max(1, round(B))))
+    S, P, c = train.seq_len, train.max_prefill_predict_length, DTYPE_BYTES[train.compute_dtype]
+    weights = sum(n * bytes_ for _, n, bytes_ in _arrays(model, sizes, train))
+    cache = b * S * cache_bytes_per_token(model, train, sizes)
+    t = sizes.get("tensor", 1)
+    V, D = model.vocab_size, model.d_model
+    F = max(model.d_ff, model.moe_mlp_dim * max(1, model.num_experts_per_tok) if model.is_moe else 0)
+    if kind == "prefill":
+        tokens = b * P
+        # one layer's activations: the residual, the MLP's gate and up outputs, q, k and v (flash attention keeps
+        # no scores), and a prefill writes its whole cache (counted above) from them
+        layer = tokens * c * (3 * D + 3 * F / t + 2 * model.num_heads * model.head_dim / t)
+    else:
+        layer = b * c * (3 * D + 3 * F / t) + b * S * cache_bytes_per_token(model, train, sizes) / max(
+            1, model.num_layers) * 2  # one layer's cache widened to the compute dtype for the scores
+    logits = b * V / t * 4 * 2  # the last position's logits in float32 and their argmax
+    return ServingMemory(weights, cache, layer + logits, hbm_bytes)
+
+
+def _peak(chip: Chip, train: TrainConfig) -> float:
+    if train.quantization is Quantization.INT8 and chip.peak_int8_ops:
+        return chip.peak_int8_ops
+    if train.quantization is Quantization.FP8 and chip.peak_fp8_flops:
+        return chip.peak_fp8_flops
+    return chip.peak_flops(train.compute_dtype)
+
+
+def _attention(model: ModelConfig, sizes: dict[str, int]) -> tuple[float, float]:
+    """(heads on one device, FLOPs per query per visible key per head: scores and context)."""
+    H = model.num_heads / split((model.num_heads,), ("heads",), sizes)[0]
+    if model.attention_type is AttentionType.MLA:  # absorbed: scores over C + Dr, the context over C
+        return H, 2 * (model.kv_lora_rank + model.qk_rope_head_dim) + 2 * model.kv_lora_rank
+    return H, 4 * model.head_dim
+
+
+def _visible(context: float):
+    """Keys a query at `context` positions sees in a layer of window w (0: all; < 0: its chunk, half on average)."""
+    return lambda w: min(context, w) if w > 0 else (min(context, -w / 2) if w < 0 else context)
+
+
+def _collectives(model: ModelConfig, mesh: Mesh, chip: Chip, topology: Topology, tokens: float, c: int) -> float:
+    """Two all-reduces of the activations per layer over `tensor` (attention's output projection, the MLP's), an
+    expert-parallel layer's dispatch and return as all-to-alls."""
+    sizes = dict(mesh.sizes)
+    nets = axis_networks(mesh, chip, topology)
+    seconds = 0.0
+    if sizes.get("tensor", 1) > 1:
+        t = collective_time("all-reduce", tokens * model.d_model * c, ("tensor",), nets)
+        seconds += 2 * model.num_layers * (t.ici_s + t.dcn_s)
+    if sizes.get("expert", 1) > 1 and model.is_moe:
+        from maxperf.perfmodel.network import all_to_all_time
+
+        k = model.num_experts_per_tok
+        t = all_to_all_time(tokens * k * model.d_model * c, ("expert",), nets)
+        seconds += 2 * sum(model.moe_layers()) * (t.ici_s + t.dcn_s)
+    return seconds
+
+
+def _experts_reached(model: ModelConfig, tokens: float) -> float:
+    """The expected share of experts that `tokens` routed tokens reach (k of E each, uniformly)."""
+    E, k = model.num_experts, model.num_experts_per_tok
+    return 1 - (1 - k / E) ** tokens
+
+
+def decode_phase(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, topology: Topology, b: float,
+                 context: float, k: ServingConstants = SHIPPED_SERVING) -> Phase:
+    sizes = dict(mesh.sizes)
+    c = DTYPE_BYTES[train.compute_dtype]
+    eff = k.efficiency(chip.kind)
+    peak = _peak(chip, train) * SHIPPED.fraction(chip)
+    routed_tokens = b * sizes.get("expert", 1)
+    flops = nbytes = 0.0
+    for x, n, nb in _arrays(model, sizes, train):
+        if x.name in ("embedding", "positions") or not x.matmul:
+            nbytes += 0 if x.name in ("embedding", "positions") else n * nb
+            continue
+        share = _experts_reached(model, routed_tokens) if x.expert_parallel else 1.0
+        if x.expert_parallel:  # each routed token meets k of the E experts
+            flops += 2 * n * b * model.num_experts_per_tok / model.num_experts * sizes.get("expert", 1)
+        else:
+            flops += 2 * n * b
+        nbytes += n * nb * share
+    H, per_key = _attention(model, sizes)
+    from maxperf.spec import attention_rule
+
+    keys = sum(_visible(context)(w) for w in attention_rule.layer_masks(model))
+    flops += b * H * per_key * keys
+    nbytes += b * cache_bytes_per_token(model, train, sizes, _visible(context))
+    compute_s, memory_s = flops / peak, nbytes / (chip.hbm_bandwidth * eff)
+    collective_s = _collectives(model, mesh, chip, topology, b, c)
+    fixed_s = k.layer(chip.kind) * model.num_layers
+    return Phase(max(compute_s, memory_s) + collective_s + fixed_s, compute_s, memory_s, collective_s, fixed_s,
+                 flops, nbytes)
+
+
+def prefill_phase(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, topology: Topology, b: float,
+                  P: int, k: ServingConstants = SHIPPED_SERVING) -> Phase:
+    sizes = dict(mesh.sizes)
+    c = DTYPE_BYTES[train.compute_dtype]
+    tokens = b * P
+    peak = _peak(chip, train)
+    compute_s = flops = nbytes = 0.0
+    for x, n, nb in _arrays(model, sizes, train):
+        nbytes += n * nb
+        if not x.matmul or x.name in ("embedding", "positions"):
+            continue
+        rows = tokens * (model.num_experts_per_tok / model.num_experts * sizes.get("expert", 1)
+                         if x.expert_parallel else 1)
+        f = 2 * n * rows
+        flops += f
+        # the thin side: the rows, or the model width every projection reads or writes
+        compute_s += f / (peak * matmul_efficiency(chip, min(rows, model.d_model)))
+    H, per_key = _attention(model, sizes)
+    from maxperf.spec import attention_rule
+
+    pairs = sum(P * _visible(P)(w) / (2 if w >= 0 and _visible(P)(w) == P else 1)
+                for w in attention_rule.layer_masks(model))  # causal: half the square within the window
+    f = b * H * per_key * pairs
+    flops += f
+    compute_s += f / (chip.peak_flops(train.compute_dtype) * SHIPPED.fraction(chip) * FLASH_EFFICIENCY.get(
+        chip.kind, 1.0))
+    nbytes += b * P * cache_bytes_per_token(model, train, sizes)  # the cache written
+    memory_s = nbytes / (chip.hbm_bandwidth * k.efficiency(chip.kind))
+    collective_s = _collectives(model, mesh, chip, topology, tokens, c)
+    fixed_s = k.layer(chip.kind) * model.num_layers
+    return Phase(max(compute_s, memory_s) + collective_s + fixed_s, compute_s, memory_s, collective_s, fixed_s,
+                 flops, nbytes)
+
+
+def max_batch_per_device(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_bytes: float) -> float:
+    """The largest per_device_batch_size whose decode and prefill memory fits (memory is linear in it)."""
+    worst = lambda B: max(estimate_memory(model, train, mesh, hbm_bytes, kind, B).total_bytes  # noqa: E731
+                          for kind in ("prefill", "decode"))
+    base, slope = worst(0.0), worst(1.0) - worst(0.0)
+    return max(0.0, (hbm_bytes - base) / slope) if slope > 0 else math.inf
+
+
+def estimate(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, topology: Topology,
+             context: float | None = None) -> ServingEstimate:
+    """The serving figures of `per_device_batch_size` sequences per device; decode priced at `context` filled
+    positions (default: the middle of generation, halfway from the prompt to the cache's end)."""
+    sizes = dict(mesh.sizes)
+    devices = math.prod(sizes.values())
+    B = train.micro_batch(devices)
+    b = B / batch_split(sizes, B)
+    P, S = train.max_prefill_predict_length, train.seq_len
+    ctx = context if context is not None else (P + S) / 2
+    memory = max((estimate_memory(model, train, mesh, chip.hbm_bytes, kind) for kind in ("prefill", "decode")),
+                 key=lambda m: m.total_bytes)
+    return ServingEstimate(
+        model=model.name, chip=chip.name, devices=devices, batch=B, prompt=P, cache=S, context=ctx, memory=memory,
+        prefill=prefill_phase(model, train, mesh, chip, topology, b, P),
+        decode=decode_phase(model, train, mesh, chip, topology, b, ctx),
+        max_batch_per_device=max_batch_per_device(model, train, mesh, chip.hbm_bytes))
+
+
+def static_batch_seconds(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, topology: Topology,
+                         input_len: int, output_len: int, k: ServingConstants = SHIPPED_SERVING) -> float:
+    """A static batch end to end: the prefill of `input_len` tokens, then `output_len` - 1 decode steps over a cache
+    growing from input_len (priced at its mean fill: decode time is linear in it)."""
+    sizes = dict(mesh.sizes)
+    devices = math.prod(sizes.values())
+    B = train.micro_batch(devices)
+    b = B / batch_split(sizes, B)
+    prefill = prefill_phase(model, train, mesh, chip, topology, b, input_len, k).seconds
+    steps = max(0, output_len - 1)
+    decode = decode_phase(model, train, mesh, chip, topology, b, input_len + output_len / 2, k).seconds
+    return prefill + steps * decode
