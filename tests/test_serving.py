@@ -107,8 +107,7 @@ def test_int8_weights_and_cache_stay_close(words):
     x = prompt(model)
     outs = []
     for m, t, p in ((model, train, params), (ref_model, ref_train, ref_params)):
-        prefill, decode = jax.jit(serving.make_prefill(m, t)), jax.jit(serving.make_decode(m, t))
-        cache, token = prefill(p, {"tokens": x})
+        cache, token = jax.jit(serving.make_prefill(m, t))(p, {"tokens": x})
         smodel, strain = serving.serving_configs(m, t)
         net = nnx.merge(train_step.model_def(smodel, strain).graphdef, serving.widen(p, jnp.float32))
         logits, _ = net.serve(token[:, None], jnp.full((B, 1), P, jnp.int32), cache, kv_cache.DECODE,
@@ -145,3 +144,85 @@ def test_a_batch_the_mesh_cannot_split_is_refused():
     model, train = configs("tiny", ["per_device_batch_size=0.5"])
     with pytest.raises(MaxperfError, match="cannot be split over the mesh's 4 batch shards"):
         serving.check(model, train, 4, {"fsdp": 4}, "decode")
+
+
+# --- compile and the perfmodel --------------------------------------------------------------------------------
+
+
+def test_compile_writes_a_decode_artifact_whose_memory_the_perfmodel_follows(tmp_path):
+    """`maxperf compile --step decode` on CPU devices: the artifact records its step, the compiler's memory holds the
+    weights and cache as the serving perfmodel counts them, and the estimate is the serving one."""
+    import json
+
+    from cli_util import maxperf
+
+    out = tmp_path / "decode"
+    proc = maxperf("compile", "--step", "decode", "--model", "tiny", "--topology", "cpu-4", "ici_tensor_parallelism=2",
+                   "per_device_batch_size=2", "max_target_length=64", "max_prefill_predict_length=16",
+                   "quantize_kvcache=true", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "per output token" in proc.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["step"] == "decode" and manifest["global_batch"] == 8 and manifest["tokens_per_step"] == 8
+    memory, estimate = (json.loads((out / n).read_text()) for n in ("memory.json", "estimate.json"))
+    assert estimate["schema"] == "maxperf.serving_estimate/1" and estimate["step"] == "decode"
+    analytical = estimate["memory"]["weights_bytes"] + estimate["memory"]["cache_bytes"]
+    # the arguments are exactly the weights and the cache (the tokens and positions: 64 bytes)
+    assert memory["argument_bytes"] == pytest.approx(analytical + 64, rel=0.02)
+    assert memory["alias_bytes"] > 0  # the cache is donated: updated in place
+
+
+def test_a_prompt_longer_than_the_cache_is_refused_in_one_line(tmp_path):
+    from cli_util import maxperf
+
+    out = tmp_path / "prefill"
+    proc = maxperf("compile", "--step", "prefill", "--model", "tiny", "--topology", "cpu-1",
+                   "max_target_length=32", "max_prefill_predict_length=64", "--out", str(out))
+    assert proc.returncode == 2
+    assert "longer than the cache" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+def test_decode_time_is_bandwidth_bound_at_small_batch_and_grows_with_the_cache():
+    """The decode model's laws: at batch 1 a 70B model's step is its weights read at HBM bandwidth; a fuller cache
+    costs more; int8 weights halve the weights' read; a batch that does not fit is said so."""
+    from maxperf.perfmodel import serving as model
+    from maxperf.perfmodel.estimate import device_for
+    from maxperf.spec.request import resolve
+
+    p = resolve("h100-8", "llama3-70b", ["ici_tensor_parallelism=8", "per_device_batch_size=0.125",
+                                          "max_target_length=4096", "max_prefill_predict_length=1024"])
+    chip = device_for(p.topology)
+    short = model.decode_phase(p.model, p.train, p.mesh, chip, p.topology, 1, 1024)
+    long = model.decode_phase(p.model, p.train, p.mesh, chip, p.topology, 1, 4096)
+    assert short.bottleneck == "HBM bandwidth" and long.seconds > short.seconds
+    weights = 70.6e9 * 2 / 8
+    assert short.memory_s == pytest.approx(weights / (chip.hbm_bandwidth * model.DECODE_HBM_EFFICIENCY["gpu"]),
+                                           rel=0.05)
+    q = resolve("h100-8", "llama3-70b", ["ici_tensor_parallelism=8", "per_device_batch_size=0.125",
+                                          "max_target_length=4096", "max_prefill_predict_length=1024",
+                                          "quantization=int8"])
+    int8 = model.decode_phase(q.model, q.train, q.mesh, chip, q.topology, 1, 1024)
+    assert int8.memory_s == pytest.approx(short.memory_s / 2, rel=0.05)
+    est = model.estimate(p.model, p.train, p.mesh, chip, p.topology)
+    assert est.memory.fits and 20 < est.max_batch_per_device < 60
+
+
+def test_the_serving_bench_runs_and_reports_held_out_errors(tmp_path):
+    """bench/serving.py, which the README quotes: every row predicted, the fitted constant the shipped one, and the
+    held-out figures as the README states them."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "serving.py"
+    out = tmp_path / "serving.json"
+    proc = subprocess.run([sys.executable, str(bench), "--json", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["rows"] == 62
+    assert result["fitted_gpu_hbm_efficiency"] == result["shipped_gpu_hbm_efficiency"]
+    held = result["groups"]["all"]["held out by source"]
+    assert held["median"] == pytest.approx(0.322, abs=0.005) and held["worst"] == pytest.approx(2.531, abs=0.01)

@@ -104,13 +104,15 @@ def out_of_memory_figures(message: str) -> dict[str, int] | None:
 
 
 def argument_bytes(spec) -> int:
-    """Bytes of the state and batch one device holds in its own memory (not pinned host memory), from their
-    shardings."""
+    """Bytes of the state and batch (a serving step's arguments) one device holds in its own memory (not pinned host
+    memory), from their shardings."""
     import jax
     import numpy as np
 
     total = 0
-    for tree, shardings in ((spec.state, spec.state_shardings), (spec.batch, spec.batch_shardings)):
+    pairs = (zip(spec.args, spec.arg_shardings) if hasattr(spec, "args") else
+             ((spec.state, spec.state_shardings), (spec.batch, spec.batch_shardings)))
+    for tree, shardings in pairs:
         for x, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
             if getattr(sharding, "memory_kind", None) == "pinned_host":
                 continue
@@ -187,14 +189,22 @@ def cost_report(raw: dict[str, float] | None, hlo_text: str, topology: Topology)
     return report
 
 
-def estimate_for(p: Request, calibration: StoredCalibration | None = None) -> dict[str, Any] | None:
-    """The analytical prediction for the same configuration (perfmodel), as JSON; `calibration` (for CPU
-    topologies) is loaded from the user's cache when not given, and recorded in the JSON."""
+def estimate_for(p: Request, calibration: StoredCalibration | None = None, step: str = "train"
+                 ) -> dict[str, Any] | None:
+    """The analytical prediction for the same configuration (perfmodel; perfmodel.serving for a serving step), as
+    JSON; `calibration` (for CPU topologies) is loaded from the user's cache when not given, and recorded in the
+    JSON."""
     from maxperf import perfmodel
     from maxperf.user_cache import calibration_for
 
     if calibration is None:
         calibration = calibration_for(p.topology)
+    if step != "train":
+        from maxperf.perfmodel import serving
+        from maxperf.perfmodel.estimate import device_for
+
+        chip = device_for(p.topology, calibration)
+        return {**serving.estimate(p.model, p.train, p.mesh, chip, p.topology).as_dict(), "step": step}
     result = perfmodel.estimate(p,
                                 calibration=calibration)
     return result.as_dict()
@@ -204,8 +214,9 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
             overrides: Sequence[str] = (), *, num_slices: int = 1, out: str | os.PathLike | None = None,
             target_config: str | os.PathLike | None = None, progress: Progress | None = None,
             argv: Sequence[str] | None = None, force: bool = False,
-            calibration: StoredCalibration | None = None) -> CompileResult:
-    """Lowers and compiles the train step for `topology` and writes the artifact directory. estimate.json uses
+            calibration: StoredCalibration | None = None, step: str = "train") -> CompileResult:
+    """Lowers and compiles the train step (or the serving step `step`: prefill or decode, models/serving.py) for
+    `topology` and writes the artifact directory. estimate.json uses
     `calibration` (CPU topologies), else the one stored in the user's cache, and records which.
 
     Raises MaxperfError for bad input (an `out` that holds anything but an earlier compile's artifact is one, unless
@@ -216,18 +227,22 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     p = resolve(topology, model, overrides, num_slices=num_slices, target_config=target_config)
     for line in p.warnings:
         say(f"warning: {line}")
-    out_dir = Path(out) if out is not None else p.default_dir()
+    if step != "train":
+        from maxperf.models.serving import check
+
+        check(p.model, p.train, p.topology.num_devices, dict(p.mesh.sizes), step)  # bad input before any writing
+    out_dir = Path(out) if out is not None else p.default_dir(step)
     writer = artifacts.ArtifactWriter(out_dir, "compile", force=force,
                                       inputs=[target_config] if target_config else [])
     try:
-        return _compile_into(writer, p, say, start, argv, calibration)
+        return _compile_into(writer, p, say, start, argv, calibration, step)
     except BaseException:
         writer.abandon()
         raise
 
 
 def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, start: float, argv,
-                  calibration: StoredCalibration | None = None) -> CompileResult:
+                  calibration: StoredCalibration | None = None, step: str = "train") -> CompileResult:
     topo, out_dir = p.topology, writer.out
     say(f"devices: {topo.name} ({topo.num_devices} devices, mesh "
         + (" x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1) or "1") + ")")
@@ -240,11 +255,18 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
 
     mesh = targets.jax_mesh(p.topology, p.mesh)
     say("abstract state and shardings")
-    spec = train_step.abstract_step(p.configs.model, p.configs.train, mesh)
+    if step == "train":
+        spec = train_step.abstract_step(p.configs.model, p.configs.train, mesh)
+        jitted, args = train_step.jit_step(spec), (spec.state, spec.batch)
+    else:
+        from maxperf.models import serving
+
+        spec = serving.abstract_serve(p.configs.model, p.configs.train, mesh, step)
+        jitted, args = spec.jitted(), spec.args
     say("lowering")
     t = time.perf_counter()
     with jax.set_mesh(mesh):
-        lowered = train_step.jit_step(spec).lower(spec.state, spec.batch)
+        lowered = jitted.lower(*args)
     lower_seconds = time.perf_counter() - t
     capacity = device_memory_bytes(topo)
     writer.write_text("hlo/lowered.stablehlo.mlir", lowered.as_text())
@@ -273,15 +295,15 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
                 memory["headroom_bytes"] = capacity - memory["per_device_total_bytes"]
             writer.write_json("memory.json", memory)
             _write_manifest(writer, p, spec, argv, time.perf_counter() - t, lower_seconds, start,
-                            compiled=False, cache_hit=False)
+                            compiled=False, cache_hit=False, step=step)
             finish(writer)
             raise DoesNotFit(verdict_line(memory)) from None
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
         entry = cache.Entry(payload=payload, in_tree=str(in_tree), out_tree=str(out_tree),
                             memory=memory_fields(compiled.memory_analysis()), xla_cost=xla_cost(compiled),
                             optimized_hlo=compiled.as_text(), compile_seconds=time.perf_counter() - t,
-                            label=f"{p.model.name} on {topo.name}" + (f" x{topo.num_slices}" if topo.num_slices > 1
-                                                                      else ""))
+                            label=f"{p.model.name} {step} on {topo.name}" + (
+                                f" x{topo.num_slices}" if topo.num_slices > 1 else ""))
         cache.put(key, entry)
     compile_seconds = time.perf_counter() - t
     say("writing artifacts")
@@ -290,7 +312,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
     writer.write_json("memory.json", memory)
     cost = cost_report(entry.xla_cost, entry.optimized_hlo, topo)
     writer.write_json("cost.json", cost)
-    estimate = estimate_for(p, calibration)
+    estimate = estimate_for(p, calibration, step)
     if estimate is not None:
         say("reading the step time from the optimized HLO")
         estimate["hlo_time"] = hlo_time.predict(entry.optimized_hlo, topo, p.mesh, calibration).as_dict()
@@ -300,7 +322,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
             "in_tree": entry.in_tree, "out_tree": entry.out_tree}
     writer.write_bytes("compiled.pkl", pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL))
     _write_manifest(writer, p, spec, argv, compile_seconds, lower_seconds, start, compiled=True,
-                    cache_hit=cache_hit)
+                    cache_hit=cache_hit, step=step)
     finish(writer)
     return CompileResult(
         out_dir=out_dir, plan=p, param_count=spec.param_count, global_batch=spec.global_batch, fits=memory["fits"],
@@ -345,9 +367,11 @@ def target_identity(topology: Topology) -> dict[str, Any]:
 
 
 def _write_manifest(writer: artifacts.ArtifactWriter, p: Request, spec, argv, compile_seconds: float,
-                    lower_seconds: float, start: float, *, compiled: bool, cache_hit: bool) -> None:
+                    lower_seconds: float, start: float, *, compiled: bool, cache_hit: bool,
+                    step: str = "train") -> None:
     manifest = {
         "schema": artifacts.MANIFEST_SCHEMA,
+        "step": step,  # maxperf's own step by name (train, prefill, decode); a user's step records a dict
         "created_unix": time.time(),
         "command": list(argv) if argv is not None else sys.argv,
         "compiled": compiled,
@@ -364,7 +388,8 @@ def _write_manifest(writer: artifacts.ArtifactWriter, p: Request, spec, argv, co
         "param_count": spec.param_count,
         "global_batch": spec.global_batch,  # examples per step (MaxText's global_batch_size_to_train_on)
         "micro_batch": spec.micro_batch,  # examples per microbatch: per_device_batch_size x devices
-        "tokens_per_step": spec.global_batch * p.configs.train.seq_len,
+        "tokens_per_step": (spec.global_batch * p.configs.train.seq_len if step == "train" else
+                            spec.tokens_per_step),
         "versions": library_versions(),
         "compile_seconds": round(compile_seconds, 3),
         "compile_cache_hit": cache_hit,

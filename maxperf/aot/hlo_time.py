@@ -271,20 +271,38 @@ class _Walker:
         roots = [comp.root] if comp.root else []
         if comp.root and comp.instrs[comp.root][1] == "tuple":
             roots = hlo_cost.operands(comp.instrs[comp.root][2])
+        def source(name: str) -> str:
+            """What a chain of bitcasts (which move no bytes) starts from."""
+            while name in comp.instrs and comp.instrs[name][1] == "bitcast":
+                name = hlo_cost.operands(comp.instrs[name][2])[0]
+            return name
+
         updates = [r for r in roots if r in comp.instrs and comp.instrs[r][1] == "dynamic-update-slice"]
+        in_place_via: set[str] = set()
         if updates and len(updates) == len(roots):
             written = 0.0
             for r in updates:
                 ops = hlo_cost.operands(comp.instrs[r][2])
                 written += _bytes(comp.instrs[ops[1]][0]) if len(ops) > 1 and ops[1] in comp.instrs else 0.0
-                if ops and ops[0] in params:
-                    in_place.add(ops[0])
+                if ops and source(ops[0]) in params:
+                    in_place.add(source(ops[0]))
+                    in_place_via.add(ops[0])
+        def through_bitcasts(name: str) -> list[tuple[str, int]]:
+            """The uses of `name`, a bitcast's taken as its own users' (a bitcast moves no bytes)."""
+            out = []
+            for u, i in users.get(name, []):
+                out.extend(through_bitcasts(u) if comp.instrs[u][1] == "bitcast" else [(u, i)])
+            return out
+
         for name, number in params.items():
             uses = users.get(name, [])
-            if name in in_place and all(u in updates and i == 0 for u, i in uses):
+            sliced = through_bitcasts(name)
+            if name in in_place and all((u in updates or u in in_place_via) and i == 0 for u, i in uses) and all(
+                    u in updates and i == 0 for u, i in sliced):
                 read[number] = 0.0
-            elif uses and all(comp.instrs[u][1] in ("dynamic-slice", "slice", "gather") and i == 0 for u, i in uses):
-                read[number] = sum(_bytes(comp.instrs[u][0]) for u, _ in uses)
+            elif sliced and all(comp.instrs[u][1] in ("dynamic-slice", "slice", "gather") and i == 0
+                                for u, i in sliced):
+                read[number] = sum(_bytes(comp.instrs[u][0]) for u, _ in sliced)
         self.fusion_io[comp_name] = (read, written)
         return read, written
 

@@ -47,11 +47,13 @@ def cmd_compile(args) -> int:
         return user_step.compiled(args, step, say)
     result = aot.compile(args.topology, args.model or DEFAULT_MODEL, args.overrides, num_slices=args.num_slices,
                          out=args.out, target_config=args.target_config, progress=say, argv=sys.argv,
-                         force=args.force)
+                         force=args.force, step=step.builtin)
     p, mem, cost = result.plan, result.memory, result.cost
     if args.json:
-        print_json(compile_summary(result))
+        print_json(compile_summary(result, step.builtin))
         return 0 if result.fits else 3
+    if step.builtin != "train":
+        return _print_serving(result, step.builtin)
     print(f"compiled {p.model.name} for {p.topology.name}"
           + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1 else "") + f" -> {result.out_dir}")
     print(f"  parameters       {short_count(result.param_count)}; global batch "
@@ -91,10 +93,38 @@ def _check_processes(args) -> None:
         raise MaxperfError(f"{topology.name} compiles {how}, this job has {given}: {start}")
 
 
-def compile_summary(result) -> dict:
+def _print_serving(result, kind: str) -> int:
+    """compile's summary of a serving step: the compiler's memory, the analytical latency and throughput."""
+    p, mem, e = result.plan, result.memory, result.estimate
+    t = p.configs.train
+    print(f"compiled {p.model.name} {kind} for {p.topology.name} -> {result.out_dir}")
+    print(f"  parameters       {short_count(result.param_count)}; {result.global_batch} sequences, prompt "
+          f"{t.max_prefill_predict_length} tokens, cache {t.seq_len} positions"
+          + (", int8 cache" if t.quantize_kvcache else "") + (f", {t.quantization} weights"
+                                                             if t.quantization != "none" else ""))
+    print("  mesh             " + (" x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1) or "1 device"))
+    print(f"  memory/device    {mem['per_device_total_bytes'] / GIB:.2f} GiB of {mem['hbm_bytes'] / GIB:.2f} GiB "
+          f"({'fits' if mem['fits'] else 'DOES NOT FIT'}); analytical {e['memory']['total_bytes'] / GIB:.2f} GiB "
+          f"(weights {e['memory']['weights_bytes'] / GIB:.2f}, cache {e['memory']['cache_bytes'] / GIB:.2f})")
+    phase = e[kind]
+    if kind == "prefill":
+        print(f"  predicted        time to first token {e['ttft_s'] * 1e3:.4g} ms for the batch, bound by "
+              f"{phase['bottleneck']}")
+    else:
+        print(f"  predicted        {e['time_per_output_token_s'] * 1e3:.4g} ms per output token at "
+              f"{e['context']:.0f} cached positions, {e['tokens_per_s_per_chip']:.4g} tokens/s per chip, bound by "
+              f"{phase['bottleneck']}")
+    if e.get("hlo_time"):
+        print(f"  read from HLO    {e['hlo_time']['step_time_s'] * 1e3:.4g} ms per step (the compiled step attends "
+              "over the whole cache)")
+    print(f"  largest batch    {e['max_batch_per_device']:.4g} sequences per device fit")
+    return 0 if result.fits else 3
+
+
+def compile_summary(result, step: str = "train") -> dict:
     """What `maxperf compile` prints, as JSON: the plan (topology, mesh, batch) and the compile's figures."""
     p = result.plan
-    return {"schema": COMPILE_SCHEMA, "out_dir": str(result.out_dir), "step": "train", "model": p.model.name,
+    return {"schema": COMPILE_SCHEMA, "out_dir": str(result.out_dir), "step": step, "model": p.model.name,
             "topology": p.topology.name, "num_slices": p.topology.num_slices,
             "mesh": {"axes": p.mesh.axes, "ici": p.mesh.ici, "dcn": p.mesh.dcn},
             "per_device_batch_size": p.configs.train.per_device_batch_size, "global_batch": result.global_batch,

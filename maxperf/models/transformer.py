@@ -369,10 +369,18 @@ class Transformer(nnx.Module):
                 graphdef, state = nnx.split(layers)
                 state = _move_layer_axis(state, self.param_scan_axis, 0)
 
-                def body(x, xs, graphdef=graphdef, unit=unit):
-                    return unit(x, *xs, graphdef=graphdef)
+                # the caches ride in the carry, each repeat's slice read and written back in place (as scan's
+                # outputs they would be a second copy of the whole cache)
+                def body(carry, xs, graphdef=graphdef, unit=unit):
+                    x, stacked = carry
+                    i, *rest = xs
+                    mine = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, keepdims=False), stacked)
+                    x, out = unit(x, *rest, mine, graphdef=graphdef)
+                    stacked = jax.tree.map(lambda c, u: jax.lax.dynamic_update_index_in_dim(c, u, i, 0), stacked, out)
+                    return (x, stacked), None
 
-                x_BxLxD, updated[st.name] = jax.lax.scan(body, x_BxLxD, (state, *per_unit, caches[st.name]))
+                (x_BxLxD, updated[st.name]), _ = jax.lax.scan(
+                    body, (x_BxLxD, caches[st.name]), (jnp.arange(st.count), state, *per_unit))
                 continue
             outs = []
             for i, layer in enumerate(layers):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from maxperf.perfmodel.chips import Chip
 from maxperf.perfmodel.network import axis_networks, collective_time
 from maxperf.perfmodel.work import FLASH_EFFICIENCY, SHIPPED, matmul_efficiency
-from maxperf.spec.logical_axes import RULES, local_size, split
+from maxperf.spec.logical_axes import local_size, split
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import AttentionType, ModelConfig
 from maxperf.spec.params import param_arrays

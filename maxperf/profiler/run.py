@@ -207,6 +207,10 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
     from maxperf.user_cache import calibration_for
 
     artifact = load(path)
+    if artifact.manifest.get("step") in ("prefill", "decode"):
+        raise MaxperfError(f"{path}: a {artifact.manifest['step']} step; `maxperf run` measures train steps and "
+                           "users' steps (measuring the serving steps on hardware is not built yet: compile's "
+                           "estimate.json holds their predicted latency)")
     if artifact.user is not None:
         from maxperf.profiler import user_run
 

@@ -59,9 +59,10 @@ class Request:
                                         **{f"dcn_{a}": n for a, n in mesh.dcn.items()})
         return cls(topology, Configs(model, train, parallelism), mesh)
 
-    def default_dir(self) -> Path:
+    def default_dir(self, step: str = "train") -> Path:
         slices = f"_x{self.topology.num_slices}" if self.topology.num_slices > 1 else ""
-        return Path("artifacts") / f"{self.model.name}_{self.topology.name}{slices}"
+        kind = "" if step == "train" else f"_{step}"
+        return Path("artifacts") / f"{self.model.name}{kind}_{self.topology.name}{slices}"
 
 
 def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT_MODEL,

@@ -25,7 +25,7 @@ from maxperf.spec.mesh import Mesh
 from maxperf.spec.parallelism import ParallelismConfig
 from maxperf.spec.topology import Topology
 
-BUILTIN = ("train",)  # maxperf's own steps, by name
+BUILTIN = ("train", "prefill", "decode")  # maxperf's own steps, by name (the serving steps: models/serving.py)
 DEFAULT = "train"
 DEFAULT_FACTORY = "make_step"  # the factory of a `--step MODULE` that names no function
 
