@@ -277,13 +277,17 @@ class _Walker:
                 name = hlo_cost.operands(comp.instrs[name][2])[0]
             return name
 
-        updates = [r for r in roots if r in comp.instrs and comp.instrs[r][1] == "dynamic-update-slice"]
+        # roots that write into their first operand in place: a dynamic-update-slice its update (operand 1), a
+        # scatter its updates (operand 2), with the indices
+        update_operand = {"dynamic-update-slice": 1, "scatter": 2}
+        updates = [r for r in roots if r in comp.instrs and comp.instrs[r][1] in update_operand]
         in_place_via: set[str] = set()
         if updates and len(updates) == len(roots):
             written = 0.0
             for r in updates:
                 ops = hlo_cost.operands(comp.instrs[r][2])
-                written += _bytes(comp.instrs[ops[1]][0]) if len(ops) > 1 and ops[1] in comp.instrs else 0.0
+                k = update_operand[comp.instrs[r][1]]
+                written += _bytes(comp.instrs[ops[k]][0]) if len(ops) > k and ops[k] in comp.instrs else 0.0
                 if ops and source(ops[0]) in params:
                     in_place.add(source(ops[0]))
                     in_place_via.add(ops[0])
@@ -415,9 +419,10 @@ class _Walker:
         out = _bytes(shape)
         if opcode in ("dynamic-slice", "slice", "gather"):
             return self.memory_cost(2 * out)
-        if opcode == "dynamic-update-slice":
+        if opcode in ("dynamic-update-slice", "scatter"):  # in place: the update read and written
             ops = hlo_cost.operands(rest)
-            update = _bytes(instrs[ops[1]][0]) if len(ops) > 1 and ops[1] in instrs else out
+            k = 1 if opcode == "dynamic-update-slice" else 2
+            update = _bytes(instrs[ops[k]][0]) if len(ops) > k and ops[k] in instrs else out
             return self.memory_cost(2 * update)
         if opcode in ("broadcast", "iota", "rng-bit-generator", "rng"):
             return self.memory_cost(out)

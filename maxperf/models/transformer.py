@@ -359,9 +359,9 @@ class Transformer(nnx.Module):
                         jnp.asarray(ropes[span], jnp.bool_).reshape(st.count, P))
             layers = getattr(self, st.name)
 
-            def unit(x, state, windows_P, ropes_P, caches_P, graphdef):
+            def unit(x, state, windows_P, ropes_P, caches_P, index, graphdef):
                 apply = self._unit_fn(graphdef, positions_BxL, static, P, in_scan=True)
-                with kv_cache.session(mode, caches_P, quant_axis) as s:
+                with kv_cache.session(mode, caches_P, quant_axis, index) as s:
                     x, _, _ = apply(x, state, windows_P, ropes_P)
                 return x, s.updated
 
@@ -369,26 +369,23 @@ class Transformer(nnx.Module):
                 graphdef, state = nnx.split(layers)
                 state = _move_layer_axis(state, self.param_scan_axis, 0)
 
-                # the caches ride in the carry, each repeat's slice read and written back in place (as scan's
-                # outputs they would be a second copy of the whole cache)
+                # the whole stack's caches ride in the carry: each repeat writes its new positions into its own
+                # slice in place (as scan's outputs they would be a second copy of the cache)
                 def body(carry, xs, graphdef=graphdef, unit=unit):
                     x, stacked = carry
                     i, *rest = xs
-                    mine = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, keepdims=False), stacked)
-                    x, out = unit(x, *rest, mine, graphdef=graphdef)
-                    stacked = jax.tree.map(lambda c, u: jax.lax.dynamic_update_index_in_dim(c, u, i, 0), stacked, out)
+                    x, stacked = unit(x, *rest, stacked, i, graphdef=graphdef)
                     return (x, stacked), None
 
                 (x_BxLxD, updated[st.name]), _ = jax.lax.scan(
                     body, (x_BxLxD, caches[st.name]), (jnp.arange(st.count), state, *per_unit))
                 continue
-            outs = []
+            stacked = caches[st.name]
             for i, layer in enumerate(layers):
                 graphdef, state = nnx.split(layer)
-                x_BxLxD, out = unit(x_BxLxD, state, per_unit[0][i], per_unit[1][i],
-                                    jax.tree.map(lambda c, i=i: c[i], caches[st.name]), graphdef=graphdef)
-                outs.append(out)
-            updated[st.name] = jax.tree.map(lambda *cs: jnp.stack(cs), *outs)
+                x_BxLxD, stacked = unit(x_BxLxD, state, per_unit[0][i], per_unit[1][i], stacked, i,
+                                        graphdef=graphdef)
+            updated[st.name] = stacked
         x_BxLxD = self.final_norm(constrain(x_BxLxD, OUTER_RESIDUAL))
         return self.logits(x_BxLxD[:, -1:]), updated
 

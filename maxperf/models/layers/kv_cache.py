@@ -10,9 +10,10 @@ With MaxText's `quantize_kvcache=true` (`kv_quant_dtype=int8`) each stored tenso
 position: absmax / 127 over the heads and head dim (`kv_quant_axis=heads_and_dkv`, MaxText's default) or over the
 head dim only (`dkv`), the scales in the compute dtype.
 
-The decoder opens a `session` around each scanned unit with the caches of its layers, in the order the unit calls
-them; each attention block takes the next one (`take`), writes its new positions and hands the updated cache back
-(`give`), so the layers need no extra argument. Prefill writes positions 0..P-1 and attends within the prompt with
+The decoder opens a `session` around each scanned unit with the caches of its stack (each array with the stack's
+repeats first) and the repeat it runs; each attention block of the unit takes the next cache (`take`), writes its new
+positions into that repeat's slice in place and hands the cache back (`give`), so the layers need no extra argument
+and no layer's slice is copied out and back. Prefill writes positions 0..P-1 and attends within the prompt with
 the training kernels; decode writes each sequence's one new position and attends over the whole cache, masked to
 the positions at or before it (and within the layer's window or chunk).
 """
@@ -41,11 +42,13 @@ SCALE_AXES = {"heads_and_dkv": ("cache_batch", "cache_sequence"),
 
 @dataclass
 class Session:
-    """The caches of one decoder unit's layers, in call order, and the updated ones handed back."""
+    """The caches of one decoder unit's layers, in call order (each with the stack's repeats first), the repeat
+    `index` the unit runs, and the updated caches handed back."""
 
     mode: str
     caches: list[dict[str, jax.Array]]
     quant_axis: str | None  # None: the cache in the compute dtype
+    index: jax.Array | int = 0
     updated: list[dict[str, jax.Array]] = field(default_factory=list)
 
 
@@ -53,8 +56,8 @@ _SESSION: contextvars.ContextVar[Session | None] = contextvars.ContextVar("maxpe
 
 
 @contextlib.contextmanager
-def session(mode: str, caches: list[dict[str, jax.Array]], quant_axis: str | None = None):
-    active = Session(mode, list(caches), quant_axis)
+def session(mode: str, caches: list[dict[str, jax.Array]], quant_axis: str | None = None, index: jax.Array | int = 0):
+    active = Session(mode, list(caches), quant_axis, index)
     token = _SESSION.set(active)
     try:
         yield active
@@ -91,9 +94,9 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 
 
 def write(cache: dict[str, jax.Array], name: str, x: jax.Array, positions_BxL: jax.Array, mode: str,
-          quant_axis: str | None) -> dict[str, jax.Array]:
-    """`cache` with `x` [B, L, ...] stored at each sequence's positions (prefill: 0..L-1, one block; decode: one
-    position per sequence, a scatter)."""
+          quant_axis: str | None, index: jax.Array | int = 0) -> dict[str, jax.Array]:
+    """`cache` (repeats first) with `x` [B, L, ...] stored in repeat `index` at each sequence's positions (prefill:
+    0..L-1, one block; decode: one position per sequence, a scatter)."""
     out = dict(cache)
     parts = {name: x}
     if quant_axis is not None:
@@ -103,18 +106,20 @@ def write(cache: dict[str, jax.Array], name: str, x: jax.Array, positions_BxL: j
         stored = cache[key]
         value = value.astype(stored.dtype)
         if mode == PREFILL:
-            out[key] = jax.lax.dynamic_update_slice(stored, value, (0,) * stored.ndim)
+            start = (jnp.asarray(index, jnp.int32),) + (jnp.int32(0),) * (stored.ndim - 1)
+            out[key] = jax.lax.dynamic_update_slice(stored, value[None], start)
         else:
-            rows_Bx1 = jnp.arange(stored.shape[0])[:, None]
-            out[key] = stored.at[rows_Bx1, positions_BxL].set(value, mode="drop")
+            rows_Bx1 = jnp.arange(stored.shape[1])[:, None]
+            out[key] = stored.at[index, rows_Bx1, positions_BxL].set(value, mode="drop")
     return out
 
 
-def read(cache: dict[str, jax.Array], name: str, dtype) -> jax.Array:
-    """A stored tensor [B, S, ...] in the compute dtype."""
+def read(cache: dict[str, jax.Array], name: str, dtype, index: jax.Array | int = 0) -> jax.Array:
+    """Repeat `index`'s stored tensor [B, S, ...] in the compute dtype."""
+    one = lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False)  # noqa: E731
     if f"{name}_scale" in cache:
-        return dequantize(cache[name], cache[f"{name}_scale"], dtype)
-    return cache[name].astype(dtype)
+        return dequantize(one(cache[name]), one(cache[f"{name}_scale"]), dtype)
+    return one(cache[name]).astype(dtype)
 
 
 def _softmax_rows(s_BxKxGxLxS: jax.Array, mask_Bx1x1xLxS: jax.Array, sinks_KxG: jax.Array | None) -> jax.Array:
@@ -152,35 +157,35 @@ def cached_gqa(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, positions_BxL, window, *, s
     prompt (prefill, `attend_prompt()`) or over the cache (decode)."""
     s = current()
     cache = take()
-    cache = write(cache, "k", k_BxLxKxDh, positions_BxL, s.mode, s.quant_axis)
-    cache = write(cache, "v", v_BxLxKxDh, positions_BxL, s.mode, s.quant_axis)
+    cache = write(cache, "k", k_BxLxKxDh, positions_BxL, s.mode, s.quant_axis, s.index)
+    cache = write(cache, "v", v_BxLxKxDh, positions_BxL, s.mode, s.quant_axis, s.index)
     cache = {k: constrain(v, _axes_of(k, v)) for k, v in cache.items()}
     give(cache)
     if s.mode == PREFILL:
         return attend_prompt()
     dtype = q_BxLxKxGxDh.dtype
-    return decode_attention(q_BxLxKxGxDh, read(cache, "k", dtype), read(cache, "v", dtype), positions_BxL, window,
-                            softcap=softcap, sinks_KxG=sinks_KxG)
+    return decode_attention(q_BxLxKxGxDh, read(cache, "k", dtype, s.index), read(cache, "v", dtype, s.index),
+                            positions_BxL, window, softcap=softcap, sinks_KxG=sinks_KxG)
 
 
-def cached_latent(c_BxLxC, kr_BxLxDr, positions_BxL) -> tuple[str, dict[str, jax.Array]]:
-    """A latent-attention layer's cache with its new latents and RoPE keys stored; (mode, cache)."""
+def cached_latent(c_BxLxC, kr_BxLxDr, positions_BxL) -> tuple[str, dict[str, jax.Array], jax.Array | int]:
+    """A latent-attention layer's cache with its new latents and RoPE keys stored; (mode, cache, repeat)."""
     s = current()
     cache = take()
-    cache = write(cache, "c", c_BxLxC, positions_BxL, s.mode, s.quant_axis)
-    cache = write(cache, "kr", kr_BxLxDr, positions_BxL, s.mode, s.quant_axis)
+    cache = write(cache, "c", c_BxLxC, positions_BxL, s.mode, s.quant_axis, s.index)
+    cache = write(cache, "kr", kr_BxLxDr, positions_BxL, s.mode, s.quant_axis, s.index)
     cache = {k: constrain(v, _axes_of(k, v)) for k, v in cache.items()}
     give(cache)
-    return s.mode, cache
+    return s.mode, cache, s.index
 
 
 def latent_decode(qn_BxLxHxDn, qr_BxLxHxDr, w_kv_CxHxE, Dn: int, cache: dict[str, jax.Array],
-                  positions_BxL) -> jax.Array:
+                  positions_BxL, index: jax.Array | int = 0) -> jax.Array:
     """Absorbed latent attention over the cache: the queries' position-free part taken into the latent space by the
     keys' up-projection, scores against the stored latents plus the RoPE part against the stored RoPE keys, the
     weighted latents taken out by the values' up-projection. [B, L, H, Dv]."""
     dtype = qn_BxLxHxDn.dtype
-    c_BxSxC, kr_BxSxDr = read(cache, "c", dtype), read(cache, "kr", dtype)
+    c_BxSxC, kr_BxSxDr = read(cache, "c", dtype, index), read(cache, "kr", dtype, index)
     wk_CxHxDn, wv_CxHxDv = w_kv_CxHxE[..., :Dn], w_kv_CxHxE[..., Dn:]
     q_BxLxHxC = jnp.einsum("BLHn,CHn->BLHC", qn_BxLxHxDn, wk_CxHxDn)
     s = (jnp.einsum("BLHC,BSC->BHLS", q_BxLxHxC, c_BxSxC, preferred_element_type=jnp.float32)
@@ -191,6 +196,7 @@ def latent_decode(qn_BxLxHxDn, qr_BxLxHxDr, w_kv_CxHxE, Dn: int, cache: dict[str
 
 
 def _axes_of(name: str, x: jax.Array) -> tuple:
+    """The logical axes of a stored array, its repeats first."""
     if name.endswith("_scale"):
-        return SCALE_AXES["dkv" if x.ndim == 3 else "heads_and_dkv"]
-    return KV_AXES if x.ndim == 4 else LATENT_AXES
+        return ("layers", *SCALE_AXES["dkv" if x.ndim == 4 else "heads_and_dkv"])
+    return ("layers", *(KV_AXES if x.ndim == 5 else LATENT_AXES))

@@ -77,10 +77,11 @@ class LatentAttention(nnx.Module):
         c_BxLxC = self.kv_norm(ckv_BxLxE[..., :C])
         k_rope_BxLx1xDr = apply_rope(ckv_BxLxE[:, :, None, C:], positions_BxL, inv_freq)
         if kv_cache.current() is not None:  # a serving step: the latents go to the cache
-            mode, cache = kv_cache.cached_latent(c_BxLxC, k_rope_BxLx1xDr[:, :, 0], positions_BxL)
+            mode, cache, index = kv_cache.cached_latent(c_BxLxC, k_rope_BxLx1xDr[:, :, 0], positions_BxL)
             if mode == kv_cache.DECODE:
                 o_BxLxHxDv = kv_cache.latent_decode(q_BxLxHxDq[..., :Dn], q_BxLxHxDq[..., Dn:],
-                                                    self.wkv_b_CxHxE[...].astype(dtype), Dn, cache, positions_BxL)
+                                                    self.wkv_b_CxHxE[...].astype(dtype), Dn, cache, positions_BxL,
+                                                    index)
                 return quantization.einsum("BLHd,HdD->BLD", o_BxLxHxDv, self.o_HxDvxD[...].astype(dtype))
         kv_BxLxHxE = quantization.einsum("BLC,CHe->BLHe", c_BxLxC, self.wkv_b_CxHxE[...].astype(dtype))
         kv_BxLxHxE = constrain(kv_BxLxHxE, HEADS)
