@@ -25,9 +25,10 @@ def configs(name: str, words: list[str] = ()):
     return c.model, c.train
 
 
-def generate(model, train, params, prompt_BxP):
-    """Greedy tokens and each step's logits through prefill and decode with the cache."""
-    prefill, decode = jax.jit(serving.make_prefill(model, train)), jax.jit(serving.make_decode(model, train))
+def generate(model, train, params, prompt_BxP, first: bool = True):
+    """Greedy tokens through prefill and decode with the cache (`first`: its layout, serving.heads_first)."""
+    prefill = jax.jit(serving.make_prefill(model, train, first))
+    decode = jax.jit(serving.make_decode(model, train, first))
     cache, token = prefill(params, {"tokens": prompt_BxP})
     tokens = [token]
     for i in range(STEPS):
@@ -61,6 +62,8 @@ def prompt(model):
     ("tiny", ["attn_logit_softcap=20", "final_logit_softcap=30", "attention_sinks=true"]),
     ("tiny-moe", []),
     ("tiny-mla", []),
+    ("tiny", ["quantization=int8"]),  # int8 weights, widened one layer at a time inside the loop
+    ("tiny-moe", ["quantization=fp8", "scan_layers=false"]),
 ])
 def test_decoding_with_the_cache_gives_the_tokens_of_recomputing(name, words):
     model, train = configs(name, words)
@@ -69,6 +72,16 @@ def test_decoding_with_the_cache_gives_the_tokens_of_recomputing(name, words):
     with_cache = generate(model, train, params, x)
     without, _ = recompute(model, train, params, x)
     np.testing.assert_array_equal(np.asarray(with_cache), np.asarray(without))
+
+
+@pytest.mark.parametrize("words", [[], ["quantize_kvcache=true", "kv_quant_axis=dkv"]])
+def test_the_tpu_cache_layout_decodes_alike(words):
+    """TPUs store the cache [B, S, K, Dh] (serving.heads_first): the same tokens as the [B, K, S, Dh] layout."""
+    model, train = configs("tiny", words)
+    params = serving.init_params(model, train, seed=0)
+    x = prompt(model)
+    np.testing.assert_array_equal(np.asarray(generate(model, train, params, x, first=False)),
+                                  np.asarray(generate(model, train, params, x, first=True)))
 
 
 def test_decode_logits_equal_the_full_forward():
@@ -226,3 +239,71 @@ def test_the_serving_bench_runs_and_reports_held_out_errors(tmp_path):
     assert result["fitted_gpu_hbm_efficiency"] == result["shipped_gpu_hbm_efficiency"]
     held = result["groups"]["all"]["held out by source"]
     assert held["median"] == pytest.approx(0.322, abs=0.005) and held["worst"] == pytest.approx(2.531, abs=0.01)
+
+
+# --- plan --step decode ---------------------------------------------------------------------------------------
+
+
+def test_the_serving_plan_ranks_layouts_under_a_latency_bound(tmp_path):
+    """The winner meets the bound and has the most tokens/s per chip of those that do; the Pareto front falls in
+    tokens/s as the time per token falls; int8 / fp8 weights and an int8 cache are tried under quantization=auto."""
+    from maxperf.search import serving_plan
+
+    plan = serving_plan.search("llama3-70b", "h100-8", ("max_target_length=4096", "max_prefill_predict_length=1024",
+                                                        "quantization=auto"), max_tpot_s=0.02)
+    assert plan.candidates >= 100 and plan.winner is not None
+    assert all(x.tpot_s <= 0.02 and x.fits for x in plan.meeting)
+    assert plan.winner.tokens_per_s_per_chip == max(x.tokens_per_s_per_chip for x in plan.meeting)
+    assert {x.quantization for x in plan.meeting} >= {"none", "int8", "fp8"}
+    assert {x.kv_int8 for x in plan.meeting} == {False, True}
+    tpots = [x.tpot_s for x in plan.pareto]
+    rates = [x.tokens_per_s_per_chip for x in plan.pareto]
+    assert tpots == sorted(tpots) and rates == sorted(rates) and len(plan.pareto) >= 3
+    line = plan.compile_line(plan.winner)
+    assert line.startswith("maxperf compile --step decode --model llama3-70b --topology h100-8 ")
+
+
+def test_plan_decode_prints_and_compiles_its_winner(tmp_path):
+    import json
+
+    from cli_util import maxperf
+
+    out = tmp_path / "plan"
+    proc = maxperf("plan", "--step", "decode", "--model", "gemma-2b", "--topology", "h100-1", "--verify", "1",
+                   "--max-time-per-token", "20", "max_target_length=2048", "max_prefill_predict_length=512",
+                   "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "best: maxperf compile --step decode --model gemma-2b --topology h100-1" in proc.stdout
+    assert "(fits)" in proc.stdout
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["schema"] == "maxperf.serving_plan/1" and plan["winner"]["tpot_s"] <= 0.02
+    manifest = json.loads((out / "winner" / "manifest.json").read_text())
+    assert manifest["step"] == "decode"
+
+
+def test_plan_decode_with_a_bound_no_layout_meets_exits_3_naming_the_closest(tmp_path):
+    from cli_util import maxperf
+
+    out = tmp_path / "plan"
+    proc = maxperf("plan", "--step", "decode", "--model", "llama3-70b", "--topology", "h100-8", "--verify", "0",
+                   "--max-time-per-token", "1", "max_target_length=4096", "--out", str(out))
+    assert proc.returncode == 3
+    errors = [line for line in proc.stderr.strip().splitlines() if "error" in line]
+    assert len(errors) == 1 and "no layout meets the bounds" in errors[0]
+    assert "would need --max-time-per-token" in errors[0] and "Traceback" not in proc.stderr
+    assert not (out / "plan.json").exists()
+    proc = maxperf("plan", "--model", "llama3-70b", "--topology", "h100-8", "--max-ttft", "100", "--out", str(out))
+    assert proc.returncode == 2 and "add --step decode" in proc.stderr
+
+
+def test_the_serving_plan_bench_prices_over_a_thousand_layouts():
+    """bench/serving_plan.py, which docs/serving.md quotes: its largest case."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "serving_plan.py"
+    spec = importlib.util.spec_from_file_location("serving_plan_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (row,) = bench.main(["--only", "mixtral"])
+    assert row["result"]["candidates"] >= 1000 and row["result"]["winner"] is not None

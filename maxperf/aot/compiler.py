@@ -204,7 +204,7 @@ def estimate_for(p: Request, calibration: StoredCalibration | None = None, step:
         from maxperf.perfmodel.estimate import device_for
 
         chip = device_for(p.topology, calibration)
-        return {**serving.estimate(p.model, p.train, p.mesh, chip, p.topology).as_dict(), "step": step}
+        return {**serving.estimate(p.model, p.train, p.mesh, chip, p.topology, kind=step).as_dict(), "step": step}
     result = perfmodel.estimate(p,
                                 calibration=calibration)
     return result.as_dict()

@@ -108,8 +108,8 @@ def _print_serving(result, kind: str) -> int:
           f"(weights {e['memory']['weights_bytes'] / GIB:.2f}, cache {e['memory']['cache_bytes'] / GIB:.2f})")
     phase = e[kind]
     if kind == "prefill":
-        print(f"  predicted        time to first token {e['ttft_s'] * 1e3:.4g} ms for the batch, bound by "
-              f"{phase['bottleneck']}")
+        print(f"  predicted        {phase['seconds'] * 1e3:.4g} ms for the batch's prompts, bound by "
+              f"{phase['bottleneck']}; time to first token of one prompt {e['ttft_s'] * 1e3:.4g} ms")
     else:
         print(f"  predicted        {e['time_per_output_token_s'] * 1e3:.4g} ms per output token at "
               f"{e['context']:.0f} cached positions, {e['tokens_per_s_per_chip']:.4g} tokens/s per chip, bound by "

@@ -23,8 +23,63 @@ def parse_tokens(text: str) -> int:
     return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
 
 
+def cmd_serving_plan(args) -> int:
+    """`plan --step decode`: the serving layout (search/serving_plan.py), its winner compiled unless --verify 0."""
+    from maxperf.search import serving_plan
+
+    if args.global_batch is not None or args.per_device_batch is not None:
+        raise MaxperfError("plan --step decode searches the batch itself (pin one with per_device_batch_size=N): "
+                           "drop --global-batch / --per-device-batch")
+    say = progress()
+    out = Path(args.out) if args.out else default_out(args, "decode")
+    with artifacts.hold_output(out, "plan"):
+        result = serving_plan.search(
+            args.model, args.topology, tuple(args.overrides),
+            max_tpot_s=None if args.max_time_per_token is None else args.max_time_per_token / 1e3,
+            max_ttft_s=None if args.max_ttft is None else args.max_ttft / 1e3)
+        say(f"estimated {result.candidates} layouts in {result.search_seconds:.2f} s")
+        if result.winner is None:  # nothing is written
+            raise serving_plan.NoLayout(serving_plan.miss_line(result))
+        compiled = None
+        if result.winner is not None and args.verify:
+            from maxperf import aot
+            from maxperf.cli.common import compile_only_environment
+
+            compile_only_environment(args.topology)
+            say("compiling the winner")
+            w = result.winner
+            compiled = aot.compile(args.topology, args.model, [*result.pinned, *w.words(result.devices)],
+                                   out=out / "winner", progress=say, step="decode", force=True)
+        path = serving_plan.write(result, out)
+    if args.json:
+        print_json({**result.as_dict(), "plan_json": str(path),
+                    "verified": None if compiled is None else bool(compiled.fits)})
+    else:
+        w = result.winner
+        print(f"{result.model} decode on {result.topology} ({result.devices} devices): {result.candidates} layouts, "
+              f"{result.fitting} fit, {len(result.meeting)} meet the bounds")
+        print(f"{'mesh':<22} {'batch':>6} {'weights':>7} {'cache':>5} {'ms/token':>9} {'TTFT ms':>8} {'tok/s/chip':>10} "
+              "bound")
+        for x in result.meeting[:SHOWN]:
+            print(f"{x.as_dict()['mesh']:<22} {x.batch:>6} {x.quantization:>7} {'int8' if x.kv_int8 else 'bf16':>5} "
+                  f"{x.tpot_s * 1e3:>9.4g} "
+                  f"{x.ttft_s * 1e3:>8.4g} {x.tokens_per_s_per_chip:>10.4g} {x.bottleneck}")
+        print(f"best: {result.compile_line(w)}")
+        if compiled is not None:
+            mem = compiled.memory
+            print(f"compiled: {mem['per_device_total_bytes'] / GIB:.2f} GiB of {mem['hbm_bytes'] / GIB:.2f} GiB "
+                  f"({'fits' if compiled.fits else 'DOES NOT FIT'}) -> {compiled.out_dir}")
+        print(f"wrote {path}")
+    return 0 if compiled is None or compiled.fits else 3
+
+
 def cmd_plan(args) -> int:
     from maxperf.search import plan, verify
+
+    if args.step == "decode":
+        return cmd_serving_plan(args)
+    if args.max_time_per_token is not None or args.max_ttft is not None:
+        raise MaxperfError("--max-time-per-token and --max-ttft bound a serving plan: add --step decode")
 
     if args.verify < 0:
         raise MaxperfError(f"--verify must be >= 0 (0: no compile), got {args.verify}")
@@ -72,13 +127,15 @@ def base_request(args):
         return resolve(args.topology, args.model, [], num_slices=args.num_slices)
 
 
-def default_out(args) -> Path:
-    """artifacts/plan_MODEL_TOPOLOGY[_xS]."""
+def default_out(args, step: str = "train") -> Path:
+    """artifacts/plan_MODEL[_decode]_TOPOLOGY[_xS]."""
     from maxperf.spec import presets
     from maxperf.spec import topology as topologies
 
     slices = f"_x{args.num_slices}" if args.num_slices > 1 else ""
-    return Path("artifacts") / f"plan_{presets.get(args.model).name}_{topologies.get(args.topology).name}{slices}"
+    kind = "" if step == "train" else f"_{step}"
+    return Path("artifacts") / (f"plan_{presets.get(args.model).name}{kind}_{topologies.get(args.topology).name}"
+                                f"{slices}")
 
 
 def summary(result, path: Path) -> dict:
@@ -174,6 +231,11 @@ def add_parser(sub) -> None:
     batch.add_argument("--per-device-batch", type=float,
                        help="examples per device per step, B x A (fractions allowed): the search splits them into A "
                             "microbatches of per_device_batch_size B")
+    p.add_argument("--step", choices=("train", "decode"), default="train",
+                   help="train (default), or decode: the serving layout with the most tokens/s per chip under "
+                        "--max-time-per-token and --max-ttft (quantization=auto also searches int8 / fp8 weights)")
+    p.add_argument("--max-time-per-token", type=float, metavar="MS", help="decode: the bound on time per output token")
+    p.add_argument("--max-ttft", type=float, metavar="MS", help="decode: the bound on one prompt's time to first token")
     p.add_argument("--objective", default="tokens_per_s", help="tokens_per_s (default) or mfu")
     p.add_argument("--verify", type=int, default=3, help="compile the best K until K fit (default 3; 0: none)")
     p.add_argument("--workers", type=int, help="compile worker processes (default: bounded by cores and memory)")

@@ -100,9 +100,26 @@ def _is_quantized(node) -> bool:
 
 
 def widen(params: dict, dtype) -> dict:
-    """The weights in the compute dtype: quantized ones times their scales."""
+    """The weights in the compute dtype: quantized ones times their scales (all at once: for tests and references;
+    the steps widen one layer at a time, `split_quantized`)."""
     return jax.tree.map(lambda n: (n["q"].astype(dtype) * n["scale"].astype(dtype)) if _is_quantized(n) else n,
                         params, is_leaf=_is_quantized)
+
+
+def split_quantized(params: dict) -> tuple[dict, dict[str, jax.Array]]:
+    """(the weights with each quantized one as its stored values, their scales by "/"-joined path): the module
+    holds the narrow values and the decoder widens each layer's inside its loop (Transformer.serve)."""
+    scales: dict[str, jax.Array] = {}
+
+    def walk(node, path):
+        if _is_quantized(node):
+            scales["/".join(path)] = node["scale"]
+            return node["q"]
+        if isinstance(node, dict):
+            return {k: walk(v, (*path, str(k))) for k, v in node.items()}
+        return node
+
+    return walk(params, ()), scales
 
 
 @dataclass(frozen=True)
@@ -112,26 +129,39 @@ class CacheArray:
     logical: tuple
 
 
-def cache_layout(model: ModelConfig, train: TrainConfig, B: int) -> dict[str, list[dict[str, CacheArray]]]:
-    """For each stack of the decoder, one cache per layer of its repeating unit, with the stack's repeats first."""
+def heads_first(platform: str) -> bool:
+    """Whether the grouped-query cache is stored [B, K, S, Dh] (GPUs, CPUs) or [B, S, K, Dh] (TPUs): what each
+    compiler's decode matmuls read in place (layers/kv_cache.py)."""
+    return platform != "tpu"
+
+
+def cache_layout(model: ModelConfig, train: TrainConfig, B: int, first: bool = True
+                 ) -> dict[str, list[dict[str, CacheArray]]]:
+    """For each stack of the decoder, one cache per layer of its repeating unit, with the stack's repeats first;
+    `first`: heads_first."""
     S, dtype = train.seq_len, jnp.dtype(train.compute_dtype)
     axis = quant_axis(train)
     out = {}
     for st in stacks(model):
         pre, pre_axes = (st.count,), ("layers",)
         if model.attention_type is AttentionType.MLA:
-            tensors = {"c": ((B, S, model.kv_lora_rank), kv_cache.LATENT_AXES),
-                       "kr": ((B, S, model.qk_rope_head_dim), kv_cache.LATENT_AXES)}
+            tensors = {"c": ((B, S, model.kv_lora_rank), kv_cache.axes("latent")),
+                       "kr": ((B, S, model.qk_rope_head_dim), kv_cache.axes("latent"))}
         else:
-            tensors = {name: ((B, S, model.num_kv_heads, model.head_dim), kv_cache.KV_AXES) for name in ("k", "v")}
+            K, Dh = model.num_kv_heads, model.head_dim
+            tensors = {name: ((B, K, S, Dh) if first else (B, S, K, Dh), kv_cache.axes("kv", first))
+                       for name in ("k", "v")}
         layer = {}
         for name, (shape, logical) in tensors.items():
             if axis is None:
                 layer[name] = CacheArray(pre + shape, dtype, pre_axes + logical)
                 continue
             layer[name] = CacheArray(pre + shape, jnp.int8, pre_axes + logical)
-            scale_axes = kv_cache.SCALE_AXES[axis if len(shape) == 4 else "heads_and_dkv"]
-            layer[f"{name}_scale"] = CacheArray(pre + shape[:len(scale_axes)], dtype, pre_axes + scale_axes)
+            if len(shape) == 4 and axis == "dkv":
+                scale_shape, scale_axes = shape[:3], kv_cache.axes("dkv", first)  # [B, K, S] or [B, S, K]
+            else:
+                scale_shape, scale_axes = (B, S), kv_cache.axes("heads_and_dkv")
+            layer[f"{name}_scale"] = CacheArray(pre + scale_shape, dtype, pre_axes + scale_axes)
         out[st.name] = [dict(layer) for _ in st.pattern]
     return out
 
@@ -179,7 +209,9 @@ class AbstractServe:
         return self.global_batch * (self.train.max_prefill_predict_length if self.kind == PREFILL else 1)
 
     def jitted(self):
-        fn = make_prefill(self.model, self.train) if self.kind == PREFILL else make_decode(self.model, self.train)
+        first = heads_first(self.mesh.devices.flat[0].platform)
+        make = make_prefill if self.kind == PREFILL else make_decode
+        fn = make(self.model, self.train, first)
         return jax.jit(fn, in_shardings=self.arg_shardings, out_shardings=self.out_shardings,
                        donate_argnums=self.donate)
 
@@ -233,7 +265,7 @@ def abstract_serve(model: ModelConfig, train: TrainConfig, mesh: Mesh, kind: str
 
     param_shardings = _map_weights(shard, params, md.logical_axes)
     B = train.micro_batch(mesh.size)
-    layout = cache_layout(smodel, strain, B)
+    layout = cache_layout(smodel, strain, B, heads_first(mesh.devices.flat[0].platform))
     is_array = lambda x: isinstance(x, CacheArray)  # noqa: E731
     cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layout, is_leaf=is_array)
     cache_shardings = jax.tree.map(lambda a: NamedSharding(mesh, partition_spec(a.shape, a.logical, sizes)), layout,
@@ -262,31 +294,34 @@ def _network(model: ModelConfig, train: TrainConfig):
     return smodel, strain, train_step.model_def(smodel, strain).graphdef
 
 
-def make_prefill(model: ModelConfig, train: TrainConfig) -> Callable:
+def make_prefill(model: ModelConfig, train: TrainConfig, first: bool = True) -> Callable:
     """(params, {"tokens": [B, P]}) -> (cache, next tokens [B])."""
     smodel, strain, graphdef = _network(model, train)
-    dtype, axis = jnp.dtype(strain.compute_dtype), quant_axis(train)
+    axis = quant_axis(train)
 
     def prefill(params, batch):
-        net = nnx.merge(graphdef, widen(params, dtype))
+        values, scales = split_quantized(params)
+        net = nnx.merge(graphdef, values)
         tokens_BxP = batch["tokens"]
         positions_BxP = jnp.broadcast_to(jnp.arange(tokens_BxP.shape[1], dtype=jnp.int32), tokens_BxP.shape)
-        caches = empty_cache(cache_layout(smodel, strain, tokens_BxP.shape[0]))
-        logits_Bx1xV, caches = net.serve(tokens_BxP, positions_BxP, caches, PREFILL, axis)
+        caches = empty_cache(cache_layout(smodel, strain, tokens_BxP.shape[0], first))
+        logits_Bx1xV, caches = net.serve(tokens_BxP, positions_BxP, caches, PREFILL, axis, scales, first)
         return caches, jnp.argmax(logits_Bx1xV[:, 0], axis=-1).astype(jnp.int32)
 
     return prefill
 
 
-def make_decode(model: ModelConfig, train: TrainConfig) -> Callable:
+def make_decode(model: ModelConfig, train: TrainConfig, first: bool = True) -> Callable:
     """(params, cache, {"tokens": [B], "positions": [B]}) -> (cache, next tokens [B]): each sequence's token at its
     position (the number of tokens before it)."""
     _, strain, graphdef = _network(model, train)
-    dtype, axis = jnp.dtype(strain.compute_dtype), quant_axis(train)
+    axis = quant_axis(train)
 
     def decode(params, caches, batch):
-        net = nnx.merge(graphdef, widen(params, dtype))
-        logits_Bx1xV, caches = net.serve(batch["tokens"][:, None], batch["positions"][:, None], caches, DECODE, axis)
+        values, scales = split_quantized(params)
+        net = nnx.merge(graphdef, values)
+        logits_Bx1xV, caches = net.serve(batch["tokens"][:, None], batch["positions"][:, None], caches, DECODE, axis,
+                                         scales, first)
         return caches, jnp.argmax(logits_Bx1xV[:, 0], axis=-1).astype(jnp.int32)
 
     return decode

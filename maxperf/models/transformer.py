@@ -86,6 +86,22 @@ def _move_layer_axis(state: nnx.State, source: int, destination: int) -> nnx.Sta
     return nnx.map_state(move, state)
 
 
+def _widened(state: nnx.State, scales: dict[str, jax.Array], dtype) -> nnx.State:
+    """`state` with each quantized weight (the ones `scales` names by "/"-joined path) times its scale, in `dtype`."""
+    if not scales:
+        return state
+    pure = nnx.to_pure_dict(state)
+    for key, scale in scales.items():
+        *parents, leaf = key.split("/")
+        node = pure
+        for name in parents:  # a list's entries (DecoderBlock's layers) are keyed by int
+            node = node[name] if name in node else node[int(name)]
+        leaf = leaf if leaf in node else int(leaf)
+        node[leaf] = node[leaf].astype(dtype) * scale.astype(dtype)
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
 def _gathered_over_fsdp(state: nnx.State) -> nnx.State:
     """A pipelined stack's parameters (layer axis first) gathered over the FSDP axes once, before the pipeline's loop
     (MaxText's pipeline_fsdp_ag_once): split over `stage` and `tensor` only, a mixture of experts' over `expert`
@@ -338,11 +354,15 @@ class Transformer(nnx.Module):
         return x_BxLxD, aux, counts
 
     def serve(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, caches: dict[str, list[dict[str, jax.Array]]],
-              mode: str, quant_axis: str | None = None) -> tuple[jax.Array, dict[str, list[dict[str, jax.Array]]]]:
+              mode: str, quant_axis: str | None = None, scales: dict[str, jax.Array] | None = None,
+              heads_first: bool = True) -> tuple[jax.Array, dict[str, list[dict[str, jax.Array]]]]:
         """A serving step's forward (models/serving.py): the float32 logits of each sequence's last position
         [B, 1, V] and the caches with the new positions stored. `caches`: for each stack, one cache per layer of its
         repeating unit, each array with the stack's repeats first (layers/kv_cache.py); `mode` prefill or decode;
-        `quant_axis`: the cache's int8 scales' axes (None: the cache in the compute dtype)."""
+        `quant_axis`: the cache's int8 scales' axes (None: the cache in the compute dtype). `scales`: the scales of
+        the layers' quantized weights by "/"-joined parameter path (the weights themselves, int8 or float8, are the
+        module's): each layer's are widened to the compute dtype inside the loop, one layer at a time.
+        `heads_first`: the grouped-query cache's layout (models/serving.heads_first)."""
         from maxperf.models.layers import kv_cache
 
         if mesh_stages() > 1:
@@ -359,32 +379,36 @@ class Transformer(nnx.Module):
                         jnp.asarray(ropes[span], jnp.bool_).reshape(st.count, P))
             layers = getattr(self, st.name)
 
-            def unit(x, state, windows_P, ropes_P, caches_P, index, graphdef):
+            mine = {k[len(st.name) + 1:]: v for k, v in (scales or {}).items() if k.startswith(st.name + "/")}
+
+            def unit(x, state, windows_P, ropes_P, caches_P, index, graphdef, scales_u):
                 apply = self._unit_fn(graphdef, positions_BxL, static, P, in_scan=True)
-                with kv_cache.session(mode, caches_P, quant_axis, index) as s:
-                    x, _, _ = apply(x, state, windows_P, ropes_P)
+                with kv_cache.session(mode, caches_P, quant_axis, index, heads_first) as s:
+                    x, _, _ = apply(x, _widened(state, scales_u, self.compute_dtype), windows_P, ropes_P)
                 return x, s.updated
 
             if self.scan_layers:
                 graphdef, state = nnx.split(layers)
                 state = _move_layer_axis(state, self.param_scan_axis, 0)
+                mine = {k: jnp.moveaxis(v, stack_axis(v.ndim - 1, self.param_scan_axis), 0) for k, v in mine.items()}
 
                 # the whole stack's caches ride in the carry: each repeat writes its new positions into its own
                 # slice in place (as scan's outputs they would be a second copy of the cache)
                 def body(carry, xs, graphdef=graphdef, unit=unit):
                     x, stacked = carry
-                    i, *rest = xs
-                    x, stacked = unit(x, *rest, stacked, i, graphdef=graphdef)
+                    i, state_u, windows_u, ropes_u, scales_u = xs
+                    x, stacked = unit(x, state_u, windows_u, ropes_u, stacked, i, graphdef, scales_u)
                     return (x, stacked), None
 
                 (x_BxLxD, updated[st.name]), _ = jax.lax.scan(
-                    body, (x_BxLxD, caches[st.name]), (jnp.arange(st.count), state, *per_unit))
+                    body, (x_BxLxD, caches[st.name]), (jnp.arange(st.count), state, *per_unit, mine))
                 continue
             stacked = caches[st.name]
             for i, layer in enumerate(layers):
                 graphdef, state = nnx.split(layer)
-                x_BxLxD, stacked = unit(x_BxLxD, state, per_unit[0][i], per_unit[1][i], stacked, i,
-                                        graphdef=graphdef)
+                scales_u = {k[len(str(i)) + 1:]: v for k, v in mine.items() if k.startswith(f"{i}/")}
+                x_BxLxD, stacked = unit(x_BxLxD, state, per_unit[0][i], per_unit[1][i], stacked, i, graphdef,
+                                        scales_u)
             updated[st.name] = stacked
         x_BxLxD = self.final_norm(constrain(x_BxLxD, OUTER_RESIDUAL))
         return self.logits(x_BxLxD[:, -1:]), updated

@@ -109,13 +109,14 @@ class ServingEstimate:
     cache: int  # S
     context: float  # the cache positions filled when decode is priced
     memory: ServingMemory
-    prefill: Phase
+    prefill: Phase  # the batch's B prompts at once (the compiled prefill step)
+    first_token: Phase  # one prompt alone: a request's time to first token
     decode: Phase
     max_batch_per_device: float  # the largest per_device_batch_size whose memory fits
 
     @property
     def ttft_s(self) -> float:
-        return self.prefill.seconds
+        return self.first_token.seconds
 
     @property
     def time_per_output_token_s(self) -> float:
@@ -136,7 +137,8 @@ class ServingEstimate:
                 "cache_positions": self.cache, "context": self.context,
                 "memory": {**dataclasses.asdict(self.memory), "total_bytes": self.memory.total_bytes,
                            "fits": self.memory.fits},
-                "prefill": phase(self.prefill), "decode": phase(self.decode), "ttft_s": self.ttft_s,
+                "prefill": phase(self.prefill), "first_token": phase(self.first_token), "decode": phase(self.decode),
+                "ttft_s": self.ttft_s,
                 "time_per_output_token_s": self.time_per_output_token_s, "tokens_per_s": self.tokens_per_s,
                 "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
                 "max_batch_per_device": self.max_batch_per_device,
@@ -187,27 +189,67 @@ def cache_bytes_per_token(model: ModelConfig, train: TrainConfig, sizes: dict[st
 
 
 def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_bytes: float, kind: str = "decode",
-                    per_device_batch: float | None = None) -> ServingMemory:
+                    per_device_batch: float | None = None, platform: str = "tpu") -> ServingMemory:
+    """One device's memory for a serving step: the weights, the cache of the batch's sequences, and the step's
+    temporaries. `kind` prefill: the compiled prefill of the whole batch's prompts; decode: a decode step, and beside
+    it one prompt's prefill (a serving loop prefills new requests while the batch's cache is resident)."""
     sizes = dict(mesh.sizes)
     devices = math.prod(sizes.values())
     B = (per_device_batch if per_device_batch is not None else train.per_device_batch_size) * devices
     b = B / batch_split(sizes, int(max(1, round(B))))
-    S, P, c = train.seq_len, train.max_prefill_predict_length, DTYPE_BYTES[train.compute_dtype]
+    S, P = train.seq_len, train.max_prefill_predict_length
     weights = sum(n * bytes_ for _, n, bytes_ in _arrays(model, sizes, train))
     cache = b * S * cache_bytes_per_token(model, train, sizes)
-    t = sizes.get("tensor", 1)
-    V, D = model.vocab_size, model.d_model
-    F = max(model.d_ff, model.moe_mlp_dim * max(1, model.num_experts_per_tok) if model.is_moe else 0)
     if kind == "prefill":
-        tokens = b * P
-        # one layer's activations: the residual, the MLP's gate and up outputs, q, k and v (flash attention keeps
-        # no scores), and a prefill writes its whole cache (counted above) from them
-        layer = tokens * c * (3 * D + 3 * F / t + 2 * model.num_heads * model.head_dim / t)
+        temp = _prefill_temp(model, train, sizes, b * P, b, platform)
     else:
-        layer = b * c * (3 * D + 3 * F / t) + b * S * cache_bytes_per_token(model, train, sizes) / max(
-            1, model.num_layers) * 2  # one layer's cache widened to the compute dtype for the scores
-    logits = b * V / t * 4 * 2  # the last position's logits in float32 and their argmax
-    return ServingMemory(weights, cache, layer + logits, hbm_bytes)
+        temp = max(_decode_temp(model, train, sizes, b, platform), _prefill_temp(model, train, sizes, P, 1, platform))
+    return ServingMemory(weights, cache, temp, hbm_bytes)
+
+
+def _widths(model: ModelConfig, sizes: dict[str, int]) -> tuple[float, float, float]:
+    """(D, an MLP's hidden width on one device, the query heads' width on one device)."""
+    t = sizes.get("tensor", 1)
+    F = model.moe_mlp_dim * model.num_experts_per_tok if model.is_moe else model.d_ff
+    return model.d_model, max(model.d_ff, F) / t, model.num_heads * model.head_dim / t
+
+
+def _prefill_temp(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], tokens: float, rows: float,
+                  platform: str = "tpu") -> float:
+    """A prefill's largest temporaries: one layer's activations (the residual stream, the MLP's gate and up outputs,
+    q, k and v; flash attention keeps no scores), a mixture of experts' dense expansion on GPU (_ragged_expansion)
+    and the last positions' float32 logits."""
+    c = DTYPE_BYTES[train.compute_dtype]
+    D, F, Q = _widths(model, sizes)
+    return (tokens * c * (3 * D + 3 * F + 2 * Q) + _ragged_expansion(model, train, sizes, tokens, platform)
+            + rows * model.vocab_size / sizes.get("tensor", 1) * 4 * 2)
+
+
+def _ragged_expansion(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], tokens: float,
+                      platform: str) -> float:
+    """XLA:GPU expands a mixture of experts' grouped matmul (jax.lax.ragged_dot) into a dense product over the
+    device's local experts (perfmodel.working's RAGGED_EXPANDED_*): in the forward one D-wide such buffer, every routed
+    row times every local expert, is live at the peak (deepseek-v2-lite's prefill on h100-1: bf16[64, 24576, 2048],
+    bench/serving_memory.py). TPUs run grouped matmuls."""
+    if platform != "gpu" or not model.is_moe or not train.sparse_matmul:
+        return 0.0
+    local = model.num_experts / split((model.num_experts,), ("exp",), sizes)[0]
+    rows = tokens * model.num_experts_per_tok
+    return rows * local * model.d_model * DTYPE_BYTES[train.compute_dtype]
+
+
+def _decode_temp(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], b: float, platform: str = "tpu"
+                 ) -> float:
+    """A decode step's: one layer's activations for b tokens, its scores over the cache in float32, a quantized
+    cache's layer widened to the compute dtype, and the logits."""
+    c = DTYPE_BYTES[train.compute_dtype]
+    D, F, Q = _widths(model, sizes)
+    S = train.seq_len
+    heads = model.num_heads / split((model.num_heads,), ("heads",), sizes)[0]
+    widened = b * S * cache_bytes_per_token(model, train, sizes) / max(1, model.num_layers) * (
+        c if train.quantize_kvcache else 0)
+    return (b * c * (3 * D + 3 * F + Q) + b * heads * S * 4 * 2 + widened + _ragged_expansion(
+        model, train, sizes, b, platform) + b * model.vocab_size / sizes.get("tensor", 1) * 4 * 2)
 
 
 def _peak(chip: Chip, train: TrainConfig) -> float:
@@ -320,31 +362,39 @@ def prefill_phase(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip
                  flops, nbytes)
 
 
-def max_batch_per_device(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_bytes: float) -> float:
-    """The largest per_device_batch_size whose decode and prefill memory fits (memory is linear in it)."""
-    worst = lambda B: max(estimate_memory(model, train, mesh, hbm_bytes, kind, B).total_bytes  # noqa: E731
-                          for kind in ("prefill", "decode"))
-    base, slope = worst(0.0), worst(1.0) - worst(0.0)
-    return max(0.0, (hbm_bytes - base) / slope) if slope > 0 else math.inf
+def max_batch_per_device(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_bytes: float,
+                         kind: str = "decode", platform: str = "tpu") -> float:
+    """The largest per_device_batch_size whose `kind` step fits (its memory grows linearly with the batch, past the
+    one prompt's prefill a decode holds beside it)."""
+    need = lambda B: estimate_memory(model, train, mesh, hbm_bytes, kind, B, platform).total_bytes  # noqa: E731
+    lo, hi = 0.0, 1.0
+    while need(hi) <= hbm_bytes and hi < 1 << 20:
+        lo, hi = hi, hi * 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if need(mid) <= hbm_bytes else (lo, mid)
+    return lo
 
 
 def estimate(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, topology: Topology,
-             context: float | None = None) -> ServingEstimate:
+             context: float | None = None, kind: str = "decode", largest_batch: bool = True) -> ServingEstimate:
     """The serving figures of `per_device_batch_size` sequences per device; decode priced at `context` filled
-    positions (default: the middle of generation, halfway from the prompt to the cache's end)."""
+    positions (default: the middle of generation, halfway from the prompt to the cache's end). `largest_batch`:
+    whether to find the largest batch that fits (a search that has it per mesh leaves it out: NaN)."""
     sizes = dict(mesh.sizes)
     devices = math.prod(sizes.values())
     B = train.micro_batch(devices)
     b = B / batch_split(sizes, B)
     P, S = train.max_prefill_predict_length, train.seq_len
     ctx = context if context is not None else (P + S) / 2
-    memory = max((estimate_memory(model, train, mesh, chip.hbm_bytes, kind) for kind in ("prefill", "decode")),
-                 key=lambda m: m.total_bytes)
+    memory = estimate_memory(model, train, mesh, chip.hbm_bytes, kind, platform=chip.kind)
     return ServingEstimate(
         model=model.name, chip=chip.name, devices=devices, batch=B, prompt=P, cache=S, context=ctx, memory=memory,
         prefill=prefill_phase(model, train, mesh, chip, topology, b, P),
+        first_token=prefill_phase(model, train, mesh, chip, topology, 1, P),
         decode=decode_phase(model, train, mesh, chip, topology, b, ctx),
-        max_batch_per_device=max_batch_per_device(model, train, mesh, chip.hbm_bytes))
+        max_batch_per_device=(max_batch_per_device(model, train, mesh, chip.hbm_bytes, kind, chip.kind)
+                              if largest_batch else math.nan))
 
 
 def static_batch_seconds(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, topology: Topology,

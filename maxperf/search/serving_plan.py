@@ -1,0 +1,223 @@
+"""`maxperf plan --step decode`: the serving layout with the most tokens/s per chip under latency bounds.
+
+The search is analytical (perfmodel.serving): every mesh of the topology's chips over data, tensor and, for a mixture
+of experts, expert; every batch that the mesh's batch shards divide, two per octave up to the largest that fits; the
+weights in the compute dtype or, where the user allows it (`quantization=auto`), int8 or FP8 where the chip has such
+matmul units, and the cache in the compute dtype or int8 (unless `quantize_kvcache` is pinned). Each candidate is priced by its time to first token (the prefill of one batch), its time per output
+token at the middle of generation and its tokens/s per chip; those that fit and meet `--max-time-per-token` and
+`--max-ttft` are ranked by tokens/s per chip. The Pareto front of time per token against tokens/s per chip is kept
+for the report. No layout meeting the bounds is exit 3, naming the closest and what it would need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from maxperf.perfmodel import serving
+from maxperf.perfmodel.estimate import device_for
+from maxperf.search.candidates import divisors
+from maxperf.spec import overrides as overrides_mod
+from maxperf.spec import presets
+from maxperf.spec import topology as topologies
+from maxperf.spec.errors import DoesNotFit, MaxperfError
+from maxperf.spec.hardware import CHIPS
+from maxperf.spec.mesh import Mesh
+from maxperf.spec.train import Quantization
+
+SCHEMA = "maxperf.serving_plan/1"
+SEARCHED = ("ici_tensor_parallelism", "ici_data_parallelism", "ici_expert_parallelism", "per_device_batch_size")
+
+
+class NoLayout(DoesNotFit):
+    """No layout meets the latency bounds (exit 3)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    axes: dict[str, int]
+    batch: int  # sequences, all devices
+    quantization: str
+    kv_int8: bool
+    fits: bool
+    memory_bytes: float
+    ttft_s: float
+    tpot_s: float
+    tokens_per_s_per_chip: float
+    bottleneck: str
+
+    def words(self, devices: int) -> list[str]:
+        words = [f"ici_{a}_parallelism={n}" for a, n in self.axes.items() if n > 1]
+        words.append(f"per_device_batch_size={self.batch / devices:g}")
+        if self.quantization != "none":
+            words.append(f"quantization={self.quantization}")
+        if self.kv_int8:
+            words.append("quantize_kvcache=true")
+        return words
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "mesh": " x ".join(f"{a}={n}" for a, n in self.axes.items() if n > 1)
+                or "1"}
+
+
+@dataclass
+class ServingPlan:
+    model: str
+    topology: str
+    devices: int
+    bounds: dict[str, float | None]
+    pinned: tuple[str, ...]
+    candidates: int = 0
+    fitting: int = 0
+    meeting: list[Layout] = field(default_factory=list)  # ranked, best first
+    pareto: list[Layout] = field(default_factory=list)  # by time per token
+    closest: Layout | None = None
+    search_seconds: float = 0.0
+
+    @property
+    def winner(self) -> Layout | None:
+        return self.meeting[0] if self.meeting else None
+
+    def compile_line(self, layout: Layout) -> str:
+        return ("maxperf compile --step decode --model " + self.model + " --topology " + self.topology + " "
+                + " ".join([*self.pinned, *layout.words(self.devices)]))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "model": self.model, "topology": self.topology, "devices": self.devices,
+                "bounds": self.bounds, "pinned": list(self.pinned), "candidates": self.candidates,
+                "fitting": self.fitting, "meeting": len(self.meeting), "search_seconds": self.search_seconds,
+                "winner": None if self.winner is None else {**self.winner.as_dict(),
+                                                            "compile": self.compile_line(self.winner)},
+                "top": [x.as_dict() for x in self.meeting[:20]], "pareto": [x.as_dict() for x in self.pareto],
+                "closest": None if self.closest is None else self.closest.as_dict()}
+
+
+def _meshes(devices: int, model, pins: dict[str, int]) -> list[dict[str, int]]:
+    """data x tensor x expert meshes of `devices`, tensor dividing the query heads and expert the experts (an axis
+    that divides nothing would replicate what it was meant to split)."""
+    out = []
+    for t in divisors(devices):
+        if model.num_heads % t:
+            continue
+        for e in (divisors(devices // t) if model.is_moe else [1]):
+            if model.is_moe and model.num_experts % e:
+                continue
+            axes = {"data": devices // (t * e), "tensor": t, "expert": e}
+            if all(axes[a] == n for a, n in pins.items()):
+                out.append(axes)
+    return out
+
+
+def _batches(shards: int, largest: int) -> list[int]:
+    """Batches that `shards` divides, two per octave (n and 1.5 n), up to `largest`."""
+    out, n = set(), 1
+    while n * shards <= largest:
+        out.add(n * shards)
+        if (3 * n) % 2 == 0 and 3 * n // 2 * shards <= largest:
+            out.add(3 * n // 2 * shards)
+        n *= 2
+    return sorted(out)
+
+
+def _precisions(quantization: Quantization, chip_name: str) -> list[str]:
+    if quantization is not Quantization.AUTO:
+        return [quantization.value]
+    chip = CHIPS[chip_name]
+    return ["none"] + (["int8"] if chip.peak_int8_ops else []) + (["fp8"] if chip.peak_fp8_flops else [])
+
+
+def search(model_name: str, topology_name: str, words: tuple[str, ...] = (), *, max_tpot_s: float | None = None,
+           max_ttft_s: float | None = None, largest_batch: int | None = None) -> ServingPlan:
+    """The serving plan (module doc). `words`: key=value pins (the mesh's ici_* sizes, quantization=auto|none|int8|fp8,
+    quantize_kvcache, max_prefill_predict_length, max_target_length, ...); the mesh axes and the batch are searched
+    where not pinned; `largest_batch`: the most sequences tried (default 1,024 a device; memory bounds it first)."""
+    start = time.perf_counter()
+    for bound, name in ((max_tpot_s, "--max-time-per-token"), (max_ttft_s, "--max-ttft")):
+        if bound is not None and bound <= 0:
+            raise MaxperfError(f"{name} must be > 0 ms, got {bound * 1e3:g}")
+    model = presets.get(model_name)
+    topo = topologies.get(topology_name)
+    if topo.num_slices > 1 or topo.platform == "cpu":
+        raise MaxperfError(f"plan --step decode searches one slice or node group of TPUs or GPUs, got {topo.name}")
+    configs = overrides_mod.apply(model, list(words))
+    model, train, par = configs.model, configs.train, configs.parallelism
+    pins = {a: getattr(par, f"ici_{a}") for a in ("data", "tensor", "expert") if getattr(par, f"ici_{a}") not in (1, -1)}
+    pinned_batch = any(w.startswith(("per_device_batch_size=",)) for w in words)
+    kv_choices = ([False, True] if train.quantization is Quantization.AUTO
+                  and not any(w.startswith("quantize_kvcache=") for w in words) else [train.quantize_kvcache])
+    devices = topo.num_devices
+    largest_batch = largest_batch or 1024 * devices
+    chip = device_for(topo)
+    bounds = {"max_time_per_token_s": max_tpot_s, "max_ttft_s": max_ttft_s}
+    plan = ServingPlan(model.name, topo.name, devices, bounds,
+                       tuple(w for w in words if not w.startswith(("ici_", "per_device_batch_size=", "quantization=",
+                                                                   "quantize_kvcache="))))
+    layouts: list[Layout] = []
+    for axes in _meshes(devices, model, pins):
+        mesh = Mesh.of({"data": axes["data"], "tensor": axes["tensor"], "expert": axes["expert"]}, None)
+        shards = axes["data"] * axes["expert"]
+        for precision, kv_int8 in itertools.product(_precisions(train.quantization, topo.chip), kv_choices):
+            t = dataclasses.replace(train, quantization=Quantization(precision), quantize_kvcache=kv_int8)
+            top = serving.max_batch_per_device(model, t, mesh, chip.hbm_bytes, platform=chip.kind) * devices
+            ceiling = min(largest_batch, int(top)) if math.isfinite(top) else largest_batch
+            batches = ([train.micro_batch(devices)] if pinned_batch else _batches(shards, max(ceiling, shards)))
+            for B in batches:
+                if B % shards:
+                    continue
+                t_b = dataclasses.replace(t, per_device_batch_size=B / devices)
+                e = serving.estimate(model, t_b, mesh, chip, topo, largest_batch=False)
+                layouts.append(Layout(axes, B, precision, kv_int8, e.memory.fits, e.memory.total_bytes, e.ttft_s,
+                                      e.time_per_output_token_s, e.tokens_per_s_per_chip, e.decode.bottleneck))
+    plan.candidates = len(layouts)
+    fitting = [x for x in layouts if x.fits]
+    plan.fitting = len(fitting)
+    meets = [x for x in fitting if (max_tpot_s is None or x.tpot_s <= max_tpot_s)
+             and (max_ttft_s is None or x.ttft_s <= max_ttft_s)]
+    plan.meeting = sorted(meets, key=lambda x: (-x.tokens_per_s_per_chip, x.tpot_s))
+    front, best = [], -1.0
+    for x in sorted(fitting, key=lambda x: (x.tpot_s, -x.tokens_per_s_per_chip)):
+        if x.tokens_per_s_per_chip > best:
+            front.append(x)
+            best = x.tokens_per_s_per_chip
+    plan.pareto = front
+    if not plan.meeting and fitting:
+        def shortfall(x: Layout) -> float:
+            return max((x.tpot_s / max_tpot_s) if max_tpot_s else 0.0, (x.ttft_s / max_ttft_s) if max_ttft_s else 0.0)
+        plan.closest = min(fitting, key=shortfall)
+    plan.search_seconds = time.perf_counter() - start
+    return plan
+
+
+def write(plan: ServingPlan, out) -> Path:
+    """plan.json into `out`, atomically."""
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / ".plan.json.partial"
+    tmp.write_text(json.dumps(plan.as_dict(), allow_nan=False) + "\n")
+    os.replace(tmp, directory / "plan.json")
+    return directory / "plan.json"
+
+
+def miss_line(plan: ServingPlan) -> str:
+    """Why no layout is given, and what the closest would need."""
+    if plan.closest is None:
+        return (f"no layout of {plan.model} fits on {plan.topology} ({plan.candidates} tried): more or larger "
+                "chips, or int8 / fp8 weights (quantization=auto)")
+    c = plan.closest
+    needs = []
+    if plan.bounds["max_time_per_token_s"] and c.tpot_s > plan.bounds["max_time_per_token_s"]:
+        needs.append(f"--max-time-per-token {c.tpot_s * 1e3:.3g}")
+    if plan.bounds["max_ttft_s"] and c.ttft_s > plan.bounds["max_ttft_s"]:
+        needs.append(f"--max-ttft {c.ttft_s * 1e3:.3g}")
+    return (f"no layout meets the bounds ({plan.fitting} fit of {plan.candidates}); closest: "
+            f"{c.as_dict()['mesh']}, {c.batch} sequences, {c.quantization} weights"
+            + (", int8 cache" if c.kv_int8 else "") + ": "
+            f"{c.tpot_s * 1e3:.3g} ms per token, TTFT {c.ttft_s * 1e3:.3g} ms; it would need "
+            + " and ".join(needs) + ", or faster or more chips")
