@@ -20,6 +20,8 @@ def cmd_estimate(args) -> int:
     from maxperf.user_cache import calibration_for
 
     p = resolve(args.topology, args.model, args.overrides, num_slices=args.num_slices)
+    if args.step != "train":
+        return _serving(p, args.step, args.json, calibration_for(p.topology))
     est = perfmodel.estimate(p, overlap=args.overlap, calibration=calibration_for(p.topology))
     print_warnings(p)
     if args.json:
@@ -51,6 +53,40 @@ def cmd_estimate(args) -> int:
     return 0 if est.fits else 3
 
 
+def _serving(p, kind: str, as_json: bool, calibration) -> int:
+    """`estimate --step prefill|decode`: perfmodel.serving's memory, latency and throughput (docs/serving.md)."""
+    from maxperf.models.serving import check
+    from maxperf.perfmodel import serving
+    from maxperf.perfmodel.estimate import device_for
+
+    check(p.model, p.train, p.mesh.devices, dict(p.mesh.sizes), kind)
+    chip = device_for(p.topology, calibration)
+    e = serving.estimate(p.model, p.train, p.mesh, chip, p.topology, kind=kind)
+    if as_json:
+        print_json({**e.as_dict(), "step": kind, "topology": p.topology.name,
+                    "mesh": {"axes": p.mesh.axes, "ici": p.mesh.ici, "dcn": p.mesh.dcn}})
+        return 0 if e.memory.fits else 3
+    t = p.configs.train
+    print(f"{p.model.name} {kind} on {p.topology.display_name} ({p.topology.chips} {chip.name} chips), mesh "
+          + (" x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1) or "1 (one device)"))
+    print(f"  batch            {e.batch} sequences, prompt {e.prompt} tokens, cache {e.cache} positions"
+          + (", int8 cache" if t.quantize_kvcache else "") + (f", {t.quantization} weights"
+                                                             if t.quantization != "none" else ""))
+    m = e.memory
+    print(f"  memory/device    {m.total_bytes / GIB:.2f} GiB of {m.hbm_bytes / GIB:.2f} GiB "
+          f"({'fits' if m.fits else 'DOES NOT FIT'}): weights {m.weights_bytes / GIB:.2f}, cache "
+          f"{m.cache_bytes / GIB:.2f}, temporaries {m.temp_bytes / GIB:.2f}; up to {e.max_batch_per_device:.4g} "
+          "sequences per device fit")
+    print(f"  prefill          {e.prefill.seconds * 1e3:.4g} ms for the batch, bound by {e.prefill.bottleneck}; "
+          f"time to first token of one prompt {e.ttft_s * 1e3:.4g} ms")
+    print(f"  decode           {e.time_per_output_token_s * 1e3:.4g} ms per output token at {e.context:.0f} cached "
+          f"positions, bound by {e.decode.bottleneck}")
+    print(f"  tokens/s         {e.tokens_per_s:,.0f} ({e.tokens_per_s_per_chip:,.0f} per chip)")
+    print(f"  uncertainty      +-{serving.HELD_OUT_ERROR[0]:.0%} (worst {serving.HELD_OUT_ERROR[1]:.0%}): "
+          f"{serving.HELD_OUT_BASIS}")
+    return 0 if m.fits else 3
+
+
 def estimate_summary(p, est) -> dict:
     """`maxperf estimate --json`: perfmodel's estimate with what it was for (topology, mesh, batch)."""
     t = p.configs.train
@@ -65,6 +101,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("estimate", help="analytical step time, TFLOP/s, MFU and memory, no compile")
     add_request_arguments(p, model_default=None)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.add_argument("--step", choices=("train", "prefill", "decode"), default="train",
+                   help="train (default), or a serving step: its memory, latency and tokens/s (docs/serving.md)")
     p.add_argument("--overlap", type=float, help="fraction of communication hidden under compute (0..1); "
                    "default: per collective family on TPU and GPU, none on CPU")
     p.set_defaults(func=cmd_estimate)

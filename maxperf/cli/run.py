@@ -107,6 +107,8 @@ def cmd_run(args) -> int:
         if (oom := out_of_memory(e)) is None:
             raise
         raise oom from None
+    if isinstance(result, dict):  # a serving step's run (profiler/serving_run.py)
+        return _print_serving(result, args.json)
     if args.json:
         print_json(result.as_dict())
         return 0
@@ -143,6 +145,25 @@ def cmd_run(args) -> int:
         print(f"  profile          {len(prof['top_ops'])} ops summarized; open with: {prof['open_command']}")
         for note in prof["missing"]:
             print(f"  missing          {note}")
+    return 0
+
+
+def _print_serving(r: dict, as_json: bool) -> int:
+    if as_json:
+        print_json(r)
+        return 0
+    what = "prefill of the batch" if r["step"] == "prefill" else "per output token"
+    print(f"ran {r['steps']} {r['step']} steps on {r['devices']} {r['device_kind']} device(s) -> "
+          f"{r['out_dir']}/run.json")
+    print(f"  step time        median {r['step_time_s'] * 1e3:.4g} ms {what} (min {r['step_time_min_s'] * 1e3:.4g} ms)"
+          f", {r['batch']} sequences")
+    print(f"  tokens/s         {r['tokens_per_s']:,.0f} ({r['tokens_per_s_per_chip']:,.0f} per device)")
+    if r["predicted_step_time_s"]:
+        print(f"  predicted        {r['predicted_step_time_s'] * 1e3:.4g} ms ({r['predicted_basis']}); "
+              f"measured/predicted {r['measured_over_predicted']:.2f}")
+    if r["hlo_predicted_step_time_s"]:
+        print(f"  from the HLO     {r['hlo_predicted_step_time_s'] * 1e3:.4g} ms; measured/predicted "
+              f"{r['measured_over_hlo_predicted']:.2f}")
     return 0
 
 

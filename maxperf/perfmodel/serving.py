@@ -42,6 +42,11 @@ DECODE_HBM_EFFICIENCY = {"gpu": 0.63, "tpu": 0.63, "cpu": 1.0}
 # fused TPU programs fewer)
 DECODE_LAYER_S = {"gpu": 20e-6, "tpu": 10e-6, "cpu": 0.0}
 FITTED_ON = "bench/serving.py, 2026-11-27"
+# How far this model falls from published serving measurements it was not fitted on: the median and worst
+# |predicted / published - 1| of throughput, each source's rows predicted with the constant fitted without them
+HELD_OUT_ERROR = (0.322, 2.531)
+HELD_OUT_BASIS = ("the median and worst error on 62 published TensorRT-LLM serving runs, each source held out of the "
+                  "fit (bench/serving.py, 2026-11-27)")
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,8 @@ class ServingEstimate:
                 "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
                 "max_batch_per_device": self.max_batch_per_device,
                 "constants": {"decode_hbm_efficiency": DECODE_HBM_EFFICIENCY, "decode_layer_s": DECODE_LAYER_S,
-                              "fitted_on": FITTED_ON}}
+                              "fitted_on": FITTED_ON},
+                "uncertainty": {"relative": HELD_OUT_ERROR[0], "worst": HELD_OUT_ERROR[1], "basis": HELD_OUT_BASIS}}
 
 
 def serving_model(model: ModelConfig) -> ModelConfig:

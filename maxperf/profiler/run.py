@@ -207,16 +207,15 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
     from maxperf.user_cache import calibration_for
 
     artifact = load(path)
-    if artifact.manifest.get("step") in ("prefill", "decode"):
-        raise MaxperfError(f"{path}: a {artifact.manifest['step']} step; `maxperf run` measures train steps and "
-                           "users' steps (measuring the serving steps on hardware is not built yet: compile's "
-                           "estimate.json holds their predicted latency)")
     if artifact.user is not None:
         from maxperf.profiler import user_run
 
         return user_run.run(artifact, steps=steps, warmup=warmup, profile=profile, data=data, checkpoint=checkpoint,
                             restore=restore, out=out, progress=progress, peer_timeout=peer_timeout, force=force)
     devices = check_devices(artifact, jax.devices())
+    if artifact.manifest.get("step") in ("prefill", "decode"):
+        return _serving(artifact, devices, steps=steps, warmup=warmup, profile=profile, data=data,
+                        checkpoint=checkpoint, restore=restore, out=out, force=force, say=say)
     if checkpoint is not None:
         checkpoints.check_destination(Path(checkpoint))  # a save that cannot happen fails before the first step
     out_dir = Path(out) if out is not None else artifact.directory / "run"
@@ -313,6 +312,24 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
                 "partial")
         raise interrupted
     return result
+
+
+def _serving(artifact: Artifact, devices, *, steps: int, warmup: int, profile: bool, data, checkpoint, restore,
+             out, force: bool, say) -> dict:
+    """A serving artifact's run (profiler/serving_run.py): its run.json as a dict."""
+    from maxperf.profiler import serving_run
+
+    given = [name for name, value in (("--profile", profile), ("--data", data), ("--checkpoint", checkpoint),
+                                      ("--restore", restore)) if value]
+    if given:
+        raise MaxperfError(f"{', '.join(given)}: a serving step runs synthetic tokens and keeps no state; drop "
+                           f"{' and '.join(given)}")
+    out_dir = Path(out) if out is not None else artifact.directory / "run"
+    artifacts.claim_output(out_dir, "run", force=force, inputs=[artifact.directory])
+    say(f"loading the {artifact.manifest['step']} step onto {len(devices)} {devices[0].platform} device(s)")
+    result = serving_run.run(artifact, devices, steps=steps, warmup=warmup, out_dir=out_dir, force=force,
+                             used=[artifact.directory], say=say)
+    return {**result, "out_dir": str(out_dir)}
 
 
 def timed_steps(prepare: Callable[[int], Any], execute: Callable[[Any], float | None], warmup: int, steps: int,
