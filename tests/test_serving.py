@@ -353,3 +353,32 @@ def test_run_measures_a_compiled_decode_step_beside_its_prediction(tmp_path):
     assert run["predicted_step_time_s"] > 0 and run["hlo_predicted_step_time_s"] > 0
     proc = maxperf("run", str(art), "--checkpoint", str(tmp_path / "ckpt"), "--force")
     assert proc.returncode == 2 and "keeps no state" in proc.stderr
+
+
+def test_the_report_shows_the_serving_plan_curve_and_the_decode_step(tmp_path):
+    """`maxperf report` of a serving plan, a decode compile and its run: the plan's Pareto curve (time per token
+    against tokens/s per chip) with its numbers, the step's memory and latency, the measured steps."""
+    import csv
+
+    from cli_util import maxperf
+
+    from maxperf.search import serving_plan
+
+    plan = serving_plan.search("llama3-8b", "h100-1", ("max_target_length=4096", "max_prefill_predict_length=512"),
+                               max_tpot_s=0.02)
+    serving_plan.write(plan, tmp_path / "plan")
+    art = tmp_path / "decode"
+    assert maxperf("compile", "--step", "decode", "--model", "tiny", "--topology", "cpu-1", "per_device_batch_size=2",
+                   "max_target_length=32", "max_prefill_predict_length=8", "--out", str(art)).returncode == 0
+    assert maxperf("run", str(art), "--steps", "2", "--warmup", "1").returncode == 0
+    html = tmp_path / "report.html"
+    proc = maxperf("report", str(tmp_path / "plan"), str(art), str(art / "run"), "-o", str(html))
+    assert proc.returncode == 0, proc.stderr
+    text = html.read_text()
+    assert "serving plan: llama3-8b decode on h100-1" in text and "<svg" in text
+    assert "ms per output token" in text and "measured" in text
+    files = tmp_path / "report_files"
+    with open(next(files.glob("*pareto-front*.csv"))) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(plan.pareto) and float(rows[0]["ms/token"]) == pytest.approx(
+        plan.pareto[0].tpot_s * 1e3, abs=1e-3)

@@ -74,6 +74,14 @@ def _render(paths: list[str | os.PathLike], out_html: str | os.PathLike, command
         if not path.exists():
             raise MaxperfError(f"{path} does not exist")
         kind, directory = _classify(path)
+        from maxperf.reports import serving as serving_sections
+
+        if kind != "sweep" and serving_sections.is_serving(kind, directory):
+            if kind == "plan":
+                serving_sections.read_plan(report, directory)
+            else:
+                serving_sections.read_step(report, kind, directory)
+            continue
         if kind == "sweep":
             scaling.read(report, directory)
         elif kind == "plan":

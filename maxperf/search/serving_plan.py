@@ -64,7 +64,7 @@ class Layout:
 
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "mesh": " x ".join(f"{a}={n}" for a, n in self.axes.items() if n > 1)
-                or "1"}
+                or "one device"}
 
 
 @dataclass

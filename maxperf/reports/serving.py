@@ -1,0 +1,124 @@
+"""Sections of the serving artifacts: a `plan --step decode` directory (its winner and the Pareto curve of time per
+output token against tokens/s per chip), a `compile --step prefill|decode` directory and its `run`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from maxperf.reports import figures
+from maxperf.reports.page import GIB, Page, Section, read_json
+from maxperf.spec.errors import MaxperfError
+
+PLAN_SCHEMA = "maxperf.serving_plan/1"
+RUN_SCHEMA = "maxperf.serving_run/1"
+STEPS = ("prefill", "decode")
+
+
+def is_serving(kind: str, directory: Path) -> bool:
+    """Whether a compile, run or plan directory holds a serving step's."""
+    if kind == "plan":
+        return (read_json(directory / "plan.json") or {}).get("schema") == PLAN_SCHEMA
+    if kind == "run":
+        return (read_json(directory / "run.json") or {}).get("schema") == RUN_SCHEMA
+    return (read_json(directory / "manifest.json") or {}).get("step") in STEPS
+
+
+def _curve(layouts: list[dict], front: list[dict], winner: dict | None, bound_ms: float | None) -> str:
+    plt = figures._pyplot()
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    ax.scatter([x["tpot_s"] * 1e3 for x in layouts], [x["tokens_per_s_per_chip"] for x in layouts], s=8,
+               alpha=0.35, color="#7f7f7f", label="ranked layouts")
+    ax.plot([x["tpot_s"] * 1e3 for x in front], [x["tokens_per_s_per_chip"] for x in front], "-o", color="#1f77b4",
+            markersize=4, label="Pareto front")
+    if winner is not None:
+        ax.scatter([winner["tpot_s"] * 1e3], [winner["tokens_per_s_per_chip"]], s=140, marker="*", color="#d62728",
+                   zorder=5, label="chosen")
+    if bound_ms is not None:
+        ax.axvline(bound_ms, color="black", linestyle="--", linewidth=1)
+        ax.text(bound_ms, 0, " bound", va="bottom", fontsize=8)
+    ax.set_xlabel("time per output token (ms, predicted)")
+    ax.set_ylabel("output tokens/s per chip (predicted)")
+    ax.legend(fontsize=8, loc="upper left")
+    alt = (f"time per output token against tokens/s per chip: {len(front)} layouts on the Pareto front, "
+           f"{len(layouts)} ranked" + ("; the chosen one marked" if winner else ""))
+    return figures.to_svg(fig, alt)
+
+
+def read_plan(page: Page, directory: Path) -> None:
+    data = read_json(directory / "plan.json")
+    if data is None or data.get("schema") != PLAN_SCHEMA:
+        raise MaxperfError(f"{directory / 'plan.json'} is not a {PLAN_SCHEMA} document; run `maxperf plan` again")
+    s = Section(f"serving plan: {data['model']} decode on {data['topology']} ({directory})", "plan")
+    w = data.get("winner")
+    if w:
+        s.headline = (f"chosen: {w['mesh']}, {w['batch']} sequences, {w['quantization']} weights"
+                      + (", int8 cache" if w["kv_int8"] else "") + f": {w['tpot_s'] * 1e3:.3g} ms per output token, "
+                      f"{w['tokens_per_s_per_chip']:,.0f} tokens/s per chip, time to first token "
+                      f"{w['ttft_s'] * 1e3:.3g} ms")
+        s.verdict = "fits"
+    else:
+        s.headline = "no layout meets the bounds"
+        s.verdict = "does not fit"
+    bounds = data["bounds"]
+    s.facts = [("devices", str(data["devices"])),
+               ("bounds", ", ".join(f"{k.replace('_s', '').replace('_', ' ')} {v * 1e3:g} ms"
+                                    for k, v in bounds.items() if v) or "none"),
+               ("layouts", f"{data['candidates']:,} priced, {data['fitting']:,} fit, {data['meeting']:,} meet the "
+                           "bounds"),
+               ("search", f"{data['search_seconds']:.2f} s analytical (perfmodel.serving)")]
+    if w:
+        s.facts.append(("maxperf", w["compile"]))
+    front = data["pareto"]
+    if front:
+        svg = _curve(data["top"], front, w, (bounds.get("max_time_per_token_s") or 0) * 1e3 or None)
+        s.figures.append((svg, page.table("Pareto front: time per output token against tokens/s per chip", [
+            "mesh", "sequences", "weights", "int8 cache", "ms/token", "TTFT ms", "tokens/s/chip", "memory GiB"],
+            [[x["mesh"], x["batch"], x["quantization"], x["kv_int8"], round(x["tpot_s"] * 1e3, 3),
+              round(x["ttft_s"] * 1e3, 3), round(x["tokens_per_s_per_chip"]), round(x["memory_bytes"] / GIB, 3)]
+             for x in front])))
+    s.tables.append(page.table("layouts meeting the bounds, best first", [
+        "mesh", "sequences", "weights", "int8 cache", "ms/token", "TTFT ms", "tokens/s/chip", "memory GiB", "bound"],
+        [[x["mesh"], x["batch"], x["quantization"], x["kv_int8"], round(x["tpot_s"] * 1e3, 3),
+          round(x["ttft_s"] * 1e3, 3), round(x["tokens_per_s_per_chip"]), round(x["memory_bytes"] / GIB, 3),
+          x["bottleneck"]] for x in data["top"]]))
+    page.sections.append(s)
+
+
+def read_step(page: Page, kind: str, directory: Path) -> None:
+    """A serving compile directory, or its run (run.json beside or inside it)."""
+    run = read_json(directory / "run.json") if kind == "run" else None
+    artifact = Path(run["artifact"]) if run else directory
+    manifest = read_json(artifact / "manifest.json") or {}
+    estimate = read_json(artifact / "estimate.json") or {}
+    memory = read_json(artifact / "memory.json") or {}
+    step = manifest.get("step") or (run or {}).get("step")
+    model = manifest.get("model", {}).get("name", "?")
+    topology = manifest.get("topology", {}).get("name", "?")
+    s = Section(f"{step}: {model} on {topology} ({directory})", kind)
+    if memory.get("per_device_total_bytes"):
+        s.verdict = "fits" if memory.get("fits") else "does not fit"
+    if step == "decode":
+        s.headline = (f"predicted {estimate.get('time_per_output_token_s', 0) * 1e3:.3g} ms per output token, "
+                      f"{estimate.get('tokens_per_s_per_chip', 0):,.0f} tokens/s per chip")
+    else:
+        s.headline = f"predicted {estimate.get('prefill', {}).get('seconds', 0) * 1e3:.3g} ms for the batch's prompts"
+    if run:
+        s.headline += (f"; measured {run['step_time_s'] * 1e3:.3g} ms on {run['devices']} {run['device_kind']} "
+                       f"(measured/predicted {run['measured_over_predicted']:.2f})"
+                       if run.get("measured_over_predicted") else "")
+    if estimate.get("memory"):
+        m = estimate["memory"]
+        compiled = (memory.get("per_device_total_bytes") or 0) / GIB
+        s.facts += [("memory/device", f"{compiled:.2f} GiB compiled, {m['total_bytes'] / GIB:.2f} GiB analytical "
+                                      f"(weights {m['weights_bytes'] / GIB:.2f}, cache {m['cache_bytes'] / GIB:.2f}) "
+                                      f"of {m['hbm_bytes'] / GIB:.2f} GiB"),
+                    ("batch", f"{estimate['batch']} sequences, prompt {estimate['prompt_tokens']}, cache "
+                              f"{estimate['cache_positions']} positions"),
+                    ("time to first token", f"{estimate['ttft_s'] * 1e3:.3g} ms (one prompt)"),
+                    ("largest batch", f"{estimate['max_batch_per_device']:.4g} sequences per device fit")]
+    if (hlo := estimate.get("hlo_time")) is not None:
+        s.facts.append(("read from the HLO", f"{hlo['step_time_s'] * 1e3:.3g} ms per step"))
+    if run:
+        s.tables.append(page.table("measured steps", ["step", "seconds"],
+                                   [[i, t] for i, t in enumerate(run["step_times_s"])]))
+    page.sections.append(s)
