@@ -382,3 +382,22 @@ def test_the_report_shows_the_serving_plan_curve_and_the_decode_step(tmp_path):
         rows = list(csv.DictReader(f))
     assert len(rows) == len(plan.pareto) and float(rows[0]["ms/token"]) == pytest.approx(
         plan.pareto[0].tpot_s * 1e3, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_the_serving_memory_bench_compiles_and_agrees_with_the_compiler(tmp_path):
+    """bench/serving_memory.py, which docs/serving.md quotes: its latent-attention mixture-of-experts cases (decode
+    and the prefill with XLA:GPU's expanded grouped matmul), analytical within 5% of the compiler."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "serving_memory.py"
+    out = tmp_path / "memory.json"
+    proc = subprocess.run([sys.executable, str(bench), "--only", "deepseek-v2-lite", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert [c["step"] for c in result["cases"]] == ["decode", "prefill"]
+    assert result["worst"] < 0.05

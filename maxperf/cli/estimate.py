@@ -75,8 +75,9 @@ def _serving(p, kind: str, as_json: bool, calibration) -> int:
     m = e.memory
     print(f"  memory/device    {m.total_bytes / GIB:.2f} GiB of {m.hbm_bytes / GIB:.2f} GiB "
           f"({'fits' if m.fits else 'DOES NOT FIT'}): weights {m.weights_bytes / GIB:.2f}, cache "
-          f"{m.cache_bytes / GIB:.2f}, temporaries {m.temp_bytes / GIB:.2f}; up to {e.max_batch_per_device:.4g} "
-          "sequences per device fit")
+          f"{m.cache_bytes / GIB:.2f}, temporaries {m.temp_bytes / GIB:.2f}")
+    print(f"  largest          {e.max_batch_per_device:.4g} sequences per device at {e.cache} positions; "
+          f"{e.max_context:,} positions at {e.batch} sequences")
     print(f"  prefill          {e.prefill.seconds * 1e3:.4g} ms for the batch, bound by {e.prefill.bottleneck}; "
           f"time to first token of one prompt {e.ttft_s * 1e3:.4g} ms")
     print(f"  decode           {e.time_per_output_token_s * 1e3:.4g} ms per output token at {e.context:.0f} cached "

@@ -118,6 +118,7 @@ class ServingEstimate:
     first_token: Phase  # one prompt alone: a request's time to first token
     decode: Phase
     max_batch_per_device: float  # the largest per_device_batch_size whose memory fits
+    max_context: float  # the most cache positions (max_target_length) that fit at this batch
 
     @property
     def ttft_s(self) -> float:
@@ -146,7 +147,7 @@ class ServingEstimate:
                 "ttft_s": self.ttft_s,
                 "time_per_output_token_s": self.time_per_output_token_s, "tokens_per_s": self.tokens_per_s,
                 "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
-                "max_batch_per_device": self.max_batch_per_device,
+                "max_batch_per_device": self.max_batch_per_device, "max_context": self.max_context,
                 "constants": {"decode_hbm_efficiency": DECODE_HBM_EFFICIENCY, "decode_layer_s": DECODE_LAYER_S,
                               "fitted_on": FITTED_ON},
                 "uncertainty": {"relative": HELD_OUT_ERROR[0], "worst": HELD_OUT_ERROR[1], "basis": HELD_OUT_BASIS}}
@@ -382,6 +383,26 @@ def max_batch_per_device(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm
     return lo
 
 
+def max_context(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_bytes: float, kind: str = "decode",
+                platform: str = "tpu") -> int:
+    """The most cache positions (max_target_length, at least the prompt's) whose `kind` step fits at this batch; 0
+    where not even the prompt's do."""
+    def fits(S: int) -> bool:
+        t = dataclasses.replace(train, seq_len=S)
+        return estimate_memory(model, t, mesh, hbm_bytes, kind, platform=platform).total_bytes <= hbm_bytes
+
+    lo = train.max_prefill_predict_length
+    if not fits(lo):
+        return 0
+    hi = lo * 2
+    while fits(hi) and hi < 1 << 26:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def estimate(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, topology: Topology,
              context: float | None = None, kind: str = "decode", largest_batch: bool = True) -> ServingEstimate:
     """The serving figures of `per_device_batch_size` sequences per device; decode priced at `context` filled
@@ -400,7 +421,8 @@ def estimate(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, top
         first_token=prefill_phase(model, train, mesh, chip, topology, 1, P),
         decode=decode_phase(model, train, mesh, chip, topology, b, ctx),
         max_batch_per_device=(max_batch_per_device(model, train, mesh, chip.hbm_bytes, kind, chip.kind)
-                              if largest_batch else math.nan))
+                              if largest_batch else math.nan),
+        max_context=max_context(model, train, mesh, chip.hbm_bytes, kind, chip.kind) if largest_batch else math.nan)
 
 
 def static_batch_seconds(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, topology: Topology,
