@@ -238,3 +238,19 @@ def test_a_dropless_moe_step_on_gpu_is_warned_of_its_dense_expansion():
     assert resolve("h100-8", "qwen3-30b-a3b", ["sparse_matmul=false", "capacity_factor=1.25"]).warnings == ()
     assert resolve("v5p-8", "qwen3-30b-a3b").warnings == ()
     assert resolve("h100-8", "mixtral-8x7b", ["ici_expert_parallelism=8"]).warnings == ()
+
+
+def test_plan_searches_pipeline_stages_across_hosts_where_left_to_it():
+    """dcn_pipeline_parallelism=-1: the stage counts over the hosts that split the layers into whole stages are
+    searched with their microbatch counts; by default none are (the space stays as it was)."""
+    from maxperf.search import candidates
+
+    left = candidates.space("llama2-7b", "h100-8x4", global_batch_tokens=1 << 20,
+                            pins=("dcn_pipeline_parallelism=-1",))
+    staged = [c for c in left.candidates if c.dcn["stage"] > 1]
+    assert {c.dcn["stage"] for c in staged} == {2, 4}  # 32 layers over 4 hosts
+    assert all(c.pipeline_microbatches % c.dcn["stage"] == 0 for c in staged)
+    assert all(c.ici["stage"] == 1 for c in left.candidates)
+    default = candidates.space("llama2-7b", "h100-8x4", global_batch_tokens=1 << 20)
+    assert not [c for c in default.candidates if c.dcn["stage"] > 1]
+    assert len(left.candidates) > len(default.candidates)
