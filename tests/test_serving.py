@@ -178,7 +178,7 @@ def test_compile_writes_a_decode_artifact_whose_memory_the_perfmodel_follows(tmp
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["step"] == "decode" and manifest["global_batch"] == 8 and manifest["tokens_per_step"] == 8
     memory, estimate = (json.loads((out / n).read_text()) for n in ("memory.json", "estimate.json"))
-    assert estimate["schema"] == "maxperf.serving_estimate/1" and estimate["step"] == "decode"
+    assert estimate["schema"] == "maxperf.serving-estimate/1" and estimate["step"] == "decode"
     analytical = estimate["memory"]["weights_bytes"] + estimate["memory"]["cache_bytes"]
     # the arguments are exactly the weights and the cache (the tokens and positions: 64 bytes)
     assert memory["argument_bytes"] == pytest.approx(analytical + 64, rel=0.02)
@@ -299,7 +299,7 @@ def test_plan_decode_prints_and_compiles_its_winner(tmp_path):
     assert "best: maxperf compile --step decode --model gemma-2b --topology h100-1" in proc.stdout
     assert "(fits)" in proc.stdout
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["schema"] == "maxperf.serving_plan/1" and plan["winner"]["tpot_s"] <= 0.02
+    assert plan["schema"] == "maxperf.serving-plan/1" and plan["winner"]["tpot_s"] <= 0.02
     manifest = json.loads((out / "winner" / "manifest.json").read_text())
     assert manifest["step"] == "decode"
 
@@ -347,7 +347,7 @@ def test_run_measures_a_compiled_decode_step_beside_its_prediction(tmp_path):
     proc = maxperf("run", str(art), "--steps", "3", "--warmup", "1")
     assert proc.returncode == 0, proc.stderr
     run = json.loads((art / "run" / "run.json").read_text())
-    assert run["schema"] == "maxperf.serving_run/1" and run["step"] == "decode" and run["steps"] == 3
+    assert run["schema"] == "maxperf.serving-run/1" and run["step"] == "decode" and run["steps"] == 3
     assert run["batch"] == 4 and all(t > 0 for t in run["step_times_s"])
     assert run["tokens_per_s"] == pytest.approx(4 / run["step_time_s"])
     assert run["predicted_step_time_s"] > 0 and run["hlo_predicted_step_time_s"] > 0

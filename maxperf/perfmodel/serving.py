@@ -138,7 +138,7 @@ class ServingEstimate:
 
     def as_dict(self) -> dict:
         phase = lambda p: {**dataclasses.asdict(p), "bottleneck": p.bottleneck}  # noqa: E731
-        return {"schema": "maxperf.serving_estimate/1", "model": self.model, "chip": self.chip,
+        return {"schema": "maxperf.serving-estimate/1", "model": self.model, "chip": self.chip,
                 "devices": self.devices, "batch": self.batch, "prompt_tokens": self.prompt,
                 "cache_positions": self.cache, "context": self.context,
                 "memory": {**dataclasses.asdict(self.memory), "total_bytes": self.memory.total_bytes,

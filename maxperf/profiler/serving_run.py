@@ -23,7 +23,7 @@ from maxperf.aot import artifacts
 from maxperf.aot.loading import Artifact
 from maxperf.spec.errors import MaxperfError
 
-SCHEMA = "maxperf.serving_run/1"
+SCHEMA = "maxperf.serving-run/1"
 
 
 def loaded(artifact: Artifact, devices):

@@ -9,8 +9,8 @@ from maxperf.reports import figures
 from maxperf.reports.page import GIB, Page, Section, read_json
 from maxperf.spec.errors import MaxperfError
 
-PLAN_SCHEMA = "maxperf.serving_plan/1"
-RUN_SCHEMA = "maxperf.serving_run/1"
+PLAN_SCHEMA = "maxperf.serving-plan/1"
+RUN_SCHEMA = "maxperf.serving-run/1"
 STEPS = ("prefill", "decode")
 
 

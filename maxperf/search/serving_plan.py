@@ -32,7 +32,7 @@ from maxperf.spec.hardware import CHIPS
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.train import Quantization
 
-SCHEMA = "maxperf.serving_plan/1"
+SCHEMA = "maxperf.serving-plan/1"
 SEARCHED = ("ici_tensor_parallelism", "ici_data_parallelism", "ici_expert_parallelism", "per_device_batch_size")
 
 
