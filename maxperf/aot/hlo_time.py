@@ -280,7 +280,13 @@ class _Walker:
         # roots that write into their first operand in place: a dynamic-update-slice its update (operand 1), a
         # scatter its updates (operand 2), with the indices
         update_operand = {"dynamic-update-slice": 1, "scatter": 2}
-        updates = [r for r in roots if r in comp.instrs and comp.instrs[r][1] in update_operand]
+
+        def into_parameter(r: str) -> bool:
+            """A scatter writes in place only into a buffer it is given (one it fills inside is written whole)."""
+            ops = hlo_cost.operands(comp.instrs[r][2])
+            return comp.instrs[r][1] != "scatter" or bool(ops) and source(ops[0]) in params
+
+        updates = [r for r in roots if r in comp.instrs and comp.instrs[r][1] in update_operand and into_parameter(r)]
         in_place_via: set[str] = set()
         if updates and len(updates) == len(roots):
             written = 0.0
