@@ -20,8 +20,8 @@ def cmd_estimate(args) -> int:
     from maxperf.user_cache import calibration_for
 
     p = resolve(args.topology, args.model, args.overrides, num_slices=args.num_slices)
-    if args.step != "train":
-        return _serving(p, args.step, args.json, calibration_for(p.topology))
+    if (step := getattr(args, "step", "train")) != "train":  # a Namespace made by a program may leave it out
+        return _serving(p, step, args.json, calibration_for(p.topology))
     est = perfmodel.estimate(p, overlap=args.overlap, calibration=calibration_for(p.topology))
     print_warnings(p)
     if args.json:
