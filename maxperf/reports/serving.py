@@ -15,12 +15,15 @@ STEPS = ("prefill", "decode")
 
 
 def is_serving(kind: str, directory: Path) -> bool:
-    """Whether a compile, run or plan directory holds a serving step's."""
-    if kind == "plan":
-        return (read_json(directory / "plan.json") or {}).get("schema") == PLAN_SCHEMA
-    if kind == "run":
-        return (read_json(directory / "run.json") or {}).get("schema") == RUN_SCHEMA
-    return (read_json(directory / "manifest.json") or {}).get("step") in STEPS
+    """Whether a compile, run or plan directory holds a serving step's (a file that cannot be read is left to the
+    section that reads it, which says what is wrong)."""
+    name, key, wanted = {"plan": ("plan.json", "schema", (PLAN_SCHEMA,)),
+                         "run": ("run.json", "schema", (RUN_SCHEMA,))}.get(kind, ("manifest.json", "step", STEPS))
+    try:
+        data = read_json(directory / name)
+    except MaxperfError:
+        return False
+    return isinstance(data, dict) and data.get(key) in wanted
 
 
 def _curve(layouts: list[dict], front: list[dict], winner: dict | None, bound_ms: float | None) -> str:
