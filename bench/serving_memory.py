@@ -59,7 +59,6 @@ def run_case(step: str, model: str, topology: str, words: str, work: Path) -> di
     from maxperf import aot
     from maxperf.perfmodel import serving
     from maxperf.perfmodel.estimate import device_for
-
     from maxperf.spec.errors import DoesNotFit
     from maxperf.spec.request import resolve
 

@@ -3,9 +3,10 @@
 The search is analytical (perfmodel.serving): every mesh of the topology's chips over data, tensor and, for a mixture
 of experts, expert; every batch that the mesh's batch shards divide, two per octave up to the largest that fits; the
 weights in the compute dtype or, where the user allows it (`quantization=auto`), int8 or FP8 where the chip has such
-matmul units, and the cache in the compute dtype or int8 (unless `quantize_kvcache` is pinned). Each candidate is priced by its time to first token (the prefill of one batch), its time per output
-token at the middle of generation and its tokens/s per chip; those that fit and meet `--max-time-per-token` and
-`--max-ttft` are ranked by tokens/s per chip. The Pareto front of time per token against tokens/s per chip is kept
+matmul units, and the cache in the compute dtype or int8 (unless `quantize_kvcache` is pinned). Each candidate is
+priced by its time to first token (the prefill of one prompt), its time per output token at the middle of generation
+and its tokens/s per chip; those that fit and meet `--max-time-per-token` and `--max-ttft` are ranked by tokens/s per
+chip. The Pareto front of time per token against tokens/s per chip is kept
 for the report. No layout meeting the bounds is exit 3, naming the closest and what it would need.
 """
 
@@ -148,7 +149,7 @@ def search(model_name: str, topology_name: str, words: tuple[str, ...] = (), *, 
         raise MaxperfError(f"plan --step decode searches one slice or node group of TPUs or GPUs, got {topo.name}")
     configs = overrides_mod.apply(model, list(words))
     model, train, par = configs.model, configs.train, configs.parallelism
-    pins = {a: getattr(par, f"ici_{a}") for a in ("data", "tensor", "expert") if getattr(par, f"ici_{a}") not in (1, -1)}
+    pins = {a: n for a in ("data", "tensor", "expert") if (n := getattr(par, f"ici_{a}")) not in (1, -1)}
     pinned_batch = any(w.startswith(("per_device_batch_size=",)) for w in words)
     kv_choices = ([False, True] if train.quantization is Quantization.AUTO
                   and not any(w.startswith("quantize_kvcache=") for w in words) else [train.quantize_kvcache])
