@@ -4,11 +4,12 @@ Per device, B sequences over the batch axes (data x fsdp x expert), heads and th
 - memory: the weights (the compute dtype, or 1 byte a number under quantization=int8 / fp8, the embedding table and
   head in the compute dtype), the cache of S positions (models/serving.cache_layout), and the largest temporaries
   (a layer's activations, the last position's logits).
-- decode, one token for each of B sequences at a cache filled to `context` positions: each matmul's time is the
-  larger of its FLOPs at the chip's sustained rate and its bytes (the weights it reads) at HBM bandwidth x
-  DECODE_HBM_EFFICIENCY; attention reads the filled part of the cache (within a layer's window), as the paged and
-  ragged kernels of serving stacks do; a mixture of experts reads the experts its tokens reach; under tensor
-  parallelism two all-reduces of the activations per layer; a fixed cost per layer (DECODE_LAYER_S).
+- decode, one token for each of B sequences at a cache filled to `context` positions: a roofline per kernel, summed
+  (the kernels run one after another): each matmul the larger of its FLOPs at the chip's sustained rate and its
+  weights' bytes at HBM bandwidth x DECODE_HBM_EFFICIENCY, attention the larger of its FLOPs and the filled part of
+  the cache (within a layer's window), as the paged and ragged kernels of serving stacks read it; a mixture of experts
+  reads the experts its tokens reach; under tensor parallelism two all-reduces of the activations per layer; a fixed
+  cost per layer (DECODE_LAYER_S).
 - prefill, B prompts of P tokens: the training forward's matmuls at the chip's sustained rate for their shapes
   (perfmodel.work.matmul_efficiency), causal attention at the flash kernels' efficiency, and the same all-reduces
   over B x P tokens.
@@ -33,10 +34,10 @@ from maxperf.spec.topology import Topology
 from maxperf.spec.train import DTYPE_BYTES, Quantization, TrainConfig
 
 # The share of HBM bandwidth a decode step's weight and cache reads sustain. GPU: fitted (FITTED_ON, 62 rows of
-# NVIDIA's TensorRT-LLM tables on H100 and H200; each source's rows held out in turn it moves between 0.55 and 0.71).
+# NVIDIA's TensorRT-LLM tables on H100 and H200; each source's rows held out in turn it moves between 0.61 and 0.71).
 # TPU: assumed the GPU's; no published TPU decode measurement was found that maxperf can express (bench/published/
 # README.md says which were read and why each was left out).
-DECODE_HBM_EFFICIENCY = {"gpu": 0.63, "tpu": 0.63, "cpu": 1.0}
+DECODE_HBM_EFFICIENCY = {"gpu": 0.66, "tpu": 0.66, "cpu": 1.0}
 # Seconds per decoder layer per decode step that neither FLOPs nor bytes explain: kernel launches and the
 # synchronization between a layer's kernels (assumed: ten kernels a layer at a few microseconds each on GPU, XLA's
 # fused TPU programs fewer)
@@ -44,7 +45,7 @@ DECODE_LAYER_S = {"gpu": 20e-6, "tpu": 10e-6, "cpu": 0.0}
 FITTED_ON = "bench/serving.py, 2026-11-27"
 # How far this model falls from published serving measurements it was not fitted on: the median and worst
 # |predicted / published - 1| of throughput, each source's rows predicted with the constant fitted without them
-HELD_OUT_ERROR = (0.322, 2.531)
+HELD_OUT_ERROR = (0.278, 2.302)
 HELD_OUT_BASIS = ("the median and worst error on 62 published TensorRT-LLM serving runs, each source held out of the "
                   "fit (bench/serving.py, 2026-11-27)")
 
@@ -304,69 +305,84 @@ def _experts_reached(model: ModelConfig, tokens: float) -> float:
     return 1 - (1 - k / E) ** tokens
 
 
+class _Kernels:
+    """Kernels that run one after another, each taking the longer of its FLOPs at its rate and its bytes at HBM
+    bandwidth (a roofline per kernel: a decode step's matmuls stream their weights, its attention the cache, and
+    neither hides under the other); their seconds summed by what bounds each."""
+
+    def __init__(self, bandwidth: float):
+        self.bandwidth = bandwidth
+        self.compute_s = self.memory_s = self.flops = self.bytes = 0.0
+
+    def add(self, flops: float, rate: float, nbytes: float) -> None:
+        tc, tm = flops / rate if flops else 0.0, nbytes / self.bandwidth
+        if tc >= tm:
+            self.compute_s += tc
+        else:
+            self.memory_s += tm
+        self.flops += flops
+        self.bytes += nbytes
+
+    def phase(self, collective_s: float, fixed_s: float) -> Phase:
+        return Phase(self.compute_s + self.memory_s + collective_s + fixed_s, self.compute_s, self.memory_s,
+                     collective_s, fixed_s, self.flops, self.bytes)
+
+
 def decode_phase(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, topology: Topology, b: float,
                  context: float, k: ServingConstants = SHIPPED_SERVING) -> Phase:
-    sizes = dict(mesh.sizes)
-    c = DTYPE_BYTES[train.compute_dtype]
-    eff = k.efficiency(chip.kind)
-    peak = _peak(chip, train) * SHIPPED.fraction(chip)
-    routed_tokens = b * sizes.get("expert", 1)
-    flops = nbytes = 0.0
-    for x, n, nb in _arrays(model, sizes, train):
-        if x.name in ("embedding", "positions") or not x.matmul:
-            nbytes += 0 if x.name in ("embedding", "positions") else n * nb
-            continue
-        share = _experts_reached(model, routed_tokens) if x.expert_parallel else 1.0
-        if x.expert_parallel:  # each routed token meets k of the E experts
-            flops += 2 * n * b * model.num_experts_per_tok / model.num_experts * sizes.get("expert", 1)
-        else:
-            flops += 2 * n * b
-        nbytes += n * nb * share
-    H, per_key = _attention(model, sizes)
+    """One decode step of b sequences per device at `context` filled positions: each weight's matmul (the experts
+    its tokens reach), then attention over the filled cache."""
     from maxperf.spec import attention_rule
 
+    sizes = dict(mesh.sizes)
+    c = DTYPE_BYTES[train.compute_dtype]
+    peak = _peak(chip, train) * SHIPPED.fraction(chip)
+    kernels = _Kernels(chip.hbm_bandwidth * k.efficiency(chip.kind))
+    routed_tokens = b * sizes.get("expert", 1)
+    for x, n, nb in _arrays(model, sizes, train):
+        if x.name in ("embedding", "positions"):  # a lookup of b rows
+            continue
+        if not x.matmul:  # norm scales and biases, read by the kernels around the matmuls
+            kernels.add(0.0, peak, n * nb)
+            continue
+        if x.expert_parallel:  # each routed token meets k of the E experts
+            rows = b * model.num_experts_per_tok / model.num_experts * sizes.get("expert", 1)
+            kernels.add(2 * n * rows, peak, n * nb * _experts_reached(model, routed_tokens))
+        else:
+            kernels.add(2 * n * b, peak, n * nb)
+    H, per_key = _attention(model, sizes)
     keys = sum(_visible(context)(w) for w in attention_rule.layer_masks(model))
-    flops += b * H * per_key * keys
-    nbytes += b * cache_bytes_per_token(model, train, sizes, _visible(context))
-    compute_s, memory_s = flops / peak, nbytes / (chip.hbm_bandwidth * eff)
-    collective_s = _collectives(model, mesh, chip, topology, b, c)
-    fixed_s = k.layer(chip.kind) * model.num_layers
-    return Phase(max(compute_s, memory_s) + collective_s + fixed_s, compute_s, memory_s, collective_s, fixed_s,
-                 flops, nbytes)
+    kernels.add(b * H * per_key * keys, peak, b * cache_bytes_per_token(model, train, sizes, _visible(context)))
+    return kernels.phase(_collectives(model, mesh, chip, topology, b, c), k.layer(chip.kind) * model.num_layers)
 
 
 def prefill_phase(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, topology: Topology, b: float,
                   P: int, k: ServingConstants = SHIPPED_SERVING) -> Phase:
+    """The prefill of b prompts of P tokens per device: each weight's matmul at the sustained rate for its shape,
+    causal attention at the flash kernels' efficiency, and the cache written."""
+    from maxperf.spec import attention_rule
+
     sizes = dict(mesh.sizes)
     c = DTYPE_BYTES[train.compute_dtype]
     tokens = b * P
     peak = _peak(chip, train)
-    compute_s = flops = nbytes = 0.0
+    kernels = _Kernels(chip.hbm_bandwidth * k.efficiency(chip.kind))
     for x, n, nb in _arrays(model, sizes, train):
-        nbytes += n * nb
-        if not x.matmul or x.name in ("embedding", "positions"):
+        if x.name in ("embedding", "positions"):
+            continue
+        if not x.matmul:
+            kernels.add(0.0, peak, n * nb)
             continue
         rows = tokens * (model.num_experts_per_tok / model.num_experts * sizes.get("expert", 1)
                          if x.expert_parallel else 1)
-        f = 2 * n * rows
-        flops += f
         # the thin side: the rows, or the model width every projection reads or writes
-        compute_s += f / (peak * matmul_efficiency(chip, min(rows, model.d_model)))
+        kernels.add(2 * n * rows, peak * matmul_efficiency(chip, min(rows, model.d_model)), n * nb)
     H, per_key = _attention(model, sizes)
-    from maxperf.spec import attention_rule
-
     pairs = sum(P * _visible(P)(w) / (2 if w >= 0 and _visible(P)(w) == P else 1)
                 for w in attention_rule.layer_masks(model))  # causal: half the square within the window
-    f = b * H * per_key * pairs
-    flops += f
-    compute_s += f / (chip.peak_flops(train.compute_dtype) * SHIPPED.fraction(chip) * FLASH_EFFICIENCY.get(
-        chip.kind, 1.0))
-    nbytes += b * P * cache_bytes_per_token(model, train, sizes)  # the cache written
-    memory_s = nbytes / (chip.hbm_bandwidth * k.efficiency(chip.kind))
-    collective_s = _collectives(model, mesh, chip, topology, tokens, c)
-    fixed_s = k.layer(chip.kind) * model.num_layers
-    return Phase(max(compute_s, memory_s) + collective_s + fixed_s, compute_s, memory_s, collective_s, fixed_s,
-                 flops, nbytes)
+    flash = chip.peak_flops(train.compute_dtype) * SHIPPED.fraction(chip) * FLASH_EFFICIENCY.get(chip.kind, 1.0)
+    kernels.add(b * H * per_key * pairs, flash, b * P * cache_bytes_per_token(model, train, sizes))  # cache written
+    return kernels.phase(_collectives(model, mesh, chip, topology, tokens, c), k.layer(chip.kind) * model.num_layers)
 
 
 def max_batch_per_device(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_bytes: float,
