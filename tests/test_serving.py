@@ -401,3 +401,27 @@ def test_the_serving_memory_bench_compiles_and_agrees_with_the_compiler(tmp_path
     result = json.loads(out.read_text())
     assert [c["step"] for c in result["cases"]] == ["decode", "prefill"]
     assert result["worst"] < 0.05
+
+
+def test_estimate_memory_of_a_serving_step_sets_the_analytical_beside_the_compiler(tmp_path):
+    """estimate-memory --step decode: the weights, cache and temporaries of perfmodel.serving beside XLA's total for
+    the same step; a sweep of a serving step is refused in one line (it would sweep the train step)."""
+    import json
+
+    from cli_util import maxperf
+
+    words = ["--model", "tiny", "--topology", "cpu-2", "ici_tensor_parallelism=2", "per_device_batch_size=2",
+             "max_target_length=64", "max_prefill_predict_length=16"]
+    proc = maxperf("estimate-memory", "--step", "decode", *words, "--json")
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["schema"] == "maxperf.serving-memory/1" and d["step"] == "decode"
+    analytical, compiled = d["analytical"], d["compiler"]
+    assert analytical["total_bytes"] == pytest.approx(
+        analytical["weights_bytes"] + analytical["cache_bytes"] + analytical["temp_bytes"])
+    # the step's arguments are the weights and the cache, as the analytical model counts them
+    assert compiled["argument_bytes"] == pytest.approx(analytical["weights_bytes"] + analytical["cache_bytes"] + 32,
+                                                       rel=0.02)
+    proc = maxperf("sweep", "--step", "decode", "--model", "tiny", "--topologies", "cpu-1", "--analytical-only",
+                   "--out", str(tmp_path / "sweep"))
+    assert proc.returncode == 2 and "plan --step decode" in proc.stderr and not (tmp_path / "sweep").exists()

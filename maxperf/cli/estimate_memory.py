@@ -33,6 +33,8 @@ def cmd_estimate_memory(args) -> int:
     if args.model is None:
         raise MaxperfError("give --model (a preset, see `maxperf models`), or --step MODULE:FACTORY for your own "
                            "step")
+    if step.builtin != "train":
+        return _serving(args, step.builtin)
     from maxperf.search import memory_fit  # loads numpy, and the compiler when it compiles
 
     request = resolve(args.topology, args.model, args.overrides, num_slices=args.num_slices)
@@ -66,6 +68,62 @@ def _estimate(args, memory_fit, say, cluster) -> int:
     else:
         _print_comparison(cmp)
     return 0 if cmp.fits else 3
+
+
+def _serving(args, kind: str) -> int:
+    """A serving step's memory (perfmodel.serving) beside the compiler's (compiled into a scratch directory unless
+    --analytical-only); --max-batch: the largest batch and cache by the analytical model."""
+    import tempfile
+    from pathlib import Path
+
+    from maxperf.models.serving import check
+    from maxperf.perfmodel import serving
+    from maxperf.perfmodel.estimate import device_for
+
+    if args.cluster is not None:
+        raise MaxperfError(f"--step {kind} compiles here, in one process: drop --cluster")
+    request = resolve(args.topology, args.model, args.overrides, num_slices=args.num_slices)
+    check(request.model, request.train, request.mesh.devices, dict(request.mesh.sizes), kind)
+    chip = device_for(request.topology)
+    e = serving.estimate(request.model, request.train, request.mesh, chip, request.topology, kind=kind)
+    m = e.memory
+    compiler = None
+    if not args.analytical_only:
+        from maxperf import aot
+        from maxperf.spec.errors import DoesNotFit
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(args.out) if args.out else Path(tmp) / "step"
+            try:
+                compiler = aot.compile(args.topology, args.model, args.overrides, num_slices=args.num_slices,
+                                       out=out, step=kind, force=args.force or not args.out,
+                                       progress=progress()).memory
+            except DoesNotFit:
+                import json
+
+                compiler = json.loads((out / "memory.json").read_text())
+    fits = compiler["fits"] if compiler is not None else m.fits
+    result = {"schema": "maxperf.serving-memory/1", "step": kind, "model": request.model.name,
+              "topology": request.topology.name, "analytical": {**{k: getattr(m, k) for k in (
+                  "weights_bytes", "cache_bytes", "temp_bytes", "hbm_bytes")}, "total_bytes": m.total_bytes,
+                  "fits": m.fits}, "compiler": compiler, "fits": bool(fits),
+              "max_batch_per_device": e.max_batch_per_device, "max_context": e.max_context}
+    if args.json:
+        print_json(result)
+        return 0 if fits else 3
+    print(f"{request.model.name} {kind} on {request.topology.name}: {e.batch} sequences, prompt {e.prompt}, cache "
+          f"{e.cache} positions")
+    print(f"  {'':<22} {'analytical':>11} {'compiler':>11}")
+    rows = (("weights", m.weights_bytes, None), ("cache", m.cache_bytes, None), ("temporaries", m.temp_bytes,
+            compiler and compiler.get("temp_bytes")), ("total", m.total_bytes, compiler and compiler.get(
+                "per_device_total_bytes")))
+    for name, analytical, compiled in rows:
+        shown = f"{compiled / GIB:>10.2f}G" if compiled else f"{'-':>11}"
+        print(f"  {name:<22} {analytical / GIB:>10.2f}G {shown}")
+    print(f"  verdict ({'compiler' if compiler else 'analytical'}): {'fits' if fits else 'DOES NOT FIT'} in "
+          f"{m.hbm_bytes / GIB:.2f} GiB per device; up to {e.max_batch_per_device:.4g} sequences per device, or "
+          f"{e.max_context:,} cache positions at {e.batch} sequences (analytical)")
+    return 0 if fits else 3
 
 
 _ANALYTICAL_ROWS = ("params", "optimizer", "gradients", "grad_accumulator", "activations", "saved_copy", "logits",

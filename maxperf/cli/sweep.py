@@ -37,6 +37,10 @@ def cmd_sweep(args) -> int:
         raise MaxperfError("--workers sizes this machine's pool; with --cluster, Ray runs as many compiles as the "
                            "nodes hold: drop --workers")
     step = parse_step(args.step)
+    if step.builtin in ("prefill", "decode"):
+        raise MaxperfError(f"sweep --step {step.builtin}: sweeps take the train step or a user's step; for serving "
+                           "layouts use `maxperf plan --step decode`, for one step `maxperf estimate --step "
+                           f"{step.builtin}` or `maxperf compile --step {step.builtin}`")
     if step.is_user and args.model is not None:
         raise MaxperfError(f"--model names one of maxperf's models; --step {step} builds its own step: drop --model")
     if not step.is_user and args.model is None:
