@@ -7,7 +7,7 @@ Each case is compiled (maxperf.aot.compile with --step prefill or decode, XLA's 
 for a TPU or GPU target without one) and estimated (perfmodel.serving.estimate_memory of the same step); the error
 is analytical / compiled - 1 of the per-device total. The grid covers dense grouped-query, sliding-window and
 soft-capped models, mixtures of experts under tensor and expert parallelism, latent attention, int8 and fp8
-weights and an int8 cache, on H100s and TPU v5e / v5p.
+weights and an int8 cache, on H100s and TPU v5e, v5p, v6e and TPU7x.
 """
 
 from __future__ import annotations
@@ -42,6 +42,12 @@ GRID = [  # (step, model, topology, words)
                                      "max_prefill_predict_length=1024"),
     ("decode", "gemma3-12b", "v5e-8", "ici_tensor_parallelism=8 per_device_batch_size=8 max_target_length=8192 "
                                       "max_prefill_predict_length=1024 quantize_kvcache=true kv_quant_axis=dkv"),
+    ("decode", "llama3-8b", "v6e-8", "ici_tensor_parallelism=8 per_device_batch_size=32 max_target_length=4096 "
+                                     "max_prefill_predict_length=1024"),
+    ("prefill", "gemma3-12b", "v6e-8", "ici_tensor_parallelism=8 per_device_batch_size=1 max_target_length=8192 "
+                                       "max_prefill_predict_length=4096"),
+    ("decode", "llama3.1-70b", "tpu7x-8", "ici_tensor_parallelism=8 per_device_batch_size=16 max_target_length=8192 "
+                                          "max_prefill_predict_length=1024 quantization=fp8"),
     ("decode", "mixtral-8x7b", "h100-8", "ici_tensor_parallelism=8 per_device_batch_size=32 max_target_length=4096 "
                                          "max_prefill_predict_length=1024"),
     ("decode", "qwen3-30b-a3b", "v5p-8", "ici_expert_parallelism=4 per_device_batch_size=32 max_target_length=4096 "
