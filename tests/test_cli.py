@@ -503,12 +503,13 @@ def test_a_command_stopped_by_a_signal_exits_128_plus_it_and_names_it(signum):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_supervised_compile_stopped_by_a_signal_exits_128_plus_it_and_names_it(tmp_path, signum):
-    # not served from the session's compile cache, where another test compiled the same step: the compile is still at
-    # work when the signal comes
+    # not served from the session's compile cache, where another test compiled the same step, and a step of a few
+    # seconds' compile (unscanned layers), not the one second of a scanned tiny model that a loaded machine can finish
+    # before the signal lands: the compile is still at work when the signal comes
     env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "MAXPERF_NO_CACHE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "maxperf.cli", "compile", "--topology", "cpu-1", "--model", "tiny",
-                             "seq_len=64", "--out", str(tmp_path / "c")], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             "seq_len=64", "num_layers=6", "scan_layers=false", "--out", str(tmp_path / "c")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         first = proc.stderr.readline()  # the child's first progress line: it is at work
         assert first.startswith("["), first
@@ -517,7 +518,8 @@ def test_a_supervised_compile_stopped_by_a_signal_exits_128_plus_it_and_names_it
     finally:
         proc.kill()
     assert code == 128 + signum
-    assert proc.stderr.read().splitlines()[-1] == f"maxperf: interrupted by {signal.Signals(signum).name}"
+    # the compile stops at once, or (busy in XLA past the grace period) is killed, which the line adds
+    assert proc.stderr.read().splitlines()[-1].startswith(f"maxperf: interrupted by {signal.Signals(signum).name}")
     assert not list(tmp_path.iterdir())
 
 
