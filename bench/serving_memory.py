@@ -78,11 +78,10 @@ def run_case(step: str, model: str, topology: str, words: str, work: Path) -> di
     chip = device_for(p.topology)
     analytical = serving.estimate_memory(p.model, p.train, p.mesh, chip.hbm_bytes, step, platform=chip.kind)
     compiled = memory["per_device_total_bytes"]
-    result = type("Compiled", (), {"memory": {"temp_bytes": memory.get("temp_bytes", 0)}})
     return {"step": step, "model": model, "topology": topology, "words": words, "compiled_bytes": compiled,
             "analytical_bytes": analytical.total_bytes, "weights_bytes": analytical.weights_bytes,
             "cache_bytes": analytical.cache_bytes, "temp_bytes": analytical.temp_bytes,
-            "compiler_temp_bytes": result.memory["temp_bytes"], "error": analytical.total_bytes / compiled - 1,
+            "compiler_temp_bytes": memory.get("temp_bytes", 0), "error": analytical.total_bytes / compiled - 1,
             "seconds": time.perf_counter() - t}
 
 

@@ -366,7 +366,9 @@ def test_the_report_shows_the_serving_plan_curve_and_the_decode_step(tmp_path):
 
     plan = serving_plan.search("llama3-8b", "h100-1", ("max_target_length=4096", "max_prefill_predict_length=512"),
                                max_tpot_s=0.02)
-    serving_plan.write(plan, tmp_path / "plan")
+    from maxperf.search.plan import write
+
+    write(plan, tmp_path / "plan")
     art = tmp_path / "decode"
     assert maxperf("compile", "--step", "decode", "--model", "tiny", "--topology", "cpu-1", "per_device_batch_size=2",
                    "max_target_length=32", "max_prefill_predict_length=8", "--out", str(art)).returncode == 0

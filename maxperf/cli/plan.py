@@ -25,7 +25,7 @@ def parse_tokens(text: str) -> int:
 
 def cmd_serving_plan(args) -> int:
     """`plan --step decode`: the serving layout (search/serving_plan.py), its winner compiled unless --verify 0."""
-    from maxperf.search import serving_plan
+    from maxperf.search import plan, serving_plan
 
     if args.global_batch is not None or args.per_device_batch is not None:
         raise MaxperfError("plan --step decode searches the batch itself (pin one with per_device_batch_size=N): "
@@ -50,7 +50,7 @@ def cmd_serving_plan(args) -> int:
             w = result.winner
             compiled = aot.compile(args.topology, args.model, [*result.pinned, *w.words(result.devices)],
                                    out=out / "winner", progress=say, step="decode", force=True)
-        path = serving_plan.write(result, out)
+        path = plan.write(result, out)
     if args.json:
         print_json({**result.as_dict(), "plan_json": str(path),
                     "verified": None if compiled is None else bool(compiled.fits)})

@@ -190,7 +190,6 @@ class AbstractServe:
     out_shardings: tuple
     donate: tuple[int, ...]
     param_count: int
-    cache_bytes: int  # the whole cache, all devices together
 
     @property
     def global_batch(self) -> int:
@@ -270,7 +269,6 @@ def abstract_serve(model: ModelConfig, train: TrainConfig, mesh: Mesh, kind: str
     cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layout, is_leaf=is_array)
     cache_shardings = jax.tree.map(lambda a: NamedSharding(mesh, partition_spec(a.shape, a.logical, sizes)), layout,
                                    is_leaf=is_array)
-    tokens_sharding = NamedSharding(mesh, partition_spec((B, 1), TOKENS_AXES, sizes))
     next_sharding = NamedSharding(mesh, PartitionSpec(*partition_spec((B, 1), TOKENS_AXES, sizes)[:1]))
     if kind == PREFILL:
         P = train.max_prefill_predict_length
@@ -283,10 +281,8 @@ def abstract_serve(model: ModelConfig, train: TrainConfig, mesh: Mesh, kind: str
         batch_shardings = {k: next_sharding for k in batch}
         args, shardings, outs, donate = (params, cache, batch), (param_shardings, cache_shardings, batch_shardings), (
             cache_shardings, next_sharding), (1,)
-    del tokens_sharding
     return AbstractServe(kind=kind, model=model, train=train, mesh=mesh, args=args, arg_shardings=shardings,
-                         out_shardings=outs, donate=donate, param_count=md.param_count,
-                         cache_bytes=cache_bytes(layout))
+                         out_shardings=outs, donate=donate, param_count=md.param_count)
 
 
 def _network(model: ModelConfig, train: TrainConfig):

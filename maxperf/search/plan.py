@@ -381,8 +381,9 @@ def closest_miss(result: SearchResult, model, trains, topo, calibration) -> dict
             "over_by_bytes": need - limit, "would_need": options}
 
 
-def write(result: SearchResult, out: str | os.PathLike) -> Path:
-    """plan.json into `out`, atomically (plain JSON values throughout: no conversion pass over the candidates)."""
+def write(result, out: str | os.PathLike) -> Path:
+    """plan.json into `out`, atomically, from a search's `as_dict()` (a SearchResult, or a serving plan's): plain
+    JSON values throughout, no conversion pass over the candidates."""
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / ".plan.json.partial"

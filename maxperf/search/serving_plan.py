@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from maxperf.perfmodel import serving
@@ -194,16 +191,6 @@ def search(model_name: str, topology_name: str, words: tuple[str, ...] = (), *, 
         plan.closest = min(fitting, key=shortfall)
     plan.search_seconds = time.perf_counter() - start
     return plan
-
-
-def write(plan: ServingPlan, out) -> Path:
-    """plan.json into `out`, atomically."""
-    directory = Path(out)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / ".plan.json.partial"
-    tmp.write_text(json.dumps(plan.as_dict(), allow_nan=False) + "\n")
-    os.replace(tmp, directory / "plan.json")
-    return directory / "plan.json"
 
 
 def miss_line(plan: ServingPlan) -> str:
