@@ -11,8 +11,10 @@ import pytest
 from perfmodel_util import Topo
 
 from maxperf.perfmodel import Overlap, count_flops, estimate
+from maxperf.perfmodel.chips import get as get_chip
+from maxperf.perfmodel.network import axis_networks
 from maxperf.perfmodel.saved import layer_saved_per_token
-from maxperf.spec import presets
+from maxperf.spec import presets, topology
 from maxperf.spec.errors import MaxperfError
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.request import Request
@@ -164,6 +166,12 @@ def test_gpu_collectives_cross_infiniband_beyond_the_nvlink_domain():
     assert any(r.kind == "dcn" for r in inside.breakdown if r.name.startswith("fsdp"))
     nvl72 = estimate(Request.of(Topo("gb200", 64, 4, hosts=16), LLAMA, TRAIN, {"fsdp": 64}, {}))
     assert not any(r.kind == "dcn" for r in nvl72.breakdown)
+    # four racks of which the job takes 64 GPUs each: the NVLink domain is the job's 64 GPUs of a rack, not 72
+    racks = topology.get("gb200-64x4")
+    nets = axis_networks(Mesh(ici={"fsdp": 64}, dcn={"fsdp": 4}), get_chip("gb200"), racks)
+    assert (nets["fsdp"].inner, nets["fsdp"].outer) == (64, 4)
+    part = axis_networks(Mesh(ici={"fsdp": 8}, dcn={}), get_chip("gb200"), topology.get("gb200-8"))
+    assert (part["fsdp"].inner, part["fsdp"].outer) == (8, 1)
 
 
 def test_tpu7x_two_devices_per_chip():

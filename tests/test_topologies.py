@@ -127,6 +127,11 @@ def test_gpu_and_cpu_names():
     assert T.get("a100-8").chip == "a100-80gb" and T.get("a100-40gb-8x2").chip == "a100-40gb"
     g = T.get("gb200-72x2")
     assert (g.chips, g.hosts, g.chips_per_host, g.ici_domains) == (144, 36, 4, 2)
+    # part of a rack: its trays in one NVLink domain; racks of which a job takes 64 GPUs each
+    p = T.get("gb200-8")
+    assert (p.chips, p.hosts, p.ici_domains, p.devices_per_ici_domain) == (8, 2, 1, 8)
+    r = T.get("gb200-64x4")
+    assert (r.chips, r.hosts, r.ici_domains, r.devices_per_ici_domain) == (256, 64, 4, 64)
     c = T.get("cpu-3")
     assert (c.platform, c.chip, c.chips) == ("cpu", "cpu", 3)
 
@@ -244,7 +249,8 @@ def test_two_slices_carry_their_slice_index():
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("name, hosts", [("h100-8", 1), ("h100-8x16", 16), ("b200-8x2", 2), ("gb200-72", 18)])
+@pytest.mark.parametrize("name, hosts", [("h100-8", 1), ("h100-8x16", 16), ("b200-8x2", 2), ("gb200-72", 18),
+                                         ("gb200-8", 2), ("gb200-64x4", 64)])
 def test_gpu_devices_span_hosts(name, hosts):
     t = T.get(name)
     found = targets.devices(t)

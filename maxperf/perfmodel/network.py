@@ -87,8 +87,9 @@ def axis_networks(mesh: Mesh, chip: Chip, topology: Topology) -> dict[str, AxisN
             for a in MESH_AXES
         }
     if chip.kind == "gpu":
-        # NVSwitch: every GPU reaches any peer in its domain with all its links; beyond the domain, its own NIC
-        domain = min(chip.nvlink_domain or 1, topology.chips)
+        # NVSwitch: every GPU reaches any peer in its domain with all its links; beyond the domain, its own NIC. The
+        # domain is the topology's (a job given part of an NVL72 rack has only its own GPUs in it)
+        domain = min(chip.nvlink_domain or 1, topology.devices_per_ici_domain)
         nvlink = chip.link_bandwidth * chip.link_count
         out, inner_product = {}, 1
         for a in INNERMOST_FIRST:

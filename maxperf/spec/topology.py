@@ -60,7 +60,7 @@ class Topology:
     devices_per_chip: int = 1  # tpu7x: 2 (one JAX device per chiplet)
     chip_config: str | None = None  # libtpu chip_config_name
     chips_per_host_bounds: tuple[int, int, int] | None = None  # passed to libtpu where its default differs
-    hosts_per_nvlink_domain: int = 1  # GPU: 1 for HGX, 18 for GB200 NVL72
+    hosts_per_nvlink_domain: int = 1  # GPU: 1 for HGX, 18 for a whole GB200 NVL72 rack (fewer for part of one)
     target_config_path: str | None = None  # GPU: a user's GpuTargetConfigProto file instead of the embedded spec
 
     @property
@@ -188,6 +188,11 @@ _GPU_SYSTEMS = (
 
 
 _GPU_PARTIAL_HOST = (1, 2, 4)  # GPUs of one HGX host a job may be given
+# Part of an NVL72 rack a job may be given, in trays of 4 GPUs (`gb200-8`: 2 trays of one rack, in its NVLink domain),
+# and racks of which a job takes 16 trays each (`gb200-64x4`: 256 GPUs, 64 of each of 4 racks' 72, one NVLink domain
+# per rack), as NVIDIA's Megatron-Bridge performance summary runs GB200 on 8, 64 and 256 GPUs
+_GB200_PARTIAL_TRAYS = (1, 2, 4, 8, 16)
+_GB200_PARTIAL_RACKS = (2, 4, 8, 16)
 _CPU_SIZES = (1, 2, 4, 8)
 _ALIASES = {"v5litepod": "v5e"}
 
@@ -263,6 +268,10 @@ def _catalog() -> dict[str, Topology]:
     for prefix, chip, per_host, nvlink_hosts, units, _source in _GPU_SYSTEMS:
         if nvlink_hosts == 1:  # part of one host: `h100-1`, `h100-2`, `h100-4`
             entries += [_gpu_topology(prefix, chip, k, 1, 1) for k in _GPU_PARTIAL_HOST if k < per_host]
+        if prefix == "gb200":
+            entries += [_gpu_topology(prefix, chip, per_host, trays, 1) for trays in _GB200_PARTIAL_TRAYS]
+            entries += [_gpu_topology(prefix, chip, per_host, _GB200_PARTIAL_TRAYS[-1], racks)
+                        for racks in _GB200_PARTIAL_RACKS]
         entries += [_gpu_topology(prefix, chip, per_host, nvlink_hosts, m) for m in units]
     entries += [_cpu_topology(n) for n in _CPU_SIZES]
     return {t.name: t for t in entries}
