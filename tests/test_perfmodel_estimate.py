@@ -12,6 +12,7 @@ from perfmodel_util import Topo
 
 from maxperf.perfmodel import Overlap, count_flops, estimate
 from maxperf.perfmodel.chips import get as get_chip
+from maxperf.perfmodel import network
 from maxperf.perfmodel.network import axis_networks
 from maxperf.perfmodel.saved import layer_saved_per_token
 from maxperf.spec import presets, topology
@@ -172,6 +173,33 @@ def test_gpu_collectives_cross_infiniband_beyond_the_nvlink_domain():
     assert (nets["fsdp"].inner, nets["fsdp"].outer) == (64, 4)
     part = axis_networks(Mesh(ici={"fsdp": 8}, dcn={}), get_chip("gb200"), topology.get("gb200-8"))
     assert (part["fsdp"].inner, part["fsdp"].outer) == (8, 1)
+
+
+@pytest.mark.parametrize("name, wrapped, closed", [
+    ("v6e-256", (16, 16), (True, True)),  # the pod's 16 x 16: both dimensions close into rings
+    ("v6e-128", (8, 16), (False, True)),  # only the 16-chip dimension wraps
+    ("v6e-64", (8, 8), (False, False)),
+    ("v5p-128", (4, 4, 4), (True, True, True)),  # one whole cube
+    ("v5p-64", (2, 4, 4), (False, False, False)),  # below a cube, no optical wraparound
+])
+def test_torus_dimensions_without_wraparound_give_rings_half_the_links(name, wrapped, closed):
+    topo = topology.get(name)
+    chip = get_chip(topo.chip)
+    assert tuple(topo.torus) == wrapped and network.wraparounds(chip, topo.torus) == closed
+    every = Mesh(ici={"fsdp": topo.chips}, dcn={})
+    links = sum(2 if c else 1 for c in closed)
+    assert axis_networks(every, chip, topo)["fsdp"].inner_bandwidth == pytest.approx(links * chip.link_bandwidth)
+
+
+def test_an_all_gather_over_a_slice_without_wraparound_takes_twice_as_long():
+    chip = get_chip("tpu-v6e")
+    lines, rings = topology.get("v6e-64"), topology.get("v6e-256")
+    t_lines = network.collective_time("all-gather", 1e9, ("fsdp",), axis_networks(Mesh(ici={"fsdp": 64}, dcn={}),
+                                                                                 chip, lines))
+    t_rings = network.collective_time("all-gather", 1e9, ("fsdp",), axis_networks(Mesh(ici={"fsdp": 256}, dcn={}),
+                                                                                 chip, rings))
+    latency = network.LATENCY_S["ici"]
+    assert (t_lines.ici_s - latency) / (t_rings.ici_s - latency) == pytest.approx(2 * (63 / 64) / (255 / 256))
 
 
 def test_tpu7x_two_devices_per_chip():

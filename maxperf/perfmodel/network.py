@@ -25,8 +25,22 @@ from maxperf.spec.topology import Topology
 # as jax's mesh_utils.create_device_mesh and MaxText's default ordering do for tensor parallelism; fsdp_transpose
 # sits inside fsdp, as in MaxText's mesh_axes.
 INNERMOST_FIRST = ("tensor", "sequence", "expert", "fsdp_transpose", "fsdp", "stage", "data")
-# A torus ring runs both ways round each dimension it spans: 2 links per dimension, one direction each.
+# A torus ring runs both ways round each dimension it spans: 2 links per dimension, one direction each. A dimension
+# without its wraparound link is a line, whose ring collectives reach each member through one port at a time: half
+# the bandwidth ("this is an important caveat, since it typically doubles the time of most communication", [book]
+# part 2; its worked all-gather over a 4-chip v5e axis without wraparound takes (n - 1) / n of the buffer over one
+# link's one-way bandwidth).
 LINKS_PER_TORUS_DIM = 2
+LINKS_PER_LINE_DIM = 1
+# Which dimensions of a TPU slice close into rings. A 2D torus (v5e, v6e) has its wraparound only along a dimension
+# of the pod's full 16 chips ([book] part 2: "TPU v5e only has a wraparound connection when one axis has size 16";
+# "a TPU v5e 8x16 will have a wraparound on the longer axis"). A 3D torus (v4, v5p, TPU7x: cubes of 4x4x4 joined by
+# optical switches) wraps every dimension once the slice is whole cubes, and none below a cube ([v5p] "All 4x4x4 and
+# larger slices (one cube) have full 3D torus"; [book]: 2x2x1, 2x2x2 and 2x2x4 have no wraparounds). [book]: Austin
+# et al., "How to Scale Your Model", jax-ml.github.io/scaling-book, parts 2 (TPUs) and 3 (sharding); [v5p]:
+# cloud.google.com/tpu/docs/v5p.
+POD_SIDE_2D = 16
+CUBE_SIDE = 4
 # Fixed cost per collective (launch and synchronisation) inside a slice or NVLink domain, an assumption: a few hops of
 # ICI/NVLink latency. Across slices and hosts the cost is a latency per step of the collective's ring
 # (perfmodel.work.Constants.dcn_step_latency; CollectiveTime.dcn_steps counts the steps).
@@ -52,17 +66,19 @@ class AxisNetwork:
     kind_efficiency: tuple[tuple[str, float], ...] = ()  # (collective, bandwidth relative to inner_bandwidth)
     inner_latency: float = LATENCY_S["ici"]  # fixed seconds per collective on the chip-to-chip network
     torus_dims: int = 1  # on a torus, the dimensions the axis spans (inner_bandwidth counts the links of all of them)
+    links: int = 2  # on a torus, the one-way links inner_bandwidth counts: 2 per closed dimension, 1 per line
 
     def efficiency(self, kind: str) -> float:
         return next((e for k, e in self.kind_efficiency if k == kind), 1.0)
 
 
-def _torus_dims_spanned(torus: tuple[int, ...], sizes: dict[str, int]) -> dict[str, int]:
-    """How many torus dimensions each ICI mesh axis spans, filling dimensions innermost axis first."""
+def _torus_dims_spanned(torus: tuple[int, ...], sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """The torus dimensions (indices into `torus`) each ICI mesh axis spans, filling dimensions innermost axis
+    first; an axis of one member spans none."""
     free = list(torus)
     out = {}
     for axis in INNERMOST_FIRST:
-        rest, spanned = sizes[axis], 0
+        rest, spanned = sizes[axis], []
         for i, cap in enumerate(free):
             if rest == 1:
                 break
@@ -70,9 +86,20 @@ def _torus_dims_spanned(torus: tuple[int, ...], sizes: dict[str, int]) -> dict[s
             if take > 1:
                 free[i] //= take
                 rest //= take
-                spanned += 1
-        out[axis] = max(spanned, 1)
+                spanned.append(i)
+        out[axis] = tuple(spanned)
     return out
+
+
+def wraparounds(chip: Chip, torus: tuple[int, ...]) -> tuple[bool, ...]:
+    """Which dimensions of a slice of `torus` close into rings (the notes at POD_SIDE_2D); a layout of another
+    rank than the chip's torus (a test's bare chip count) is taken as a closed ring."""
+    if chip.torus_dims is None or len(torus) != chip.torus_dims:
+        return (True,) * len(torus)
+    if chip.torus_dims == 2:
+        return tuple(side == POD_SIDE_2D for side in torus)
+    whole_cubes = all(side % CUBE_SIDE == 0 for side in torus)
+    return (whole_cubes,) * len(torus)
 
 
 def axis_networks(mesh: Mesh, chip: Chip, topology: Topology) -> dict[str, AxisNetwork]:
@@ -80,10 +107,14 @@ def axis_networks(mesh: Mesh, chip: Chip, topology: Topology) -> dict[str, AxisN
     if chip.kind == "tpu":
         ici = {a: mesh.ici.get(a, 1) for a in MESH_AXES}
         torus = tuple(topology.torus or ()) or (max(1, topology.chips // max(topology.num_slices, 1)),)
-        spanned = _torus_dims_spanned(torus, ici)
+        spanned, closed = _torus_dims_spanned(torus, ici), wraparounds(chip, torus)
+
+        def links(dims: tuple[int, ...]) -> int:  # one direction of each link the axis's rings run over
+            return sum(LINKS_PER_TORUS_DIM if closed[i] else LINKS_PER_LINE_DIM for i in dims) or LINKS_PER_TORUS_DIM
+
         return {
-            a: AxisNetwork(a, ici[a], mesh.dcn.get(a, 1), LINKS_PER_TORUS_DIM * spanned[a] * chip.link_bandwidth,
-                           host_bw, torus=True, torus_dims=spanned[a])
+            a: AxisNetwork(a, ici[a], mesh.dcn.get(a, 1), links(spanned[a]) * chip.link_bandwidth, host_bw,
+                           torus=True, torus_dims=max(len(spanned[a]), 1), links=links(spanned[a]))
             for a in MESH_AXES
         }
     if chip.kind == "gpu":

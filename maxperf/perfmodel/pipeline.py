@@ -59,7 +59,7 @@ def permute_time(nbytes: float, net: AxisNetwork) -> CollectiveTime:
         return CollectiveTime(0.0, nbytes / net.outer_bandwidth, 1.0)
     if net.inner <= 1:
         return CollectiveTime(0.0, 0.0)
-    bw = net.inner_bandwidth / (2 * net.torus_dims) if net.torus else net.inner_bandwidth
+    bw = net.inner_bandwidth / net.links if net.torus else net.inner_bandwidth
     return CollectiveTime(nbytes / (bw * net.efficiency("all-gather")) + net.inner_latency, 0.0)
 
 
