@@ -3,6 +3,7 @@ constants.
 
     .venv/bin/python bench/published.py [--no-fit] [--only SUBSTRING] [--json FILE] [--free NAMES]
                                         [--hold-out row,source,hardware] [--hlo [--hlo-rows IDS]]
+                                        [--compile-misfits]
 
 Rows: bench/published/training.csv (what each source states, with its citation) and
 bench/published/maxperf_mapping.csv (how a row is written for maxperf: a preset, key=value overrides, a topology
@@ -42,7 +43,7 @@ every other source's), or each hardware generation, predicted by constants fitte
 left with no rows in a fit takes the rule chips.py applies to chips without rows (`stand_in`). Leave-one-source-out is
 the figure to expect on runs the model has not seen. The script also prints, for rows stating both TFLOP/s and
 tokens/s, the source's FLOPs per token over maxperf's, and the published runs that maxperf's memory model says would
-not fit. The rows that train in FP8 (quantization set to an FP8 recipe) are summarized again as their own group. Rows
+not fit (`--compile-misfits` compiles each of those and prints the compiler's verdict beside it). The rows that train in FP8 (quantization set to an FP8 recipe) are summarized again as their own group. Rows
 on a chip with no fitted fraction (B200) take the rule for chips without rows (chips.fraction_without_rows) over the
 fitted fractions, as the perfmodel does.
 
@@ -472,6 +473,39 @@ def hlo_steps(rows: list[Row], ids: list[str], timeout: float) -> dict[str, dict
     return out
 
 
+def compiler_verdicts(rows: list[Row], timeout: float) -> dict[str, dict]:
+    """For each row: `maxperf estimate-memory` of its request in a process of its own (it compiles the step and reads
+    XLA's memory figures), the compiler's fit verdict and per-device total beside the analytical one; or why there
+    is none."""
+    import os
+    import subprocess
+
+    out: dict[str, dict] = {}
+    for row in rows:
+        m = row.mapping
+        command = [sys.executable, "-m", "maxperf.cli", "estimate-memory", "--topology", m["topology"], "--model",
+                   m["maxperf_model"], "--num-slices", m["num_slices"], *_overrides(row), "--json"]
+        print(f"compiling {row.id} for its memory ...", file=sys.stderr, flush=True)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                                  env={**os.environ, "JAX_PLATFORMS": "cpu"})
+            doc = json.loads(done.stdout)
+        except subprocess.TimeoutExpired:
+            out[row.id] = {"error": f"compile over {timeout:.0f} s"}
+            continue
+        except json.JSONDecodeError:
+            out[row.id] = {"error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
+            continue
+        if doc.get("schema") == "maxperf.error/1" or doc.get("compiler") is None:
+            out[row.id] = {"error": doc.get("error", "no compiler figures")}
+            continue
+        out[row.id] = {"compiler_fits": bool(doc["compiler"]["fits"]),
+                       "compiler_bytes": float(doc["compiler"]["per_device_total_bytes"]),
+                       "analytical_bytes": float(row.estimate.memory_per_device_bytes),
+                       "hbm_bytes": float(doc["compiler"]["hbm_bytes"])}
+    return out
+
+
 def print_hlo(ok: list[Row], pub: np.ndarray, err0: np.ndarray, hlo: dict[str, dict], results: dict) -> None:
     """The HLO-derived column: per compiled row, and the summary against the targets."""
     print("\nstep time read from the compiled program (maxperf.aot.hlo_time), rows compiled:")
@@ -519,6 +553,9 @@ def main() -> int:
                          "compiled program beside the analytical one (minutes per row; the compile cache keeps them)")
     ap.add_argument("--hlo-rows", default=",".join(HLO_ROWS), help="comma-separated row ids for --hlo")
     ap.add_argument("--hlo-timeout", type=float, default=HLO_TIMEOUT_S, help="seconds one row's compile may take")
+    ap.add_argument("--compile-misfits", action="store_true",
+                    help="compile the rows that ran as published but that the analytical memory says do not fit, "
+                         "and print the compiler's verdict beside it (seconds to minutes per row)")
     args = ap.parse_args()
     free = tuple(n for n in args.free.split(",") if n)
     unknown_names = sorted(set(free) - {f.name for f in fields(Constants)})
@@ -614,6 +651,19 @@ def main() -> int:
     if unfit:
         print(f"\n{len(unfit)} of {len(ok)} rows ran as published but maxperf's memory model says they do not fit:")
         print(textwrap.fill(", ".join(unfit), 116, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False))
+        if args.compile_misfits:
+            verdicts = compiler_verdicts([r for r in ok if not r.estimate.fits], args.hlo_timeout)
+            print("  the compiler's verdict on the same step (XLA's memory figures, GiB per device):")
+            for rid, v in verdicts.items():
+                if "error" in v:
+                    print(f"  {rid:<44} no verdict: {v['error']}")
+                    continue
+                print(f"  {rid:<44} analytical {v['analytical_bytes'] / 2**30:7.2f}  compiler "
+                      f"{v['compiler_bytes'] / 2**30:7.2f}  of {v['hbm_bytes'] / 2**30:6.2f}: "
+                      f"{'fits' if v['compiler_fits'] else 'does not fit'}")
+                results[rid]["compiler_fits"] = v["compiler_fits"]
+            agree = sum(1 for v in verdicts.values() if v.get("compiler_fits") is False)
+            print(f"  the compiler agrees on {agree} of {len(verdicts)}")
 
     if args.hlo:
         print_hlo(ok, pub, err0, hlo_steps(rows, [i for i in args.hlo_rows.split(",") if i], args.hlo_timeout),

@@ -3,6 +3,7 @@ perfmodel.estimate predicts at any constants; and the whole bench runs and repor
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from dataclasses import fields, replace
@@ -95,3 +96,18 @@ def test_the_bench_runs_and_reports_its_held_out_errors(tmp_path):
     # the figures the README quotes (docs/accuracy.md): leave-one-out under 4% median, leave-one-source-out under 10%
     assert summary["leave-one-out"]["median"] < 0.04
     assert summary["leave-one-source-out"]["median"] < 0.10
+
+
+@pytest.mark.slow
+def test_a_published_run_the_analytical_memory_rejects_is_compiled_for_the_compilers_verdict(tmp_path):
+    """MosaicML's MPT-1B without activation checkpointing on 8 A100s: the analytical memory says it does not fit;
+    `--compile-misfits` compiles the same step and prints XLA's verdict beside it (it does not fit there either)."""
+    out = tmp_path / "published.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--no-fit", "--only", "mpt-a100-1b-L2048-8gpu",
+                           "--compile-misfits", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(x for x in proc.stdout.splitlines() if x.strip().startswith("mpt-a100-1b-L2048-8gpu") and "compiler" in x)
+    analytical, compiler = (float(x) for x in re.findall(r"(?:analytical|compiler)\s+([\d.]+)", line))
+    assert line.endswith("does not fit") and compiler > 79.26 and analytical > 79.26, line
+    assert "the compiler agrees on 1 of 1" in proc.stdout
+    assert json.loads(out.read_text())["rows"]["mpt-a100-1b-L2048-8gpu"]["compiler_fits"] is False
