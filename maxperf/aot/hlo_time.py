@@ -304,15 +304,27 @@ class _Walker:
                 out.extend(through_bitcasts(u) if comp.instrs[u][1] == "bitcast" else [(u, i)])
             return out
 
+        def slice_read(u: str, i: int) -> float | None:
+            """The bytes a use reads of its operand i where it reads only a slice of it: a slice's own size, or what
+            a nested fusion reads of its parameter i where that fusion only slices it (a layer's slice of the scan's
+            stacked residuals, taken inside the fusion that recomputes a norm from it); None where it reads it whole."""
+            shape, opcode, rest = comp.instrs[u]
+            if opcode in ("dynamic-slice", "slice", "gather"):
+                return _bytes(shape) if i == 0 else None
+            if opcode == "fusion":
+                callee = next((names[0] for key, names in hlo_cost.callees(rest) if key == "calls" and names), None)
+                if callee in self.comps and callee != comp_name:
+                    return self.fused_io(callee)[0].get(i)
+            return None
+
         for name, number in params.items():
             uses = users.get(name, [])
             sliced = through_bitcasts(name)
             if name in in_place and all((u in updates or u in in_place_via) and i == 0 for u, i in uses) and all(
                     u in updates and i == 0 for u, i in sliced):
                 read[number] = 0.0
-            elif sliced and all(comp.instrs[u][1] in ("dynamic-slice", "slice", "gather") and i == 0
-                                for u, i in sliced):
-                read[number] = sum(_bytes(comp.instrs[u][0]) for u, _ in sliced)
+            elif sliced and all(slice_read(u, i) is not None for u, i in sliced):
+                read[number] = sum(slice_read(u, i) for u, i in sliced)
         self.fusion_io[comp_name] = (read, written)
         return read, written
 
