@@ -43,9 +43,10 @@ every other source's), or each hardware generation, predicted by constants fitte
 left with no rows in a fit takes the rule chips.py applies to chips without rows (`stand_in`). Leave-one-source-out is
 the figure to expect on runs the model has not seen. The script also prints, for rows stating both TFLOP/s and
 tokens/s, the source's FLOPs per token over maxperf's, and the published runs that maxperf's memory model says would
-not fit (`--compile-misfits` compiles each of those and prints the compiler's verdict beside it). The rows that train in FP8 (quantization set to an FP8 recipe) are summarized again as their own group. Rows
-on a chip with no fitted fraction (B200) take the rule for chips without rows (chips.fraction_without_rows) over the
-fitted fractions, as the perfmodel does.
+not fit (`--compile-misfits` compiles each of those and prints the compiler's verdict beside it). The rows that
+train in FP8 (quantization set to an FP8 recipe) are summarized again as their own group. Rows on a chip with no
+fitted fraction (B200) take the rule for chips without rows (chips.fraction_without_rows) over the fitted fractions,
+as the perfmodel does.
 
 `--hlo` adds the step time read from the compiled program (maxperf.aot.hlo_time) on the rows of HLO_ROWS (or
 `--hlo-rows`): each row is compiled by `maxperf compile` (one process at a time, HLO_TIMEOUT_S each; the compile

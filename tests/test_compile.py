@@ -233,6 +233,60 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing half-written
 
 
+VMEM_FORMS = ("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: Ran out of memory in memory space vmem while "
+              "allocating on stack for %splash_mha_fwd_residuals.17",
+              "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space vmem. Used "
+              "286.25M of 127.94M vmem. Exceeded vmem capacity by 158.32M.")
+
+
+@pytest.mark.parametrize("message", VMEM_FORMS)
+def test_a_kernel_out_of_vmem_is_not_called_out_of_device_memory(message):
+    """libtpu's two forms of a kernel whose blocks overflow the TensorCore's vector memory: not an HBM verdict (the
+    second's 'Used 286.25M of 127.94M' is VMEM, not the device's memory)."""
+    from maxperf.aot import compiler
+
+    assert compiler.scoped_vmem_exhausted(message) and compiler.out_of_memory_figures(message) is None
+    line = compiler.vmem_error(message)
+    assert "VMEM" in line and "not HBM" in line and "sa_block_q" in line and "xla_tpu_scoped_vmem_limit_kib" in line
+    hbm = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 103.53G "
+           "of 95.74G hbm.")
+    assert not compiler.scoped_vmem_exhausted(hbm) and compiler.out_of_memory_figures(hbm)
+
+
+def test_the_compile_cache_keys_the_environments_compiler_flags(monkeypatch):
+    from maxperf.aot import compiler
+
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    plain = compiler.cache_versions()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    assert compiler.cache_versions() == plain  # the host device count is the topology's
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=131072")
+    raised = compiler.cache_versions()
+    assert raised != plain and raised["LIBTPU_INIT_ARGS"] == "--xla_tpu_scoped_vmem_limit_kib=131072"
+
+
+@pytest.mark.slow
+def test_splash_blocks_beyond_the_vmem_limit_are_one_line_and_the_limit_raised_compiles(tmp_path):
+    """Splash blocks of 4096 overflow v6e's default scoped VMEM: one line naming VMEM and what to change, exit 2,
+    nothing written, no 'does not fit'; with the limit raised as the line says, the same step compiles."""
+    argv = ["compile", "--topology", "v6e-1", "--model", "tiny", "seq_len=4096", "attention=flash",
+            "sa_use_fused_bwd_kernel=true", *(f"{k}=4096" for k in ("sa_block_q", "sa_block_kv", "sa_block_kv_compute",
+                                                                    "sa_block_q_dkv", "sa_block_kv_dkv",
+                                                                    "sa_block_kv_dkv_compute"))]
+    env = {**os.environ, "MAXPERF_NO_CACHE": "1", "LIBTPU_INIT_ARGS": ""}
+    proc = maxperf(*argv, "--out", str(tmp_path / "small"), cwd=tmp_path, env=env)
+    assert proc.returncode == 2, proc.stderr  # the blocks asked for: bad input
+    assert "VMEM" in proc.stderr and "does not fit" not in proc.stderr and "Traceback" not in proc.stderr
+    assert [line.startswith("maxperf: error:") for line in proc.stderr.splitlines()].count(True) == 1
+    assert not (tmp_path / "small").exists()
+    raised = {**env, "LIBTPU_INIT_ARGS": "--xla_tpu_scoped_vmem_limit_kib=131072"}
+    proc = maxperf(*argv, "--out", str(tmp_path / "raised"), cwd=tmp_path, env=raised)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((tmp_path / "raised" / "manifest.json").read_text())
+    assert manifest["compiler_environment"]["LIBTPU_INIT_ARGS"] == "--xla_tpu_scoped_vmem_limit_kib=131072"
+
+
 @pytest.mark.slow
 def test_out_of_memory_is_a_verdict_with_exit_code_3(tmp_path):
     proc = maxperf("compile", "--topology", "v5e-1", "--model", "tiny", "--out", str(tmp_path / "oom"),

@@ -10,9 +10,8 @@ from dataclasses import replace
 import pytest
 from perfmodel_util import Topo
 
-from maxperf.perfmodel import Overlap, count_flops, estimate
+from maxperf.perfmodel import Overlap, count_flops, estimate, network
 from maxperf.perfmodel.chips import get as get_chip
-from maxperf.perfmodel import network
 from maxperf.perfmodel.network import axis_networks
 from maxperf.perfmodel.saved import layer_saved_per_token
 from maxperf.spec import presets, topology

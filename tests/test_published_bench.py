@@ -106,7 +106,8 @@ def test_a_published_run_the_analytical_memory_rejects_is_compiled_for_the_compi
     proc = subprocess.run([sys.executable, str(BENCH), "--no-fit", "--only", "mpt-a100-1b-L2048-8gpu",
                            "--compile-misfits", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    line = next(x for x in proc.stdout.splitlines() if x.strip().startswith("mpt-a100-1b-L2048-8gpu") and "compiler" in x)
+    line = next(x for x in proc.stdout.splitlines()
+                if x.strip().startswith("mpt-a100-1b-L2048-8gpu") and "compiler" in x)
     analytical, compiler = (float(x) for x in re.findall(r"(?:analytical|compiler)\s+([\d.]+)", line))
     assert line.endswith("does not fit") and compiler > 79.26 and analytical > 79.26, line
     assert "the compiler agrees on 1 of 1" in proc.stdout

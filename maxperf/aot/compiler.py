@@ -42,6 +42,31 @@ def library_versions() -> dict[str, str | None]:
     return versions
 
 
+# Environment variables whose flags change what XLA compiles (MaxText's recipes set both): a compiled step is cached
+# under them, so that a compile with other flags (a raised VMEM limit, say) is not served an executable built without
+# them. XLA_FLAGS' host device count is the topology's business, not the program's, and is left out.
+COMPILER_ENVIRONMENT = ("LIBTPU_INIT_ARGS", "XLA_FLAGS")
+_HOST_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\d+")
+
+
+def compiler_environment() -> dict[str, str]:
+    """The compiler flags this process's environment gives XLA (COMPILER_ENVIRONMENT), as the compile cache keys
+    them."""
+    out = {}
+    for name in COMPILER_ENVIRONMENT:
+        flags = os.environ.get(name, "")
+        if name == "XLA_FLAGS":
+            flags = _HOST_DEVICE_COUNT.sub("", flags)
+        out[name] = " ".join(flags.split())
+    return out
+
+
+def cache_versions() -> dict[str, str | None]:
+    """What a cached executable depends on beside its program, target and options: the library versions and the
+    compiler flags of the environment."""
+    return {**library_versions(), **compiler_environment()}
+
+
 def versions_that_must_match(platform_name: str) -> tuple[str, ...]:
     """Library versions an executable is bound to: jax's runtime, and the compiler plugin of its platform."""
     plugin = {"tpu": ("libtpu",), "gpu": ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin",
@@ -93,6 +118,8 @@ def out_of_memory_figures(message: str) -> dict[str, int] | None:
     status = _STATUS.search(message)
     if status is not None and status.group(1) != "RESOURCE_EXHAUSTED":
         return None  # another failure whose details mention memory (the GPU autotuner's NOT_FOUND, say)
+    if scoped_vmem_exhausted(message):
+        return None  # a kernel's on-chip working set, not the device's memory
     if "RESOURCE_EXHAUSTED" not in message and "out of memory" not in message.lower():
         return None
     size = r"([\d.]+\s*[KMGT]?i?B?)"
@@ -101,6 +128,24 @@ def out_of_memory_figures(message: str) -> dict[str, int] | None:
     if m := re.search(rf"temporaries \({size}\) exceeds available \w+ \({size}\)", message):
         return {"temp_bytes": _bytes(m.group(1)), "compiler_available_bytes": _bytes(m.group(2))}
     return {}
+
+
+def scoped_vmem_exhausted(message: str) -> bool:
+    """XLA's TPU compile error for a kernel whose blocks need more of a TensorCore's vector memory (VMEM, on chip)
+    than the compiler allows it: libtpu's 'CompileTimeScopedVmemOom', or 'Ran out of memory in memory space vmem.
+    Used 286.25M of 127.94M vmem'. It says nothing about HBM."""
+    lowered = message.lower()
+    return ("scopedvmemoom" in lowered or "memory space vmem" in lowered
+            or bool(re.search(r"\bof\s+[\d.]+\s*[kmgt]?i?b?\s+vmem\b", lowered)))
+
+
+def vmem_error(message: str) -> str:
+    """The one-line error for a compile that ran out of scoped VMEM, with what to change."""
+    detail = " ".join(line.strip() for line in message.splitlines()[:2] if line.strip())[:300]
+    return ("a kernel of the step needs more of the TPU's vector memory (VMEM, on chip; not HBM) than XLA "
+            "allows it: use smaller splash attention blocks (sa_block_q, sa_block_kv, sa_block_kv_compute and their "
+            "_dkv / _dq forms), or raise the limit as MaxText's recipes do with "
+            f"LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=N in the environment (XLA: {detail})")
 
 
 def argument_bytes(spec) -> int:
@@ -271,7 +316,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
     capacity = device_memory_bytes(topo)
     writer.write_text("hlo/lowered.stablehlo.mlir", lowered.as_text())
     options = targets.compiler_options(topo, random_bits=str(p.configs.train.quantization) == "int8")
-    key = cache.key(lowered.as_text(), target_identity(topo), options, library_versions())
+    key = cache.key(lowered.as_text(), target_identity(topo), options, cache_versions())
     entry = cache.get(key)
     cache_hit = entry is not None
     t = time.perf_counter()
@@ -283,6 +328,8 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
             compiled = lowered.compile(options or None)
         except Exception as e:  # XLA reports out-of-memory as a compile error on TPU
             figures = out_of_memory_figures(str(e))
+            if scoped_vmem_exhausted(str(e)):
+                raise MaxperfError(vmem_error(str(e))) from None
             if figures is None:
                 raise MaxperfError(f"XLA could not compile the step: {str(e).splitlines()[0][:300]}") from e
             memory = {"schema": "maxperf.memory/1", "source": "xla compile error (out of memory)", **figures,
@@ -391,6 +438,7 @@ def _write_manifest(writer: artifacts.ArtifactWriter, p: Request, spec, argv, co
         "tokens_per_step": (spec.global_batch * p.configs.train.seq_len if step == "train" else
                             spec.tokens_per_step),
         "versions": library_versions(),
+        "compiler_environment": compiler_environment(),  # the XLA and libtpu flags it was compiled under
         "compile_seconds": round(compile_seconds, 3),
         "compile_cache_hit": cache_hit,
         "lower_seconds": round(lower_seconds, 3),

@@ -120,7 +120,7 @@ def _compile_into(writer, request: UserRequest, user: Step, mesh, lowered, say, 
     text = lowered.as_text()
     writer.write_text("hlo/lowered.stablehlo.mlir", text)
     options = {**targets.compiler_options(topo), **dict(user.compiler_options)}
-    key = cache.key(text, compiler.target_identity(topo), options, compiler.library_versions())
+    key = cache.key(text, compiler.target_identity(topo), options, compiler.cache_versions())
     entry = cache.get(key)
     cache_hit = entry is not None
     t = time.perf_counter()
@@ -132,6 +132,8 @@ def _compile_into(writer, request: UserRequest, user: Step, mesh, lowered, say, 
             compiled = lowered.compile(options or None)
         except Exception as e:
             figures = compiler.out_of_memory_figures(str(e))
+            if compiler.scoped_vmem_exhausted(str(e)):
+                raise UserStepError(compiler.vmem_error(str(e)), user_step.traceback_text(e)) from None
             if figures is None:
                 raise UserStepError(f"XLA could not compile the step of --step {user.name}: "
                                     f"{str(e).splitlines()[0][:300]}", user_step.traceback_text(e)) from None
@@ -231,6 +233,7 @@ def write_manifest(writer, request: UserRequest, user: Step, mesh, argv, compile
         "micro_batch": None,
         "tokens_per_step": user.tokens_per_step,
         "versions": compiler.library_versions(),
+        "compiler_environment": compiler.compiler_environment(),
         "compile_seconds": round(compile_seconds, 3),
         "compile_cache_hit": cache_hit,
         "lower_seconds": round(lower_seconds, 3),
