@@ -590,6 +590,20 @@ def test_every_json_command_prints_an_error_document_on_stdout(capfd, tmp_path):
 # MaxText command lines as they are
 
 
+@pytest.mark.parametrize("theirs, ours", [("deepseek3-671b", "deepseek-v3"),
+                                          ("llama4-17b-128e", "llama4-maverick-17b-128e"),
+                                          ("llama4-17b-16e", "llama4-scout-17b-16e"), ("kimi-k2-1t", "kimi-k2"),
+                                          ("deepseek2-16b", "deepseek-v2-lite"), ("llama2-7b", "llama2-7b")])
+def test_model_takes_maxtexts_model_names(theirs, ours):
+    """MaxText's model_name for a preset selects it under --model too (MaxText's name wins where the two differ)."""
+    from maxperf.spec import presets
+    from maxperf.spec.errors import MaxperfError
+
+    assert presets.get(theirs) == presets.get(ours) and presets.get(theirs).name == ours
+    with pytest.raises(MaxperfError, match="did you mean llama4-17b-128e"):
+        presets.get("llama4-17b-12e")
+
+
 def test_a_maxtext_command_line_names_the_request_its_options_would(capsys):
     """train_compile's words (its config file, model_name, compile_topology and compile_topology_num_slices) give the
     same estimate as maxperf's options; the words that change nothing of the step are named once and ignored."""

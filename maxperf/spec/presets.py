@@ -29,9 +29,19 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
+def canonical(name: str) -> str:
+    """The preset a name selects: a preset's own name, or MaxText's model_name for it (`deepseek3-671b` is
+    `deepseek-v3`, MAXTEXT_NAMES); names neither knows are returned as they are."""
+    if name in _REGISTRY:
+        return name
+    return next((ours for ours, theirs in MAXTEXT_NAMES.items() if theirs == name), name)
+
+
 def get(name: str) -> ModelConfig:
+    """The preset called `name`, or by MaxText's model_name for it."""
+    name = canonical(name)
     if name not in _REGISTRY:
-        raise unknown("model", name, _REGISTRY)
+        raise unknown("model", name, [*_REGISTRY, *(t for o, t in MAXTEXT_NAMES.items() if t != o)])
     return _REGISTRY[name]()
 
 
