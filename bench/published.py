@@ -431,11 +431,26 @@ def held_out_errors(replay: Replay, rows: list[Row], pub: np.ndarray, start: Con
     return err
 
 
+def row_command(row: Row, command: str, *extra: str) -> list[str]:
+    """`maxperf COMMAND` of the row's request, as a process of its own runs it."""
+    m = row.mapping
+    return [sys.executable, "-m", "maxperf.cli", command, "--topology", m["topology"], "--model", m["maxperf_model"],
+            "--num-slices", m["num_slices"], *_overrides(row), *extra]
+
+
+def run_cpu(command: list[str], timeout: float):
+    """`command` in the repository root with jax on its CPU backend (it compiles for its topology without one)."""
+    import os
+    import subprocess
+
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
 def hlo_steps(rows: list[Row], ids: list[str], timeout: float) -> dict[str, dict]:
     """For each row of `ids`: `maxperf compile` of its request in a process of its own (into a temporary directory;
     the compile cache keeps the program), and the HLO-derived and analytical step times its estimate.json holds;
     or why there are none."""
-    import os
     import subprocess
     import tempfile
 
@@ -446,16 +461,11 @@ def hlo_steps(rows: list[Row], ids: list[str], timeout: float) -> dict[str, dict
         if row is None or row.reason:
             out[rid] = {"error": row.reason if row is not None else "no such row"}
             continue
-        m = row.mapping
         with tempfile.TemporaryDirectory(prefix="maxperf-hlo-") as tmp:
-            command = [sys.executable, "-m", "maxperf.cli", "compile", "--topology", m["topology"], "--model",
-                       m["maxperf_model"], "--num-slices", m["num_slices"], *_overrides(row), "--out",
-                       f"{tmp}/artifact", "--json"]
             start = time.time()
             print(f"compiling {rid} ...", file=sys.stderr, flush=True)
             try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                                      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                done = run_cpu(row_command(row, "compile", "--out", f"{tmp}/artifact", "--json"), timeout)
             except subprocess.TimeoutExpired:
                 out[rid] = {"error": f"compile over {timeout:.0f} s"}
                 continue
@@ -478,18 +488,13 @@ def compiler_verdicts(rows: list[Row], timeout: float) -> dict[str, dict]:
     """For each row: `maxperf estimate-memory` of its request in a process of its own (it compiles the step and reads
     XLA's memory figures), the compiler's fit verdict and per-device total beside the analytical one; or why there
     is none."""
-    import os
     import subprocess
 
     out: dict[str, dict] = {}
     for row in rows:
-        m = row.mapping
-        command = [sys.executable, "-m", "maxperf.cli", "estimate-memory", "--topology", m["topology"], "--model",
-                   m["maxperf_model"], "--num-slices", m["num_slices"], *_overrides(row), "--json"]
         print(f"compiling {row.id} for its memory ...", file=sys.stderr, flush=True)
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                                  env={**os.environ, "JAX_PLATFORMS": "cpu"})
+            done = run_cpu(row_command(row, "estimate-memory", "--json"), timeout)
             doc = json.loads(done.stdout)
         except subprocess.TimeoutExpired:
             out[row.id] = {"error": f"compile over {timeout:.0f} s"}

@@ -327,9 +327,9 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
         try:
             compiled = lowered.compile(options or None)
         except Exception as e:  # XLA reports out-of-memory as a compile error on TPU
-            figures = out_of_memory_figures(str(e))
             if scoped_vmem_exhausted(str(e)):
                 raise MaxperfError(vmem_error(str(e))) from None
+            figures = out_of_memory_figures(str(e))
             if figures is None:
                 raise MaxperfError(f"XLA could not compile the step: {str(e).splitlines()[0][:300]}") from e
             memory = {"schema": "maxperf.memory/1", "source": "xla compile error (out of memory)", **figures,

@@ -323,8 +323,8 @@ class _Walker:
             if name in in_place and all((u in updates or u in in_place_via) and i == 0 for u, i in uses) and all(
                     u in updates and i == 0 for u, i in sliced):
                 read[number] = 0.0
-            elif sliced and all(slice_read(u, i) is not None for u, i in sliced):
-                read[number] = sum(slice_read(u, i) for u, i in sliced)
+            elif sliced and None not in (parts := [slice_read(u, i) for u, i in sliced]):
+                read[number] = sum(parts)
         self.fusion_io[comp_name] = (read, written)
         return read, written
 

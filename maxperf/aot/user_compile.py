@@ -131,9 +131,9 @@ def _compile_into(writer, request: UserRequest, user: Step, mesh, lowered, say, 
         try:
             compiled = lowered.compile(options or None)
         except Exception as e:
-            figures = compiler.out_of_memory_figures(str(e))
             if compiler.scoped_vmem_exhausted(str(e)):
                 raise UserStepError(compiler.vmem_error(str(e)), user_step.traceback_text(e)) from None
+            figures = compiler.out_of_memory_figures(str(e))
             if figures is None:
                 raise UserStepError(f"XLA could not compile the step of --step {user.name}: "
                                     f"{str(e).splitlines()[0][:300]}", user_step.traceback_text(e)) from None

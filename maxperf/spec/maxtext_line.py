@@ -66,7 +66,6 @@ LAYOUT_KEYS = frozenset({"use_2d_fsdp_sharding"})
 LAYOUT_MODELS = {"deepseek3-671b-2dfsdp": "deepseek3-671b"}
 MODEL_KEY, SCALE_KEY = "model_name", "global_parameter_scale"
 TOPOLOGY_KEY, SLICES_KEY = "compile_topology", "compile_topology_num_slices"
-_FROM_MAXTEXT = {theirs: ours for ours, theirs in presets.MAXTEXT_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -133,11 +132,9 @@ def _model(found: dict[str, str]) -> str | None:
         return None
     if name == "default":
         return "scaled-1"
-    if name in _FROM_MAXTEXT:
-        return _FROM_MAXTEXT[name]
-    if name in presets.names():
-        return name
-    hits = closest(name, sorted({*_FROM_MAXTEXT, *presets.names()}))
+    if presets.canonical(name) in presets.names():
+        return presets.canonical(name)
+    hits = closest(name, sorted({*presets.FROM_MAXTEXT, *presets.names()}))
     raise MaxperfError(f"{MODEL_KEY}={name} names no model maxperf has; "
                        + (f"did you mean {', '.join(hits[:3])}? " if hits else "") + "`maxperf models` lists them")
 

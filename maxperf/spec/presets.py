@@ -30,18 +30,16 @@ def names() -> list[str]:
 
 
 def canonical(name: str) -> str:
-    """The preset a name selects: a preset's own name, or MaxText's model_name for it (`deepseek3-671b` is
-    `deepseek-v3`, MAXTEXT_NAMES); names neither knows are returned as they are."""
-    if name in _REGISTRY:
-        return name
-    return next((ours for ours, theirs in MAXTEXT_NAMES.items() if theirs == name), name)
+    """The preset a name selects: MaxText's model_name for it (`deepseek3-671b` is `deepseek-v3`: FROM_MAXTEXT), or
+    the name as it is."""
+    return FROM_MAXTEXT.get(name, name)
 
 
 def get(name: str) -> ModelConfig:
     """The preset called `name`, or by MaxText's model_name for it."""
     name = canonical(name)
     if name not in _REGISTRY:
-        raise unknown("model", name, [*_REGISTRY, *(t for o, t in MAXTEXT_NAMES.items() if t != o)])
+        raise unknown("model", name, sorted({*_REGISTRY, *FROM_MAXTEXT}))
     return _REGISTRY[name]()
 
 
@@ -313,6 +311,8 @@ MAXTEXT_NAMES = {
     "deepseek-v2-lite": "deepseek2-16b", "deepseek-v3": "deepseek3-671b", "kimi-k2": "kimi-k2-1t",
     "llama4-scout-17b-16e": "llama4-17b-16e", "llama4-maverick-17b-128e": "llama4-17b-128e",
 }
+# The preset each of MaxText's model names selects
+FROM_MAXTEXT = {theirs: ours for ours, theirs in MAXTEXT_NAMES.items()}
 # maxperf's keys of the dims that MaxText's global_parameter_scale multiplies, and MaxText's names for them
 SCALED_DIMS = {"d_model": "base_emb_dim", "num_heads": "base_num_query_heads", "num_kv_heads": "base_num_kv_heads",
                "d_ff": "base_mlp_dim", "num_layers": "base_num_decoder_layers"}
