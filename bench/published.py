@@ -643,7 +643,7 @@ def main() -> int:
         print(f"{'constant':<40} {'shipped':>9} {'fitted':>9}")
         for f in fields(Constants):
             mark = "" if f.name in free else "  (held)"
-            print(f"{NAMES[f.name]:<40} {getattr(base, f.name):>9.3f} {getattr(fitted, f.name):>9.3f}{mark}")
+            print(f"{NAMES[f.name]:<40} {getattr(base, f.name):>9.4g} {getattr(fitted, f.name):>9.4g}{mark}")
         print(f"replay of the recorded steps against perfmodel.estimate: max |relative difference| "
               f"{replay_err:.1e} at the shipped constants, {replay_err_fitted:.1e} at the fitted ones")
 

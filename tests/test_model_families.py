@@ -18,6 +18,7 @@ from maxperf.models.layers.mlp import gate
 from maxperf.models.layers.moe import route
 from maxperf.perfmodel.flops import count_flops, count_params
 from maxperf.spec import attention_rule, overrides, presets
+from maxperf.spec import params as params_spec
 from maxperf.spec.errors import MaxperfError
 from maxperf.spec.model import Activation, ModelConfig
 
@@ -288,3 +289,47 @@ def test_expert_parallel_dispatch_with_biases_and_token_weights_equals_one_devic
     with jax.set_mesh(cpu_mesh(mesh, jax.devices()[:4])):
         got = jax.jit(lambda *a: moe.sparse_dispatch(*a[:4], cfg, biases=a[4]))(x, experts, weights, w, b)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# --- the decoder's blocks, as MaxText scans them --------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,cycle", [("gemma3-12b", 6), ("gemma2-9b", 2), ("gpt-oss-120b", 2),
+                                        ("llama4-scout-17b-16e", 4), ("llama4-maverick-17b-128e", 4),
+                                        ("llama3.1-70b", 1), ("mistral-7b", 1), ("mixtral-8x7b", 1),
+                                        ("deepseek-v3", 1)])
+def test_layer_cycles_are_maxtexts(name, cycle):
+    """MaxText's GEMMA3_ATTENTION_PATTERN (6 layers), its Gemma 2 layer (a local and a global attention), and the
+    inhomogeneous_layer_cycle_interval of its gpt-oss (2) and Llama 4 (4) configs."""
+    model = presets.get(name)
+    assert model.layer_cycle() == cycle
+    (*_, st) = params_spec.stacks(model)
+    if model.first_num_dense_layers == 0:
+        assert st.count == model.num_layers // cycle and len(st.pattern) == cycle
+
+
+def test_a_partial_cycle_is_one_block_after_the_scan():
+    """Gemma 3 27B's 62 layers: ten blocks of six scanned, the last two as one block (MaxText's layers_remainder)."""
+    stacks = params_spec.stacks(presets.get("gemma3-27b"))
+    assert [(st.name, st.start, st.count, len(st.pattern)) for st in stacks] == [("layers", 0, 10, 6),
+                                                                                   ("rest_layers", 60, 1, 2)]
+
+
+@pytest.mark.parametrize("words", [(), ("attention_type=local_global", "window=4", "local_per_global=2",
+                                        "num_layers=7", "qk_norm=true", "post_norms=true"), LLAMA4, GPT_OSS])
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_reduced_arrays_are_the_train_states_arrays(words, scan):
+    """The collectives a replicated gradient takes, one per array: as many as the model's parameter arrays."""
+    preset = "tiny-moe" if words in (LLAMA4, GPT_OSS) else "tiny"
+    cfg = overrides.apply(presets.get(preset), [*words, f"scan_layers={scan}"])
+    md = train_step.model_def(cfg.model, cfg.train)
+    assert params_spec.reduced_arrays(cfg.model, cfg.train.scan_layers) == len(jax.tree.leaves(md.params))
+
+
+def test_block_layers_keep_their_masks_static():
+    """Within a block each layer's mask is the same in every repeat: a constant of the traced step, so no layer
+    switches between kernels at run time."""
+    cfg = overrides.apply(presets.get("tiny"), ["attention_type=local_global", "window=4", "local_per_global=2",
+                                                "num_layers=6", "seq_len=16", "attention=dot_product"])
+    from maxperf.models import transformer
+    windows = list(attention_rule.layer_masks(cfg.model))
+    assert transformer._static(windows, [True] * 6, 3) == ((4, 4, 0), (True, True, True))

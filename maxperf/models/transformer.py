@@ -22,6 +22,7 @@ from maxperf.spec import attention_rule
 from maxperf.spec import pipeline as pipeline_spec
 from maxperf.spec.fp8 import Fp8Recipe
 from maxperf.spec.model import ModelConfig, Positions
+from maxperf.spec.params import stacks
 from maxperf.spec.train import TrainConfig
 
 
@@ -156,34 +157,20 @@ def collect_counts(module: nnx.Module) -> dict[str, jax.Array]:
     return out
 
 
-@dataclass(frozen=True)
-class Stack:
-    """`count` repeats of consecutive layers, `pattern` saying which of them have a mixture of experts; layer
-    `start` first. Scanned, each repeat is one step of the scan."""
-
-    name: str
-    start: int
-    count: int
-    pattern: tuple[bool, ...]
+# for each layer of a stack's unit, its mask and its RoPE flag where every repeat shares them, else None
+Static = tuple[tuple[int | None, ...], tuple[bool | None, ...]]
 
 
-def stacks(cfg: ModelConfig) -> tuple[Stack, ...]:
-    """The decoder's layers as scannable stacks: a dense model's N layers in one; a mixture of experts' first dense
-    layers (DeepSeek), then repeats of interleave_moe_layer_step layers of which the last is MoE, then any dense
-    rest. Together they follow `ModelConfig.moe_layers()`."""
-    N = cfg.num_layers
-    if not cfg.is_moe:
-        return (Stack("layers", 0, N, (False,)),)
-    k, step = min(cfg.first_num_dense_layers, N), cfg.interleave_moe_layer_step
-    repeats, rest = divmod(N - k, step)
-    out = []
-    if k:
-        out.append(Stack("dense_layers", 0, k, (False,)))
-    if repeats:
-        out.append(Stack("layers", k, repeats, (False,) * (step - 1) + (True,)))
-    if rest:
-        out.append(Stack("rest_layers", k + repeats * step, rest, (False,)))
-    return tuple(out)
+def _static(windows: list[int], ropes: list[bool], P: int) -> Static:
+    """For each of the P layers of a stack's unit (the stack's `windows` and `ropes`, unit after unit), its mask and
+    RoPE flag where every repeat shares them: they stay Python constants, so the kernel's mask is static (Gemma 3's
+    local and global layers each have their own place in its block); None where repeats differ, passed through the
+    scan."""
+    def shared(values, j):
+        column = set(values[j::P])
+        return column.pop() if len(column) == 1 else None
+
+    return tuple(shared(windows, j) for j in range(P)), tuple(shared(ropes, j) for j in range(P))
 
 
 def _unit_maker(pattern: tuple[bool, ...], cfg: ModelConfig, dtype, attention: AttentionOptions, moe: MoEOptions):
@@ -285,7 +272,7 @@ class Transformer(nnx.Module):
             tokens_k, targets_k, mask_k, positions_k = shifted
             x_BxLxD = module.project(h_BxLxD, self.embed_tokens(tokens_k, positions_k))
             graphdef, state = nnx.split(module.layer)
-            apply = self._unit_fn(graphdef, positions_BxL, (mask, rope), 1, in_scan=False, tag=f"mtp/{k}")
+            apply = self._unit_fn(graphdef, positions_BxL, ((mask,), (rope,)), 1, in_scan=False, tag=f"mtp/{k}")
             unit_key = None if key is None else jax.random.fold_in(key, cfg.num_layers + k)
             meta = None if fp8 is None else fp8[f"mtp/{k}"][0]
             h_BxLxD, a, c = apply(x_BxLxD, state, masks_P, ropes_P, unit_key, meta)
@@ -314,16 +301,14 @@ class Transformer(nnx.Module):
         """(x, summed load-balancing loss, expert loads keyed by the parameter path of their router's bias)."""
         windows = list(attention_rule.layer_masks(self.cfg))
         ropes = [not nope for nope in self.cfg.nope_layers()]
-        # a mask (or RoPE choice) shared by every layer stays a Python constant, so the kernel's mask is static;
-        # only layers that differ pass theirs through the scan
-        static = (windows[0] if len(set(windows)) == 1 else None, ropes[0] if len(set(ropes)) == 1 else None)
         if (stages := mesh_stages()) > 1:
-            return self._pipelined(x_BxLxD, positions_BxL, stages, static, windows, ropes, key, fp8)
+            return self._pipelined(x_BxLxD, positions_BxL, stages, windows, ropes, key, fp8)
         aux = jnp.zeros((), jnp.float32)
         counts: dict[str, jax.Array] = {}
         for st in self.stacks:
             P = len(st.pattern)
             span = slice(st.start, st.start + st.count * P)
+            static = _static(windows[span], ropes[span], P)
             keys = None
             if isinstance(self.quantization, quant.Int8):  # each unit's own noise key
                 base = jax.random.key(0, impl=quant.NOISE_IMPL) if key is None else key
@@ -369,19 +354,19 @@ class Transformer(nnx.Module):
             raise ValueError("serving steps run without pipeline stages")
         windows = list(attention_rule.layer_masks(self.cfg))
         ropes = [not nope for nope in self.cfg.nope_layers()]
-        static = (windows[0] if len(set(windows)) == 1 else None, ropes[0] if len(set(ropes)) == 1 else None)
         x_BxLxD = constrain(self.embed_tokens(tokens_BxL, positions_BxL), OUTER_RESIDUAL)
         updated = {}
         for st in self.stacks:
             P = len(st.pattern)
             span = slice(st.start, st.start + st.count * P)
+            static = _static(windows[span], ropes[span], P)
             per_unit = (jnp.asarray(windows[span], jnp.int32).reshape(st.count, P),
                         jnp.asarray(ropes[span], jnp.bool_).reshape(st.count, P))
             layers = getattr(self, st.name)
 
             mine = {k[len(st.name) + 1:]: v for k, v in (scales or {}).items() if k.startswith(st.name + "/")}
 
-            def unit(x, state, windows_P, ropes_P, caches_P, index, graphdef, scales_u):
+            def unit(x, state, windows_P, ropes_P, caches_P, index, graphdef, scales_u, static=static):
                 apply = self._unit_fn(graphdef, positions_BxL, static, P, in_scan=True)
                 with kv_cache.session(mode, caches_P, quant_axis, index, heads_first) as s:
                     x, _, _ = apply(x, _widened(state, scales_u, self.compute_dtype), windows_P, ropes_P)
@@ -413,7 +398,7 @@ class Transformer(nnx.Module):
         x_BxLxD = self.final_norm(constrain(x_BxLxD, OUTER_RESIDUAL))
         return self.logits(x_BxLxD[:, -1:]), updated
 
-    def _pipelined(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, stages: int, static, windows, ropes,
+    def _pipelined(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, stages: int, windows, ropes,
                    key: jax.Array | None, fp8: dict[str, jax.Array] | None
                    ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """_layers over a mesh of `stages` pipeline stages: the decoder's one stack through models/pipeline.py, its
@@ -421,6 +406,7 @@ class Transformer(nnx.Module):
         there). spec.pipeline has checked that the model is one scanned stack the stages divide."""
         (st,) = self.stacks
         P, o = len(st.pattern), self.pipeline
+        static = _static(windows, ropes, P)
         schedule = pipeline_spec.schedule(stages, st.count, x_BxLxD.shape[0], microbatches=o.microbatches,
                                           repeats=o.repeats, units_per_stage=o.units_per_stage, delay=o.delay,
                                           fsdp_gather_once=o.fsdp_gather_once)
@@ -452,12 +438,13 @@ class Transformer(nnx.Module):
                                             counts_like=counts_like)
         return x_BxLxD, aux, {f"{st.name}/{path}": c[order] for path, c in counts.items()}
 
-    def _unit_fn(self, graphdef, positions_BxL: jax.Array, static: tuple[int | None, bool | None], P: int,
-                 in_scan: bool | None = None, tag: str = ""):
+    def _unit_fn(self, graphdef, positions_BxL: jax.Array, static: Static, P: int, in_scan: bool | None = None,
+                 tag: str = ""):
         """(x, state, masks and RoPE flags of the unit's P layers, int8's noise key, FP8 state) -> (x, aux, expert
-        loads by the path of their bias in the unit), rematerialized per the policy. `static`: the mask and RoPE flag
-        every layer shares (None where they differ). `in_scan`: whether the unit runs as a scan's body (default: as
-        the decoder's layers). `tag`: the unit's stack, under which a delayed FP8 recipe keeps its state."""
+        loads by the path of their bias in the unit), rematerialized per the policy. `static`: for each of the unit's
+        layers, the mask and the RoPE flag every repeat of it shares (`_static`; None where they differ). `in_scan`:
+        whether the unit runs as a scan's body (default: as the decoder's layers). `tag`: the unit's stack, under which
+        a delayed FP8 recipe keeps its state."""
 
         def apply(x_BxLxD, state, windows_P, ropes_P, key=None, meta=None):
             with quant.scope(self.quantization, key, meta, tag):
@@ -465,8 +452,8 @@ class Transformer(nnx.Module):
 
         def unit_with_aux(x_BxLxD, state, windows_P, ropes_P):
             unit = nnx.merge(graphdef, state)
-            windows = [static[0] if static[0] is not None else windows_P[j] for j in range(P)]
-            ropes = [static[1] if static[1] is not None else ropes_P[j] for j in range(P)]
+            windows = [static[0][j] if static[0][j] is not None else windows_P[j] for j in range(P)]
+            ropes = [static[1][j] if static[1][j] is not None else ropes_P[j] for j in range(P)]
             if P == 1:
                 x_BxLxD, aux = unit.with_aux(x_BxLxD, positions_BxL, windows[0], ropes[0])
             else:

@@ -58,7 +58,7 @@ from maxperf.perfmodel.work import (
 from maxperf.spec.grouped_matmul import megablox_tiling
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
-from maxperf.spec.params import state_arrays
+from maxperf.spec.params import reduced_arrays
 from maxperf.spec.topology import Topology
 from maxperf.spec.train import DTYPE_BYTES, TrainConfig, optimizer_state_bytes
 
@@ -296,9 +296,9 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
                     overlap.sequence)
     if mesh.axes["data"] > 1:
         # gradients are replicated across `data`: one all-reduce of this device's gradient shard per step
-        # XLA reduces each gradient array by a collective of its own
+        # XLA reduces each gradient array by a collective of its own, as the train state holds them
         _collective(table, "data all-reduce", "all-reduce", local_params * p, ("data",), nets, 1, overlap.data,
-                    len(state_arrays(model)))
+                    reduced_arrays(model, train.scan_layers))
     if view.pipelined:
         _stage_transfers(table, view.schedule, T * a.D * c, nets["stage"], steps)
     return _settle(table, overlap)

@@ -7,6 +7,7 @@ F feed-forward width, E experts, W attention window.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from maxperf.spec.errors import require
@@ -181,6 +182,19 @@ class ModelConfig:
     @property
     def moe_mlp_dim(self) -> int:
         return self.base_moe_mlp_dim if self.base_moe_mlp_dim is not None else self.d_ff
+
+    def layer_cycle(self) -> int:
+        """How many consecutive layers the decoder scans as one block, each of them with weights of its own: the
+        period after which the layers' kinds repeat, as MaxText's decoders set it. Gemma 2's local and global pair and
+        Gemma 3's five local layers and a global one (local_per_global + 1: its GEMMA3_ATTENTION_PATTERN), gpt-oss's
+        sliding and full pair, Llama 4's RoPE-free layer every nope_layer_interval with its dense and MoE layers
+        interleaved within (MaxText's inhomogeneous_layer_cycle_interval), a mixture of experts' dense layers before
+        each MoE one (interleave_moe_layer_step); 1 where every layer is alike."""
+        nope = self.nope_layer_interval > 0
+        windows = self.attention_type is AttentionType.LOCAL_GLOBAL or (
+            self.attention_type is AttentionType.CHUNK and not nope)  # layer_windows' period
+        return math.lcm(self.local_per_global + 1 if windows else 1, self.nope_layer_interval if nope else 1,
+                        self.interleave_moe_layer_step if self.is_moe else 1)
 
     def moe_layers(self) -> tuple[bool, ...]:
         """Whether each decoder layer's feed-forward block is a mixture of experts."""

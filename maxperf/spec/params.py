@@ -159,6 +159,51 @@ def state_arrays(model: ModelConfig) -> tuple[ParamArray, ...]:
     return (*param_arrays(model), *mtp_arrays(model))
 
 
+@dataclass(frozen=True)
+class Stack:
+    """`count` repeats of consecutive layers, `pattern` saying which of them have a mixture of experts; layer
+    `start` first. Scanned, each repeat is one step of the scan, and each layer of a repeat has weights of its own."""
+
+    name: str
+    start: int
+    count: int
+    pattern: tuple[bool, ...]
+
+
+def stacks(model: ModelConfig) -> tuple[Stack, ...]:
+    """The decoder's layers as scannable stacks, as MaxText's decoders scan them: a mixture of experts' first dense
+    layers (DeepSeek), then repeats of the model's layer cycle (`ModelConfig.layer_cycle`: one layer where all are
+    alike, Gemma 3's six), then the layers left after the whole cycles as one block (MaxText's layers_remainder).
+    Together they follow `ModelConfig.moe_layers()`."""
+    N, kinds = model.num_layers, model.moe_layers()
+    k = min(model.first_num_dense_layers, N) if model.is_moe else 0
+    P = model.layer_cycle()
+    repeats, rest = divmod(N - k, P)
+    out = []
+    if k:
+        out.append(Stack("dense_layers", 0, k, (False,)))
+    if repeats:
+        out.append(Stack("layers", k, repeats, kinds[k:k + P]))
+    if rest:
+        out.append(Stack("rest_layers", N - rest, 1, kinds[N - rest:]))
+    return tuple(out)
+
+
+def reduced_arrays(model: ModelConfig, scan_layers: bool = True) -> int:
+    """The arrays of the train state as the model holds them, each reduced across replicas by a collective of its
+    own: a scanned stack holds every weight of each layer of its repeating unit once, its repeats stacked (Gemma 3's
+    blocks of six layers hold six of each); unscanned, every layer holds its own."""
+    layers = {"attention": model.num_layers, "norm": model.num_layers, "mlp": model.num_layers - sum(
+        model.moe_layers()), "moe": sum(model.moe_layers())}
+    arrays = param_arrays(model)
+    per_layer = {kind: sum(x.count // layers[x.block] for x in arrays if x.block in ("attention", "norm", kind))
+                 for kind in ("mlp", "moe")}
+    total = sum(x.count for x in arrays if not x.block) + sum(x.count for x in mtp_arrays(model))
+    for st in stacks(model):
+        total += (1 if scan_layers else st.count) * sum(per_layer["moe" if m else "mlp"] for m in st.pattern)
+    return total
+
+
 def params_per_device(model: ModelConfig, sizes: tuple[tuple[str, int], ...]) -> float:
     """Parameters one device holds after sharding over a mesh of these axis sizes (Mesh.sizes); the optimizer state
     and the gradients are sharded alike."""

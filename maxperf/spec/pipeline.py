@@ -92,9 +92,10 @@ def schedule(stages: int, pipelined_units: int, batch: int, *, microbatches: int
 
 
 def pipelined_units(model: ModelConfig) -> tuple[int, int]:
-    """(units, layers per unit) of the stack a pipeline runs: the decoder's repeating unit (a layer; Llama 4
-    Maverick's dense-then-MoE pair), every layer of the model; a MaxperfError where layers stand outside it."""
-    step = model.interleave_moe_layer_step if model.is_moe else 1
+    """(units, layers per unit) of the stack a pipeline runs: the decoder's repeating unit (a layer; a block of the
+    model's layer cycle, as Gemma 3's six layers or Llama 4 Maverick's dense-then-MoE pairs), every layer of the
+    model; a MaxperfError where layers stand outside it."""
+    step = model.layer_cycle()
     first = model.first_num_dense_layers if model.is_moe else 0
     if first:
         raise MaxperfError(
@@ -104,7 +105,7 @@ def pipelined_units(model: ModelConfig) -> tuple[int, int]:
     units, rest = divmod(model.num_layers, step)
     if rest:
         raise MaxperfError(f"pipeline parallelism over {model.name}: its {model.num_layers} layers are not whole "
-                           f"blocks of {step} (dense then MoE); choose num_layers a multiple of {step}")
+                           f"blocks of its {step}-layer cycle; choose num_layers a multiple of {step}")
     return units, step
 
 
