@@ -774,3 +774,15 @@ def test_a_long_phase_says_it_is_still_working(capsys, monkeypatch):
     middle = lines[1:-1]
     assert len(middle) >= 1 and all(re.fullmatch(PROGRESS + r"still working \(\d+ s since the last step above\)", x)
                                     for x in middle), lines
+
+
+def test_megablox_tiles_by_their_earlier_names_paste_too(capsys):
+    """MaxText's v5p benchmark configs (benchmarks/maxtext_v5p_model_configs.py, DeepSeek-V3 on v5p-1024) still set
+    the tiles by the names they had before they were split per kernel: accepted as the split ones are."""
+    words = ["compile_topology=v5p-8", "model_name=tiny-moe", "per_device_batch_size=1", "seq_len=16",
+             "tile_batch_seq=512", "tile_embed_dim=1024", "tile_mlp_dim=1024"]
+    code, out, err = run_main(capsys, "estimate", "--json", *words)
+    assert code == 0, err
+    assert err.splitlines() == [
+        "maxperf: note: MaxText's tile_batch_seq, tile_embed_dim, tile_mlp_dim tune its own kernels and collectives; "
+        "maxperf compiles jax's kernels and XLA's collectives as they come: not reproduced"]

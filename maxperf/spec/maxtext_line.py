@@ -45,6 +45,9 @@ RUN_KEYS = frozenset("""
 # megablox kernels and XLA's collectives as they come: these are accepted and named once as not reproduced.
 _TILES = [f"{w}_tile_{p}_{d}" for w in ("wi", "wo") for p in ("fwd", "dlhs", "drhs")
           for d in ("batch_seq", "embed_dim", "mlp_dim", "buffer_count")]
+# and their names before MaxText split them per kernel (one set for every grouped matmul; the v5p configs of its
+# benchmarks/maxtext_v5p_model_configs.py still set them)
+_TILES += ["tile_batch_seq", "tile_embed_dim", "tile_mlp_dim"]
 TUNING_KEYS = frozenset("""
     use_splash_scheduler local_use_splash_scheduler cost_estimate_flops_fwd cost_estimate_flops_bwd dq_reduction_steps
     use_max_logit_estimate use_tokamax_gmm use_custom_sort_vjp moe_fsdp_use_two_stage_all_gather
