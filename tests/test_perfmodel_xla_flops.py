@@ -38,3 +38,19 @@ def test_full_remat_adds_the_forward_again_in_both_counts(tmp_path):
         flops[remat] = (result.cost["xla_flops_per_device"], est.flops.recompute_flops)
     xla_extra = flops["full"][0] - flops["none"][0]
     assert xla_extra == pytest.approx(flops["full"][1], rel=0.10)
+
+
+@pytest.mark.slow
+def test_a_one_hot_embedding_adds_its_matmul_and_the_tables_gradient_in_both_counts(tmp_path):
+    """use_iota_embed (MaxText's): the lookup as a one-hot [tokens, V] by [V, D] matmul, its backward the table's
+    gradient alone. A vocabulary of 8192 makes it a fifth of the step's work."""
+    flops = {}
+    for iota in ("false", "true"):
+        words = [*SHAPE, "vocab_size=8192", f"use_iota_embed={iota}"]
+        result = aot.compile("v5p-8", "tiny", words, out=tmp_path / iota)
+        est = perfmodel.estimate(result.plan)
+        flops[iota] = (result.cost["xla_flops_per_device"], est.hardware_flops_per_device, est.flops.embedding_flops)
+    tokens, V, D = 2 * 128, 8192, 256
+    assert flops["true"][2] == 4 * tokens * V * D
+    assert flops["true"][0] - flops["false"][0] == pytest.approx(flops["true"][2], rel=0.05)
+    assert flops["true"][1] - flops["false"][1] == flops["true"][2]

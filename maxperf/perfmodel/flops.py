@@ -346,13 +346,14 @@ class FlopCounts:
     attention_executed_flops: float  # the attention einsums as executed (see ATTENTION_SKIPS_MASKED), fwd + bwd
     recompute_flops: float  # the forward work the remat policy does again in the backward pass
     optimizer_flops: float  # AdamW on this device's parameter shard
-    hardware_flops: float  # weight + executed attention + recompute + optimizer + expert padding + dispatch
+    hardware_flops: float  # weight + executed attention + recompute + optimizer + expert padding + dispatch + embedding
     # the multi-token-prediction modules' share of model_flops (inside weight_flops and attention_flops), as MaxText
     # counts them: each module as one more decoder layer of the last layer's kind, its weights and attention
     mtp_flops: float = 0.0
     expert_padding_flops: float = 0.0  # routed-expert rows computed beyond top-k: the einsum dispatch's empty slots
     #                                    (negative where its capacity drops more than it pads)
     dispatch_flops: float = 0.0  # the einsum dispatch's one-hot dispatch and combine einsums, fwd + bwd
+    embedding_flops: float = 0.0  # use_iota_embed's one-hot lookup matmul and the table's gradient
 
 
 def attention_fwd_flops(model: ModelConfig, B: int, L: int, executed: bool, kernel: str = "dot_product") -> float:
@@ -424,14 +425,17 @@ def count_flops(model: ModelConfig, train: TrainConfig, params_per_device: float
     shard = params.total if params_per_device is None else params_per_device
     optimizer = OPTIMIZER_FLOPS_PER_PARAM * shard
     weight = TRAIN_FACTOR * weight_fwd
+    # use_iota_embed: the lookup as a one-hot [tokens, V] by [V, D] matmul, and in the backward the table's gradient
+    # (the tokens have none); executed, not model FLOPs (MaxText's count leaves the lookup out)
+    embedding = 2 * 2 * tokens * model.vocab_size * model.d_model if model.use_iota_embed else 0.0
     return FlopCounts(
         tokens=tokens, weight_flops=weight, attention_flops=TRAIN_FACTOR * attn_model_fwd,
         model_flops=weight + TRAIN_FACTOR * attn_model_fwd,
         attention_executed_flops=attn_exec_fwd + attn_exec_bwd, recompute_flops=recompute, optimizer_flops=optimizer,
         hardware_flops=(weight + attn_exec_fwd + attn_exec_bwd + recompute + optimizer + padding + dispatched
-                        + TRAIN_FACTOR * mtp.uncounted),
+                        + TRAIN_FACTOR * mtp.uncounted + embedding),
         mtp_flops=TRAIN_FACTOR * (mtp.weights + mtp.attention), expert_padding_flops=padding,
-        dispatch_flops=dispatched,
+        dispatch_flops=dispatched, embedding_flops=embedding,
     )
 
 

@@ -177,6 +177,11 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     table.train_matmul("unembedding", Tu, D, a.V, steps * (1 + (train.num_vocab_tiling > 1)), steps,
                        4 if fp32 else c, quantized=False,
                        rate=chip.peak_flops("float32") / table.peak if fp32 else 1.0)
+    if model.use_iota_embed:
+        # MaxText's use_iota_embed: the lookup as a one-hot matmul [T, V] by [V, D], its backward the table's gradient
+        # [V, T] by [T, D] alone (the tokens have none)
+        table.matmul("embedding (one-hot matmul)", Tu, a.V, D, steps, c)
+        table.matmul("embedding (one-hot matmul)", a.V, Tu, D, steps, c)
     # attention per (example, head): scores L x Dh by Dh x L, context L x L by L x Dh. The dot product computes all
     # L x L scores; the TPU and GPU flash kernels skip the blocks their mask hides (ATTENTION_SKIPS_MASKED), computing
     # the others whole (executed_pairs), at a kernel rate with no softmax passes over HBM
