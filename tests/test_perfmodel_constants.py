@@ -111,3 +111,25 @@ def test_maxperf_estimate_prints_its_assumptions(capsys):
     held_out = work.HELD_OUT_ERROR["source"][0]
     assert (f"\n  uncertainty      +-{held_out:.0%}: each source's published runs predicted by constants fitted "
             "without them") in out
+
+
+def test_no_matmul_runs_faster_than_the_chips_best_measured_one():
+    """Ironwood's published GEMM sweep levels off at 0.829 of a TensorCore's peak (956.4 TFLOP/s at 32768 cubed),
+    where the law fitted on steps would keep rising; v6e's 8192-cubed GEMM ran at 0.901. Thinner matmuls stay on the
+    law below it, and a chip without a published measurement has no cap."""
+    ironwood, v6e, v5p_chip = chips.get("tpu7x"), chips.get("tpu-v6e"), chips.get("tpu-v5p")
+    assert chips.MEASURED_MATMUL["tpu7x"] == pytest.approx(956.4 / (2307 / 2), abs=5e-4)
+    assert work.matmul_efficiency(ironwood, 32768) == chips.MEASURED_MATMUL["tpu7x"]
+    half = work.MATMUL_HALF["tpu"] * work.half_scale(ironwood)
+    law = work.SHIPPED.fraction(ironwood) * 2048 / (2048 + half)
+    assert law < chips.MEASURED_MATMUL["tpu7x"] and work.matmul_efficiency(ironwood, 2048, half) == pytest.approx(law)
+    assert work.matmul_efficiency(v6e, 16384) == chips.MEASURED_MATMUL["tpu-v6e"]
+    v5p_law = work.SHIPPED.fraction(v5p_chip) * 32768 / (32768 + work.MATMUL_HALF["tpu"])
+    assert work.matmul_efficiency(v5p_chip, 32768) == pytest.approx(v5p_law)
+    # the step prices its matmuls so: Llama 3.1 405B's MLP (smallest side 16384) on a TPU7x slice runs at the cap
+    e = estimate(Request.of(Topo("tpu7x", 64, 4, hosts=16, torus=(4, 4, 4)), presets.get("llama3.1-405b"),
+                            TrainConfig(per_device_batch_size=2, seq_len=8192), {"fsdp": 64}, {}))
+    row = next(r for r in e.breakdown if r.name == "mlp down")
+    T = 2 * 8192
+    flops = 3 * 2 * T * 16384 * 53248 * 126  # forward and the two backward matmuls of each layer
+    assert row.seconds == pytest.approx(flops / (ironwood.peak_bf16_flops * chips.MEASURED_MATMUL["tpu7x"]), rel=1e-6)

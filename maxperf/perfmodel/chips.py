@@ -18,15 +18,18 @@ from maxperf.spec.hardware import CHIPS, Chip
 # The rate a large dense matmul sustains in a training step, as a fraction of the datasheet peak (Constants.fraction):
 # a datasheet peak counts every tensor unit busy at the boost clock, which a chip running dense matmuls through a whole
 # step does not hold within its power limit (H100 SXM: 700 W [h100]), and a step's matmuls are of the shapes a model
-# has, not a benchmark's best. perfmodel.work scales every matmul and the flash kernels by it. No TPU page publishes a
-# measured matmul rate: TPUs' are fitted [fit]. The GPUs with rows are fitted too; their measured GEMM rates [mamf],
-# best shapes over 100 iterations, sit above what training steps reach. Chips without rows take
-# `fraction_without_rows` of the fitted ones. [fit]: bench/published.py (FITTED_ON), per chip n rows.
+# has, not a benchmark's best. perfmodel.work scales every matmul and the flash kernels by it, and no matmul runs
+# faster than the chip's best measured one (MEASURED_MATMUL, where published). TPUs' fractions are fitted [fit]; the
+# GPUs with rows are fitted too; their measured GEMM rates [mamf], best shapes over 100 iterations, sit above what
+# training steps reach. Chips without rows take `fraction_without_rows` of the fitted ones. [fit]: bench/published.py
+# (FITTED_ON), per chip n rows.
 MATMUL_FRACTION = {
     "tpu-v4": 0.814,  # [fit] 6 rows (MaxText v4 table)
     "tpu-v5e": 0.995,  # [fit] 24 rows (MaxText v5e table)
     "tpu-v5p": 0.882,  # [fit] 16 rows (MaxText v5p table)
-    "tpu7x": 0.978,  # [fit] 5 rows (tpu-recipes Ironwood)
+    # [fit] 5 rows (tpu-recipes Ironwood); their large matmuls run at the measured 0.829 (MEASURED_MATMUL), so the fit
+    # barely moves it (held at its fit before that cap)
+    "tpu7x": 0.978,
     "a100-40gb": 0.775,  # [fit] 4 rows (MPT)
     "a100-80gb": 0.824,  # [fit] 9 rows (MPT)
     "h100-sxm": 0.616,  # [fit] 21 rows (MPT, MaxText A3, NVIDIA Megatron-Bridge)
@@ -35,9 +38,14 @@ FITTED_ON = "bench/published.py, 2026-11-27, 86 rows"
 # Chips whose tensor cores, clocks and power limit are another's: H200 is H100 SXM's compute at the same 700 W with
 # more and faster HBM ([h200]; [mamf] "H200 is the same")
 SAME_COMPUTE = {"h200": "h100-sxm"}
-# [mamf]: the best bf16 matmul rate measured per GPU, over its datasheet peak ("H200 is the same" as H100 SXM)
+# The best bf16 matmul rate measured on each chip, over its datasheet peak: no matmul of a step runs faster
+# (perfmodel.work.price caps the law there). GPUs: [mamf] ("H200 is the same" as H100 SXM). TPU7x: Google's Ironwood
+# GEMM sweep, bf16, TFLOP/s per device (one of a chip's two TensorCores, 1153.5 of its peak): 892.9 at m = n = k = 4096,
+# 950.1 at 16384, 956.4 at 32768 ([iw-gemm] tpu-recipes microbenchmarks/ironwood/README.md, "Results: GEMM"), where
+# the law fitted on steps would go on rising (0.91 of peak at 16384). TPU v6e: 827.5 TFLOP/s at 8192 cubed with a
+# 64 MiB scoped VMEM limit ([v6e-gemm] tpu-recipes microbenchmarks/README.md; no larger size published).
 MEASURED_MATMUL = {"a100-40gb": 0.869, "a100-80gb": 0.869, "h100-sxm": 0.803, "h200": 0.803, "b200": 0.776,
-                   "gb200": 0.729}
+                   "gb200": 0.729, "tpu7x": 0.829, "tpu-v6e": 0.901}
 
 
 def fraction_without_rows(name: str, fitted: dict[str, float]) -> float:

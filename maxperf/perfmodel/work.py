@@ -17,17 +17,19 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from maxperf.perfmodel import cpu
-from maxperf.perfmodel.chips import MATMUL_FRACTION, MATMUL_FRACTION_ORIGIN, Chip
+from maxperf.perfmodel.chips import MATMUL_FRACTION, MATMUL_FRACTION_ORIGIN, MEASURED_MATMUL, Chip
 from maxperf.spec.errors import require
 from maxperf.spec.fp8 import Fp8Recipe, Granularity, Scaling
 from maxperf.spec.fp8 import recipe as fp8_recipe
 from maxperf.spec.train import TrainConfig
 
-# Matmul efficiency = fraction x m / (m + HALF) x fill, m the smallest of the matmul's dimensions: the rate a large
-# matmul sustains on the chip (chips.MATMUL_FRACTION), less for a thinner one, which fills the systolic arrays and
-# tensor-core tiles less well and has less work to hide each kernel's start and end behind (a matmul whose smallest
-# side is HALF reaches half of it; on a TPU HALF grows with its matrix units' width, half_scale), and less where its
-# contraction and output dims fill a TPU's matrix units in part (mxu_fill). Fitted: bench/published.py (FITTED),
+# Matmul efficiency = min(fraction x m / (m + HALF), ceiling) x fill, m the smallest of the matmul's dimensions: the
+# rate a large matmul sustains on the chip (chips.MATMUL_FRACTION), less for a thinner one, which fills the systolic
+# arrays and tensor-core tiles less well and has less work to hide each kernel's start and end behind (a matmul whose
+# smallest side is HALF reaches half of it; on a TPU HALF grows with its matrix units' width, half_scale), never above
+# the chip's best measured matmul (chips.MEASURED_MATMUL: the law keeps rising with m where Ironwood's measured GEMMs
+# level off at 0.83 of its peak), and less where its contraction and output dims fill a TPU's matrix units in part
+# (mxu_fill). Fitted: bench/published.py (FITTED),
 # 86 rows, 51 TPU and 35 GPU, HALF at a 128-wide array. The rows' matmuls have smallest sides of 1024 to 16384 (half
 # their FLOPs at 6144 or more; every row runs flash attention): below 1024, as for the dot product's head-dim-wide
 # einsums, the figure is an extrapolation.
@@ -58,13 +60,14 @@ FLASH_EFFICIENCY = {"tpu": 0.78, "gpu": 0.47}
 # dequantized output in the compute dtype (the int32 result scaled in the dot's output fusion, assumed).
 INT8_NOISE_BYTES = 8
 # FP8 recipes (maxperf.spec.fp8, models/layers/fp8.py): a quantized matmul runs at the chip's FP8 peak times the
-# share of it its shape sustains (the bf16 rule: fraction x m / (m + HALF) x fill) times FP8_EFFICIENCY, how much of
+# share of it its shape sustains (the bf16 rule: fraction x m / (m + HALF), at most the chip's best measured bf16
+# matmul, x fill) times FP8_EFFICIENCY, how much of
 # that an FP8 GEMM keeps relative to a bf16 one (its kernels, the scales applied in its epilogue, and what else the
 # FP8 recipes' frameworks run faster than the runs the bf16 fraction was fitted on). Fitted (FITTED_FP8) on
 # bench/published's FP8 rows: on GPU NVIDIA Megatron-Bridge's Llama 3 8B on 8 H100s and 8 B200s and Llama 3 70B on 64
 # H100s (current scaling, 744, 1,576 and 719 TFLOP/s per GPU: above the bf16 fraction fitted on MosaicML's and
 # MaxText's H100 runs, so above 1), on TPU the tpu-recipes Ironwood Llama 3.1 70B and 405B fp8_full rows.
-FP8_EFFICIENCY = {"tpu": 0.91, "gpu": 1.50, "cpu": 1.0}
+FP8_EFFICIENCY = {"tpu": 1.00, "gpu": 1.50, "cpu": 1.0}
 FITTED_FP8 = {"tpu": "bench/published.py, 2026-11-27, 2 TPU7x FP8 rows",
               "gpu": "bench/published.py, 2026-11-27, 3 NVIDIA FP8 rows"}
 # The quantize passes, bytes per element quantized (c: the compute dtype's bytes), counted from the operations, each
@@ -89,7 +92,7 @@ DCN_STEP_LATENCY = {"tpu": 1.71e-3, "gpu": 30e-6, "cpu": 30e-6}
 # other sources' ("source"), each chip generation's by constants fitted on the others' with its sustained rate from
 # the rule for chips without rows ("generation"); bench/published.py --hold-out source,hardware. An estimate quotes
 # the first for chips whose rate was fitted, the second for the others.
-HELD_OUT_ERROR = {"source": (0.079, 0.331), "generation": (0.095, 0.289)}
+HELD_OUT_ERROR = {"source": (0.062, 0.331), "generation": (0.076, 0.297)}
 HELD_OUT_BASIS = "bench/published.py, 2026-11-27, 88 rows"
 
 
@@ -195,6 +198,7 @@ class Terms:
     rate: np.ndarray  # MATMUL: a kernel's rate relative to a plain matmul of its shape (1 elsewhere)
     half: np.ndarray  # MATMUL: a measured HALF (CPU devices); NaN: the chip kind's constant times half_scale
     half_scale: np.ndarray  # MATMUL: a TPU's matrix-unit width over 128 (a wider array needs a wider matmul), else 1
+    ceiling: np.ndarray  # MATMUL: the chip's best measured matmul rate over its peak (chips.MEASURED_MATMUL), else inf
     dcn_steps: np.ndarray  # collectives across slices or hosts: the latencies they pay (priced at dcn_step_latency)
     flops: np.ndarray
     bytes: np.ndarray
@@ -226,7 +230,7 @@ def price(terms: Terms, fraction, half, flash, d_passes, dcn_latency, fp8=1.0) -
     (bench/published.py prices many steps at once)."""
     t = terms
     h = np.where(np.isnan(t.half), half * t.half_scale, t.half)
-    efficiency = t.rate * fraction * t.side / (t.side + h) * (1 + t.fp8 * (fp8 - 1))
+    efficiency = t.rate * np.minimum(fraction * t.side / (t.side + h), t.ceiling) * (1 + t.fp8 * (fp8 - 1))
     at_rate = t.peak_s / efficiency
     matmul = np.maximum(at_rate, t.hbm_s)
     seconds = np.where(t.law == MATMUL, matmul, t.fixed_s)
@@ -276,9 +280,10 @@ def quantize_bytes(recipe: Fp8Recipe, c: int) -> float:
 
 
 def matmul_efficiency(chip: Chip, m: float, half: float | None = None, constants: Constants = SHIPPED) -> float:
-    """The fraction of peak a matmul whose smallest side is m sustains: fraction x m / (m + HALF); `half` (a
-    calibrated HALF) replaces the kind's."""
-    return constants.fraction(chip) * m / (m + (constants.matmul_half[chip.kind] if half is None else half))
+    """The fraction of peak a matmul whose smallest side is m sustains: fraction x m / (m + HALF), at most the chip's
+    best measured matmul rate (chips.MEASURED_MATMUL); `half` (a calibrated HALF) replaces the kind's."""
+    return min(constants.fraction(chip) * m / (m + (constants.matmul_half[chip.kind] if half is None else half)),
+               MEASURED_MATMUL.get(chip.name, math.inf))
 
 
 def mxu_fill(chip: Chip, *dims: float) -> float:
@@ -307,7 +312,7 @@ def half_scale(chip: Chip) -> float:
 
 # A term's fields in the order Work records them: its words, then its numbers (Terms' arrays)
 COLUMNS = ("name", "kind", "family", "law", "fixed_s", "peak_s", "hbm_s", "side", "rate", "half", "half_scale",
-           "dcn_steps", "flops", "bytes", "overlap", "fp8")
+           "ceiling", "dcn_steps", "flops", "bytes", "overlap", "fp8")
 
 
 class Work:
@@ -327,10 +332,10 @@ class Work:
 
     def _term(self, name: str, kind: str, law: int, *, fixed_s: float = 0.0, peak_s: float = 0.0, hbm_s: float = 0.0,
               side: float = 1.0, rate: float = 1.0, half: float = math.nan, half_scale: float = 1.0,
-              dcn_steps: float = 0.0, flops: float = 0.0, nbytes: float = 0.0,
+              ceiling: float = math.inf, dcn_steps: float = 0.0, flops: float = 0.0, nbytes: float = 0.0,
               family: str = "", overlap: float = 0.0, fp8: bool = False) -> None:
-        self.rows.append((name, kind, family, law, fixed_s, peak_s, hbm_s, side, rate, half, half_scale, dcn_steps,
-                          flops, nbytes, overlap, float(fp8)))
+        self.rows.append((name, kind, family, law, fixed_s, peak_s, hbm_s, side, rate, half, half_scale, ceiling,
+                          dcn_steps, flops, nbytes, overlap, float(fp8)))
 
     def add(self, name: str, kind: str, seconds: float, flops: float = 0.0, nbytes: float = 0.0,
             overlap: float = 0.0, family: str = "", dcn_steps: float = 0.0) -> None:
@@ -356,8 +361,10 @@ class Work:
             origin = MATMUL_FRACTION_ORIGIN[self.chip.name] if self.constants.matmul_fraction.get(
                 self.chip.name) == MATMUL_FRACTION.get(self.chip.name) else "as given"
             half = self.constants.matmul_half[self.chip.kind] * half_scale(self.chip)
+            ceiling = MEASURED_MATMUL.get(self.chip.name)
             self.assume("matmul", f"matmuls at {self.constants.fraction(self.chip):.2f} of peak ({origin}) x m / (m + "
                                   f"{half:g}), m a matmul's smallest side (HALF fitted)"
+                        + (f", at most {ceiling:.2f} (the best measured)" if ceiling else "")
                         + (f", x the share of its {self.chip.mxu_width}-wide matrix units a matmul fills"
                            if self.chip.mxu_width else ""))
         elif self.half is None:
@@ -367,7 +374,8 @@ class Work:
                    side=min(M, K, N) if side is None else side,
                    rate=rate * (mxu_fill(self.chip, *(d for d in (K, N) if d >= MIN_MXU_WIDTH)) if fill is None
                                 else fill),
-                   half=math.nan if self.half is None else self.half, half_scale=half_scale(self.chip), flops=flops,
+                   half=math.nan if self.half is None else self.half, half_scale=half_scale(self.chip),
+                   ceiling=MEASURED_MATMUL.get(self.chip.name, math.inf), flops=flops,
                    nbytes=nbytes, fp8=fp8)
         if self.chip.kind == "cpu":
             cpu.dot_accumulator_faults(self.add, self.chip, M, K, N, count, c)
