@@ -1,0 +1,33 @@
+"""bench/recipes.py: Google's published MaxText recipes paste into `maxperf estimate` as they are, each is estimated
+and fits (each ran in production), and the summaries are what the rows say."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "recipes.py"
+
+
+def test_every_recipe_pastes_fits_and_is_summarized(tmp_path):
+    out = tmp_path / "recipes.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--json", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert len(rows) == 23
+    failed = {k: v for k, v in rows.items() if "error" not in v or isinstance(v["error"], str)}
+    assert not failed, failed
+    assert all(v["fits"] for v in rows.values()), [k for k, v in rows.items() if not v["fits"]]
+    errors = np.array([v["error"] for v in rows.values()])
+    assert data["summary"]["all"]["median"] == pytest.approx(float(np.median(np.abs(errors))))
+    assert data["summary"]["all"]["worst"] == pytest.approx(float(np.max(np.abs(errors))))
+    v6e = [v["error"] for v in rows.values() if v["group"] == "TPU v6e"]
+    assert data["summary"]["TPU v6e"]["n"] == len(v6e) == 19
+    # the predictions are the model's, not echoes of the published figures
+    assert all(v["predicted"] != v["published"] for v in rows.values())
+    assert "median" in proc.stdout and "23 of 23 rows estimated" in proc.stdout
