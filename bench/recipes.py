@@ -18,6 +18,7 @@ import contextlib
 import csv
 import io
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass
@@ -78,10 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
             results[row.id] = {"exit": code, "error": err.strip().splitlines()[-1] if err.strip() else ""}
             print(f"{row.id:<34} {row.topology:<11} {row.published:>10.1f} {'error':>10}  {results[row.id]['error']}")
             continue
-        devices = 1
-        for size in doc["mesh"]["axes"].values():
-            devices *= size
-        predicted = doc["tokens_per_s"] / devices  # MaxText's "device": a JAX device (a TPU7x chip holds two)
+        # MaxText's "device": a JAX device (a TPU7x chip holds two)
+        predicted = doc["tokens_per_s"] / math.prod(doc["mesh"]["axes"].values())
         e = predicted / row.published - 1
         results[row.id] = {"group": group(row), "published": row.published, "predicted": predicted, "error": e,
                            "fits": doc["fits"], "step_time_s": doc["step_time_s"]}

@@ -9,6 +9,7 @@ rows of that chip).
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from maxperf.perfmodel.calibration import Calibration
@@ -46,6 +47,12 @@ SAME_COMPUTE = {"h200": "h100-sxm"}
 # 64 MiB scoped VMEM limit ([v6e-gemm] tpu-recipes microbenchmarks/README.md; no larger size published).
 MEASURED_MATMUL = {"a100-40gb": 0.869, "a100-80gb": 0.869, "h100-sxm": 0.803, "h200": 0.803, "b200": 0.776,
                    "gb200": 0.729, "tpu7x": 0.829, "tpu-v6e": 0.901}
+
+
+def matmul_ceiling(chip: Chip) -> float:
+    """The most of its peak any matmul sustains on `chip`: its best measured one (MEASURED_MATMUL), unbounded (inf)
+    where none is published."""
+    return MEASURED_MATMUL.get(chip.name, math.inf)
 
 
 def fraction_without_rows(name: str, fitted: dict[str, float]) -> float:

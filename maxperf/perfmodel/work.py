@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from maxperf.perfmodel import cpu
-from maxperf.perfmodel.chips import MATMUL_FRACTION, MATMUL_FRACTION_ORIGIN, MEASURED_MATMUL, Chip
+from maxperf.perfmodel.chips import MATMUL_FRACTION, MATMUL_FRACTION_ORIGIN, Chip, matmul_ceiling
 from maxperf.spec.errors import require
 from maxperf.spec.fp8 import Fp8Recipe, Granularity, Scaling
 from maxperf.spec.fp8 import recipe as fp8_recipe
@@ -29,10 +29,9 @@ from maxperf.spec.train import TrainConfig
 # smallest side is HALF reaches half of it; on a TPU HALF grows with its matrix units' width, half_scale), never above
 # the chip's best measured matmul (chips.MEASURED_MATMUL: the law keeps rising with m where Ironwood's measured GEMMs
 # level off at 0.83 of its peak), and less where its contraction and output dims fill a TPU's matrix units in part
-# (mxu_fill). Fitted: bench/published.py (FITTED),
-# 86 rows, 51 TPU and 35 GPU, HALF at a 128-wide array. The rows' matmuls have smallest sides of 1024 to 16384 (half
-# their FLOPs at 6144 or more; every row runs flash attention): below 1024, as for the dot product's head-dim-wide
-# einsums, the figure is an extrapolation.
+# (mxu_fill). Fitted: bench/published.py (FITTED), 86 rows, 51 TPU and 35 GPU, HALF at a 128-wide array. The rows'
+# matmuls have smallest sides of 1024 to 16384 (half their FLOPs at 6144 or more; every row runs flash attention):
+# below 1024, as for the dot product's head-dim-wide einsums, the figure is an extrapolation.
 FITTED = "2026-11-27, the constants of bench/published.py's default --free, from its PRIOR"
 MATMUL_HALF = {
     "tpu": 640,  # fitted (51 TPU rows)
@@ -61,9 +60,9 @@ FLASH_EFFICIENCY = {"tpu": 0.78, "gpu": 0.47}
 INT8_NOISE_BYTES = 8
 # FP8 recipes (maxperf.spec.fp8, models/layers/fp8.py): a quantized matmul runs at the chip's FP8 peak times the
 # share of it its shape sustains (the bf16 rule: fraction x m / (m + HALF), at most the chip's best measured bf16
-# matmul, x fill) times FP8_EFFICIENCY, how much of
-# that an FP8 GEMM keeps relative to a bf16 one (its kernels, the scales applied in its epilogue, and what else the
-# FP8 recipes' frameworks run faster than the runs the bf16 fraction was fitted on). Fitted (FITTED_FP8) on
+# matmul, x fill) times FP8_EFFICIENCY, how much of that an FP8 GEMM keeps relative to a bf16 one (its kernels, the
+# scales applied in its epilogue, and what else the FP8 recipes' frameworks run faster than the runs the bf16
+# fraction was fitted on). Fitted (FITTED_FP8) on
 # bench/published's FP8 rows: on GPU NVIDIA Megatron-Bridge's Llama 3 8B on 8 H100s and 8 B200s and Llama 3 70B on 64
 # H100s (current scaling, 744, 1,576 and 719 TFLOP/s per GPU: above the bf16 fraction fitted on MosaicML's and
 # MaxText's H100 runs, so above 1), on TPU the tpu-recipes Ironwood Llama 3.1 70B and 405B fp8_full rows.
@@ -283,7 +282,7 @@ def matmul_efficiency(chip: Chip, m: float, half: float | None = None, constants
     """The fraction of peak a matmul whose smallest side is m sustains: fraction x m / (m + HALF), at most the chip's
     best measured matmul rate (chips.MEASURED_MATMUL); `half` (a calibrated HALF) replaces the kind's."""
     return min(constants.fraction(chip) * m / (m + (constants.matmul_half[chip.kind] if half is None else half)),
-               MEASURED_MATMUL.get(chip.name, math.inf))
+               matmul_ceiling(chip))
 
 
 def mxu_fill(chip: Chip, *dims: float) -> float:
@@ -355,16 +354,16 @@ class Work:
         int8 and FP8); `fp8`: an FP8 matmul, priced at Constants.fp8_efficiency too."""
         flops = 2 * M * K * N * count
         nbytes = ((c if operand_bytes is None else operand_bytes) * (M * K + K * N) + c * M * N) * count
+        ceiling = matmul_ceiling(self.chip)
         if "matmul" in self.assumed:  # said once per step: spare the line's formatting on every matmul
             pass
         elif self.chip.kind != "cpu":
             origin = MATMUL_FRACTION_ORIGIN[self.chip.name] if self.constants.matmul_fraction.get(
                 self.chip.name) == MATMUL_FRACTION.get(self.chip.name) else "as given"
             half = self.constants.matmul_half[self.chip.kind] * half_scale(self.chip)
-            ceiling = MEASURED_MATMUL.get(self.chip.name)
             self.assume("matmul", f"matmuls at {self.constants.fraction(self.chip):.2f} of peak ({origin}) x m / (m + "
                                   f"{half:g}), m a matmul's smallest side (HALF fitted)"
-                        + (f", at most {ceiling:.2f} (the best measured)" if ceiling else "")
+                        + (f", at most {ceiling:.2f} (the best measured)" if math.isfinite(ceiling) else "")
                         + (f", x the share of its {self.chip.mxu_width}-wide matrix units a matmul fills"
                            if self.chip.mxu_width else ""))
         elif self.half is None:
@@ -375,7 +374,7 @@ class Work:
                    rate=rate * (mxu_fill(self.chip, *(d for d in (K, N) if d >= MIN_MXU_WIDTH)) if fill is None
                                 else fill),
                    half=math.nan if self.half is None else self.half, half_scale=half_scale(self.chip),
-                   ceiling=MEASURED_MATMUL.get(self.chip.name, math.inf), flops=flops,
+                   ceiling=ceiling, flops=flops,
                    nbytes=nbytes, fp8=fp8)
         if self.chip.kind == "cpu":
             cpu.dot_accumulator_faults(self.add, self.chip, M, K, N, count, c)
