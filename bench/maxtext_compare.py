@@ -1,7 +1,7 @@
 """The same train step compiled by MaxText's train_compile and by `maxperf compile`, side by side in one run.
 
     .venv/bin/python bench/maxtext_compare.py              # every case (about 35 minutes on 2 cores)
-    .venv/bin/python bench/maxtext_compare.py full flash   # some of them: full, flash, main, mixtral, mixtral4
+    .venv/bin/python bench/maxtext_compare.py full flash   # some of them: full, flash, main, mixtral, mixtral4, gemma3
     .venv/bin/python bench/maxtext_compare.py --repeat 3 mixtral  # each side 3 times, taking turns; medians
 
 MaxText runs from its own venv (PEER_VENV, default /tmp/peer, installed by shared/peer/maxtext_aot.sh) exactly as
@@ -71,6 +71,8 @@ CASES = (
     Case("main", "llama2-7b", "v5p-1024", 1, 2048, ("attention=flash", "remat_policy=full")),
     Case("mixtral", "mixtral-8x7b", "v5p-128", 1, 2048, MOE_DEFAULTS),
     Case("mixtral4", "mixtral-8x7b", "v5p-128", 4, 2048, MOE_DEFAULTS),
+    # scanned in blocks of its six-layer cycle on both sides, its last four layers one block after them
+    Case("gemma3", "gemma3-4b", "v5p-128", 1, 2048, ("attention=flash", "remat_policy=full")),
 )
 
 
