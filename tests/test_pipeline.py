@@ -224,3 +224,69 @@ def test_a_stage_holds_its_layers_and_its_microbatches_activations():
     carry = 32 * 4 * 2048 * 4096 * 2
     assert piped.activations == pytest.approx(flat.activations * 33 / 32 + 2 * (1 + 0.5 + 0.5) * carry / 32,
                                               rel=1e-9)
+
+
+# MaxText's remat of a pipelined decoder (layers/pipeline.py get_pipeline_remat_policy): each iteration of the loop
+# under the policy, its layers not one by one; remat_policy=none recomputes the iteration as full does, and with
+# set_remat_policy_on_pipeline_iterations=false nothing in the pipeline is rematerialized
+
+
+@pytest.mark.parametrize("words, policy, noted", [
+    (("ici_stage=2", "remat_policy=none"), "full", True),
+    (("ici_stage=2", "remat_policy=minimal"), "minimal", False),
+    (("ici_stage=2", "remat_policy=minimal", "set_remat_policy_on_pipeline_iterations=false"), "none", True),
+    (("remat_policy=none",), "none", False),  # no pipeline: the policy as asked
+])
+def test_a_pipelined_decoder_runs_maxtexts_remat(words, policy, noted):
+    from maxperf.spec import resolve
+
+    r = resolve("v5p-16", "llama2-7b", ["per_device_batch_size=4", *words])
+    assert str(r.train.remat_policy) == policy
+    note = [w for w in r.warnings if "under a pipeline runs as" in w]
+    assert bool(note) == noted
+    if noted:
+        assert f"runs as remat_policy={policy}, as in MaxText" in note[0]
+
+
+def _checkpoints(jaxpr) -> list[int]:
+    """The nesting depth of each rematerialized region (jax.checkpoint) in `jaxpr`, its sub-jaxprs included."""
+    out = []
+
+    def walk(j, depth):
+        for eqn in j.eqns:
+            inner = depth + (eqn.primitive.name in ("checkpoint", "remat", "remat2"))
+            if inner > depth:
+                out.append(inner)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)  # a closed jaxpr's
+                    if hasattr(sub, "eqns"):
+                        walk(sub, inner)
+
+    walk(jaxpr.jaxpr, 0)
+    return out
+
+
+@pytest.mark.parametrize("words, depths", [
+    (("remat_policy=full",), [1]),  # the iteration only: no layer rematerialized inside it
+    (("remat_policy=none",), [1]),
+    (("remat_policy=full", "set_remat_policy_on_pipeline_iterations=false"), []),
+])
+def test_the_pipeline_rematerializes_its_iterations_not_its_layers(words, depths):
+    from flax import nnx
+
+    from maxperf.models import train_step
+    from maxperf.spec import overrides, presets
+    from maxperf.spec import topology as topologies
+    from maxperf.spec.mesh import resolve as resolve_mesh
+
+    cfg = overrides.apply(presets.get("tiny"), ["num_layers=4", "seq_len=16", "per_device_batch_size=2",
+                                                "ici_stage=2", "ici_fsdp=2", *words])
+    mesh = cpu_mesh(resolve_mesh(cfg.parallelism, topologies.get("cpu-4")))
+    md = train_step.model_def(cfg.model, cfg.train)
+    params = nnx.to_pure_dict(nnx.state(train_step.build_model(cfg.model, cfg.train, nnx.Rngs(params=0))))
+    tokens = jnp.zeros((8, 16), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(16), (8, 16))
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(lambda p: nnx.merge(md.graphdef, p)(tokens, positions))(params)
+    assert _checkpoints(jaxpr) == depths

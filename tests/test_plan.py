@@ -254,3 +254,10 @@ def test_plan_searches_pipeline_stages_across_hosts_where_left_to_it():
     default = candidates.space("llama2-7b", "h100-8x4", global_batch_tokens=1 << 20)
     assert not [c for c in default.candidates if c.dcn["stage"] > 1]
     assert len(left.candidates) > len(default.candidates)
+    # a pipeline runs MaxText's remat of its iterations: remat_policy=none recomputes as full, so it is not searched
+    # apart; with set_remat_policy_on_pipeline_iterations=false every policy is none's
+    assert {c.remat_policy for c in staged} == set(candidates.REMAT_POLICIES) - {"none"}
+    assert "none" in {c.remat_policy for c in left.candidates if c.dcn["stage"] == 1}
+    off = candidates.space("llama2-7b", "h100-8x4", global_batch_tokens=1 << 20,
+                           pins=("dcn_pipeline_parallelism=-1", "set_remat_policy_on_pipeline_iterations=false"))
+    assert {c.remat_policy for c in off.candidates if c.dcn["stage"] > 1} == {"none"}

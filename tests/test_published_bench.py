@@ -93,9 +93,11 @@ def test_the_bench_runs_and_reports_its_held_out_errors(tmp_path):
     # every row has its held-out predictions, and the held-out errors are what the summary says
     loso = np.abs([r["leave_one_source_out"] for r in rows.values()])
     assert summary["leave-one-source-out"]["median"] == pytest.approx(float(np.median(loso)))
-    # the figures the README quotes (docs/accuracy.md): leave-one-out under 4% median, leave-one-source-out under 10%
-    assert summary["leave-one-out"]["median"] < 0.04
-    assert summary["leave-one-source-out"]["median"] < 0.10
+    # the figures the README quotes (docs/accuracy.md, perfmodel.work.HELD_OUT_ERROR), within the targets: leave-one-out
+    # under 3% median, leave-one-source-out at most 6% median and 25% worst
+    assert summary["leave-one-out"]["median"] < 0.03
+    assert summary["leave-one-source-out"]["median"] <= 0.06
+    assert summary["leave-one-source-out"]["worst"] <= 0.25
 
 
 @pytest.mark.slow

@@ -80,13 +80,15 @@ def _shift_in_last(column: jax.Array, output: jax.Array) -> jax.Array:
 
 
 def run(unit: Callable, per_unit, x_BxLxD: jax.Array, positions_BxL: jax.Array, schedule: Schedule, *,
-        policy=None, counts_like: dict | None = None) -> tuple[jax.Array, jax.Array, dict]:
+        policy=None, keep_inputs: bool = True, counts_like: dict | None = None
+        ) -> tuple[jax.Array, jax.Array, dict]:
     """The pipelined stack's output [B, L, D], its summed auxiliary loss (each unit's, averaged over microbatches),
     and each unit's expert loads [N units, ...] in the model's order, summed over microbatches.
 
     `unit(x_bxLxD, positions_bxL, one_unit) -> (x, aux, counts)`: one unit of the stack on a microbatch.
     `per_unit`: a pytree whose leaves are [S, R, U, ...] (stage, repeat, unit of the stage; `stage_major` order).
-    `policy`: the layers' remat policy (None: no remat); each iteration's input is saved besides.
+    `policy`: the remat policy of each iteration (None: no remat), which saves the iteration's input and each
+    layer's input besides with `keep_inputs` (MaxText's get_pipeline_remat_policy; not under its custom policy).
     `counts_like`: the shapes and dtypes of one unit's expert loads ({} for a dense stack)."""
     S, M, R, delay = schedule.stages, schedule.microbatches, schedule.repeats, schedule.delay
     B, L, D = x_BxLxD.shape
@@ -152,9 +154,10 @@ def run(unit: Callable, per_unit, x_BxLxD: jax.Array, positions_BxL: jax.Array, 
         return (state_io, new_shift, circ, mover, out if delay == 2 else None, aux, counts), None
 
     if policy is not None:
-        saved = jax.checkpoint_policies.save_only_these_names("iteration_input", "decoder_layer_input")
-        iteration = jax.checkpoint(iteration, policy=jax.checkpoint_policies.save_from_both_policies(policy, saved),
-                                   prevent_cse=False)
+        if keep_inputs:
+            saved = jax.checkpoint_policies.save_only_these_names("iteration_input", "decoder_layer_input")
+            policy = jax.checkpoint_policies.save_from_both_policies(policy, saved)
+        iteration = jax.checkpoint(iteration, policy=policy, prevent_cse=False)
     carry = (state_io, shift, circ, mover, prev, jnp.zeros((), jnp.float32), counts0)
     (state_io, *_, aux, counts), _ = jax.lax.scan(iteration, carry, jnp.arange(schedule.iterations))
     first_out = (M * (R - 1) + delay * (S - 1)) % per_stage  # where microbatch 0 ended up

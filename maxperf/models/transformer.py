@@ -36,11 +36,19 @@ class PipelineOptions:
     units_per_stage: int = 1
     delay: bool = False
     fsdp_gather_once: bool = False
+    # MaxText's iteration policy keeps each iteration's input and each layer's input besides what the layers' policy
+    # names, except under remat_policy=custom, whose own names decide (layers/pipeline.py get_pipeline_remat_policy)
+    keep_inputs: bool = True
+    # set_remat_policy_on_pipeline_iterations: each iteration rematerialized under the policy (remat_policy=none
+    # recomputing it whole, as full does); False: nothing in the pipeline rematerialized
+    iteration_remat: bool = True
 
     @classmethod
     def from_train(cls, train: TrainConfig) -> PipelineOptions:
         return cls(train.num_pipeline_microbatches, train.num_pipeline_repeats, train.num_layers_per_pipeline_stage,
-                   train.pipeline_delay_activation_forwarding, train.pipeline_fsdp_ag_once)
+                   train.pipeline_delay_activation_forwarding, train.pipeline_fsdp_ag_once,
+                   keep_inputs=str(train.remat_policy) != "custom",
+                   iteration_remat=train.set_remat_policy_on_pipeline_iterations)
 
 
 def mesh_stages() -> int:
@@ -426,25 +434,30 @@ class Transformer(nnx.Module):
         per_unit = jax.tree.map(lambda v: v.reshape(S, R, U, *v.shape[1:]), stored)
 
         def unit(x_bxLxD, positions_bxL, one):
-            return self._unit_fn(graphdef, positions_bxL, static, P, in_scan=True, tag=st.name)(x_bxLxD, *one)
+            return self._unit_fn(graphdef, positions_bxL, static, P, in_scan=True, tag=st.name,
+                                 remat=False)(x_bxLxD, *one)
 
         b = x_BxLxD.shape[0] // schedule.microbatches
         counts_like = jax.eval_shape(lambda: unit(x_BxLxD[:b], positions_BxL[:b],
                                                   jax.tree.map(lambda v: v[0, 0, 0], per_unit)))[2]
-        # each iteration rematerialized as a whole, as MaxText's pipeline does: its input and what the policy saves
-        # are kept, the iteration's slice of the stage's weights is taken again in the backward
-        policy = None if self.remat is None else remat_policy(self.remat)
+        # each iteration rematerialized as a whole, its layers not one by one, as MaxText's pipeline does: what the
+        # policy saves is kept (with its input and each layer's input, keep_inputs), the iteration's slice of the
+        # stage's weights is taken again in the backward (maxperf.spec.remat.pipelined_policy, which perfmodel counts)
+        policy = None
+        if o.iteration_remat:
+            policy = remat_policy(((), ()) if self.remat is None else self.remat)
         x_BxLxD, aux, counts = pipeline.run(unit, per_unit, x_BxLxD, positions_BxL, schedule, policy=policy,
-                                            counts_like=counts_like)
+                                            keep_inputs=o.keep_inputs, counts_like=counts_like)
         return x_BxLxD, aux, {f"{st.name}/{path}": c[order] for path, c in counts.items()}
 
     def _unit_fn(self, graphdef, positions_BxL: jax.Array, static: Static, P: int, in_scan: bool | None = None,
-                 tag: str = ""):
+                 tag: str = "", remat: bool = True):
         """(x, state, masks and RoPE flags of the unit's P layers, int8's noise key, FP8 state) -> (x, aux, expert
         loads by the path of their bias in the unit), rematerialized per the policy. `static`: for each of the unit's
         layers, the mask and the RoPE flag every repeat of it shares (`_static`; None where they differ). `in_scan`:
         whether the unit runs as a scan's body (default: as the decoder's layers). `tag`: the unit's stack, under which
-        a delayed FP8 recipe keeps its state."""
+        a delayed FP8 recipe keeps its state. `remat`: False inside a pipeline, whose iterations are rematerialized
+        whole instead."""
 
         def apply(x_BxLxD, state, windows_P, ropes_P, key=None, meta=None):
             with quant.scope(self.quantization, key, meta, tag):
@@ -460,7 +473,7 @@ class Transformer(nnx.Module):
                 x_BxLxD, aux = unit.with_aux(x_BxLxD, positions_BxL, windows, ropes)
             return x_BxLxD, aux, collect_counts(unit)
 
-        if self.remat is None:
+        if self.remat is None or not remat:
             return apply
         # inside scan, CSE cannot merge the recomputation into the forward pass, so it need not be prevented
         in_scan = self.scan_layers if in_scan is None else in_scan

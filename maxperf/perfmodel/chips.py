@@ -29,7 +29,7 @@ MATMUL_FRACTION = {
     "tpu-v5e": 0.995,  # [fit] 24 rows (MaxText v5e table)
     "tpu-v5p": 0.882,  # [fit] 16 rows (MaxText v5p table)
     # [fit] 5 rows (tpu-recipes Ironwood); their large matmuls run at the measured 0.829 (MEASURED_MATMUL), so the fit
-    # barely moves it (held at its fit before that cap)
+    # cannot determine it: held at its fit before that cap, and held in bench/published.py's fits
     "tpu7x": 0.978,
     "a100-40gb": 0.775,  # [fit] 4 rows (MPT)
     "a100-80gb": 0.824,  # [fit] 9 rows (MPT)

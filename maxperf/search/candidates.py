@@ -30,7 +30,7 @@ from maxperf.spec.logical_axes import MESH_AXES, undivided_axes
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.params import param_arrays
-from maxperf.spec.remat import CHECKPOINT_NAMES, REMAT_SAVED, RematPolicy
+from maxperf.spec.remat import CHECKPOINT_NAMES, REMAT_SAVED, RematPolicy, pipelined
 from maxperf.spec.topology import Topology
 from maxperf.spec.train import AttentionKernel, Quantization, TrainConfig
 
@@ -196,7 +196,10 @@ def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_t
             ms = pipeline_microbatches(stages, round(b * devices), train, pinned_microbatches)
             if not ms:  # the microbatch's rows split into no valid number of pipeline microbatches
                 mesh.pairs.remove((b, a))
-            for remat in remats:
+            # a pipelined decoder runs MaxText's remat of its iterations: none as full, or none whatever the policy
+            # (maxperf.spec.remat.pipelined), each once
+            for remat in remats if stages == 1 else dict.fromkeys(
+                    str(pipelined(r, train.set_remat_policy_on_pipeline_iterations)) for r in remats):
                 for kernel in kernels:
                     for q in quants:
                         for m in ms:

@@ -208,7 +208,8 @@ class _Estimator:
             probed: dict[Candidate, MemoryBreakdown] = {}
             nowhere: dict[str, str] = {}  # policy -> why it fits at no batch
             for remat in self.heads if probe else ():
-                c = cells[(*pairs[-1], remat)]
+                if (c := cells.get((*pairs[-1], remat))) is None:  # a policy a pipelined mesh runs as another
+                    continue
                 probed[c] = self.memory(c, mesh)
                 if c.memory_bytes * self.factor > self.hbm:
                     nowhere[remat] = f"does not fit at {self.batch(*pairs[-1])}, its smallest microbatch"
@@ -218,7 +219,8 @@ class _Estimator:
                 unfit: list[str] = [q for q in nowhere if q not in OFFLOADED]
                 fit: dict[str, tuple[Candidate, MemoryBreakdown]] = {}
                 for remat in self.order:
-                    c = cells[(b, a, remat)]
+                    if (c := cells.get((b, a, remat))) is None:
+                        continue
                     if remat in fitted_at:
                         c.skipped = f"{fitted_at[remat]} already fits; {smaller}"
                         continue

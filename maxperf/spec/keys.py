@@ -128,6 +128,7 @@ MEANINGS = {
     "circular repeats (-1: derived)", "num_layers_per_pipeline_stage": "pipeline: layers a stage runs per repeat",
     "pipeline_parallel_layers": "pipeline: layers pipelined (-1: all)", "pipeline_delay_activation_forwarding":
     "pipeline: outputs move on an iteration later", "pipeline_fsdp_ag_once": "pipeline: weights gathered once a step",
+    "set_remat_policy_on_pipeline_iterations": "pipeline: the remat policy on each loop iteration (false: no remat)",
     "context_parallel_load_balance": "context parallelism: sequences reordered so shards share the causal work",
 }
 

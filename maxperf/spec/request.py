@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from maxperf.spec import attention_rule, fp8, pipeline, presets
+from maxperf.spec import attention_rule, fp8, pipeline, presets, remat
 from maxperf.spec import mesh as mesh_mod
 from maxperf.spec import overrides as overrides_mod
 from maxperf.spec import topology as topologies
@@ -57,7 +57,7 @@ class Request:
         mesh = Mesh.of(axes, dcn).check(topology)
         parallelism = ParallelismConfig(**{f"ici_{a}": n for a, n in mesh.ici.items()},
                                         **{f"dcn_{a}": n for a, n in mesh.dcn.items()})
-        return cls(topology, Configs(model, train, parallelism), mesh)
+        return cls(topology, _pipelined_remat(Configs(model, train, parallelism), mesh)[0], mesh)
 
     def default_dir(self, step: str = "train") -> Path:
         slices = f"_x{self.topology.num_slices}" if self.topology.num_slices > 1 else ""
@@ -101,11 +101,26 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
         configs = dataclasses.replace(configs, parallelism=ParallelismConfig(ici_data=-1, ici_fsdp=keep))
         mesh = mesh_mod.resolve(configs.parallelism, topo)
     pipeline.of(configs.model, configs.train, mesh)  # a pipeline's schedule: each mistake one line
+    configs, note = _pipelined_remat(configs, mesh)
+    notes += (note,) if note else ()
     _check_context(configs, mesh)
     if topo.platform == "gpu":
         fp8.check_blocks(configs.train.quantization, configs.model, mesh)
     return Request(topo, configs, mesh, notes + replication_warnings(configs, mesh)
                    + gpu_grouped_matmul_warnings(configs, mesh, topo))
+
+
+def _pipelined_remat(configs: Configs, mesh: Mesh) -> tuple[Configs, str]:
+    """The configs with the remat policy a pipelined decoder runs under (maxperf.spec.remat.pipelined_policy), and a
+    note where that is not the one asked for; unchanged without a pipeline."""
+    train = configs.train
+    if mesh.axes["stage"] <= 1 or (policy := remat.pipelined_policy(train)) == train.remat_policy:
+        return configs, ""
+    why = ("set_remat_policy_on_pipeline_iterations=false leaves the pipeline's layers unrematerialized" if
+           policy is remat.RematPolicy.NONE else "each pipeline iteration is rematerialized whole, keeping its "
+           "input and each layer's input (set_remat_policy_on_pipeline_iterations=true)")
+    note = f"remat_policy={train.remat_policy} under a pipeline runs as remat_policy={policy}, as in MaxText: {why}"
+    return dataclasses.replace(configs, train=dataclasses.replace(train, remat_policy=policy)), note
 
 
 def gpu_grouped_matmul_warnings(configs: Configs, mesh: Mesh, topo: Topology) -> tuple[str, ...]:

@@ -159,6 +159,10 @@ class TrainConfig:
     pipeline_parallel_layers: int = -1
     pipeline_delay_activation_forwarding: bool = False
     pipeline_fsdp_ag_once: bool = False
+    # MaxText's key and default: a pipelined decoder's remat policy applies to each iteration of the pipeline's loop as
+    # a whole (its layers are not rematerialized one by one), and none and full alike then keep only the iteration's
+    # input and each layer's input; false: no remat in the pipeline at all (maxperf.spec.remat.pipelined_policy)
+    set_remat_policy_on_pipeline_iterations: bool = True
     # MaxText's key and default: under context parallelism (ici_context_parallelism, maxperf's sequence axis) each
     # sequence is reordered so that every shard holds as much of a causal mask's work (models/context.py)
     context_parallel_load_balance: bool = True
