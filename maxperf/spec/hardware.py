@@ -131,8 +131,8 @@ _TPUS = [
         torus_dims=3,  # [v4] 3D mesh/torus
         mxu_width=128,  # [book] "all previous generations use 128x128"
         cores_per_device=2,  # [v4] "Each TPU v4 chip contains two TensorCores", one megacore device
-        # the v4 page gives no DCN figure; assumed equal to v5p's 50 Gb/s per chip [v5p], 4 chips per host [v4 VMs]
-        host_network_bandwidth=4 * 50 * GBIT, host_chips=4,
+        # the v4 page gives no DCN figure; assumed equal to v5p's (below), 4 chips per host [v4 VMs]
+        host_network_bandwidth=4 * 25 * GBIT, host_chips=4,
     ),
     Chip(
         name="tpu-v5e", vendor="google", kind="tpu",
@@ -155,7 +155,9 @@ _TPUS = [
         torus_dims=3,  # [v5p] 3D torus
         mxu_width=128,  # [book] 128x128 MXUs
         cores_per_device=2,  # [v5p] two TensorCores a chip, one megacore device
-        host_network_bandwidth=4 * 50 * GBIT, host_chips=4,  # [v5p] DCN 50 Gbps per chip; 4-chip VMs
+        # [v5p] "DCN bandwidth per chip 50 Gbps", 4-chip VMs: [book] counts a host's 2.5e10 B/s as its "ingress+egress"
+        # (training.md), so each direction, which a ring's sends and receives each use, carries half: 25 Gbps per chip
+        host_network_bandwidth=4 * 25 * GBIT, host_chips=4,
     ),
     Chip(
         name="tpu-v6e", vendor="google", kind="tpu",
