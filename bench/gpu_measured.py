@@ -19,6 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
+import outfile  # noqa: E402
+
 # name -> key=value overrides (sequence 2048 unless a case says otherwise)
 CASES = {
     "scaled-1 flash full": ["--model", "scaled-1", "per_device_batch_size=8", "attention=flash", "remat_policy=full"],
@@ -104,6 +107,7 @@ def main() -> int:
     parser.add_argument("--only", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args = parser.parse_args()
+    args.json = outfile.checked(parser, args.json)
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(CASES)
     unknown = [n for n in names if n not in CASES]
     if unknown:
@@ -117,7 +121,7 @@ def main() -> int:
             rows.append(row)
             print(line(row), flush=True)
             if args.json:
-                Path(args.json).write_text(json.dumps(rows, indent=1))
+                outfile.write(args.json, rows)
     return 0
 
 

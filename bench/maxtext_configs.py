@@ -39,6 +39,9 @@ from pathlib import Path
 
 GIB = 1 << 30
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
+import outfile  # noqa: E402
+
 DEFAULT_VENV = Path("/tmp/peer")
 PLATFORMS = ("v5p", "v5e", "v6e")
 SCHEMA = "maxperf.bench.maxtext_configs/1"
@@ -364,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--with-libtpu-args", action="store_true",
                         help="compile under each script's LIBTPU_INIT_ARGS (its XLA flags, e.g. a larger scoped VMEM)")
     args = parser.parse_args(argv)
+    args.json = outfile.checked(parser, args.json)
     tpu_dir = args.configs or find_tpu_dir(args.venv)
     chosen = [c for c in configs(tpu_dir) if not args.only or any(c.path.startswith(o) for o in args.only)]
     print(f"MaxText configs: {tpu_dir}", flush=True)
@@ -381,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             print_row(row)
             rows.append(row)
             if args.json:
-                args.json.write_text(json.dumps(to_json(rows), indent=2) + "\n")
+                outfile.write(args.json, to_json(rows), indent=2)
     print()
     print(markdown(rows))
     return 0

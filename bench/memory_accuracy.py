@@ -54,6 +54,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
+import outfile  # noqa: E402
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices; nothing runs here
 # libtpu logs, for each program it compiles, its HBM temporaries: the bytes live at the heap's peak ("Unpadded") and
 # the heap's fragmentation beside them; memory_analysis's temp counts both. Set before libtpu loads.
@@ -277,6 +280,9 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--error-json", type=Path, help="write the TPU groups' summary (memory_error.json schema)")
     args = ap.parse_args()
+    args.json = outfile.checked(ap, args.json)
+    args.error_json = outfile.checked(ap, args.error_json, "--error-json")
+    args.cache = outfile.checked(ap, args.cache, "--cache")
     cache = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
     log = LibtpuLog()
     rows = []
@@ -300,9 +306,7 @@ def main() -> int:
             if args.cache:  # reread: another run may have added cases since
                 cache = json.loads(args.cache.read_text()) if args.cache.exists() else {}
                 cache[k] = {"compiler": compiler, **({"libtpu": libtpu} if libtpu else {})}
-                tmp = args.cache.with_name(args.cache.name + ".tmp")
-                tmp.write_text(json.dumps(cache, indent=1) + "\n")
-                tmp.replace(args.cache)
+                outfile.write(args.cache, cache)
         analytical = cmp.analytical.per_device_total_bytes
         total = compiler["per_device_total_bytes"]
         error = (analytical - total) / total
@@ -349,9 +353,7 @@ def main() -> int:
         print(f"GPU MoE, the {s['cases']} steps that fit: median |error| {s['median']:.1%}, worst {s['worst']:.1%} "
               f"(target <= 15%)")
     if args.json:
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps(rows, indent=1) + "\n")
-        tmp.replace(args.json)
+        outfile.write(args.json, rows)
     # TPU7x's compiler schedules apart (working.LATE_TABLE_GRADIENT_CHIPS): its margin is its own (search.margin)
     tpu = [r for r in rows if r["group"] not in ("gpu", "tpu7x")]
     tpu7x = [r for r in rows if r["group"] == "tpu7x"]
@@ -364,9 +366,7 @@ def main() -> int:
         doc = {name: {**summary(mine), "command": command, "date": datetime.date.today().isoformat(),
                       "groups": sorted({r["group"] for r in mine})}
                for name, mine in (("tpu", tpu), ("tpu7x", tpu7x)) if mine}
-        tmp = args.error_json.with_name(args.error_json.name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        tmp.replace(args.error_json)
+        outfile.write(args.error_json, doc)
     return 0
 
 

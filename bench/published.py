@@ -77,6 +77,9 @@ from maxperf.perfmodel import chips, work
 from maxperf.spec.errors import MaxperfError
 from maxperf.spec.fp8 import recipe as fp8_recipe
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
+import outfile  # noqa: E402
+
 HERE = Path(__file__).resolve().parent / "published"
 ROOT = HERE.parent.parent
 # The rows `--hlo` compiles (see the docstring), and how long one compile may take here.
@@ -565,6 +568,7 @@ def main() -> int:
                     help="compile the rows that ran as published but that the analytical memory says do not fit, "
                          "and print the compiler's verdict beside it (seconds to minutes per row)")
     args = ap.parse_args()
+    args.json = outfile.checked(ap, args.json)
     free = tuple(n for n in args.free.split(",") if n)
     unknown_names = sorted(set(free) - {f.name for f in fields(Constants)})
     if unknown_names:
@@ -690,7 +694,7 @@ def main() -> int:
             out["fitted"] = {NAMES[f.name]: getattr(fitted, f.name) for f in fields(Constants)}
             out["summary"] = {HOLD_OUTS[m]: {"median": float(np.median(np.abs(e))), "worst": float(np.max(np.abs(e)))}
                               for m, e in held.items()}
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        outfile.write(args.json, out)
     return 0
 
 

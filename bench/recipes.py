@@ -26,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
+import outfile  # noqa: E402
 
 from maxperf import cli  # noqa: E402
 
@@ -71,8 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="also write the per-row results and the summaries here")
     args = ap.parse_args(argv)
-    if args.json and not args.json.parent.is_dir():
-        ap.error(f"--json {args.json}: no directory {args.json.parent} to write it in")
+    args.json = outfile.checked(ap, args.json)
     rows, results = load_rows(), {}
     print(f"{'row':<34} {'topology':<11} {'published':>10} {'predicted':>10} {'error':>8}  fits")
     for row in rows:
@@ -102,10 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{len(ok)} of {len(rows)} rows estimated; {len(unfit)} said not to fit"
           + (f" ({', '.join(unfit)})" if unfit else "") + (f"; failed: {', '.join(failed)}" if failed else ""))
     data = {"rows": results, "summary": summaries}
-    if args.json:  # whole or not at all: a reader never sees half of it
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(args.json)
+    if args.json:
+        outfile.write(args.json, data)
     return data
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import json
 import math
 import statistics
 import sys
@@ -31,6 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
+import outfile  # noqa: E402
 
 from maxperf.perfmodel import serving  # noqa: E402
 from maxperf.perfmodel.estimate import device_for  # noqa: E402
@@ -117,6 +118,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    args.json = outfile.checked(ap, args.json)
     rows = load_rows()
     shipped = {r.id: predict(r, serving.SHIPPED_SERVING) for r in rows}
     in_sample_e = fit(rows)
@@ -145,7 +147,7 @@ def main(argv=None) -> dict:
                                       "worst": max(abs(x) for x in errs)} for kind, errs in lines.items()}
     print(f"fitted GPU HBM efficiency: {in_sample_e} in-sample; without each source: {fitted_without}")
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+        outfile.write(args.json, out, indent=2)
     return out
 
 

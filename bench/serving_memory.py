@@ -22,6 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
+import outfile  # noqa: E402
 
 GRID = [  # (step, model, topology, words)
     ("decode", "llama3-8b", "h100-1", "per_device_batch_size=64 max_target_length=8192 "
@@ -90,6 +92,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--only", help="run the cases whose line holds this")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    args.json = outfile.checked(ap, args.json)
     from maxperf.cli.common import compile_only_environment
 
     compile_only_environment("v5e-8")
@@ -110,7 +113,7 @@ def main(argv=None) -> dict:
     print(f"{len(rows)} cases: median |error| {100 * out['median']:.1f}%, worst {100 * out['worst']:.1f}%, "
           f"{out['within_10pct']} within 10%")
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+        outfile.write(args.json, out, indent=2)
     return out
 
 
