@@ -261,3 +261,21 @@ def test_plan_searches_pipeline_stages_across_hosts_where_left_to_it():
     off = candidates.space("llama2-7b", "h100-8x4", global_batch_tokens=1 << 20,
                            pins=("dcn_pipeline_parallelism=-1", "set_remat_policy_on_pipeline_iterations=false"))
     assert {c.remat_policy for c in off.candidates if c.dcn["stage"] > 1} == {"none"}
+
+
+def test_a_plan_pinning_remat_none_times_the_pipelined_meshes_as_full(tmp_path):
+    """remat_policy=none pinned with pipeline stages searched across hosts: the pipelined meshes run it as full
+    (MaxText's remat of the pipeline's iterations), and those candidates are timed as such, none left unpriced."""
+    import json
+
+    from maxperf import cli
+
+    out = tmp_path / "plan"
+    assert cli.main(["plan", "--model", "llama2-7b", "--topology", "h100-8x4", "--global-batch", "1M",
+                     "dcn_pipeline_parallelism=-1", "remat_policy=none", "--verify", "0", "--out", str(out)]) == 0
+    candidates = json.loads((out / "plan.json").read_text())["candidates"]
+    staged = [c for c in candidates if c["dcn"]["stage"] > 1]
+    assert staged and {c["remat_policy"] for c in staged} == {"full"}
+    assert {c["remat_policy"] for c in candidates if c["dcn"]["stage"] == 1} == {"none"}
+    timed = [c for c in candidates if c["status"] not in ("does not fit", "slower")]
+    assert timed and all(c["step_time_s"] > 0 for c in timed)

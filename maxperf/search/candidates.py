@@ -207,6 +207,8 @@ def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_t
                                 ici, dcn, remat, kernel, b, a, q, m, shown=shown)
                             candidates.append(c)
         meshes.append(mesh)
+    # the policies searched, with those a pipelined mesh runs them as (none as full, or none)
+    remats = list(dict.fromkeys([*remats, *(c.remat_policy for c in candidates)]))
     return Space(topo, model, train, fixed, rows, pairs, remats, kernels, precisions, meshes, candidates)
 
 
