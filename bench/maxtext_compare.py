@@ -1,7 +1,7 @@
 """The same train step compiled by MaxText's train_compile and by `maxperf compile`, side by side in one run.
 
     .venv/bin/python bench/maxtext_compare.py              # every case (about 35 minutes on 2 cores)
-    .venv/bin/python bench/maxtext_compare.py full flash   # some of them: full, flash, main, mixtral, mixtral4, gemma3
+    .venv/bin/python bench/maxtext_compare.py full flash   # some: full, flash, main, mixtral, mixtral4, gemma3, pipeline
     .venv/bin/python bench/maxtext_compare.py --repeat 3 mixtral  # each side 3 times, taking turns; medians
 
 MaxText runs from its own venv (PEER_VENV, default /tmp/peer, installed by shared/peer/maxtext_aot.sh) exactly as
@@ -73,6 +73,10 @@ CASES = (
     Case("mixtral4", "mixtral-8x7b", "v5p-128", 4, 2048, MOE_DEFAULTS),
     # scanned in blocks of its six-layer cycle on both sides, its last four layers one block after them
     Case("gemma3", "gemma3-4b", "v5p-128", 1, 2048, ("attention=flash", "remat_policy=full")),
+    # two pipeline stages over llama2-7b's 32 layers (MaxText's defaults: circular, a layer a stage each repeat, as
+    # many microbatches as stages) under remat_policy=none, which MaxText's pipeline runs as a rematerialized iteration
+    Case("pipeline", "llama2-7b", "v5p-16", 4, 2048, ("attention=flash", "remat_policy=none",
+                                                     "ici_pipeline_parallelism=2")),
 )
 
 
