@@ -1,7 +1,7 @@
 """The same train step compiled by MaxText's train_compile and by `maxperf compile`, side by side in one run.
 
     .venv/bin/python bench/maxtext_compare.py              # every case (about 35 minutes on 2 cores)
-    .venv/bin/python bench/maxtext_compare.py full flash   # some: full, flash, main, mixtral, mixtral4, gemma3, pipeline
+    .venv/bin/python bench/maxtext_compare.py full flash   # some: full flash main mixtral mixtral4 gemma3 pipeline
     .venv/bin/python bench/maxtext_compare.py --repeat 3 mixtral  # each side 3 times, taking turns; medians
 
 MaxText runs from its own venv (PEER_VENV, default /tmp/peer, installed by shared/peer/maxtext_aot.sh) exactly as

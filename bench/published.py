@@ -32,22 +32,22 @@ The fit. These constants of the perfmodel (work.Constants and Overlap) are fitte
 By default all but elementwise_d_passes, Overlap.tensor, Overlap.data, matmul_half["gpu"] and TPU7x's fraction are
 fitted (FREE: those trade off against the others and stay as the perfmodel ships them; the GPU's HALF because refitted
 it rose where the single-H100 steps measured on hardware do not bear it; TPU7x's fraction because its rows' large
-matmuls run at Ironwood's measured ceiling, chips.MEASURED_MATMUL, which leaves it undetermined), each fit starting from PRIOR (the assumptions before any fit,
-with the GPUs' measured GEMM rates, which chips.py cites); `--free` names the ones to fit. Each step is recorded once
-by perfmodel.estimate as its Terms (every matmul's FLOPs, smallest side and HBM time; the flash kernels' FLOPs; the
-elementwise traffic per pass; every collective's and host copy's seconds and overlap), and all rows' terms are priced
-at once by the perfmodel's own work.price and work.settle, so that one evaluation of all rows is a few numpy
-operations; the result is checked against perfmodel.estimate at the shipped and at the fitted constants (the "replay"
-line). "unfitted" is maxperf as shipped. In-sample: constants fitted on all rows. Held out (`--hold-out`, default
-row,source): each row (leave-one-out), each source (leave-one-source-out: its rows predicted by constants fitted on
-every other source's), or each hardware generation, predicted by constants fitted, from PRIOR, on the rest; a chip
-left with no rows in a fit takes the rule chips.py applies to chips without rows (`stand_in`). Leave-one-source-out is
-the figure to expect on runs the model has not seen. The script also prints, for rows stating both TFLOP/s and
-tokens/s, the source's FLOPs per token over maxperf's, and the published runs that maxperf's memory model says would
-not fit (`--compile-misfits` compiles each of those and prints the compiler's verdict beside it). The rows that
-train in FP8 (quantization set to an FP8 recipe) are summarized again as their own group. Rows on a chip with no
-fitted fraction (B200) take the rule for chips without rows (chips.fraction_without_rows) over the fitted fractions,
-as the perfmodel does.
+matmuls run at Ironwood's measured ceiling, chips.MEASURED_MATMUL, which leaves it undetermined), each fit starting from
+PRIOR (the assumptions before any fit, with the GPUs' measured GEMM rates, which chips.py cites); `--free` names the
+ones to fit. Each step is recorded once by perfmodel.estimate as its Terms (every matmul's FLOPs, smallest side and HBM
+time; the flash kernels' FLOPs; the elementwise traffic per pass; every collective's and host copy's seconds and
+overlap), and all rows' terms are priced at once by the perfmodel's own work.price and work.settle, so that one
+evaluation of all rows is a few numpy operations; the result is checked against perfmodel.estimate at the shipped and at
+the fitted constants (the "replay" line). "unfitted" is maxperf as shipped. In-sample: constants fitted on all rows.
+Held out (`--hold-out`, default row,source): each row (leave-one-out), each source (leave-one-source-out: its rows
+predicted by constants fitted on every other source's), or each hardware generation, predicted by constants fitted, from
+PRIOR, on the rest; a chip left with no rows in a fit takes the rule chips.py applies to chips without rows
+(`stand_in`). Leave-one-source-out is the figure to expect on runs the model has not seen. The script also prints, for
+rows stating both TFLOP/s and tokens/s, the source's FLOPs per token over maxperf's, and the published runs that
+maxperf's memory model says would not fit (`--compile-misfits` compiles each of those and prints the compiler's verdict
+beside it). The rows that train in FP8 (quantization set to an FP8 recipe) are summarized again as their own group. Rows
+on a chip with no fitted fraction (B200) take the rule for chips without rows (chips.fraction_without_rows) over the
+fitted fractions, as the perfmodel does.
 
 `--hlo` adds the step time read from the compiled program (maxperf.aot.hlo_time) on the rows of HLO_ROWS (or
 `--hlo-rows`): each row is compiled by `maxperf compile` (one process at a time, HLO_TIMEOUT_S each; the compile

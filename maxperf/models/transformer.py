@@ -442,7 +442,7 @@ class Transformer(nnx.Module):
                                                   jax.tree.map(lambda v: v[0, 0, 0], per_unit)))[2]
         # each iteration rematerialized as a whole, its layers not one by one, as MaxText's pipeline does: what the
         # policy saves is kept (with its input and each layer's input, keep_inputs), the iteration's slice of the
-        # stage's weights is taken again in the backward (maxperf.spec.remat.pipelined_policy, which perfmodel counts)
+        # stage's weights is taken again in the backward (maxperf.spec.remat.pipelined, which perfmodel counts)
         policy = None
         if o.iteration_remat:
             policy = remat_policy(((), ()) if self.remat is None else self.remat)

@@ -55,18 +55,12 @@ REMAT_SAVED: dict[RematPolicy, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
-def pipelined_policy(train) -> RematPolicy:
-    """The remat policy a pipelined decoder runs under, as MaxText's pipeline applies it (layers/pipeline.py,
-    get_pipeline_remat_policy): with set_remat_policy_on_pipeline_iterations (its default) the policy rematerializes
-    each iteration of the pipeline's loop as a whole, saving besides what it names the iteration's input and each
-    layer's input (decoder_layer_input), so `none` (no policy) recomputes the stage as `full` does; without it nothing
-    in the pipeline is rematerialized, whatever the policy (`none`)."""
-    return pipelined(train.remat_policy, train.set_remat_policy_on_pipeline_iterations)
-
-
 def pipelined(policy: RematPolicy | str, on_iterations: bool = True) -> RematPolicy:
-    """`policy` as a pipelined decoder runs it (pipelined_policy), `on_iterations` being
-    set_remat_policy_on_pipeline_iterations."""
+    """The remat policy a pipelined decoder runs `policy` as, as MaxText's pipeline applies it (layers/pipeline.py,
+    get_pipeline_remat_policy): with `on_iterations` (set_remat_policy_on_pipeline_iterations, its default) the policy
+    rematerializes each iteration of the pipeline's loop as a whole, saving besides what it names the iteration's
+    input and each layer's input (decoder_layer_input), so `none` (no policy) recomputes the stage as `full` does;
+    without it nothing in the pipeline is rematerialized, whatever the policy (`none`)."""
     if not on_iterations:
         return RematPolicy.NONE
     policy = RematPolicy(policy)

@@ -111,10 +111,11 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
 
 
 def _pipelined_remat(configs: Configs, mesh: Mesh) -> tuple[Configs, str]:
-    """The configs with the remat policy a pipelined decoder runs under (maxperf.spec.remat.pipelined_policy), and a
+    """The configs with the remat policy a pipelined decoder runs under (maxperf.spec.remat.pipelined), and a
     note where that is not the one asked for; unchanged without a pipeline."""
     train = configs.train
-    if mesh.axes["stage"] <= 1 or (policy := remat.pipelined_policy(train)) == train.remat_policy:
+    policy = remat.pipelined(train.remat_policy, train.set_remat_policy_on_pipeline_iterations)
+    if mesh.axes["stage"] <= 1 or policy == train.remat_policy:
         return configs, ""
     why = ("set_remat_policy_on_pipeline_iterations=false leaves the pipeline's layers unrematerialized" if
            policy is remat.RematPolicy.NONE else "each pipeline iteration is rematerialized whole, keeping its "

@@ -161,7 +161,7 @@ class TrainConfig:
     pipeline_fsdp_ag_once: bool = False
     # MaxText's key and default: a pipelined decoder's remat policy applies to each iteration of the pipeline's loop as
     # a whole (its layers are not rematerialized one by one), and none and full alike then keep only the iteration's
-    # input and each layer's input; false: no remat in the pipeline at all (maxperf.spec.remat.pipelined_policy)
+    # input and each layer's input; false: no remat in the pipeline at all (maxperf.spec.remat.pipelined)
     set_remat_policy_on_pipeline_iterations: bool = True
     # MaxText's key and default: under context parallelism (ici_context_parallelism, maxperf's sequence axis) each
     # sequence is reordered so that every shard holds as much of a causal mask's work (models/context.py)
