@@ -24,8 +24,25 @@ def test_the_schedule_derives_repeats_and_microbatches_as_maxtext():
     assert schedule(1, 32, 64) is None
 
 
+def test_the_embeddings_and_losss_places_make_megatrons_uneven_stages():
+    """Llama 3.1 405B's 126 layers over 8 stages x 8 repeats x 2 (Megatron-Bridge's layout): the embedding and the
+    loss take a layer's place each, 128 places; the first and the last hold no layer."""
+    s = schedule(8, 126, 64, microbatches=32, units_per_stage=2, empty_first=1, empty_last=1)
+    assert (s.repeats, s.places, s.units, s.iterations) == (8, 128, 126, 32 * 8 + 7)
+    live = s.live()
+    assert not live[0] and not live[-1] and live[1:-1].all()
+    stored = live[pipeline.stage_major(s.places, s)].reshape(8, 8, 2)
+    # stage 0's first repeat and stage 7's last hold one layer each, every other (stage, repeat) two
+    assert stored.sum(axis=2).tolist() == [[1] + [2] * 7] + [[2] * 8] * 6 + [[2] * 7 + [1]]
+    assert s.as_dict()["empty_places"] == [1, 1]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"stages": 3}, "3 pipeline stages x num_layers_per_pipeline_stage=1 do not divide the 32 pipelined layers"),
+    ({"pipelined_units": 30}, "or give the embedding and the loss a layer's place each"),
+    ({"pipelined_units": 30, "empty_first": 1, "repeats": 4}, r"must equal the 30 pipelined layers and the "
+     r"embedding's place \(31\)"),
+    ({"pipelined_units": 30, "empty_last": 1}, "do not divide the 30 pipelined layers and the loss's place"),
     ({"units_per_stage": 3}, "num_layers_per_pipeline_stage can be 1, 2, 4, 8"),
     ({"repeats": 3}, r"stages \(4\) x num_pipeline_repeats \(3\) x num_layers_per_pipeline_stage \(1\) must equal"),
     ({"microbatches": 6}, "num_pipeline_microbatches=6 must be a positive multiple of the 4 pipeline stages"),
@@ -116,19 +133,22 @@ def _pipelined_against_unpipelined(preset: str, words: tuple[str, ...], pipe: tu
     from maxperf.spec.mesh import resolve as resolve_mesh
 
     base = ["seq_len=16", "per_device_batch_size=2", "compute_dtype=float32", *words]
-    out = []
+    out, ref_params = [], None
     for extra in (("ici_fsdp=4",), ("ici_stage=2", "ici_fsdp=2", *pipe)):
         cfg = overrides.apply(presets.get(preset), [*base, *extra])
         spec_mesh = resolve_mesh(cfg.parallelism, topologies.get("cpu-4"))
         mesh = cpu_mesh(spec_mesh)
         md = train_step.model_def(cfg.model, cfg.train)
-        params = nnx.to_pure_dict(nnx.state(train_step.build_model(cfg.model, cfg.train, nnx.Rngs(params=0))))
+        params = ref_params = ref_params or nnx.to_pure_dict(
+            nnx.state(train_step.build_model(cfg.model, cfg.train, nnx.Rngs(params=0))))
         schedule = pipeline_spec.of(cfg.model, cfg.train, spec_mesh)
         order = None
-        if schedule is not None:  # the same weights, stored stage-major
-            order = pipeline.stage_major(stacks(cfg.model)[0].count, schedule)
+        if schedule is not None:  # the same weights, stored stage-major, an empty place with the first unit's
+            order = pipeline.stage_major(schedule.places, schedule)
+            units = np.arange(stacks(cfg.model)[0].count)
+            at = np.concatenate([units[:1]] * schedule.empty_first + [units] + [units[:1]] * schedule.empty_last)
             params = jax.tree.map(lambda v, ax: v if _stage_layer_axis(ax) is None else
-                                  jnp.take(v, order, axis=_stage_layer_axis(ax)), params, md.logical_axes,
+                                  jnp.take(v, at[order], axis=_stage_layer_axis(ax)), params, md.logical_axes,
                                   is_leaf=lambda x: isinstance(x, tuple))
         rows = 8
         tokens = jax.random.randint(jax.random.key(1), (rows, 17), 0, cfg.model.vocab_size)
@@ -140,8 +160,8 @@ def _pipelined_against_unpipelined(preset: str, words: tuple[str, ...], pipe: tu
 
         with jax.set_mesh(mesh):
             value, grads = jax.jit(jax.value_and_grad(loss))(params)
-        if order is not None:  # back to the model's order
-            back = pipeline.natural_order(len(order), schedule)
+        if order is not None:  # back to the model's order, the empty places' (zero) gradients left out
+            back = pipeline.natural_order(len(order), schedule)[schedule.live()]
             grads = jax.tree.map(lambda v, ax: v if _stage_layer_axis(ax) is None else
                                  jnp.take(v, back, axis=_stage_layer_axis(ax)), grads, md.logical_axes,
                                  is_leaf=lambda x: isinstance(x, tuple))
@@ -155,6 +175,10 @@ def _pipelined_against_unpipelined(preset: str, words: tuple[str, ...], pipe: tu
     ("tiny", ("num_layers=4",), ("num_pipeline_microbatches=4", "num_layers_per_pipeline_stage=2")),
     ("tiny", ("num_layers=4",), ("num_pipeline_microbatches=4", "pipeline_delay_activation_forwarding=true")),
     ("tiny", ("num_layers=4",), ("pipeline_fsdp_ag_once=true",)),
+    # Megatron's uneven stages: 6 layers and the embedding's and loss's places over 2 stages x 2 repeats x 2
+    ("tiny", ("num_layers=6",), ("num_pipeline_microbatches=4", "num_layers_per_pipeline_stage=2",
+                                 "account_for_embedding_in_pipeline_split=true",
+                                 "account_for_loss_in_pipeline_split=true")),
     ("tiny-moe", (), ()),
     ("tiny-mla", (), ()),
 ])
@@ -224,6 +248,34 @@ def test_a_stage_holds_its_layers_and_its_microbatches_activations():
     carry = 32 * 4 * 2048 * 4096 * 2
     assert piped.activations == pytest.approx(flat.activations * 33 / 32 + 2 * (1 + 0.5 + 0.5) * carry / 32,
                                               rel=1e-9)
+
+
+def test_an_empty_place_is_computed_and_stores_a_layers_weights():
+    """The embedding's and loss's places of 30 layers over 2 stages x 4 repeats x 4: 32 places, whose iterations each
+    compute a stage's 4 places (the empty ones pass their input on), and whose weights the stages store alike."""
+    from maxperf.perfmodel import estimate_memory
+    from maxperf.spec import resolve
+
+    words = ("ici_stage=2", "num_pipeline_microbatches=4", "num_layers_per_pipeline_stage=4", "num_layers=30")
+    places = ("account_for_embedding_in_pipeline_split=true", "account_for_loss_in_pipeline_split=true")
+    even, uneven = _estimate(*words, "num_layers=32"), _estimate(*words, *places)
+    # the same iterations, places and work per device as 32 layers
+    assert _row(uneven, "mlp down").flops == pytest.approx(_row(even, "mlp down").flops, rel=1e-12)
+    assert any("2 of 32 places empty" in a for a in uneven.assumptions)
+
+    def memory(*more):
+        r = resolve("v5p-16", "llama2-7b", ["per_device_batch_size=4", "remat_policy=full", *words, *more])
+        return estimate_memory(r.model, r.train, r.mesh, 95 * 2**30, "tpu")
+
+    assert memory(*places).params == pytest.approx(memory("num_layers=32").params, rel=1e-12)
+
+
+def test_the_places_of_a_pipeline_split_without_a_pipeline_change_nothing():
+    from maxperf.spec import resolve
+
+    r = resolve("v5p-16", "llama2-7b", ["account_for_embedding_in_pipeline_split=true"])
+    assert not r.train.account_for_embedding_in_pipeline_split
+    assert any("the mesh has one stage, so they change nothing" in w for w in r.warnings)
 
 
 # MaxText's remat of a pipelined decoder (layers/pipeline.py get_pipeline_remat_policy): each iteration of the loop

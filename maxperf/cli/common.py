@@ -176,6 +176,10 @@ def print_step_settings(p) -> None:
     piped = s["pipeline"]
     pipe = (f", pipeline {piped['stages']} stages x {piped['repeats']} repeats, {piped['microbatches']} microbatches"
             if piped else "")
+    if piped and sum(piped.get("empty_places", ())):
+        first, last = piped["empty_places"]
+        pipe += ", " + " and ".join(n for n, k in (("the embedding's", first), ("the loss's", last)) if k)
+        pipe += f" place{'s' * (first + last > 1)} empty"
     print(f"  step             remat {s['remat_policy']}, attention {kernel}, {precision}{pipe}")
 
 

@@ -89,7 +89,9 @@ def run(unit: Callable, per_unit, x_BxLxD: jax.Array, positions_BxL: jax.Array, 
     `per_unit`: a pytree whose leaves are [S, R, U, ...] (stage, repeat, unit of the stage; `stage_major` order).
     `policy`: the remat policy of each iteration (None: no remat), which saves the iteration's input and each
     layer's input besides with `keep_inputs` (MaxText's get_pipeline_remat_policy; not under its custom policy).
-    `counts_like`: the shapes and dtypes of one unit's expert loads ({} for a dense stack)."""
+    `counts_like`: the shapes and dtypes of one unit's expert loads ({} for a dense stack).
+    Places that hold no unit (Schedule.empty_first, empty_last) pass their input on, adding no loss and no loads;
+    the loads come back for every place, empty ones as zeros."""
     S, M, R, delay = schedule.stages, schedule.microbatches, schedule.repeats, schedule.delay
     B, L, D = x_BxLxD.shape
     b, per_stage = B // M, M // S
@@ -107,17 +109,24 @@ def run(unit: Callable, per_unit, x_BxLxD: jax.Array, positions_BxL: jax.Array, 
     prev = shift if delay == 2 else None
     counts0 = {k: jnp.zeros((S, R, U, *v.shape), v.dtype) for k, v in counts_like.items()}
     stage_ids = jnp.arange(S)
+    uneven = schedule.places != schedule.units
+    live_SxRxU = jnp.asarray(schedule.live()[stage_major(schedule.places, schedule)].reshape(S, R, U))
 
-    def stage(one_stage, x_bxLxD, positions_bxL):
+    def stage(one_stage, live_U, x_bxLxD, positions_bxL):
         aux = jnp.zeros((), jnp.float32)
         counts = []
         for u in range(U):
-            x_bxLxD, a, c = unit(x_bxLxD, positions_bxL, jax.tree.map(lambda w, u=u: w[u], one_stage))
+            y, a, c = unit(x_bxLxD, positions_bxL, jax.tree.map(lambda w, u=u: w[u], one_stage))
+            if uneven:  # an empty place passes its input on
+                x_bxLxD = jnp.where(live_U[u], y, x_bxLxD)
+                a, c = jnp.where(live_U[u], a, 0.0), {k: jnp.where(live_U[u], v, 0) for k, v in c.items()}
+            else:
+                x_bxLxD = y
             aux, counts = aux + a, counts + [c]
         stacked = {k: jnp.stack([c[k] for c in counts]) for k in counts_like}
         return x_bxLxD, aux, stacked
 
-    stages = jax.vmap(stage, in_axes=(0, 0, 0), spmd_axis_name="stage")
+    stages = jax.vmap(stage, in_axes=(0, 0, 0, 0), spmd_axis_name="stage")
 
     def iteration(carry, t):
         state_io, shift, circ, mover, prev, aux, counts = carry
@@ -131,7 +140,7 @@ def run(unit: Callable, per_unit, x_BxLxD: jax.Array, positions_BxL: jax.Array, 
         stages_in = checkpoint_name(constrain(stages_in, STAGES_IN), "iteration_input")
         weights = jax.vmap(lambda w_stage, r: jax.tree.map(lambda w: w[r], w_stage), spmd_axis_name="stage")(
             per_unit, repeat)
-        out, a_S, c_S = stages(weights, stages_in, positions_MxbxL[microbatch])
+        out, a_S, c_S = stages(weights, live_SxRxU[stage_ids, repeat], stages_in, positions_MxbxL[microbatch])
         out = constrain(out, STAGES_IN)
         aux = aux + jnp.sum(jnp.where(valid, a_S, 0.0))
         for k in counts:

@@ -27,6 +27,7 @@ from maxperf.models.layers.decoder import OUTER_RESIDUAL
 from maxperf.models.layers.moe import MoEOptions, bias_update
 from maxperf.models.sharding import constrain, partition_spec
 from maxperf.models.transformer import PipelineOptions, Transformer, stack_axis, stacks
+from maxperf.spec import pipeline as pipeline_spec
 from maxperf.spec.fp8 import recipe as fp8_recipe
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.remat import remat_names
@@ -141,6 +142,8 @@ def fp8_state(model: ModelConfig, train: TrainConfig) -> dict[str, jax.Array] | 
         return None
     sites = fp8_sites(model, train)
     repeats = {st.name: st.count for st in stacks(model)}
+    if len(repeats) == 1:  # a pipelined stack's empty places carry state too (transformer.PipelineOptions)
+        repeats = {name: n + sum(pipeline_spec.empty_places(train)) for name, n in repeats.items()}
     return {tag: fp8.initial_meta(recipe, n, (repeats.get(tag, 1),)) for tag, n in sites.items()}
 
 

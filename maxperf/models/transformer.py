@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from maxperf.models import pipeline
@@ -42,13 +43,18 @@ class PipelineOptions:
     # set_remat_policy_on_pipeline_iterations: each iteration rematerialized under the policy (remat_policy=none
     # recomputing it whole, as full does); False: nothing in the pipeline rematerialized
     iteration_remat: bool = True
+    # places of the stack that hold no unit, before its first and after its last (Megatron's embedding and loss
+    # places, maxperf.spec.pipeline.empty_places): the stack stores a unit's weights for each, unused
+    empty_first: int = 0
+    empty_last: int = 0
 
     @classmethod
     def from_train(cls, train: TrainConfig) -> PipelineOptions:
+        first, last = pipeline_spec.empty_places(train)
         return cls(train.num_pipeline_microbatches, train.num_pipeline_repeats, train.num_layers_per_pipeline_stage,
                    train.pipeline_delay_activation_forwarding, train.pipeline_fsdp_ag_once,
                    keep_inputs=str(train.remat_policy) != "custom",
-                   iteration_remat=train.set_remat_policy_on_pipeline_iterations)
+                   iteration_remat=train.set_remat_policy_on_pipeline_iterations, empty_first=first, empty_last=last)
 
 
 def mesh_stages() -> int:
@@ -220,11 +226,15 @@ class Transformer(nnx.Module):
         if cfg.positions is Positions.LEARNED:
             self.positions = LearnedPositions(cfg.max_position, D, param_dtype, rngs)
         self.stacks = stacks(cfg)
+        # a pipelined stack's empty places store weights too (each stage holds the same shapes); only a decoder of
+        # one stack is pipelined (maxperf.spec.pipeline)
+        self.empty = (pipeline.empty_first, pipeline.empty_last) if len(self.stacks) == 1 else (0, 0)
         for st in self.stacks:
             unit = _unit_maker(st.pattern, cfg, param_dtype, attention, moe)
             if scan_layers:
                 # one set of parameters with a layer axis (stack_axis), iterated by lax.scan
-                stack = nnx.split_rngs(splits=st.count)(nnx.vmap(unit, in_axes=(0,), out_axes=0))(rngs)
+                stack = nnx.split_rngs(splits=st.count + sum(self.empty))(
+                    nnx.vmap(unit, in_axes=(0,), out_axes=0))(rngs)
                 graphdef, state = nnx.split(stack)
                 setattr(self, st.name, nnx.merge(graphdef, _move_layer_axis(state, 0, param_scan_axis)))
             else:
@@ -311,6 +321,9 @@ class Transformer(nnx.Module):
         ropes = [not nope for nope in self.cfg.nope_layers()]
         if (stages := mesh_stages()) > 1:
             return self._pipelined(x_BxLxD, positions_BxL, stages, windows, ropes, key, fp8)
+        if sum(self.empty):
+            raise ValueError("account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split place "
+                             "a pipeline's stages: the mesh has one stage")
         aux = jnp.zeros((), jnp.float32)
         counts: dict[str, jax.Array] = {}
         for st in self.stacks:
@@ -415,20 +428,26 @@ class Transformer(nnx.Module):
         (st,) = self.stacks
         P, o = len(st.pattern), self.pipeline
         static = _static(windows, ropes, P)
+        first, last = self.empty
         schedule = pipeline_spec.schedule(stages, st.count, x_BxLxD.shape[0], microbatches=o.microbatches,
                                           repeats=o.repeats, units_per_stage=o.units_per_stage, delay=o.delay,
-                                          fsdp_gather_once=o.fsdp_gather_once)
-        order = pipeline.stage_major(st.count, schedule)
+                                          fsdp_gather_once=o.fsdp_gather_once, empty_first=first, empty_last=last)
+        places = schedule.places
+        order = pipeline.stage_major(places, schedule)
         keys = None
         if isinstance(self.quantization, quant.Int8):
             base = jax.random.key(0, impl=quant.NOISE_IMPL) if key is None else key
-            keys = jax.random.split(jax.random.fold_in(base, st.start), st.count)
+            keys = jax.random.split(jax.random.fold_in(base, st.start), places)
         graphdef, state = nnx.split(getattr(self, st.name))
         state = _move_layer_axis(state, self.param_scan_axis, 0)
         if o.fsdp_gather_once:
             state = _gathered_over_fsdp(state)
-        stored = (state, jnp.asarray(windows, jnp.int32).reshape(st.count, P)[order],
-                  jnp.asarray(ropes, jnp.bool_).reshape(st.count, P)[order], keys,
+
+        def per_place(flags, dtype):  # each unit's flags, an empty place taking the first unit's (it is not used)
+            units = np.asarray(flags).reshape(st.count, P)
+            return jnp.asarray(np.concatenate([units[:1]] * first + [units] + [units[:1]] * last)[order], dtype)
+
+        stored = (state, per_place(windows, jnp.int32), per_place(ropes, jnp.bool_), keys,
                   None if fp8 is None else fp8[st.name])
         S, R, U = schedule.stages, schedule.repeats, schedule.units_per_stage
         per_unit = jax.tree.map(lambda v: v.reshape(S, R, U, *v.shape[1:]), stored)

@@ -147,7 +147,7 @@ def estimate(request: Request, *, overlap: Overlap | float | None = None,
         overlap = Overlap.uniform(float(overlap))
     per_chip = topology.devices_per_chip
     params = count_params(model)
-    flops = count_flops(model, train, params_per_device(model, mesh), chip.kind)
+    flops = count_flops(model, train, params_per_device(model, mesh, train), chip.kind)
     if memory is None:
         memory = estimate_memory(model, train, mesh, chip.hbm_bytes, chip.kind, chip.name)
     time = step_time(model, train, mesh, chip, topology, overlap, max(memory.phases().values()), load_imbalance,

@@ -175,9 +175,11 @@ def fp8_state_bytes(model: ModelConfig, train: TrainConfig) -> float:
     return sites * recipe.state_scales * (1 + recipe.history) * FP8_STATE_BYTES
 
 
-def params_per_device(model: ModelConfig, mesh: Mesh) -> float:
-    """Parameters held by one device after sharding (the optimizer and gradients are sharded alike)."""
-    return held_params(model, mesh.sizes)
+def params_per_device(model: ModelConfig, mesh: Mesh, train: TrainConfig | None = None) -> float:
+    """Parameters held by one device after sharding (the optimizer and gradients are sharded alike); with `train`,
+    a pipelined stack's empty places besides (pipeline.empty_place_params)."""
+    held = held_params(model, mesh.sizes)
+    return held if train is None else held + pipeline.empty_place_params(model, train, mesh)
 
 def params_per_block(model: ModelConfig, mesh: Mesh) -> dict[str, float]:
     """params_per_device split into "experts" (MoE blocks), "attention" and "rest" (the MTP modules' layers with
@@ -228,7 +230,7 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
     T = a.T  # tokens of one microbatch on this device: B (MaxText's per_device_batch_size) x L
 
-    local_params = params_per_device(model, mesh)
+    local_params = params_per_device(model, mesh, train)
     params = local_params * p
     optimizer = optimizer_state_bytes(train) * local_params
     local_grads = local_params + expert_gradient_excess(model, train, mesh)

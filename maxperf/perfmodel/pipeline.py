@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from maxperf.perfmodel.network import AxisNetwork, CollectiveTime
+from maxperf.spec.logical_axes import local_size
 from maxperf.spec.mesh import Mesh
+from maxperf.spec.params import param_arrays, stage_share
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.pipeline import Schedule
 from maxperf.spec.pipeline import of as schedule_of
@@ -45,10 +47,22 @@ def view(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> View:
     s = schedule_of(model, train, mesh)
     if s is None:
         return NONE
-    units = s.stages * s.repeats * s.units_per_stage
-    # a device runs its U units on one microbatch per iteration, every iteration: iterations x U of the model's units
-    return View(s, layer_scale=s.iterations * s.units_per_stage / units, token_scale=1 / s.microbatches,
+    # a device runs its U places on one microbatch per iteration, every iteration: iterations x U units' work over
+    # the model's units (an empty place computes its unit and passes its input on, models/pipeline.py)
+    return View(s, layer_scale=s.iterations * s.units_per_stage / s.units, token_scale=1 / s.microbatches,
                 logits_scale=1 / s.stages)
+
+
+def empty_place_params(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> float:
+    """The parameters one device stores for its stack's empty places (Schedule.empty_first, empty_last): a unit's
+    weights each, as every stage holds the same shapes; 0 without them."""
+    s = schedule_of(model, train, mesh)
+    if s is None or s.places == s.units:
+        return 0.0
+    axes = dict(mesh.sizes)
+    decoder = sum(x.count * local_size(x.shape, x.logical, axes) * stage_share(x, axes) for x in param_arrays(model)
+                  if x.block)
+    return decoder * (s.places / s.units - 1)
 
 
 def permute_time(nbytes: float, net: AxisNetwork) -> CollectiveTime:
@@ -69,4 +83,4 @@ def transfers_per_iteration(s: Schedule) -> int:
     return 2 + s.circular_storage
 
 
-__all__ = ["NONE", "STAGE_OVERLAP", "View", "permute_time", "transfers_per_iteration", "view"]
+__all__ = ["NONE", "STAGE_OVERLAP", "View", "empty_place_params", "permute_time", "transfers_per_iteration", "view"]

@@ -246,7 +246,7 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
         table.add("remat offload (host link)", "host", 2 * offloaded / chip.host_link_bandwidth, 0.0, 2 * offloaded,
                   HOST_OFFLOAD_OVERLAP)
     table.memory("loss", steps * Tu * a.V * 4 * LOSS_FLOAT32_PASSES)
-    local_params = params_per_device(model, mesh)
+    local_params = params_per_device(model, mesh, train)
     # MaxText's *_memory_host_offload: the state in pinned host memory crosses the host link to the device and back
     # each step, once per step whatever the microbatches
     state = (optimizer_state_bytes(train) * train.optimizer_memory_host_offload
@@ -317,9 +317,10 @@ def _stage_transfers(table: Work, s, nbytes: float, net, steps: int) -> None:
     t = pipeline.permute_time(nbytes, net)
     count = 2 * s.iterations * pipeline.transfers_per_iteration(s) * steps
     hidden = pipeline.STAGE_OVERLAP[s.delay]
+    empty = f", {s.places - s.units} of {s.places} places empty (computed, passed on)" if s.places != s.units else ""
     table.assume("pipeline", f"pipeline: {s.stages} stages x {s.repeats} repeats, {s.microbatches} microbatches, "
-                             f"{s.iterations} iterations ({s.bubble_fraction:.1%} bubble, counted); stage transfers "
-                             f"{hidden:.0%} hidden (assumed)")
+                             f"{s.iterations} iterations ({s.bubble_fraction:.1%} bubble, counted){empty}; stage "
+                             f"transfers {hidden:.0%} hidden (assumed)")
     if t.ici_s:
         table.add("pipeline stage transfers (ici)", "ici", count * t.ici_s, 0.0, count * nbytes, overlap=hidden)
     if t.dcn_s:

@@ -245,7 +245,9 @@ def check_stages(model: ModelConfig, train: TrainConfig, stages: int) -> int:
                                if train.num_pipeline_microbatches > 0 else 2 * stages,
                                microbatches=train.num_pipeline_microbatches, repeats=train.num_pipeline_repeats,
                                units_per_stage=train.num_layers_per_pipeline_stage,
-                               delay=train.pipeline_delay_activation_forwarding)
+                               delay=train.pipeline_delay_activation_forwarding,
+                               empty_first=pipeline_spec.empty_places(train)[0],
+                               empty_last=pipeline_spec.empty_places(train)[1])
     return train.num_pipeline_microbatches
 
 

@@ -129,6 +129,9 @@ MEANINGS = {
     "pipeline_parallel_layers": "pipeline: layers pipelined (-1: all)", "pipeline_delay_activation_forwarding":
     "pipeline: outputs move on an iteration later", "pipeline_fsdp_ag_once": "pipeline: weights gathered once a step",
     "set_remat_policy_on_pipeline_iterations": "pipeline: the remat policy on each loop iteration (false: no remat)",
+    "account_for_embedding_in_pipeline_split": "pipeline (Megatron's): the embedding takes a layer's place in the "
+    "first stage", "account_for_loss_in_pipeline_split": "pipeline (Megatron's): the loss takes a layer's place in "
+    "the last stage",
     "context_parallel_load_balance": "context parallelism: sequences reordered so shards share the causal work",
 }
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from maxperf.spec.errors import MaxperfError
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
@@ -20,6 +22,25 @@ class Schedule:
     units_per_stage: int  # U: the stack's units each stage runs per repeat (num_layers_per_pipeline_stage)
     delay: int = 1  # 2 with pipeline_delay_activation_forwarding
     fsdp_gather_once: bool = False  # pipeline_fsdp_ag_once
+    # places that hold no unit, before the first unit (the embedding's, account_for_embedding_in_pipeline_split) and
+    # after the last (the loss's, account_for_loss_in_pipeline_split): S x R x U places hold the units and these
+    empty_first: int = 0
+    empty_last: int = 0
+
+    @property
+    def places(self) -> int:
+        """S x R x U: the unit slots of the stored stack, empty ones included."""
+        return self.stages * self.repeats * self.units_per_stage
+
+    @property
+    def units(self) -> int:
+        """The model's units the places hold."""
+        return self.places - self.empty_first - self.empty_last
+
+    def live(self) -> np.ndarray:
+        """bool [places] in the model's order: whether each place holds a unit (place p holds unit p - empty_first)."""
+        at = np.arange(self.places)
+        return (at >= self.empty_first) & (at < self.empty_first + self.units)
 
     @property
     def iterations(self) -> int:
@@ -46,34 +67,41 @@ class Schedule:
         return {"stages": self.stages, "microbatches": self.microbatches, "repeats": self.repeats,
                 "layers_per_stage": self.units_per_stage, "iterations": self.iterations,
                 "bubble_fraction": round(self.bubble_fraction, 4), "delay": self.delay,
-                "fsdp_gather_once": self.fsdp_gather_once}
+                "fsdp_gather_once": self.fsdp_gather_once, "empty_places": [self.empty_first, self.empty_last]}
 
 
 def schedule(stages: int, pipelined_units: int, batch: int, *, microbatches: int = -1, repeats: int = -1,
              units_per_stage: int = 1, delay: bool = False, fsdp_gather_once: bool = False,
-             unit_name: str = "layers") -> Schedule | None:
+             unit_name: str = "layers", empty_first: int = 0, empty_last: int = 0) -> Schedule | None:
     """The schedule of `pipelined_units` units over `stages` stages for a batch of `batch` examples per step's
-    microbatch (MaxText's micro_batch_size_to_train_on), or None without a pipeline (one stage). Every mistake is one
-    MaxperfError naming what would be valid."""
+    microbatch (MaxText's micro_batch_size_to_train_on), or None without a pipeline (one stage); `empty_first`,
+    `empty_last`: places before and after the units that hold none (Megatron's embedding and loss places). Every
+    mistake is one MaxperfError naming what would be valid."""
     if stages <= 1:
         return None
     if units_per_stage < 1:
         raise MaxperfError(f"num_layers_per_pipeline_stage={units_per_stage} must be at least 1")
     per_repeat = stages * units_per_stage
+    places = pipelined_units + empty_first + empty_last
+    what = f"{pipelined_units} pipelined {unit_name}"
+    if places != pipelined_units:
+        what += " and the " + " and ".join(n for n, k in (("embedding's", empty_first), ("loss's", empty_last)) if k)
+        what += f" place{'s' * (empty_first + empty_last > 1)} ({places})"
     if repeats == -1:
-        if pipelined_units % per_repeat:
-            valid = [u for u in range(1, pipelined_units + 1) if pipelined_units % (stages * u) == 0]
+        if places % per_repeat:
+            valid = [u for u in range(1, places + 1) if places % (stages * u) == 0]
             raise MaxperfError(
                 f"{stages} pipeline stages x num_layers_per_pipeline_stage={units_per_stage} do not divide the "
-                f"{pipelined_units} pipelined {unit_name}; "
-                + (f"num_layers_per_pipeline_stage can be {', '.join(map(str, valid))}" if valid else
-                   f"choose a stage count that divides {pipelined_units}"))
-        repeats = pipelined_units // per_repeat
-    elif repeats < 1 or stages * repeats * units_per_stage != pipelined_units:
+                f"{what}; " + (f"num_layers_per_pipeline_stage can be {', '.join(map(str, valid))}" if valid else
+                               f"choose a stage count that divides {places}")
+                + ("" if places != pipelined_units else
+                   "; or give the embedding and the loss a layer's place each (account_for_embedding_in_pipeline_"
+                   "split=true, account_for_loss_in_pipeline_split=true), as Megatron-LM's uneven stages do"))
+        repeats = places // per_repeat
+    elif repeats < 1 or stages * repeats * units_per_stage != places:
         raise MaxperfError(
             f"stages ({stages}) x num_pipeline_repeats ({repeats}) x num_layers_per_pipeline_stage "
-            f"({units_per_stage}) must equal the {pipelined_units} pipelined {unit_name}; num_pipeline_repeats=-1 "
-            "derives it")
+            f"({units_per_stage}) must equal the {what}; num_pipeline_repeats=-1 derives it")
     gap = 2 if delay else 1
     if microbatches == -1:
         microbatches = gap * stages
@@ -88,7 +116,12 @@ def schedule(stages: int, pipelined_units: int, batch: int, *, microbatches: int
         raise MaxperfError(f"the batch of {batch} examples does not split into num_pipeline_microbatches="
                            f"{microbatches}; " + (f"choose one of {', '.join(map(str, fits[:8]))}" if fits else
                                                   f"make the batch a multiple of {stages}"))
-    return Schedule(stages, microbatches, repeats, units_per_stage, gap, fsdp_gather_once)
+    return Schedule(stages, microbatches, repeats, units_per_stage, gap, fsdp_gather_once, empty_first, empty_last)
+
+
+def empty_places(train: TrainConfig) -> tuple[int, int]:
+    """The places before and after a pipelined stack's units that hold none: (the embedding's, the loss's)."""
+    return int(train.account_for_embedding_in_pipeline_split), int(train.account_for_loss_in_pipeline_split)
 
 
 def pipelined_units(model: ModelConfig) -> tuple[int, int]:
@@ -125,4 +158,5 @@ def of(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> Schedule | None:
     return schedule(stages, units, train.micro_batch(mesh.devices), microbatches=train.num_pipeline_microbatches,
                     repeats=train.num_pipeline_repeats, units_per_stage=train.num_layers_per_pipeline_stage,
                     delay=train.pipeline_delay_activation_forwarding, fsdp_gather_once=train.pipeline_fsdp_ag_once,
-                    unit_name="layers" if step == 1 else f"blocks of {step} layers")
+                    unit_name="layers" if step == 1 else f"blocks of {step} layers",
+                    empty_first=empty_places(train)[0], empty_last=empty_places(train)[1])

@@ -112,10 +112,19 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
 
 def _pipelined_remat(configs: Configs, mesh: Mesh) -> tuple[Configs, str]:
     """The configs with the remat policy a pipelined decoder runs under (maxperf.spec.remat.pipelined), and a
-    note where that is not the one asked for; unchanged without a pipeline."""
+    note where that is not the one asked for; without a pipeline, the configs without the places of a pipeline's
+    split (account_for_*_in_pipeline_split: no empty places stored), and a note where there were."""
     train = configs.train
+    if mesh.axes["stage"] <= 1:
+        if not sum(pipeline.empty_places(train)):
+            return configs, ""
+        train = dataclasses.replace(train, account_for_embedding_in_pipeline_split=False,
+                                    account_for_loss_in_pipeline_split=False)
+        return dataclasses.replace(configs, train=train), (
+            "account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split place the layers of "
+            "pipeline stages; the mesh has one stage, so they change nothing")
     policy = remat.pipelined(train.remat_policy, train.set_remat_policy_on_pipeline_iterations)
-    if mesh.axes["stage"] <= 1 or policy == train.remat_policy:
+    if policy == train.remat_policy:
         return configs, ""
     why = ("set_remat_policy_on_pipeline_iterations=false leaves the pipeline's layers unrematerialized" if
            policy is remat.RematPolicy.NONE else "each pipeline iteration is rematerialized whole, keeping its "

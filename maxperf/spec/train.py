@@ -163,6 +163,13 @@ class TrainConfig:
     # a whole (its layers are not rematerialized one by one), and none and full alike then keep only the iteration's
     # input and each layer's input; false: no remat in the pipeline at all (maxperf.spec.remat.pipelined)
     set_remat_policy_on_pipeline_iterations: bool = True
+    # Megatron-LM's keys (MaxText has no uneven stages): the embedding, the loss, takes a layer's place in the first,
+    # the last, stage, so the layers and these places divide over stages x repeats x num_layers_per_pipeline_stage
+    # where the layers alone do not (Llama 3.1 405B's 126 over 8 x 8 x 2). In one SPMD program a place is a unit slot
+    # that passes its input on: its weights are stored, as every stage holds the same shapes, and not used; the
+    # embedding and the loss run outside the loop as for any pipelined decoder (maxperf.spec.pipeline)
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
     # MaxText's key and default: under context parallelism (ici_context_parallelism, maxperf's sequence axis) each
     # sequence is reordered so that every shard holds as much of a causal mask's work (models/context.py)
     context_parallel_load_balance: bool = True
