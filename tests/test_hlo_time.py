@@ -411,3 +411,225 @@ def test_an_offload_moves_one_layers_slice_over_the_host_link_not_the_stacked_bu
     link = chips.get("tpu-v6e").host_link_bandwidth
     assert seconds_of(result, "us") == pytest.approx(layer / link, rel=1e-6)
     assert seconds_of(result, "ss") == pytest.approx(layer / link, rel=1e-3)
+
+
+# A layer's matmul whose result the same fusion also writes into the scan's stacked buffer in place (remat saving
+# it): a multi-output fusion, one root an in-place update, the other the result itself
+SAVED = """HloModule m, is_scheduled=true
+
+%saved (s0: bf16[64,4096,4096], s1: s32[], s2: bf16[4096,4096], s3: bf16[4096,4096]) -> (bf16[64,4096,4096], bf16[4096,4096]) {
+  %s0 = bf16[64,4096,4096]{2,1,0} parameter(0)
+  %s2 = bf16[4096,4096]{1,0} parameter(2)
+  %s3 = bf16[4096,4096]{1,0} parameter(3)
+  %mm = bf16[4096,4096]{1,0} dot(%s2, %s3), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %bc = bf16[1,4096,4096]{2,1,0} bitcast(%mm)
+  %s1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %dus = bf16[64,4096,4096]{2,1,0} dynamic-update-slice(%s0, %bc, %s1, %z, %z)
+  ROOT %t = (bf16[64,4096,4096]{2,1,0}, bf16[4096,4096]{1,0}) tuple(%dus, %mm)
+}
+
+ENTRY %main (a: bf16[64,4096,4096], i: s32[], x: bf16[4096,4096], w: bf16[4096,4096]) -> (bf16[64,4096,4096], bf16[4096,4096]) {
+  %a = bf16[64,4096,4096]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %x = bf16[4096,4096]{1,0} parameter(2)
+  %w = bf16[4096,4096]{1,0} parameter(3)
+  ROOT %f = (bf16[64,4096,4096]{2,1,0}, bf16[4096,4096]{1,0}) fusion(%a, %i, %x, %w), kind=kOutput, calls=%saved
+}
+"""
+
+
+def test_a_multi_output_fusion_writes_its_in_place_root_as_its_update():
+    """The stacked buffer is neither read nor written whole: the matmul's operands read, its result written twice
+    (into the stack's one layer and as the fusion's other output), the index; so the matmul is compute-bound."""
+    layer = 2 * 4096 * 4096
+    f = next(op for op in predict(SAVED).top if op.name == "f")
+    assert f.bytes == pytest.approx(4 * layer + 4)
+    assert f.bound == "compute"
+
+
+# A permute issued as a start with its done right after (as XLA's TPU schedule prints a windowed einsum's), the
+# done's result used only after an independent matmul
+PERMUTED = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[2048,2048], w: bf16[2048,2048], g: bf16[2048,2048]) -> bf16[2048,2048] {
+  %x = bf16[2048,2048]{1,0} parameter(0)
+  %w = bf16[2048,2048]{1,0} parameter(1)
+  %g = bf16[2048,2048]{1,0} parameter(2)
+  %cps = (bf16[2048,2048]{1,0}, bf16[2048,2048]{1,0}, u32[], u32[]) collective-permute-start(%g), source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %cpd = bf16[2048,2048]{1,0} collective-permute-done(%cps)
+  %d1 = bf16[2048,2048]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %d2 = bf16[2048,2048]{1,0} dot(%d1, %cpd), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_a_tpu_permute_waits_where_its_result_is_first_used_not_at_its_done():
+    """On a TPU the permute runs beside the first matmul; on a GPU its done waits for it where the schedule put it."""
+    four = ParallelismConfig(ici_fsdp=4)
+    tpu = predict(PERMUTED, "v5p-8", four)
+    cp, d1, d2 = (seconds_of(tpu, n) for n in ("cps", "d1", "d2"))
+    assert cp > 0
+    assert tpu.step_time_s == pytest.approx(max(cp, d1) + d2)
+    gpu = predict(PERMUTED, "h100-8", ParallelismConfig(ici_fsdp=8))
+    overhead = hlo_time.KERNEL_OVERHEAD_S["gpu"]
+    assert gpu.step_time_s == pytest.approx(seconds_of(gpu, "cps") + seconds_of(gpu, "d1") + seconds_of(gpu, "d2")
+                                            + 2 * overhead)
+
+
+# Two permutes of a bidirectional ring (one each way round the fsdp axis), and an all-gather along the tensor axis
+LANES = """HloModule m, is_scheduled=true
+
+ENTRY %main (g: bf16[4096,4096], h: bf16[4096,4096], k: bf16[1024,4096]) -> (bf16[4096,4096], bf16[4096,4096], bf16[4096,4096]) {
+  %g = bf16[4096,4096]{1,0} parameter(0)
+  %h = bf16[4096,4096]{1,0} parameter(1)
+  %k = bf16[1024,4096]{1,0} parameter(2)
+  %up = bf16[4096,4096]{1,0} collective-permute(%g), source_target_pairs={{0,2},{2,4},{4,6},{6,0},{1,3},{3,5},{5,7},{7,1}}
+  %down = bf16[4096,4096]{1,0} collective-permute(%h), source_target_pairs={{2,0},{4,2},{6,4},{0,6},{3,1},{5,3},{7,5},{1,7}}
+  %ag = bf16[4096,4096]{1,0} all-gather(%k), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}
+  ROOT %t = (bf16[4096,4096]{1,0}, bf16[4096,4096]{1,0}, bf16[4096,4096]{1,0}) tuple(%up, %down, %ag)
+}
+"""
+
+
+def test_collectives_on_different_links_run_together():
+    """The ring's two directions and the other axis each have links of their own: the three take as long as the
+    longest of them, not their sum; two permutes the same way round wait on each other."""
+    mesh = ParallelismConfig(ici_fsdp=4, ici_tensor=2)
+    together = predict(LANES, "v5p-16", mesh)
+    up, down, ag = (seconds_of(together, n) for n in ("up", "down", "ag"))
+    assert min(up, down, ag) > 0
+    assert together.step_time_s == pytest.approx(max(up, down, ag))
+    same_way = predict(LANES.replace("{{2,0},{4,2},{6,4},{0,6},{3,1},{5,3},{7,5},{1,7}}",
+                                     "{{0,2},{2,4},{4,6},{6,0},{1,3},{3,5},{5,7},{7,1}}"), "v5p-16", mesh)
+    assert same_way.step_time_s == pytest.approx(max(up + down, ag))
+
+
+# The scan's stacked residuals relaid out by a nested elementwise fusion (a copy to another tiling) of which the
+# outer fusion takes one layer
+RELAID = """HloModule m, is_scheduled=true
+
+%relayout (r0: f32[64,1024,1024]) -> f32[64,1024,1024] {
+  %r0 = f32[64,1024,1024]{2,1,0} parameter(0)
+  ROOT %c = f32[64,1024,1024]{1,2,0} copy(%r0)
+}
+
+%outer (p0: f32[64,1024,1024], p1: s32[]) -> f32[1,1024,1024] {
+  %p0 = f32[64,1024,1024]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %all = f32[64,1024,1024]{1,2,0} fusion(%p0), kind=kLoop, calls=%relayout
+  %ds = f32[1,1024,1024]{1,2,0} dynamic-slice(%all, %p1, %z, %z), dynamic_slice_sizes={1,1024,1024}
+  ROOT %sq = f32[1,1024,1024]{1,2,0} multiply(%ds, %ds)
+}
+
+ENTRY %main (a: f32[64,1024,1024], i: s32[]) -> f32[1,1024,1024] {
+  %a = f32[64,1024,1024]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %f = f32[1,1024,1024]{1,2,0} fusion(%a, %i), kind=kLoop, calls=%outer
+}
+"""
+
+
+def test_a_fusion_reads_one_layer_of_a_stack_it_relays_out_and_slices():
+    layer = 4 * 1024 * 1024
+    f = next(op for op in predict(RELAID).top if op.name == "f")
+    assert f.bytes == pytest.approx(2 * layer + 4)  # the layer read, the result written, the index
+
+
+# XLA:GPU's asynchronous dynamic-slice fusion: its start's shape holds its operands, its result and a context
+ASYNC_SLICE = """HloModule m, is_scheduled=true
+
+%sliced (s0: bf16[24,2048,8192], s1: s32[]) -> bf16[1,2048,8192] {
+  %s0 = bf16[24,2048,8192]{2,1,0} parameter(0)
+  %s1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = bf16[1,2048,8192]{2,1,0} dynamic-slice(%s0, %s1, %z, %z), dynamic_slice_sizes={1,2048,8192}
+}
+
+ENTRY %main (a: bf16[24,2048,8192], i: s32[]) -> bf16[1,2048,8192] {
+  %a = bf16[24,2048,8192]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %fs = ((bf16[24,2048,8192]{2,1,0}, s32[]), bf16[1,2048,8192]{2,1,0}, u32[]) fusion-start(%a, %i), kind=kLoop, calls=%sliced
+  ROOT %fd = bf16[1,2048,8192]{2,1,0} fusion-done(%fs)
+}
+"""
+
+
+def test_an_asynchronous_fusion_writes_its_result_not_its_operands():
+    layer = 2 * 2048 * 8192
+    fs = next(op for op in predict(ASYNC_SLICE, "h100-8").top if op.name == "fs")
+    assert fs.bytes == pytest.approx(2 * layer + 4)  # the layer read and written, the index
+
+
+# A gradient all-reduced whole of which each device then takes only its own rows (the slice in its consumer)
+SUMMED = """HloModule m, is_scheduled=true
+
+ENTRY %main (g: f32[4096,4096], i: s32[]) -> f32[512,4096] {
+  %g = f32[4096,4096]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %ar = f32[4096,4096]{1,0} all-reduce(%g), replica_groups=[1,8]<=[8], to_apply=%add
+  %z = s32[] constant(0)
+  ROOT %mine = f32[512,4096]{1,0} dynamic-slice(%ar, %i, %z), dynamic_slice_sizes={512,4096}
+}
+"""
+
+
+def test_an_all_reduce_of_which_each_device_keeps_its_shard_is_a_reduce_scatter():
+    sharded = predict(SUMMED, "v5p-16", ParallelismConfig(ici_fsdp=8))
+    whole = predict(SUMMED.replace("f32[512,4096]{1,0} dynamic-slice(%ar, %i, %z), dynamic_slice_sizes={512,4096}",
+                                   "f32[4096,4096]{1,0} negate(%ar)").replace("-> f32[512,4096]", "-> f32[4096,4096]"),
+                    "v5p-16", ParallelismConfig(ici_fsdp=8))
+    ring = seconds_of(whole, "ar")  # an all-reduce: a reduce-scatter and an all-gather of the same buffer
+    assert seconds_of(sharded, "ar") == pytest.approx(ring / 2, rel=0.05)
+
+
+# A TPU async collective fusion: a start that issues the gather (channel 5), a fusion that runs a matmul while it
+# carries the gather's buffers, and a done; the gathered weight then used
+INFLIGHT = """HloModule m, is_scheduled=true
+
+%start_comp (p: bf16[256,2048]) -> (bf16[256,2048], bf16[2048,2048]) {
+  %p = bf16[256,2048]{1,0} parameter(0)
+  %ag = bf16[2048,2048]{1,0} all-gather(%p), channel_id=5, replica_groups=[1,8]<=[8], dimensions={0}
+  ROOT %t = (bf16[256,2048]{1,0}, bf16[2048,2048]{1,0}) tuple(%p, %ag)
+}
+
+%carry_comp (c0: bf16[256,2048], c1: bf16[2048,2048], x: bf16[2048,2048], w: bf16[2048,2048]) -> (bf16[2048,2048], bf16[256,2048], bf16[2048,2048]) {
+  %c0 = bf16[256,2048]{1,0} parameter(0)
+  %c1 = bf16[2048,2048]{1,0} parameter(1)
+  %x = bf16[2048,2048]{1,0} parameter(2)
+  %w = bf16[2048,2048]{1,0} parameter(3)
+  %mm = bf16[2048,2048]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %agc = bf16[2048,2048]{1,0} all-gather(%c0), channel_id=5, replica_groups=[1,8]<=[8], dimensions={0}
+  ROOT %t = (bf16[2048,2048]{1,0}, bf16[256,2048]{1,0}, bf16[2048,2048]{1,0}) tuple(%mm, %c0, %c1)
+}
+
+%done_comp (d0: bf16[256,2048], d1: bf16[2048,2048]) -> bf16[2048,2048] {
+  %d0 = bf16[256,2048]{1,0} parameter(0)
+  %d1 = bf16[2048,2048]{1,0} parameter(1)
+  ROOT %agd = bf16[2048,2048]{1,0} all-gather(%d0), channel_id=5, replica_groups=[1,8]<=[8], dimensions={0}
+}
+
+ENTRY %main (g: bf16[256,2048], x: bf16[2048,2048], w: bf16[2048,2048]) -> bf16[2048,2048] {
+  %g = bf16[256,2048]{1,0} parameter(0)
+  %x = bf16[2048,2048]{1,0} parameter(1)
+  %w = bf16[2048,2048]{1,0} parameter(2)
+  %s = (bf16[256,2048]{1,0}, bf16[2048,2048]{1,0}) fusion(%g), kind=kCustom, calls=%start_comp
+  %s0 = bf16[256,2048]{1,0} get-tuple-element(%s), index=0
+  %s1 = bf16[2048,2048]{1,0} get-tuple-element(%s), index=1
+  %c = (bf16[2048,2048]{1,0}, bf16[256,2048]{1,0}, bf16[2048,2048]{1,0}) fusion(%s0, %s1, %x, %w), kind=kCustom, calls=%carry_comp
+  %mm = bf16[2048,2048]{1,0} get-tuple-element(%c), index=0
+  %c0 = bf16[256,2048]{1,0} get-tuple-element(%c), index=1
+  %c1 = bf16[2048,2048]{1,0} get-tuple-element(%c), index=2
+  %d = bf16[2048,2048]{1,0} fusion(%c0, %c1), kind=kCustom, calls=%done_comp
+  ROOT %d2 = bf16[2048,2048]{1,0} dot(%mm, %d), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_an_async_collective_fusion_is_issued_once_and_runs_beside_the_matmul_that_carries_it():
+    result = predict(INFLIGHT)
+    ag, mm, d2 = (seconds_of(result, n) for n in ("s", "c", "d2"))
+    assert ag > 0 and seconds_of(result, "d") == 0.0
+    assert result.ici_s == pytest.approx(ag)  # the gather counted once
+    assert result.step_time_s == pytest.approx(max(ag, mm) + d2)

@@ -26,7 +26,8 @@ How instructions combine (`_Walker`): the schedule is the instruction order of e
 scheduled). Compute runs in order on one stream; a collective or an asynchronous copy runs on its own resource
 (ICI, DCN, host link, DMA) from where it is issued until its result is first needed: an async start/done pair
 (GPU, TPU copies) overlaps what the schedule puts between them; on TPUs, whose collectives the printed HLO shows
-synchronous but which the TPU backend runs asynchronously, a collective overlaps the work up to its first user; on
+synchronous (or as a start with its done right after) but which the TPU backend runs asynchronously, a collective
+overlaps the work up to the first user of its result; on
 CPUs nothing overlaps (XLA:CPU's collectives are copies on the cores that compute: perfmodel.cpu.OVERLAP). A while
 loop costs its trip count times its body, whose collectives may overlap the next iteration (an iteration takes the
 longer of its compute and each resource's busy time); a conditional its costliest branch.
@@ -69,6 +70,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _BYTES_ESTIMATE = re.compile(r'"cost_estimate":\{[^}]*?"bytes_accessed":"?(\d+)')
 _REPLICA_GROUPS = re.compile(r"replica_groups=(\{\{[^=]*?\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|"
                              r"mesh\[[^\]]*\]\s*\{[^}]*\})")
+_CHANNEL = re.compile(r"channel_id=(\d+)")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _LHS_BATCH = re.compile(r"lhs_batch_dims=\{([\d,]*)\}")
 _LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
@@ -89,6 +91,7 @@ _DONES = frozenset({f"{c}-done" for c in _STARTS.values()} | {"async-done", "fus
                                                                 "slice-done", "dynamic-slice-done",
                                                                 "dynamic-update-slice-done", "recv-done",
                                                                 "send-done"})
+_COLLECTIVE_DONES = frozenset(f"{c}-done" for c in _STARTS.values())
 _ASYNC_MEMORY = frozenset("copy-start slice-start dynamic-slice-start dynamic-update-slice-start".split())
 _ATTENTION = "attention kernel"
 
@@ -166,6 +169,8 @@ class _Cost:
     nbytes: float = 0.0
     resource: str = "compute"  # "compute" or a network / copy resource: "ici", "dcn", "host", "dma"
     mode: str = "run"  # "run" (the compute stream), "issue" (asynchronous), "block" (a synchronous collective)
+    carried: str = ""  # the start of a collective in flight whose buffers this instruction only carries along
+    waits_for: str = ""  # the start of the collective this instruction waits for (an async collective's done)
 
 
 @dataclass
@@ -195,6 +200,31 @@ def _bytes(shape: str, skip_on_chip: bool = True) -> float:
                                                                                            s == ON_CHIP))
 
 
+def _tuple_elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape ("(a, (b, c), d)" -> ["a", "(b, c)", "d"]); [] for an array."""
+    shape = shape.strip()
+    if not shape.startswith("("):
+        return []
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                out.append(shape[start:i].strip())
+                break
+        elif ch == "," and depth == 1:
+            out.append(shape[start:i].strip())
+            start = i + 1
+    return [e for e in out if e]
+
+
+def _elements(shape: str) -> int:
+    """The elements of the arrays a shape names (a tuple's summed)."""
+    return sum(math.prod(dims) for _, dims, _ in _arrays(shape))
+
+
 def _space(shape: str) -> set[int]:
     return {s for _, _, s in _arrays(shape)}
 
@@ -219,6 +249,8 @@ class _Walker:
         self.span_cache: dict[tuple[int, ...] | None, dict[str, tuple[int, int]]] = {}
         self.overlaps = chip.kind != "cpu"
         self.tpu_async = chip.kind == "tpu"
+        self.users: dict[int, dict[str, list[tuple[str, int]]]] = {}
+        self.issued: dict[str, tuple[int, str]] = {}  # an async collective fusion's channel: its start
 
     # -- costing one instruction --------------------------------------------------------------------------------
 
@@ -288,9 +320,12 @@ class _Walker:
 
         updates = [r for r in roots if r in comp.instrs and comp.instrs[r][1] in update_operand and into_parameter(r)]
         in_place_via: set[str] = set()
-        if updates and len(updates) == len(roots):
+        if updates:  # each in-place root writes its update, any other root (a multi-output fusion's) itself whole
             written = 0.0
-            for r in updates:
+            for r in roots:
+                if r not in updates:
+                    written += _bytes(comp.instrs[r][0]) if r in comp.instrs else 0.0
+                    continue
                 ops = hlo_cost.operands(comp.instrs[r][2])
                 k = update_operand[comp.instrs[r][1]]
                 written += _bytes(comp.instrs[ops[k]][0]) if len(ops) > k and ops[k] in comp.instrs else 0.0
@@ -314,7 +349,18 @@ class _Walker:
             if opcode == "fusion":
                 callee = next((names[0] for key, names in hlo_cost.callees(rest) if key == "calls" and names), None)
                 if callee in self.comps and callee != comp_name:
-                    return self.fused_io(callee)[0].get(i)
+                    read = self.fused_io(callee)[0].get(i)
+                    if read is not None or "kind=kLoop" not in rest:
+                        return read
+                    # an elementwise pass over the whole operand (a relayout, a convert) whose result is only sliced:
+                    # a fusion computes what its consumers take, so it reads their slices' share of the operand
+                    ops = hlo_cost.operands(rest)
+                    whole, out = (_bytes(comp.instrs[ops[i]][0]) if i < len(ops) and ops[i] in comp.instrs
+                                  else 0.0), _bytes(shape)
+                    if not whole or not out or _elements(comp.instrs[ops[i]][0]) != _elements(shape):
+                        return None
+                    taken = [slice_read(v, j) for v, j in through_bitcasts(u)]
+                    return sum(taken) * whole / out if taken and None not in taken else None
             return None
 
         for name, number in params.items():
@@ -410,16 +456,30 @@ class _Walker:
         shape, opcode, rest = comp.instrs[name]
         instrs = comp.instrs
         if opcode in COLLECTIVES or opcode in _STARTS:
+            used = self.share_used(comp, name) if opcode == "all-reduce" else 1.0
             return self.collective(instrs, _STARTS.get(opcode, opcode), shape, rest,
-                                   asynchronous=opcode in _STARTS or self.tpu_async)
+                                   asynchronous=opcode in _STARTS or self.tpu_async, used=used)
         if opcode in _ASYNC_MEMORY:
             return self.async_copy(instrs, shape, rest, opcode)
         if opcode == "fusion" or opcode == "fusion-start":
+            if opcode == "fusion-start" and len(parts := _tuple_elements(shape)) >= 2:
+                shape = parts[1]  # an async start's shape is (its operands, its result, a context): the result
             called = next((names[0] for key, names in hlo_cost.callees(rest) if key == "calls" and names), None)
             if called is not None and called in self.comps:
                 inner = self.wrapped_collective(called)
                 if inner is not None:
                     kind, inner_shape, inner_rest, inner_instrs = inner
+                    # a TPU async collective fusion: a start, fusions that carry its buffers while it runs (with the
+                    # matmuls the schedule put beside it), and a done, each wrapping the same collective (one
+                    # channel): it is issued once, at the start
+                    channel = m.group(1) if (m := _CHANNEL.search(inner_rest)) else None
+                    start = self.issued.setdefault(channel, (id(comp), name)) if channel else (id(comp), name)
+                    if start != (id(comp), name):
+                        if start[0] == id(comp) and any(op in ("dot", "convolution")
+                                                        for _, op, _ in inner_instrs.values()):
+                            return dataclasses.replace(self.kernel(instrs, shape, rest, called), carried=start[1])
+                        return _Cost(0.0, "collective", "ici", resource="wait", mode="issue",
+                                     waits_for=start[1] if start[0] == id(comp) else "")
                     comm = self.collective(inner_instrs, kind, inner_shape, inner_rest,
                                            asynchronous=opcode == "fusion-start" or self.tpu_async)
                     if not any(op in ("dot", "convolution") for _, op, _ in inner_instrs.values()):
@@ -579,7 +639,32 @@ class _Walker:
                 out[axis] = (len(np.unique(values % ici)), len(np.unique(values // ici)))
         return out
 
-    def collective(self, instrs, kind: str, shape: str, rest: str, asynchronous: bool) -> _Cost:
+    def share_used(self, comp, name: str) -> float:
+        """The largest share of `name`'s result that any one of its users reads (a dynamic slice its slice, a fusion
+        what it reads of that operand): 1 where one reads it whole."""
+        users = self.users.get(id(comp))
+        if users is None:
+            users = self.users[id(comp)] = {}
+            for u, (_, _, r) in comp.instrs.items():
+                for i, o in enumerate(hlo_cost.operands(r) if "%" in r else []):
+                    users.setdefault(o, []).append((u, i))
+        whole = _bytes(comp.instrs[name][0], skip_on_chip=False)
+        if not whole or not users.get(name):
+            return 1.0
+        share = 0.0
+        for u, i in users[name]:
+            shape, opcode, rest = comp.instrs[u]
+            if opcode == "dynamic-slice" and i == 0:
+                read = _bytes(shape, skip_on_chip=False)
+            elif opcode == "fusion":
+                callee = next((n[0] for key, n in hlo_cost.callees(rest) if key == "calls" and n), None)
+                read = self.fused_io(callee)[0].get(i) if callee in self.comps else None
+            else:
+                read = None
+            share = max(share, 1.0 if read is None else read / whole)
+        return share
+
+    def collective(self, instrs, kind: str, shape: str, rest: str, asynchronous: bool, used: float = 1.0) -> _Cost:
         """One collective: its buffer over its group, priced by perfmodel.network. Its buffer is its own operands,
         also inside a fusion that wraps it: a TPU's continuation fusion (an all-gather or reduce-scatter fused with
         the matmul it feeds) takes the loop's carried buffers too (llama2-7b's widths at 48 layers on v5e-256: its
@@ -590,6 +675,10 @@ class _Walker:
             return self.permute(rest, operand, asynchronous)
         spans = self.spans(self.group(rest))
         n = math.prod(i * o for i, o in spans.values()) if spans else 1
+        if kind == "all-reduce" and n > 1 and used <= 1.01 / n:
+            # each device takes only its own shard of the sum: a reduce-scatter's traffic (XLA turns all-reduce and
+            # dynamic-slice into one where it sees them apart; here the slice sits in the consumer's fusion)
+            kind = "reduce-scatter"
         if n <= 1:
             return _Cost(0.0, "collective", "ici", resource="ici", mode="issue" if asynchronous else "block")
         axes = tuple(spans)
@@ -602,8 +691,11 @@ class _Walker:
         latency = self.constants.dcn_step_latency.get(self.kind, 0.0) * t.dcn_steps
         seconds = t.ici_s + t.dcn_s + latency
         across = t.dcn_s > 0 or t.dcn_steps > 0
+        # inside a slice or host each axis's collectives have its links to themselves (a torus dimension's, NVLink's
+        # ports to the axis's peers); across, the hosts' network is one
         return _Cost(seconds, "collective", "dcn" if across else "ici", nbytes=operand,
-                     resource="dcn" if across else "ici", mode="issue" if asynchronous else "block")
+                     resource="dcn" if across else "ici:" + "+".join(axes),
+                     mode="issue" if asynchronous else "block")
 
     def permute(self, rest: str, nbytes: float, asynchronous: bool) -> _Cost:
         pairs = re.findall(r"\{(\d+),(\d+)\}", m.group(1)) if (m := _PAIRS.search(rest)) else []
@@ -617,7 +709,16 @@ class _Walker:
             return _Cost(seconds, "collective", "dcn", nbytes=nbytes, resource="dcn", mode=mode)
         link = chip.link_bandwidth * (chip.link_count if chip.kind == "gpu" else 1)
         seconds = nbytes / link + network.LATENCY_S["ici"]
-        return _Cost(seconds, "collective", "ici", nbytes=nbytes, resource="ici", mode=mode)
+        return _Cost(seconds, "collective", "ici", nbytes=nbytes, resource=self.permute_lane(pairs), mode=mode)
+
+    def permute_lane(self, pairs: list[tuple[str, str]]) -> str:
+        """The links a permute within a slice or host sends over: the mesh axes its first pair moves along and which
+        way round (a bidirectional ring's two permutes, and permutes along other axes, do not wait on each other)."""
+        src, dst = _unravel(int(pairs[0][0]), self.axes), _unravel(int(pairs[0][1]), self.axes)
+        moved = [(a, (d - c) % n) for a, c, d, n in zip(MESH_AXES, src, dst, self.axes) if c != d]
+        if not moved:
+            return "ici"
+        return "ici:" + "+".join(a for a, _ in moved) + (":up" if moved[0][1] == 1 else ":down")
 
     def domain(self, device: int) -> tuple[int, ...]:
         coords = _unravel(device, self.axes)
@@ -638,14 +739,19 @@ class _Walker:
         free: dict[str, float] = {}
         busy: dict[str, float] = {}
         overhead = KERNEL_OVERHEAD_S.get(self.kind, 0.0)
+        origin: dict[str, str] = {}  # what a tuple element or bitcast came from
         for name, (shape, opcode, rest) in comp.instrs.items():
             operands = hlo_cost.operands(rest) if "%" in rest else []
             arrived = max((ready.get(o, 0.0) for o in operands), default=0.0)
+            origin[name] = origin.get(operands[0], operands[0]) if opcode in _FREE and operands else name
             if opcode in _FREE:
                 if arrived:
                     ready[name] = arrived
                 continue
             if opcode in _DONES:
+                if self.tpu_async and opcode in _COLLECTIVE_DONES:  # waited for where its result is first used
+                    ready[name] = arrived
+                    continue
                 t = max(t, arrived)
                 ready[name] = t
                 continue
@@ -656,6 +762,10 @@ class _Walker:
                 t = max(t, arrived) + self.calls(opcode, rest, executions)
                 continue
             cost = self.cost(comp, name)
+            if cost.carried:  # the buffers of a collective in flight pass through: they are not waited for
+                arrived = max((ready.get(o, 0.0) for o in operands if origin.get(o) != cost.carried), default=0.0)
+            if cost.waits_for:
+                arrived = max(arrived, ready.get(cost.waits_for, 0.0))
             self.record(comp_name, name, opcode, rest, cost, executions)
             if cost.mode == "run" or not self.overlaps:
                 t = max(t, arrived) + cost.seconds + (overhead if cost.seconds else 0.0)
