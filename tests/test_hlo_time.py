@@ -633,3 +633,55 @@ def test_an_async_collective_fusion_is_issued_once_and_runs_beside_the_matmul_th
     assert ag > 0 and seconds_of(result, "d") == 0.0
     assert result.ici_s == pytest.approx(ag)  # the gather counted once
     assert result.step_time_s == pytest.approx(max(ag, mm) + d2)
+
+
+# A windowed einsum's loop (XLA's collective matmul): each iteration multiplies the piece of the weight that has
+# arrived, a quarter of its 8192 columns, and passes the piece on round a ring of 4 devices
+WINDOWED = """HloModule m, is_scheduled=true
+
+%windowed_dot_general_body_ag (p: (s32[], bf16[8192,4096], bf16[4096,2048])) -> (s32[], bf16[8192,4096], bf16[4096,2048]) {
+  %p = (s32[], bf16[8192,4096]{1,0}, bf16[4096,2048]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[8192,4096]{1,0} get-tuple-element(%p), index=1
+  %w = bf16[4096,2048]{1,0} get-tuple-element(%p), index=2
+  %chunk = bf16[8192,2048]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %next_w = bf16[4096,2048]{1,0} collective-permute(%w), source_target_pairs={{0,2},{2,4},{4,6},{6,0},{1,3},{3,5},{5,7},{7,1}}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[8192,4096]{1,0}, bf16[4096,2048]{1,0}) tuple(%next, %x, %next_w)
+}
+
+%cond (q: (s32[], bf16[8192,4096], bf16[4096,2048])) -> pred[] {
+  %q = (s32[], bf16[8192,4096]{1,0}, bf16[4096,2048]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+ENTRY %main (x0: bf16[8192,4096], w0: bf16[4096,2048]) -> bf16[4096,2048] {
+  %x0 = bf16[8192,4096]{1,0} parameter(0)
+  %w0 = bf16[4096,2048]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[8192,4096]{1,0}, bf16[4096,2048]{1,0}) tuple(%zero, %x0, %w0)
+  %loop = (s32[], bf16[8192,4096]{1,0}, bf16[4096,2048]{1,0}) while(%init), condition=%cond, body=%windowed_dot_general_body_ag
+  ROOT %out = bf16[4096,2048]{1,0} get-tuple-element(%loop), index=2
+}
+"""
+
+
+def test_a_windowed_einsums_chunks_run_at_the_whole_matmuls_rate():
+    """Each chunk [8192, 4096] x [4096, 2048] runs at the rate of the whole [8192, 4096] x [4096, 8192] (its smallest
+    side 4096, not the chunk's 2048); the same loop under another name is four matmuls of its own."""
+    mesh = ParallelismConfig(ici_fsdp=4, ici_tensor=2)
+    chip = chips.get("tpu-v5p")
+    half = SHIPPED.matmul_half["tpu"] * half_scale(chip)
+    flops = 2 * 8192 * 4096 * 2048
+
+    def chunk_seconds(text):
+        return seconds_of(predict(text, "v5p-16", mesh), "chunk")
+
+    whole = flops / (chip.peak_bf16_flops * matmul_efficiency(chip, 4096, half) * mxu_fill(chip, 4096, 2048))
+    alone = flops / (chip.peak_bf16_flops * matmul_efficiency(chip, 2048, half) * mxu_fill(chip, 4096, 2048))
+    assert chunk_seconds(WINDOWED) == pytest.approx(whole)
+    assert chunk_seconds(WINDOWED.replace("windowed_dot_general_body_ag", "body")) == pytest.approx(alone)
+    assert alone > 1.1 * whole

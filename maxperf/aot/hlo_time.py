@@ -251,6 +251,8 @@ class _Walker:
         self.tpu_async = chip.kind == "tpu"
         self.users: dict[int, dict[str, list[tuple[str, int]]]] = {}
         self.issued: dict[str, tuple[int, str]] = {}  # an async collective fusion's channel: its start
+        self.current = ""  # the computation being simulated
+        self.window_cache: dict[str, int] = {}
 
     # -- costing one instruction --------------------------------------------------------------------------------
 
@@ -441,7 +443,14 @@ class _Walker:
                                                                                                                str]:
         chip, c = self.chip, self.constants
         half = chip.measured_matmul_half("bfloat16" if dtype == "bf16" else "float32") if chip.kind == "cpu" else None
-        m = max(min(M, K, N), 1.0)
+        sides = sorted((M, K, N))
+        # a window of a windowed einsum (a collective matmul's loop: the matmul cut along one side into as many
+        # chunks as the ring it runs around has devices, each chunk computed as its piece arrives) runs at the rate
+        # of the matmul it is a window of: the chunks follow one another on the matrix units, and the published steps
+        # whose programs run them (Trillium's Llama 3.1 70B on v6e-32: each FSDP matmul in 32 windows) take the
+        # whole matmul's time, where the thin-matmul law on a chunk's side would double it
+        windows = self.windows(self.current) if self.current else 1
+        m = max(min(sides[1], sides[0] * windows) if windows > 1 else sides[0], 1.0)
         efficiency = matmul_efficiency(chip, m, half * 1.0 if half is not None else
                                        c.matmul_half[chip.kind] * half_scale(chip), c)
         efficiency *= mxu_fill(chip, *(d for d in (K, N) if d >= 128))
@@ -711,6 +720,22 @@ class _Walker:
         seconds = nbytes / link + network.LATENCY_S["ici"]
         return _Cost(seconds, "collective", "ici", nbytes=nbytes, resource=self.permute_lane(pairs), mode=mode)
 
+    def windows(self, comp_name: str) -> int:
+        """The windows of a windowed einsum's loop body (XLA names them windowed_dot_general_body_*): the devices of
+        the ring its permutes go around; 1 for any other computation."""
+        if comp_name in self.window_cache:
+            return self.window_cache[comp_name]
+        n = 1
+        if "windowed_dot_general_body" in comp_name and comp_name in self.comps:
+            for _, opcode, rest in self.comps[comp_name].instrs.values():
+                if opcode in ("collective-permute", "collective-permute-start") and (m := _PAIRS.search(rest)):
+                    a, b = re.findall(r"\{(\d+),(\d+)\}", m.group(1))[0]
+                    src, dst = _unravel(int(a), self.axes), _unravel(int(b), self.axes)
+                    n = math.prod(size for c, d, size in zip(src, dst, self.axes) if c != d)
+                    break
+        self.window_cache[comp_name] = n
+        return n
+
     def permute_lane(self, pairs: list[tuple[str, str]]) -> str:
         """The links a permute within a slice or host sends over: the mesh axes its first pair moves along and which
         way round (a bidirectional ring's two permutes, and permutes along other axes, do not wait on each other)."""
@@ -761,6 +786,7 @@ class _Walker:
             if opcode in ("call", "conditional", "async-start"):
                 t = max(t, arrived) + self.calls(opcode, rest, executions)
                 continue
+            self.current = comp_name
             cost = self.cost(comp, name)
             if cost.carried:  # the buffers of a collective in flight pass through: they are not waited for
                 arrived = max((ready.get(o, 0.0) for o in operands if origin.get(o) != cost.carried), default=0.0)
