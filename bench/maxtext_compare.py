@@ -1,7 +1,7 @@
 """The same train step compiled by MaxText's train_compile and by `maxperf compile`, side by side in one run.
 
     .venv/bin/python bench/maxtext_compare.py              # every case (about 35 minutes on 2 cores)
-    .venv/bin/python bench/maxtext_compare.py full flash   # some: full flash main mixtral mixtral4 gemma3 pipeline
+    .venv/bin/python bench/maxtext_compare.py full flash   # some: full flash main mixtral mixtral4 gemma3 pipeline context
     .venv/bin/python bench/maxtext_compare.py --repeat 3 mixtral  # each side 3 times, taking turns; medians
 
 MaxText runs from its own venv (PEER_VENV, default /tmp/peer, installed by shared/peer/maxtext_aot.sh) exactly as
@@ -77,6 +77,10 @@ CASES = (
     # many microbatches as stages) under remat_policy=none, which MaxText's pipeline runs as a rematerialized iteration
     Case("pipeline", "llama2-7b", "v5p-16", 4, 2048, ("attention=flash", "remat_policy=none",
                                                      "ici_pipeline_parallelism=2")),
+    # context parallelism at 32k tokens: the sequence over 2 devices (MaxText's all-gather strategy, its load
+    # balancing for the causal mask on), fsdp over the other 4
+    Case("context", "llama2-7b", "v5p-16", 1, 32768, ("attention=flash", "remat_policy=full",
+                                                     "ici_context_parallelism=2")),
 )
 
 
