@@ -118,3 +118,18 @@ def test_a_published_run_the_analytical_memory_rejects_is_compiled_for_the_compi
     assert line.endswith("does not fit") and compiler > 79.26 and analytical > 79.26, line
     assert "the compiler agrees on 1 of 1" in proc.stdout
     assert json.loads(out.read_text())["rows"]["mpt-a100-1b-L2048-8gpu"]["compiler_fits"] is False
+
+
+@pytest.mark.slow
+def test_the_step_time_read_from_the_compiled_program_stands_beside_the_published_one(tmp_path):
+    """`--hlo` on MaxText's 16B row on v5e-256 (docs/accuracy.md quotes the column): its step compiles and fits, and
+    the time read from its HLO is within 10% of the published throughput and of the analytical step time."""
+    out = tmp_path / "published.json"
+    row = "maxtext-v5e-16b-x1"
+    proc = subprocess.run([sys.executable, str(BENCH), "--no-fit", "--only", row, "--hlo", "--hlo-rows", row,
+                           "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "HLO-derived, 1 rows" in proc.stdout
+    result = json.loads(out.read_text())["rows"][row]
+    assert result["compiled_fits"] is True
+    assert abs(result["hlo"]) < 0.10 and 0.90 < result["hlo_over_analytical"] < 1.10, result
