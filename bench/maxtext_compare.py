@@ -1,7 +1,7 @@
 """The same train step compiled by MaxText's train_compile and by `maxperf compile`, side by side in one run.
 
     .venv/bin/python bench/maxtext_compare.py              # every case (about 35 minutes on 2 cores)
-    .venv/bin/python bench/maxtext_compare.py full flash   # some: full flash main mixtral mixtral4 gemma3 pipeline context
+    .venv/bin/python bench/maxtext_compare.py full flash   # some (CASES): full flash main mixtral mixtral4 ...
     .venv/bin/python bench/maxtext_compare.py --repeat 3 mixtral  # each side 3 times, taking turns; medians
 
 MaxText runs from its own venv (PEER_VENV, default /tmp/peer, installed by shared/peer/maxtext_aot.sh) exactly as
@@ -60,6 +60,7 @@ class Case:
     batch: int
     seq: int
     settings: tuple[str, ...]  # key=value under the same names in MaxText and maxperf
+    slices: int = 1
 
 
 MOE_DEFAULTS = ("attention=flash", "remat_policy=full", "sparse_matmul=true", "megablox=true", "capacity_factor=-1",
@@ -77,6 +78,10 @@ CASES = (
     # many microbatches as stages) under remat_policy=none, which MaxText's pipeline runs as a rematerialized iteration
     Case("pipeline", "llama2-7b", "v5p-16", 4, 2048, ("attention=flash", "remat_policy=none",
                                                      "ici_pipeline_parallelism=2")),
+    # a 70B-class model over two slices, a pipeline stage each (dcn_pipeline_parallelism=2), MaxText's defaults
+    # otherwise: circular, a layer a stage each repeat, as many microbatches as stages
+    Case("pipeline70b", "llama2-70b", "v5p-64", 1, 4096, ("attention=flash", "remat_policy=full",
+                                                          "dcn_pipeline_parallelism=2"), slices=2),
     # context parallelism at 32k tokens: the sequence over 2 devices (MaxText's all-gather strategy, its load
     # balancing for the causal mask on), fsdp over the other 4
     Case("context", "llama2-7b", "v5p-16", 1, 32768, ("attention=flash", "remat_policy=full",
@@ -145,7 +150,8 @@ def maxtext(case: Case, work: Path) -> Result:
                                "maxtext.__file__), 'configs', 'base.yml'))"], capture_output=True, text=True,
                               check=True).stdout.strip()
     argv = [str(python), "-m", "maxtext.trainers.pre_train.train_compile", base_yml,
-            f"compile_topology={case.topology}", "compile_topology_num_slices=1", f"model_name={case.model}",
+            f"compile_topology={case.topology}", f"compile_topology_num_slices={case.slices}",
+            f"model_name={case.model}",
             f"per_device_batch_size={case.batch}", f"max_target_length={case.seq}", f"run_name=cmp_{case.name}",
             f"base_output_directory={work / 'maxtext'}", "jax_cache_dir=", "log_config=false", *case.settings]
     logs = work / f"tpu_logs_maxtext_{case.name}"
@@ -164,8 +170,9 @@ def maxtext(case: Case, work: Path) -> Result:
 def maxperf(case: Case, work: Path) -> Result:
     out = work / f"maxperf_{case.name}"
     python = os.environ.get("MAXPERF_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
-    argv = [python, "-m", "maxperf.cli", "compile", "--topology", case.topology, "--model", case.model,
-            "--out", str(out), "--force", f"per_device_batch_size={case.batch}", f"seq_len={case.seq}",
+    argv = [python, "-m", "maxperf.cli", "compile", "--topology", case.topology, "--num-slices", str(case.slices),
+            "--model", case.model, "--out", str(out), "--force", f"per_device_batch_size={case.batch}",
+            f"seq_len={case.seq}",
             *case.settings]
     logs = work / f"tpu_logs_maxperf_{case.name}"
     env = {**os.environ, "MAXPERF_NO_CACHE": "1", "PYTHONPATH": str(ROOT), "TPU_LOG_DIR": str(logs)}
@@ -204,7 +211,8 @@ def main(names: list[str], repeat: int) -> None:
     work = Path(tempfile.mkdtemp(prefix="maxtext-compare-"))
     rows = []
     for case in cases:
-        print(f"{case.name}: {case.model} {case.topology} B {case.batch} L {case.seq} {' '.join(case.settings)}",
+        where = case.topology + (f" x{case.slices}" if case.slices > 1 else "")
+        print(f"{case.name}: {case.model} {where} B {case.batch} L {case.seq} {' '.join(case.settings)}",
               flush=True)
         runs: dict[str, list[Result]] = {"MaxText": [], "maxperf": []}
         for i in range(repeat):
@@ -232,7 +240,8 @@ def main(names: list[str], repeat: int) -> None:
     for case, mt, mp, passes in rows:
         backend = " / ".join(f"{statistics.median(passes[s]):.1f}" if passes[s] else "-"
                              for s in ("MaxText", "maxperf"))
-        print(f"| {case.model} | {case.topology} | {case.batch} | {case.seq} | {' '.join(case.settings)} "
+        where = case.topology + (f" x{case.slices}" if case.slices > 1 else "")
+        print(f"| {case.model} | {where} | {case.batch} | {case.seq} | {' '.join(case.settings)} "
               f"| {gib(mt.memory_gib)} | {gib(mp.memory_gib)} | {ratio(mp.memory_gib, mt.memory_gib)} "
               f"| {mt.wall_s:.1f} | {mp.wall_s:.1f} | {ratio(mp.wall_s, mt.wall_s)} | {backend} "
               f"| {bundles(mt.backend)} | {bundles(mp.backend)} |")

@@ -549,9 +549,10 @@ def print_hlo(ok: list[Row], pub: np.ndarray, err0: np.ndarray, hlo: dict[str, d
               f"({100 * close.mean():.0f}%, target 80%)")
         fit = np.array(fitting, dtype=bool)
         if 0 < fit.sum() < len(fit):
-            print(f"  on the {int(fit.sum())} rows whose compiled step fits its device memory (the others' programs are "
-                  f"not the ones that ran: XLA rematerializes to shrink them): median {100 * np.median(a[fit]):.1f}%, "
-                  f"worst {100 * a[fit].max():.1f}%; within 10% of the analytical on {int(close[fit].sum())}")
+            print(f"  on the {int(fit.sum())} rows whose compiled step fits its device memory (the others' programs "
+                  "are not the ones that ran: XLA rematerializes to shrink them): "
+                  f"median {100 * np.median(a[fit]):.1f}%, worst {100 * a[fit].max():.1f}%; "
+                  f"within 10% of the analytical on {int(close[fit].sum())}")
         walls = [h["wall_seconds"] for h in hlo.values() if "wall_seconds" in h]
         costs = [h["costing_seconds"] for h in hlo.values() if "costing_seconds" in h]
         print(f"  compile processes {sum(walls):.0f} s in all; reading and costing each HLO at most {max(costs):.2f} s")

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from maxperf.perfmodel.network import AxisNetwork, CollectiveTime
 from maxperf.spec.logical_axes import local_size
 from maxperf.spec.mesh import Mesh
-from maxperf.spec.params import param_arrays, stage_share
 from maxperf.spec.model import ModelConfig
+from maxperf.spec.params import param_arrays, stage_share
 from maxperf.spec.pipeline import Schedule
 from maxperf.spec.pipeline import of as schedule_of
 from maxperf.spec.train import TrainConfig
