@@ -113,6 +113,11 @@ class Row:
         return self.data["hardware"].split(" (")[0].replace("NVIDIA ", "")
 
     @property
+    def pipelined(self) -> bool:
+        """Whether the row runs pipeline stages (a `stage` axis of more than one)."""
+        return self.request is not None and self.request.mesh.axes["stage"] > 1
+
+    @property
     def fp8(self) -> bool:
         """The row trains in FP8 (its request's quantization is an FP8 recipe)."""
         return self.request is not None and fp8_recipe(str(self.request.train.quantization)) is not None
@@ -643,8 +648,9 @@ def main() -> int:
     print(f"{'rows':<22} {'n':>3}  {'unfitted':<28}" + ("" if err_in is None else f" {'in-sample':<28}"
                                                         + "".join(f" {HOLD_OUTS[m]:<28}" for m in held)))
     fp8_rows = [("FP8 (all chips)", np.array([r.fp8 for r in ok]))] if any(r.fp8 for r in ok) else []
+    piped = [("pipeline parallel", np.array([r.pipelined for r in ok]))] if any(r.pipelined for r in ok) else []
     for name, sel in ([("all", np.ones(len(ok), bool))] + [(g, np.array([r.group == g for r in ok])) for g in groups]
-                      + fp8_rows):
+                      + fp8_rows + piped):
         line = f"{name:<22} {int(sel.sum()):>3}  {_summary(err0[sel]):<28}"
         if err_in is not None:
             line += f" {_summary(err_in[sel]):<28}" + "".join(f" {_summary(e[sel]):<28}" for e in held.values())
