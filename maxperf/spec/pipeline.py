@@ -94,7 +94,7 @@ def schedule(stages: int, pipelined_units: int, batch: int, *, microbatches: int
                 f"{stages} pipeline stages x num_layers_per_pipeline_stage={units_per_stage} do not divide the "
                 f"{what}; " + (f"num_layers_per_pipeline_stage can be {', '.join(map(str, valid))}" if valid else
                                f"choose a stage count that divides {places}")
-                + ("" if places != pipelined_units else
+                + ("" if (pipelined_units + 2) % per_repeat or empty_first + empty_last == 2 else
                    "; or give the embedding and the loss a layer's place each (account_for_embedding_in_pipeline_"
                    "split=true, account_for_loss_in_pipeline_split=true), as Megatron-LM's uneven stages do"))
         repeats = places // per_repeat
