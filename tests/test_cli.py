@@ -277,6 +277,22 @@ def test_a_killed_sweeps_workers_die_with_it(tmp_path):
     assert len(workers) >= 2 and _wait_gone(workers) == []  # it kills what outlived the sweep, after 30 s
 
 
+def test_a_point_of_many_words_gets_a_folder_name_the_file_system_takes(tmp_path):
+    """A plan's candidate of long keys (the places of a pipeline split, every mesh axis) named a point folder over
+    255 bytes; a long name is cut short and ended by a digest of the whole, distinct points keeping distinct names."""
+    from maxperf.search.sweep import MAX_NAME, Point
+
+    words = ("account_for_embedding_in_pipeline_split=true", "account_for_loss_in_pipeline_split=true",
+             "ici_fsdp=2", "ici_tensor=4", "dcn_data=2", "dcn_stage=8", "dcn_fsdp=8",
+             "remat_policy=minimal_offloaded", "attention=flash", "per_device_batch_size=0.5", "grad_accum_steps=1")
+    a, b = Point("h100-8x128", 1, (*words, "num_pipeline_microbatches=8")), Point("h100-8x128", 1,
+                                                                                 (*words, "num_pipeline_microbatches=16"))
+    assert len(a.name) <= MAX_NAME and a.name != b.name and a.name.startswith("h100-8x128_account_for")
+    (tmp_path / a.name).mkdir()
+    short = Point("v5p-8", 1, ("ici_fsdp=4",))
+    assert short.name == "v5p-8_ici_fsdp=4"
+
+
 def test_a_point_stopped_between_its_artifact_and_its_point_json_leaves_no_folder(tmp_path):
     """An interrupted sweep keeps the folders of the points with a point.json (done, or failed) and removes the
     others: one whose artifact was in place but whose point.json was not is not finished, and the tables do not

@@ -263,6 +263,32 @@ def test_plan_searches_pipeline_stages_across_hosts_where_left_to_it():
     assert {c.remat_policy for c in off.candidates if c.dcn["stage"] > 1} == {"none"}
 
 
+def test_plan_keeps_the_embeddings_and_losss_places_for_its_pipelined_meshes():
+    """Llama 3.1 405B's 126 layers over 8 stages across hosts need the two places (Megatron's uneven stages): pinned,
+    the plan makes pipelined candidates of 128 places, each of whose requests keeps them, and unpipelined ones
+    without them; without the places the stage count is refused, naming them."""
+    from maxperf.search import candidates
+    from maxperf.spec.request import Request
+
+    pins = ("seq_len=8192", "dcn_pipeline_parallelism=8", "account_for_embedding_in_pipeline_split=true",
+            "account_for_loss_in_pipeline_split=true")
+    found = candidates.space("llama3.1-405b", "h100-8x128", global_batch_tokens=1 << 22, pins=pins)
+    staged = [c for c in found.candidates if c.dcn["stage"] == 8]
+    assert staged and len(staged) == len(found.candidates)
+    c = staged[0]
+    request = Request.of(found.topology, found.model, found.train, {a: c.ici[a] * c.dcn[a] for a in MESH_AXES}, c.dcn)
+    assert request.train.account_for_embedding_in_pipeline_split and request.train.account_for_loss_in_pipeline_split
+    # MaxText has no such stages: its command line is none, and says why
+    from maxperf.search.commands import command
+
+    line = command(c, model="llama3.1-405b", topology="h100-8x128", platform="gpu", num_slices=1, seq_len=8192,
+                   fixed=found.fixed)
+    assert line["maxtext"] is None and "Megatron-LM's" in line["maxtext_note"]
+    assert "account_for_loss_in_pipeline_split=true" in line["maxperf"]
+    with pytest.raises(MaxperfError, match="give the embedding and the loss a layer's place each"):
+        candidates.space("llama3.1-405b", "h100-8x128", global_batch_tokens=1 << 22, pins=pins[:2])
+
+
 def test_a_plan_pinning_remat_none_times_the_pipelined_meshes_as_full(tmp_path):
     """remat_policy=none pinned with pipeline stages searched across hosts: the pipelined meshes run it as full
     (MaxText's remat of the pipeline's iterations), and those candidates are timed as such, none left unpriced."""

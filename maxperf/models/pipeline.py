@@ -79,6 +79,18 @@ def _shift_in_last(column: jax.Array, output: jax.Array) -> jax.Array:
     return jax.shard_map(local, in_specs=(spec, spec), out_specs=spec, check_vma=False)(column, output)
 
 
+def _keeping_inputs(policy):
+    """`policy`, saving besides on the device the iteration's input and each layer's input (MaxText's
+    save_from_both_policies with save_only_these_names; written out, as jax's helper takes only policies that answer
+    save or not, where an offloading policy answers where to)."""
+    saved = jax.checkpoint_policies.save_only_these_names("iteration_input", "decoder_layer_input")
+
+    def either(prim, *args, **params):
+        return True if saved(prim, *args, **params) else policy(prim, *args, **params)
+
+    return either
+
+
 def run(unit: Callable, per_unit, x_BxLxD: jax.Array, positions_BxL: jax.Array, schedule: Schedule, *,
         policy=None, keep_inputs: bool = True, counts_like: dict | None = None
         ) -> tuple[jax.Array, jax.Array, dict]:
@@ -164,8 +176,7 @@ def run(unit: Callable, per_unit, x_BxLxD: jax.Array, positions_BxL: jax.Array, 
 
     if policy is not None:
         if keep_inputs:
-            saved = jax.checkpoint_policies.save_only_these_names("iteration_input", "decoder_layer_input")
-            policy = jax.checkpoint_policies.save_from_both_policies(policy, saved)
+            policy = _keeping_inputs(policy)
         iteration = jax.checkpoint(iteration, policy=policy, prevent_cse=False)
     carry = (state_io, shift, circ, mover, prev, jnp.zeros((), jnp.float32), counts0)
     (state_io, *_, aux, counts), _ = jax.lax.scan(iteration, carry, jnp.arange(schedule.iterations))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from maxperf.spec import fp8, presets
@@ -166,6 +166,11 @@ def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_t
     pinned, fixed = split_pins(presets.get(model_name), pins)
     base = requests.resolve(topology, model_name, fixed, num_slices=num_slices)
     topo, model, train = base.topology, base.configs.model, base.configs.train
+    # the places of a pipeline's split (Megatron's), which resolving on a mesh of one stage leaves out, as the words
+    # give them: each candidate's request keeps them where its mesh pipelines (request.Request.of)
+    words = overrides_mod.apply(presets.get(model_name), list(fixed)).train
+    train = replace(train, account_for_embedding_in_pipeline_split=words.account_for_embedding_in_pipeline_split,
+                    account_for_loss_in_pipeline_split=words.account_for_loss_in_pipeline_split)
     devices = topo.num_devices
     ici_pins = {a: int(pinned[f"ici_{a}"]) for a in MESH_AXES if f"ici_{a}" in pinned}
     ici_pins.setdefault("stage", 1)  # within a slice or node, pipeline stages only where pinned

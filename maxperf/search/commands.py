@@ -41,6 +41,10 @@ def command(c: Candidate, *, model: str, topology: str, platform: str, num_slice
     maxtext_model = presets.maxtext_model(model, pinned)
     if maxtext_model is None:
         return out | {"maxtext": None, "maxtext_note": f"no equivalent: MaxText has no config of {model}"}
+    places = [w for w in fixed if w.partition("=")[0] in MEGATRON_PLACES and w.partition("=")[2].lower() == "true"]
+    if places and c.ici["stage"] * c.dcn["stage"] > 1:
+        return out | {"maxtext": None, "maxtext_note": "no equivalent: MaxText's pipeline stages hold equal numbers "
+                                                       f"of layers ({', '.join(places)} are Megatron-LM's)"}
     maxtext_fixed = "".join(f" {w}" for w in _maxtext_fixed(fixed))
     flags = f"max_target_length={seq_len}{maxtext_fixed} " + " ".join(maxtext_flags(c))
     # MaxText's train_compile names TPU topologies as maxperf does; elsewhere its flags alone
@@ -50,11 +54,15 @@ def command(c: Candidate, *, model: str, topology: str, platform: str, num_slice
     return out | {"maxtext": start + flags}
 
 
+# maxperf's keys of Megatron-LM's uneven pipeline stages, which MaxText has not
+MEGATRON_PLACES = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+
+
 def _maxtext_fixed(words: Sequence[str]) -> list[str]:
     out = []
     for w in words:
         key, _, value = w.partition("=")
-        if key in ("seq_len", "max_target_length"):
-            continue  # said as max_target_length already
+        if key in ("seq_len", "max_target_length") or key in MEGATRON_PLACES:
+            continue  # said as max_target_length already; without stages the places change nothing
         out.append(f"{_MAXTEXT_NAMES.get(key, key)}={value}")
     return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import hashlib
 import itertools
 import json
 import multiprocessing
@@ -36,6 +37,9 @@ from maxperf.perfmodel.calibration import StoredCalibration
 from maxperf.spec.errors import MaxperfError
 from maxperf.user_cache import load_calibration
 
+# The longest name a point's directory takes: the file systems' limit is 255 bytes, and temporary names add to it
+MAX_NAME = 200
+
 POINT_SCHEMA = "maxperf.sweep-point/3"  # 2: `key`, what the resume compares; 3: B is one microbatch
 SWEEP_SCHEMA = "maxperf.sweep/1"
 RESULT_SCHEMA = "maxperf.sweep-result/1"  # `maxperf sweep --json`
@@ -50,8 +54,14 @@ class Point:
 
     @property
     def name(self) -> str:
+        """The point's directory name: its topology, slices and words; where that would pass the file systems' 255
+        bytes, cut short and ended by a digest of the whole, so that distinct points keep distinct names."""
         words = "_".join(re.sub(r"[^A-Za-z0-9._=-]", "-", w) for w in self.overrides)
-        return "_".join(x for x in (self.topology, f"x{self.num_slices}" if self.num_slices > 1 else "", words) if x)
+        name = "_".join(x for x in (self.topology, f"x{self.num_slices}" if self.num_slices > 1 else "", words) if x)
+        if len(name) <= MAX_NAME:
+            return name
+        digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+        return f"{name[:MAX_NAME - len(digest) - 1]}_{digest}"
 
 
 class SweepInterrupted(MaxperfError):
