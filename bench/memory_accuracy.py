@@ -34,7 +34,7 @@ all on v5p-32 (16 chips; the rest of the mesh is FSDP):
   accumulation `maxperf plan` chose; deepseek-v3 with multi-token prediction (13 compiles); "depth":
   deepseek-v2-lite at 8 layers beside its 4, to check that the error does not depend on the depth (1 compile).
 And "offload": MaxText's host-offload recipe on v6e-256 at llama3-70b's widths (OFFLOAD, 5 compiles); "pipeline":
-MaxText's pipeline parallelism at llama2-7b's widths cut to 8 layers (PIPELINE, 9 compiles). 60 TPU compiles in all.
+MaxText's pipeline parallelism at llama2-7b's widths cut to 8 layers (PIPELINE, 10 compiles). 61 TPU compiles in all.
 The groups run interleaved (policies, shapes, moe with depth), then rest and offload, so that a run cut short covers
 each; then pipeline, then "gpu" (GPU_MOE, 19 compiles for H100s), whose summary stands apart and is not written by
 `--error-json`.
@@ -139,7 +139,8 @@ DEPTHS = (8,)
 # "pipeline": MaxText's pipeline (ici_pipeline_parallelism) at llama2-7b's widths cut to 8 layers, L 2048, flash, on
 # v5p-16 (8 chips: stage x fsdp) and v5p-32: MaxText's defaults (circular, as many microbatches as stages), more
 # microbatches, one repeat, the forwarding delay, the weights gathered once, 4 stages, tensor parallelism beside,
-# another remat policy, and 6 layers with the embedding's and loss's places (Megatron's uneven stages)
+# another remat policy, 6 layers with the embedding's and loss's places (Megatron's uneven stages), and an
+# offloading policy
 PIPELINE_COMMON = ("num_layers=8", "seq_len=2048", "attention=flash")
 PIPELINE = (("v5p-16", ("ici_pipeline_parallelism=2", "per_device_batch_size=4", "remat_policy=full")),
             ("v5p-16", ("ici_pipeline_parallelism=2", "per_device_batch_size=4", "remat_policy=full",
@@ -157,7 +158,9 @@ PIPELINE = (("v5p-16", ("ici_pipeline_parallelism=2", "per_device_batch_size=4",
             # Megatron's uneven stages: 6 layers and the embedding's and loss's places, 2 stages x 2 repeats x 2
             ("v5p-16", ("ici_pipeline_parallelism=2", "per_device_batch_size=4", "remat_policy=full", "num_layers=6",
                         "num_layers_per_pipeline_stage=2", "account_for_embedding_in_pipeline_split=true",
-                        "account_for_loss_in_pipeline_split=true")))
+                        "account_for_loss_in_pipeline_split=true")),
+            # an offloading policy on each iteration
+            ("v5p-16", ("ici_pipeline_parallelism=2", "per_device_batch_size=4", "remat_policy=minimal_offloaded")))
 # "offload": MaxText's host-offload recipes on v6e (its llama3.1-70b recipe offloads the layer input and q, k, v), at
 # llama3-70b's widths cut to 4 layers on v6e-256 (fsdp 256), L 8192, flash: the policy MaxText's recipe sets, the layer
 # input alone, q, k, v alone, and full remat beside them, at the recipe's B 5 and at B 2
