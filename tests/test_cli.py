@@ -519,16 +519,19 @@ def test_a_command_stopped_by_a_signal_exits_128_plus_it_and_names_it(signum):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_supervised_compile_stopped_by_a_signal_exits_128_plus_it_and_names_it(tmp_path, signum):
-    # not served from the session's compile cache, where another test compiled the same step, and a step of a few
+    # not served from the session's compile cache, where another test compiled the same step, and a step of several
     # seconds' compile (unscanned layers), not the one second of a scanned tiny model that a loaded machine can finish
-    # before the signal lands: the compile is still at work when the signal comes
+    # before the signal lands; the signal comes once XLA's compile has begun (its progress line), not at the first
+    # line, after which a child scheduled ahead of the test could finish the whole step: it is still at work
     env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "MAXPERF_NO_CACHE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "maxperf.cli", "compile", "--topology", "cpu-1", "--model", "tiny",
-                             "seq_len=64", "num_layers=6", "scan_layers=false", "--out", str(tmp_path / "c")],
+                             "seq_len=64", "num_layers=12", "scan_layers=false", "--out", str(tmp_path / "c")],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        first = proc.stderr.readline()  # the child's first progress line: it is at work
-        assert first.startswith("["), first
+        seen = [proc.stderr.readline() for _ in range(1)]
+        while seen[-1] and "compiling" not in seen[-1] and len(seen) < 20:
+            seen.append(proc.stderr.readline())
+        assert seen[0].startswith("[") and "compiling" in seen[-1], seen
         proc.send_signal(signum)
         code = proc.wait(timeout=60)
     finally:
