@@ -319,12 +319,8 @@ def _checkpoints(jaxpr) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("words, depths", [
-    (("remat_policy=full",), [1]),  # the iteration only: no layer rematerialized inside it
-    (("remat_policy=none",), [1]),
-    (("remat_policy=full", "set_remat_policy_on_pipeline_iterations=false"), []),
-])
-def test_the_pipeline_rematerializes_its_iterations_not_its_layers(words, depths):
+def _tiny_pipelined_jaxpr(words, grad: bool = False):
+    """The jaxpr of the tiny model's forward (or its gradient) pipelined over 2 stages of 4 CPU devices."""
     from flax import nnx
 
     from maxperf.models import train_step
@@ -339,28 +335,24 @@ def test_the_pipeline_rematerializes_its_iterations_not_its_layers(words, depths
     params = nnx.to_pure_dict(nnx.state(train_step.build_model(cfg.model, cfg.train, nnx.Rngs(params=0))))
     tokens = jnp.zeros((8, 16), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(16), (8, 16))
+
+    def forward(p):
+        return nnx.merge(md.graphdef, p)(tokens, positions)
+
     with jax.set_mesh(mesh):
-        jaxpr = jax.make_jaxpr(lambda p: nnx.merge(md.graphdef, p)(tokens, positions))(params)
-    assert _checkpoints(jaxpr) == depths
+        return jax.make_jaxpr(jax.grad(lambda p: jnp.sum(forward(p))) if grad else forward)(params)
+
+
+@pytest.mark.parametrize("words, depths", [
+    (("remat_policy=full",), [1]),  # the iteration only: no layer rematerialized inside it
+    (("remat_policy=none",), [1]),
+    (("remat_policy=full", "set_remat_policy_on_pipeline_iterations=false"), []),
+])
+def test_the_pipeline_rematerializes_its_iterations_not_its_layers(words, depths):
+    assert _checkpoints(_tiny_pipelined_jaxpr(words)) == depths
 
 
 def test_a_pipeline_differentiates_under_an_offloading_policy():
     """The iteration's policy keeps its input and each layer's input besides the policy's own choices, which for an
     offloading policy say where to (jax's save_from_both_policies takes only save-or-not policies and raised here)."""
-    from flax import nnx
-
-    from maxperf.models import train_step
-    from maxperf.spec import overrides, presets
-    from maxperf.spec import topology as topologies
-    from maxperf.spec.mesh import resolve as resolve_mesh
-
-    cfg = overrides.apply(presets.get("tiny"), ["num_layers=4", "seq_len=16", "per_device_batch_size=2",
-                                                "ici_stage=2", "ici_fsdp=2", "remat_policy=minimal_offloaded"])
-    mesh = cpu_mesh(resolve_mesh(cfg.parallelism, topologies.get("cpu-4")))
-    md = train_step.model_def(cfg.model, cfg.train)
-    params = nnx.to_pure_dict(nnx.state(train_step.build_model(cfg.model, cfg.train, nnx.Rngs(params=0))))
-    tokens = jnp.zeros((8, 16), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(16), (8, 16))
-    with jax.set_mesh(mesh):
-        jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.sum(nnx.merge(md.graphdef, p)(tokens, positions))))(params)
-    assert 1 in _checkpoints(jaxpr)
+    assert 1 in _checkpoints(_tiny_pipelined_jaxpr(("remat_policy=minimal_offloaded",), grad=True))

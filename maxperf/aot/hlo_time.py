@@ -200,6 +200,11 @@ def _bytes(shape: str, skip_on_chip: bool = True) -> float:
                                                                                            s == ON_CHIP))
 
 
+def _pairs(rest: str) -> list[tuple[str, str]]:
+    """A collective permute's (source, target) pairs."""
+    return re.findall(r"\{(\d+),(\d+)\}", m.group(1)) if (m := _PAIRS.search(rest)) else []
+
+
 def _tuple_elements(shape: str) -> list[str]:
     """The top-level elements of a tuple shape ("(a, (b, c), d)" -> ["a", "(b, c)", "d"]); [] for an array."""
     shape = shape.strip()
@@ -291,14 +296,12 @@ class _Walker:
             return self.fusion_io[comp_name]
         comp = self.comps[comp_name]
         params: dict[str, int] = {}
-        users: dict[str, list[tuple[str, int]]] = {}
+        users = self.users_of(comp)
         for name, (shape, opcode, rest) in comp.instrs.items():
             if opcode == "parameter":
                 m = _PARAMETER_NUMBER.match(rest)
                 if m:
                     params[name] = int(m.group(1))
-            for i, o in enumerate(hlo_cost.operands(rest)):
-                users.setdefault(o, []).append((name, i))
         read: dict[int, float] = {}
         in_place: set[str] = set()
         written: float | None = None
@@ -334,47 +337,58 @@ class _Walker:
                 if ops and source(ops[0]) in params:
                     in_place.add(source(ops[0]))
                     in_place_via.add(ops[0])
-        def through_bitcasts(name: str) -> list[tuple[str, int]]:
-            """The uses of `name`, a bitcast's taken as its own users' (a bitcast moves no bytes)."""
-            out = []
-            for u, i in users.get(name, []):
-                out.extend(through_bitcasts(u) if comp.instrs[u][1] == "bitcast" else [(u, i)])
-            return out
-
-        def slice_read(u: str, i: int) -> float | None:
-            """The bytes a use reads of its operand i where it reads only a slice of it: a slice's own size, or what
-            a nested fusion reads of its parameter i where that fusion only slices it (a layer's slice of the scan's
-            stacked residuals, taken inside the fusion that recomputes a norm from it); None where it reads it whole."""
-            shape, opcode, rest = comp.instrs[u]
-            if opcode in ("dynamic-slice", "slice", "gather"):
-                return _bytes(shape) if i == 0 else None
-            if opcode == "fusion":
-                callee = next((names[0] for key, names in hlo_cost.callees(rest) if key == "calls" and names), None)
-                if callee in self.comps and callee != comp_name:
-                    read = self.fused_io(callee)[0].get(i)
-                    if read is not None or "kind=kLoop" not in rest:
-                        return read
-                    # an elementwise pass over the whole operand (a relayout, a convert) whose result is only sliced:
-                    # a fusion computes what its consumers take, so it reads their slices' share of the operand
-                    ops = hlo_cost.operands(rest)
-                    whole, out = (_bytes(comp.instrs[ops[i]][0]) if i < len(ops) and ops[i] in comp.instrs
-                                  else 0.0), _bytes(shape)
-                    if not whole or not out or _elements(comp.instrs[ops[i]][0]) != _elements(shape):
-                        return None
-                    taken = [slice_read(v, j) for v, j in through_bitcasts(u)]
-                    return sum(taken) * whole / out if taken and None not in taken else None
-            return None
-
         for name, number in params.items():
             uses = users.get(name, [])
-            sliced = through_bitcasts(name)
+            sliced = self.through_bitcasts(comp, name)
             if name in in_place and all((u in updates or u in in_place_via) and i == 0 for u, i in uses) and all(
                     u in updates and i == 0 for u, i in sliced):
                 read[number] = 0.0
-            elif sliced and None not in (parts := [slice_read(u, i) for u, i in sliced]):
+            elif sliced and None not in (parts := [self.slice_read(comp, comp_name, u, i) for u, i in sliced]):
                 read[number] = sum(parts)
         self.fusion_io[comp_name] = (read, written)
         return read, written
+
+    def users_of(self, comp) -> dict[str, list[tuple[str, int]]]:
+        """Each instruction of `comp` -> its users and the operand it is to each."""
+        users = self.users.get(id(comp))
+        if users is None:
+            users = self.users[id(comp)] = {}
+            for name, (_, _, rest) in comp.instrs.items():
+                for i, o in enumerate(hlo_cost.operands(rest)):
+                    users.setdefault(o, []).append((name, i))
+        return users
+
+    def through_bitcasts(self, comp, name: str) -> list[tuple[str, int]]:
+        """The uses of `name` in `comp`, a bitcast's taken as its own users' (a bitcast moves no bytes)."""
+        out = []
+        for u, i in self.users_of(comp).get(name, []):
+            out.extend(self.through_bitcasts(comp, u) if comp.instrs[u][1] == "bitcast" else [(u, i)])
+        return out
+
+    def slice_read(self, comp, comp_name: str, u: str, i: int) -> float | None:
+        """The bytes the use `u` in `comp` reads of its operand i where it reads only a slice of it: a slice's own
+        size, or what a nested fusion reads of its parameter i where that fusion only slices it (a layer's slice of
+        the scan's stacked residuals, taken inside the fusion that recomputes a norm from it); None where it reads it
+        whole."""
+        shape, opcode, rest = comp.instrs[u]
+        if opcode in ("dynamic-slice", "slice", "gather"):
+            return _bytes(shape) if i == 0 else None
+        if opcode == "fusion":
+            callee = next((names[0] for key, names in hlo_cost.callees(rest) if key == "calls" and names), None)
+            if callee in self.comps and callee != comp_name:
+                read = self.fused_io(callee)[0].get(i)
+                if read is not None or "kind=kLoop" not in rest:
+                    return read
+                # an elementwise pass over the whole operand (a relayout, a convert) whose result is only sliced: a
+                # fusion computes what its consumers take, so it reads their slices' share of the operand
+                ops = hlo_cost.operands(rest)
+                whole, out = (_bytes(comp.instrs[ops[i]][0]) if i < len(ops) and ops[i] in comp.instrs
+                              else 0.0), _bytes(shape)
+                if not whole or not out or _elements(comp.instrs[ops[i]][0]) != _elements(shape):
+                    return None
+                taken = [self.slice_read(comp, comp_name, v, j) for v, j in self.through_bitcasts(comp, u)]
+                return sum(taken) * whole / out if taken and None not in taken else None
+        return None
 
     def fusion_bytes(self, instrs, shape: str, rest: str, comp_name: str) -> float:
         read, written = self.fused_io(comp_name) if comp_name in self.comps else ({}, None)
@@ -651,17 +665,12 @@ class _Walker:
     def share_used(self, comp, name: str) -> float:
         """The largest share of `name`'s result that any one of its users reads (a dynamic slice its slice, a fusion
         what it reads of that operand): 1 where one reads it whole."""
-        users = self.users.get(id(comp))
-        if users is None:
-            users = self.users[id(comp)] = {}
-            for u, (_, _, r) in comp.instrs.items():
-                for i, o in enumerate(hlo_cost.operands(r) if "%" in r else []):
-                    users.setdefault(o, []).append((u, i))
         whole = _bytes(comp.instrs[name][0], skip_on_chip=False)
-        if not whole or not users.get(name):
+        users = self.users_of(comp).get(name, [])
+        if not whole or not users:
             return 1.0
         share = 0.0
-        for u, i in users[name]:
+        for u, i in users:
             shape, opcode, rest = comp.instrs[u]
             if opcode == "dynamic-slice" and i == 0:
                 read = _bytes(shape, skip_on_chip=False)
@@ -707,7 +716,7 @@ class _Walker:
                      mode="issue" if asynchronous else "block")
 
     def permute(self, rest: str, nbytes: float, asynchronous: bool) -> _Cost:
-        pairs = re.findall(r"\{(\d+),(\d+)\}", m.group(1)) if (m := _PAIRS.search(rest)) else []
+        pairs = _pairs(rest)
         mode = "issue" if asynchronous else "block"
         if not pairs:
             return _Cost(0.0, "collective", "ici", resource="ici", mode=mode)
@@ -728,10 +737,8 @@ class _Walker:
         n = 1
         if "windowed_dot_general_body" in comp_name and comp_name in self.comps:
             for _, opcode, rest in self.comps[comp_name].instrs.values():
-                if opcode in ("collective-permute", "collective-permute-start") and (m := _PAIRS.search(rest)):
-                    a, b = re.findall(r"\{(\d+),(\d+)\}", m.group(1))[0]
-                    src, dst = _unravel(int(a), self.axes), _unravel(int(b), self.axes)
-                    n = math.prod(size for c, d, size in zip(src, dst, self.axes) if c != d)
+                if opcode in ("collective-permute", "collective-permute-start") and (pairs := _pairs(rest)):
+                    n = math.prod(size for _, _, size in self.moves(pairs[0]))
                     break
         self.window_cache[comp_name] = n
         return n
@@ -739,11 +746,15 @@ class _Walker:
     def permute_lane(self, pairs: list[tuple[str, str]]) -> str:
         """The links a permute within a slice or host sends over: the mesh axes its first pair moves along and which
         way round (a bidirectional ring's two permutes, and permutes along other axes, do not wait on each other)."""
-        src, dst = _unravel(int(pairs[0][0]), self.axes), _unravel(int(pairs[0][1]), self.axes)
-        moved = [(a, (d - c) % n) for a, c, d, n in zip(MESH_AXES, src, dst, self.axes) if c != d]
+        moved = self.moves(pairs[0])
         if not moved:
             return "ici"
-        return "ici:" + "+".join(a for a, _ in moved) + (":up" if moved[0][1] == 1 else ":down")
+        return "ici:" + "+".join(a for a, _, _ in moved) + (":up" if moved[0][1] == 1 else ":down")
+
+    def moves(self, pair: tuple[str, str]) -> list[tuple[str, int, int]]:
+        """(axis, steps forward round it, its size) of each mesh axis along which a (source, target) pair moves."""
+        src, dst = _unravel(int(pair[0]), self.axes), _unravel(int(pair[1]), self.axes)
+        return [(a, (d - c) % n, n) for a, c, d, n in zip(MESH_AXES, src, dst, self.axes) if c != d]
 
     def domain(self, device: int) -> tuple[int, ...]:
         coords = _unravel(device, self.axes)

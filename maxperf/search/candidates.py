@@ -246,13 +246,13 @@ def check_stages(model: ModelConfig, train: TrainConfig, stages: int) -> int:
     why; the pinned num_pipeline_microbatches (-1: searched)."""
     if stages > 1:
         units, _ = pipeline_spec.pipelined_units(model)
+        first, last = pipeline_spec.empty_places(train)
         pipeline_spec.schedule(stages, units, stages * train.num_pipeline_microbatches
                                if train.num_pipeline_microbatches > 0 else 2 * stages,
                                microbatches=train.num_pipeline_microbatches, repeats=train.num_pipeline_repeats,
                                units_per_stage=train.num_layers_per_pipeline_stage,
                                delay=train.pipeline_delay_activation_forwarding,
-                               empty_first=pipeline_spec.empty_places(train)[0],
-                               empty_last=pipeline_spec.empty_places(train)[1])
+                               empty_first=first, empty_last=last)
     return train.num_pipeline_microbatches
 
 

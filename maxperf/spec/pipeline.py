@@ -155,8 +155,9 @@ def of(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> Schedule | None:
     if train.pipeline_parallel_layers not in (-1, units * step):
         raise MaxperfError(f"pipeline_parallel_layers={train.pipeline_parallel_layers}: maxperf pipelines all "
                            f"{units * step} layers of {model.name}; leave it at -1")
+    first, last = empty_places(train)
     return schedule(stages, units, train.micro_batch(mesh.devices), microbatches=train.num_pipeline_microbatches,
                     repeats=train.num_pipeline_repeats, units_per_stage=train.num_layers_per_pipeline_stage,
                     delay=train.pipeline_delay_activation_forwarding, fsdp_gather_once=train.pipeline_fsdp_ag_once,
                     unit_name="layers" if step == 1 else f"blocks of {step} layers",
-                    empty_first=empty_places(train)[0], empty_last=empty_places(train)[1])
+                    empty_first=first, empty_last=last)
