@@ -1,7 +1,7 @@
 """Predicted against measured on this machine's GPU: each case is compiled by `maxperf compile` on the attached GPU
 (autotuned), run by `maxperf run`, and printed with the prediction beside the measurement.
 
-    .venv/bin/python bench/gpu_measured.py [--topology h100-1] [--steps 10] [--only NAME,...] [--json FILE]
+    .venv/bin/python bench/gpu_measured.py [--topology h100-1 | h200-1] [--steps 10] [--only NAME,...] [--json FILE]
 
 Needs a GPU of the topology's kind attached (`nvidia-smi`); prints one row per case as it finishes:
 compile seconds, XLA's memory per device and the measured peak, the predicted and measured step time and MFU, and
@@ -45,6 +45,18 @@ CASES = {
     "deepseek-v2-lite 4 layers": ["--model", "deepseek-v2-lite", "num_layers=4", "per_device_batch_size=4",
                                   "remat_policy=full"],
     "scaled-4 flash full": ["--model", "scaled-4", "per_device_batch_size=4", "attention=flash", "remat_policy=full"],
+    # the same step in the precisions NVIDIA's recipes train in: delayed scaling (flax's FP8 ops) and current scaling
+    "scaled-1 flash full fp8": ["--model", "scaled-1", "per_device_batch_size=8", "attention=flash",
+                                "remat_policy=full", "quantization=fp8"],
+    "scaled-1 flash full fp8 current": ["--model", "scaled-1", "per_device_batch_size=8", "attention=flash",
+                                        "remat_policy=full", "quantization=te_fp8_currentscaling"],
+    # serving: one prefill of the batch's prompts, then decode steps over the cache
+    "llama3-8b prefill B8 P1024": ["--step", "prefill", "--model", "llama3-8b", "per_device_batch_size=8",
+                                   "max_prefill_predict_length=1024", "max_target_length=4096"],
+    "llama3-8b decode B64 S4096": ["--step", "decode", "--model", "llama3-8b", "per_device_batch_size=64",
+                                   "max_prefill_predict_length=1024", "max_target_length=4096"],
+    "llama3-8b decode B8 S4096": ["--step", "decode", "--model", "llama3-8b", "per_device_batch_size=8",
+                                  "max_prefill_predict_length=1024", "max_target_length=4096"],
 }
 
 GIB = 2**30
@@ -64,40 +76,61 @@ def maxperf(*args: str, timeout: float = 900) -> tuple[int, dict | None, str]:
 
 def measure(name: str, args: list[str], topology: str, steps: int, work: Path) -> dict:
     out = work / name.replace(" ", "_")
+    serving = "--step" in args
     start = time.perf_counter()
-    rc, compiled, why = maxperf("compile", "--topology", topology, *args, "seq_len=2048", "--out", str(out / "c"))
-    row: dict = {"case": name, "compile_rc": rc, "compile_wall_s": time.perf_counter() - start}
+    rc, compiled, why = maxperf("compile", "--topology", topology, *args, *([] if serving else ["seq_len=2048"]),
+                                "--out", str(out / "c"))
+    row: dict = {"case": name, "compile_rc": rc, "compile_wall_s": time.perf_counter() - start, "serving": serving}
     if compiled is None or rc not in (0, 3):
         return {**row, "error": why or f"compile exit {rc}"}
     memory = compiled.get("memory") or {}
     estimate = compiled.get("estimate") or {}
+    hlo = estimate.get("hlo_time") or {}
     row.update(compile_s=compiled.get("compile_seconds"), fits=compiled.get("fits"),
                compiler_gib=(memory.get("per_device_total_bytes") or 0) / GIB,
-               predicted_step_s=estimate.get("step_time_s"), predicted_mfu=estimate.get("mfu"),
-               predicted_memory_gib=(estimate.get("memory_per_device_bytes") or 0) / GIB,
-               predicted_breakdown=estimate.get("breakdown"), limitations=compiled.get("limitations"))
+               hlo_predicted_step_s=hlo.get("step_time_s"), limitations=compiled.get("limitations"))
+    if serving:
+        predicted = ((estimate.get("prefill") or {}).get("seconds") if compiled.get("step") == "prefill"
+                     else estimate.get("time_per_output_token_s"))
+        row.update(predicted_step_s=predicted,
+                   predicted_memory_gib=((estimate.get("memory") or {}).get("total_bytes") or 0) / GIB)
+    else:
+        row.update(predicted_step_s=estimate.get("step_time_s"), predicted_mfu=estimate.get("mfu"),
+                   predicted_memory_gib=(estimate.get("memory_per_device_bytes") or 0) / GIB,
+                   predicted_breakdown=estimate.get("breakdown"))
     if rc == 3:
         return {**row, "error": "does not fit"}
     rc, run, why = maxperf("run", str(out / "c"), "--steps", str(steps), "--warmup", "3", "--out", str(out / "r"))
     if run is None or rc != 0:
         return {**row, "error": why or f"run exit {rc}"}
-    row.update(measured_step_s=run["step_time_s"], measured_p10_s=run["step_time_p10_s"],
-               measured_p90_s=run["step_time_p90_s"], measured_mfu=run["mfu"],
-               measured_over_predicted=run["measured_over_predicted"],
-               measured_peak_gib=(run["memory"].get("measured_peak_bytes") or 0) / GIB,
-               loss_first=run["losses"][0], loss_last=run["losses"][-1], device_kind=run["device_kind"])
+    row.update(measured_step_s=run["step_time_s"], measured_over_predicted=run["measured_over_predicted"],
+               measured_over_hlo_predicted=run.get("measured_over_hlo_predicted"), device_kind=run["device_kind"])
+    if serving:
+        row.update(measured_min_s=run["step_time_min_s"], tokens_per_s=run["tokens_per_s"])
+    else:
+        row.update(measured_p10_s=run["step_time_p10_s"], measured_p90_s=run["step_time_p90_s"],
+                   measured_mfu=run["mfu"], measured_peak_gib=(run["memory"].get("measured_peak_bytes") or 0) / GIB,
+                   loss_first=run["losses"][0], loss_last=run["losses"][-1])
     return row
+
+
+def ms(seconds: float | None) -> str:
+    return f"{seconds * 1e3:8.2f}" if seconds else "     n/a"
 
 
 def line(row: dict) -> str:
     if "error" in row and "measured_step_s" not in row:
-        return f"{row['case']:<24} {row['error']}"
-    return (f"{row['case']:<24} compile {row['compile_s']:6.1f} s  memory XLA {row['compiler_gib']:6.2f} GiB, "
-            f"analytical {row['predicted_memory_gib']:6.2f}, measured peak {row['measured_peak_gib']:6.2f}  "
-            f"step predicted {row['predicted_step_s'] * 1e3:7.1f} ms, measured {row['measured_step_s'] * 1e3:7.1f} "
-            f"(p10 {row['measured_p10_s'] * 1e3:.1f}, p90 {row['measured_p90_s'] * 1e3:.1f}; "
-            f"measured/predicted {row['measured_over_predicted']:.3f})  MFU predicted {row['predicted_mfu']:.3f}, "
-            f"measured {row['measured_mfu']:.3f}  loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}")
+        return f"{row['case']:<32} {row['error']}"
+    hlo = row.get("measured_over_hlo_predicted")
+    common = (f"{row['case']:<32} compile {row['compile_s']:6.1f} s  memory XLA {row['compiler_gib']:6.2f} GiB, "
+              f"analytical {row['predicted_memory_gib']:6.2f}  step measured {ms(row['measured_step_s'])} ms, "
+              f"predicted {ms(row['predicted_step_s'])} (x{row['measured_over_predicted'] or 0:.3f}), "
+              f"from HLO {ms(row['hlo_predicted_step_s'])} (x{hlo or 0:.3f})")
+    if row["serving"]:
+        return f"{common}  {row['tokens_per_s']:.0f} tokens/s"
+    return (f"{common}  p10 {ms(row['measured_p10_s'])} p90 {ms(row['measured_p90_s'])}  MFU predicted "
+            f"{row['predicted_mfu']:.3f}, measured {row['measured_mfu']:.3f}  peak {row['measured_peak_gib']:.2f} GiB"
+            f"  loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}")
 
 
 def main() -> int:

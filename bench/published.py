@@ -282,6 +282,10 @@ class Replay:
         self.chips = (*FRACTION_CHIPS, *sorted(set(self.chip) - set(FRACTION_CHIPS)))
         self.chip_index = np.array([self.chips.index(self.chip[i]) for i in self.step], dtype=int)
         self.gpu = np.array([steptime_kind(self.chip[i]) == "gpu" for i in self.step])
+        # GPU steps whose FP8 matmuls XLA builds (work.fp8_key) keep the measured efficiency; only Transformer
+        # Engine's ("gpu") is fitted here
+        keys = [work.fp8_key("gpu", fp8_recipe(str(r.request.train.quantization))) for r in rows]
+        self.gpu_xla_fp8 = np.array([keys[i] == "gpu xla" for i in self.step])
         self.comm = self.terms.comm
         family = list(self.terms.family)
         unpriced = sorted(set(family) - set(FAMILY_ORDER) - {""})
@@ -301,7 +305,8 @@ class Replay:
         half = np.where(self.gpu, c.gpu_half, c.tpu_half)
         flash = np.where(self.gpu, c.flash_gpu, c.flash_tpu)
         latency = np.where(self.gpu, self.gpu_dcn_latency, c.dcn_latency_tpu)
-        fp8 = np.where(self.gpu, c.fp8_gpu, c.fp8_tpu)
+        fp8 = np.where(self.gpu, np.where(self.gpu_xla_fp8, work.SHIPPED.fp8_efficiency["gpu xla"], c.fp8_gpu),
+                       c.fp8_tpu)
         seconds, _ = work.price(self.terms, fraction, half, flash, c.elementwise_d_passes, latency, fp8)
         per_family = np.array([c.overlap_fsdp, c.overlap_tensor, c.overlap_data, self.unfitted.sequence,
                                self.unfitted.expert, 0.0])

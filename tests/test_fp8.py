@@ -386,7 +386,8 @@ def test_perfmodel_runs_the_projections_at_the_fp8_peak(topology, value):
     from maxperf.spec.hardware import CHIPS
 
     chip = CHIPS[resolve(topology, "tiny").topology.chip]
-    speedup = chip.peak_fp8_flops / chip.peak_bf16_flops * work.SHIPPED.fp8_efficiency[chip.kind]
+    key = work.fp8_key(chip.kind, recipes.recipe(value))
+    speedup = chip.peak_fp8_flops / chip.peak_bf16_flops * work.SHIPPED.fp8_efficiency[key]
     assert 1.9 < chip.peak_fp8_flops / chip.peak_bf16_flops < 2.1
     bf16, fp8_rows = _rows(topology), _rows(topology, f"quantization={value}")
     assert fp8_rows["mlp down"].flops == bf16["mlp down"].flops
@@ -396,11 +397,32 @@ def test_perfmodel_runs_the_projections_at_the_fp8_peak(topology, value):
     assert fp8_rows["fp8 quantize"].seconds > 0 and "fp8 quantize" not in bf16
 
 
+def test_gpu_fp8_matmuls_are_priced_by_the_kernels_that_run_them():
+    """On a GPU Transformer Engine's recipes (te_*) take the efficiency fitted on NVIDIA's rows, which run TE's
+    kernels; the recipes whose FP8 matmuls XLA builds (flax's, Qwix's, AQT's) the one measured for XLA's FP8 step;
+    a TPU's recipes its own. The estimate says which it used."""
+    from maxperf.perfmodel import work
+
+    assert work.fp8_key("gpu", recipes.recipe("te_fp8_currentscaling")) == "gpu"
+    assert work.fp8_key("gpu", recipes.recipe("te_mxfp8")) == "gpu"
+    for value in ("fp8", "fp8_gpu", "aqt_fp8", "aqt_fp8_full"):
+        assert work.fp8_key("gpu", recipes.recipe(value)) == "gpu xla"
+    assert work.fp8_key("tpu", recipes.recipe("fp8_full")) == "tpu"
+    assert work.SHIPPED.fp8_efficiency["gpu xla"] < work.SHIPPED.fp8_efficiency["gpu"]
+    te, xla = _rows("h100-8", "quantization=te_fp8_currentscaling"), _rows("h100-8", "quantization=fp8")
+    ratio = work.SHIPPED.fp8_efficiency["gpu"] / work.SHIPPED.fp8_efficiency["gpu xla"]
+    assert xla["mlp down"].seconds == pytest.approx(te["mlp down"].seconds * ratio, rel=1e-9)
+    from maxperf.perfmodel.estimate import estimate
+
+    notes = " ".join(estimate(resolve("h100-8", "tiny", ["quantization=fp8"])).assumptions)
+    assert "measured: XLA's FP8 GEMMs" in notes
+
+
 def test_perfmodel_forward_only_recipe_keeps_the_backward_at_the_bf16_rate():
     """aqt_fp8 quantizes the forward only: of a projection's three products one runs at twice the rate."""
     from maxperf.perfmodel import work
 
-    speedup = 1979 / 989 * work.SHIPPED.fp8_efficiency["gpu"]  # h100-sxm's datasheet peaks
+    speedup = 1979 / 989 * work.SHIPPED.fp8_efficiency["gpu xla"]  # h100-sxm's datasheet peaks; AQT's ops are XLA's
     bf16 = _rows("h100-8")["mlp down"].seconds
     assert _rows("h100-8", "quantization=aqt_fp8")["mlp down"].seconds == pytest.approx(
         bf16 * (1 / 3 / speedup + 2 / 3), rel=1e-9)

@@ -60,6 +60,23 @@ def test_no_attached_gpu_means_a_compile_without_one(monkeypatch):
     assert any("without a GPU" in note for note in targets.limitations(topologies.get("h100-1")))
 
 
+def test_attached_gpus_are_recognised_by_every_name_the_runtime_gives_their_chip(monkeypatch):
+    class Gpu:
+        def __init__(self, kind):
+            self.device_kind = kind
+
+    import jax
+
+    monkeypatch.setattr(gpu_targets, "driver_present", lambda: True)
+    for kind, chip in [("NVIDIA H200", "h200"), ("NVIDIA H200 141GB HBM3e", "h200"), ("NVIDIA H100 80GB HBM3",
+                                                                                       "h100-sxm")]:
+        monkeypatch.setattr(jax, "devices", lambda backend=None, kind=kind: [Gpu(kind)])
+        assert [g.device_kind for g in gpu_targets.attached_gpus(chip, 1)] == [kind]
+        assert gpu_targets.attached_gpus(chip, 2) is None  # fewer attached than the topology has
+    monkeypatch.setattr(jax, "devices", lambda backend=None: [Gpu("NVIDIA H200")])
+    assert gpu_targets.attached_gpus("h100-sxm", 1) is None and not gpu_targets.is_chip("NVIDIA H20", "h200")
+
+
 def test_an_autotuner_failure_is_not_called_out_of_memory():
     from maxperf.aot.compiler import out_of_memory_figures
 

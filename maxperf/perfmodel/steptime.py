@@ -50,6 +50,7 @@ from maxperf.perfmodel.work import (
     Overlap,
     Terms,
     Work,
+    fp8_key,
     fp8_matmuls,
     int8_matmuls,
     price,
@@ -459,7 +460,8 @@ def _settle(table: Work, overlap: Overlap) -> StepTime:
     terms, chip, c = table.terms(), table.chip, table.constants
     seconds, flops_bound = price(terms, c.fraction(chip), c.matmul_half[chip.kind],
                                  c.flash_efficiency.get(chip.kind, 1.0), c.elementwise_d_passes,
-                                 c.dcn_step_latency[chip.kind], c.fp8_efficiency.get(chip.kind, 1.0))
+                                 c.dcn_step_latency[chip.kind],
+                                 c.fp8_efficiency.get(fp8_key(chip.kind, table.fp8), 1.0))
     comm, hidden_share = terms.comm, terms.overlaps(overlap)
     steps, busy, spill = settle(seconds, comm, hidden_share, np.zeros(len(seconds), dtype=int), 1)
     exposed_s = np.where(comm, seconds - seconds * hidden_share * (1 - spill[0]), seconds)

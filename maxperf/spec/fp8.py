@@ -90,6 +90,12 @@ class Fp8Recipe:
     def quantizes_backward(self) -> bool:
         return self.gradient is not None
 
+    @property
+    def transformer_engine(self) -> bool:
+        """MaxText runs it through Transformer Engine's kernels (the te_* values); the others' FP8 matmuls are XLA's
+        (on GPU, its GEMM rewriter's cuBLASLt FP8 GEMMs, with the quantize passes as fusions of their own)."""
+        return self.name.startswith("te_")
+
 
 RECIPES = {r.name: r for r in (
     Fp8Recipe("fp8", Scaling.DELAYED, Granularity.TENSOR, history=HISTORY,

@@ -34,6 +34,14 @@ CHIP_TO_DEVICE = {
     "b200": "NVIDIA B200",
     "gb200": "NVIDIA GB200",
 }
+# Other names the CUDA runtime gives the same chip as a device kind (its device properties' name): an H200 SXM board
+# reported "NVIDIA H200" on 2026-11-28, where the plugin's target spec says "NVIDIA H200 141GB HBM3e".
+OTHER_DEVICE_KINDS = {"h200": ("NVIDIA H200",)}
+
+
+def is_chip(device_kind: str, chip: str) -> bool:
+    """Whether a GPU whose jax device kind is `device_kind` is the chip-table key `chip`."""
+    return device_kind in (CHIP_TO_DEVICE.get(chip, chip), *OTHER_DEVICE_KINDS.get(chip, ()))
 
 _DESCRIPTION = re.compile(rb'^device_description_str:\s*"([^"]*)"', re.MULTILINE)
 _PLATFORM = re.compile(r'^platform_name:\s*"([^"]*)"', re.MULTILINE)
@@ -175,6 +183,6 @@ def attached_gpus(chip: str, count: int) -> tuple | None:
         gpus = jax.devices("cuda")
     except RuntimeError:
         return None
-    if len(gpus) < count or gpus[0].device_kind != CHIP_TO_DEVICE.get(chip, chip):
+    if len(gpus) < count or not is_chip(gpus[0].device_kind, chip):
         return None
     return tuple(gpus[:count])
