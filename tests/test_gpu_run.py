@@ -2,10 +2,13 @@
 
 import types
 
+import pytest
+
 from maxperf.aot import targets
 from maxperf.cli import run as run_cli
 from maxperf.spec import gpu_targets
 from maxperf.spec import topology as topologies
+from maxperf.spec.errors import MaxperfError
 
 
 def _gpu_artifact(tmp_path, monkeypatch):
@@ -75,6 +78,39 @@ def test_attached_gpus_are_recognised_by_every_name_the_runtime_gives_their_chip
         assert gpu_targets.attached_gpus(chip, 2) is None  # fewer attached than the topology has
     monkeypatch.setattr(jax, "devices", lambda backend=None: [Gpu("NVIDIA H200")])
     assert gpu_targets.attached_gpus("h100-sxm", 1) is None and not gpu_targets.is_chip("NVIDIA H20", "h200")
+
+
+def test_attached_gpus_that_do_not_serve_the_topology_are_named(monkeypatch):
+    """A GPU host whose GPUs are another chip, or too few, compiles without them: the notes say why, and where no
+    target spec is at hand either the error names both reasons."""
+    class Gpu:
+        device_kind = "NVIDIA H200"
+
+    import jax
+
+    monkeypatch.setattr(gpu_targets, "driver_present", lambda: True)
+    monkeypatch.setattr(jax, "devices", lambda backend=None: [Gpu()])
+    assert gpu_targets.chip_of_kind("NVIDIA H200") == "h200" and gpu_targets.chip_of_kind("NVIDIA L4") is None
+    assert gpu_targets.unserved_by_attached("h200", 1) is None
+    assert gpu_targets.unserved_by_attached("h200", 8) == ("this machine's 1 GPU is an NVIDIA H200 (h200): a topology "
+                                                          "of 8 needs 8 attached")
+    assert gpu_targets.unserved_by_attached("h100-sxm", 1) == (
+        "this machine's 1 GPU is an NVIDIA H200 (h200), not the topology's NVIDIA H100 80GB HBM3 (h100-sxm)")
+    assert any(n == "compiled without the attached GPUs: this machine's 1 GPU is an NVIDIA H200 (h200), not the "
+               "topology's NVIDIA H100 80GB HBM3 (h100-sxm)" for n in targets.limitations(topologies.get("h100-1")))
+
+    def no_specs(*args):
+        raise MaxperfError("no GPU target specs found in plugin.so; this plugin version embeds none")
+
+    monkeypatch.setattr(targets, "_gpu_devices", no_specs)
+    with pytest.raises(MaxperfError) as e:
+        targets.devices(topologies.get("h200-8"))
+    assert str(e.value) == ("no GPU target specs found in plugin.so; this plugin version embeds none; and the step "
+                            "cannot compile on the attached GPUs instead: this machine's 1 GPU is an NVIDIA H200 "
+                            "(h200): a topology of 8 needs 8 attached")
+    monkeypatch.setattr(gpu_targets, "driver_present", lambda: False)  # no GPU here: the error as it was
+    with pytest.raises(MaxperfError, match="^no GPU target specs found in plugin.so; this plugin version embeds none$"):
+        targets.devices(topologies.get("h200-8"))
 
 
 def test_an_autotuner_failure_is_not_called_out_of_memory():

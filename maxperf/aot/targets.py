@@ -85,7 +85,13 @@ def devices(topology: Topology) -> list[jax.Device]:
     elif (local := compiles_on_attached_gpus(topology)) is not None:
         found = local
     else:
-        found = _gpu_devices(_gpu_topology_string(topology), topology.chip, topology.target_config_path)
+        try:
+            found = _gpu_devices(_gpu_topology_string(topology), topology.chip, topology.target_config_path)
+        except MaxperfError as e:
+            why = gpu_targets.unserved_by_attached(topology.chip, topology.num_devices) if topology.hosts == 1 else None
+            if why is None:
+                raise
+            raise MaxperfError(f"{e}; and the step cannot compile on the attached GPUs instead: {why}") from e
     if len(found) != topology.num_devices:
         raise MaxperfError(f"{topology.name}: the compiler made {len(found)} devices, {topology.num_devices} expected")
     return list(found)
@@ -263,6 +269,9 @@ def limitations(topology: Topology, moe: bool = True) -> list[str]:
     if compiles_on_attached_gpus(topology) is not None:
         notes.append(f"compiled on this machine's {topology.gpu_target} GPUs (autotuned, with XLA's cost analysis)")
     elif topology.platform == "gpu":
+        if topology.target_config_path is None and topology.hosts == 1 and (
+                why := gpu_targets.unserved_by_attached(topology.chip, topology.num_devices)):
+            notes.append(f"compiled without the attached GPUs: {why}")
         notes += [
             "the GPU compiler gives no cost analysis without a GPU: FLOPs and bytes come from another source, "
             "labelled as such",

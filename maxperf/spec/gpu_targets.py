@@ -186,3 +186,31 @@ def attached_gpus(chip: str, count: int) -> tuple | None:
     if len(gpus) < count or not is_chip(gpus[0].device_kind, chip):
         return None
     return tuple(gpus[:count])
+
+
+def chip_of_kind(device_kind: str) -> str | None:
+    """The chip-table key of a GPU whose jax device kind is `device_kind`; None for a GPU outside the catalog."""
+    return next((chip for chip in CHIP_TO_DEVICE if is_chip(device_kind, chip)), None)
+
+
+def unserved_by_attached(chip: str, count: int) -> str | None:
+    """Why this machine's attached GPUs do not compile a one-host topology of `count` `chip` GPUs, in words for an
+    error or a note ("this machine's 1 GPU is an NVIDIA H200 (h200): a topology of 8 needs 8 attached"); None where
+    no GPU is attached (or none can be read) or the attached ones serve it."""
+    if not driver_present():
+        return None
+    import jax
+
+    try:
+        gpus = jax.devices("cuda")
+    except RuntimeError:
+        return None
+    if not gpus or (len(gpus) >= count and is_chip(gpus[0].device_kind, chip)):
+        return None
+    kind = gpus[0].device_kind
+    have = chip_of_kind(kind)
+    what = (f"this machine's {len(gpus)} GPU{'s are' if len(gpus) > 1 else ' is an'} {kind}"
+            + (f" ({have})" if have else ", a GPU outside maxperf's catalog"))
+    if have == chip:
+        return f"{what}: a topology of {count} needs {count} attached"
+    return f"{what}, not the topology's {CHIP_TO_DEVICE.get(chip, chip)} ({chip})"
