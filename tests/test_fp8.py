@@ -416,6 +416,10 @@ def test_gpu_fp8_matmuls_are_priced_by_the_kernels_that_run_them():
 
     notes = " ".join(estimate(resolve("h100-8", "tiny", ["quantization=fp8"])).assumptions)
     assert "measured: XLA's FP8 GEMMs" in notes
+    # the compiled step of a TE recipe is XLA's, which the request says
+    said = [n for n in resolve("h100-8", "tiny", ["quantization=te_fp8_currentscaling"]).warnings if "Transformer" in n]
+    assert len(said) == 1 and "priced at the rate of TE's kernels" in said[0]
+    assert not [n for n in resolve("h100-8", "tiny", ["quantization=fp8"]).warnings if "Transformer" in n]
 
 
 def test_perfmodel_forward_only_recipe_keeps_the_backward_at_the_bf16_rate():
