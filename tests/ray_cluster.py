@@ -44,13 +44,19 @@ HEALTH_CHECKS = {"RAY_health_check_period_ms": "2000", "RAY_health_check_timeout
 START_TIMEOUT_S = 120
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` ports free on 127.0.0.1 now (held together while chosen, so they differ)."""
+def free_ports(n: int, taken: set[int] | None = None) -> list[int]:
+    """`n` ports free on 127.0.0.1 now (held together while chosen, so they differ), none of them in `taken` (ports
+    chosen earlier for the same cluster: released since, the system may hand them out again), which they join."""
+    taken = set() if taken is None else taken
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
+        ports: list[int] = []
+        while len(ports) < n:
+            s = stack.enter_context(socket.socket())
             s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+            if (port := s.getsockname()[1]) not in taken:
+                ports.append(port)
+        taken.update(ports)
+        return ports
 
 
 @dataclass
@@ -78,7 +84,8 @@ class LocalCluster:
         # short: Ray's unix socket paths live under the temporary directory, and such a path has at most 107 bytes
         self.root = Path(tempfile.mkdtemp(prefix="mpray-", dir="/tmp"))
         self.cpus, self.memory_bytes, self.workers = cpus, memory_bytes, workers
-        self.port, self.client_port = free_ports(2)
+        self.taken: set[int] = set()  # every port given to this cluster's nodes: no two components share one
+        self.port, self.client_port = free_ports(2, self.taken)
         self.nodes: list[RayNode] = []
 
     @property
@@ -111,7 +118,7 @@ class LocalCluster:
                  cpus: int | None = None, memory_bytes: int | None = None) -> RayNode:
         temp_dir, cache_dir = self.root / name, self.root / f"{name}-cache"
         temp_dir.mkdir()
-        ports = free_ports(47)
+        ports = free_ports(47, self.taken)
         args = ["start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus or self.cpus}",
                 f"--memory={memory_bytes or self.memory_bytes}", "--object-store-memory=100000000",
                 f"--temp-dir={temp_dir}", "--disable-usage-stats", f"--node-manager-port={ports[0]}",

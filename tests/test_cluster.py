@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ray_cluster import LocalCluster, marked_processes
+from ray_cluster import LocalCluster, free_ports, marked_processes
 
 from maxperf.aot import cache
 from maxperf.cli import main
@@ -37,6 +37,16 @@ def run_main(capsys, *argv):
 
 
 # -- without a cluster ------------------------------------------------------------------------------------------
+
+
+def test_a_test_cluster_gives_no_port_twice():
+    """Each node's ports are chosen after the head's and the other nodes' were released: none may come back (a worker
+    port equal to the client server's stopped a head from starting)."""
+    taken: set[int] = set()
+    first = free_ports(40, taken)
+    again = [free_ports(40, taken) for _ in range(20)]
+    every = first + [p for ports in again for p in ports]
+    assert len(every) == len(set(every)) == len(taken) == 840
 
 
 @pytest.mark.parametrize("text,expected", [
