@@ -28,6 +28,14 @@ def test_every_recipe_pastes_fits_and_is_summarized(tmp_path):
     assert data["summary"]["all"]["worst"] == pytest.approx(float(np.max(np.abs(errors))))
     v6e = [v["error"] for v in rows.values() if v["group"] == "TPU v6e"]
     assert data["summary"]["TPU v6e"]["n"] == len(v6e) == 19
+    # what an estimate on a v6e quotes as its error is what these rows measure
+    from maxperf.perfmodel import work
+
+    median, worst, signed, what = work.UNFITTED_RUNS_ERROR["tpu-v6e"]
+    v6e_summary = data["summary"]["TPU v6e"]
+    assert (median, worst, signed) == pytest.approx(
+        (v6e_summary["median"], v6e_summary["worst"], v6e_summary["median_signed"]), abs=0.0015)
+    assert what.startswith(f"{len(v6e)} published tpu-recipes Trillium runs")
     # the predictions are the model's, not echoes of the published figures
     assert all(v["predicted"] != v["published"] for v in rows.values())
     assert "median" in proc.stdout and "23 of 23 rows estimated" in proc.stdout

@@ -110,6 +110,13 @@ DCN_STEP_LATENCY = {"tpu": 1.71e-3, "gpu": 30e-6, "cpu": 30e-6}
 # the first for chips whose rate was fitted, the second for the others.
 HELD_OUT_ERROR = {"source": (0.054, 0.242), "generation": (0.061, 0.277)}
 HELD_OUT_BASIS = "bench/published.py, 2026-11-28, 90 rows"
+# Chips measured directly on published runs that no constant was fitted on: the median and worst |error| and the
+# median signed error of throughput per chip over those runs, and what they are. An estimate on such a chip quotes
+# these, the nearer measure of its error than the generation held out.
+UNFITTED_RUNS_ERROR = {
+    "tpu-v6e": (0.102, 0.258, 0.102, "19 published tpu-recipes Trillium runs, none of them fitted (bench/recipes.py, "
+                                     "2026-11-28): the larger models (70B and up) predicted faster than they ran"),
+}
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,10 @@ def uncertainty(chip: Chip, constants: Constants) -> Uncertainty | None:
         return None
     fitted = MATMUL_FRACTION_ORIGIN.get(chip.name) == "fitted" and constants.fraction(chip) == MATMUL_FRACTION.get(
         chip.name)
+    if not fitted and chip.name in UNFITTED_RUNS_ERROR:
+        median, worst, signed, what = UNFITTED_RUNS_ERROR[chip.name]
+        return Uncertainty(median, worst, f"{what}: median {median:.0%}, worst {worst:.0%}, median signed "
+                                          f"{signed:+.0%} of throughput")
     mode = "source" if fitted else "generation"
     median, worst = HELD_OUT_ERROR[mode]
     words = ("each source's published runs predicted by constants fitted without them" if fitted else
