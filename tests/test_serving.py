@@ -185,6 +185,28 @@ def test_compile_writes_a_decode_artifact_whose_memory_the_perfmodel_follows(tmp
     assert memory["alias_bytes"] > 0  # the cache is donated: updated in place
 
 
+def test_a_gpu_decode_compile_says_what_its_scanned_layers_cost(tmp_path):
+    """On GPU a scanned decode step copies each layer's weights and cache out of the stack (measured on an H200): the
+    compile says so, with the key that avoids it, and says nothing of it where the layers are not scanned or the
+    platform is not a GPU."""
+    import json
+
+    from cli_util import maxperf
+
+    words = ["--model", "tiny", "per_device_batch_size=2", "max_target_length=64", "max_prefill_predict_length=16"]
+    notes = {}
+    for name, topology, extra in (("scanned", "h100-1", []), ("unscanned", "h100-1", ["scan_layers=false"]),
+                                  ("cpu", "cpu-1", [])):
+        out = tmp_path / name
+        proc = maxperf("compile", "--step", "decode", "--topology", topology, *words, *extra, "--out", str(out))
+        assert proc.returncode == 0, proc.stderr
+        notes[name] = json.loads((out / "manifest.json").read_text())["limitations"]
+        assert all(f"note: {n}" in proc.stdout for n in notes[name])  # printed as the manifest records them
+    said = [n for n in notes["scanned"] if "scanned layers" in n]
+    assert len(said) == 1 and "scan_layers=false" in said[0] and "24.4 ms" in said[0]
+    assert not [n for n in notes["unscanned"] + notes["cpu"] if "scanned layers" in n]
+
+
 def test_a_prompt_longer_than_the_cache_is_refused_in_one_line(tmp_path):
     from cli_util import maxperf
 

@@ -119,6 +119,8 @@ def _print_serving(result, kind: str) -> int:
               "over the whole cache)")
     print(f"  largest          {e['max_batch_per_device']:.4g} sequences per device fit; {e['max_context']:,} "
           f"cache positions at {result.global_batch} sequences")
+    for note in result.limitations:
+        print(f"  note: {note}")
     return 0 if result.fits else 3
 
 
