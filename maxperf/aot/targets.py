@@ -88,8 +88,7 @@ def devices(topology: Topology) -> list[jax.Device]:
         try:
             found = _gpu_devices(_gpu_topology_string(topology), topology.chip, topology.target_config_path)
         except MaxperfError as e:
-            why = gpu_targets.unserved_by_attached(topology.chip, topology.num_devices) if topology.hosts == 1 else None
-            if why is None:
+            if (why := attached_gpus_unused(topology)) is None:
                 raise
             raise MaxperfError(f"{e}; and the step cannot compile on the attached GPUs instead: {why}") from e
     if len(found) != topology.num_devices:
@@ -149,9 +148,22 @@ def _tpu_devices(libtpu_topology: str, chip_config: str | None, bounds: tuple | 
 def compiles_on_attached_gpus(topology: Topology) -> tuple | None:
     """This machine's GPUs when a one-host GPU topology is compiled where its GPUs are attached (no --target-config):
     the compiler then autotunes on them and gives a cost analysis. Else None (a compile without the GPU)."""
-    if topology.platform != "gpu" or topology.target_config_path is not None or topology.hosts != 1:
+    if not _may_compile_on_attached(topology):
         return None
     return gpu_targets.attached_gpus(topology.chip, topology.num_devices)
+
+
+def attached_gpus_unused(topology: Topology) -> str | None:
+    """Why a topology that would compile on attached GPUs (compiles_on_attached_gpus) compiles without this machine's
+    (gpu_targets.unserved_by_attached); None where it compiles on them, none are attached, or it never would."""
+    if not _may_compile_on_attached(topology):
+        return None
+    return gpu_targets.unserved_by_attached(topology.chip, topology.num_devices)
+
+
+def _may_compile_on_attached(topology: Topology) -> bool:
+    """A one-host GPU topology without --target-config: one the attached GPUs compile, where they are its chip."""
+    return topology.platform == "gpu" and topology.target_config_path is None and topology.hosts == 1
 
 
 def _gpu_topology_string(topology: Topology) -> str:
@@ -269,8 +281,7 @@ def limitations(topology: Topology, moe: bool = True) -> list[str]:
     if compiles_on_attached_gpus(topology) is not None:
         notes.append(f"compiled on this machine's {topology.gpu_target} GPUs (autotuned, with XLA's cost analysis)")
     elif topology.platform == "gpu":
-        if topology.target_config_path is None and topology.hosts == 1 and (
-                why := gpu_targets.unserved_by_attached(topology.chip, topology.num_devices)):
+        if why := attached_gpus_unused(topology):
             notes.append(f"compiled without the attached GPUs: {why}")
         notes += [
             "the GPU compiler gives no cost analysis without a GPU: FLOPs and bytes come from another source, "

@@ -175,17 +175,26 @@ def attached_gpus(chip: str, count: int) -> tuple | None:
     """This machine's first `count` GPUs when at least that many are attached and they are the chip `chip` names
     (the device kind equals the target spec's description); else None. Only looks where a GPU driver is present,
     so a machine without one does not start jax's GPU backend."""
+    gpus = _cuda_gpus()
+    return tuple(gpus[:count]) if _serve(gpus, chip, count) else None
+
+
+def _cuda_gpus() -> list:
+    """jax's CUDA devices on this machine; none where no GPU driver is present (jax's GPU backend is then not
+    started) or the backend cannot start."""
     if not driver_present():
-        return None
+        return []
     import jax
 
     try:
-        gpus = jax.devices("cuda")
+        return jax.devices("cuda")
     except RuntimeError:
-        return None
-    if len(gpus) < count or not is_chip(gpus[0].device_kind, chip):
-        return None
-    return tuple(gpus[:count])
+        return []
+
+
+def _serve(gpus: list, chip: str, count: int) -> bool:
+    """Whether `gpus` hold `count` GPUs of the chip `chip` names."""
+    return len(gpus) >= count and is_chip(gpus[0].device_kind, chip)
 
 
 def chip_of_kind(device_kind: str) -> str | None:
@@ -197,15 +206,8 @@ def unserved_by_attached(chip: str, count: int) -> str | None:
     """Why this machine's attached GPUs do not compile a one-host topology of `count` `chip` GPUs, in words for an
     error or a note ("this machine's 1 GPU is an NVIDIA H200 (h200): a topology of 8 needs 8 attached"); None where
     no GPU is attached (or none can be read) or the attached ones serve it."""
-    if not driver_present():
-        return None
-    import jax
-
-    try:
-        gpus = jax.devices("cuda")
-    except RuntimeError:
-        return None
-    if not gpus or (len(gpus) >= count and is_chip(gpus[0].device_kind, chip)):
+    gpus = _cuda_gpus()
+    if not gpus or _serve(gpus, chip, count):
         return None
     kind = gpus[0].device_kind
     have = chip_of_kind(kind)
