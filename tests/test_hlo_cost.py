@@ -10,6 +10,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from maxperf.aot import hlo_cost
 from maxperf.aot.hlo_cost import hlo_flops
 
 DOT = """HloModule m, entry_computation_layout={(f32[16,256]{1,0}, f32[256,512]{1,0})->f32[16,512]{1,0}}
@@ -107,6 +108,27 @@ def test_trip_count_from_a_condition_with_other_start_step_and_direction():
     text = text.replace("%one = s32[] constant(1)", "%one = s32[] constant(3)")
     text = text.replace("direction=LT", "direction=LE")  # i <= 32: 2 .. 32 in steps of 3 is 11 iterations
     assert [loop.trip_count for loop in hlo_flops(text).loops] == [11]
+
+
+def test_trip_count_through_element_reads_written_as_name_hash_index():
+    # Newer printers write a tuple element read in place, `%param#0`, with no get-tuple-element instruction (XLA:TPU's
+    # peeled layer loops under MaxText's host-offload flags); the counter and its limit are found through them.
+    text = WHILE_KNOWN.replace(KNOWN_TRIP_COUNT, "")
+    text = text.replace("  %i = s32[] get-tuple-element(%param), index=0\n", "")
+    text = text.replace("  %h = f32[8,64]{1,0} get-tuple-element(%param), index=1\n", "")
+    text = text.replace("fusion(%i, %one)", "fusion(%param#0, %one)").replace("fusion(%h, %w)", "fusion(%param#1, %w)")
+    text = text.replace("  %i.1 = s32[] get-tuple-element(%param.1), index=0\n", "")
+    text = text.replace("fusion(%i.1, %limit)", "fusion(%param.1#0, %limit)")
+    assert "get-tuple-element(%param)" not in text.split("%w = ")[0]
+    cost = hlo_flops(text)
+    assert [(loop.trip_count, loop.trip_count_source) for loop in cost.loops] == [(32, "condition")]
+    assert cost.dot_flops == 32 * LOOP_DOT_FLOPS and cost.unresolved_operands == 0
+
+
+def test_tuple_elements_leave_out_the_printers_index_comments():
+    shape = "(s32[], f32[8,64]{1,0}, /*index=2*/(bf16[4], s8[2]), f32[2]{0})"
+    assert hlo_cost.tuple_elements(shape) == ["s32[]", "f32[8,64]{1,0}", "(bf16[4], s8[2])", "f32[2]{0}"]
+    assert hlo_cost.tuple_elements("f32[8]{0}") == []
 
 
 def test_unknown_trip_count_is_reported_and_counted_once():

@@ -193,12 +193,57 @@ def _parse(hlo_text: str) -> tuple[dict[str, _Comp], str]:
                     entry = current.name
             continue
         if line.startswith("}"):
+            if current is not None:
+                _add_element_reads(current)
             current = None
     if entry is None and comps:
         entry = next(reversed(comps))  # XLA prints callees before callers: the last one is the entry
     if entry is None:
         raise ValueError("no HLO computation found in the text")
     return comps, entry
+
+
+# An operand written as `%name#N`: element N of the tuple `name` (newer HLO printers write it so in place of a
+# get-tuple-element instruction, e.g. in the loops XLA:TPU peels).
+_ELEMENT_READ = re.compile(r"%([^\s,(){}#]+)#(\d+)\b")
+_COMMENT = re.compile(r"/\*.*?\*/")
+
+
+def _add_element_reads(comp: _Comp) -> None:
+    """Gives each `%name#N` operand in `comp` an instruction of its own, the get-tuple-element it stands for, so that
+    whatever reads an operand's shape or follows it to its source finds it."""
+    reads = {}
+    for _, _, rest in comp.instrs.values():
+        if "#" in rest:
+            for m in _ELEMENT_READ.finditer(rest):
+                reads.setdefault(f"{m.group(1)}#{m.group(2)}", (m.group(1), int(m.group(2))))
+    for name, (source, index) in reads.items():
+        if name in comp.instrs or source not in comp.instrs:
+            continue
+        elements = tuple_elements(comp.instrs[source][0])
+        if index < len(elements):
+            comp.instrs[name] = (elements[index], "get-tuple-element", f"%{source}), index={index}")
+
+
+def tuple_elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape ("(a, (b, c), d)" -> ["a", "(b, c)", "d"], less the printer's
+    `/*index=5*/` comments); [] for an array."""
+    shape = _COMMENT.sub("", shape).strip()
+    if not shape.startswith("("):
+        return []
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                out.append(shape[start:i].strip())
+                break
+        elif ch == "," and depth == 1:
+            out.append(shape[start:i].strip())
+            start = i + 1
+    return [e for e in out if e]
 
 
 def _brace_balance(line: str) -> int:

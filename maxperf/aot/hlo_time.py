@@ -205,26 +205,6 @@ def _pairs(rest: str) -> list[tuple[str, str]]:
     return re.findall(r"\{(\d+),(\d+)\}", m.group(1)) if (m := _PAIRS.search(rest)) else []
 
 
-def _tuple_elements(shape: str) -> list[str]:
-    """The top-level elements of a tuple shape ("(a, (b, c), d)" -> ["a", "(b, c)", "d"]); [] for an array."""
-    shape = shape.strip()
-    if not shape.startswith("("):
-        return []
-    out, depth, start = [], 0, 1
-    for i, ch in enumerate(shape):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-            if depth == 0:
-                out.append(shape[start:i].strip())
-                break
-        elif ch == "," and depth == 1:
-            out.append(shape[start:i].strip())
-            start = i + 1
-    return [e for e in out if e]
-
-
 def _elements(shape: str) -> int:
     """The elements of the arrays a shape names (a tuple's summed)."""
     return sum(math.prod(dims) for _, dims, _ in _arrays(shape))
@@ -485,7 +465,7 @@ class _Walker:
         if opcode in _ASYNC_MEMORY:
             return self.async_copy(instrs, shape, rest, opcode)
         if opcode == "fusion" or opcode == "fusion-start":
-            if opcode == "fusion-start" and len(parts := _tuple_elements(shape)) >= 2:
+            if opcode == "fusion-start" and len(parts := hlo_cost.tuple_elements(shape)) >= 2:
                 shape = parts[1]  # an async start's shape is (its operands, its result, a context): the result
             called = next((names[0] for key, names in hlo_cost.callees(rest) if key == "calls" and names), None)
             if called is not None and called in self.comps:
