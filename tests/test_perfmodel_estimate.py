@@ -342,3 +342,24 @@ def test_gradients_cross_slices_one_array_at_a_time_as_the_state_holds_them():
     latency = SHIPPED.dcn_step_latency["tpu"]
     no_latency = replace(SHIPPED, dcn_step_latency={**SHIPPED.dcn_step_latency, "tpu": 0.0})
     assert dcn_seconds(SHIPPED) - dcn_seconds(no_latency) == pytest.approx(80 * 2 * latency)
+
+
+def test_zero1_reduce_scatters_the_gradients_and_gathers_the_parameters_over_data():
+    # shard_optimizer_over_data: once a step the gradients reduce-scattered and the parameters gathered over `data`
+    # where the plain step all-reduces them; float32 gradients, and on a TPU parameters gathered in the compute dtype
+    # (the compiler casts before gathering): buffers of 4 and 2 bytes a parameter, each crossing the ring once, where
+    # the all-reduce's 4 cross it twice
+    topo = Topo("tpu-v5e", 16, 4, num_slices=4, hosts=4, torus=(2, 2))
+    train = TrainConfig(per_device_batch_size=1, seq_len=128)
+
+    def data_rows(train):
+        e = estimate(Request.of(topo, LLAMA, train, {"data": 4, "fsdp": 4}, {"data": 4}))
+        return {r.name: r for r in e.breakdown if r.name.startswith("data ")}
+
+    plain, zero1 = data_rows(train), data_rows(replace(train, shard_optimizer_over_data=True))
+    assert set(plain) == {"data all-reduce (dcn)"}
+    assert set(zero1) == {"data reduce-scatter (dcn)", "data all-gather (dcn)"}
+    reduced, gathered, all_reduce = (zero1["data reduce-scatter (dcn)"], zero1["data all-gather (dcn)"],
+                                     plain["data all-reduce (dcn)"])
+    assert reduced.bytes == pytest.approx(all_reduce.bytes) and gathered.bytes == pytest.approx(all_reduce.bytes / 2)
+    assert reduced.seconds + gathered.seconds == pytest.approx(0.75 * all_reduce.seconds, rel=0.05)

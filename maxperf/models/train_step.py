@@ -29,6 +29,7 @@ from maxperf.models.sharding import constrain, partition_spec
 from maxperf.models.transformer import PipelineOptions, Transformer, stack_axis, stacks
 from maxperf.spec import pipeline as pipeline_spec
 from maxperf.spec.fp8 import recipe as fp8_recipe
+from maxperf.spec.logical_axes import over_data
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.remat import remat_names
 from maxperf.spec.train import AttentionKernel, TrainConfig
@@ -164,7 +165,8 @@ def init_fn(model: ModelConfig, train: TrainConfig) -> Callable[[jax.Array], dic
 
 def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, dict], tuple[dict, dict]]:
     """(state, batch) -> (state, metrics): loss in float32, gradient norm before clipping, tokens counted."""
-    graphdef = model_def(model, train).graphdef
+    md = model_def(model, train)
+    graphdef = md.graphdef
     optimizer, schedule = make_optimizer(train)
     A = train.grad_accum_steps
 
@@ -223,6 +225,27 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         params, opt_state = state["params"], state["opt_state"]
+        zero1 = zero1_sizes(train)
+
+        def split(tree, over_data_too: bool = False):
+            """ZeRO-1: `tree`, shaped like the parameters, constrained to the model's own split, or to the state's
+            (over `data` too); `tree` as it is without ZeRO-1."""
+            if zero1 is None:
+                return tree
+
+            def one(x, axes):
+                spec = partition_spec(x.shape, axes, zero1)
+                return jax.lax.with_sharding_constraint(
+                    x, PartitionSpec(*over_data(x.shape, spec, zero1)) if over_data_too else spec)
+
+            return jax.tree.map(one, tree, md.logical_axes)
+
+        # ZeRO-1: the state's parameters are split over `data` too; the forward and backward take them gathered back
+        # to the model's own split, in bfloat16 under accumulation, once before its loop (MaxText's
+        # gradient_accumulation_loss_and_grad)
+        cast = zero1 is not None and A > 1
+        grad_params = split(jax.tree.map(lambda p: p.astype(jnp.bfloat16) if cast and p.dtype == jnp.float32 else p,
+                                         params))
         # state offloaded to pinned host memory (MaxText's *_memory_host_offload) comes to the device where the step
         # needs it, the parameters for the forward, the optimizer state for the update (as in MaxText's train_step);
         # the out shardings send the updated state back
@@ -231,7 +254,8 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         key = quantization.step_key(train, state["step"])  # int8's stochastic rounding; None without it
         meta = state.get("fp8")  # a delayed FP8 recipe's scales and histories; None without one
         if A == 1:
-            (_, (total, (tokens, lb_loss, mtp_loss, counts))), (grads, meta) = mean_grad_fn(params, meta, batch, key)
+            (_, (total, (tokens, lb_loss, mtp_loss, counts))), (grads, meta) = mean_grad_fn(grad_params, meta, batch,
+                                                                                           key)
         else:
             # the step's A x B x devices rows, microbatch a the rows a, a+A, ...: every device keeps 1/A of its own
             # rows in each, B of them per device (MaxText's per_device_batch_size is one microbatch)
@@ -241,21 +265,31 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
                 mb, a = mb_a
                 c_total, c_tokens, c_lb, c_mtp, c_counts, c_grads, c_meta = carry
                 # each microbatch scales by the FP8 state the one before it left, as steps do
-                (t, (n, lb, mtp, c)), (g, m) = grad_fn(params, c_meta, mb,
+                (t, (n, lb, mtp, c)), (g, m) = grad_fn(grad_params, c_meta, mb,
                                                         None if key is None else jax.random.fold_in(key, a))
                 return (c_total + t, c_tokens + n, c_lb + lb / A, c_mtp + mtp / A, jax.tree.map(jnp.add, c_counts, c),
-                        jax.tree.map(jnp.add, c_grads, g), m), None
+                        split(jax.tree.map(jnp.add, c_grads, g)), m), None
 
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            # the accumulator in float32; under ZeRO-1 MaxText's, in the dtype of the parameters it differentiates
+            # and with their split (its carry's grad_shardings)
+            zeros = split(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32 if zero1 is None else p.dtype),
+                                       grad_params))
             # the expert loads summed over the microbatches: one update from the step's whole batch, as MaxText's
             # gradient accumulation does
             no_counts = {path: jnp.zeros(c.shape, c.dtype) for path, c in jax.eval_shape(
-                lambda: grad_fn(params, meta, jax.tree.map(lambda x: x[0], micro), key)[0][1][3]).items()}
+                lambda: grad_fn(grad_params, meta, jax.tree.map(lambda x: x[0], micro), key)[0][1][3]).items()}
             (total, tokens, lb_loss, mtp_loss, counts, grads, meta), _ = jax.lax.scan(
                 accumulate, (0.0, 0.0, 0.0, 0.0, no_counts, zeros, meta), (micro, jnp.arange(A)))
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype) / (tokens + EPS).astype(p.dtype), grads, params)
+
+            def mean(g, p):
+                dtype = p.dtype if zero1 is None else g.dtype  # ZeRO-1's bfloat16 sums stay so, as MaxText's
+                return g.astype(dtype) / (tokens + EPS).astype(dtype)
+
+            grads = jax.tree.map(mean, grads, params)
         # MaxText's grad_dtype: float32 gradients cast to it before the update
         grads = jax.tree.map(lambda g: g.astype(train.grad_dtype) if g.dtype == jnp.float32 else g, grads)
+        # ZeRO-1: reduced over `data` to the state's split, a reduce-scatter rather than an all-reduce
+        grads = split(grads, over_data_too=True)
         denom = jnp.maximum(tokens, 1.0)
         if train.optimizer_memory_host_offload:
             opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
@@ -279,6 +313,16 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
         return new_state, metrics
 
     return step
+
+
+def zero1_sizes(train: TrainConfig) -> dict[str, int] | None:
+    """The mesh's axis sizes where the step runs ZeRO-1 (shard_optimizer_over_data, `data` over more than one
+    device, under `jax.set_mesh`); None otherwise."""
+    if not train.shard_optimizer_over_data:
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    return sizes if sizes.get("data", 1) > 1 else None
 
 
 def update_routed_bias(params: dict, counts: dict[str, jax.Array], rate: float) -> dict:
@@ -359,6 +403,10 @@ def abstract_step(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> Abstrac
         lambda x, axes: NamedSharding(mesh, partition_spec(x.shape, axes, sizes)),
         md.params, md.logical_axes, is_leaf=lambda x: isinstance(x, tuple),
     )
+    if train.shard_optimizer_over_data:  # ZeRO-1: the parameters and, placed alike, the optimizer state over data
+        param_shardings = jax.tree.map(
+            lambda x, s: NamedSharding(mesh, PartitionSpec(*over_data(x.shape, s.spec, sizes))), md.params,
+            param_shardings)
     replicated = NamedSharding(mesh, PartitionSpec())
     optimizer, _ = make_optimizer(train)
     opt_shardings = optax.tree_map_params(

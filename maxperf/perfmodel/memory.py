@@ -21,7 +21,7 @@ from maxperf.perfmodel.saved import (
     offloaded_per_token,
     over_layers,
 )
-from maxperf.perfmodel.sharding import activation_split, gathered_size, held
+from maxperf.perfmodel.sharding import activation_split, gathered_size, held, zero1_params_per_device
 from maxperf.perfmodel.working import working
 from maxperf.spec.fp8 import recipe as fp8_recipe
 from maxperf.spec.logical_axes import local_size, split
@@ -38,6 +38,9 @@ GRAD_ACCUMULATOR_BYTES = 4
 # A pipeline loop's buffers (pipeline_buffers) live as the forward's value and the backward's gradient: 2 copies
 # (counted from models/pipeline.py's carry, not yet measured).
 PIPELINE_BUFFER_COPIES = 2
+# ZeRO-1 under gradient accumulation: the float32 parameters gathered for the loop in bfloat16 (MaxText's
+# gradient_accumulation_loss_and_grad), so the microbatches' gradients and their sum are bfloat16 too.
+ZERO1_LOOP_BYTES = 2
 # The train step donates the state, so the updated params and optimizer state reuse the input buffers.
 STATE_DONATED = True
 # Logits: the compute-dtype unembedding output; since the cross-entropy picks the target logit by a one-hot
@@ -102,6 +105,8 @@ class MemoryBreakdown:
     host_state: float = 0.0
     optimizer_staged: float = 0.0
     fp8_state: float = 0.0  # a delayed FP8 recipe's scales and amax histories (fp8_state_bytes), on every device
+    # ZeRO-1 (shard_optimizer_over_data): the parameters gathered back over `data` for the forward and backward
+    gathered_params: float = 0.0
     # what the parameters, gradients and optimizer state of each part take ("experts": the MoE blocks' routers, routed
     # and shared experts; "attention": the attention blocks; "rest": embeddings, dense MLPs, norms), and what the
     # saved activations of each take (the MLP's part under "experts" in MoE layers, under "rest" in dense ones)
@@ -116,8 +121,8 @@ class MemoryBreakdown:
         before the loss (they are outputs of the whole backward), so they count in every phase; the phases do not
         overlap, so the peak is the largest."""
         return {
-            "loss": self.gradients + self.activations + self.saved_copy + self.logits,
-            "backward": self.gradients + self.activations + self.temporaries,
+            "loss": self.gradients + self.gathered_params + self.activations + self.saved_copy + self.logits,
+            "backward": self.gradients + self.gathered_params + self.activations + self.temporaries,
             "optimizer": self.gradients + self.optimizer_temporaries,
         }
 
@@ -155,6 +160,7 @@ class MemoryBreakdown:
             "hbm_bytes": self.hbm_bytes, "headroom_bytes": self.headroom_bytes, "fits": self.fits,
             "host_offload": self.host_offload, "host_state": self.host_state,
             "optimizer_staged": self.optimizer_staged, "host_bytes": self.host_bytes, "fp8_state": self.fp8_state,
+            "gathered_params": self.gathered_params,
             "state_blocks": dict(self.state_blocks), "activation_blocks": dict(self.activation_blocks),
         }
 
@@ -239,6 +245,26 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
     accumulator = local_grads * GRAD_ACCUMULATOR_BYTES if micro > 1 else 0.0
     state_per_param = (p + gradient_bytes(train) + optimizer_state_bytes(train)
                        + (GRAD_ACCUMULATOR_BYTES if micro > 1 else 0))
+    gathered = 0.0
+    update_gradients = gradients  # the gradients the optimizer's update reads
+    if train.shard_optimizer_over_data and mesh.axes.get("data", 1) > 1:
+        # ZeRO-1: the state's parameters and moments split over `data` too; the step gathers the parameters back
+        # (bfloat16 under accumulation, whose gradients and accumulator are then bfloat16 too: models/train_step.py)
+        kept = local_params * zero1_params_per_device(model, mesh) / held_params(model, mesh.sizes)
+        loop_bytes = ZERO1_LOOP_BYTES if micro > 1 and p > ZERO1_LOOP_BYTES else None
+        params, optimizer = kept * p, optimizer_state_bytes(train) * kept
+        # with one microbatch XLA:TPU casts the float32 parameters to the compute dtype before their gather (llama2-7b
+        # on v5p-32, data 4 x fsdp 4, B 2, remat full: bf16[1024,32,11008] gathered from the float32 state, 11.42 GiB
+        # per device compiled, 11.33 analytical); XLA:GPU gathers them in float32 (llama3-8b on b200-8, data 8, B 2:
+        # f32[4096,32,14336])
+        gathered = local_params * (loop_bytes or (min(c, p) if platform == "tpu" else p))
+        # with one microbatch the gradients are reduce-scattered layer by layer as the backward makes them (the step
+        # constrains them to the state's split), so only the split ones live; with accumulation the microbatch's
+        # and the accumulator's keep the model's split (MaxText's carry), bfloat16
+        gradients = local_grads * loop_bytes if micro > 1 and loop_bytes else kept * gradient_bytes(train)
+        accumulator = local_grads * loop_bytes if micro > 1 and loop_bytes else accumulator
+        update_gradients = kept * (loop_bytes or gradient_bytes(train))  # reduce-scattered to the state's split
+        state_per_param = (params + optimizer + gradients + accumulator + gathered) / local_params
     if not STATE_DONATED:
         params, optimizer = 2 * params, 2 * optimizer
     # state in pinned host memory between steps: the parameters come to HBM for the whole step (the forward and
@@ -283,8 +309,9 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
             params=params, optimizer=optimizer, gradients=gradients, grad_accumulator=accumulator,
             activations=activations, saved_copy=saved_copy, logits=logits, temporaries=temporaries,
             optimizer_temporaries=(GPU_OPTIMIZER_GRADIENT_COPIES if platform == "gpu" else OPTIMIZER_GRADIENT_COPIES)
-            * gradients, hbm_bytes=hbm_bytes, host_offload=host_offload,
+            * update_gradients, hbm_bytes=hbm_bytes, host_offload=host_offload,
             host_state=host_state, optimizer_staged=optimizer_staged, fp8_state=fp8_state_bytes(model, train),
+            gathered_params=gathered,
             state_blocks=tuple((k, n * state_per_param) for k, n in params_per_block(model, mesh).items()),
             activation_blocks=(("experts", parts["mlp"] if moe else 0.0),
                                ("attention", parts["attention"]),

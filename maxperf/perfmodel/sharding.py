@@ -3,6 +3,7 @@ models part shards its arrays by) and the model's parameter arrays (maxperf.spec
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from maxperf.spec.memo import model_memo
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.params import ParamArray, param_arrays  # noqa: F401 (perfmodel's users read them here too)
+from maxperf.spec.params import mtp_arrays, stage_share
 from maxperf.spec.train import micro_batch
 
 # Mesh axes that split the weights for storage only: they split the batch (fsdp, fsdp_transpose, expert) or the
@@ -45,6 +47,29 @@ def gather_axes(arrays: Iterable[ParamArray], mesh: Mesh) -> tuple[str, ...]:
 def held(x: ParamArray, mesh: Mesh) -> float:
     """Elements of one such array on one device."""
     return local_size(x.shape, x.logical, mesh.axes)
+
+
+def over_data_share(x: ParamArray, mesh: Mesh) -> float:
+    """The share of its shard one device keeps of an array under ZeRO-1 (shard_optimizer_over_data;
+    spec.logical_axes.over_data): 1 / data where `data` divides the local size of one of its dimensions that `tensor`
+    does not split (a stacked array's layer axis among them), else 1."""
+    data = mesh.axes.get("data", 1)
+    if data == 1:
+        return 1.0
+    axes = mesh.axes
+    for n, entry in zip(x.shape, mesh_axes_for(x.shape, x.logical, axes)):
+        named = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        if "tensor" not in named and (n // math.prod(axes[a] for a in named)) % data == 0:
+            return 1 / data
+    return 1 / data if x.count > 1 and x.count % data == 0 else 1.0
+
+
+def zero1_params_per_device(model: ModelConfig, mesh: Mesh) -> float:
+    """Parameters one device keeps in the train state under ZeRO-1 (and optimizer moments alike): each array's
+    shard (a pipeline stage's share of the layers) over `data` too where it divides (over_data_share)."""
+    return (sum(x.count * held(x, mesh) * stage_share(x, mesh.axes) * over_data_share(x, mesh)
+                for x in param_arrays(model))
+            + sum(x.count * held(x, mesh) * over_data_share(x, mesh) for x in mtp_arrays(model)))
 
 
 def held_gathered(x: ParamArray, mesh: Mesh) -> float:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 STATE_PARTS = ("params", "optimizer", "grad_accumulator", "optimizer_staged")
 PHASE_PARTS = {  # as perfmodel.memory.MemoryBreakdown.phases adds them
-    "loss": ("gradients", "activations", "saved_copy", "logits"),
-    "backward": ("gradients", "activations", "temporaries"),
+    "loss": ("gradients", "gathered_params", "activations", "saved_copy", "logits"),
+    "backward": ("gradients", "gathered_params", "activations", "temporaries"),
     "optimizer": ("gradients", "optimizer_temporaries"),
 }
-ANALYTICAL_PARTS = STATE_PARTS + ("gradients", "activations", "saved_copy", "logits", "temporaries",
-                                  "optimizer_temporaries")
+ANALYTICAL_PARTS = STATE_PARTS + ("gradients", "gathered_params", "activations", "saved_copy", "logits",
+                                  "temporaries", "optimizer_temporaries")
 
 
 def phase_total(memory: dict, phase: str) -> float:

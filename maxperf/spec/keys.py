@@ -116,6 +116,7 @@ MEANINGS = {
     "sa_use_fused_bwd_kernel": "splash's backward as one kernel instead of two", "num_vocab_tiling": "the loss over "
     "this many chunks of the tokens (no whole logits)", "optimizer_memory_host_offload": "the optimizer state in host "
     "memory between steps", "parameter_memory_host_offload": "the parameters in host memory between steps",
+    "shard_optimizer_over_data": "ZeRO-1: the optimizer state and parameters split over data too",
     "scan_layers": "the layers as one scanned stack", "param_scan_axis": "where a scanned weight's layer axis sits",
     "capacity_factor": "MoE: each expert's capacity (-1: dropless)", "sparse_matmul": "MoE: dropless sorted dispatch "
     "(false: dense einsums)", "megablox": "MoE on TPU: the megablox grouped-matmul kernel",

@@ -82,6 +82,23 @@ def mesh_axes_for(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Mappin
     return _assign(shape, logical, mesh_sizes)[0]
 
 
+def over_data(shape: Sequence[int], entries: Sequence, mesh_sizes: Mapping[str, int]) -> tuple:
+    """MaxText's ZeRO-1 placement (shard_optimizer_over_data; its sharding.add_data_to_sharding): the PartitionSpec
+    entries of an array of `shape` placed by `entries`, with `data` put before the axes of the first dimension whose
+    local size it divides and that `tensor` does not split; `entries` as they are where `data` has one device,
+    already splits a dimension, or divides none."""
+    data = mesh_sizes.get("data", 1)
+    entries = tuple(entries) + (None,) * (len(shape) - len(entries))
+    named = [(e,) if isinstance(e, str) else tuple(e or ()) for e in entries]
+    if data == 1 or any("data" in axes for axes in named):
+        return entries
+    for i, (n, axes) in enumerate(zip(shape, named)):
+        local = n // math.prod(mesh_sizes.get(a, 1) for a in axes)
+        if local % data == 0 and "tensor" not in axes:
+            return (*entries[:i], ("data", *axes), *entries[i + 1:])
+    return entries
+
+
 def undivided_axes(shape: Sequence[int], logical: LogicalAxes, mesh_sizes: Mapping[str, int]) -> list[tuple[int, str]]:
     """(dimension, mesh axis) for each mesh axis over 1 that a rule names for a dimension but that is left out
     because it does not divide the dimension (with the axes chosen before it): the dimension is replicated along it."""

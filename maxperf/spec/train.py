@@ -123,6 +123,12 @@ class TrainConfig:
     # moves them to the device for the update (the parameters for the forward too) and back
     optimizer_memory_host_offload: bool = False
     parameter_memory_host_offload: bool = False
+    # MaxText's key (ZeRO-1; Megatron's distributed optimizer): the optimizer state and the float32 parameters split
+    # over the `data` axis as well (its first dimension that `data` divides and `tensor` does not split); the step
+    # gathers the parameters back over `data` for the forward (in bfloat16, once before the loop, under gradient
+    # accumulation, whose gradients are then bfloat16 too) and reduce-scatters the gradients to the update's split.
+    # No effect where `data` has one device.
+    shard_optimizer_over_data: bool = False
     scan_layers: bool = True
     # MaxText's key and default: the layer axis of scanned weights sits second ([D, N, ...]), not first
     param_scan_axis: int = 1
