@@ -106,18 +106,20 @@ def test_the_bench_runs_and_reports_its_held_out_errors(tmp_path):
 
 @pytest.mark.slow
 def test_a_published_run_the_analytical_memory_rejects_is_compiled_for_the_compilers_verdict(tmp_path):
-    """MosaicML's MPT-1B without activation checkpointing on 8 A100s: the analytical memory says it does not fit;
-    `--compile-misfits` compiles the same step and prints XLA's verdict beside it (it does not fit there either)."""
+    """NVIDIA's Llama 3 70B in FP8 on 64 H100s, 8 pipeline stages of 5 virtual stages and 64 microbatches: the
+    analytical memory says it does not fit (MaxText's pipeline keeps every microbatch's activations, where Megatron's
+    interleaved schedule keeps about a stage count's); `--compile-misfits` compiles the same step and prints XLA's
+    verdict beside it (it does not fit there either)."""
+    row = "nemo-dgx-h100-llama3-70b-fp8-cs-64gpu"
     out = tmp_path / "published.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--no-fit", "--only", "mpt-a100-1b-L2048-8gpu",
-                           "--compile-misfits", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(BENCH), "--no-fit", "--only", row, "--compile-misfits", "--json",
+                           str(out)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    line = next(x for x in proc.stdout.splitlines()
-                if x.strip().startswith("mpt-a100-1b-L2048-8gpu") and "compiler" in x)
+    line = next(x for x in proc.stdout.splitlines() if x.strip().startswith(row) and "compiler" in x)
     analytical, compiler = (float(x) for x in re.findall(r"(?:analytical|compiler)\s+([\d.]+)", line))
-    assert line.endswith("does not fit") and compiler > 79.26 and analytical > 79.26, line
+    assert line.endswith("does not fit") and compiler > 79.11 and analytical > 79.11, line
     assert "the compiler agrees on 1 of 1" in proc.stdout
-    assert json.loads(out.read_text())["rows"]["mpt-a100-1b-L2048-8gpu"]["compiler_fits"] is False
+    assert json.loads(out.read_text())["rows"][row]["compiler_fits"] is False
 
 
 @pytest.mark.slow
