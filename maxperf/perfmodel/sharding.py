@@ -12,8 +12,12 @@ from maxperf.spec.logical_axes import local_size, mesh_axes_for, split
 from maxperf.spec.memo import model_memo
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
-from maxperf.spec.params import ParamArray, param_arrays  # noqa: F401 (perfmodel's users read them here too)
-from maxperf.spec.params import mtp_arrays, stage_share
+from maxperf.spec.params import (  # noqa: F401 (perfmodel's users read ParamArray and param_arrays here too)
+    ParamArray,
+    mtp_arrays,
+    param_arrays,
+    stage_share,
+)
 from maxperf.spec.train import micro_batch
 
 # Mesh axes that split the weights for storage only: they split the batch (fsdp, fsdp_transpose, expert) or the
