@@ -240,17 +240,17 @@ def make_train_step(model: ModelConfig, train: TrainConfig) -> Callable[[dict, d
 
             return jax.tree.map(one, tree, md.logical_axes)
 
+        # state offloaded to pinned host memory (MaxText's *_memory_host_offload) comes to the device where the step
+        # needs it, the parameters for the forward, the optimizer state for the update (as in MaxText's train_step);
+        # the out shardings send the updated state back
+        if train.parameter_memory_host_offload:
+            params = jax.device_put(params, jax.memory.Space.Device)
         # ZeRO-1: the state's parameters are split over `data` too; the forward and backward take them gathered back
         # to the model's own split, in bfloat16 under accumulation, once before its loop (MaxText's
         # gradient_accumulation_loss_and_grad)
         cast = zero1 is not None and A > 1
         grad_params = split(jax.tree.map(lambda p: p.astype(jnp.bfloat16) if cast and p.dtype == jnp.float32 else p,
                                          params))
-        # state offloaded to pinned host memory (MaxText's *_memory_host_offload) comes to the device where the step
-        # needs it, the parameters for the forward, the optimizer state for the update (as in MaxText's train_step);
-        # the out shardings send the updated state back
-        if train.parameter_memory_host_offload:
-            params = jax.device_put(params, jax.memory.Space.Device)
         key = quantization.step_key(train, state["step"])  # int8's stochastic rounding; None without it
         meta = state.get("fp8")  # a delayed FP8 recipe's scales and histories; None without one
         if A == 1:
