@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from models_util import tiny
+from models_util import tiny, two_step_losses
 
 from maxperf import perfmodel
 from maxperf.models import train_step
@@ -19,7 +19,7 @@ from maxperf.perfmodel import saved as perf_saved
 from maxperf.perfmodel.sharding import activation_split, gather_axes, gathered_size, param_arrays
 from maxperf.spec import overrides, presets
 from maxperf.spec.errors import MaxperfError
-from maxperf.spec.logical_axes import MESH_AXES, RULES, mesh_axes_for
+from maxperf.spec.logical_axes import MESH_AXES, RULES, mesh_axes_for, over_data
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.request import resolve
 from maxperf.spec.train import TrainConfig
@@ -300,7 +300,6 @@ def test_a_mesh_written_before_fsdp_transpose_and_stage_existed_still_reads():
     ((6, 12), (None, "tensor"), {"data": 8, "tensor": 2}, (None, "tensor")),
 ])
 def test_zero1_puts_data_where_maxtext_adds_it(shape, entries, sizes, expected):
-    from maxperf.spec.logical_axes import over_data
     assert over_data(shape, entries, sizes) == expected
 
 
@@ -314,7 +313,6 @@ def test_zero1_state_is_split_over_data_and_a_step_runs_as_the_plain_one():
     assert plain.state_shardings["params"]["embed"]["table_VxD"].spec == P(None, "fsdp")
     mu = zero1.state_shardings["opt_state"]
     assert any("data" in jax.tree.leaves(tuple(s.spec)) for s in jax.tree.leaves(mu))
-    from models_util import two_step_losses
     batch = jax.device_get(train_step.synthetic_batch(plain, seed=5))
     np.testing.assert_allclose(two_step_losses(zero1, batch), two_step_losses(plain, batch), rtol=1e-6)
 
@@ -324,7 +322,6 @@ def test_zero1_with_accumulation_gathers_bfloat16_parameters_and_learns_as_the_p
     words = ("ici_data_parallelism=4", "ici_fsdp_parallelism=2", "per_device_batch_size=1", "grad_accum_steps=2")
     _, plain = tiny(*words)
     _, zero1 = tiny(*words, "shard_optimizer_over_data=true")
-    from models_util import two_step_losses
     batch = jax.device_get(train_step.synthetic_batch(plain, seed=5))
     # the forward in bfloat16 weights (the float32 state cast before the loop, as MaxText's): close, not equal
     first, second = two_step_losses(zero1, batch)

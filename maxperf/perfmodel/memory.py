@@ -41,6 +41,23 @@ PIPELINE_BUFFER_COPIES = 2
 # ZeRO-1 under gradient accumulation: the float32 parameters gathered for the loop in bfloat16 (MaxText's
 # gradient_accumulation_loss_and_grad), so the microbatches' gradients and their sum are bfloat16 too.
 ZERO1_LOOP_BYTES = 2
+
+
+def zero1_loop_bytes(train: TrainConfig) -> int | None:
+    """ZeRO-1's element size for the parameters, gradients and accumulator of an accumulation loop (ZERO1_LOOP_BYTES,
+    where the parameters are wider); None without accumulation."""
+    p = DTYPE_BYTES[train.param_dtype]
+    return ZERO1_LOOP_BYTES if train.grad_accum_steps > 1 and p > ZERO1_LOOP_BYTES else None
+
+
+def zero1_gathered_bytes(train: TrainConfig, platform: str) -> int:
+    """The element size in which ZeRO-1 gathers the parameters back over `data`: the loop's under accumulation;
+    with one microbatch XLA:TPU casts the float32 parameters to the compute dtype before their gather (llama2-7b on
+    v5p-32, data 4 x fsdp 4, B 2, remat full: bf16[1024,32,11008] gathered from the float32 state, 11.42 GiB per
+    device compiled, 11.33 analytical), XLA:GPU gathers them as they are (llama3-8b on b200-8, data 8, B 2:
+    f32[4096,32,14336])."""
+    c, p = DTYPE_BYTES[train.compute_dtype], DTYPE_BYTES[train.param_dtype]
+    return zero1_loop_bytes(train) or (min(c, p) if platform == "tpu" else p)
 # The train step donates the state, so the updated params and optimizer state reuse the input buffers.
 STATE_DONATED = True
 # Logits: the compute-dtype unembedding output; since the cross-entropy picks the target logit by a one-hot
@@ -251,18 +268,14 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
         # ZeRO-1: the state's parameters and moments split over `data` too; the step gathers the parameters back
         # (bfloat16 under accumulation, whose gradients and accumulator are then bfloat16 too: models/train_step.py)
         kept = local_params * zero1_params_per_device(model, mesh) / held_params(model, mesh.sizes)
-        loop_bytes = ZERO1_LOOP_BYTES if micro > 1 and p > ZERO1_LOOP_BYTES else None
+        loop_bytes = zero1_loop_bytes(train)
         params, optimizer = kept * p, optimizer_state_bytes(train) * kept
-        # with one microbatch XLA:TPU casts the float32 parameters to the compute dtype before their gather (llama2-7b
-        # on v5p-32, data 4 x fsdp 4, B 2, remat full: bf16[1024,32,11008] gathered from the float32 state, 11.42 GiB
-        # per device compiled, 11.33 analytical); XLA:GPU gathers them in float32 (llama3-8b on b200-8, data 8, B 2:
-        # f32[4096,32,14336])
-        gathered = local_params * (loop_bytes or (min(c, p) if platform == "tpu" else p))
+        gathered = local_params * zero1_gathered_bytes(train, platform)
         # with one microbatch the gradients are reduce-scattered layer by layer as the backward makes them (the step
         # constrains them to the state's split), so only the split ones live; with accumulation the microbatch's
         # and the accumulator's keep the model's split (MaxText's carry), bfloat16
-        gradients = local_grads * loop_bytes if micro > 1 and loop_bytes else kept * gradient_bytes(train)
-        accumulator = local_grads * loop_bytes if micro > 1 and loop_bytes else accumulator
+        gradients = local_grads * loop_bytes if loop_bytes else kept * gradient_bytes(train)
+        accumulator = local_grads * loop_bytes if loop_bytes else accumulator
         update_gradients = kept * (loop_bytes or gradient_bytes(train))  # reduce-scattered to the state's split
         state_per_param = (params + optimizer + gradients + accumulator + gathered) / local_params
     if not STATE_DONATED:

@@ -3,12 +3,11 @@ models part shards its arrays by) and the model's parameter arrays (maxperf.spec
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from maxperf.perfmodel.moe import moe_shape
-from maxperf.spec.logical_axes import local_size, mesh_axes_for, split
+from maxperf.spec.logical_axes import local_size, mesh_axes_for, over_data, split
 from maxperf.spec.memo import model_memo
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
@@ -60,11 +59,9 @@ def over_data_share(x: ParamArray, mesh: Mesh) -> float:
     data = mesh.axes.get("data", 1)
     if data == 1:
         return 1.0
-    axes = mesh.axes
-    for n, entry in zip(x.shape, mesh_axes_for(x.shape, x.logical, axes)):
-        named = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        if "tensor" not in named and (n // math.prod(axes[a] for a in named)) % data == 0:
-            return 1 / data
+    entries = tuple(mesh_axes_for(x.shape, x.logical, mesh.axes))
+    if over_data(x.shape, entries, mesh.axes) != entries:
+        return 1 / data
     return 1 / data if x.count > 1 and x.count % data == 0 else 1.0
 
 

@@ -28,7 +28,7 @@ from maxperf.perfmodel.flops import (
     layer_pairs,
     recomputed,
 )
-from maxperf.perfmodel.memory import ZERO1_LOOP_BYTES, params_per_device
+from maxperf.perfmodel.memory import params_per_device, zero1_gathered_bytes, zero1_loop_bytes
 from maxperf.perfmodel.moe import (
     LOAD_IMBALANCE,
     PERMUTE_PASSES,
@@ -304,11 +304,9 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
         # ZeRO-1: the gradients reduce-scattered over `data` to the state's split, the updated parameters gathered
         # back for the next step's forward (in bfloat16 under accumulation, whose gradients are bfloat16 too, and on
         # TPUs, whose compiler casts before the gather: perfmodel.memory), once a step each, as the all-reduce
-        loop = train.grad_accum_steps > 1 and p > ZERO1_LOOP_BYTES
         pieces = reduced_arrays(model, train.scan_layers)
-        reduced = ZERO1_LOOP_BYTES if loop else p
-        gathered = ZERO1_LOOP_BYTES if loop else min(c, p) if table.chip.kind == "tpu" else p
-        for kind, nbytes in (("reduce-scatter", reduced), ("all-gather", gathered)):
+        reduced = zero1_loop_bytes(train) or p
+        for kind, nbytes in (("reduce-scatter", reduced), ("all-gather", zero1_gathered_bytes(train, table.chip.kind))):
             _collective(table, "data " + kind, kind, local_params * nbytes, ("data",), nets, 1, overlap.data, pieces)
     elif mesh.axes["data"] > 1:
         # gradients are replicated across `data`: one all-reduce of this device's gradient shard per step
