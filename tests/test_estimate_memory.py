@@ -231,12 +231,6 @@ RECORDED_COMPILES = [
     # expert parallelism: the experts' backward over the dropless receive buffer's rows
     ("qwen3-235b-a22b", "v5p-256", [*LLAMA_4, "per_device_batch_size=2", "remat_policy=full", "attention=flash",
                                     "ici_expert_parallelism=16"], 36065454304),
-    # ZeRO-1 (shard_optimizer_over_data): the state split over data too, the parameters gathered back (in bfloat16:
-    # libtpu casts before the gather, and the accumulation loop takes them so)
-    *(("llama2-7b", "v5p-32", [*LLAMA_4, "per_device_batch_size=2", f"grad_accum_steps={ga}", "remat_policy=full",
-                               "attention=flash", "ici_data_parallelism=4", "ici_fsdp_parallelism=4",
-                               "shard_optimizer_over_data=true"], compiled)
-      for ga, compiled in ((1, 2899662528), (4, 3514161344))),
     # TPU7x: libtpu takes the vocabulary table's gradient after the backward scan (working.LATE_TABLE_GRADIENT_CHIPS)
     ("llama2-7b", "tpu7x-128", [*LLAMA_4, "per_device_batch_size=2", "ici_fsdp_parallelism=128", "remat_policy=full",
                                 "attention=flash"], 1787093696),

@@ -353,7 +353,7 @@ def test_zero1_reduce_scatters_the_gradients_and_gathers_the_parameters_over_dat
     train = TrainConfig(per_device_batch_size=1, seq_len=128)
 
     def data_rows(train):
-        e = estimate(Request.of(topo, LLAMA, train, {"data": 4, "fsdp": 4}, {"data": 4}))
+        e = estimate(Request.of(topo, LLAMA, train, {"data": 4, "tensor": 4}, {"data": 4}))
         return {r.name: r for r in e.breakdown if r.name.startswith("data ")}
 
     plain, zero1 = data_rows(train), data_rows(replace(train, shard_optimizer_over_data=True))

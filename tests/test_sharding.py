@@ -305,21 +305,27 @@ def test_zero1_puts_data_where_maxtext_adds_it(shape, entries, sizes, expected):
 
 def test_zero1_state_is_split_over_data_and_a_step_runs_as_the_plain_one():
     # MaxText's shard_optimizer_over_data: parameters and moments split over data too, the step's loss unchanged
-    words = ("ici_data_parallelism=4", "ici_fsdp_parallelism=2")
+    words = ("ici_data_parallelism=8", "ici_fsdp_parallelism=1")
     _, plain = tiny(*words)
     _, zero1 = tiny(*words, "shard_optimizer_over_data=true")
     table = zero1.state_shardings["params"]["embed"]["table_VxD"].spec
     assert "data" in jax.tree.leaves(tuple(table))
-    assert plain.state_shardings["params"]["embed"]["table_VxD"].spec == P(None, "fsdp")
+    assert "data" not in jax.tree.leaves(tuple(plain.state_shardings["params"]["embed"]["table_VxD"].spec))
     mu = zero1.state_shardings["opt_state"]
     assert any("data" in jax.tree.leaves(tuple(s.spec)) for s in jax.tree.leaves(mu))
     batch = jax.device_get(train_step.synthetic_batch(plain, seed=5))
     np.testing.assert_allclose(two_step_losses(zero1, batch), two_step_losses(plain, batch), rtol=1e-6)
 
 
+def test_zero1_beside_fsdp_is_refused_as_maxtext_refuses_it():
+    with pytest.raises(MaxperfError, match="cannot be combined with FSDP, as in MaxText.*ici_fsdp"):
+        resolve("v5p-32", "llama2-7b", ["ici_data=4", "ici_fsdp=4", "shard_optimizer_over_data=true"])
+    assert resolve("v5p-32", "llama2-7b", ["ici_data=16", "shard_optimizer_over_data=true"]).mesh.axes["data"] == 16
+
+
 @pytest.mark.slow
 def test_zero1_with_accumulation_gathers_bfloat16_parameters_and_learns_as_the_plain_step():
-    words = ("ici_data_parallelism=4", "ici_fsdp_parallelism=2", "per_device_batch_size=1", "grad_accum_steps=2")
+    words = ("ici_data_parallelism=8", "ici_fsdp_parallelism=1", "per_device_batch_size=1", "grad_accum_steps=2")
     _, plain = tiny(*words)
     _, zero1 = tiny(*words, "shard_optimizer_over_data=true")
     batch = jax.device_get(train_step.synthetic_batch(plain, seed=5))

@@ -109,6 +109,7 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     configs, note = _pipelined_remat(configs, mesh)
     notes += (note,) if note else ()
     _check_context(configs, mesh)
+    _check_zero1(configs.train, mesh)
     if topo.platform == "gpu":
         fp8.check_blocks(configs.train.quantization, configs.model, mesh)
     return Request(topo, configs, mesh, notes + replication_warnings(configs, mesh)
@@ -194,6 +195,16 @@ def _check_context(configs: Configs, mesh: Mesh) -> None:
         raise MaxperfError("multi-token prediction shifts targets along the sequence, which "
                            "context_parallel_load_balance reorders: set context_parallel_load_balance=false with "
                            f"context parallelism ({cp})")
+
+
+def _check_zero1(train: TrainConfig, mesh: Mesh) -> None:
+    """ZeRO-1 splits the optimizer state over `data` on top of the parameters' own split; MaxText refuses it beside
+    FSDP (its config check: the gradients, split over fsdp, would meet moments split over data and fsdp)."""
+    fsdp = mesh.axes["fsdp"] * mesh.axes["fsdp_transpose"]
+    if train.shard_optimizer_over_data and fsdp > 1:
+        raise MaxperfError(f"shard_optimizer_over_data=true (ZeRO-1) cannot be combined with FSDP, as in MaxText: the "
+                           f"mesh has fsdp x fsdp_transpose = {fsdp}; set ici_fsdp and ici_fsdp_transpose (and their "
+                           "dcn_ counterparts) to 1, the devices over data, or shard_optimizer_over_data=false")
 
 
 def _fsdp_dividing_width(configs: Configs, mesh: Mesh) -> int | None:
