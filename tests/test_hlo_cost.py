@@ -231,6 +231,34 @@ ENTRY %main (a: {lhs}, k: bf16[32,128,4096]) -> {out} {{
     assert hlo_flops(text).convolution_flops == 2 * 2048 * 4096 * 32 * 128  # 32 matmuls, not 32 x 32
 
 
+def test_valid_window_pairs_match_enumerating_them():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        size_in, size_kernel, size_out = (int(v) for v in rng.integers(1, 12, 3))
+        stride, lhs_dilate, rhs_dilate = (int(v) for v in rng.integers(1, 7, 3))
+        pad_low = int(rng.integers(0, 9))
+        last = (size_in - 1) * lhs_dilate
+        expected = sum(1 for o in range(size_out) for k in range(size_kernel)
+                       if 0 <= o * stride + k * rhs_dilate - pad_low <= last
+                       and (o * stride + k * rhs_dilate - pad_low) % lhs_dilate == 0)
+        assert hlo_cost._valid_window_pairs(size_in, size_kernel, size_out, stride, pad_low, lhs_dilate,
+                                            rhs_dilate) == expected
+
+
+def test_wide_base_dilated_batch_counts_one_pair_per_output_position():
+    # A grouped matmul's 81,920 tokens as a base-dilated window (gpt-oss-120b's MoE on TPU7x): one real input
+    # element per output position, counted without walking every (position, kernel element) pair.
+    text = """HloModule m
+
+ENTRY %main (a: bf16[81920,4,1], k: bf16[81920,4,2880]) -> bf16[81920,1,2880] {
+  %a = bf16[81920,4,1]{2,1,0} parameter(0)
+  %k = bf16[81920,4,2880]{2,1,0} parameter(1)
+  ROOT %c = bf16[81920,1,2880]{2,1,0} convolution(%a, %k), window={size=81920 stride=81919 lhs_dilate=81920}, dim_labels=0fb_0io->0fb
+}
+"""
+    assert hlo_flops(text).convolution_flops == 2 * 81920 * 2880 * 4
+
+
 def test_cublas_gemm_custom_call_uses_its_dot_dimensions():
     text = DOT.replace(
         "ROOT %dot.1 = f32[16,512]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
@@ -437,6 +465,21 @@ def test_splash_kernel_in_a_loop_body_keeps_the_loop_and_counts_its_flops(name, 
     assert cost.attention_kernel_flops == cost.custom_call_flops == kernel_flops
     assert cost.by_opcode[f"attention-kernel:{name}"] == kernel_flops
     assert cost.flops == cost.dot_flops + kernel_flops and cost.unhandled_custom_calls == {}
+
+
+def test_splash_forward_with_a_shrunk_block_mask_counts_the_grid_it_walks():
+    # a window shorter than a block: jax shrinks the forward's key blocks to one per query block, so 2 of the 3
+    # causal blocks are walked (and the window's mask is in the kernel's operands: s8[heads, q blocks, kv blocks])
+    kernel = (SPLASH.replace("NAME", "splash_mha_fwd_residuals")
+              .replace("RESULT", "(f32[2,8,32]{2,1,0}, f32[2,8,128]{2,1,0})")
+              .replace("BLOCK_Q", "block_q").replace("BLOCK_KV", "block_kv")
+              .replace('custom_call_target="tpu_custom_call",',
+                       'custom_call_target="tpu_custom_call", operand_layout_constraints={s8[1,2,1]{2,1,0}, '
+                       's8[1,2,1]{2,1,0}, f32[2,8,32]{2,1,0}},'))
+    text = WHILE_KNOWN.replace(KNOWN_TRIP_COUNT, "").replace("  %t = ", kernel + "  %t = ")
+    assert hlo_flops(text).attention_kernel_flops == 32 * 4 * 32 * 2 * (2 * 16)  # trips x 4 x Dh x heads x pairs
+    full = text.replace("s8[1,2,1]", "s8[1,2,2]")  # a causal mask's whole grid: the causal blocks alone count
+    assert hlo_flops(full).attention_kernel_flops == 32 * 4 * 32 * 2 * SPLASH_PAIRS
 
 
 TRITON = """  %q = f32[1,8,2,32]{3,2,1,0} bitcast(%h)

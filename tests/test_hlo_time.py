@@ -140,6 +140,50 @@ def test_a_tpu_collective_overlaps_the_work_before_its_first_use():
     assert early.exposed_s == pytest.approx(ag) and late.exposed_s == pytest.approx(max(ag - d1, 0.0))
 
 
+# The same gather handed to the SparseCores, as TPU7x's compiler does with FSDP's gathers: a start without operands,
+# an update passing it the shard (where it is issued), a done; and a layout change of a result on the SparseCores.
+SPARSECORE = """HloModule m, is_scheduled=true
+
+%gather_call (p: bf16[256,2048]) -> bf16[2048,2048] {
+  %p = bf16[256,2048]{1,0} parameter(0)
+  ROOT %ag.inner = bf16[2048,2048]{1,0} all-gather(%p), channel_id=7, replica_groups=GROUPS, dimensions={0}
+}
+
+%format_call (f: bf16[2048,2048]) -> bf16[2048,2048] {
+  %f = bf16[2048,2048]{1,0} parameter(0)
+  ROOT %c = bf16[2048,2048]{0,1} copy(%f)
+}
+
+ENTRY %main (x: bf16[2048,2048], w: bf16[2048,2048], g: bf16[256,2048]) -> bf16[2048,2048] {
+  %x = bf16[2048,2048]{1,0} parameter(0)
+  %w = bf16[2048,2048]{1,0} parameter(1)
+  %g = bf16[256,2048]{1,0} parameter(2)
+  %ag.call-start = ((), (), (s32[16]{0})) custom-call-start(), async_execution_thread="sparsecore", custom_call_target="sc", called_computations={%gather_call}
+  %ag.call-update = ((bf16[256,2048]{1,0}), bf16[2048,2048]{1,0}, (s32[16]{0})) custom-call-update(%ag.call-start, %g)
+  %fmt.call-start = ((), (), (s32[16]{0})) custom-call-start(), async_execution_thread="sparsecore", custom_call_target="sc", called_computations={%format_call}
+  %fmt.call-update = ((bf16[2048,2048]{1,0}), bf16[2048,2048]{0,1}, (s32[16]{0})) custom-call-update(%fmt.call-start, %x)
+  %fmt = bf16[2048,2048]{0,1} custom-call-done(%fmt.call-update)
+  %ag = bf16[2048,2048]{1,0} custom-call-done(%ag.call-update)
+  %d1 = bf16[2048,2048]{1,0} dot(%fmt, FIRST), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %d2 = bf16[2048,2048]{1,0} dot(%d1, SECOND), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_a_collective_on_the_sparsecores_is_priced_and_overlaps_until_its_first_use():
+    late = predict(SPARSECORE.replace("FIRST", "%w").replace("SECOND", "%ag").replace("GROUPS", EVERY_DEVICE),
+                   "tpu7x-16")
+    early = predict(SPARSECORE.replace("FIRST", "%ag").replace("SECOND", "%w").replace("GROUPS", EVERY_DEVICE),
+                    "tpu7x-16")
+    ag, fmt, d1, d2 = (seconds_of(late, n) for n in ("ag.call-update", "fmt.call-update", "d1", "d2"))
+    gathered = predict(LATE.replace("GROUPS", EVERY_DEVICE), "tpu7x-16")
+    assert ag == pytest.approx(seconds_of(gathered, "ag")) and ag > 0  # the collective its computation runs
+    assert fmt == pytest.approx(2 * 2 * 2048 * 2048 / chips.get("tpu7x").hbm_bandwidth)  # read and written
+    assert late.ici_s == pytest.approx(ag)
+    assert late.step_time_s == pytest.approx(max(ag, fmt + d1) + d2)
+    assert early.step_time_s == pytest.approx(max(ag, fmt) + d1 + d2)
+
+
 ASYNC = """HloModule m, is_scheduled=true
 
 ENTRY %main (x: bf16[2048,2048], w: bf16[2048,2048], g: bf16[256,2048]) -> bf16[2048,2048] {

@@ -63,6 +63,9 @@ _ATTENTION_KERNEL = re.compile(r"\b(splash_m[hq]a_(fwd|dq|dkv)\w*|mha_(forward|b
 _BLOCK = re.compile(r'\\?"(block_(?:q|kv|q_dq|kv_dq|q_dkv|kv_dkv))\\?": (\d+)')
 _GRID_X = re.compile(r"grid_x = (\d+)")
 _FLOAT_ARRAY = re.compile(r"^(?:bf16|f16|f32|f64|f8\w*)\[")
+# A splash kernel's block mask, the first integer array among its operands' layout constraints: [heads, q blocks,
+# kv blocks] of the grid it walks, whose kv (forward) extent jax shrinks to the most blocks any query block meets.
+_MASK_GRID = re.compile(r"operand_layout_constraints=\{s(?:8|16|32)\[(?:\d+,)*(\d+),(\d+)\]")
 _KERNEL_SUFFIX = re.compile(r"\.\d+$")
 _ATTENTION_KEY = "attention-kernel:"
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -424,14 +427,20 @@ def _valid_window_pairs(size_in: int, size_kernel: int, size_out: int, stride: i
         high = min(size_out - 1, (last - offset) // stride)
         if high < low:
             continue
-        if lhs_dilate == 1:
-            pairs += high - low + 1
-            continue
-        # o * stride mod lhs_dilate repeats with a period dividing lhs_dilate: find the hits in one period.
-        for first in range(low, min(high, low + lhs_dilate - 1) + 1):
-            if (first * stride + offset) % lhs_dilate == 0:
-                pairs += (high - first) // lhs_dilate + 1
+        pairs += high - low + 1 if lhs_dilate == 1 else _congruent_count(low, high, stride, offset, lhs_dilate)
     return pairs
+
+
+def _congruent_count(low: int, high: int, a: int, b: int, m: int) -> int:
+    """How many integers o in [low, high] have a * o + b divisible by m: a linear congruence, whose solutions, when
+    gcd(a, m) divides b, repeat every m / gcd(a, m)."""
+    g = math.gcd(a, m)
+    if b % g:
+        return 0
+    period = m // g
+    root = (-b // g) * pow(a // g, -1, period) % period if period > 1 else 0
+    first = low + (root - low) % period
+    return 0 if first > high else (high - first) // period + 1
 
 
 def _custom_call_flops(shape: str, rest: str, instrs: dict[str, tuple[str, str, str]]) -> float | None:
@@ -490,7 +499,9 @@ def attention_kernel(name: str, shape: str, rest: str, instrs: dict[str, tuple[s
     kernel (no matmul FLOPs). Pairs computed: the blocks a causal mask
     leaves visible, each whole (the kernels skip fully masked blocks only): splash's block sizes from the kernel's
     metadata, the Triton kernel's from its grid (forward) and jax's defaults (backward, 32). A sliding-window mask
-    skips more blocks than this count assumes.
+    skips more blocks than this count, as far as the grid of splash's block mask shows (jax shrinks the forward's
+    key blocks to the most any query block meets: two for a window shorter than a block); the blocks it skips inside
+    that grid are not seen.
     """
     kernel = _ATTENTION_KERNEL.search(rest) or _ATTENTION_KERNEL.search(name)
     if kernel is None:
@@ -515,7 +526,10 @@ def attention_kernel(name: str, shape: str, rest: str, instrs: dict[str, tuple[s
             bq, bk, per_pair = (Lq // int(grid.group(1)) if grid else 128), 128, 4
         else:
             bq, bk, per_pair = 32, 32, 14
-    return kernel.group(1), float(per_pair * Dh * heads * _causal_block_pairs(Lq, Lk, min(bq, Lq), min(bk, Lk)))
+    pairs = _causal_block_pairs(Lq, Lk, min(bq, Lq), min(bk, Lk))
+    if kernel.group(2) and (grid := _MASK_GRID.search(rest)):
+        pairs = min(pairs, int(grid.group(1)) * int(grid.group(2)) * min(bq, Lq) * min(bk, Lk))
+    return kernel.group(1), float(per_pair * Dh * heads * pairs)
 
 
 def _causal_block_pairs(Lq: int, Lk: int, bq: int, bk: int) -> int:

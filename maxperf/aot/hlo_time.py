@@ -20,7 +20,11 @@ How an instruction is costed, per execution (`OpTime`):
   topology's links (ICI torus or NVLink inside a slice or host, DCN or InfiniBand across), the group's devices
   mapped to mesh axes through the device assignment (partition i is the i-th device of the mesh);
 - asynchronous copies (copy-start / copy-done, and TPU's slice-start, dynamic-slice-start, ...): their bytes at
-  HBM bandwidth, or over the host link where one side is pinned host memory (S(5)).
+  HBM bandwidth, or over the host link where one side is pinned host memory (S(5));
+- work a TPU hands to its SparseCores (`custom-call-start` / `-update` / `-done` with
+  `async_execution_thread="sparsecore"`, TPU7x's default for FSDP gathers and gradient reduce-scatters, and the
+  layout changes they need): the collective its called computation runs, priced as above, or the bytes of the
+  layout change read and written at HBM bandwidth, issued where the update hands the SparseCore its operand.
 
 How instructions combine (`_Walker`): the schedule is the instruction order of each computation (the module is
 scheduled). Compute runs in order on one stream; a collective or an asynchronous copy runs on its own resource
@@ -93,6 +97,9 @@ _DONES = frozenset({f"{c}-done" for c in _STARTS.values()} | {"async-done", "fus
                                                                 "send-done"})
 _COLLECTIVE_DONES = frozenset(f"{c}-done" for c in _STARTS.values())
 _ASYNC_MEMORY = frozenset("copy-start slice-start dynamic-slice-start dynamic-update-slice-start".split())
+# Work handed to a TPU's SparseCores: a start (no operands), an update that passes it its operands (where the work
+# is issued) and a done.
+_OFFLOAD_START, _OFFLOAD_UPDATE, _OFFLOAD_DONE = "custom-call-start", "custom-call-update", "custom-call-done"
 _ATTENTION = "attention kernel"
 
 # A fixed cost per kernel a device launches, beside its work: an assumption. TPUs run the whole step as one
@@ -464,6 +471,8 @@ class _Walker:
                                    asynchronous=opcode in _STARTS or self.tpu_async, used=used)
         if opcode in _ASYNC_MEMORY:
             return self.async_copy(instrs, shape, rest, opcode)
+        if opcode == _OFFLOAD_UPDATE:
+            return self.offloaded(instrs, shape, rest)
         if opcode == "fusion" or opcode == "fusion-start":
             if opcode == "fusion-start" and len(parts := hlo_cost.tuple_elements(shape)) >= 2:
                 shape = parts[1]  # an async start's shape is (its operands, its result, a context): the result
@@ -591,6 +600,22 @@ class _Walker:
                         return "reduce-scatter", shape, rest, comp.instrs
                 return opcode, shape, rest, comp.instrs
         return None
+
+    def offloaded(self, instrs, shape: str, rest: str) -> _Cost:
+        """The work of a SparseCore call, issued by its update (`custom-call-update(start, operands...)`, shaped
+        (operands, result, context)): the collective its start's called computation runs, or else a layout change,
+        its result read and written over HBM."""
+        ops = hlo_cost.operands(rest)
+        start = instrs.get(ops[0]) if ops else None
+        called = next((names[0] for key, names in hlo_cost.callees(start[2]) if names), None) if start else None
+        inner = self.wrapped_collective(called) if called in self.comps else None
+        if inner is not None:
+            kind, inner_shape, inner_rest, inner_instrs = inner
+            return self.collective(inner_instrs, kind, inner_shape, inner_rest, asynchronous=True)
+        parts = hlo_cost.tuple_elements(shape)
+        moved = 2 * _bytes(parts[1] if len(parts) > 1 else shape)
+        return _Cost(moved / self.chip.hbm_bandwidth, "async copy", "hbm", nbytes=moved, resource="sparsecore",
+                     mode="issue")
 
     def async_copy(self, instrs, shape: str, rest: str, opcode: str = "copy-start") -> _Cost:
         """An asynchronous copy's bytes over the host link or HBM: a copy's whole operand, a dynamic-update-slice's
@@ -760,12 +785,13 @@ class _Walker:
             operands = hlo_cost.operands(rest) if "%" in rest else []
             arrived = max((ready.get(o, 0.0) for o in operands), default=0.0)
             origin[name] = origin.get(operands[0], operands[0]) if opcode in _FREE and operands else name
-            if opcode in _FREE:
+            if opcode in _FREE or opcode == _OFFLOAD_START:
                 if arrived:
                     ready[name] = arrived
                 continue
-            if opcode in _DONES:
-                if self.tpu_async and opcode in _COLLECTIVE_DONES:  # waited for where its result is first used
+            if opcode in _DONES or opcode == _OFFLOAD_DONE:
+                if self.tpu_async and (opcode in _COLLECTIVE_DONES or opcode == _OFFLOAD_DONE):  # waited for where
+                    # its result is first used
                     ready[name] = arrived
                     continue
                 t = max(t, arrived)
