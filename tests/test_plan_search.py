@@ -474,6 +474,11 @@ def test_plan_ties_use_the_chips_held_out_error_and_verification_proves_distinct
     # a chip measured on published runs none of which were fitted quotes that measure (bench/recipes.py's Trillium runs)
     assert work.uncertainty(get_chip("tpu-v6e"), work.SHIPPED).relative == work.UNFITTED_RUNS_ERROR["tpu-v6e"][0]
     assert work.uncertainty(get_chip("cpu"), work.SHIPPED) is None
+    # a mixture of experts on a TPU: what MaxText's MoE recipes measure, on any TPU
+    for name in ("tpu-v5p", "tpu-v6e", "tpu7x"):
+        assert work.uncertainty(get_chip(name), work.SHIPPED, moe=True).relative == work.UNFITTED_MOE_ERROR["tpu"][0]
+    assert work.uncertainty(get_chip("h100-sxm"), work.SHIPPED, moe=True) == work.uncertainty(get_chip("h100-sxm"),
+                                                                                               work.SHIPPED)
     a, b, c = _candidate(3.0, fsdp=32), _candidate(2.9, fsdp=32), _candidate(2.8, fsdp=16, tensor=2)
     b.remat_policy = "minimal"
     assert verify.distinct_layouts([a, b, c], [], 2) == [a, c]  # not two of the same mesh

@@ -19,7 +19,7 @@ def test_every_recipe_pastes_fits_and_is_summarized(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert len(rows) == 23
+    assert len(rows) == 30
     failed = {k: v for k, v in rows.items() if "error" not in v or isinstance(v["error"], str)}
     assert not failed, failed
     assert all(v["fits"] for v in rows.values()), [k for k, v in rows.items() if not v["fits"]]
@@ -36,6 +36,14 @@ def test_every_recipe_pastes_fits_and_is_summarized(tmp_path):
     assert (median, worst, signed) == pytest.approx(
         (v6e_summary["median"], v6e_summary["worst"], v6e_summary["median_signed"]), abs=0.0015)
     assert what.startswith(f"{len(v6e)} published tpu-recipes Trillium runs")
+    # and what an estimate of a mixture of experts on a TPU quotes is what the MoE rows measure
+    moe = [v["error"] for v in rows.values() if v["moe"]]
+    assert data["summary"]["MoE"]["n"] == len(moe) == 12
+    median, worst, signed, what = work.UNFITTED_MOE_ERROR["tpu"]
+    assert (median, worst, signed) == pytest.approx(
+        (data["summary"]["MoE"]["median"], data["summary"]["MoE"]["worst"], data["summary"]["MoE"]["median_signed"]),
+        abs=0.0015)
+    assert what.startswith(f"{len(moe)} published tpu-recipes mixture-of-experts runs")
     # the predictions are the model's, not echoes of the published figures
     assert all(v["predicted"] != v["published"] for v in rows.values())
-    assert "median" in proc.stdout and "23 of 23 rows estimated" in proc.stdout
+    assert "median" in proc.stdout and "30 of 30 rows estimated" in proc.stdout

@@ -164,5 +164,5 @@ def estimate(request: Request, *, overlap: Overlap | float | None = None,
         peaks_calibrated=chip.calibrated, chip_note=chip.note, overlap=overlap,
         calibration=cal.record() if cal is not None and chip.kind == "cpu" else None,
         notes=fallback_notes(topology, chip, cal), assumptions=time.assumptions,
-        uncertainty=uncertainty(chip, constants),
+        uncertainty=uncertainty(chip, constants, model.is_moe),
     )

@@ -118,6 +118,15 @@ UNFITTED_RUNS_ERROR = {
                                      "2026-11-28): the larger models (70B and up) predicted faster than they ran"),
 }
 
+# Mixtures of experts: no published run of one is among the fitted rows. On TPUs MaxText's MoE recipes measure them
+# (Mixtral on v6e, DeepSeek-V3 and Llama 4 on v5p, DeepSeek-V3, gpt-oss and Qwen3 on TPU7x): median and worst |error|,
+# median signed error and what they are. An estimate of a mixture of experts on a TPU quotes these.
+UNFITTED_MOE_ERROR = {
+    "tpu": (0.143, 0.419, 0.007, "12 published tpu-recipes mixture-of-experts runs on TPU v6e, v5p and TPU7x, none of "
+                                 "them fitted (bench/recipes.py, 2026-11-28): gpt-oss-120b on TPU7x predicted 42% "
+                                 "faster than it ran, DeepSeek-V3 on TPU7x 13% to 21% slower"),
+}
+
 
 @dataclass(frozen=True)
 class Uncertainty:
@@ -128,11 +137,16 @@ class Uncertainty:
     basis: str
 
 
-def uncertainty(chip: Chip, constants: Constants) -> Uncertainty | None:
-    """The held-out error of a step time on `chip` (HELD_OUT_ERROR); None for CPU devices, whose rates are measured
-    by `maxperf calibrate` rather than fitted to published runs."""
+def uncertainty(chip: Chip, constants: Constants, moe: bool = False) -> Uncertainty | None:
+    """The held-out error of a step time on `chip` (HELD_OUT_ERROR; a mixture of experts, `moe`, on a chip whose
+    MoE runs were measured: UNFITTED_MOE_ERROR); None for CPU devices, whose rates are measured by `maxperf
+    calibrate` rather than fitted to published runs."""
     if chip.kind == "cpu":
         return None
+    if moe and chip.kind in UNFITTED_MOE_ERROR:
+        median, worst, signed, what = UNFITTED_MOE_ERROR[chip.kind]
+        return Uncertainty(median, worst, f"{what}: median {median:.0%}, worst {worst:.0%}, median signed "
+                                          f"{signed:+.0%} of throughput")
     fitted = MATMUL_FRACTION_ORIGIN.get(chip.name) == "fitted" and constants.fraction(chip) == MATMUL_FRACTION.get(
         chip.name)
     if not fitted and chip.name in UNFITTED_RUNS_ERROR:

@@ -163,7 +163,7 @@ def search(req: PlanRequest, progress: Callable[[str], None] | None = None, marg
     estimator = _Estimator(found, device_for(topo, calibration), calibration, margin)
     for choice in found.meshes:
         estimator.mesh(choice)
-    held_out = uncertainty(estimator.chip, SHIPPED)
+    held_out = uncertainty(estimator.chip, SHIPPED, model.is_moe)
     result = SearchResult(req, model.name, topo.name, topo.platform, topo.num_devices, topo.chips, train0.seq_len,
                           found.rows, estimator.hbm, margin, found.fixed, found.candidates, 0.0,
                           tie=held_out.relative if held_out else 0.0)
