@@ -1,7 +1,7 @@
 """`maxperf estimate` on Google's published MaxText recipes, pasted as they are: throughput per device against the
 step each recipe's README logs. None of these rows is fitted on; they check the model where it was not tuned.
 
-    .venv/bin/python bench/recipes.py [--json FILE]
+    .venv/bin/python bench/recipes.py [--json FILE] [--hlo ROW,ROW...]
 
 Rows: bench/published/recipes.csv, one per tpu-recipes README (`training/trillium/*`, `training/v5p/*`) that logs a
 step: the topology and slices of its launch script, and the tuning parameters of the MaxText benchmark config that
@@ -63,6 +63,35 @@ def estimate(row: Row) -> tuple[int, dict, str]:
     return code, json.loads(out.getvalue()) if code == 0 else {}, err.getvalue()
 
 
+def hlo_step(row: Row, timeout: float) -> dict:
+    """`maxperf compile` of the row's command line in a process of its own (jax on its CPU backend, the environment's
+    LIBTPU_INIT_ARGS passed through: a recipe's XLA flags), into a temporary directory: the step time read from the
+    compiled program (estimate.json's hlo_time) beside the analytical one, or why there is none."""
+    import os
+    import subprocess
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory(prefix="maxperf-recipe-hlo-") as tmp:
+        start = time.time()
+        argv = [sys.executable, "-m", "maxperf.cli", "compile", "--json", "--out", f"{tmp}/artifact", "--model",
+                row.model, "--topology", row.topology, "--num-slices", str(row.num_slices), *row.words]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                                  env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        except subprocess.TimeoutExpired:
+            return {"error": f"compile over {timeout:.0f} s"}
+        path = Path(tmp) / "artifact" / "estimate.json"
+        if not path.is_file():
+            lines = [line for line in done.stderr.splitlines() if line.startswith("maxperf:")]
+            return {"error": (lines[-1] if lines else f"exit {done.returncode}")[:200]}
+        estimate = json.loads(path.read_text())
+        hlo = estimate["hlo_time"]
+        return {"hlo_step_time_s": hlo["step_time_s"], "analytical_step_time_s": estimate["step_time_s"],
+                "hlo_exposed_s": hlo["exposed_s"], "hlo_bottleneck": hlo["bottleneck"],
+                "wall_seconds": time.time() - start}
+
+
 def group(row: Row) -> str:
     return "TPU " + row.topology.split("-")[0]
 
@@ -79,9 +108,17 @@ def summary(errors: list[float]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="also write the per-row results and the summaries here")
+    ap.add_argument("--hlo", default="", metavar="ROWS",
+                    help="comma-separated row ids to compile too (minutes each), printing the step time read from the "
+                         "compiled program beside the analytical one; a recipe's XLA flags go in LIBTPU_INIT_ARGS")
+    ap.add_argument("--hlo-timeout", type=float, default=3600, help="seconds one row's compile may take")
     args = ap.parse_args(argv)
     args.json = outfile.checked(ap, args.json)
     rows, results = load_rows(), {}
+    hlo_ids = [h for h in args.hlo.split(",") if h]
+    unknown = sorted(set(hlo_ids) - {r.id for r in rows})
+    if unknown:
+        ap.error(f"--hlo: no such row: {', '.join(unknown)}")
     print(f"{'row':<44} {'topology':<11} {'published':>10} {'predicted':>10} {'error':>8}  fits")
     for row in rows:
         code, doc, err = estimate(row)
@@ -111,6 +148,25 @@ def main(argv: list[str] | None = None) -> dict:
     unfit = [k for k, v in ok.items() if not v["fits"]]
     print(f"{len(ok)} of {len(rows)} rows estimated; {len(unfit)} said not to fit"
           + (f" ({', '.join(unfit)})" if unfit else "") + (f"; failed: {', '.join(failed)}" if failed else ""))
+    if hlo_ids:
+        print("\nstep time read from the compiled program (maxperf.aot.hlo_time), rows compiled:")
+        print(f"{'row':<44} {'published s':>11} {'analytical':>10} {'from HLO':>9}  HLO error")
+        by_id = {r.id: r for r in rows}
+        for rid in hlo_ids:
+            if "group" not in results[rid]:
+                print(f"{rid:<44} not estimated: not compiled")
+                continue
+            read = hlo_step(by_id[rid], args.hlo_timeout)
+            results[rid]["hlo"] = read
+            if "error" in read:
+                print(f"{rid:<44} {read['error']}")
+                continue
+            # the published step: this row's analytical step scaled by its throughput error
+            r = results[rid]
+            published_s = read["analytical_step_time_s"] * r["predicted"] / r["published"]
+            read["error"] = published_s / read["hlo_step_time_s"] - 1
+            print(f"{rid:<44} {published_s:>11.2f} {read['analytical_step_time_s']:>10.2f} "
+                  f"{read['hlo_step_time_s']:>9.2f}  {read['error']:+.1%}")
     data = {"rows": results, "summary": summaries}
     if args.json:
         outfile.write(args.json, data)

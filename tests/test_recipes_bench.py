@@ -47,3 +47,18 @@ def test_every_recipe_pastes_fits_and_is_summarized(tmp_path):
     # the predictions are the model's, not echoes of the published figures
     assert all(v["predicted"] != v["published"] for v in rows.values())
     assert "median" in proc.stdout and "30 of 30 rows estimated" in proc.stdout
+
+
+def test_a_recipe_row_is_compiled_on_request_and_a_compile_that_fails_says_why(tmp_path):
+    # Trillium's Llama 3.1 8B recipe on v6e-8 (B 3, L 8192) needs 32.92 GiB of temporaries as compiled today, by
+    # MaxText 0.2.5's train_compile as by maxperf: the compiler's verdict comes back as the row's reading
+    out = tmp_path / "recipes.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--json", str(out), "--hlo", "trillium-llama3.1-8b-v6e-8"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    read = json.loads(out.read_text())["rows"]["trillium-llama3.1-8b-v6e-8"]["hlo"]
+    assert read["error"].startswith("maxperf: error: does not fit") and "32.00 GiB available" in read["error"]
+    assert "step time read from the compiled program" in proc.stdout
+    bad = subprocess.run([sys.executable, str(BENCH), "--hlo", "no-such-row"], capture_output=True, text=True,
+                         timeout=600)
+    assert bad.returncode == 2 and "no such row: no-such-row" in bad.stderr
