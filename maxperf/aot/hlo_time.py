@@ -82,10 +82,14 @@ _RHS_BATCH = re.compile(r"rhs_batch_dims=\{([\d,]*)\}")
 _RHS_CONTRACTING = re.compile(r"rhs_contracting_dims=\{([\d,]*)\}")
 _PARAMETER_NUMBER = re.compile(r"^\s*(\d+)\)")
 
-# Opcodes that move nothing and take no time: values renamed, tuples assembled, scheduling marks.
+# Work handed to a TPU's SparseCores: a start (no operands), an update that passes it its operands (where the work
+# is issued) and a done.
+_OFFLOAD_START, _OFFLOAD_UPDATE, _OFFLOAD_DONE = "custom-call-start", "custom-call-update", "custom-call-done"
+# Opcodes that move nothing and take no time: values renamed, tuples assembled, scheduling marks (and a SparseCore
+# call's start: its update issues the work).
 _FREE = frozenset(
     "parameter get-tuple-element tuple bitcast constant partition-id replica-id after-all add-dependency "
-    "opt-barrier domain get-dimension-size set-dimension-size".split())
+    f"opt-barrier domain get-dimension-size set-dimension-size {_OFFLOAD_START}".split())
 COLLECTIVES = frozenset("all-gather all-reduce reduce-scatter all-to-all collective-permute ragged-all-to-all "
                         "collective-broadcast".split())
 # Asynchronous pairs: the start issues the work, the done waits for it.
@@ -94,12 +98,10 @@ _STARTS = {f"{c}-start": c for c in ("all-gather", "all-reduce", "collective-per
 _DONES = frozenset({f"{c}-done" for c in _STARTS.values()} | {"async-done", "fusion-done", "copy-done",
                                                                 "slice-done", "dynamic-slice-done",
                                                                 "dynamic-update-slice-done", "recv-done",
-                                                                "send-done"})
-_COLLECTIVE_DONES = frozenset(f"{c}-done" for c in _STARTS.values())
+                                                                "send-done", _OFFLOAD_DONE})
+# The dones a TPU waits for only where their result is first used: its collectives' and its SparseCores' work
+_WAITED_WHERE_USED = frozenset({f"{c}-done" for c in _STARTS.values()} | {_OFFLOAD_DONE})
 _ASYNC_MEMORY = frozenset("copy-start slice-start dynamic-slice-start dynamic-update-slice-start".split())
-# Work handed to a TPU's SparseCores: a start (no operands), an update that passes it its operands (where the work
-# is issued) and a done.
-_OFFLOAD_START, _OFFLOAD_UPDATE, _OFFLOAD_DONE = "custom-call-start", "custom-call-update", "custom-call-done"
 _ATTENTION = "attention kernel"
 
 # A fixed cost per kernel a device launches, beside its work: an assumption. TPUs run the whole step as one
@@ -785,13 +787,12 @@ class _Walker:
             operands = hlo_cost.operands(rest) if "%" in rest else []
             arrived = max((ready.get(o, 0.0) for o in operands), default=0.0)
             origin[name] = origin.get(operands[0], operands[0]) if opcode in _FREE and operands else name
-            if opcode in _FREE or opcode == _OFFLOAD_START:
+            if opcode in _FREE:
                 if arrived:
                     ready[name] = arrived
                 continue
-            if opcode in _DONES or opcode == _OFFLOAD_DONE:
-                if self.tpu_async and (opcode in _COLLECTIVE_DONES or opcode == _OFFLOAD_DONE):  # waited for where
-                    # its result is first used
+            if opcode in _DONES:
+                if self.tpu_async and opcode in _WAITED_WHERE_USED:  # waited for where its result is first used
                     ready[name] = arrived
                     continue
                 t = max(t, arrived)
