@@ -79,6 +79,7 @@ from maxperf.spec.fp8 import recipe as fp8_recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
 import outfile  # noqa: E402
+from compiled import compile_and_read, run_cpu  # noqa: E402
 
 HERE = Path(__file__).resolve().parent / "published"
 ROOT = HERE.parent.parent
@@ -446,29 +447,21 @@ def held_out_errors(replay: Replay, rows: list[Row], pub: np.ndarray, start: Con
     return err
 
 
+def row_args(row: Row) -> list[str]:
+    """The row's request as `maxperf` arguments: its topology, model, slices and overrides."""
+    m = row.mapping
+    return ["--topology", m["topology"], "--model", m["maxperf_model"], "--num-slices", m["num_slices"],
+            *_overrides(row)]
+
+
 def row_command(row: Row, command: str, *extra: str) -> list[str]:
     """`maxperf COMMAND` of the row's request, as a process of its own runs it."""
-    m = row.mapping
-    return [sys.executable, "-m", "maxperf.cli", command, "--topology", m["topology"], "--model", m["maxperf_model"],
-            "--num-slices", m["num_slices"], *_overrides(row), *extra]
-
-
-def run_cpu(command: list[str], timeout: float):
-    """`command` in the repository root with jax on its CPU backend (it compiles for its topology without one)."""
-    import os
-    import subprocess
-
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    return [sys.executable, "-m", "maxperf.cli", command, *row_args(row), *extra]
 
 
 def hlo_steps(rows: list[Row], ids: list[str], timeout: float) -> dict[str, dict]:
-    """For each row of `ids`: `maxperf compile` of its request in a process of its own (into a temporary directory;
-    the compile cache keeps the program), and the HLO-derived and analytical step times its estimate.json holds;
-    or why there are none."""
-    import subprocess
-    import tempfile
-
+    """For each row of `ids`: `maxperf compile` of its request in a process of its own (compiled.compile_and_read),
+    and the HLO-derived and analytical step times its estimate.json holds; or why there are none."""
     out: dict[str, dict] = {}
     by_id = {r.id: r for r in rows}
     for rid in ids:
@@ -476,28 +469,19 @@ def hlo_steps(rows: list[Row], ids: list[str], timeout: float) -> dict[str, dict
         if row is None or row.reason:
             out[rid] = {"error": row.reason if row is not None else "no such row"}
             continue
-        with tempfile.TemporaryDirectory(prefix="maxperf-hlo-") as tmp:
-            start = time.time()
-            print(f"compiling {rid} ...", file=sys.stderr, flush=True)
-            try:
-                done = run_cpu(row_command(row, "compile", "--out", f"{tmp}/artifact", "--json"), timeout)
-            except subprocess.TimeoutExpired:
-                out[rid] = {"error": f"compile over {timeout:.0f} s"}
-                continue
-            estimate_path = Path(tmp) / "artifact" / "estimate.json"
-            if not estimate_path.is_file():
-                lines = [line for line in done.stderr.splitlines() if line.startswith("maxperf:")]
-                out[rid] = {"error": (lines[-1] if lines else f"exit {done.returncode}")[:160]}
-                continue
-            estimate = json.loads(estimate_path.read_text())
-            hlo = estimate["hlo_time"]
-            memory = json.loads((Path(tmp) / "artifact" / "memory.json").read_text())
-            out[rid] = {"hlo_step_time_s": hlo["step_time_s"], "analytical_step_time_s": estimate["step_time_s"],
-                        "compiled_fits": memory["per_device_total_bytes"] <= memory["hbm_bytes"],
-                        "hlo_bottleneck": hlo["bottleneck"], "hlo_exposed_s": hlo["exposed_s"],
-                        "costing_seconds": hlo["costing_seconds"], "wall_seconds": time.time() - start}
-            print(f"  {rid}: from the HLO {hlo['step_time_s']:.4g} s, analytical {estimate['step_time_s']:.4g} s "
-                  f"({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
+        print(f"compiling {rid} ...", file=sys.stderr, flush=True)
+        read = compile_and_read(row_args(row), timeout)
+        if "error" in read:
+            out[rid] = read
+            continue
+        estimate, memory = read["estimate"], read["memory"]
+        hlo = estimate["hlo_time"]
+        out[rid] = {"hlo_step_time_s": hlo["step_time_s"], "analytical_step_time_s": estimate["step_time_s"],
+                    "compiled_fits": memory["per_device_total_bytes"] <= memory["hbm_bytes"],
+                    "hlo_bottleneck": hlo["bottleneck"], "hlo_exposed_s": hlo["exposed_s"],
+                    "costing_seconds": hlo["costing_seconds"], "wall_seconds": read["wall_seconds"]}
+        print(f"  {rid}: from the HLO {hlo['step_time_s']:.4g} s, analytical {estimate['step_time_s']:.4g} s "
+              f"({read['wall_seconds']:.0f} s)", file=sys.stderr, flush=True)
     return out
 
 

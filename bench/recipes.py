@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
 import outfile  # noqa: E402
+from compiled import compile_and_read  # noqa: E402
 
 from maxperf import cli  # noqa: E402
 from maxperf.spec import presets  # noqa: E402
@@ -64,32 +65,18 @@ def estimate(row: Row) -> tuple[int, dict, str]:
 
 
 def hlo_step(row: Row, timeout: float) -> dict:
-    """`maxperf compile` of the row's command line in a process of its own (jax on its CPU backend, the environment's
-    LIBTPU_INIT_ARGS passed through: a recipe's XLA flags), into a temporary directory: the step time read from the
-    compiled program (estimate.json's hlo_time) beside the analytical one, or why there is none."""
-    import os
-    import subprocess
-    import tempfile
-    import time
-
-    with tempfile.TemporaryDirectory(prefix="maxperf-recipe-hlo-") as tmp:
-        start = time.time()
-        argv = [sys.executable, "-m", "maxperf.cli", "compile", "--json", "--out", f"{tmp}/artifact", "--model",
-                row.model, "--topology", row.topology, "--num-slices", str(row.num_slices), *row.words]
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                                  env={**os.environ, "JAX_PLATFORMS": "cpu"})
-        except subprocess.TimeoutExpired:
-            return {"error": f"compile over {timeout:.0f} s"}
-        path = Path(tmp) / "artifact" / "estimate.json"
-        if not path.is_file():
-            lines = [line for line in done.stderr.splitlines() if line.startswith("maxperf:")]
-            return {"error": (lines[-1] if lines else f"exit {done.returncode}")[:200]}
-        estimate = json.loads(path.read_text())
-        hlo = estimate["hlo_time"]
-        return {"hlo_step_time_s": hlo["step_time_s"], "analytical_step_time_s": estimate["step_time_s"],
-                "hlo_exposed_s": hlo["exposed_s"], "hlo_bottleneck": hlo["bottleneck"],
-                "wall_seconds": time.time() - start}
+    """`maxperf compile` of the row's command line in a process of its own (compiled.compile_and_read; the
+    environment's LIBTPU_INIT_ARGS passed through: a recipe's XLA flags): the step time read from the compiled program
+    (estimate.json's hlo_time) beside the analytical one, or why there is none."""
+    read = compile_and_read(["--model", row.model, "--topology", row.topology, "--num-slices", str(row.num_slices),
+                             *row.words], timeout)
+    if "error" in read:
+        return read
+    estimate = read["estimate"]
+    hlo = estimate["hlo_time"]
+    return {"hlo_step_time_s": hlo["step_time_s"], "analytical_step_time_s": estimate["step_time_s"],
+            "hlo_exposed_s": hlo["exposed_s"], "hlo_bottleneck": hlo["bottleneck"],
+            "wall_seconds": read["wall_seconds"]}
 
 
 def group(row: Row) -> str:

@@ -1,0 +1,40 @@
+"""A bench row's step compiled by `maxperf compile` in a process of its own, and what its artifact says: the
+benches that set the step time read from the compiled program beside the analytical one (bench/published.py --hlo,
+bench/recipes.py --hlo) compile through here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cpu(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """`command` in the repository root with jax on its CPU backend (it compiles for its topology without one); the
+    environment passes through (LIBTPU_INIT_ARGS: a recipe's XLA flags)."""
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def compile_and_read(args: list[str], timeout: float) -> dict:
+    """`maxperf compile ARGS` into a temporary directory (the compile cache keeps the program): its estimate.json
+    and memory.json, and the seconds it took; or {"error": why there are none} (the compiler's one line)."""
+    with tempfile.TemporaryDirectory(prefix="maxperf-bench-compile-") as tmp:
+        start = time.time()
+        try:
+            done = run_cpu([sys.executable, "-m", "maxperf.cli", "compile", *args, "--out", f"{tmp}/artifact",
+                            "--json"], timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"compile over {timeout:.0f} s"}
+        artifact = Path(tmp) / "artifact"
+        if not (artifact / "estimate.json").is_file():
+            lines = [line for line in done.stderr.splitlines() if line.startswith("maxperf:")]
+            return {"error": (lines[-1] if lines else f"exit {done.returncode}")[:160]}
+        return {"estimate": json.loads((artifact / "estimate.json").read_text()),
+                "memory": json.loads((artifact / "memory.json").read_text()), "wall_seconds": time.time() - start}
