@@ -4,6 +4,7 @@ bench/recipes.py --hlo) compile through here."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -13,6 +14,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a positive number of seconds (a compile's time limit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds, e.g. 1800")
+    return value
 
 
 def run_cpu(command: list[str], timeout: float) -> subprocess.CompletedProcess:

@@ -79,7 +79,7 @@ from maxperf.spec.fp8 import recipe as fp8_recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
 import outfile  # noqa: E402
-from compiled import compile_and_read, run_cpu  # noqa: E402
+from compiled import compile_and_read, run_cpu, seconds  # noqa: E402
 
 HERE = Path(__file__).resolve().parent / "published"
 ROOT = HERE.parent.parent
@@ -568,7 +568,7 @@ def main() -> int:
                     help="also compile the rows of HLO_ROWS (or --hlo-rows) and print the step time read from the "
                          "compiled program beside the analytical one (minutes per row; the compile cache keeps them)")
     ap.add_argument("--hlo-rows", default=",".join(HLO_ROWS), help="comma-separated row ids for --hlo")
-    ap.add_argument("--hlo-timeout", type=float, default=HLO_TIMEOUT_S, help="seconds one row's compile may take")
+    ap.add_argument("--hlo-timeout", type=seconds, default=HLO_TIMEOUT_S, help="seconds one row's compile may take")
     ap.add_argument("--compile-misfits", action="store_true",
                     help="compile the rows that ran as published but that the analytical memory says do not fit, "
                          "and print the compiler's verdict beside it (seconds to minutes per row)")

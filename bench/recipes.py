@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
 import outfile  # noqa: E402
-from compiled import compile_and_read  # noqa: E402
+from compiled import compile_and_read, seconds  # noqa: E402
 
 from maxperf import cli  # noqa: E402
 from maxperf.spec import presets  # noqa: E402
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hlo", default="", metavar="ROWS",
                     help="comma-separated row ids to compile too (minutes each), printing the step time read from the "
                          "compiled program beside the analytical one; a recipe's XLA flags go in LIBTPU_INIT_ARGS")
-    ap.add_argument("--hlo-timeout", type=float, default=3600, help="seconds one row's compile may take")
+    ap.add_argument("--hlo-timeout", type=seconds, default=3600, help="seconds one row's compile may take")
     args = ap.parse_args(argv)
     args.json = outfile.checked(ap, args.json)
     rows, results = load_rows(), {}

@@ -62,3 +62,6 @@ def test_a_recipe_row_is_compiled_on_request_and_a_compile_that_fails_says_why(t
     bad = subprocess.run([sys.executable, str(BENCH), "--hlo", "no-such-row"], capture_output=True, text=True,
                          timeout=600)
     assert bad.returncode == 2 and "no such row: no-such-row" in bad.stderr
+    bad = subprocess.run([sys.executable, str(BENCH), "--hlo-timeout", "-5"], capture_output=True, text=True,
+                         timeout=600)
+    assert bad.returncode == 2 and "give a positive number of seconds" in bad.stderr.strip().splitlines()[-1]
