@@ -144,21 +144,23 @@ def uncertainty(chip: Chip, constants: Constants, moe: bool = False) -> Uncertai
     if chip.kind == "cpu":
         return None
     if moe and chip.kind in UNFITTED_MOE_ERROR:
-        median, worst, signed, what = UNFITTED_MOE_ERROR[chip.kind]
-        return Uncertainty(median, worst, f"{what}: median {median:.0%}, worst {worst:.0%}, median signed "
-                                          f"{signed:+.0%} of throughput")
+        return _measured_on_unfitted_runs(*UNFITTED_MOE_ERROR[chip.kind])
     fitted = MATMUL_FRACTION_ORIGIN.get(chip.name) == "fitted" and constants.fraction(chip) == MATMUL_FRACTION.get(
         chip.name)
     if not fitted and chip.name in UNFITTED_RUNS_ERROR:
-        median, worst, signed, what = UNFITTED_RUNS_ERROR[chip.name]
-        return Uncertainty(median, worst, f"{what}: median {median:.0%}, worst {worst:.0%}, median signed "
-                                          f"{signed:+.0%} of throughput")
+        return _measured_on_unfitted_runs(*UNFITTED_RUNS_ERROR[chip.name])
     mode = "source" if fitted else "generation"
     median, worst = HELD_OUT_ERROR[mode]
     words = ("each source's published runs predicted by constants fitted without them" if fitted else
              f"each chip generation predicted by constants fitted without it ({chip.name}'s sustained rate is not "
              "fitted)")
     return Uncertainty(median, worst, f"{words}: median {median:.0%}, worst {worst:.0%} ({HELD_OUT_BASIS})")
+
+
+def _measured_on_unfitted_runs(median: float, worst: float, signed: float, what: str) -> Uncertainty:
+    """An uncertainty measured on published runs none of which was fitted (UNFITTED_RUNS_ERROR, UNFITTED_MOE_ERROR)."""
+    return Uncertainty(median, worst, f"{what}: median {median:.0%}, worst {worst:.0%}, median signed {signed:+.0%} "
+                                      "of throughput")
 
 
 @dataclass(frozen=True)
