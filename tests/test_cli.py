@@ -729,6 +729,50 @@ def test_maxtext_values_maxperf_does_not_compile_are_refused(capsys, word, line)
     assert code == 2 and line in err.strip().splitlines()[-1] and "Traceback" not in err
 
 
+def test_maxtext_keys_at_the_values_that_leave_them_off_paste_as_they_are(capsys):
+    """Keys of MaxText's base.yml that production command lines restate (Trillium's mixtral config: dropout off,
+    gradient_clipping_threshold=0, its model's decoder_block, a cloud logger) read as MaxText reads them: no dropout,
+    no clipping at a threshold of 0 (the step without clipping), the block the model has; the estimate is the one
+    without them."""
+    words = ["enable_dropout=False", "dropout_rate=0.0", "decoder_block=mixtral", "enable_checkpoint_cloud_logger=True",
+             "matmul_precision=default", "moe_mlpwo=remat", "num_slices=-1", "learning_rate_schedule_steps=-1",
+             "shardy=False", "learning_rate_final_fraction=0.1", "use_sft=False"]
+    base = ["estimate", "--json", "--model", "mixtral-8x7b", "--topology", "v5p-64"]
+    code, out, err = run_main(capsys, *base, *words)
+    assert code == 0, err
+    assert err.splitlines()[0] == (
+        "maxperf: note: MaxText's enable_dropout, dropout_rate, enable_checkpoint_cloud_logger, matmul_precision, "
+        "moe_mlpwo, num_slices, learning_rate_schedule_steps, use_sft change nothing of the step: ignored")
+    assert "shardy tune its own kernels" in err
+    code, plain, _ = run_main(capsys, *base)
+    assert json.loads(out)["step_time_s"] == json.loads(plain)["step_time_s"]
+    args = parse_args(build_parser(), ["estimate", "--model", "tiny", "--topology", "v5p-8",
+                                       "gradient_clipping_threshold=0", "gradient_accumulation_steps=2"])
+    assert resolve(args.topology, args.model, args.overrides).configs.train.grad_clip_norm is None
+    args = parse_args(build_parser(), ["estimate", "--model", "tiny", "--topology", "v5p-8",
+                                       "gradient_clipping_threshold=0.5"])
+    assert resolve(args.topology, args.model, args.overrides).configs.train.grad_clip_norm == 0.5
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["model_name=llama2-7b", "decoder_block=mixtral"],
+     "decoder_block=mixtral: MaxText builds llama2-7b with decoder_block=llama2"),
+    (["--model", "tiny", "decoder_block=llama2"], "decoder_block=llama2: tiny is not one of MaxText's model configs"),
+    (["--model", "tiny", "dropout_rate=0.1"], "dropout_rate=0.1: maxperf's steps have no dropout"),
+    (["--model", "tiny", "matmul_precision=highest"],
+     "matmul_precision=highest: maxperf builds MaxText's step at matmul_precision=default (its default) only"),
+    (["--model", "tiny", "num_slices=2", "compile_topology_num_slices=1"],
+     "compile_topology_num_slices=1 and num_slices=2 disagree"),
+])
+def test_maxtext_keys_maxperf_does_not_build_are_one_line_exit_2(capsys, argv, line):
+    try:
+        code = main(["estimate", "--topology", "v5p-8", *argv])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and line in err.strip().splitlines()[-1] and "Traceback" not in err, err
+
+
 def test_maxtexts_scaled_default_model_is_the_scaled_family(capsys):
     assert parse_args(build_parser(), ["estimate", "global_parameter_scale=8", "compile_topology=v5p-8"]).model == \
         "scaled-8"

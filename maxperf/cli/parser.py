@@ -22,7 +22,7 @@ from maxperf.cli import (
 )
 from maxperf.cli import compile as compile_command
 from maxperf.cli.common import print_error_document
-from maxperf.spec import maxtext_line
+from maxperf.spec import maxtext_line, presets
 from maxperf.spec.errors import MaxperfError
 
 DESCRIPTION = ("The `maxperf` command: parse, call the Python API, print. Exit codes: 0 ok, 1 failure, 2 bad input, "
@@ -93,6 +93,11 @@ def read_maxtext_words(command: argparse.ArgumentParser, args: argparse.Namespac
         command.error("the following arguments are required: --topology (or MaxText's compile_topology=)")
     if args.model is None and args.model_required:
         command.error("the following arguments are required: --model (or MaxText's model_name=)")
+    if line.decoder_block is not None:
+        try:
+            maxtext_line.check_decoder_block(line.decoder_block, presets.canonical(args.model or ""))
+        except MaxperfError as e:
+            command.error(str(e))
     args.overrides = list(line.overrides)
     if line.ignored and supervisor.CHILD not in os.environ:  # said once: by the process the user started
         print(f"maxperf: note: MaxText's {', '.join(line.ignored)} change nothing of the step: ignored",

@@ -35,13 +35,65 @@ RUN_KEYS = frozenset("""
     compiled_trainstep_file compile_topology_slice_type enable_data_shuffling max_train_steps save_final_checkpoint
     start_step_to_checkpoint checkpoint_storage_concurrent_gb checkpoint_storage_target_data_file_size_bytes
     grain_file_type output_dir
+    save_checkpoint_on_start save_checkpoint_on_completion max_num_checkpoints_to_keep checkpoint_todelete_subdir
+    enable_nnx pure_nnx pure_nnx_decoder check_vma max_checkify
+    checkpoint_todelete_full_path enable_orbax_v1 checkpoint_conversion_fn source_checkpoint_layout
+    colocated_python_checkpointing enable_autocheckpoint enable_multi_tier_checkpointing mtc_data_parallelism
+    enable_checkpoint_cloud_logger enable_wandb wandb_project_name wandb_run_name
+    use_chat_template chat_template_path chat_template tokenize_train_data tokenize_eval_data use_truncation
+    expansion_factor_real_data max_corpus_chars train_image_column eval_image_column default_prompt num_epoch
+    generate_padding_batch_train generate_padding_batch_eval hf_name hf_eval_split grain_train_mixture_config_path
+    grain_packing_type grain_per_worker_buffer_size grain_num_threads grain_prefetch_buffer_size
+    grain_worker_count_eval grain_per_worker_buffer_size_eval grain_ram_budget_mb grain_num_threads_eval
+    grain_prefetch_buffer_size_eval grain_data_source_max_workers grain_shuffle_buffer_size grain_use_elastic_iterator
+    colocated_python_data_input olmo_index_path olmo_path_remap_from olmo_path_remap_to olmo_apply_ngram_filter
+    eval_start_step abort_on_nan_loss abort_on_inf_loss write_estimator_result
+    jax_debug_log_modules log_config debug_sharding enable_tpu_profiling_options tpu_num_chips_to_profile_per_task
+    tpu_num_sparse_core_tiles_to_trace tpu_num_sparse_cores_to_trace managed_mldiagnostics
+    managed_mldiagnostics_on_demand_profiling managed_mldiagnostics_run_group managed_mldiagnostics_region
+    managed_mldiagnostics_storage_path dump_hlo dump_step dump_hlo_local_dir dump_hlo_delete_local_after
+    dump_hlo_gcs_dir dump_hlo_local_module_name dump_hlo_module_name dump_hlo_xla_flags dump_hlo_upload_all dump_jaxpr
+    dump_jaxpr_local_dir dump_jaxpr_delete_local_after dump_jaxpr_gcs_dir enable_jax_profiler jax_profiler_port
+    xprof_tpu_power_trace_level xprof_e2e_enable_fw_throttle_event xprof_e2e_enable_fw_power_level_event
+    xprof_e2e_enable_fw_thermal_event profile_power_events prometheus_port enable_gcp_goodput_metrics
+    enable_gcp_step_deviation_metrics report_heartbeat_metric_for_gcp_monitoring
+    heartbeat_reporting_interval_in_seconds report_performance_metric_for_gcp_monitoring
+    elastic_enabled elastic_backup_kind elastic_timeout_seconds elastic_max_retries elastic_min_slice_count
+    decode_sampling_strategy decode_sampling_nucleus_p decode_sampling_top_k decode_sampling_temperature
+    inference_microbenchmark_prefill_lengths inference_microbenchmark_stages inference_microbenchmark_loop_iters
+    inference_microbenchmark_log_file_path inference_metadata_file inference_server inference_benchmark_test
+    enable_model_warmup enable_llm_inference_pool autoregressive_decode_assert load_from_prefill_dir prefill_cache_dir
 """.split())
+# MaxText's dropout (configs/base.yml: dropout_rate 0.0 by default, enable_dropout true): maxperf's steps have none,
+# which is MaxText's step at dropout_rate=0 whatever enable_dropout says
+DROPOUT_RATE, DROPOUT_SWITCH = "dropout_rate", "enable_dropout"
+# MaxText's keys whose values at or below zero mean "off" or "the run's own" (configs/base.yml): no gradient clipping
+# at gradient_clipping_threshold <= 0, a schedule as long as the run (its `steps`) at learning_rate_schedule_steps=-1,
+# the slices found at run time at num_slices=-1
+CLIP_KEY, SCHEDULE_KEY, RUNTIME_SLICES_KEY = "gradient_clipping_threshold", "learning_rate_schedule_steps", "num_slices"
+# The decoder block MaxText's model config (configs/models/*.yml) sets for each preset it has; base.yml's default,
+# llama2, for its default model (maxperf's scaled family). `decoder_block=` restating it changes nothing.
+DECODER_BLOCKS = {
+    **dict.fromkeys(("llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3.1-8b", "llama3.1-70b",
+                     "llama3.1-405b", "llama3.3-70b", "llama3-405b"), "llama2"),
+    "mistral-7b": "mistral", "mixtral-8x7b": "mixtral", "mixtral-8x22b": "mixtral",
+    "gemma-2b": "gemma", "gemma-7b": "gemma", "gemma2-2b": "gemma2", "gemma2-9b": "gemma2", "gemma2-27b": "gemma2",
+    "gemma3-4b": "gemma3", "gemma3-12b": "gemma3", "gemma3-27b": "gemma3",
+    "qwen3-0.6b": "qwen3", "qwen3-8b": "qwen3", "qwen3-32b": "qwen3", "qwen3-30b-a3b": "qwen3_moe",
+    "qwen3-235b-a22b": "qwen3_moe", "gpt3-175b": "gpt3", "gpt-oss-20b": "gpt_oss", "gpt-oss-120b": "gpt_oss",
+    "deepseek-v2-lite": "deepseek", "deepseek-v3": "deepseek", "kimi-k2": "deepseek",
+    "llama4-scout-17b-16e": "llama4", "llama4-maverick-17b-128e": "llama4",
+}
+DECODER_BLOCK_KEY = "decoder_block"
 # MaxText's keys that tune how its own kernels and collectives run without changing the step's shapes, shardings or
 # (beyond rounding) its arithmetic: tokamax's splash scheduler, its cost hints and dq reduction, a max-logit estimate,
 # the tiles of local (sliding-window) layers, tokamax's grouped matmul and megablox's tiles, its sort's custom VJP,
 # two-stage FSDP all-gathers, how the device mesh is laid over the chips, random routing for benchmarks, the packed
 # segments cuDNN's attention is built for (max_segments_per_seq; maxperf's batches are unpacked), the MoE
-# combine's float32 sum (maxperf's sums in float32) and FP8 scale calibration. maxperf compiles jax's splash and
+# combine's float32 sum (maxperf's sums in float32) and FP8 scale calibration; splash's exponent and reciprocal
+# tricks, its megacore dkv split and which build of it runs, the local layers' splash settings, the grouped matmul's
+# second version, merged gating and ragged sort, the partitioner (Shardy) and how mesh axes are ordered and typed,
+# how many computations are in flight, and loop unrolling. maxperf compiles jax's splash and
 # megablox kernels and XLA's collectives as they come: these are accepted and named once as not reproduced.
 _TILES = [f"{w}_tile_{p}_{d}" for w in ("wi", "wo") for p in ("fwd", "dlhs", "drhs")
           for d in ("batch_seq", "embed_dim", "mlp_dim", "buffer_count")]
@@ -56,10 +108,31 @@ TUNING_KEYS = frozenset("""
     weight_quantization_calibration_method act_quantization_calibration_method bwd_quantization_calibration_method
     local_sa_block_q local_sa_block_kv local_sa_block_kv_compute local_sa_block_q_dkv local_sa_block_kv_dkv
     local_sa_block_kv_dkv_compute local_sa_block_q_dq local_sa_block_kv_dq
+    local_sa_use_fused_bwd_kernel local_sa_q_layout local_sa_k_layout local_sa_v_layout local_sa_fuse_reciprocal
+    local_sa_use_base2_exp sa_bwd_dkv_megacore sa_fuse_reciprocal sa_use_base2_exp use_jax_splash
+    use_gmm_v2 merge_gating_gmm use_ragged_sort shardy optimize_mesh_for_tpu_v6e remove_size_one_mesh_axis_from_type
+    max_inflight_computations force_unroll ring_scan_unroll
 """.split() + _TILES)
-# MaxText's switches of the experts' weights' sharding that maxperf compiles at MaxText's default only: at it they
-# change nothing; another value is refused (shard_exp_on_fsdp is a model key, ModelConfig.shard_exp_on_fsdp)
-DEFAULT_ONLY: dict[str, str] = {}
+# MaxText's switches of features maxperf's steps do not build, at the value (configs/base.yml's default) that leaves
+# each off: there they change nothing and are named once as ignored; another value is refused, one line. Matmuls at
+# XLA's default precision, activations in the compute dtype, no z-loss, plain pre-training (no SFT or DPO, no batch
+# ramp-up, no skipped steps), Adam without eps_root, no DiLoCo, no attention sinks or indexer beyond a model's own,
+# no multimodal encoders, and MaxText's cosine learning-rate schedule.
+DEFAULT_ONLY: dict[str, str] = {
+    "matmul_precision": "default", "activations_in_float32": "false", "z_loss_multiplier": "0", "use_sft": "false",
+    "use_dpo": "false", "enable_rampup_batch_size": "false", "skip_step_on_spikes": "false", "adam_eps_root": "0",
+    "enable_diloco": "false", "enable_streaming_diloco": "false", "use_multimodal": "false", "use_audio": "false",
+    "training_objective": "causal_lm", "lr_schedule_type": "cosine", "record_internal_nn_metrics": "0",
+    "use_ring_of_experts": "false", "use_batch_split_schedule": "false", "experimental_sa_quant_q_fp8": "false",
+    "experimental_sa_quant_k_fp8": "false", "use_qk_clip": "false", "shard_mode": "auto", "cast_logits_to_fp32": "true",
+    "use_post_attn_norm": "false", "use_post_ffw_norm": "false", "te_comm_gemm_overlap": "disabled",
+    # the pipeline's scans and gathers as maxperf's pipeline runs them (models/pipeline.py)
+    "scan_pipeline_iterations": "true", "scan_pipeline_repeats": "false", "scan_layers_per_stage": "false",
+    "set_remat_policy_on_layers_per_stage": "false", "pipeline_fsdp_ag_per_repeat": "false",
+    # remat_policy=custom's names of the experts' and MLA's tensors: maxperf recomputes them (MaxText's default)
+    **dict.fromkeys(("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo", "kv_proj", "query_wa_proj", "kv_wa_proj", "mla_q",
+                     "mla_kv"), "remat"),
+}
 # MaxText's keys and model configs that lay the weights out over fsdp and fsdp_transpose by rules of their own ("2D
 # FSDP"): the experts' use_2d_fsdp_sharding, and DeepSeek-V3's deepseek3-671b-2dfsdp, its model config with its own
 # logical-axis rules (configs/models/deepseek3-671b-2dfsdp.yml). Each device holds and gathers the same bytes by
@@ -83,6 +156,7 @@ class Line:
     ignored: tuple[str, ...] = ()
     untuned: tuple[str, ...] = ()  # TUNING_KEYS given
     layouts: tuple[str, ...] = ()  # LAYOUT_KEYS and LAYOUT_MODELS given (the model as its plain config)
+    decoder_block: str | None = None  # MaxText's decoder_block=, checked against the model's (check_decoder_block)
 
 
 def read(words: Sequence[str]) -> Line:
@@ -106,10 +180,25 @@ def read(words: Sequence[str]) -> Line:
             else:
                 ignored.append(key)
         elif key in DEFAULT_ONLY:
-            if value.strip().lower() != DEFAULT_ONLY[key]:
-                raise MaxperfError(f"{key}={value}: maxperf shards the experts' weights by MaxText's default rules "
-                                   f"only ({key}={DEFAULT_ONLY[key]})")
+            if not _same(value, DEFAULT_ONLY[key]):
+                raise MaxperfError(f"{key}={value}: maxperf builds MaxText's step at {key}={DEFAULT_ONLY[key]} (its "
+                                   "default) only")
             ignored.append(key)
+        elif key == DROPOUT_RATE:
+            if _number(key, value) != 0:
+                raise MaxperfError(f"{key}={value}: maxperf's steps have no dropout, as MaxText's at {key}=0 (its "
+                                   "default)")
+            ignored.append(key)
+        elif key == DROPOUT_SWITCH:  # moot at dropout_rate=0, the only rate maxperf takes
+            ignored.append(key)
+        elif key == CLIP_KEY and _number(key, value) <= 0:  # MaxText clips only above zero
+            overrides.append("grad_clip_norm=none")
+        elif key in (SCHEDULE_KEY, RUNTIME_SLICES_KEY) and _number(key, value) == -1:
+            ignored.append(key)
+        elif key == RUNTIME_SLICES_KEY:
+            found[key] = value
+        elif key == DECODER_BLOCK_KEY:
+            found[key] = value.strip().strip("'\"")
         elif key in (MODEL_KEY, SCALE_KEY, TOPOLOGY_KEY, SLICES_KEY):
             if key == MODEL_KEY and value in LAYOUT_MODELS:
                 layouts.append(f"{MODEL_KEY}={value}")
@@ -118,7 +207,37 @@ def read(words: Sequence[str]) -> Line:
         else:
             overrides.append(word)
     return Line(tuple(overrides), found.get(TOPOLOGY_KEY), _model(found), _slices(found), tuple(ignored),
-                tuple(untuned), tuple(layouts))
+                tuple(untuned), tuple(layouts), found.get(DECODER_BLOCK_KEY))
+
+
+def check_decoder_block(block: str, model: str) -> None:
+    """MaxText's `decoder_block=BLOCK` beside the model it builds: restating the model's own block changes nothing; any
+    other block is a MaxperfError, one line (maxperf builds each preset's block and no other)."""
+    own = DECODER_BLOCKS.get(model, "llama2" if model.startswith("scaled-") else None)
+    if own is None:
+        raise MaxperfError(f"{DECODER_BLOCK_KEY}={block}: {model} is not one of MaxText's model configs; maxperf builds "
+                           f"its own decoder block: leave {DECODER_BLOCK_KEY} out")
+    if block != own:
+        raise MaxperfError(f"{DECODER_BLOCK_KEY}={block}: MaxText builds {model} with {DECODER_BLOCK_KEY}={own}, and "
+                           f"maxperf builds each model's own block: leave {DECODER_BLOCK_KEY} out or give {own}")
+
+
+def _same(value: str, default: str) -> bool:
+    """Whether MaxText's `value` is `default` as its config reads it (True/true/1, 0/0.0, quoted or not)."""
+    text, default = value.strip().strip("'\"").lower(), default.lower()
+    words = {"true": "1", "false": "0"}
+    text, default = words.get(text, text), words.get(default, default)
+    try:
+        return float(text) == float(default)
+    except ValueError:
+        return text == default
+
+
+def _number(key: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise MaxperfError(f"{key}={value} is not valid; {key} takes a number") from None
 
 
 def _model(found: dict[str, str]) -> str | None:
@@ -143,7 +262,10 @@ def _model(found: dict[str, str]) -> str | None:
 
 
 def _slices(found: dict[str, str]) -> int | None:
-    value = found.get(SLICES_KEY)
+    value, runtime = found.get(SLICES_KEY), found.get(RUNTIME_SLICES_KEY)
+    if runtime is not None and value is not None and runtime != value:
+        raise MaxperfError(f"{SLICES_KEY}={value} and {RUNTIME_SLICES_KEY}={runtime} disagree: give one")
+    value = value if value is not None else runtime
     if value is None:
         return None
     if not value.isdigit() or int(value) < 1:

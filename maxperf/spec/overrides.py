@@ -25,6 +25,7 @@ ALIASES = {
     "adam_weight_decay": "weight_decay",
     "learning_rate_schedule_steps": "decay_steps",
     "cosine_learning_rate_final_fraction": "min_lr_ratio",
+    "learning_rate_final_fraction": "min_lr_ratio",  # its later name
     "init_weights_seed": "seed",
     "ici_data_parallelism": "ici_data",
     "ici_fsdp_parallelism": "ici_fsdp",
@@ -54,6 +55,7 @@ ALIASES = {
     "final_logits_soft_cap": "final_logit_softcap",
     "attn_logits_soft_cap": "attn_logit_softcap",
     "use_qk_norm": "qk_norm",
+    "attention_sink": "attention_sinks",
     "normalization_layer_epsilon": "norm_eps",
     "moe_mlp_dim": "base_moe_mlp_dim",
 }
