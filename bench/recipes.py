@@ -72,11 +72,12 @@ def hlo_step(row: Row, timeout: float) -> dict:
                              *row.words], timeout)
     if "error" in read:
         return read
-    estimate = read["estimate"]
+    estimate, memory = read["estimate"], read["memory"]
     hlo = estimate["hlo_time"]
     return {"hlo_step_time_s": hlo["step_time_s"], "analytical_step_time_s": estimate["step_time_s"],
             "hlo_exposed_s": hlo["exposed_s"], "hlo_bottleneck": hlo["bottleneck"],
-            "wall_seconds": read["wall_seconds"]}
+            "compiled_memory_bytes": memory["per_device_total_bytes"], "compiled_fits": memory["fits"],
+            "analytical_memory_bytes": estimate["memory_per_device_bytes"], "wall_seconds": read["wall_seconds"]}
 
 
 def group(row: Row) -> str:
@@ -137,7 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
           + (f" ({', '.join(unfit)})" if unfit else "") + (f"; failed: {', '.join(failed)}" if failed else ""))
     if hlo_ids:
         print("\nstep time read from the compiled program (maxperf.aot.hlo_time), rows compiled:")
-        print(f"{'row':<44} {'published s':>11} {'analytical':>10} {'from HLO':>9}  HLO error")
+        print(f"{'row':<44} {'published s':>11} {'analytical':>10} {'from HLO':>9}  HLO error  "
+              "memory/device: compiled, analytical (GiB)")
         by_id = {r.id: r for r in rows}
         for rid in hlo_ids:
             if "group" not in results[rid]:
@@ -153,7 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
             published_s = read["analytical_step_time_s"] * r["predicted"] / r["published"]
             read["error"] = published_s / read["hlo_step_time_s"] - 1
             print(f"{rid:<44} {published_s:>11.2f} {read['analytical_step_time_s']:>10.2f} "
-                  f"{read['hlo_step_time_s']:>9.2f}  {read['error']:+.1%}")
+                  f"{read['hlo_step_time_s']:>9.2f}  {read['error']:>+9.1%}  {read['compiled_memory_bytes'] / 2**30:.2f} "
+                  f"({'fits' if read['compiled_fits'] else 'does not fit'}), "
+                  f"{read['analytical_memory_bytes'] / 2**30:.2f}")
     data = {"rows": results, "summary": summaries}
     if args.json:
         outfile.write(args.json, data)

@@ -99,12 +99,48 @@ def test_custom_keeps_the_attention_output_by_its_own_name():
     assert _layer_residual_names("custom", "dot_product", "context=device") == {"decoder_layer_input"}
 
 
+def _pinned_names(*words: str) -> set[str]:
+    """The checkpoint names whose tensors the tiny model's scanned layers pin to a layout (a layout_constraint right
+    before the name), traced under remat_policy=custom with `words`."""
+    from models_util import tiny
+
+    from maxperf.models import train_step
+
+    cfg, spec = tiny("remat_policy=custom", *words, devices=1)
+    graphdef = train_step.model_def(cfg.model, cfg.train).graphdef
+    params = train_step.init_state(spec, seed=0)["params"]
+    tokens = jnp.zeros((2, 16), jnp.int32)
+
+    def loss(params):
+        return jnp.sum(nnx.merge(graphdef, params)(tokens, jnp.broadcast_to(jnp.arange(16), tokens.shape)))
+
+    lines = str(jax.make_jaxpr(jax.grad(loss))(params)).splitlines()
+    pinned = set()
+    for i, line in enumerate(lines):
+        # its printed parameters span lines: a checkpoint name follows within a few (the backward's transposed
+        # constraints on the cotangents carry none)
+        follow = [f for f in lines[i:i + 4] if "name[name=" in f] if "layout_constraint" in line else []
+        if follow:
+            pinned.add(follow[0].split("name[name=")[1].split("]")[0])
+    return pinned
+
+
+def test_offloaded_residual_stream_tensors_are_pinned_to_the_layout_the_backward_reads():
+    """Offloaded to host memory, the layer's input and the attention's and MLP's output projections are pinned to
+    row-major (layers/offload.py: TPU cannot relayout host memory, and copied a whole stack back and forth where the
+    forward wrote it seq-minor); kept on the device, or offloaded but not of the residual stream, nothing is pinned."""
+    assert _pinned_names("decoder_layer_input=offload", "out_proj=offload", "mlpwo=offload",
+                         "query_proj=offload") == {"decoder_layer_input", "out_proj", "mlpwo"}
+    assert _pinned_names("decoder_layer_input=device", "out_proj=device", "query_proj=offload") == set()
+
+
 @pytest.mark.slow
 def test_every_policy_gives_the_same_gradients():
     # offloading policies included: XLA:CPU has a pinned host memory space of its own
     reference = loss_and_grads("remat_policy=none")[1]
     for policy in [p for p in RematPolicy if p is not RematPolicy.NONE]:
-        words = ["context=offload", "mlpwi_0=device"] if policy is RematPolicy.CUSTOM else []
+        words = (["context=offload", "mlpwi_0=device", "decoder_layer_input=offload", "out_proj=offload"]
+                 if policy is RematPolicy.CUSTOM else [])
         other = loss_and_grads(f"remat_policy={policy.value}", *words)[1]
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), reference, other)
 

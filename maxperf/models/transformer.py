@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from maxperf.models import pipeline
+from maxperf.models.layers import offload
 from maxperf.models.layers import quantization as quant
 from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.decoder import OUTER_RESIDUAL, DecoderBlock, make_layer, norm_axis
@@ -478,8 +479,10 @@ class Transformer(nnx.Module):
         a delayed FP8 recipe keeps its state. `remat`: False inside a pipeline, whose iterations are rematerialized
         whole instead."""
 
+        offloaded = () if self.remat is None else self.remat[1]
+
         def apply(x_BxLxD, state, windows_P, ropes_P, key=None, meta=None):
-            with quant.scope(self.quantization, key, meta, tag):
+            with quant.scope(self.quantization, key, meta, tag), offload.offloading(offloaded):
                 return unit_with_aux(x_BxLxD, state, windows_P, ropes_P)
 
         def unit_with_aux(x_BxLxD, state, windows_P, ropes_P):

@@ -215,8 +215,8 @@ def check_decoder_block(block: str, model: str) -> None:
     other block is a MaxperfError, one line (maxperf builds each preset's block and no other)."""
     own = DECODER_BLOCKS.get(model, "llama2" if model.startswith("scaled-") else None)
     if own is None:
-        raise MaxperfError(f"{DECODER_BLOCK_KEY}={block}: {model} is not one of MaxText's model configs; maxperf builds "
-                           f"its own decoder block: leave {DECODER_BLOCK_KEY} out")
+        raise MaxperfError(f"{DECODER_BLOCK_KEY}={block}: {model} is not one of MaxText's model configs; maxperf "
+                           f"builds its own decoder block: leave {DECODER_BLOCK_KEY} out")
     if block != own:
         raise MaxperfError(f"{DECODER_BLOCK_KEY}={block}: MaxText builds {model} with {DECODER_BLOCK_KEY}={own}, and "
                            f"maxperf builds each model's own block: leave {DECODER_BLOCK_KEY} out or give {own}")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxperf.models.layers import kv_cache, quantization
+from maxperf.models.layers import kv_cache, offload, quantization
 from maxperf.models.layers.attention_kernels import AttentionOptions, attend
 from maxperf.models.layers.mla import LatentAttention
 from maxperf.models.layers.norms import RMSNorm
@@ -116,7 +116,7 @@ class Attention(nnx.Module):
         out_BxLxD = quantization.einsum("BLHd,HdD->BLD", o_BxLxHxDh, self.o_HxDhxD[...].astype(dtype))
         if cfg.attention_bias:
             out_BxLxD = out_BxLxD + self.o_bias_D[...].astype(dtype)[None, None]
-        return checkpoint_name(out_BxLxD, "out_proj")
+        return offload.residual(out_BxLxD, "out_proj")
 
     def _rope(self, q_BxLxHxDh, k_BxLxKxDh, positions_BxL, window, rope):
         """RoPE with the layer's base (Gemma 3's local_rope_theta on sliding-window layers, as MaxText's

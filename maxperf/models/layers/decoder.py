@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
+from maxperf.models.layers import offload
 from maxperf.models.layers.attention import make_attention
 from maxperf.models.layers.attention_kernels import AttentionOptions
 from maxperf.models.layers.mlp import MLP
@@ -52,7 +52,7 @@ class DenseDecoderLayer(nnx.Module):
     def with_aux(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, window, rope=True) -> tuple[jax.Array, jax.Array]:
         """The layer's output and its auxiliary loss (the router's load-balancing loss; 0 for a dense MLP).
         `window` is the layer's mask (attention_rule.layer_masks), `rope` whether it applies RoPE."""
-        x_BxLxD = checkpoint_name(x_BxLxD, "decoder_layer_input")
+        x_BxLxD = offload.residual(x_BxLxD, "decoder_layer_input")
         h_BxLxD = self.attention(self.attn_norm(x_BxLxD), positions_BxL, window, rope)
         if self.post_norms:
             h_BxLxD = self.attn_post_norm(h_BxLxD)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxperf.models.layers import kv_cache, quantization
+from maxperf.models.layers import kv_cache, offload, quantization
 from maxperf.models.layers.attention_kernels import AttentionOptions, attend
 from maxperf.models.layers.norms import RMSNorm
 from maxperf.models.layers.params import param
@@ -96,4 +96,4 @@ class LatentAttention(nnx.Module):
                               options=self.options)
         o_BxLxHxDv = checkpoint_name(o_BxLxHx1xDv.reshape(B, L, H, Dv), "attention_out")
         out_BxLxD = quantization.einsum("BLHd,HdD->BLD", o_BxLxHxDv, self.o_HxDvxD[...].astype(dtype))
-        return checkpoint_name(out_BxLxD, "out_proj")
+        return offload.residual(out_BxLxD, "out_proj")

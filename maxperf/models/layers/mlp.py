@@ -9,7 +9,7 @@ import jax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxperf.models.layers import quantization
+from maxperf.models.layers import offload, quantization
 from maxperf.models.layers.params import param
 from maxperf.models.sharding import constrain
 from maxperf.spec.model import Activation
@@ -60,4 +60,4 @@ class MLP(nnx.Module):
             h_BxLxF = _ACT[self.activation](checkpoint_name(h_BxLxF, "mlpwi"))
         h_BxLxF = constrain(h_BxLxF, ("activation_batch", "activation_length", "activation_mlp"))
         out_BxLxD = quantization.einsum("BLF,FD->BLD", h_BxLxF, self.down_FxD[...].astype(dtype))
-        return checkpoint_name(out_BxLxD, "mlpwo")
+        return offload.residual(out_BxLxD, "mlpwo")

@@ -31,7 +31,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxperf.models.layers import quantization
+from maxperf.models.layers import offload, quantization
 from maxperf.models.layers.mlp import _ACT, MLP, gate
 from maxperf.models.layers.params import param
 from maxperf.models.sharding import constrain, mesh_axes_for
@@ -257,7 +257,7 @@ def _expert_mlp(x_TxD, group_sizes_E, weights, activation: Activation, megablox:
     out_TxD = grouped_matmul(h_TxF, wo, group_sizes_E, megablox)
     if bias is not None:
         out_TxD = out_TxD + bias.rows(bias.wo) * jnp.asarray(bias.add_wo, out_TxD.dtype)
-    return checkpoint_name(checkpoint_name(out_TxD, "mlpwo"), "moe_mlpwo")
+    return checkpoint_name(offload.residual(out_TxD, "mlpwo"), "moe_mlpwo")
 
 
 @jax.custom_vjp
@@ -464,5 +464,5 @@ def dense_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCon
         h_BxExCxF = _ACT[cfg.activation](checkpoint_name(h_BxExCxF, "mlpwi"))
     h_BxExCxF = constrain(h_BxExCxF, ("activation_batch_no_exp", "activation_exp", None, "activation_mlp"))
     y_BxExCxD = biased(quantization.einsum("BECF,EFD->BECD", h_BxExCxF, wo), bo)
-    y_BxExCxD = checkpoint_name(checkpoint_name(y_BxExCxD, "mlpwo"), "moe_mlpwo")
+    y_BxExCxD = checkpoint_name(offload.residual(y_BxExCxD, "mlpwo"), "moe_mlpwo")
     return quantization.einsum("BECD,BLEC->BLD", y_BxExCxD, combine_BxLxExC)
