@@ -154,8 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
             r = results[rid]
             published_s = read["analytical_step_time_s"] * r["predicted"] / r["published"]
             read["error"] = published_s / read["hlo_step_time_s"] - 1
+            gib = read["compiled_memory_bytes"] / 2**30
             print(f"{rid:<44} {published_s:>11.2f} {read['analytical_step_time_s']:>10.2f} "
-                  f"{read['hlo_step_time_s']:>9.2f}  {read['error']:>+9.1%}  {read['compiled_memory_bytes'] / 2**30:.2f} "
+                  f"{read['hlo_step_time_s']:>9.2f}  {read['error']:>+9.1%}  {gib:.2f} "
                   f"({'fits' if read['compiled_fits'] else 'does not fit'}), "
                   f"{read['analytical_memory_bytes'] / 2**30:.2f}")
     data = {"rows": results, "summary": summaries}
