@@ -50,3 +50,15 @@ def compile_and_read(args: list[str], timeout: float) -> dict:
             return {"error": (lines[-1] if lines else f"exit {done.returncode}")[:160]}
         return {"estimate": json.loads((artifact / "estimate.json").read_text()),
                 "memory": json.loads((artifact / "memory.json").read_text()), "wall_seconds": time.time() - start}
+
+
+def step_reading(read: dict) -> dict:
+    """What a bench row records of a compile_and_read that succeeded: the step time read from the compiled program
+    beside the analytical one, and the compiler's memory per device and verdict beside the analytical memory."""
+    estimate, memory = read["estimate"], read["memory"]
+    hlo = estimate["hlo_time"]
+    return {"hlo_step_time_s": hlo["step_time_s"], "analytical_step_time_s": estimate["step_time_s"],
+            "hlo_exposed_s": hlo["exposed_s"], "hlo_bottleneck": hlo["bottleneck"],
+            "costing_seconds": hlo["costing_seconds"], "compiled_memory_bytes": memory["per_device_total_bytes"],
+            "compiled_fits": memory["fits"], "analytical_memory_bytes": estimate["memory_per_device_bytes"],
+            "wall_seconds": read["wall_seconds"]}

@@ -79,7 +79,7 @@ from maxperf.spec.fp8 import recipe as fp8_recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
 import outfile  # noqa: E402
-from compiled import compile_and_read, run_cpu, seconds  # noqa: E402
+from compiled import compile_and_read, run_cpu, seconds, step_reading  # noqa: E402
 
 HERE = Path(__file__).resolve().parent / "published"
 ROOT = HERE.parent.parent
@@ -474,14 +474,10 @@ def hlo_steps(rows: list[Row], ids: list[str], timeout: float) -> dict[str, dict
         if "error" in read:
             out[rid] = read
             continue
-        estimate, memory = read["estimate"], read["memory"]
-        hlo = estimate["hlo_time"]
-        out[rid] = {"hlo_step_time_s": hlo["step_time_s"], "analytical_step_time_s": estimate["step_time_s"],
-                    "compiled_fits": memory["per_device_total_bytes"] <= memory["hbm_bytes"],
-                    "hlo_bottleneck": hlo["bottleneck"], "hlo_exposed_s": hlo["exposed_s"],
-                    "costing_seconds": hlo["costing_seconds"], "wall_seconds": read["wall_seconds"]}
-        print(f"  {rid}: from the HLO {hlo['step_time_s']:.4g} s, analytical {estimate['step_time_s']:.4g} s "
-              f"({read['wall_seconds']:.0f} s)", file=sys.stderr, flush=True)
+        out[rid] = reading = step_reading(read)
+        print(f"  {rid}: from the HLO {reading['hlo_step_time_s']:.4g} s, analytical "
+              f"{reading['analytical_step_time_s']:.4g} s ({reading['wall_seconds']:.0f} s)", file=sys.stderr,
+              flush=True)
     return out
 
 

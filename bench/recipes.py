@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
 import outfile  # noqa: E402
-from compiled import compile_and_read, seconds  # noqa: E402
+from compiled import compile_and_read, seconds, step_reading  # noqa: E402
 
 from maxperf import cli  # noqa: E402
 from maxperf.spec import presets  # noqa: E402
@@ -70,14 +70,7 @@ def hlo_step(row: Row, timeout: float) -> dict:
     (estimate.json's hlo_time) beside the analytical one, or why there is none."""
     read = compile_and_read(["--model", row.model, "--topology", row.topology, "--num-slices", str(row.num_slices),
                              *row.words], timeout)
-    if "error" in read:
-        return read
-    estimate, memory = read["estimate"], read["memory"]
-    hlo = estimate["hlo_time"]
-    return {"hlo_step_time_s": hlo["step_time_s"], "analytical_step_time_s": estimate["step_time_s"],
-            "hlo_exposed_s": hlo["exposed_s"], "hlo_bottleneck": hlo["bottleneck"],
-            "compiled_memory_bytes": memory["per_device_total_bytes"], "compiled_fits": memory["fits"],
-            "analytical_memory_bytes": estimate["memory_per_device_bytes"], "wall_seconds": read["wall_seconds"]}
+    return read if "error" in read else step_reading(read)
 
 
 def group(row: Row) -> str:
