@@ -763,6 +763,7 @@ def test_maxtext_keys_at_the_values_that_leave_them_off_paste_as_they_are(capsys
      "matmul_precision=highest: maxperf builds MaxText's step at matmul_precision=default (its default) only"),
     (["--model", "tiny", "num_slices=2", "compile_topology_num_slices=1"],
      "compile_topology_num_slices=1 and num_slices=2 disagree"),
+    (["--model", "tiny", "num_slices=0"], "error: num_slices=0 must be a whole number of slices, 1 or more"),
 ])
 def test_maxtext_keys_maxperf_does_not_build_are_one_line_exit_2(capsys, argv, line):
     try:
@@ -771,6 +772,12 @@ def test_maxtext_keys_maxperf_does_not_build_are_one_line_exit_2(capsys, argv, l
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and line in err.strip().splitlines()[-1] and "Traceback" not in err, err
+
+
+def test_every_preset_with_a_maxtext_name_has_its_maxtext_decoder_block():
+    from maxperf.spec import maxtext_line, presets
+
+    assert set(maxtext_line.DECODER_BLOCKS) == set(presets.MAXTEXT_NAMES)
 
 
 def test_maxtexts_scaled_default_model_is_the_scaled_family(capsys):

@@ -115,9 +115,10 @@ TUNING_KEYS = frozenset("""
 """.split() + _TILES)
 # MaxText's switches of features maxperf's steps do not build, at the value (configs/base.yml's default) that leaves
 # each off: there they change nothing and are named once as ignored; another value is refused, one line. Matmuls at
-# XLA's default precision, activations in the compute dtype, no z-loss, plain pre-training (no SFT or DPO, no batch
-# ramp-up, no skipped steps), Adam without eps_root, no DiLoCo, no attention sinks or indexer beyond a model's own,
-# no multimodal encoders, and MaxText's cosine learning-rate schedule.
+# XLA's default precision, activations in the compute dtype and logits cast to float32 for the loss, no z-loss, plain
+# pre-training (no SFT or DPO, no batch ramp-up, no skipped steps), Adam without eps_root, no DiLoCo, no multimodal
+# encoders, no ring of experts, batch splitting, QK clipping, FP8 splash inputs, extra post-norms or Transformer
+# Engine's GEMM overlap, MaxText's automatic sharding mode and its cosine learning-rate schedule.
 DEFAULT_ONLY: dict[str, str] = {
     "matmul_precision": "default", "activations_in_float32": "false", "z_loss_multiplier": "0", "use_sft": "false",
     "use_dpo": "false", "enable_rampup_batch_size": "false", "skip_step_on_spikes": "false", "adam_eps_root": "0",
@@ -265,9 +266,10 @@ def _slices(found: dict[str, str]) -> int | None:
     value, runtime = found.get(SLICES_KEY), found.get(RUNTIME_SLICES_KEY)
     if runtime is not None and value is not None and runtime != value:
         raise MaxperfError(f"{SLICES_KEY}={value} and {RUNTIME_SLICES_KEY}={runtime} disagree: give one")
+    key = SLICES_KEY if value is not None else RUNTIME_SLICES_KEY
     value = value if value is not None else runtime
     if value is None:
         return None
     if not value.isdigit() or int(value) < 1:
-        raise MaxperfError(f"{SLICES_KEY}={value} must be a whole number of slices, 1 or more")
+        raise MaxperfError(f"{key}={value} must be a whole number of slices, 1 or more")
     return int(value)
