@@ -856,3 +856,18 @@ def test_megablox_tiles_by_their_earlier_names_paste_too(capsys):
     assert err.splitlines() == [
         "maxperf: note: MaxText's tile_batch_seq, tile_embed_dim, tile_mlp_dim tune its own kernels and collectives; "
         "maxperf compiles jax's kernels and XLA's collectives as they come: not reproduced"]
+
+
+def test_errors_name_the_key_as_the_user_spelled_it(capsys):
+    # MaxText's spellings of maxperf's keys come back in the error as typed, not as maxperf's own names
+    code, _, err = run_main(capsys, "estimate", "--topology", "v5p-8", "--model", "llama2-7b", "max_target_length=0")
+    assert code == 2 and "max_target_length must be >= 1, got 0" in err and "seq_len" not in err
+    code, _, err = run_main(capsys, "estimate", "--topology", "v5p-8", "--model", "llama2-7b",
+                            "ici_context_parallelism=3")
+    assert code == 2 and "ici_context_parallelism=3 cannot fill 4 devices" in err and "ici_sequence" not in err
+    code, out, _ = run_main(capsys, "estimate", "--topology", "v5p-8", "--model", "llama2-7b", "--json",
+                            "gradient_accumulation_steps=0")
+    assert code == 2 and "gradient_accumulation_steps must be >= 1" in json.loads(out)["error"]
+    # maxperf's own spelling stays its own
+    code, _, err = run_main(capsys, "estimate", "--topology", "v5p-8", "--model", "llama2-7b", "seq_len=0")
+    assert code == 2 and "seq_len must be >= 1, got 0" in err

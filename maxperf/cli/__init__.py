@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import threading
@@ -41,7 +42,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     except MaxperfError as e:
         if getattr(e, "details", None) and getattr(args, "verbose", False):  # the user's traceback (their step's)
             print(e.details, file=sys.stderr, end="", flush=True)
-        return fail(args, f"maxperf: error: {e}", e.exit_code)
+        return fail(args, f"maxperf: error: {in_user_words(str(e), args)}", e.exit_code)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM as Terminated
         signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
         return fail(args, f"maxperf: interrupted by {signum.name}", 128 + signum)
@@ -69,6 +70,19 @@ def _raise_on_sigterm():
         raise Terminated()
 
     return signal.signal(signal.SIGTERM, terminate)
+
+
+def in_user_words(message: str, args: argparse.Namespace) -> str:
+    """`message` with each key the user spelled by another name (MaxText's `max_target_length` for maxperf's
+    `seq_len`, `ici_context_parallelism` for `ici_sequence`: spec.overrides.ALIASES) written as they spelled it."""
+    from maxperf.spec.overrides import ALIASES
+
+    for word in getattr(args, "overrides", None) or ():
+        key = str(word).split("=", 1)[0]
+        ours = ALIASES.get(key)
+        if ours and ours != key:
+            message = re.sub(rf"(?<![\w.]){re.escape(ours)}(?!\w)", key, message)
+    return message
 
 
 def fail(args: argparse.Namespace, line: str, code: int) -> int:
