@@ -483,3 +483,39 @@ def test_plan_ties_use_the_chips_held_out_error_and_verification_proves_distinct
     b.remat_policy = "minimal"
     assert verify.distinct_layouts([a, b, c], [], 2) == [a, c]  # not two of the same mesh
     assert verify.distinct_layouts([a, b, c], [], 3) == [a, c, b]
+
+
+def test_the_measured_error_says_when_a_verdict_is_too_close_to_call(tmp_path):
+    path = tmp_path / "memory_error.json"
+    path.write_text(json.dumps({"tpu": {"median": 0.05, "worst": 0.15, "worst_underestimate": 0.125, "cases": 59},
+                                "tpu7x": {"median": 0.07, "worst": 0.18, "worst_underestimate": 0.21, "cases": 6}}))
+    tpu = margin.measured_error("tpu", "tpu-v5p", path)
+    assert (tpu.name, tpu.under, tpu.over, tpu.cases) == ("tpu", 0.125, 0.15, 59)
+    assert margin.measured_error("tpu", "tpu7x", path).under == 0.21  # a generation measured apart: its own
+    assert margin.measured_error("gpu", "h100-sxm", path) is None  # not carried to a platform it was not measured on
+    assert margin.measured_error("tpu", None, tmp_path / "absent.json") is None
+    # under HBM: close while the compiler's worst excess would pass it; over HBM: close while its worst shortfall
+    # would bring it back under
+    assert not tpu.close_call(80.0, 95.0) and tpu.close_call(85.0, 95.0)
+    assert tpu.close_call(105.0, 95.0) and not tpu.close_call(110.0, 95.0)
+
+
+def test_estimate_says_when_its_memory_verdict_is_too_close_to_call(capsys):
+    from maxperf.cli import main
+
+    error = margin.measured_error("tpu", "tpu-v5p")
+    words = ["estimate", "--topology", "v5p-8", "--model", "llama2-13b"]
+    for batch, fits, close in ((8, True, False), (32, True, True), (40, False, True)):
+        code = main([*words, f"per_device_batch_size={batch}", "--json"])
+        doc = json.loads(capsys.readouterr().out)
+        assert code == (0 if fits else 3) and doc["fits"] is fits and doc["memory_close_call"] is close
+        assert doc["memory_error"]["cases"] == error.cases
+        total, hbm = doc["memory_per_device_bytes"], doc["memory"]["hbm_bytes"]
+        assert close == (total * (1 + error.under) > hbm if fits else total / (1 + error.over) <= hbm)
+        main([*words, f"per_device_batch_size={batch}"])
+        out = capsys.readouterr().out
+        assert ("memory check     too close to call" in out) is close
+        if close:
+            assert f"{error.cases} TPU steps of bench/memory_accuracy.py" in out
+    main(["estimate", "--topology", "cpu-2", "--model", "tiny", "--json"])  # nothing measured on CPU: nothing said
+    assert json.loads(capsys.readouterr().out)["memory_error"] is None

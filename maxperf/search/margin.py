@@ -60,3 +60,42 @@ def load_margin(platform: str, path: Path = MEMORY_ERROR_PATH, chip: str | None 
         return Margin(need(rows[name]), f"the largest measured underestimate of memory in {path.name}, on {name} "
                       f"({path.name} has no {platform} figure)")
     return Margin(FALLBACK_MARGIN, f"{FALLBACK_SOURCE} ({path.name} names no platform's underestimate)")
+
+
+@dataclass(frozen=True)
+class MeasuredError:
+    """How far perfmodel's per-device memory fell from the compiler's on one platform's benchmark grid: the compiler
+    counted up to `under` more (compiler / analytical - 1, its largest) and up to `over` less (the largest |error| of
+    an over-estimate's kind, analytical / compiler - 1), over `cases` compiles of `name`'s entry."""
+
+    name: str
+    under: float
+    over: float
+    cases: int
+    date: str
+
+    def close_call(self, analytical: float, capacity: float) -> bool:
+        """Whether the compiler's count could fall on the other side of `capacity` than `analytical` does."""
+        if analytical <= capacity:
+            return analytical * (1 + self.under) > capacity
+        return analytical / (1 + self.over) <= capacity
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"entry": self.name, "compiler_above_up_to": self.under, "compiler_below_up_to": self.over,
+                "cases": self.cases, "date": self.date, "source": f"{MEMORY_ERROR_PATH.name}, bench/memory_accuracy.py"}
+
+
+def measured_error(platform: str, chip: str | None = None, path: Path = MEMORY_ERROR_PATH) -> MeasuredError | None:
+    """memory_error.json's entry for `chip` where it measures that chip apart, else for `platform`; None where it has
+    none (its figures are not carried over to a platform they were not measured on)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    for name in (chip, platform):
+        row = data.get(name) if isinstance(data, dict) and name else None
+        if isinstance(row, dict) and isinstance(row.get("worst_underestimate"), (int, float)):
+            return MeasuredError(name, max(float(row["worst_underestimate"]), 0.0),
+                                 max(float(row.get("worst", 0.0)), 0.0), int(row.get("cases", 0)),
+                                 str(row.get("date", "")))
+    return None
