@@ -27,21 +27,22 @@ def seconds(text: str) -> float:
     return value
 
 
-def run_cpu(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+def run_cpu(command: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`command` in the repository root with jax on its CPU backend (it compiles for its topology without one); the
-    environment passes through (LIBTPU_INIT_ARGS: a recipe's XLA flags)."""
+    environment passes through (LIBTPU_INIT_ARGS: a recipe's XLA flags), `env` over it."""
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          env={**os.environ, **(env or {}), "JAX_PLATFORMS": "cpu"})
 
 
-def compile_and_read(args: list[str], timeout: float) -> dict:
-    """`maxperf compile ARGS` into a temporary directory (the compile cache keeps the program): its estimate.json
-    and memory.json, and the seconds it took; or {"error": why there are none} (the compiler's one line)."""
+def compile_and_read(args: list[str], timeout: float, env: dict[str, str] | None = None) -> dict:
+    """`maxperf compile ARGS` into a temporary directory (the compile cache keeps the program), `env` over the
+    environment: its estimate.json and memory.json, and the seconds it took; or {"error": why there are none} (the
+    compiler's one line)."""
     with tempfile.TemporaryDirectory(prefix="maxperf-bench-compile-") as tmp:
         start = time.time()
         try:
             done = run_cpu([sys.executable, "-m", "maxperf.cli", "compile", *args, "--out", f"{tmp}/artifact",
-                            "--json"], timeout)
+                            "--json"], timeout, env)
         except subprocess.TimeoutExpired:
             return {"error": f"compile over {timeout:.0f} s"}
         artifact = Path(tmp) / "artifact"

@@ -11,6 +11,11 @@ keys that only say where data, logs and profiles go; and one per Ironwood mixtur
 `training/ironwood/README.md`, whose tokens/s per chip is two JAX devices'). Each row runs as a user would type it,
 `maxperf estimate --model M --topology T --num-slices S --json WORDS...`, in this process. The error is
 predicted / published - 1 of tokens/s per device; every row ran in production, so each must also fit.
+
+`--hlo ROWS` compiles rows too, each under its recipe's XLA flags as it ran (the `xla_flags` column: the config's
+`xla_flags`, MaxText's benchmarks/xla_flags_library.py spelled out, or the Ironwood script's XLA_FLAGS, passed to
+libtpu as LIBTPU_INIT_ARGS), less those this libtpu refuses for the chip (REFUSED, each named in the output); a
+LIBTPU_INIT_ARGS in the environment, even empty, replaces them.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import csv
 import io
 import json
 import math
+import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -36,6 +42,11 @@ from maxperf import cli  # noqa: E402
 from maxperf.spec import presets  # noqa: E402
 
 ROWS = ROOT / "bench" / "published" / "recipes.csv"
+# Flags of the recipes that this libtpu (0.0.52) refuses on the row's chip, and why: MaxText's CF_FOR_ALL_GATHER
+# (continuation fusion of all-gathers into the matmuls they feed) compiles on v5e alone ("continuation fusion for
+# AllGather ... not supported ... on platforms other than TPU v5e"); its other flags stay
+REFUSED = {("tpu-v6e", "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"): "compiles on v5e alone",
+           ("tpu-v5p", "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"): "compiles on v5e alone"}
 
 
 @dataclass(frozen=True)
@@ -46,12 +57,27 @@ class Row:
     model: str
     words: tuple[str, ...]
     published: float  # tokens/s per device, as the README's log line states it
+    xla_flags: tuple[str, ...] = ()  # the recipe's LIBTPU_INIT_ARGS
 
 
 def load_rows(path: Path = ROWS) -> list[Row]:
     with open(path, newline="") as f:
         return [Row(r["id"], r["topology"], int(r["num_slices"]), r["model"], tuple(r["words"].split()),
-                    float(r["published_tokens_per_s_per_device"])) for r in csv.DictReader(f)]
+                    float(r["published_tokens_per_s_per_device"]), tuple(r["xla_flags"].split()))
+                for r in csv.DictReader(f)]
+
+
+def compile_flags(row: Row) -> tuple[str, list[str], str]:
+    """(LIBTPU_INIT_ARGS for the row's compile, the recipe's flags left out, where the flags came from): the recipe's
+    less REFUSED, or the environment's LIBTPU_INIT_ARGS where it is set."""
+    if "LIBTPU_INIT_ARGS" in os.environ:
+        return os.environ["LIBTPU_INIT_ARGS"], [], "LIBTPU_INIT_ARGS of the environment"
+    from maxperf.spec import topology
+
+    chip = topology.get(row.topology, row.num_slices).chip
+    dropped = [f for f in row.xla_flags if (chip, f) in REFUSED]
+    kept = [f for f in row.xla_flags if f not in dropped]
+    return " ".join(kept), [f"{f} ({REFUSED[chip, f]})" for f in dropped], "the recipe's"
 
 
 def estimate(row: Row) -> tuple[int, dict, str]:
@@ -65,12 +91,14 @@ def estimate(row: Row) -> tuple[int, dict, str]:
 
 
 def hlo_step(row: Row, timeout: float) -> dict:
-    """`maxperf compile` of the row's command line in a process of its own (compiled.compile_and_read; the
-    environment's LIBTPU_INIT_ARGS passed through: a recipe's XLA flags): the step time read from the compiled program
-    (estimate.json's hlo_time) beside the analytical one, or why there is none."""
+    """`maxperf compile` of the row's command line in a process of its own (compiled.compile_and_read) under the
+    recipe's XLA flags (compile_flags): the step time read from the compiled program (estimate.json's hlo_time) beside
+    the analytical one, or why there is none, and the flags it compiled under."""
+    flags, dropped, origin = compile_flags(row)
     read = compile_and_read(["--model", row.model, "--topology", row.topology, "--num-slices", str(row.num_slices),
-                             *row.words], timeout)
-    return read if "error" in read else step_reading(read)
+                             *row.words], timeout, {"LIBTPU_INIT_ARGS": flags})
+    return {**(read if "error" in read else step_reading(read)), "xla_flags": flags, "xla_flags_from": origin,
+            "xla_flags_left_out": dropped}
 
 
 def group(row: Row) -> str:
@@ -91,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, help="also write the per-row results and the summaries here")
     ap.add_argument("--hlo", default="", metavar="ROWS",
                     help="comma-separated row ids to compile too (minutes each), printing the step time read from the "
-                         "compiled program beside the analytical one; a recipe's XLA flags go in LIBTPU_INIT_ARGS")
+                         "compiled program beside the analytical one, each under its recipe's XLA flags (a "
+                         "LIBTPU_INIT_ARGS in the environment replaces them)")
     ap.add_argument("--hlo-timeout", type=seconds, default=3600, help="seconds one row's compile may take")
     args = ap.parse_args(argv)
     args.json = outfile.checked(ap, args.json)
@@ -152,6 +181,11 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{read['hlo_step_time_s']:>9.2f}  {read['error']:>+9.1%}  {gib:.2f} "
                   f"({'fits' if read['compiled_fits'] else 'does not fit'}), "
                   f"{read['analytical_memory_bytes'] / 2**30:.2f}")
+        for rid in hlo_ids:
+            if read := results[rid].get("hlo"):
+                left_out = "; left out: " + ", ".join(read["xla_flags_left_out"]) if read["xla_flags_left_out"] else ""
+                print(f"  {rid}: compiled under {read['xla_flags_from']} XLA flags "
+                      f"({len(read['xla_flags'].split())}){left_out}")
     data = {"rows": results, "summary": summaries}
     if args.json:
         outfile.write(args.json, data)
