@@ -14,8 +14,8 @@ predicted / published - 1 of tokens/s per device; every row ran in production, s
 
 `--hlo ROWS` compiles rows too, each under its recipe's XLA flags as it ran (the `xla_flags` column: the config's
 `xla_flags`, MaxText's benchmarks/xla_flags_library.py spelled out, or the Ironwood script's XLA_FLAGS, passed to
-libtpu as LIBTPU_INIT_ARGS), less those this libtpu refuses for the chip (REFUSED, each named in the output); a
-LIBTPU_INIT_ARGS in the environment, even empty, replaces them.
+libtpu as LIBTPU_INIT_ARGS), less those this libtpu compiles on another chip alone (REFUSED, each named in the
+output); a LIBTPU_INIT_ARGS in the environment, even empty, replaces them.
 """
 
 from __future__ import annotations
@@ -39,14 +39,13 @@ import outfile  # noqa: E402
 from compiled import compile_and_read, seconds, step_reading  # noqa: E402
 
 from maxperf import cli  # noqa: E402
-from maxperf.spec import presets  # noqa: E402
+from maxperf.spec import presets, topology  # noqa: E402
 
 ROWS = ROOT / "bench" / "published" / "recipes.csv"
-# Flags of the recipes that this libtpu (0.0.52) refuses on the row's chip, and why: MaxText's CF_FOR_ALL_GATHER
-# (continuation fusion of all-gathers into the matmuls they feed) compiles on v5e alone ("continuation fusion for
-# AllGather ... not supported ... on platforms other than TPU v5e"); its other flags stay
-REFUSED = {("tpu-v6e", "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"): "compiles on v5e alone",
-           ("tpu-v5p", "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"): "compiles on v5e alone"}
+# Flags of the recipes that this libtpu (0.0.52) compiles on one chip alone: flag -> that chip. MaxText's
+# CF_FOR_ALL_GATHER (continuation fusion of all-gathers into the matmuls they feed) is refused elsewhere ("continuation
+# fusion for AllGather ... not supported ... on platforms other than TPU v5e"); its other flags stay
+REFUSED = {"--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true": "tpu-v5e"}
 
 
 @dataclass(frozen=True)
@@ -72,12 +71,10 @@ def compile_flags(row: Row) -> tuple[str, list[str], str]:
     less REFUSED, or the environment's LIBTPU_INIT_ARGS where it is set."""
     if "LIBTPU_INIT_ARGS" in os.environ:
         return os.environ["LIBTPU_INIT_ARGS"], [], "LIBTPU_INIT_ARGS of the environment"
-    from maxperf.spec import topology
-
     chip = topology.get(row.topology, row.num_slices).chip
-    dropped = [f for f in row.xla_flags if (chip, f) in REFUSED]
+    dropped = [f for f in row.xla_flags if REFUSED.get(f, chip) != chip]
     kept = [f for f in row.xla_flags if f not in dropped]
-    return " ".join(kept), [f"{f} ({REFUSED[chip, f]})" for f in dropped], "the recipe's"
+    return " ".join(kept), [f"{f} (compiles on {REFUSED[f]} alone)" for f in dropped], "the recipe's"
 
 
 def estimate(row: Row) -> tuple[int, dict, str]:

@@ -40,7 +40,7 @@ def cmd_estimate(args) -> int:
               f"{est.params.total / 1e9:.2f}B, {est.flops.mtp_flops / est.flops.model_flops:.1%} of the model FLOPs")
     print(f"  memory/device    {est.memory_per_device_bytes / GIB:.2f} GiB of {est.memory.hbm_bytes / GIB:.2f} GiB "
           f"({'fits' if est.fits else 'DOES NOT FIT'})")
-    if (close := close_call(p, est)) is not None:
+    if (close := close_call_line(est, *memory_error(p, est))) is not None:
         print(f"  memory check     {close}")
     if est.uncertainty:
         print(f"  uncertainty      +-{est.uncertainty.relative:.0%}: {est.uncertainty.basis}")
@@ -93,16 +93,20 @@ def _serving(p, kind: str, as_json: bool, calibration) -> int:
 ENTRY_NAMES = {"tpu": "TPU", "tpu7x": "TPU7x", "gpu": "GPU"}  # memory_error.json's entries, as the line names them
 
 
-def close_call(p, est) -> str | None:
-    """Where the compiler's count of the step's memory could fall on the other side of the device's HBM than
-    perfmodel's does (within the error bench/memory_accuracy.py measured for the platform: search.margin), the line
-    that says so; else None."""
+def memory_error(p, est):
+    """(search.margin.MeasuredError of the platform, or None where nothing was measured; whether the compiler's count
+    of the step's memory could fall on the other side of the device's HBM than perfmodel's does, within that error)."""
     from maxperf.search.margin import measured_error
 
     error = measured_error(p.topology.platform, p.topology.chip)
-    total, hbm = est.memory_per_device_bytes, est.memory.hbm_bytes
-    if error is None or not error.close_call(total, hbm):
+    return error, error is not None and error.close_call(est.memory_per_device_bytes, est.memory.hbm_bytes)
+
+
+def close_call_line(est, error, close: bool) -> str | None:
+    """The line that says a memory verdict is too close to call (memory_error), else None."""
+    if not close:
         return None
+    total, hbm = est.memory_per_device_bytes, est.memory.hbm_bytes
     where = (f"on the {error.cases} {ENTRY_NAMES.get(error.name, error.name)} steps of bench/memory_accuracy.py the "
              "compiler counted")
     if total <= hbm:
@@ -114,11 +118,8 @@ def close_call(p, est) -> str | None:
 
 def estimate_summary(p, est) -> dict:
     """`maxperf estimate --json`: perfmodel's estimate with what it was for (topology, mesh, batch)."""
-    from maxperf.search.margin import measured_error
-
     t = p.configs.train
-    error = measured_error(p.topology.platform, p.topology.chip)
-    close = error is not None and error.close_call(est.memory_per_device_bytes, est.memory.hbm_bytes)
+    error, close = memory_error(p, est)
     return {**est.as_dict(), "topology": p.topology.name, "num_slices": p.topology.num_slices,
             "memory_close_call": close, "memory_error": error.as_dict() if error else None,
             "mesh": {"axes": p.mesh.axes, "ici": p.mesh.ici, "dcn": p.mesh.dcn},

@@ -31,33 +31,42 @@ class Margin:
         return {"value": self.value, "source": self.source}
 
 
+def _entries(path: Path) -> dict[str, dict]:
+    """memory_error.json's entries that give an underestimate ({name: {"worst_underestimate": x, "median": y,
+    "cases": n, ...}}); raises OSError or ValueError where the file cannot be read."""
+    data = json.loads(path.read_text())
+    return {name: row for name, row in data.items() if isinstance(row, dict)
+            and isinstance(row.get("worst_underestimate"), (int, float))} if isinstance(data, dict) else {}
+
+
+def _need(row: dict) -> float:
+    """An entry's largest underestimate (compiler / analytical - 1); an over-estimate needs no margin."""
+    return max(float(row["worst_underestimate"]), 0.0)
+
+
+def _own(rows: dict[str, dict], platform: str, chip: str | None) -> str | None:
+    """The entry measured for `chip` (a generation whose compiler schedules apart: "tpu7x"), else for `platform`."""
+    return next((name for name in (chip, platform) if name in rows), None)
+
+
 def load_margin(platform: str, path: Path = MEMORY_ERROR_PATH, chip: str | None = None) -> Margin:
     """The largest measured underestimate of memory (compiler / analytical - 1) for `chip` where memory_error.json
-    measures that chip apart (a generation whose compiler schedules apart: "tpu7x"), else for `platform`, from
-    memory_error.json ({name: {"worst_underestimate": x, "median": y, "cases": n, ...}}); a platform it does not
-    name takes the largest of those it does; no file, the fallback figure. Each Margin says where its figure came
-    from."""
+    measures that chip apart, else for `platform` (_own); a platform it does not name takes the largest of those it
+    does; no file, the fallback figure. Each Margin says where its figure came from."""
     try:
-        data = json.loads(path.read_text())
+        rows = _entries(path)
     except FileNotFoundError:
         return Margin(FALLBACK_MARGIN, f"{FALLBACK_SOURCE} ({path.name} not found)")
     except (OSError, ValueError) as e:
         return Margin(FALLBACK_MARGIN, f"{FALLBACK_SOURCE} ({path.name} unreadable: {type(e).__name__})")
-    rows = {name: row for name, row in data.items() if isinstance(row, dict)
-            and isinstance(row.get("worst_underestimate"), (int, float))} if isinstance(data, dict) else {}
-
-    def need(row: dict) -> float:  # an over-estimate needs no margin
-        return max(float(row["worst_underestimate"]), 0.0)
-
-    for name in (chip, platform):
-        if name in rows:
-            row = rows[name]
-            return Margin(need(row), f"the largest measured {name} underestimate of memory (compiler over "
-                          f"analytical) in {path.name} ({row.get('cases', '?')} cases, median |error| "
-                          f"{abs(float(row.get('median', 0))):.1%})")
+    if (name := _own(rows, platform, chip)) is not None:
+        row = rows[name]
+        return Margin(_need(row), f"the largest measured {name} underestimate of memory (compiler over "
+                      f"analytical) in {path.name} ({row.get('cases', '?')} cases, median |error| "
+                      f"{abs(float(row.get('median', 0))):.1%})")
     if rows:
-        name = max(rows, key=lambda n: need(rows[n]))
-        return Margin(need(rows[name]), f"the largest measured underestimate of memory in {path.name}, on {name} "
+        name = max(rows, key=lambda n: _need(rows[n]))
+        return Margin(_need(rows[name]), f"the largest measured underestimate of memory in {path.name}, on {name} "
                       f"({path.name} has no {platform} figure)")
     return Margin(FALLBACK_MARGIN, f"{FALLBACK_SOURCE} ({path.name} names no platform's underestimate)")
 
@@ -86,16 +95,14 @@ class MeasuredError:
 
 
 def measured_error(platform: str, chip: str | None = None, path: Path = MEMORY_ERROR_PATH) -> MeasuredError | None:
-    """memory_error.json's entry for `chip` where it measures that chip apart, else for `platform`; None where it has
-    none (its figures are not carried over to a platform they were not measured on)."""
+    """memory_error.json's entry for `chip` where it measures that chip apart, else for `platform` (_own); None where
+    it has none (its figures are not carried over to a platform they were not measured on, as load_margin's are)."""
     try:
-        data = json.loads(path.read_text())
+        rows = _entries(path)
     except (OSError, ValueError):
         return None
-    for name in (chip, platform):
-        row = data.get(name) if isinstance(data, dict) and name else None
-        if isinstance(row, dict) and isinstance(row.get("worst_underestimate"), (int, float)):
-            return MeasuredError(name, max(float(row["worst_underestimate"]), 0.0),
-                                 max(float(row.get("worst", 0.0)), 0.0), int(row.get("cases", 0)),
-                                 str(row.get("date", "")))
-    return None
+    if (name := _own(rows, platform, chip)) is None:
+        return None
+    row = rows[name]
+    return MeasuredError(name, _need(row), max(float(row.get("worst", 0.0)), 0.0), int(row.get("cases", 0)),
+                         str(row.get("date", "")))
