@@ -2,20 +2,26 @@
 
     .venv/bin/python bench/serving.py [--json FILE]
 
-Rows: bench/published/serving.csv, each with its citation and the line it was read from (NVIDIA's TensorRT-LLM
-performance tables and blog posts: static batches of identical requests on H100 and H200 in FP8, tensor parallel
-within one node). Two kinds of figure:
+Rows: bench/published/serving.csv, each with its citation and the line it was read from: NVIDIA's TensorRT-LLM
+performance tables and blog posts (static batches of identical requests on H100 and H200 in FP8, tensor parallel
+within one node) and vLLM on TPU v6e (Google's tpu-recipes Trillium recipe for Llama 3.3 70B: random requests under
+continuous batching at a fixed concurrency). Three kinds of figure:
 
 - output tokens/s per GPU of a static batch (TensorRT-LLM's gptSessionBenchmark: batch x output length / the whole
   batch's latency / GPUs), predicted as perfmodel.serving.static_batch_seconds: the prefill of the prompts, then a
   decode step per output token over the growing cache;
-- time to first token at batch 1, predicted as the prefill step.
+- time to first token at batch 1, predicted as the prefill step;
+- the median time between output tokens (vLLM's median ITL) with C requests in flight, each of input_len prompt
+  tokens and output_len output tokens: a decode step of C sequences at the cache's mean fill, input_len +
+  output_len / 2 (the median step is one without a prompt's chunk beside it: at these lengths and the recipe's
+  512-token budget a step prefills a chunk of a new prompt a fifth to two fifths of the time).
 
-The error is predicted / published - 1 of throughput (tokens/s, or 1 / TTFT). The fitted constant is
+The error is predicted / published - 1 of throughput (tokens/s, or 1 / time). The fitted constant is
 DECODE_HBM_EFFICIENCY["gpu"] (the share of HBM bandwidth decode reads sustain), by a grid over 0.40-1.00 on the
-median |log(predicted / published)|. "shipped" is maxperf's constant; "held out by source" predicts each source's
-rows with the constant fitted on the other sources' rows only (what users should expect on runs it was not fitted
-on); "in-sample" fits all rows.
+median |log(predicted / published)| of the GPU rows; the TPU rows are predicted with DECODE_HBM_EFFICIENCY["tpu"],
+fitted on none. "shipped" is maxperf's constants; "held out by source" predicts each source's rows with the constant
+fitted on the other sources' rows only (what users should expect on runs it was not fitted on); "in-sample" fits all
+rows.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from maxperf.spec.request import resolve  # noqa: E402
 
 ROWS = ROOT / "bench" / "published" / "serving.csv"
 GRID = [round(0.40 + 0.01 * i, 2) for i in range(61)]
+METRIC_LABELS = {"output_tokens_per_s_per_gpu": "tok/s/GPU", "ttft_ms": "TTFT", "decode_step_ms": "step"}
+TIMES = ("ttft_ms", "decode_step_ms")  # figures of time, whose throughput is their inverse
 
 
 @dataclasses.dataclass
@@ -57,7 +65,7 @@ class Row:
     @property
     def label(self) -> str:
         return (f"{self.model} {self.topology} B{self.batch} {self.input_len}/{self.output_len} "
-                f"{'TTFT' if self.metric == 'ttft_ms' else 'tok/s/GPU'}")
+                f"{METRIC_LABELS[self.metric]}")
 
 
 def load_rows(path: Path = ROWS) -> list[Row]:
@@ -84,6 +92,11 @@ def predict(row: Row, k: serving.ServingConstants) -> float:
         sizes = dict(p.mesh.sizes)
         b = row.batch / serving.batch_split(sizes, row.batch)
         return 1e3 * serving.prefill_phase(p.model, p.train, p.mesh, chip, p.topology, b, row.input_len, k).seconds
+    if row.metric == "decode_step_ms":
+        sizes = dict(p.mesh.sizes)
+        b = row.batch / serving.batch_split(sizes, row.batch)
+        context = row.input_len + row.output_len / 2
+        return 1e3 * serving.decode_phase(p.model, p.train, p.mesh, chip, p.topology, b, context, k).seconds
     seconds = serving.static_batch_seconds(p.model, p.train, p.mesh, chip, p.topology, row.input_len,
                                            row.output_len, k)
     return row.batch * row.output_len / seconds / p.topology.chips
@@ -91,9 +104,13 @@ def predict(row: Row, k: serving.ServingConstants) -> float:
 
 def error(row: Row, predicted: float) -> float:
     """predicted / published - 1 of throughput."""
-    if row.metric == "ttft_ms":
+    if row.metric in TIMES:
         return row.value / predicted - 1
     return predicted / row.value - 1
+
+
+def on_gpu(row: Row) -> bool:
+    return device_for(resolve(row.topology, row.model, row.words).topology).kind == "gpu"
 
 
 def with_efficiency(e: float) -> serving.ServingConstants:
@@ -102,7 +119,9 @@ def with_efficiency(e: float) -> serving.ServingConstants:
 
 
 def fit(rows: list[Row]) -> float:
-    """The HBM efficiency with the least median |log(predicted / published)| over `rows`."""
+    """The GPU HBM efficiency with the least median |log(predicted / published)| over the GPU rows of `rows`."""
+    rows = [r for r in rows if on_gpu(r)]
+
     def loss(e: float) -> float:
         k = with_efficiency(e)
         return statistics.median(abs(math.log1p(error(r, predict(r, k)))) for r in rows)
@@ -133,8 +152,9 @@ def main(argv=None) -> dict:
     for r in rows:
         print(f"{r.label:<48} {r.value:>10.4g} {100 * error(r, shipped[r.id]):>+8.1f}% "
               f"{100 * error(r, held[r.id]):>+8.1f}%")
-    groups = {"all": rows, "static batch tok/s": [r for r in rows if r.metric != "ttft_ms"],
-              "TTFT": [r for r in rows if r.metric == "ttft_ms"]}
+    groups = {"all": rows, "static batch tok/s": [r for r in rows if r.metric == "output_tokens_per_s_per_gpu"],
+              "TTFT": [r for r in rows if r.metric == "ttft_ms"],
+              "TPU decode step": [r for r in rows if r.metric == "decode_step_ms"]}
     out = {"rows": len(rows), "fitted_gpu_hbm_efficiency": in_sample_e, "fitted_without": fitted_without,
            "shipped_gpu_hbm_efficiency": serving.SHIPPED_SERVING.efficiency("gpu"), "groups": {}}
     for name, rs in groups.items():

@@ -257,8 +257,11 @@ def test_the_serving_bench_runs_and_reports_held_out_errors(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
-    assert result["rows"] == 62
+    assert result["rows"] == 64
     assert result["fitted_gpu_hbm_efficiency"] == result["shipped_gpu_hbm_efficiency"]
+    # vLLM's decode steps on v6e-8, fitted on by no constant: 1.5% and 10.2% (docs/serving.md)
+    tpu = result["groups"]["TPU decode step"]["shipped"]
+    assert tpu["median"] == pytest.approx(0.058, abs=0.0005) and tpu["worst"] == pytest.approx(0.102, abs=0.0005)
     held = result["groups"]["all"]["held out by source"]
     from maxperf.perfmodel.serving import HELD_OUT_ERROR  # what estimate quotes as its uncertainty
 
@@ -276,9 +279,9 @@ def test_estimate_step_decode_prints_latency_memory_and_its_uncertainty():
              "max_prefill_predict_length=1024"]
     proc = maxperf(*words)
     assert proc.returncode == 0, proc.stderr
-    assert "ms per output token" in proc.stdout and "uncertainty      +-28%" in proc.stdout
+    assert "ms per output token" in proc.stdout and "uncertainty      +-27%" in proc.stdout
     d = json.loads(maxperf(*words, "--json").stdout)
-    assert d["memory"]["fits"] and d["uncertainty"]["relative"] == pytest.approx(0.278)
+    assert d["memory"]["fits"] and d["uncertainty"]["relative"] == pytest.approx(0.266)
     # int8 weights: 70.6B numbers over 8 chips, a byte each, plus the tables in bf16
     assert d["memory"]["weights_bytes"] / 2**30 == pytest.approx(8.46, abs=0.05)
     proc = maxperf("estimate", "--step", "decode", "--model", "llama3-70b", "--topology", "v5e-8",
