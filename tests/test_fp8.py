@@ -357,10 +357,53 @@ def test_compiled_mxfp8_step_runs_cudnn_block_scaled_gemms(topology):
 def test_mxfp8_refuses_a_mesh_that_splits_a_weight_below_a_block():
     """tiny's D=64 over fsdp=8 leaves 8 elements of each weight's D on a device, a quarter of an MXFP8 block: one line
     naming the weight, the split and the mesh."""
-    with pytest.raises(MaxperfError, match=r"splits q's embed axis \(64\) 8 ways into 8 per device, not a multiple "
-                                           r"of 32.*fsdp=8"):
+    with pytest.raises(MaxperfError, match=r"splits q's embed axis \(64\) 8 ways, leaving runs of 8 contracted "
+                                           r"elements per device, not a multiple of 32.*fsdp=8"):
         resolve("b200-8", "tiny", ["quantization=te_mxfp8"])
     assert resolve("b200-8", "tiny", ["quantization=te_mxfp8", "d_model=256", "d_ff=512"]).mesh.axes["fsdp"] == 8
+
+
+def test_mxfp8_splits_heads_and_experts_which_no_product_contracts_alone():
+    """Blocks run along a product's contraction: tensor parallelism splits q's heads, whose head_dim (128) stays whole
+    within each device's run of the backward's (heads, head_dim) contraction, and expert parallelism the expert axis,
+    which no product contracts; both are NVIDIA's Blackwell MXFP8 layouts. A mixture of experts' einsum dispatch
+    contracts each device's experts' capacity slots, refused where they make no whole block."""
+    assert resolve("b200-8", "llama3-8b", ["quantization=te_mxfp8", "ici_tensor_parallelism=8"]).mesh.axes["tensor"] == 8
+    moe = ["quantization=te_mxfp8", "ici_expert_parallelism=8", "sparse_matmul=false", "capacity_factor=1.25",
+           "max_target_length=4096"]
+    assert resolve("b200-8", "qwen3-30b-a3b", moe).mesh.axes["expert"] == 8  # 16 experts x 320 slots a device
+    with pytest.raises(MaxperfError, match=r"combine contracts 4 experts x 20 slots .* per device, 80, not a multiple "
+                                           r"of 32.*expert=8"):
+        resolve("b200-8", "tiny-moe", ["quantization=te_mxfp8", "d_model=256", "d_ff=512", "num_experts=32",
+                                       "ici_expert_parallelism=8", "sparse_matmul=false", "capacity_factor=1.25",
+                                       "seq_len=256"])
+
+
+@pytest.mark.slow
+@NEEDS_CUDA_PLUGIN
+@pytest.mark.parametrize("words", [
+    ["ici_tensor_parallelism=8", "num_heads=8", "num_kv_heads=8", "head_dim=32"],
+    ["model=tiny-moe", "num_experts=32", "sparse_matmul=false", "capacity_factor=1.25"],
+    ["model=tiny-moe", "num_experts=32", "sparse_matmul=false", "capacity_factor=1.25", "ici_expert_parallelism=8"],
+], ids=["tensor8", "moe-fsdp8", "moe-expert8"])
+def test_mxfp8_compiles_under_tensor_and_expert_parallelism(words):
+    """te_mxfp8 for b200-8 under tensor parallelism and a mixture of experts' einsum dispatch, with and without an
+    expert axis, compiles (the dispatch's and combine's operands split their batch axis alike, which the partitioner
+    of jax's block-scaled matmul requires) and multiplies its projections in E4M3."""
+    model = "tiny-moe" if "model=tiny-moe" in words else "tiny"
+    words = [w for w in words if not w.startswith("model=")]
+    req = resolve("b200-8", model, ["compute_dtype=bfloat16", "attention=flash", "seq_len=2048", "per_device_batch_size=1",
+                                    "quantization=te_mxfp8", "d_model=256", "d_ff=512", *words])
+    from maxperf.aot import hlo_cost, targets
+
+    mesh = targets.jax_mesh(req.topology, req.mesh)
+    spec = train_step.abstract_step(req.model, req.train, mesh)
+    with jax.set_mesh(mesh):
+        compiled = train_step.jit_step(spec).lower(spec.state, spec.batch).compile(
+            targets.compiler_options(req.topology) or None)
+    flops = hlo_cost.hlo_flops(compiled.as_text()).matmul_flops_by_operands
+    assert set(flops) == {"f8e4m3fn x f8e4m3fn", "bf16 x bf16"}, flops
+    assert flops["f8e4m3fn x f8e4m3fn"] > 10 * flops["bf16 x bf16"], flops
 
 
 # perfmodel: FP8 matmuls at the chip's FP8 peak, the quantize passes, what stays bf16, the state's bytes

@@ -11,10 +11,10 @@ slots per sequence (capacity_factor > 0, tokens past C dropped; dropless, C = L)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from maxperf.spec.errors import require
+from maxperf.spec.grouped_matmul import capacity
 from maxperf.spec.memo import per_model
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.train import TrainConfig
@@ -83,10 +83,7 @@ def expert_capacity(moe: MoeShape, train: TrainConfig) -> int:
     """Slots C per expert and sequence of the einsum dispatch (models/layers/moe.py capacity): the even share
     L k / E times the capacity factor, rounded up, within [1, L]; L when dropless. (MaxText's generate_masks rounds
     the share up before the factor: int(max(ceil(L k / E) x cf, cf)).)"""
-    L, cf = train.seq_len, capacity_factor(train)
-    if cf <= 0:
-        return L
-    return max(1, min(L, math.ceil(L * moe.k / moe.E * cf)))
+    return capacity(train.seq_len, moe.k, moe.E, capacity_factor(train))
 
 
 def rows_per_token(moe: MoeShape, train: TrainConfig) -> float:

@@ -195,7 +195,7 @@ def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_t
         split = batch_axes({a: ici[a] * dcn[a] for a in MESH_AXES})
         mesh = MeshChoice(ici, dcn, [(b, a) for b, a in pairs if round(b * devices) % split == 0], {})
         shown = mesh_shown(ici, dcn)
-        quants = [q for q in precisions if blocks_fit(q, model, topo, ici, dcn)]
+        quants = [q for q in precisions if blocks_fit(q, model, train, topo, ici, dcn)]
         stages = ici["stage"] * dcn["stage"]
         for (b, a) in list(mesh.pairs):
             ms = pipeline_microbatches(stages, round(b * devices), train, pinned_microbatches)
@@ -277,14 +277,14 @@ def precisions_for(quantization: str, chip) -> list[str]:
     return ["none", preferred] if preferred and (fp8.has_fp8(chip) or chip.kind == "cpu") else ["none"]
 
 
-def blocks_fit(quantization: str, model: ModelConfig, topo: Topology, ici: dict[str, int], dcn: dict[str, int]
-               ) -> bool:
-    """Whether a block-scaled recipe's weights split into whole blocks on this mesh (spec.fp8.check_blocks; GPUs
-    only)."""
+def blocks_fit(quantization: str, model: ModelConfig, train: TrainConfig, topo: Topology, ici: dict[str, int],
+               dcn: dict[str, int]) -> bool:
+    """Whether a block-scaled recipe's products (the weights', and a mixture of experts' einsum dispatch) split into
+    whole blocks on this mesh (spec.fp8.check_blocks; GPUs only)."""
     if topo.platform != "gpu" or quantization == "none":
         return True
     try:
-        fp8.check_blocks(quantization, model, Mesh.of({a: ici[a] * dcn[a] for a in MESH_AXES}, dcn))
+        fp8.check_blocks(quantization, model, Mesh.of({a: ici[a] * dcn[a] for a in MESH_AXES}, dcn), train)
     except MaxperfError:
         return False
     return True

@@ -37,9 +37,11 @@ Not built: `nanoo_fp8` (AMD MI300's e4m3fnuz / e5m2fnuz formats; maxperf's catal
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from maxperf.spec.errors import MaxperfError
+from maxperf.spec.grouped_matmul import capacity
 from maxperf.spec.logical_axes import split
 from maxperf.spec.params import param_arrays
 
@@ -138,24 +140,55 @@ def fp8_chips() -> list[str]:
     return [name for name, chip in CHIPS.items() if has_fp8(chip)]
 
 
-def check_blocks(quantization: str, model, mesh) -> None:
-    """On GPU, a MaxperfError, one line, where a block-scaled recipe's weight is split over the mesh into shards that
-    are not whole blocks: each device quantizes its own shard, so a split axis must leave a multiple of MX_BLOCK
-    elements on each device, or the scales straddle devices and XLA:GPU reshards them with an all-reduce NCCL cannot
-    run on E8M0 ("element type f8e8m0fnu not supported by NCCL")."""
+def contractions(logical) -> list[list[int]]:
+    """The axes of a weight (by index) that its products contract: its input axes in the forward, its output axes in
+    the backward's input gradient. A mixture of experts' expert axis (`exp`) is a batch axis of both, contracted by
+    neither; a weight whose last axis is `embed` maps its other axes onto the model width (the attention's output, the
+    MLPs' down projections), every other one the model width (or its first axis, a latent's up projection) onto the
+    rest."""
+    axes = [i for i, name in enumerate(logical) if name != "exp"]
+    if logical[axes[-1]] == "embed":
+        return [axes[:-1], axes[-1:]]
+    return [axes[:1], axes[1:]]
+
+
+def check_blocks(quantization: str, model, mesh, train=None) -> None:
+    """On GPU, a MaxperfError, one line, where a block-scaled recipe's weight is split over the mesh so that a block
+    would straddle devices: each device quantizes its own shard in blocks of MX_BLOCK elements along each product's
+    contraction (its contracted axes flattened, the last fastest), so an axis split within a contraction must leave a
+    multiple of MX_BLOCK elements per device in the run it starts (its share times the axes after it in that
+    contraction), or the scales straddle devices and XLA:GPU reshards them with an all-reduce NCCL cannot run on E8M0
+    ("element type f8e8m0fnu not supported by NCCL"). Axes no product contracts (the expert axis) split freely. With
+    `train`, a mixture of experts' einsum dispatch too: its combine contracts each device's experts' C slots, which
+    must make whole blocks (XLA:GPU's block-scaling rewrite fails on any other)."""
     r = recipe(quantization)
     if r is None or r.scaling is not Scaling.BLOCK:
         return
     for array in param_arrays(model):
         if not array.matmul or not array.block:
             continue
-        for size, shards, name in zip(array.shape, split(array.shape, array.logical, mesh.axes), array.logical):
-            if shards > 1 and (size // shards) % MX_BLOCK:
-                raise MaxperfError(
-                    f"quantization={r.name} scales every {MX_BLOCK} elements of a weight, and this mesh splits "
-                    f"{array.name}'s {name} axis ({size}) {shards} ways into {size // shards} per device, not a "
-                    f"multiple of {MX_BLOCK}; choose a mesh that leaves whole blocks on each device (now "
-                    f"{mesh.shown()})")
+        shards = split(array.shape, array.logical, mesh.axes)
+        local = [size // n for size, n in zip(array.shape, shards)]
+        for group in contractions(array.logical):
+            for k, i in enumerate(group):
+                run = local[i] * math.prod(local[j] for j in group[k + 1:])
+                if shards[i] > 1 and run % MX_BLOCK:
+                    raise MaxperfError(
+                        f"quantization={r.name} scales every {MX_BLOCK} elements along a product's contraction, and "
+                        f"this mesh splits {array.name}'s {array.logical[i]} axis ({array.shape[i]}) {shards[i]} ways, "
+                        f"leaving runs of {run} contracted elements per device, not a multiple of {MX_BLOCK}; choose "
+                        f"a mesh that leaves whole blocks on each device (now {mesh.shown()})")
+    if train is None or not model.is_moe or train.sparse_matmul or train.capacity_factor <= 0:
+        return
+    C = capacity(train.seq_len, model.num_experts_per_tok, model.num_experts, train.capacity_factor)
+    local = model.num_experts // split((model.num_experts,), ("exp",), mesh.axes)[0]
+    if (local * C) % MX_BLOCK:
+        raise MaxperfError(
+            f"quantization={r.name} scales every {MX_BLOCK} elements along a product's contraction, and the expert "
+            f"dispatch's combine contracts {local} experts x {C} slots (capacity_factor={train.capacity_factor:g} of "
+            f"{train.seq_len} tokens x {model.num_experts_per_tok} / {model.num_experts}) per device, {local * C}, not "
+            f"a multiple of {MX_BLOCK}; choose a capacity_factor, sequence length or expert axis that makes it one "
+            f"(now {mesh.shown()})")
 
 
 def check_chip(quantization: str, chip) -> None:

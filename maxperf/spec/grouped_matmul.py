@@ -1,7 +1,10 @@
-"""Which kernel serves a mixture of experts' grouped matmul on TPU and with which tiles, in plain Python: the model
-(models/layers/moe.py) and perfmodel decide by this one rule."""
+"""Which kernel serves a mixture of experts' grouped matmul on TPU and with which tiles, and how many slots the
+einsum dispatch gives each expert, in plain Python: the model (models/layers/moe.py), perfmodel and the spec's checks
+decide by these rules."""
 
 from __future__ import annotations
+
+import math
 
 # MaxText's megablox tiles (configs/base.yml wi_tile_* / wo_tile_*: 512 rows, 1024 wide), clipped to the matmul
 MEGABLOX_TILES = (512, 1024, 1024)
@@ -14,3 +17,11 @@ def megablox_tiling(m: int, k: int, n: int) -> tuple[int, int, int] | None:
     tm = next((t for t in (MEGABLOX_TILES[0], 256, 128) if m % t == 0), None)
     tk, tn = (min(tile, (dim // 128) * 128) for tile, dim in zip(MEGABLOX_TILES[1:], (k, n)))
     return None if tm is None or tk < 128 or tn < 128 else (tm, tk, tn)
+
+
+def capacity(L: int, K: int, E: int, capacity_factor: float) -> int:
+    """An expert's capacity C per sequence of L tokens (MaxText's dense dispatch): its even share L K / E times the
+    capacity factor, rounded up, within [1, L]; L (nothing dropped) when dropless (capacity_factor <= 0)."""
+    if capacity_factor <= 0:
+        return L
+    return max(1, min(L, math.ceil(L * K / E * capacity_factor)))

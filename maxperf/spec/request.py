@@ -111,7 +111,7 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     _check_context(configs, mesh)
     _check_zero1(configs.train, mesh)
     if topo.platform == "gpu":
-        fp8.check_blocks(configs.train.quantization, configs.model, mesh)
+        fp8.check_blocks(configs.train.quantization, configs.model, mesh, configs.train)
     return Request(topo, configs, mesh, notes + replication_warnings(configs, mesh)
                    + gpu_grouped_matmul_warnings(configs, mesh, topo))
 

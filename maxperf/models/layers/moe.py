@@ -22,7 +22,6 @@ Checkpoint names as MaxText gives them (layers/moe.py): the expert projections c
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import jax
@@ -36,7 +35,7 @@ from maxperf.models.layers.mlp import _ACT, MLP, gate
 from maxperf.models.layers.params import param
 from maxperf.models.sharding import constrain, mesh_axes_for
 from maxperf.spec.errors import MaxperfError
-from maxperf.spec.grouped_matmul import megablox_tiling
+from maxperf.spec.grouped_matmul import capacity, megablox_tiling
 from maxperf.spec.model import Activation, ModelConfig, RoutedScoreFunc
 from maxperf.spec.params import expert_axes
 from maxperf.spec.train import TrainConfig
@@ -141,14 +140,6 @@ def load_balance_loss(routing: Routing, E: int) -> jax.Array:
     f_E = counts_E / (routing.experts_TxK.size // K * K)
     P_E = jnp.mean(routing.probs_TxE.reshape(-1, E), axis=0)
     return E * jnp.sum(f_E * P_E)
-
-
-def capacity(L: int, K: int, E: int, capacity_factor: float) -> int:
-    """An expert's capacity C per sequence of L tokens (MaxText's dense dispatch): its even share L K / E times the
-    capacity factor, rounded up; L (nothing dropped) when dropless."""
-    if capacity_factor <= 0:
-        return L
-    return max(1, min(L, math.ceil(L * K / E * capacity_factor)))
 
 
 class Router(nnx.Module):
@@ -445,6 +436,11 @@ def dense_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCon
     dispatch_BxLxExC = jnp.sum(dispatch_BxLxExC, axis=2)  # a token picks an expert at most once
     if cfg.routed_input_scaling:
         dispatch_BxLxExC, combine_BxLxExC = combine_BxLxExC, dispatch_BxLxExC
+    if quantization.block_scaled():  # the dispatch's and combine's operands split their batch axis alike (the
+        # partitioner of MXFP8's scaled matmul takes no other), and so the gradients that reach them
+        x_BxLxD = constrain(x_BxLxD, ("activation_batch_no_exp", None, None))
+        dispatch_BxLxExC = constrain(dispatch_BxLxExC, ("activation_batch_no_exp", None, None, None))
+        combine_BxLxExC = constrain(combine_BxLxExC, ("activation_batch_no_exp", None, "activation_exp", None))
     # the tokens first, as MaxText's dispatch einsum takes them: under int8 their gradient is the input gradient
     x_BxExCxD = quantization.einsum("BLD,BLEC->BECD", x_BxLxD, dispatch_BxLxExC)
     x_BxExCxD = constrain(x_BxExCxD, ("activation_batch_no_exp", "activation_exp", None, None))
@@ -465,4 +461,8 @@ def dense_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCon
     h_BxExCxF = constrain(h_BxExCxF, ("activation_batch_no_exp", "activation_exp", None, "activation_mlp"))
     y_BxExCxD = biased(quantization.einsum("BECF,EFD->BECD", h_BxExCxF, wo), bo)
     y_BxExCxD = checkpoint_name(offload.residual(y_BxExCxD, "mlpwo"), "moe_mlpwo")
+    if quantization.block_scaled():
+        y_BxExCxD = constrain(y_BxExCxD, ("activation_batch_no_exp", "activation_exp", None, None))
+        out_BxLxD = quantization.einsum("BECD,BLEC->BLD", y_BxExCxD, combine_BxLxExC)
+        return constrain(out_BxLxD, ("activation_batch_no_exp", None, None))
     return quantization.einsum("BECD,BLEC->BLD", y_BxExCxD, combine_BxLxExC)

@@ -133,6 +133,13 @@ def scope(config: Int8 | Fp8Recipe | None, key: jax.Array | None, meta: jax.Arra
             sites[tag] = max(sites.get(tag, 0), active.calls[0])
 
 
+def block_scaled() -> bool:
+    """Whether the einsums traced here are quantized by a block-scaled FP8 recipe (MXFP8: jax's cuDNN scaled matmul,
+    whose partitioner takes a product only where its two operands split their batch axis alike)."""
+    active = _SCOPE.get()
+    return active is not None and getattr(active.config, "block", 0) > 0
+
+
 @contextlib.contextmanager
 def count_sites():
     """Within, each scope files its einsum calls under its tag: {tag: calls} (a delayed FP8 recipe's state has a
