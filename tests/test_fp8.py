@@ -365,15 +365,18 @@ def test_mxfp8_refuses_a_mesh_that_splits_a_weight_below_a_block():
 
 def test_mxfp8_splits_heads_and_experts_which_no_product_contracts_alone():
     """Blocks run along a product's contraction: tensor parallelism splits q's heads, whose head_dim (128) stays whole
-    within each device's run of the backward's (heads, head_dim) contraction, and expert parallelism the expert axis,
-    which no product contracts; both are NVIDIA's Blackwell MXFP8 layouts. A mixture of experts' einsum dispatch
+    within each device's run of the backward's (heads, head_dim) contraction, and expert parallelism the experts'
+    own axis, which no product contracts; both are NVIDIA's Blackwell MXFP8 layouts. A mixture of experts' einsum dispatch
     contracts each device's experts' capacity slots, refused where they make no whole block."""
     assert resolve("b200-8", "llama3-8b", ["quantization=te_mxfp8", "ici_tensor_parallelism=8"]).mesh.axes["tensor"] == 8
     moe = ["quantization=te_mxfp8", "ici_expert_parallelism=8", "sparse_matmul=false", "capacity_factor=1.25",
            "max_target_length=4096"]
     assert resolve("b200-8", "qwen3-30b-a3b", moe).mesh.axes["expert"] == 8  # 16 experts x 320 slots a device
-    with pytest.raises(MaxperfError, match=r"combine contracts 4 experts x 20 slots .* per device, 80, not a multiple "
-                                           r"of 32.*expert=8"):
+    # the experts' own axis sharded over fsdp instead (shard_exp_on_fsdp): a batch axis still, whatever its name
+    fsdp = [w for w in moe if not w.startswith("ici_expert")] + ["shard_exp_on_fsdp=true", "ici_fsdp_parallelism=8"]
+    assert resolve("b200-8", "qwen3-30b-a3b", fsdp).mesh.axes["fsdp"] == 8
+    with pytest.raises(MaxperfError, match=r"combine contracts 4 experts x 20 slots \(capacity_factor=1.25 x 256 "
+                                           r"tokens x 2 / 32\) per device, 80, not a multiple of 32.*expert=8"):
         resolve("b200-8", "tiny-moe", ["quantization=te_mxfp8", "d_model=256", "d_ff=512", "num_experts=32",
                                        "ici_expert_parallelism=8", "sparse_matmul=false", "capacity_factor=1.25",
                                        "seq_len=256"])

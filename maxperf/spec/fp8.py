@@ -142,11 +142,11 @@ def fp8_chips() -> list[str]:
 
 def contractions(logical) -> list[list[int]]:
     """The axes of a weight (by index) that its products contract: its input axes in the forward, its output axes in
-    the backward's input gradient. A mixture of experts' expert axis (`exp`) is a batch axis of both, contracted by
-    neither; a weight whose last axis is `embed` maps its other axes onto the model width (the attention's output, the
+    the backward's input gradient. A mixture of experts' expert axis (`exp`, or `exp_fsdp` under shard_exp_on_fsdp)
+    is a batch axis of both, contracted by neither; a weight whose last axis is `embed` maps its other axes onto the model width (the attention's output, the
     MLPs' down projections), every other one the model width (or its first axis, a latent's up projection) onto the
     rest."""
-    axes = [i for i, name in enumerate(logical) if name != "exp"]
+    axes = [i for i, name in enumerate(logical) if name not in ("exp", "exp_fsdp")]
     if logical[axes[-1]] == "embed":
         return [axes[:-1], axes[-1:]]
     return [axes[:1], axes[1:]]
@@ -178,16 +178,17 @@ def check_blocks(quantization: str, model, mesh, train=None) -> None:
                         f"this mesh splits {array.name}'s {array.logical[i]} axis ({array.shape[i]}) {shards[i]} ways, "
                         f"leaving runs of {run} contracted elements per device, not a multiple of {MX_BLOCK}; choose "
                         f"a mesh that leaves whole blocks on each device (now {mesh.shown()})")
-    if train is None or not model.is_moe or train.sparse_matmul or train.capacity_factor <= 0:
+    if train is None or not model.is_moe or train.sparse_matmul:
         return
-    C = capacity(train.seq_len, model.num_experts_per_tok, model.num_experts, train.capacity_factor)
-    local = model.num_experts // split((model.num_experts,), ("exp",), mesh.axes)[0]
+    L, K, E, cf = train.seq_len, model.num_experts_per_tok, model.num_experts, train.capacity_factor
+    C = capacity(L, K, E, cf)
+    local = E // split((E,), ("exp",), mesh.axes)[0]
     if (local * C) % MX_BLOCK:
+        slots = f"capacity_factor={cf:g} x {L} tokens x {K} / {E}" if cf > 0 else f"dropless: all {L} tokens"
         raise MaxperfError(
             f"quantization={r.name} scales every {MX_BLOCK} elements along a product's contraction, and the expert "
-            f"dispatch's combine contracts {local} experts x {C} slots (capacity_factor={train.capacity_factor:g} of "
-            f"{train.seq_len} tokens x {model.num_experts_per_tok} / {model.num_experts}) per device, {local * C}, not "
-            f"a multiple of {MX_BLOCK}; choose a capacity_factor, sequence length or expert axis that makes it one "
+            f"dispatch's combine contracts {local} experts x {C} slots ({slots}) per device, {local * C}, not a "
+            f"multiple of {MX_BLOCK}; choose a capacity_factor, sequence length or expert axis that makes it one "
             f"(now {mesh.shown()})")
 
 

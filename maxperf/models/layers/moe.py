@@ -437,7 +437,8 @@ def dense_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCon
     if cfg.routed_input_scaling:
         dispatch_BxLxExC, combine_BxLxExC = combine_BxLxExC, dispatch_BxLxExC
     if quantization.block_scaled():  # the dispatch's and combine's operands split their batch axis alike (the
-        # partitioner of MXFP8's scaled matmul takes no other), and so the gradients that reach them
+        # partitioner of MXFP8's scaled matmul takes no other), and so the gradients that reach them: the tokens
+        # gathered over the expert axis, which a product's batch axis cannot share with the experts' own
         x_BxLxD = constrain(x_BxLxD, ("activation_batch_no_exp", None, None))
         dispatch_BxLxExC = constrain(dispatch_BxLxExC, ("activation_batch_no_exp", None, None, None))
         combine_BxLxExC = constrain(combine_BxLxExC, ("activation_batch_no_exp", None, "activation_exp", None))
