@@ -143,9 +143,9 @@ def fp8_chips() -> list[str]:
 def contractions(logical) -> list[list[int]]:
     """The axes of a weight (by index) that its products contract: its input axes in the forward, its output axes in
     the backward's input gradient. A mixture of experts' expert axis (`exp`, or `exp_fsdp` under shard_exp_on_fsdp)
-    is a batch axis of both, contracted by neither; a weight whose last axis is `embed` maps its other axes onto the model width (the attention's output, the
-    MLPs' down projections), every other one the model width (or its first axis, a latent's up projection) onto the
-    rest."""
+    is a batch axis of both, contracted by neither; a weight whose last axis is `embed` maps its other axes onto the
+    model width (the attention's output, the MLPs' down projections), every other one the model width (or its first
+    axis, a latent's up projection) onto the rest."""
     axes = [i for i, name in enumerate(logical) if name not in ("exp", "exp_fsdp")]
     if logical[axes[-1]] == "embed":
         return [axes[:-1], axes[-1:]]
