@@ -88,13 +88,10 @@ def predict(row: Row, k: serving.ServingConstants) -> float:
     """The row's figure as maxperf predicts it, in the row's unit."""
     p = request(row)
     chip = device_for(p.topology)
+    b = row.batch / serving.batch_split(dict(p.mesh.sizes), row.batch)  # sequences per batch shard
     if row.metric == "ttft_ms":
-        sizes = dict(p.mesh.sizes)
-        b = row.batch / serving.batch_split(sizes, row.batch)
         return 1e3 * serving.prefill_phase(p.model, p.train, p.mesh, chip, p.topology, b, row.input_len, k).seconds
     if row.metric == "decode_step_ms":
-        sizes = dict(p.mesh.sizes)
-        b = row.batch / serving.batch_split(sizes, row.batch)
         context = row.input_len + row.output_len / 2
         return 1e3 * serving.decode_phase(p.model, p.train, p.mesh, chip, p.topology, b, context, k).seconds
     seconds = serving.static_batch_seconds(p.model, p.train, p.mesh, chip, p.topology, row.input_len,

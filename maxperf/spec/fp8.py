@@ -182,7 +182,7 @@ def check_blocks(quantization: str, model, mesh, train=None) -> None:
         return
     L, K, E, cf = train.seq_len, model.num_experts_per_tok, model.num_experts, train.capacity_factor
     C = capacity(L, K, E, cf)
-    local = E // split((E,), ("exp",), mesh.axes)[0]
+    local = E // split((E,), ("activation_exp",), mesh.axes)[0]  # the combine's experts, as the dispatch splits them
     if (local * C) % MX_BLOCK:
         slots = f"capacity_factor={cf:g} x {L} tokens x {K} / {E}" if cf > 0 else f"dropless: all {L} tokens"
         raise MaxperfError(

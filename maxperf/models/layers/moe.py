@@ -436,9 +436,11 @@ def dense_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCon
     dispatch_BxLxExC = jnp.sum(dispatch_BxLxExC, axis=2)  # a token picks an expert at most once
     if cfg.routed_input_scaling:
         dispatch_BxLxExC, combine_BxLxExC = combine_BxLxExC, dispatch_BxLxExC
-    if quantization.block_scaled():  # the dispatch's and combine's operands split their batch axis alike (the
-        # partitioner of MXFP8's scaled matmul takes no other), and so the gradients that reach them: the tokens
-        # gathered over the expert axis, which a product's batch axis cannot share with the experts' own
+    # the dispatch's and combine's operands split their batch axis alike (the partitioner of MXFP8's scaled matmul
+    # takes no other), and so the gradients that reach them: the tokens gathered over the expert axis, which a
+    # product's batch axis cannot share with the experts' own
+    aligned = quantization.block_scaled()
+    if aligned:
         x_BxLxD = constrain(x_BxLxD, ("activation_batch_no_exp", None, None))
         dispatch_BxLxExC = constrain(dispatch_BxLxExC, ("activation_batch_no_exp", None, None, None))
         combine_BxLxExC = constrain(combine_BxLxExC, ("activation_batch_no_exp", None, "activation_exp", None))
@@ -462,8 +464,7 @@ def dense_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCon
     h_BxExCxF = constrain(h_BxExCxF, ("activation_batch_no_exp", "activation_exp", None, "activation_mlp"))
     y_BxExCxD = biased(quantization.einsum("BECF,EFD->BECD", h_BxExCxF, wo), bo)
     y_BxExCxD = checkpoint_name(offload.residual(y_BxExCxD, "mlpwo"), "moe_mlpwo")
-    if quantization.block_scaled():
+    if aligned:
         y_BxExCxD = constrain(y_BxExCxD, ("activation_batch_no_exp", "activation_exp", None, None))
-        out_BxLxD = quantization.einsum("BECD,BLEC->BLD", y_BxExCxD, combine_BxLxExC)
-        return constrain(out_BxLxD, ("activation_batch_no_exp", None, None))
-    return quantization.einsum("BECD,BLEC->BLD", y_BxExCxD, combine_BxLxExC)
+    out_BxLxD = quantization.einsum("BECD,BLEC->BLD", y_BxExCxD, combine_BxLxExC)
+    return constrain(out_BxLxD, ("activation_batch_no_exp", None, None)) if aligned else out_BxLxD
