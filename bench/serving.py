@@ -4,8 +4,9 @@
 
 Rows: bench/published/serving.csv, each with its citation and the line it was read from: NVIDIA's TensorRT-LLM
 performance tables and blog posts (static batches of identical requests on H100 and H200 in FP8, tensor parallel
-within one node) and vLLM on TPU v6e (Google's tpu-recipes Trillium recipe for Llama 3.3 70B: random requests under
-continuous batching at a fixed concurrency). Three kinds of figure:
+within one node) and vLLM on TPU v6e and TPU7x (Google's tpu-recipes: the Trillium recipe for Llama 3.3 70B, the
+Ironwood recipes for Qwen3-32B and Qwen3-Coder-480B-A35B in FP8; random requests under continuous batching at a fixed
+concurrency). Four kinds of figure:
 
 - output tokens/s per GPU of a static batch (TensorRT-LLM's gptSessionBenchmark: batch x output length / the whole
   batch's latency / GPUs), predicted as perfmodel.serving.static_batch_seconds: the prefill of the prompts, then a
@@ -14,7 +15,12 @@ continuous batching at a fixed concurrency). Three kinds of figure:
 - the median time between output tokens (vLLM's median ITL) with C requests in flight, each of input_len prompt
   tokens and output_len output tokens: a decode step of C sequences at the cache's mean fill, input_len +
   output_len / 2 (the median step is one without a prompt's chunk beside it: at these lengths and the recipe's
-  512-token budget a step prefills a chunk of a new prompt a fifth to two fifths of the time).
+  512-token budget a step prefills a chunk of a new prompt a fifth to two fifths of the time);
+- output tokens/s per chip of a served benchmark (vLLM's server under InferenceX's benchmark_serving.py: `requests`
+  prompts sent at once, `batch` of them in flight, each prompt and output drawn uniformly from `length_ratio` to 1
+  times input_len and output_len), predicted as the requests in waves of `batch`: each wave a static batch at the
+  mean lengths (its prompts' prefill, then its decode steps), the last wave the remainder; the output tokens over
+  the waves' time.
 
 The error is predicted / published - 1 of throughput (tokens/s, or 1 / time). The fitted constant is
 DECODE_HBM_EFFICIENCY["gpu"] (the share of HBM bandwidth decode reads sustain), by a grid over 0.40-1.00 on the
@@ -45,7 +51,8 @@ from maxperf.spec.request import resolve  # noqa: E402
 
 ROWS = ROOT / "bench" / "published" / "serving.csv"
 GRID = [round(0.40 + 0.01 * i, 2) for i in range(61)]
-METRIC_LABELS = {"output_tokens_per_s_per_gpu": "tok/s/GPU", "ttft_ms": "TTFT", "decode_step_ms": "step"}
+METRIC_LABELS = {"output_tokens_per_s_per_gpu": "tok/s/GPU", "ttft_ms": "TTFT", "decode_step_ms": "step",
+                 "served_output_tokens_per_s_per_chip": "served tok/s/chip"}
 TIMES = ("ttft_ms", "decode_step_ms")  # figures of time, whose throughput is their inverse
 
 
@@ -61,6 +68,8 @@ class Row:
     words: list[str]
     metric: str
     value: float
+    requests: int = 0  # a served benchmark's prompts (0: not one)
+    length_ratio: float = 1.0  # its lengths drawn uniformly from this to 1 times input_len and output_len
 
     @property
     def label(self) -> str:
@@ -73,15 +82,31 @@ def load_rows(path: Path = ROWS) -> list[Row]:
     with open(path) as f:
         for i, r in enumerate(csv.DictReader(f)):
             rows.append(Row(i, r["source"], r["topology"], r["model"], int(r["batch"]), int(r["input_len"]),
-                            int(r["output_len"]), r["words"].split(), r["metric"], float(r["value"])))
+                            int(r["output_len"]), r["words"].split(), r["metric"], float(r["value"]),
+                            int(r["requests"] or 0), float(r["length_ratio"] or 1.0)))
     return rows
 
 
-def request(row: Row):
-    chips = int(row.topology.rsplit("-", 1)[1])
-    words = [*row.words, f"per_device_batch_size={row.batch / chips:g}",
+def request(row: Row, batch: int | None = None):
+    """The row's serving step as maxperf resolves it, for `batch` sequences (default: the row's)."""
+    devices = int(row.topology.rsplit("-", 1)[1])
+    words = [*row.words, f"per_device_batch_size={(batch or row.batch) / devices:g}",
              f"max_prefill_predict_length={row.input_len}", f"max_target_length={row.input_len + row.output_len}"]
     return resolve(row.topology, row.model, words)
+
+
+def served_tokens_per_s_per_chip(row: Row, k: serving.ServingConstants) -> float:
+    """A served benchmark's output tokens/s per chip: its requests in waves of `batch` at the mean lengths."""
+    mean = lambda n: round(n * (1 + row.length_ratio) / 2)  # noqa: E731  (uniform on [ratio n, n])
+    prompt, output = mean(row.input_len), mean(row.output_len)
+    waves, rest = divmod(row.requests, row.batch)
+    seconds = 0.0
+    for batch, count in ((row.batch, waves), (rest, 1 if rest else 0)):
+        if count:
+            p = request(row, batch)
+            seconds += count * serving.static_batch_seconds(p.model, p.train, p.mesh, device_for(p.topology),
+                                                            p.topology, prompt, output, k)
+    return row.requests * output / seconds / p.topology.chips
 
 
 def predict(row: Row, k: serving.ServingConstants) -> float:
@@ -94,6 +119,8 @@ def predict(row: Row, k: serving.ServingConstants) -> float:
     if row.metric == "decode_step_ms":
         context = row.input_len + row.output_len / 2
         return 1e3 * serving.decode_phase(p.model, p.train, p.mesh, chip, p.topology, b, context, k).seconds
+    if row.metric == "served_output_tokens_per_s_per_chip":
+        return served_tokens_per_s_per_chip(row, k)
     seconds = serving.static_batch_seconds(p.model, p.train, p.mesh, chip, p.topology, row.input_len,
                                            row.output_len, k)
     return row.batch * row.output_len / seconds / p.topology.chips
@@ -151,7 +178,9 @@ def main(argv=None) -> dict:
               f"{100 * error(r, held[r.id]):>+8.1f}%")
     groups = {"all": rows, "static batch tok/s": [r for r in rows if r.metric == "output_tokens_per_s_per_gpu"],
               "TTFT": [r for r in rows if r.metric == "ttft_ms"],
-              "TPU decode step": [r for r in rows if r.metric == "decode_step_ms"]}
+              "TPU decode step": [r for r in rows if r.metric == "decode_step_ms"],
+              "TPU served tok/s": [r for r in rows if r.metric == "served_output_tokens_per_s_per_chip"],
+              "TPU": [r for r in rows if not on_gpu(r)]}
     out = {"rows": len(rows), "fitted_gpu_hbm_efficiency": in_sample_e, "fitted_without": fitted_without,
            "shipped_gpu_hbm_efficiency": serving.SHIPPED_SERVING.efficiency("gpu"), "groups": {}}
     for name, rs in groups.items():

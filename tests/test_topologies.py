@@ -55,6 +55,8 @@ def test_largest_slice_per_family():
 def test_names_count_tensorcores_for_v4_v5p_tpu7x_and_chips_for_v5e_v6e():
     assert T.get("v4-8").chips == 4
     assert T.get("tpu7x-8").chips == 4
+    one = T.get("tpu7x-2")  # one chip, its two TensorCores (GKE's 1x1x1 node)
+    assert (one.chips, one.hosts, one.libtpu_topology, one.num_devices) == (1, 1, "tpu7x:1x1x1", 2)
     assert T.get("v5e-256").chips == 256 and T.get("v5e-256").hosts == 64
     assert T.get("v6e-8").chips == 8
 

@@ -80,7 +80,8 @@ DECODER_BLOCKS = {
     "gemma-2b": "gemma", "gemma-7b": "gemma", "gemma2-2b": "gemma2", "gemma2-9b": "gemma2", "gemma2-27b": "gemma2",
     "gemma3-4b": "gemma3", "gemma3-12b": "gemma3", "gemma3-27b": "gemma3",
     "qwen3-0.6b": "qwen3", "qwen3-8b": "qwen3", "qwen3-32b": "qwen3", "qwen3-30b-a3b": "qwen3_moe",
-    "qwen3-235b-a22b": "qwen3_moe", "gpt3-175b": "gpt3", "gpt-oss-20b": "gpt_oss", "gpt-oss-120b": "gpt_oss",
+    "qwen3-235b-a22b": "qwen3_moe", "qwen3-480b-a35b": "qwen3_moe", "gpt3-175b": "gpt3", "gpt-oss-20b": "gpt_oss",
+    "gpt-oss-120b": "gpt_oss",
     "deepseek-v2-lite": "deepseek", "deepseek-v3": "deepseek", "kimi-k2": "deepseek",
     "llama4-scout-17b-16e": "llama4", "llama4-maverick-17b-128e": "llama4",
 }

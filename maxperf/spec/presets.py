@@ -230,10 +230,13 @@ register("mixtral-8x7b", lambda: _moe("mixtral-8x7b", 32000, 4096, 32, 32, 8, 12
                                       norm_topk_prob=True))
 register("mixtral-8x22b", lambda: _moe("mixtral-8x22b", 32768, 6144, 56, 48, 8, 128, 8, 2, 16384, 1e6,
                                        norm_topk_prob=True))
-# Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B: 128 experts of width 768 or 1536, top-8 renormalized, QK-norm
+# Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B: 128 experts of width 768 or 1536, top-8 renormalized, QK-norm;
+# Qwen3-Coder-480B-A35B-Instruct (MaxText's configs/models/qwen3-480b-a35b.yml): 160 experts of width 2560
 register("qwen3-30b-a3b", lambda: _moe("qwen3-30b-a3b", 151936, 2048, 48, 32, 4, 128, 128, 8, 768, 1e6,
                                        norm_eps=1e-6, qk_norm=True, norm_topk_prob=True))
 register("qwen3-235b-a22b", lambda: _moe("qwen3-235b-a22b", 151936, 4096, 94, 64, 4, 128, 128, 8, 1536, 1e6,
+                                         norm_eps=1e-6, qk_norm=True, norm_topk_prob=True))
+register("qwen3-480b-a35b", lambda: _moe("qwen3-480b-a35b", 151936, 6144, 62, 96, 8, 128, 160, 8, 2560, 1e7,
                                          norm_eps=1e-6, qk_norm=True, norm_topk_prob=True))
 
 
@@ -307,7 +310,7 @@ MAXTEXT_NAMES = {
         "llama3.1-70b", "llama3.3-70b", "llama3-405b", "mistral-7b", "gemma-2b",
         "gemma-7b", "gemma2-2b", "gemma2-9b", "gemma2-27b", "gemma3-4b", "gemma3-12b", "gemma3-27b", "qwen3-0.6b",
         "qwen3-8b", "qwen3-32b", "gpt3-175b", "mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b",
-        "gpt-oss-20b", "gpt-oss-120b")},
+        "qwen3-480b-a35b", "gpt-oss-20b", "gpt-oss-120b")},
     "deepseek-v2-lite": "deepseek2-16b", "deepseek-v3": "deepseek3-671b", "kimi-k2": "kimi-k2-1t",
     "llama4-scout-17b-16e": "llama4-17b-16e", "llama4-maverick-17b-128e": "llama4-17b-128e",
 }
@@ -378,6 +381,7 @@ PUBLISHED_PARAMS = {
     "mixtral-8x22b": 141e9,
     "qwen3-30b-a3b": 30.5e9,
     "qwen3-235b-a22b": 235e9,
+    "qwen3-480b-a35b": 480e9,
     "gpt-oss-20b": 20.9e9,
     "gpt-oss-120b": 116.8e9,
     # DeepSeek-V2-Lite's model card (deepseek-ai/DeepSeek-V2-Lite): 15.7B; the DeepSeek-V3 technical report: 671B
@@ -400,6 +404,7 @@ PUBLISHED_ACTIVE_PARAMS = {
     "mixtral-8x22b": 39e9,
     "qwen3-30b-a3b": 3.3e9,
     "qwen3-235b-a22b": 22e9,
+    "qwen3-480b-a35b": 35e9,
     "gpt-oss-20b": 3.61e9,
     "gpt-oss-120b": 5.13e9,
     "llama4-scout-17b-16e": 17e9,  # Meta's model cards: 17B active
