@@ -218,6 +218,22 @@ def test_a_prompt_longer_than_the_cache_is_refused_in_one_line(tmp_path):
     assert not out.exists()
 
 
+def test_tokens_per_chip_count_chips_not_devices():
+    """A TPU7x chip is two JAX devices: tokens/s per chip is the chip's, twice a device's; elsewhere a device is a
+    chip."""
+    from maxperf.perfmodel import serving as model
+    from maxperf.perfmodel.estimate import device_for
+    from maxperf.spec.request import resolve
+
+    words = ["per_device_batch_size=16", "max_target_length=2048", "max_prefill_predict_length=1024"]
+    for topology, tensor, chips in (("tpu7x-8", 8, 4), ("v6e-8", 8, 8)):
+        p = resolve(topology, "qwen3-32b", [f"ici_tensor_parallelism={tensor}", *words])
+        e = model.estimate(p.model, p.train, p.mesh, device_for(p.topology), p.topology, largest_batch=False)
+        assert (e.devices, e.chips) == (8, chips)
+        assert e.tokens_per_s_per_chip == pytest.approx(e.tokens_per_s / chips)
+        assert e.as_dict()["chips"] == chips
+
+
 def test_decode_time_is_bandwidth_bound_at_small_batch_and_grows_with_the_cache():
     """The decode model's laws: at batch 1 a 70B model's step is its weights read at HBM bandwidth; a fuller cache
     costs more; int8 weights halve the weights' read; a batch that does not fit is said so."""

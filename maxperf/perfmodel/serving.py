@@ -112,6 +112,7 @@ class ServingEstimate:
     model: str
     chip: str
     devices: int
+    chips: int  # devices over the topology's devices per chip (TPU7x: two TensorCores a chip, each a device)
     batch: int  # sequences, all devices
     prompt: int  # P
     cache: int  # S
@@ -137,12 +138,12 @@ class ServingEstimate:
 
     @property
     def tokens_per_s_per_chip(self) -> float:
-        return self.tokens_per_s / self.devices
+        return self.tokens_per_s / self.chips
 
     def as_dict(self) -> dict:
         phase = lambda p: {**dataclasses.asdict(p), "bottleneck": p.bottleneck}  # noqa: E731
         return {"schema": "maxperf.serving-estimate/1", "model": self.model, "chip": self.chip,
-                "devices": self.devices, "batch": self.batch, "prompt_tokens": self.prompt,
+                "devices": self.devices, "chips": self.chips, "batch": self.batch, "prompt_tokens": self.prompt,
                 "cache_positions": self.cache, "context": self.context,
                 "memory": {**dataclasses.asdict(self.memory), "total_bytes": self.memory.total_bytes,
                            "fits": self.memory.fits},
@@ -434,7 +435,8 @@ def estimate(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, top
     ctx = context if context is not None else (P + S) / 2
     memory = estimate_memory(model, train, mesh, chip.hbm_bytes, kind, platform=chip.kind)
     return ServingEstimate(
-        model=model.name, chip=chip.name, devices=devices, batch=B, prompt=P, cache=S, context=ctx, memory=memory,
+        model=model.name, chip=chip.name, devices=devices, chips=devices // topology.devices_per_chip, batch=B,
+        prompt=P, cache=S, context=ctx, memory=memory,
         prefill=prefill_phase(model, train, mesh, chip, topology, b, P),
         first_token=prefill_phase(model, train, mesh, chip, topology, 1, P),
         decode=decode_phase(model, train, mesh, chip, topology, b, ctx),
