@@ -22,12 +22,11 @@ concurrency). Four kinds of figure:
   mean lengths (its prompts' prefill, then its decode steps), the last wave the remainder; the output tokens over
   the waves' time.
 
-The error is predicted / published - 1 of throughput (tokens/s, or 1 / time). The fitted constant is
-DECODE_HBM_EFFICIENCY["gpu"] (the share of HBM bandwidth decode reads sustain), by a grid over 0.40-1.00 on the
-median |log(predicted / published)| of the GPU rows; the TPU rows are predicted with DECODE_HBM_EFFICIENCY["tpu"],
-fitted on none. "shipped" is maxperf's constants; "held out by source" predicts each source's rows with the constant
-fitted on the other sources' rows only (what users should expect on runs it was not fitted on); "in-sample" fits all
-rows.
+The error is predicted / published - 1 of throughput (tokens/s, or 1 / time). The fitted constants are
+DECODE_HBM_EFFICIENCY["gpu"] and ["tpu"] (the share of HBM bandwidth decode reads sustain), each by a grid over
+0.40-1.00 on the median |log(predicted / published)| of its own kind's rows. "shipped" is maxperf's constants; "held
+out by source" predicts each source's rows with the constants fitted on the other sources' rows only (what users
+should expect on runs they were not fitted on); "in-sample" fits all rows.
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ GRID = [round(0.40 + 0.01 * i, 2) for i in range(61)]
 METRIC_LABELS = {"output_tokens_per_s_per_gpu": "tok/s/GPU", "ttft_ms": "TTFT", "decode_step_ms": "step",
                  "served_output_tokens_per_s_per_chip": "served tok/s/chip"}
 TIMES = ("ttft_ms", "decode_step_ms")  # figures of time, whose throughput is their inverse
+KINDS = ("gpu", "tpu")  # the chip kinds whose HBM efficiency is fitted, each on its own rows
 
 
 @dataclasses.dataclass
@@ -133,23 +133,33 @@ def error(row: Row, predicted: float) -> float:
     return predicted / row.value - 1
 
 
+def kind(row: Row) -> str:
+    """The row's chip kind: "gpu" or "tpu"."""
+    return device_for(resolve(row.topology, row.model, row.words).topology).kind
+
+
 def on_gpu(row: Row) -> bool:
-    return device_for(resolve(row.topology, row.model, row.words).topology).kind == "gpu"
+    return kind(row) == "gpu"
 
 
-def with_efficiency(e: float) -> serving.ServingConstants:
+def with_efficiency(fitted: dict[str, float]) -> serving.ServingConstants:
+    """The shipped constants with `fitted` (chip kind -> HBM efficiency) in place."""
     return dataclasses.replace(serving.SHIPPED_SERVING, hbm_efficiency=tuple(
-        {**dict(serving.SHIPPED_SERVING.hbm_efficiency), "gpu": e}.items()))
+        {**dict(serving.SHIPPED_SERVING.hbm_efficiency), **fitted}.items()))
 
 
-def fit(rows: list[Row]) -> float:
-    """The GPU HBM efficiency with the least median |log(predicted / published)| over the GPU rows of `rows`."""
-    rows = [r for r in rows if on_gpu(r)]
-
-    def loss(e: float) -> float:
-        k = with_efficiency(e)
-        return statistics.median(abs(math.log1p(error(r, predict(r, k)))) for r in rows)
-    return min(GRID, key=loss)
+def fit(rows: list[Row]) -> dict[str, float]:
+    """Per chip kind, the HBM efficiency with the least median |log(predicted / published)| over that kind's rows of
+    `rows`; a kind without rows takes the other's."""
+    fitted = {}
+    for k in KINDS:
+        mine = [r for r in rows if kind(r) == k]
+        if mine:
+            fitted[k] = min(GRID, key=lambda e: statistics.median(  # noqa: B023  (called here, in the loop)
+                abs(math.log1p(error(r, predict(r, with_efficiency({k: e}))))) for r in mine))
+    for k in KINDS:
+        fitted.setdefault(k, next(iter(fitted.values())))
+    return fitted
 
 
 def summary(errors: list[float]) -> str:
@@ -164,14 +174,14 @@ def main(argv=None) -> dict:
     args.json = outfile.checked(ap, args.json)
     rows = load_rows()
     shipped = {r.id: predict(r, serving.SHIPPED_SERVING) for r in rows}
-    in_sample_e = fit(rows)
+    in_sample = fit(rows)
     held = {}
     fitted_without = {}
     for source in sorted({r.source for r in rows}):
-        e = fitted_without[source] = fit([r for r in rows if r.source != source])
-        k = with_efficiency(e)
+        fitted = fitted_without[source] = fit([r for r in rows if r.source != source])
+        k = with_efficiency(fitted)
         held.update({r.id: predict(r, k) for r in rows if r.source == source})
-    k_in = with_efficiency(in_sample_e)
+    k_in = with_efficiency(in_sample)
     print(f"{'row':<48} {'published':>10} {'shipped':>9} {'held out':>9}")
     for r in rows:
         print(f"{r.label:<48} {r.value:>10.4g} {100 * error(r, shipped[r.id]):>+8.1f}% "
@@ -181,8 +191,8 @@ def main(argv=None) -> dict:
               "TPU decode step": [r for r in rows if r.metric == "decode_step_ms"],
               "TPU served tok/s": [r for r in rows if r.metric == "served_output_tokens_per_s_per_chip"],
               "TPU": [r for r in rows if not on_gpu(r)]}
-    out = {"rows": len(rows), "fitted_gpu_hbm_efficiency": in_sample_e, "fitted_without": fitted_without,
-           "shipped_gpu_hbm_efficiency": serving.SHIPPED_SERVING.efficiency("gpu"), "groups": {}}
+    out = {"rows": len(rows), "fitted_hbm_efficiency": in_sample, "fitted_without": fitted_without,
+           "shipped_hbm_efficiency": {k: serving.SHIPPED_SERVING.efficiency(k) for k in KINDS}, "groups": {}}
     for name, rs in groups.items():
         lines = {"shipped": [error(r, shipped[r.id]) for r in rs],
                  "held out by source": [error(r, held[r.id]) for r in rs],
@@ -191,7 +201,7 @@ def main(argv=None) -> dict:
             print(f"{name:<20} {kind:<20} {summary(errs)}")
         out["groups"][name] = {kind: {"median": statistics.median(abs(x) for x in errs),
                                       "worst": max(abs(x) for x in errs)} for kind, errs in lines.items()}
-    print(f"fitted GPU HBM efficiency: {in_sample_e} in-sample; without each source: {fitted_without}")
+    print(f"fitted HBM efficiency: {in_sample} in-sample; without each source: {fitted_without}")
     if args.json:
         outfile.write(args.json, out, indent=2)
     return out
