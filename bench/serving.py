@@ -151,12 +151,13 @@ def with_efficiency(fitted: dict[str, float]) -> serving.ServingConstants:
 def fit(rows: list[Row]) -> dict[str, float]:
     """Per chip kind, the HBM efficiency with the least median |log(predicted / published)| over that kind's rows of
     `rows`; a kind without rows takes the other's."""
-    fitted = {}
-    for k in KINDS:
-        mine = [r for r in rows if kind(r) == k]
-        if mine:
-            fitted[k] = min(GRID, key=lambda e: statistics.median(  # noqa: B023  (called here, in the loop)
-                abs(math.log1p(error(r, predict(r, with_efficiency({k: e}))))) for r in mine))
+    def best(k: str, mine: list[Row]) -> float:
+        def loss(e: float) -> float:
+            constants = with_efficiency({k: e})
+            return statistics.median(abs(math.log1p(error(r, predict(r, constants)))) for r in mine)
+        return min(GRID, key=loss)
+
+    fitted = {k: best(k, mine) for k in KINDS if (mine := [r for r in rows if kind(r) == k])}
     for k in KINDS:
         fitted.setdefault(k, next(iter(fitted.values())))
     return fitted
