@@ -191,7 +191,7 @@ def main(argv=None) -> dict:
               "TTFT": [r for r in rows if r.metric == "ttft_ms"],
               "TPU decode step": [r for r in rows if r.metric == "decode_step_ms"],
               "TPU served tok/s": [r for r in rows if r.metric == "served_output_tokens_per_s_per_chip"],
-              "TPU": [r for r in rows if not on_gpu(r)]}
+              "GPU": [r for r in rows if on_gpu(r)], "TPU": [r for r in rows if not on_gpu(r)]}
     out = {"rows": len(rows), "fitted_hbm_efficiency": in_sample, "fitted_without": fitted_without,
            "shipped_hbm_efficiency": {k: serving.SHIPPED_SERVING.efficiency(k) for k in KINDS}, "groups": {}}
     for name, rs in groups.items():

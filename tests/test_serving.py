@@ -283,11 +283,12 @@ def test_the_serving_bench_runs_and_reports_held_out_errors(tmp_path):
     assert tpu["median"] == pytest.approx(0.041, abs=0.0005) and tpu["worst"] == pytest.approx(0.080, abs=0.0005)
     served = result["groups"]["TPU served tok/s"]["held out by source"]
     assert served["median"] == pytest.approx(0.102, abs=0.0005) and served["worst"] == pytest.approx(0.275, abs=0.0005)
-    held = result["groups"]["all"]["held out by source"]
-    from maxperf.perfmodel.serving import HELD_OUT_ERROR  # what estimate quotes as its uncertainty
+    from maxperf.perfmodel.serving import HELD_OUT_ERROR  # what estimate quotes as its uncertainty, per chip kind
 
-    assert held["median"] == pytest.approx(HELD_OUT_ERROR[0], abs=0.0005)
-    assert held["worst"] == pytest.approx(HELD_OUT_ERROR[1], abs=0.0005)
+    for kind, group in (("all", "all"), ("gpu", "GPU"), ("tpu", "TPU")):
+        held = result["groups"][group]["held out by source"]
+        assert held["median"] == pytest.approx(HELD_OUT_ERROR[kind][0], abs=0.0005)
+        assert held["worst"] == pytest.approx(HELD_OUT_ERROR[kind][1], abs=0.0005)
 
 
 def test_a_served_benchmark_runs_its_requests_in_waves_at_the_mean_lengths():
@@ -329,9 +330,14 @@ def test_estimate_step_decode_prints_latency_memory_and_its_uncertainty():
              "max_prefill_predict_length=1024"]
     proc = maxperf(*words)
     assert proc.returncode == 0, proc.stderr
-    assert "ms per output token" in proc.stdout and "uncertainty      +-24%" in proc.stdout
+    # a TPU quotes the TPU rows' held-out error, a GPU the GPU rows'
+    assert "ms per output token" in proc.stdout and "uncertainty      +-7% (worst 28%)" in proc.stdout
+    assert "8 published serving runs on TPUs" in proc.stdout
     d = json.loads(maxperf(*words, "--json").stdout)
-    assert d["memory"]["fits"] and d["uncertainty"]["relative"] == pytest.approx(0.244)
+    assert d["memory"]["fits"] and d["uncertainty"]["relative"] == pytest.approx(0.074)
+    gpu = json.loads(maxperf("estimate", "--step", "decode", "--model", "llama3-8b", "--topology", "h100-1",
+                             "per_device_batch_size=8", "max_target_length=2048", "--json").stdout)
+    assert gpu["uncertainty"]["relative"] == pytest.approx(0.278) and "on GPUs" in gpu["uncertainty"]["basis"]
     # int8 weights: 70.6B numbers over 8 chips, a byte each, plus the tables in bf16
     assert d["memory"]["weights_bytes"] / 2**30 == pytest.approx(8.46, abs=0.05)
     proc = maxperf("estimate", "--step", "decode", "--model", "llama3-70b", "--topology", "v5e-8",

@@ -85,8 +85,8 @@ def _serving(p, kind: str, as_json: bool, calibration) -> int:
     print(f"  decode           {e.time_per_output_token_s * 1e3:.4g} ms per output token at {e.context:.0f} cached "
           f"positions, bound by {e.decode.bottleneck}")
     print(f"  tokens/s         {e.tokens_per_s:,.0f} ({e.tokens_per_s_per_chip:,.0f} per chip)")
-    print(f"  uncertainty      +-{serving.HELD_OUT_ERROR[0]:.0%} (worst {serving.HELD_OUT_ERROR[1]:.0%}): "
-          f"{serving.HELD_OUT_BASIS}")
+    relative, worst, basis = serving.uncertainty(e.kind)
+    print(f"  uncertainty      +-{relative:.0%} (worst {worst:.0%}): {basis}")
     return 0 if m.fits else 3
 
 

@@ -47,11 +47,22 @@ DECODE_HBM_EFFICIENCY = {"gpu": 0.66, "tpu": 0.62, "cpu": 1.0}
 # fused TPU programs fewer)
 DECODE_LAYER_S = {"gpu": 20e-6, "tpu": 10e-6, "cpu": 0.0}
 FITTED_ON = "bench/serving.py, 2026-11-29"
-# How far this model falls from published serving measurements it was not fitted on: the median and worst
-# |predicted / published - 1| of throughput, each source's rows predicted with the constant fitted without them
-HELD_OUT_ERROR = (0.244, 2.302)
-HELD_OUT_BASIS = ("the median and worst error on 70 published serving runs (TensorRT-LLM on H100 and H200, vLLM on "
-                  "v6e and TPU7x), each source held out of the fit (bench/serving.py, 2026-11-29)")
+# How far this model falls from published serving measurements it was not fitted on, per chip kind (an estimate
+# quotes its own kind's; "all" where no rows are of its kind): the median and worst |predicted / published - 1| of
+# throughput, each source's rows predicted with the constants fitted without them (bench/serving.py, 2026-11-29)
+HELD_OUT_ERROR = {"gpu": (0.278, 2.302), "tpu": (0.074, 0.275), "all": (0.244, 2.302)}
+HELD_OUT_BASIS = {
+    "gpu": "62 published serving runs on GPUs (TensorRT-LLM on H100 and H200)",
+    "tpu": "8 published serving runs on TPUs (vLLM on v6e and TPU7x)",
+    "all": "70 published serving runs (TensorRT-LLM on H100 and H200, vLLM on v6e and TPU7x)",
+}
+
+
+def uncertainty(kind: str) -> tuple[float, float, str]:
+    """(median, worst, basis) of the held-out error an estimate on a chip of `kind` quotes."""
+    key = kind if kind in HELD_OUT_ERROR else "all"
+    return (*HELD_OUT_ERROR[key], f"the median and worst error on {HELD_OUT_BASIS[key]}, each source held out of the "
+                                  "fit (bench/serving.py, 2026-11-29)")
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,7 @@ class Phase:
 class ServingEstimate:
     model: str
     chip: str
+    kind: str  # the chip's kind: tpu, gpu or cpu
     devices: int
     chips: int  # devices over the topology's devices per chip (TPU7x: two TensorCores a chip, each a device)
     batch: int  # sequences, all devices
@@ -156,7 +168,7 @@ class ServingEstimate:
                 "max_batch_per_device": self.max_batch_per_device, "max_context": self.max_context,
                 "constants": {"decode_hbm_efficiency": DECODE_HBM_EFFICIENCY, "decode_layer_s": DECODE_LAYER_S,
                               "fitted_on": FITTED_ON},
-                "uncertainty": {"relative": HELD_OUT_ERROR[0], "worst": HELD_OUT_ERROR[1], "basis": HELD_OUT_BASIS}}
+                "uncertainty": dict(zip(("relative", "worst", "basis"), uncertainty(self.kind)))}
 
 
 def serving_model(model: ModelConfig) -> ModelConfig:
@@ -437,8 +449,8 @@ def estimate(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, top
     ctx = context if context is not None else (P + S) / 2
     memory = estimate_memory(model, train, mesh, chip.hbm_bytes, kind, platform=chip.kind)
     return ServingEstimate(
-        model=model.name, chip=chip.name, devices=devices, chips=devices // topology.devices_per_chip, batch=B,
-        prompt=P, cache=S, context=ctx, memory=memory,
+        model=model.name, chip=chip.name, kind=chip.kind, devices=devices,
+        chips=devices // topology.devices_per_chip, batch=B, prompt=P, cache=S, context=ctx, memory=memory,
         prefill=prefill_phase(model, train, mesh, chip, topology, b, P),
         first_token=prefill_phase(model, train, mesh, chip, topology, 1, P),
         decode=decode_phase(model, train, mesh, chip, topology, b, ctx),
