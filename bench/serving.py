@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import functools
 import math
 import statistics
 import sys
@@ -111,6 +112,8 @@ def served_tokens_per_s_per_chip(row: Row, k: serving.ServingConstants) -> float
 
 def predict(row: Row, k: serving.ServingConstants) -> float:
     """The row's figure as maxperf predicts it, in the row's unit."""
+    if row.metric == "served_output_tokens_per_s_per_chip":  # resolves a request per wave
+        return served_tokens_per_s_per_chip(row, k)
     p = request(row)
     chip = device_for(p.topology)
     b = row.batch / serving.batch_split(dict(p.mesh.sizes), row.batch)  # sequences per batch shard
@@ -119,8 +122,6 @@ def predict(row: Row, k: serving.ServingConstants) -> float:
     if row.metric == "decode_step_ms":
         context = row.input_len + row.output_len / 2
         return 1e3 * serving.decode_phase(p.model, p.train, p.mesh, chip, p.topology, b, context, k).seconds
-    if row.metric == "served_output_tokens_per_s_per_chip":
-        return served_tokens_per_s_per_chip(row, k)
     seconds = serving.static_batch_seconds(p.model, p.train, p.mesh, chip, p.topology, row.input_len,
                                            row.output_len, k)
     return row.batch * row.output_len / seconds / p.topology.chips
@@ -135,7 +136,12 @@ def error(row: Row, predicted: float) -> float:
 
 def kind(row: Row) -> str:
     """The row's chip kind: "gpu" or "tpu"."""
-    return device_for(resolve(row.topology, row.model, row.words).topology).kind
+    return _kind(row.topology, row.model, tuple(row.words))
+
+
+@functools.cache  # asked of every row by every fit
+def _kind(topology: str, model: str, words: tuple[str, ...]) -> str:
+    return device_for(resolve(topology, model, list(words)).topology).kind
 
 
 def on_gpu(row: Row) -> bool:

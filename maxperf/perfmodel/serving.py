@@ -126,7 +126,7 @@ class ServingEstimate:
     chip: str
     kind: str  # the chip's kind: tpu, gpu or cpu
     devices: int
-    chips: int  # devices over the topology's devices per chip (TPU7x: two TensorCores a chip, each a device)
+    chips: int  # the topology's chips (TPU7x: two TensorCores a chip, each a device)
     batch: int  # sequences, all devices
     prompt: int  # P
     cache: int  # S
@@ -450,7 +450,7 @@ def estimate(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, top
     memory = estimate_memory(model, train, mesh, chip.hbm_bytes, kind, platform=chip.kind)
     return ServingEstimate(
         model=model.name, chip=chip.name, kind=chip.kind, devices=devices,
-        chips=devices // topology.devices_per_chip, batch=B, prompt=P, cache=S, context=ctx, memory=memory,
+        chips=topology.chips, batch=B, prompt=P, cache=S, context=ctx, memory=memory,
         prefill=prefill_phase(model, train, mesh, chip, topology, b, P),
         first_token=prefill_phase(model, train, mesh, chip, topology, 1, P),
         decode=decode_phase(model, train, mesh, chip, topology, b, ctx),

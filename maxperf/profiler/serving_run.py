@@ -108,7 +108,7 @@ def run(artifact: Artifact, devices, *, steps: int, warmup: int, out_dir: Path, 
             "batch": B, "prompt_tokens": P, "cache_positions": S, "steps": len(times), "warmup": warmup,
             "step_times_s": times, "step_time_s": median, "step_time_min_s": min(times),
             "tokens_per_s": tokens_per_step / median,
-            "tokens_per_s_per_chip": tokens_per_step / median / (len(devices) / p.topology.devices_per_chip),
+            "tokens_per_s_per_chip": tokens_per_step / median / p.topology.chips,
             "predicted_step_time_s": predicted, "measured_over_predicted": median / predicted if predicted else None,
             "predicted_basis": ("perfmodel.serving: the batch's prefill" if kind == serving.PREFILL else
                                 "perfmodel.serving: a decode step at the middle of generation, reading the filled "
