@@ -6,7 +6,9 @@ Rows: bench/published/serving.csv, each with its citation and the line it was re
 performance tables and blog posts (static batches of identical requests on H100 and H200 in FP8, tensor parallel
 within one node) and vLLM on TPU v6e and TPU7x (Google's tpu-recipes: the Trillium recipe for Llama 3.3 70B, the
 Ironwood recipes for Qwen3-32B and Qwen3-Coder-480B-A35B in FP8; random requests under continuous batching at a fixed
-concurrency). Four kinds of figure:
+concurrency). Each row's words are what the run ran as maxperf's keys; TensorRT-LLM's grouped-query runs without its
+XQA kernel for their group (the H200 launch post's and the 0.6.1 table's Llama 2 70B, the 0.9.0 table's Mistral 7B
+and Mixtral 8x7B: docs/serving.md) carry decode_cache_reads=per_query_head. Four kinds of figure:
 
 - output tokens/s per GPU of a static batch (TensorRT-LLM's gptSessionBenchmark: batch x output length / the whole
   batch's latency / GPUs), predicted as perfmodel.serving.static_batch_seconds: the prefill of the prompts, then a

@@ -22,7 +22,7 @@ from maxperf.spec.errors import MaxperfError
 from maxperf.spec.hardware import CHIPS
 from maxperf.spec.logical_axes import mesh_axes_for, undivided_axes
 from maxperf.spec.mesh import Mesh
-from maxperf.spec.model import ModelConfig
+from maxperf.spec.model import AttentionType, ModelConfig
 from maxperf.spec.parallelism import ParallelismConfig
 from maxperf.spec.params import param_arrays, params_per_device
 from maxperf.spec.topology import Topology
@@ -110,6 +110,10 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     notes += (note,) if note else ()
     _check_context(configs, mesh)
     _check_zero1(configs.train, mesh)
+    if configs.train.decode_cache_reads == "per_query_head" and configs.model.attention_type is AttentionType.MLA:
+        raise MaxperfError("decode_cache_reads=per_query_head repeats a grouped-query cache's KV heads over their "
+                           "query heads; latent attention (MLA) decodes from one latent shared by every head: use "
+                           "per_kv_head")
     if topo.platform == "gpu":
         fp8.check_blocks(configs.train.quantization, configs.model, mesh, configs.train)
     return Request(topo, configs, mesh, notes + replication_warnings(configs, mesh)

@@ -16,6 +16,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_STATES_PER_PARAM = 2
 OPTIMIZERS = ("adamw", "adam_pax")  # MaxText's opt_type values compiled (as AdamW: the same state and update cost)
 SPLASH_LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")  # splash's QKVLayout names
+DECODE_CACHE_READS = ("per_kv_head", "per_query_head")  # TrainConfig.decode_cache_reads
 
 
 class AttentionKernel(enum.StrEnum):
@@ -186,6 +187,12 @@ class TrainConfig:
     quantize_kvcache: bool = False
     kv_quant_dtype: str = "int8"
     kv_quant_axis: str = "heads_and_dkv"
+    # how a decode step's attention reads a grouped-query cache: once per KV head for all the query heads that share
+    # it (per_kv_head: XLA's grouped einsum, TensorRT-LLM's XQA kernel, FlashDecoding), or once per query head
+    # (per_query_head: one pass over its KV head's cache for every query head, as TensorRT-LLM's masked multi-head
+    # attention kernel runs, one thread block per query head, wherever its XQA kernel has no kernel for the group;
+    # the step repeats each KV head over its group before the dot, as Hugging Face's repeat_kv does)
+    decode_cache_reads: str = "per_kv_head"
 
     def __post_init__(self) -> None:
         B = self.per_device_batch_size
@@ -252,6 +259,8 @@ class TrainConfig:
                 "int8 (MaxText's int4 is not built)")
         require(self.kv_quant_axis in ("heads_and_dkv", "dkv"),
                 f"kv_quant_axis must be heads_and_dkv or dkv, got {self.kv_quant_axis!r}")
+        require(self.decode_cache_reads in DECODE_CACHE_READS,
+                 f"decode_cache_reads must be one of {', '.join(DECODE_CACHE_READS)}, got {self.decode_cache_reads!r}")
         require(self.num_vocab_tiling >= 1 and self.seq_len % self.num_vocab_tiling == 0,
                  f"num_vocab_tiling must be >= 1 and divide seq_len ({self.seq_len}), got {self.num_vocab_tiling}")
 
