@@ -236,7 +236,7 @@ def test_tokens_per_chip_count_chips_not_devices():
         assert e.as_dict()["chips"] == chips
 
 
-def test_a_decode_that_reads_the_cache_per_query_head_reads_it_once_per_head():
+def test_a_decode_that_reads_the_cache_per_query_head_reads_it_once_per_head(capsys):
     """decode_cache_reads=per_query_head (TensorRT-LLM's masked multi-head attention kernel, where its XQA kernel has
     none for the group): the compiled decode dots a cache of H heads, not K; perfmodel reads the filled cache H / K
     times over (Mistral 7B: 32 query heads over 8 KV heads), the weights once; latent attention is refused."""
@@ -271,6 +271,11 @@ def test_a_decode_that_reads_the_cache_per_query_head_reads_it_once_per_head():
         model.prefill_phase(p.model, p.train, p.mesh, chip, p.topology, 1, 2048).seconds)
     with pytest.raises(MaxperfError, match="latent attention"):
         resolve("h100-8", "deepseek-v3", ["decode_cache_reads=per_query_head"])
+    from maxperf import cli
+
+    assert cli.main(["estimate", "--step", "decode", "--model", "mistral-7b", "--topology", "h100-1",
+                     "decode_cache_reads=per_query_head"]) == 0
+    assert "the cache read once per query head" in capsys.readouterr().out
 
 
 def _lines(model, train, params, cache, batch) -> list[str]:
