@@ -49,6 +49,7 @@ import outfile  # noqa: E402
 
 from maxperf.perfmodel import serving  # noqa: E402
 from maxperf.perfmodel.estimate import device_for  # noqa: E402
+from maxperf.spec import presets  # noqa: E402
 from maxperf.spec.request import resolve  # noqa: E402
 
 ROWS = ROOT / "bench" / "published" / "serving.csv"
@@ -57,6 +58,13 @@ METRIC_LABELS = {"output_tokens_per_s_per_gpu": "tok/s/GPU", "ttft_ms": "TTFT", 
                  "served_output_tokens_per_s_per_chip": "served tok/s/chip"}
 TIMES = ("ttft_ms", "decode_step_ms")  # figures of time, whose throughput is their inverse
 KINDS = ("gpu", "tpu")  # the chip kinds whose HBM efficiency is fitted, each on its own rows
+# The query heads per KV head (on one GPU, under the row's tensor parallelism) that each TensorRT-LLM release decodes
+# with its XQA kernel, reading a KV head's cache once for its group (docs/serving.md): none before XQA (the H200
+# launch post ran release 0.5, the table of 0.6.1), groups of 8 from the Falcon-180B post's 0.7a to 0.9.0
+# (DecoderXQARunner::shouldUse). Any other grouped-query row ran the masked multi-head attention kernel, reading its
+# cache once per query head, and must say so (decode_cache_reads=per_query_head); load_rows checks it.
+XQA_GROUPS = {"trtllm-h200-blog": (), "trtllm-v0.6.1": (), "trtllm-falcon-h200-blog": (8,), "trtllm-v0.9.0": (8,)}
+PER_QUERY_HEAD = "decode_cache_reads=per_query_head"
 
 
 @dataclasses.dataclass
@@ -87,7 +95,22 @@ def load_rows(path: Path = ROWS) -> list[Row]:
             rows.append(Row(i, r["source"], r["topology"], r["model"], int(r["batch"]), int(r["input_len"]),
                             int(r["output_len"]), r["words"].split(), r["metric"], float(r["value"]),
                             int(r["requests"] or 0), float(r["length_ratio"] or 1.0)))
+    for row in rows:
+        if row.source in XQA_GROUPS and (PER_QUERY_HEAD in row.words) != reads_per_query_head(row):
+            raise ValueError(f"{path.name} row {row.id + 2} ({row.source}, {row.label}): its release "
+                             f"{'decodes it per query head' if reads_per_query_head(row) else 'has XQA for it'}, "
+                             f"so its words {'need' if reads_per_query_head(row) else 'cannot have'} {PER_QUERY_HEAD}")
     return rows
+
+
+def reads_per_query_head(row: Row) -> bool:
+    """Whether a TensorRT-LLM row's release decoded its grouped-query model without XQA (XQA_GROUPS): the query heads
+    per KV head on one GPU, the heads split over the row's tensor parallelism."""
+    model = presets.get(row.model)
+    tp = int(next((w.split("=")[1] for w in row.words if w.startswith("ici_tensor_parallelism=")), 1))
+    kv = max(1, model.num_kv_heads // tp)
+    group = (model.num_heads // tp) // kv
+    return group > 1 and group not in XQA_GROUPS[row.source]
 
 
 def request(row: Row, batch: int | None = None):

@@ -341,21 +341,55 @@ def test_the_serving_bench_runs_and_reports_held_out_errors(tmp_path):
         assert held["worst"] == pytest.approx(HELD_OUT_ERROR[kind][1], abs=0.0005)
 
 
-def test_a_served_benchmark_runs_its_requests_in_waves_at_the_mean_lengths():
-    """bench/serving.py's served rows: 320 requests 135 at a time are two waves of 135 and one of 50, each a static
-    batch at the mean of lengths drawn from 0.8 to 1 times the stated ones; the output tokens over their time."""
+def _serving_bench():
     import importlib.util
     import sys
     from pathlib import Path
-
-    from maxperf.perfmodel import serving as model
-    from maxperf.perfmodel.estimate import device_for
 
     path = Path(__file__).resolve().parents[1] / "bench" / "serving.py"
     spec = importlib.util.spec_from_file_location("serving_bench", path)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_tensorrt_llm_rows_say_which_read_the_cache_per_query_head(tmp_path):
+    """bench/serving.py refuses a TensorRT-LLM row whose words disagree with its release's XQA kernels: Llama 2 70B (8
+    query heads per KV head on each GPU) without XQA before the Falcon post's 0.7a, with it after; Mistral and Mixtral
+    (groups of 4) without it in 0.9.0; Llama 2 7B (one query head per KV head) never per query head."""
+    bench = _serving_bench()
+    rows = bench.load_rows()
+    flagged = {(r.source, r.model) for r in rows if bench.PER_QUERY_HEAD in r.words}
+    assert flagged == {("trtllm-v0.6.1", "llama2-70b"), ("trtllm-h200-blog", "llama2-70b"),
+                       ("trtllm-v0.9.0", "mistral-7b"), ("trtllm-v0.9.0", "mixtral-8x7b")}
+    text = bench.ROWS.read_text()
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("trtllm-v0.9.0,") and ",mistral-7b," in line:
+            lines[i] = line.replace(" " + bench.PER_QUERY_HEAD, "", 1)
+            break
+    broken = tmp_path / "serving.csv"
+    broken.write_text("\n".join(lines))
+    with pytest.raises(ValueError, match=f"row {i + 1} .*need {bench.PER_QUERY_HEAD}"):
+        bench.load_rows(broken)
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("trtllm-v0.9.0,") and ",llama2-7b," in line:
+            lines[i] = line.replace("quantize_kvcache=true", "quantize_kvcache=true " + bench.PER_QUERY_HEAD, 1)
+            break
+    broken.write_text("\n".join(lines))
+    with pytest.raises(ValueError, match=f"row {i + 1} .*cannot have {bench.PER_QUERY_HEAD}"):
+        bench.load_rows(broken)
+
+
+def test_a_served_benchmark_runs_its_requests_in_waves_at_the_mean_lengths():
+    """bench/serving.py's served rows: 320 requests 135 at a time are two waves of 135 and one of 50, each a static
+    batch at the mean of lengths drawn from 0.8 to 1 times the stated ones; the output tokens over their time."""
+    from maxperf.perfmodel import serving as model
+    from maxperf.perfmodel.estimate import device_for
+
+    bench = _serving_bench()
     row = bench.Row(0, "test", "tpu7x-2", "qwen3-32b", 135, 1024, 1024,
                     ["ici_tensor_parallelism=2", "quantization=fp8", "quantize_kvcache=true"],
                     "served_output_tokens_per_s_per_chip", 1.0, requests=320, length_ratio=0.8)
