@@ -102,7 +102,8 @@ def _print_serving(result, kind: str) -> int:
           f"{t.max_prefill_predict_length} tokens, cache {t.seq_len} positions"
           + (", int8 cache" if t.quantize_kvcache else "") + (f", {t.quantization} weights"
                                                              if t.quantization != "none" else "")
-          + (", the cache read once per query head" if t.decode_cache_reads == "per_query_head" else ""))
+          + (", decode priced as reading the cache once per query head"
+             if t.decode_cache_reads == "per_query_head" else ""))
     print("  mesh             " + (" x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1) or "1 device"))
     print(f"  memory/device    {mem['per_device_total_bytes'] / GIB:.2f} GiB of {mem['hbm_bytes'] / GIB:.2f} GiB "
           f"({'fits' if mem['fits'] else 'DOES NOT FIT'}); analytical {e['memory']['total_bytes'] / GIB:.2f} GiB "

@@ -74,7 +74,8 @@ def _serving(p, kind: str, as_json: bool, calibration) -> int:
     print(f"  batch            {e.batch} sequences, prompt {e.prompt} tokens, cache {e.cache} positions"
           + (", int8 cache" if t.quantize_kvcache else "") + (f", {t.quantization} weights"
                                                              if t.quantization != "none" else "")
-          + (", the cache read once per query head" if t.decode_cache_reads == "per_query_head" else ""))
+          + (", decode priced as reading the cache once per query head"
+             if t.decode_cache_reads == "per_query_head" else ""))
     m = e.memory
     print(f"  memory/device    {m.total_bytes / GIB:.2f} GiB of {m.hbm_bytes / GIB:.2f} GiB "
           f"({'fits' if m.fits else 'DOES NOT FIT'}): weights {m.weights_bytes / GIB:.2f}, cache "

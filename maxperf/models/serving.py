@@ -317,7 +317,7 @@ def make_decode(model: ModelConfig, train: TrainConfig, first: bool = True) -> C
         values, scales = split_quantized(params)
         net = nnx.merge(graphdef, values)
         logits_Bx1xV, caches = net.serve(batch["tokens"][:, None], batch["positions"][:, None], caches, DECODE, axis,
-                                         scales, first, strain.decode_cache_reads == "per_query_head")
+                                         scales, first)
         return caches, jnp.argmax(logits_Bx1xV[:, 0], axis=-1).astype(jnp.int32)
 
     return decode

@@ -362,16 +362,14 @@ class Transformer(nnx.Module):
 
     def serve(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, caches: dict[str, list[dict[str, jax.Array]]],
               mode: str, quant_axis: str | None = None, scales: dict[str, jax.Array] | None = None,
-              heads_first: bool = True, per_query_head: bool = False
-              ) -> tuple[jax.Array, dict[str, list[dict[str, jax.Array]]]]:
+              heads_first: bool = True) -> tuple[jax.Array, dict[str, list[dict[str, jax.Array]]]]:
         """A serving step's forward (models/serving.py): the float32 logits of each sequence's last position
         [B, 1, V] and the caches with the new positions stored. `caches`: for each stack, one cache per layer of its
         repeating unit, each array with the stack's repeats first (layers/kv_cache.py); `mode` prefill or decode;
         `quant_axis`: the cache's int8 scales' axes (None: the cache in the compute dtype). `scales`: the scales of
         the layers' quantized weights by "/"-joined parameter path (the weights themselves, int8 or float8, are the
         module's): each layer's are widened to the compute dtype inside the loop, one layer at a time.
-        `heads_first`: the grouped-query cache's layout (models/serving.heads_first). `per_query_head`: decode reads
-        the cache once per query head (TrainConfig.decode_cache_reads)."""
+        `heads_first`: the grouped-query cache's layout (models/serving.heads_first)."""
         from maxperf.models.layers import kv_cache
 
         if mesh_stages() > 1:
@@ -392,7 +390,7 @@ class Transformer(nnx.Module):
 
             def unit(x, state, windows_P, ropes_P, caches_P, index, graphdef, scales_u, static=static):
                 apply = self._unit_fn(graphdef, positions_BxL, static, P, in_scan=True)
-                with kv_cache.session(mode, caches_P, quant_axis, index, heads_first, per_query_head) as s:
+                with kv_cache.session(mode, caches_P, quant_axis, index, heads_first) as s:
                     x, _, _ = apply(x, _widened(state, scales_u, self.compute_dtype), windows_P, ropes_P)
                 return x, s.updated
 

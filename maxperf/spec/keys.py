@@ -84,8 +84,8 @@ MEANINGS = {
     "max_prefill_predict_length": "serving: P, the prompt's tokens (prefill)", "quantize_kvcache":
     "serving: the key/value cache in int8", "kv_quant_dtype": "serving: the cache's quantized dtype (int8)",
     "kv_quant_axis": "serving: the cache scales' axes (heads_and_dkv or dkv)",
-    "decode_cache_reads": "serving: decode reads the cache once per KV head (per_kv_head) or per query head "
-    "(per_query_head: TensorRT-LLM's masked MHA kernel)",
+    "decode_cache_reads": "serving: decode priced as reading the cache once per KV head (per_kv_head) or per query "
+    "head (per_query_head: TensorRT-LLM's masked MHA kernel)",
     "per_device_batch_size": "B, one microbatch per device (fractions allowed, as in MaxText)", "seq_len": "L, tokens "
     "per sequence (MaxText's max_target_length)", "grad_accum_steps": "A, microbatches per step",
     "compute_dtype": "the activations' and matmuls' dtype", "param_dtype": "the parameters' and optimizer's dtype",

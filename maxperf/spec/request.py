@@ -110,10 +110,13 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     notes += (note,) if note else ()
     _check_context(configs, mesh)
     _check_zero1(configs.train, mesh)
-    if configs.train.decode_cache_reads == "per_query_head" and configs.model.attention_type is AttentionType.MLA:
-        raise MaxperfError("decode_cache_reads=per_query_head repeats a grouped-query cache's KV heads over their "
-                           "query heads; latent attention (MLA) decodes from one latent shared by every head: use "
-                           "per_kv_head")
+    if configs.train.decode_cache_reads == "per_query_head":
+        if configs.model.attention_type is AttentionType.MLA:
+            raise MaxperfError("decode_cache_reads=per_query_head reads a grouped-query cache once per query head; "
+                               "latent attention (MLA) decodes from one latent shared by every head: use per_kv_head")
+        notes += ("decode_cache_reads=per_query_head prices the decode as TensorRT-LLM's masked multi-head attention "
+                  "kernel runs it, the cache read once per query head; maxperf's compiled decode step is XLA's "
+                  "grouped dot",)
     if topo.platform == "gpu":
         fp8.check_blocks(configs.train.quantization, configs.model, mesh, configs.train)
     return Request(topo, configs, mesh, notes + replication_warnings(configs, mesh)

@@ -187,11 +187,11 @@ class TrainConfig:
     quantize_kvcache: bool = False
     kv_quant_dtype: str = "int8"
     kv_quant_axis: str = "heads_and_dkv"
-    # how a decode step's attention reads a grouped-query cache: once per KV head for all the query heads that share
-    # it (per_kv_head: XLA's grouped einsum, TensorRT-LLM's XQA kernel, FlashDecoding), or once per query head
-    # (per_query_head: one pass over its KV head's cache for every query head, as TensorRT-LLM's masked multi-head
-    # attention kernel runs, one thread block per query head, wherever its XQA kernel has no kernel for the group;
-    # the step repeats each KV head over its group before the dot, as Hugging Face's repeat_kv does)
+    # how the serving engine's decode attention reads a grouped-query cache, as perfmodel prices it: once per KV head
+    # for all the query heads that share it (per_kv_head: XLA's grouped dot, TensorRT-LLM's XQA kernel,
+    # FlashDecoding), or once per query head (per_query_head: TensorRT-LLM's masked multi-head attention kernel, one
+    # thread block per query head, which it runs wherever its XQA kernel has none for the group). maxperf's compiled
+    # decode step is XLA's grouped dot either way
     decode_cache_reads: str = "per_kv_head"
 
     def __post_init__(self) -> None:

@@ -52,7 +52,6 @@ class Session:
     quant_axis: str | None  # None: the cache in the compute dtype
     index: jax.Array | int = 0
     heads_first: bool = True  # the grouped-query cache as [B, K, S, Dh] (else [B, S, K, Dh])
-    per_query_head: bool = False  # decode repeats each KV head over its query heads (decode_cache_reads)
     updated: list[dict[str, jax.Array]] = field(default_factory=list)
 
 
@@ -61,8 +60,8 @@ _SESSION: contextvars.ContextVar[Session | None] = contextvars.ContextVar("maxpe
 
 @contextlib.contextmanager
 def session(mode: str, caches: list[dict[str, jax.Array]], quant_axis: str | None = None, index: jax.Array | int = 0,
-            heads_first: bool = True, per_query_head: bool = False):
-    active = Session(mode, list(caches), quant_axis, index, heads_first, per_query_head)
+            heads_first: bool = True):
+    active = Session(mode, list(caches), quant_axis, index, heads_first)
     token = _SESSION.set(active)
     try:
         yield active
@@ -182,19 +181,9 @@ def cached_gqa(q_BxLxKxGxDh, k_BxLxKxDh, v_BxLxKxDh, positions_BxL, window, *, s
     if s.mode == PREFILL:
         return attend_prompt()
     dtype = q_BxLxKxGxDh.dtype
-    k_BxKxSxDh = read(cache, "k", dtype, s.index, s.heads_first)
-    v_BxKxSxDh = read(cache, "v", dtype, s.index, s.heads_first)
-    if not s.per_query_head:
-        return decode_attention(q_BxLxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, positions_BxL, window, softcap=softcap,
-                                sinks_KxG=sinks_KxG)
-    # each query head its own copy of its KV head's cache: the dot reads the cache once per query head
-    B, L, K, G, Dh = q_BxLxKxGxDh.shape
-    k_BxHxSxDh = jnp.repeat(k_BxKxSxDh, G, axis=1)
-    v_BxHxSxDh = jnp.repeat(v_BxKxSxDh, G, axis=1)
-    o_BxLxHx1xDh = decode_attention(q_BxLxKxGxDh.reshape(B, L, K * G, 1, Dh), k_BxHxSxDh, v_BxHxSxDh, positions_BxL,
-                                    window, softcap=softcap,
-                                    sinks_KxG=None if sinks_KxG is None else sinks_KxG.reshape(K * G, 1))
-    return o_BxLxHx1xDh.reshape(B, L, K, G, Dh)
+    return decode_attention(q_BxLxKxGxDh, read(cache, "k", dtype, s.index, s.heads_first),
+                            read(cache, "v", dtype, s.index, s.heads_first),
+                            positions_BxL, window, softcap=softcap, sinks_KxG=sinks_KxG)
 
 
 def cached_latent(c_BxLxC, kr_BxLxDr, positions_BxL) -> tuple[str, dict[str, jax.Array], jax.Array | int]:
