@@ -49,7 +49,6 @@ import outfile  # noqa: E402
 
 from maxperf.perfmodel import serving  # noqa: E402
 from maxperf.perfmodel.estimate import device_for  # noqa: E402
-from maxperf.spec import presets  # noqa: E402
 from maxperf.spec.request import resolve  # noqa: E402
 
 ROWS = ROOT / "bench" / "published" / "serving.csv"
@@ -96,20 +95,21 @@ def load_rows(path: Path = ROWS) -> list[Row]:
                             int(r["output_len"]), r["words"].split(), r["metric"], float(r["value"]),
                             int(r["requests"] or 0), float(r["length_ratio"] or 1.0)))
     for row in rows:
-        if row.source in XQA_GROUPS and (PER_QUERY_HEAD in row.words) != reads_per_query_head(row):
+        if row.source not in XQA_GROUPS:
+            continue
+        per_head = reads_per_query_head(row)
+        if (PER_QUERY_HEAD in row.words) != per_head:
             raise ValueError(f"{path.name} row {row.id + 2} ({row.source}, {row.label}): its release "
-                             f"{'decodes it per query head' if reads_per_query_head(row) else 'has XQA for it'}, "
-                             f"so its words {'need' if reads_per_query_head(row) else 'cannot have'} {PER_QUERY_HEAD}")
+                             f"{'decodes it per query head' if per_head else 'has XQA for it'}, "
+                             f"so its words {'need' if per_head else 'cannot have'} {PER_QUERY_HEAD}")
     return rows
 
 
 def reads_per_query_head(row: Row) -> bool:
     """Whether a TensorRT-LLM row's release decoded its grouped-query model without XQA (XQA_GROUPS): the query heads
-    per KV head on one GPU, the heads split over the row's tensor parallelism."""
-    model = presets.get(row.model)
-    tp = int(next((w.split("=")[1] for w in row.words if w.startswith("ici_tensor_parallelism=")), 1))
-    kv = max(1, model.num_kv_heads // tp)
-    group = (model.num_heads // tp) // kv
+    per KV head on one GPU under the row's mesh."""
+    p = request(row)
+    group = serving.query_heads_per_kv_head(p.model, dict(p.mesh.sizes))
     return group > 1 and group not in XQA_GROUPS[row.source]
 
 

@@ -191,6 +191,15 @@ def short_count(n: float) -> str:
     return str(int(n))
 
 
+def serving_words(train) -> str:
+    """A serving step's cache, weights and decode pricing beyond the defaults: ", int8 cache, fp8 weights, ..." (empty
+    where all are defaults)."""
+    return ((", int8 cache" if train.quantize_kvcache else "")
+            + (f", {train.quantization} weights" if train.quantization != "none" else "")
+            + (", decode priced as reading the cache once per query head"
+               if train.decode_cache_reads == "per_query_head" else ""))
+
+
 def batch_words(train, global_batch: int) -> str:
     """The step's batch in words: "256 x 2048 tokens (4 microbatches of 64)" under gradient accumulation."""
     A = train.grad_accum_steps

@@ -19,6 +19,7 @@ from maxperf.cli.common import (
     print_step_settings,
     print_top,
     progress,
+    serving_words,
     short_count,
     step_settings,
 )
@@ -99,11 +100,7 @@ def _print_serving(result, kind: str) -> int:
     t = p.configs.train
     print(f"compiled {p.model.name} {kind} for {p.topology.name} -> {result.out_dir}")
     print(f"  parameters       {short_count(result.param_count)}; {result.global_batch} sequences, prompt "
-          f"{t.max_prefill_predict_length} tokens, cache {t.seq_len} positions"
-          + (", int8 cache" if t.quantize_kvcache else "") + (f", {t.quantization} weights"
-                                                             if t.quantization != "none" else "")
-          + (", decode priced as reading the cache once per query head"
-             if t.decode_cache_reads == "per_query_head" else ""))
+          f"{t.max_prefill_predict_length} tokens, cache {t.seq_len} positions" + serving_words(t))
     print("  mesh             " + (" x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1) or "1 device"))
     print(f"  memory/device    {mem['per_device_total_bytes'] / GIB:.2f} GiB of {mem['hbm_bytes'] / GIB:.2f} GiB "
           f"({'fits' if mem['fits'] else 'DOES NOT FIT'}); analytical {e['memory']['total_bytes'] / GIB:.2f} GiB "

@@ -10,6 +10,7 @@ from maxperf.cli.common import (
     print_json,
     print_step_settings,
     print_warnings,
+    serving_words,
     step_settings,
 )
 from maxperf.spec.request import resolve
@@ -72,10 +73,7 @@ def _serving(p, kind: str, as_json: bool, calibration) -> int:
     print(f"{p.model.name} {kind} on {p.topology.display_name} ({p.topology.chips} {chip.name} chips), mesh "
           + (" x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1) or "1 (one device)"))
     print(f"  batch            {e.batch} sequences, prompt {e.prompt} tokens, cache {e.cache} positions"
-          + (", int8 cache" if t.quantize_kvcache else "") + (f", {t.quantization} weights"
-                                                             if t.quantization != "none" else "")
-          + (", decode priced as reading the cache once per query head"
-             if t.decode_cache_reads == "per_query_head" else ""))
+          + serving_words(t))
     m = e.memory
     print(f"  memory/device    {m.total_bytes / GIB:.2f} GiB of {m.hbm_bytes / GIB:.2f} GiB "
           f"({'fits' if m.fits else 'DOES NOT FIT'}): weights {m.weights_bytes / GIB:.2f}, cache "

@@ -295,14 +295,20 @@ def _attention(model: ModelConfig, sizes: dict[str, int]) -> tuple[float, float]
     return H, 4 * model.head_dim
 
 
+def query_heads_per_kv_head(model: ModelConfig, sizes: dict[str, int]) -> float:
+    """The query heads on one device that share each of its KV heads (at least 1: tensor parallelism past the KV
+    heads replicates them)."""
+    H = model.num_heads / split((model.num_heads,), ("heads",), sizes)[0]
+    K = model.num_kv_heads / split((model.num_kv_heads,), ("cache_kv_heads",), sizes)[0]
+    return max(1.0, H / K)
+
+
 def cache_passes(model: ModelConfig, train: TrainConfig, sizes: dict[str, int]) -> float:
     """How many times a decode step's attention reads each cached position: once (decode_cache_reads=per_kv_head),
     or once for each query head on the device that shares a KV head (per_query_head)."""
     if train.decode_cache_reads != "per_query_head" or model.attention_type is AttentionType.MLA:
         return 1.0
-    H = model.num_heads / split((model.num_heads,), ("heads",), sizes)[0]
-    K = model.num_kv_heads / split((model.num_kv_heads,), ("cache_kv_heads",), sizes)[0]
-    return max(1.0, H / K)
+    return query_heads_per_kv_head(model, sizes)
 
 
 def _visible(context: float):
