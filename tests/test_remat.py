@@ -238,3 +238,23 @@ def test_step_time_follows_the_kernel_and_the_offload():
     moved = 2 * offload.memory.host_offload  # to the host in the forward, back in the backward
     assert (link.kind, link.bytes) == ("host", moved)
     assert link.seconds == pytest.approx(moved / get("tpu-v5p").host_link_bandwidth)
+
+
+def test_custom_policy_keys_under_another_policy_change_nothing_and_say_so():
+    """MaxText reads decoder_layer_input, out_proj and the rest only under remat_policy=custom: given with another
+    policy they are named in a warning and the step is the one without them."""
+    from maxperf.perfmodel import estimate
+    from maxperf.spec.request import resolve
+
+    plain = resolve("cpu-8", "tiny", ["remat_policy=minimal"])
+    given = resolve("cpu-8", "tiny", ["remat_policy=minimal", "decoder_layer_input=offload", "out_proj=device"])
+    said = [w for w in given.warnings if "only under remat_policy=custom" in w]
+    assert len(said) == 1 and "decoder_layer_input=offload, out_proj=device" in said[0]
+    assert "remat_policy=minimal they change nothing" in said[0]
+    assert not any("only under remat_policy=custom" in w for w in plain.warnings)
+    assert estimate(given).memory == estimate(plain).memory
+    assert estimate(given).step_time_s == estimate(plain).step_time_s
+    custom = resolve("cpu-8", "tiny", ["remat_policy=custom", "decoder_layer_input=offload"])
+    assert not any("only under remat_policy=custom" in w for w in custom.warnings)
+    on_device = estimate(resolve("cpu-8", "tiny", ["remat_policy=custom"])).memory
+    assert estimate(custom).memory.host_offload > on_device.host_offload == 0

@@ -85,6 +85,10 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     if configs.model.is_moe and configs.train.sparse_matmul and configs.train.capacity_factor > 0:
         notes += (f"capacity_factor={configs.train.capacity_factor:g} drops tokens only in the einsum dispatch "
                   "(sparse_matmul=false); the sparse dispatch is dropless and does not read it, as in MaxText",)
+    if unread := unread_remat_keys(configs.train):
+        notes += (f"{', '.join(unread)} place tensors only under remat_policy=custom, as in MaxText; under "
+                  f"remat_policy={configs.train.remat_policy} they change nothing (set remat_policy=custom to apply "
+                  "them)",)
     if str(configs.train.attention) in attention_rule.CUDNN:
         kernel = attention_rule.implementation(configs.train.attention, topo.platform)  # refuses a TPU
         notes += (f"attention={configs.train.attention} (cuDNN's fused attention in MaxText) is compiled as "
@@ -121,6 +125,17 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
         fp8.check_blocks(configs.train.quantization, configs.model, mesh, configs.train)
     return Request(topo, configs, mesh, notes + replication_warnings(configs, mesh)
                    + gpu_grouped_matmul_warnings(configs, mesh, topo))
+
+
+def unread_remat_keys(train: TrainConfig) -> list[str]:
+    """The per-tensor keys of remat_policy=custom (remat.CHECKPOINT_NAMES) given a value of their own under another
+    policy, which reads none of them (MaxText's base.yml: "If 'custom' remat_policy is chosen, you can select
+    tensors ..."), as `key=value` words."""
+    if train.remat_policy is remat.RematPolicy.CUSTOM:
+        return []
+    default = TrainConfig()
+    return [f"{name}={getattr(train, name)}" for name in remat.CHECKPOINT_NAMES
+            if getattr(train, name) != getattr(default, name)]
 
 
 def _pipelined_remat(configs: Configs, mesh: Mesh) -> tuple[Configs, str]:
