@@ -18,6 +18,7 @@ import json
 import os
 import pickle
 import pickletools
+import re
 import shutil
 import sys
 import tempfile
@@ -78,8 +79,22 @@ _OUTPUT_KINDS = {
 }
 
 
+# The opening of a marker whose schema comes first, as maxperf writes them
+_SCHEMA_FIRST = re.compile(rb'\{\s*"schema":\s*"([^"\\]*)"')
+
+
 def _marked(directory: Path, kind: _Kind) -> dict | None:
-    """The marker file's content when it is this kind's, else None."""
+    """The marker file's content when it is this kind's, else None; of a sweep or plan, whose content is not needed
+    (a plan.json holds every candidate: tens of MB), its schema alone where the file opens with it."""
+    if not kind.replaces:
+        try:
+            with open(directory / kind.marker, "rb") as f:
+                head = _SCHEMA_FIRST.match(f.read(256))
+        except OSError:
+            return None
+        if head is not None:
+            schema = head.group(1).decode("utf-8", "replace")
+            return {"schema": schema} if schema.rpartition("/")[0] == kind.schema else None
     try:
         data = json.loads((directory / kind.marker).read_text())
     except (OSError, ValueError):

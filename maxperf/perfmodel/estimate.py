@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, fields, replace
 
 from maxperf.perfmodel import chips, cpu
@@ -93,9 +94,20 @@ def device_for(topology: Topology, calibration: StoredCalibration | Calibration 
     """What one JAX device has: the chip (with `calibration`'s measurements for "cpu", the target's memory where
     the topology states it), or its share where devices share a chip (tpu7x's two chiplets) or a machine (CPU
     devices of one host share its cores, memory and bandwidth)."""
-    cal = stored(calibration)
+    hbm = target_hbm_bytes(topology)
+    if calibration is None:
+        return _device_without_calibration(topology, hbm)
+    return _device(topology, stored(calibration), hbm)
+
+
+@functools.lru_cache(maxsize=64)  # a search asks for the same topology's device at every candidate
+def _device_without_calibration(topology: Topology, hbm: float | None) -> chips.Chip:
+    return _device(topology, None, hbm)
+
+
+def _device(topology: Topology, cal: StoredCalibration | None, hbm: float | None) -> chips.Chip:
     chip = chips.get(topology.chip, cal.calibration if cal else None)
-    if (hbm := target_hbm_bytes(topology)) is not None:
+    if hbm is not None:
         chip = replace(chip, hbm_bytes=hbm)
     n = topology.devices_per_chip * (topology.chips_per_host if chip.kind == "cpu" else 1)
     if n <= 1:

@@ -301,9 +301,15 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
     names = remat_names(train)
     carry = 0.0 if names is not None and "decoder_layer_input" in names[1] else N * Tl * a.D * c
     carry += pipeline_buffers(view, T, a.D, c)
-    parts = {k: Tl * over_layers(model, lambda m: layer_saved_parts(model, train, mesh, remat=remat, moe_layer=m)[k])
-             for k in ("attention", "mlp", "rest")}
-    saved = Tl * over_layers(model, lambda m: layer_saved_per_token(model, train, mesh, remat=remat, moe_layer=m))
+    per_kind: dict[bool, dict[str, float]] = {}  # a dense and a MoE layer's parts, each worked out once
+
+    def kept(moe_layer: bool) -> dict[str, float]:
+        if moe_layer not in per_kind:
+            per_kind[moe_layer] = layer_saved_parts(model, train, mesh, remat=remat, moe_layer=moe_layer)
+        return per_kind[moe_layer]
+
+    parts = {k: Tl * over_layers(model, lambda m: kept(m)[k]) for k in ("attention", "mlp", "rest")}
+    saved = Tl * over_layers(model, lambda m: sum(kept(m).values()))  # layer_saved_per_token
     # multi-token prediction: each module's decoder layer keeps what a decoder layer of its kind keeps (its input and
     # the policy's tensors), and its projection what its backward reads (MTP_SAVED_D, MTP_SAVED_NORMS)
     depths = mtp_depths(model)

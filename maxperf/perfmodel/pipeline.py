@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from maxperf.perfmodel.network import AxisNetwork, CollectiveTime
 from maxperf.spec.logical_axes import local_size
+from maxperf.spec.memo import model_memo
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.params import param_arrays, stage_share
@@ -59,9 +60,12 @@ def empty_place_params(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> fl
     s = schedule_of(model, train, mesh)
     if s is None or s.places == s.units:
         return 0.0
-    axes = dict(mesh.sizes)
-    decoder = sum(x.count * local_size(x.shape, x.logical, axes) * stage_share(x, axes) for x in param_arrays(model)
-                  if x.block)
+    memo = model_memo(model)  # one sum per mesh, asked at every candidate of it
+    if (decoder := memo.get(("decoder params per device", mesh.sizes))) is None:
+        axes = dict(mesh.sizes)
+        decoder = memo["decoder params per device", mesh.sizes] = sum(
+            x.count * local_size(x.shape, x.logical, axes) * stage_share(x, axes) for x in param_arrays(model)
+            if x.block)
     return decoder * (s.places / s.units - 1)
 
 

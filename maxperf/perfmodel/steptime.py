@@ -477,16 +477,18 @@ def _settle(table: Work, overlap: Overlap) -> StepTime:
     rows: dict[str, dict[str, float]] = {}
     totals = dict.fromkeys(kinds, 0.0)
     exposed = {"ici": 0.0, "dcn": 0.0, "host": 0.0}
-    for i, name in enumerate(terms.name):
-        kind = terms.kind[i] if terms.law[i] != MATMUL else "compute" if flops_bound[i] else "hbm"
+    # Python floats for the loop (a numpy scalar per element costs more than the sums)
+    laws, bound, flops, nbytes = terms.law.tolist(), flops_bound.tolist(), terms.flops.tolist(), terms.bytes.tolist()
+    for name, term_kind, law, by_flops, s, x, f, b in zip(terms.name, terms.kind, laws, bound, seconds.tolist(),
+                                                          exposed_s.tolist(), flops, nbytes):
+        kind = term_kind if law != MATMUL else "compute" if by_flops else "hbm"
         row = rows.get(name)
         if row is None:
             row = rows[name] = {**dict.fromkeys(kinds, 0.0), "exposed": 0.0, "flops": 0.0, "bytes": 0.0}
-        s, x = float(seconds[i]), float(exposed_s[i])
         row[kind] += s
         row["exposed"] += x
-        row["flops"] += float(terms.flops[i])
-        row["bytes"] += float(terms.bytes[i])
+        row["flops"] += f
+        row["bytes"] += b
         totals[kind] += s
         if kind in exposed:
             exposed[kind] += x

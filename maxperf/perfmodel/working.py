@@ -21,6 +21,7 @@ from maxperf.perfmodel.saved import (
 )
 from maxperf.perfmodel.sharding import activation_split, gathered_size, held, held_gathered, layer_weights
 from maxperf.spec.logical_axes import split
+from maxperf.spec.memo import model_memo
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.params import param_arrays, state_arrays
@@ -201,6 +202,49 @@ class Working:
     serial: float
 
 
+@dataclass(frozen=True)
+class _MeshParts:
+    """What `working` reads of the weights' split over a mesh alone, in elements (kept per model and mesh: a search
+    asks for every batch, policy and kernel of a mesh)."""
+
+    windowed: bool  # the weights stream through windowed einsums (their FSDP shards thick enough)
+    layer_full: float  # a layer's weights gathered whole (a MoE layer's experts; every weight where not windowed)
+    shard: float  # the largest windowed weight's shard
+    experts_held: float  # the routed experts' shards
+    table_gathered: float  # the vocabulary table, gathered
+    expert_matrix: float  # the largest routed expert weight, gathered
+    expert_rows: float  # the routed experts' D rows per FSDP shard
+    experts_sharded_held: float  # the routed experts' shards where FSDP splits them
+    layer_gathered: float  # a layer's weights, every one gathered
+
+
+def _mesh_parts(model: ModelConfig, mesh: Mesh) -> _MeshParts:
+    memo = model_memo(model)
+    if (parts := memo.get(("working mesh parts", mesh.sizes))) is not None:
+        return parts
+    D = model.d_model
+    arrays = param_arrays(model)
+    windowed = D / split((D,), ("embed",), mesh.axes)[0] >= WINDOWED_MIN_ROWS
+    layer_full = layer_weights(arrays, lambda x: held_gathered(x, mesh) if x.expert_parallel or not windowed
+                               else 0.0)
+    shard = max((held(x, mesh) for x in arrays if x.matmul and x.block and not x.expert_parallel),
+                default=0.0) if windowed else 0.0
+    table = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
+    experts = [x for x in arrays if x.expert_parallel]
+    parts = memo["working mesh parts", mesh.sizes] = _MeshParts(
+        windowed=windowed, layer_full=layer_full, shard=shard,
+        experts_held=sum(x.count * held(x, mesh) for x in state_arrays(model) if x.expert_parallel),
+        table_gathered=gathered_size(table.shape, table.logical, mesh),
+        expert_matrix=max((held_gathered(x, mesh) for x in experts), default=0.0),
+        expert_rows=min((n / k for x in experts
+                         for n, name, k in zip(x.shape, x.logical, split(x.shape, x.logical, mesh.axes))
+                         if name == "embed"), default=float(D)),
+        experts_sharded_held=sum(x.count * held(x, mesh) for x in state_arrays(model)
+                                 if x.expert_parallel and held_gathered(x, mesh) > held(x, mesh)),
+        layer_gathered=layer_weights(arrays, lambda x: held_gathered(x, mesh)))
+    return parts
+
+
 def working(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str, chip: str = "") -> Working:
     """The backward's working set on a platform kind ("tpu", "gpu", "cpu"; CPU follows the TPU's buffers); `chip`: the
     chip's name where its compiler's schedule differs (LATE_TABLE_GRADIENT_CHIPS)."""
@@ -212,20 +256,14 @@ def working(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str, c
     # tokens of one layer call on this device (a pipeline microbatch's in a pipeline), and of the logits' call
     view = pipeline.view(model, train, mesh)
     T, T_logits = a.T * view.token_scale, a.T * view.logits_scale
-    arrays = param_arrays(model)
     # weights the model gathers itself (a MoE layer's experts) are whole; the rest stream through windowed einsums
     # where their shards are thick enough, else are gathered whole too
-    windowed = D / split((D,), ("embed",), mesh.axes)[0] >= WINDOWED_MIN_ROWS
-    layer_full = layer_weights(arrays, lambda x: held_gathered(x, mesh) if x.expert_parallel or not windowed
-                               else 0.0)
-    shard = max((held(x, mesh) for x in arrays if x.matmul and x.block and not x.expert_parallel),
-                default=0.0) if windowed else 0.0
-    hoisted = HOISTED_EXPERT_COPIES * c * sum(x.count * held(x, mesh) for x in state_arrays(model)
-                                              if x.expert_parallel)
+    parts = _mesh_parts(model, mesh)
+    windowed, layer_full, shard = parts.windowed, parts.layer_full, parts.shard
+    hoisted = HOISTED_EXPERT_COPIES * c * parts.experts_held
     gathered = (GATHERED_LAYERS * layer_full * c + WINDOWED_SHARDS * shard * c
                 + (hoisted if c < p and platform != "gpu" else 0.0))
     grads_unsharded = WINDOWED_SHARDS * shard * c
-    table = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
     # the gradient of the scores, in the logits' dtype: the dot product's only (flash keeps its tiles on chip)
     score_grads = 0.0 if attention_kernel(train) == "flash" else score_bytes(train)[1] * a.H * train.seq_len
     moe = moe_shape(model)
@@ -257,13 +295,9 @@ def working(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str, c
         mlp_phase, serial_phase = phases[MOE_ROW_D_BUFFERS], phases[MOE_ROW_D_BUFFERS_SERIAL]
     attention_phase = (BACKWARD_SCORE_GRADIENTS * score_grads + c * BACKWARD_D_BUFFERS * D + qkv + recomputed
                        + BACKWARD_D_FLOAT32 * 4 * D)
-    experts = [x for x in arrays if x.expert_parallel]
-    matrix = c * max((held_gathered(x, mesh) for x in experts), default=0.0)
+    matrix = c * parts.expert_matrix
     # the routed experts' D rows per FSDP shard (THIN_EXPERT_GATHER_IN_FLIGHT)
-    expert_rows = min((n / k for x in experts
-                       for n, name, k in zip(x.shape, x.logical, split(x.shape, x.logical, mesh.axes))
-                       if name == "embed"), default=float(D))
-    thin = expert_rows < WINDOWED_MIN_ROWS
+    thin = parts.expert_rows < WINDOWED_MIN_ROWS
     expert_grads = 0.0 if thin else EXPERT_GRAD_MATRICES * matrix
     in_flight = THIN_EXPERT_GATHER_IN_FLIGHT * matrix if thin else 0.0
     staged = OFFLOAD_STAGED_LAYERS * T * max(layer_offloaded_per_token(model, train, mesh, m)
@@ -275,13 +309,11 @@ def working(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str, c
                            and train.num_vocab_tiling == 1 and (late_chip or a.V < model.vocab_size and batch_split > 1)
                            else 0.0)
     # XLA:GPU's second layout of the scanned experts' gradients while they are FSDP-sharded (GPU_EXPERT_GRADIENT_COPIES)
-    expert_grad_copy = (GPU_EXPERT_GRADIENT_COPIES * p * sum(
-        x.count * held(x, mesh) for x in state_arrays(model)
-        if x.expert_parallel and held_gathered(x, mesh) > held(x, mesh)) if gpu_ragged else 0.0)
+    expert_grad_copy = GPU_EXPERT_GRADIENT_COPIES * p * parts.experts_sharded_held if gpu_ragged else 0.0
     # with MTP heads, the vocabulary table's gradient of each head (the decoder's and every depth's), whole; else,
     # with the weights gathered whole, the decoder's (GATHERED_TABLE_GRADIENTS)
     depths = mtp_depths(model)
-    table_size = gathered_size(table.shape, table.logical, mesh) * c
+    table_size = parts.table_gathered * c
     table_grads = (MTP_TABLE_GRADIENTS_PER_HEAD * (1 + depths) * table_size if depths
                    else GATHERED_TABLE_GRADIENTS * table_size if tpu_gathered and not late_chip else 0.0)
 
@@ -293,7 +325,7 @@ def working(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str, c
     if view.pipelined:
         s = view.schedule
         layers = model.num_layers / s.stages if s.fsdp_gather_once else s.units_per_stage - 1
-        stage_gathered = 2 * c * layers * layer_weights(arrays, lambda x: held_gathered(x, mesh))
+        stage_gathered = 2 * c * layers * parts.layer_gathered
 
     def peak(mlp: float) -> float:
         busiest = max(T * mlp, T * attention_phase, expert_grads)

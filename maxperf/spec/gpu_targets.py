@@ -48,6 +48,7 @@ _PLATFORM = re.compile(r'^platform_name:\s*"([^"]*)"', re.MULTILINE)
 _MEMORY = re.compile(r"device_memory_size:\s*(\d+)")
 
 
+@functools.cache  # asked by every estimate of a GPU step; the installed packages do not change under a process
 def plugin_library() -> Path | None:
     """The CUDA plugin's shared library (jax-cuda12-plugin, else jax-cuda13-plugin), or None when neither is installed.
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from maxperf.spec.errors import MaxperfError
+from maxperf.spec.memo import model_memo
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.train import TrainConfig
@@ -148,6 +149,18 @@ def of(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> Schedule | None:
     stages = mesh.axes["stage"]
     if stages <= 1:
         return None
+    micro = train.micro_batch(mesh.devices)
+    key = ("pipeline schedule", stages, micro, train.scan_layers,
+           train.pipeline_parallel_layers, train.num_pipeline_microbatches, train.num_pipeline_repeats,
+           train.num_layers_per_pipeline_stage, train.pipeline_delay_activation_forwarding,
+           train.pipeline_fsdp_ag_once, empty_places(train))
+    memo = model_memo(model)  # a search asks for the same schedule at every candidate of a mesh
+    if (found := memo.get(key)) is None:
+        found = memo[key] = _of(model, train, stages, micro)
+    return found
+
+
+def _of(model: ModelConfig, train: TrainConfig, stages: int, micro: int) -> Schedule:
     units, step = pipelined_units(model)
     if not train.scan_layers:
         raise MaxperfError(f"pipeline parallelism ({stages} stages) runs the decoder as one scanned stack: set "
@@ -156,7 +169,7 @@ def of(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> Schedule | None:
         raise MaxperfError(f"pipeline_parallel_layers={train.pipeline_parallel_layers}: maxperf pipelines all "
                            f"{units * step} layers of {model.name}; leave it at -1")
     first, last = empty_places(train)
-    return schedule(stages, units, train.micro_batch(mesh.devices), microbatches=train.num_pipeline_microbatches,
+    return schedule(stages, units, micro, microbatches=train.num_pipeline_microbatches,
                     repeats=train.num_pipeline_repeats, units_per_stage=train.num_layers_per_pipeline_stage,
                     delay=train.pipeline_delay_activation_forwarding, fsdp_gather_once=train.pipeline_fsdp_ag_once,
                     unit_name="layers" if step == 1 else f"blocks of {step} layers",
