@@ -111,11 +111,34 @@ class SearchResult:
         return commands.command(c, model=self.model_name, topology=self.topology_name, platform=self.platform,
                                 num_slices=self.request.num_slices, seq_len=self.seq_len, fixed=self.fixed)
 
+    def counts(self) -> dict[str, int]:
+        """How many candidates each rule settled, in one pass over them: every candidate enumerated divides the model
+        and the batch (maxperf.search.candidates), none is indivisible."""
+        n = dict.fromkeys(("memory_estimated", "step_estimated", "fit", "more_accumulation", "smaller_batch",
+                           "keeps_less_than_fitting", "keeps_more_than_unfit", "unfit_at_smallest_batch",
+                           "does_not_fit"), 0)
+        for c in self.candidates:
+            n["memory_estimated"] += c.memory_bytes > 0
+            n["step_estimated"] += c.step_time_s > 0
+            if c.skipped:
+                for prefix, key in (("A=", "more_accumulation"), ("B=", "smaller_batch"),
+                                    ("remat", "keeps_less_than_fitting")):
+                    if c.skipped.startswith(prefix):
+                        n[key] += 1
+                        break
+            elif c.status in ("chosen", "slower"):
+                n["fit"] += 1
+            if c.unfit.startswith("keeps"):
+                n["keeps_more_than_unfit"] += 1
+            elif c.unfit.startswith("does not fit"):
+                n["unfit_at_smallest_batch"] += 1
+            n["does_not_fit"] += c.status == "does not fit"
+        return {"enumerated": len(self.candidates), "indivisible": 0, **n, "compiled": self.compiles}
+
     def as_dict(self, rows: bool = True) -> dict[str, Any]:
         """plan.json; `rows` False leaves out its candidates (a summary's header, built fast)."""
         r = self.request
         winner = self.winner
-        statuses = [c.status for c in self.candidates]
         return {
             "schema": SCHEMA, "model": self.model_name, "topology": self.topology_name, "num_slices": r.num_slices,
             "platform": self.platform, "devices": self.devices, "chips": self.chips, "objective": r.objective,
@@ -124,16 +147,7 @@ class SearchResult:
             "fixed_overrides": list(self.fixed), "hbm_bytes": self.hbm_bytes, "margin": self.margin.as_dict(),
             "tie": self.tie,  # candidates within this share of the fastest rank as ties, the simplest first
             # every candidate enumerated divides the model and the batch (maxperf.search.candidates): none indivisible
-            "counts": {"enumerated": len(self.candidates), "indivisible": 0,
-                       "memory_estimated": sum(c.memory_bytes > 0 for c in self.candidates),
-                       "step_estimated": sum(c.step_time_s > 0 for c in self.candidates),
-                       "fit": len(self.fitting),
-                       "more_accumulation": sum(c.skipped.startswith("A=") for c in self.candidates),
-                       "smaller_batch": sum(c.skipped.startswith("B=") for c in self.candidates),
-                       "keeps_less_than_fitting": sum(c.skipped.startswith("remat") for c in self.candidates),
-                       "keeps_more_than_unfit": sum(c.unfit.startswith("keeps") for c in self.candidates),
-                       "unfit_at_smallest_batch": sum(c.unfit.startswith("does not fit") for c in self.candidates),
-                       "does_not_fit": statuses.count("does not fit"), "compiled": self.compiles},
+            "counts": self.counts(),
             "search_seconds": self.search_seconds, "verify_seconds": self.verify_seconds,
             "chosen": None if winner is None else self.candidates.index(winner),
             "command": None if winner is None else self.command(winner),
