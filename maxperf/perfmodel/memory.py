@@ -5,7 +5,6 @@ memory instead. Every assumption is a named constant, checked against XLA's memo
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from maxperf.perfmodel import pipeline
@@ -366,13 +365,13 @@ def _logits(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str, d
     c = DTYPE_BYTES[train.compute_dtype]
     p = DTYPE_BYTES[train.param_dtype]
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
-    a = dataclasses.replace(a, B=a.B * share)
+    T = a.B * share * a.L  # the tokens whose logits this device computes
     tiles = train.num_vocab_tiling
     heads = 1 + MTP_LOGITS_PER_DEPTH * depths  # the decoder's logits, and those of each MTP depth
     table = next(x for x in param_arrays(model) if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
     if tiles == 1:
-        logits = heads * a.T * a.V * (GPU_LOGIT_BYTES if platform == "gpu" else c + 4 * LOGITS_FLOAT32_BUFFERS)
+        logits = heads * T * a.V * (GPU_LOGIT_BYTES if platform == "gpu" else c + 4 * LOGITS_FLOAT32_BUFFERS)
     else:  # one chunk's logits at a time, and the vocabulary table's gradient summed over the chunks
-        logits = (heads * a.T / tiles * a.V * (c + 4 * TILED_LOGITS_FLOAT32_BUFFERS)
+        logits = (heads * T / tiles * a.V * (c + 4 * TILED_LOGITS_FLOAT32_BUFFERS)
                   + p * local_size(table.shape, table.logical, mesh.axes))
     return logits + gathered_size(table.shape, table.logical, mesh) * c  # the table gathered for the logits

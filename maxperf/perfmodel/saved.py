@@ -14,6 +14,7 @@ from __future__ import annotations
 from maxperf.perfmodel.flops import attention_kernel, gated, head_dims, is_mla
 from maxperf.perfmodel.moe import MoeShape, dispatch, moe_shape, routed_buffer_rows, rows_per_token
 from maxperf.perfmodel.sharding import activation_split
+from maxperf.spec.memo import model_memo
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.remat import remat_names
@@ -77,6 +78,17 @@ def routed_rows_held(moe: MoeShape, train: TrainConfig, mesh: Mesh) -> float:
     return rows_per_token(moe, train)
 
 def named_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh, moe_layer: bool = False) -> dict[str, float]:
+    """_named_per_token, kept per model for what it reads (the mesh, the compute dtype, the attention kernel and the
+    MoE dispatch: not the batch, whose split it does not read); callers must not change the dict."""
+    key = ("named per token", mesh.sizes, moe_layer, train.compute_dtype, attention_kernel(train), train.sparse_matmul,
+           train.capacity_factor, train.seq_len)
+    memo = model_memo(model)
+    if (sizes := memo.get(key)) is None:
+        sizes = memo[key] = _named_per_token(model, train, mesh, moe_layer)
+    return sizes
+
+
+def _named_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh, moe_layer: bool) -> dict[str, float]:
     """Bytes per local token of each checkpoint name's tensor that the backward reads back, in one layer (the layer
     input, decoder_layer_input, is the scan carry: on device it is counted apart, as the carry; qkv_proj only under
     fused_qkv, mlpwi of a gated MLP only under
