@@ -358,11 +358,18 @@ class FlopCounts:
 
 def attention_fwd_flops(model: ModelConfig, B: int, L: int, executed: bool, kernel: str = "dot_product") -> float:
     """Forward score (Q K^T) and context (P V) einsums over all layers: 2 x B x pairs x H x (Dq + Dv) per layer."""
+    memo = model_memo(model)  # a search asks for the same batches at every mesh
+    key = ("attention_fwd_flops", B, type(B), L, executed, kernel)  # an int B counts in ints
+    if (flops := memo.get(key)) is not None:
+        return flops
     H = model.num_heads
     Dq, Dv = head_dims(model)
     if executed and not ATTENTION_SKIPS_MASKED[kernel]:
-        return model.num_layers * 2 * B * L * L * H * (Dq + Dv)
-    return sum(2 * B * pairs * H * (Dq + Dv) for pairs in layer_pairs(model, L))
+        flops = model.num_layers * 2 * B * L * L * H * (Dq + Dv)
+    else:
+        flops = sum(2 * B * pairs * H * (Dq + Dv) for pairs in layer_pairs(model, L))
+    memo[key] = flops
+    return flops
 
 
 def dispatch_einsum_fwd_flops(model: ModelConfig, moe: MoeShape, train: TrainConfig) -> float:

@@ -103,6 +103,19 @@ def wraparounds(chip: Chip, torus: tuple[int, ...]) -> tuple[bool, ...]:
 
 
 def axis_networks(mesh: Mesh, chip: Chip, topology: Topology) -> dict[str, AxisNetwork]:
+    """Each mesh axis's network on this chip and topology (callers must not change the dict)."""
+    key = (tuple(mesh.ici.items()), tuple(mesh.dcn.items()), chip, topology)
+    if (nets := _NETWORKS.get(key)) is None:  # a search asks at every candidate of a mesh
+        if len(_NETWORKS) >= 1024:
+            _NETWORKS.clear()
+        nets = _NETWORKS[key] = _axis_networks(mesh, chip, topology)
+    return nets
+
+
+_NETWORKS: dict[tuple, dict[str, AxisNetwork]] = {}
+
+
+def _axis_networks(mesh: Mesh, chip: Chip, topology: Topology) -> dict[str, AxisNetwork]:
     host_bw = chip.host_network_per_chip
     if chip.kind == "tpu":
         ici = {a: mesh.ici.get(a, 1) for a in MESH_AXES}

@@ -449,19 +449,22 @@ def _collective(table: Work, name: str, kind: str, nbytes: float, axes: tuple[st
                 overlap: float, pieces: int = 1, time: CollectiveTime | None = None) -> None:
     """`time`: one collective's time where `collective_time` does not model its kind (the all-to-all)."""
     t = collective_time(kind, nbytes, axes, nets, pieces) if time is None else time
-    if table.chip.kind != "cpu" and (t.ici_s or t.dcn_s):  # CPU collectives: measured rates, latency and overlap
-        family = name.split()[0]
+    family = name.split()[0]
+    # CPU collectives: measured rates, latency and overlap; the first line of each key stands (Work.assume)
+    if table.chip.kind != "cpu" and (t.ici_s or t.dcn_s) and "overlap " + family not in table.assumed:
         origin = OVERLAP_ORIGIN[family] if overlap == getattr(DEFAULT_OVERLAP, family) else "as given"
         table.assume("overlap " + family, f"{family} collectives {overlap:.0%} hidden ({origin})")
         table.assume("latency", f"{LATENCY_S['ici'] * 1e6:g} us per collective inside a slice or NVLink domain (assumed), "
                                 f"{table.constants.dcn_step_latency[table.chip.kind] * 1e6:g} us per step of its ring "
                                 f"across ({'fitted' if table.chip.kind == 'tpu' else 'assumed'})")
-    family = name.split()[0]
     if t.ici_s:
         table.add(name + " (ici)", "ici", count * t.ici_s, 0.0, count * nbytes, family=family)
     if t.dcn_s:
         table.add(name + " (dcn)", "dcn", count * t.dcn_s, 0.0, count * nbytes, family=family,
                   dcn_steps=count * t.dcn_steps)
+
+
+_KIND_INDEX = {"compute": 0, "hbm": 1, "ici": 2, "dcn": 3, "host": 4}
 
 
 def _settle(table: Work, overlap: Overlap) -> StepTime:
@@ -474,26 +477,28 @@ def _settle(table: Work, overlap: Overlap) -> StepTime:
     steps, busy, spill = settle(seconds, comm, hidden_share, np.zeros(len(seconds), dtype=int), 1)
     exposed_s = np.where(comm, seconds - seconds * hidden_share * (1 - spill[0]), seconds)
     kinds = ("compute", "hbm", "ici", "dcn", "host")
-    rows: dict[str, dict[str, float]] = {}
-    totals = dict.fromkeys(kinds, 0.0)
+    # per row name: seconds of each kind (kinds' order), then exposed seconds, FLOPs and bytes; summed over Python
+    # floats (a numpy scalar per element costs more than the sums)
+    rows: dict[str, list[float]] = {}
+    totals = [0.0] * 5
     exposed = {"ici": 0.0, "dcn": 0.0, "host": 0.0}
-    # Python floats for the loop (a numpy scalar per element costs more than the sums)
     laws, bound, flops, nbytes = terms.law.tolist(), flops_bound.tolist(), terms.flops.tolist(), terms.bytes.tolist()
     for name, term_kind, law, by_flops, s, x, f, b in zip(terms.name, terms.kind, laws, bound, seconds.tolist(),
                                                           exposed_s.tolist(), flops, nbytes):
         kind = term_kind if law != MATMUL else "compute" if by_flops else "hbm"
+        k = _KIND_INDEX[kind]
         row = rows.get(name)
         if row is None:
-            row = rows[name] = {**dict.fromkeys(kinds, 0.0), "exposed": 0.0, "flops": 0.0, "bytes": 0.0}
-        row[kind] += s
-        row["exposed"] += x
-        row["flops"] += f
-        row["bytes"] += b
-        totals[kind] += s
-        if kind in exposed:
+            row = rows[name] = [0.0] * 8
+        row[k] += s
+        row[5] += x
+        row[6] += f
+        row[7] += b
+        totals[k] += s
+        if k >= 2:
             exposed[kind] += x
-    out = [Row(n, max(kinds, key=lambda k: r[k]), sum(r[k] for k in kinds), r["exposed"], r["flops"], r["bytes"])
-           for n, r in rows.items()]
+    out = [Row(n, kinds[max(range(5), key=r.__getitem__)], sum(r[:5]), r[5], r[6], r[7]) for n, r in rows.items()]
+    totals = dict(zip(kinds, totals))
     step, work = float(steps[0]), float(busy[0])
     # a network whose traffic alone outlasts all the compute bounds the step however well it overlaps
     networks = {k: totals[k] for k in ("ici", "dcn", "host")}

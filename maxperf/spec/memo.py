@@ -12,11 +12,15 @@ def per_model(fn: Callable) -> Callable:
     """Caches a function of the model alone. Only a frozen dataclass (which cannot change) is cached, by identity; any
     other model is computed afresh. Callers must not mutate what comes back."""
     cache: dict[int, tuple[Any, Any]] = {}  # id(model) -> (model, value): the model held so its id stays its own
+    last: list = [None, None]  # the model last asked about and its value (a search asks of one model throughout)
 
     @functools.wraps(fn)
     def wrapper(model):
+        if model is last[0]:
+            return last[1]
         hit = cache.get(id(model))
         if hit is not None and hit[0] is model:
+            last[:] = hit
             return hit[1]
         value = fn(model)
         params = getattr(type(model), "__dataclass_params__", None)
@@ -24,9 +28,14 @@ def per_model(fn: Callable) -> Callable:
             if len(cache) >= 64:
                 cache.clear()
             cache[id(model)] = (model, value)
+            last[:] = model, value
         return value
 
-    wrapper.cache_clear = cache.clear
+    def cache_clear() -> None:
+        cache.clear()
+        last[:] = None, None
+
+    wrapper.cache_clear = cache_clear
     return wrapper
 
 

@@ -5,6 +5,7 @@ recomputed)."""
 from __future__ import annotations
 
 import enum
+import functools
 
 
 class RematPolicy(enum.StrEnum):
@@ -74,8 +75,15 @@ def remat_names(train, policy: RematPolicy | str | None = None) -> tuple[frozens
     if policy is RematPolicy.NONE:
         return None
     if policy is RematPolicy.CUSTOM:
-        where = {name: RematLocation(getattr(train, name)) for name in CHECKPOINT_NAMES}
-        return (frozenset(n for n, w in where.items() if w is RematLocation.DEVICE),
-                frozenset(n for n, w in where.items() if w is RematLocation.OFFLOAD))
-    saved, offloaded = REMAT_SAVED[policy]
-    return frozenset(saved), frozenset(offloaded)
+        return _custom_names(tuple(RematLocation(getattr(train, name)) for name in CHECKPOINT_NAMES))
+    return _POLICY_NAMES[policy]
+
+
+@functools.lru_cache(maxsize=256)  # asked at every estimate
+def _custom_names(where: tuple[RematLocation, ...]) -> tuple[frozenset[str], frozenset[str]]:
+    """remat_policy=custom's (kept, offloaded) names, `where` the location of each of CHECKPOINT_NAMES."""
+    return (frozenset(n for n, w in zip(CHECKPOINT_NAMES, where) if w is RematLocation.DEVICE),
+            frozenset(n for n, w in zip(CHECKPOINT_NAMES, where) if w is RematLocation.OFFLOAD))
+
+
+_POLICY_NAMES = {policy: (frozenset(saved), frozenset(offloaded)) for policy, (saved, offloaded) in REMAT_SAVED.items()}
