@@ -359,3 +359,22 @@ def test_maxperf_cache_sizes_lists_and_clears(tmp_path, monkeypatch, capsys):
     assert "removed 1 entries (2.0 MiB)" in capsys.readouterr().out
     assert main(["cache", "list", "--older-than", "1"]) == 2
     assert capsys.readouterr().err.strip() == "maxperf: error: --older-than is for `maxperf cache clear`"
+
+
+def test_a_plan_directory_is_told_by_the_schema_its_plan_json_opens_with(tmp_path):
+    # plan.json holds every candidate (tens of MB): its schema is read from its first bytes where it opens with it,
+    # the whole file parsed only where it does not
+    for name, text, ours in (("plan", '{"schema":"maxperf.plan/2","candidates":[' + "{}," * 1000 + "{}]}", True),
+                             ("spaced", '{ "schema": "maxperf.plan/1", "x": 1}', True),
+                             ("sweep", '{"schema":"maxperf.sweep/1"}', False),
+                             ("later", '{"mine": true, "schema": "maxperf.plan/2"}', True),
+                             ("truncated", '{"schema":"maxperf.pl', False),
+                             ("users", '{"mine": true}', False)):
+        out = tmp_path / name
+        out.mkdir()
+        (out / "plan.json").write_text(text)
+        if ours:
+            artifacts.claim_output(out, "plan")
+        else:
+            with pytest.raises(OutputRefused, match="did not write; give a new directory$"):
+                artifacts.claim_output(out, "plan")
