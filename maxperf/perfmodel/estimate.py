@@ -118,7 +118,10 @@ def _device(topology: Topology, cal: StoredCalibration | None, hbm: float | None
 
 def default_overlap(chip: chips.Chip) -> Overlap:
     """Overlap's defaults on accelerators; on CPU devices XLA:CPU's (perfmodel.cpu.OVERLAP)."""
-    return Overlap.uniform(cpu.OVERLAP) if chip.kind == "cpu" else Overlap()
+    return _CPU_OVERLAP if chip.kind == "cpu" else _OVERLAP
+
+
+_OVERLAP, _CPU_OVERLAP = Overlap(), Overlap.uniform(cpu.OVERLAP)  # frozen: one each serves every estimate
 
 
 def fallback_notes(topology: Topology, chip: chips.Chip, calibration: StoredCalibration | None) -> tuple[str, ...]:

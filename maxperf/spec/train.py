@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass
 
 from maxperf.spec.attention_rule import SPLASH_BLOCKS
-from maxperf.spec.errors import require
+from maxperf.spec.errors import MaxperfError, require
 from maxperf.spec.remat import RematLocation, RematPolicy
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -277,9 +277,9 @@ class TrainConfig:
 def micro_batch(B: float, devices: int) -> int:
     """B x devices examples per microbatch (MaxText's micro_batch_size_to_train_on), which must be whole."""
     rows = B * devices
-    require(float(rows).is_integer() and rows >= 1,
-            f"per_device_batch_size={B} over {devices} devices gives a microbatch of {rows:g} examples, which must be "
-            f"a whole number; choose B so that B x {devices} is whole")
+    if not (float(rows).is_integer() and rows >= 1):  # the message formatted only when it is said
+        raise MaxperfError(f"per_device_batch_size={B} over {devices} devices gives a microbatch of {rows:g} examples, "
+                           f"which must be a whole number; choose B so that B x {devices} is whole")
     return int(rows)
 
 
