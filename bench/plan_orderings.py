@@ -1,13 +1,14 @@
 """The batch orderings `maxperf plan` relies on with the per-device batch free, checked on perfmodel.
 
-    .venv/bin/python bench/plan_orderings.py [--only TEXT] [--sample N]
+    .venv/bin/python bench/plan_orderings.py [--only TEXT] [--sample N] [--accumulation A]
 
 maxperf.search.plan estimates a configuration (mesh, kernel, remat policy, A) from its largest B down and stops at the
 first B that fits, and estimates a policy no other keeps less than at the smallest B first: both hold where memory and
 tokens/s do not fall as B grows. For each case this estimates every B of N configurations drawn at random (seed 0)
 from the plan's candidates, afresh through resolve() and perfmodel.estimate(), and counts the successive pairs of B
-where memory, tokens/s or MFU falls, and the ties of tokens/s (where ranking by memory would decide). Exit 1 on any
-exception.
+where memory, tokens/s or MFU falls, and the ties of tokens/s (where ranking by memory would decide). With
+`--accumulation A` every configuration runs A microbatches a step: memory must not fall as B grows there either, which
+the plan relies on with the global batch fixed (its batches with accumulation). Exit 1 on any exception.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ CASES = (
     ("llama3-8b", "v5p-16", 2, ()),
     ("tiny-mla", "cpu-4", 1, ("seq_len=64",)),
     ("gemma3-4b", "v6e-8", 1, ()),
+    ("llama3-8b", "h100-8x4", 1, ("dcn_pipeline_parallelism=2",)),
 )
 
 
@@ -48,6 +50,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="run only cases whose model contains this text")
     ap.add_argument("--sample", type=int, default=300, help="configurations per case (default 300)")
+    ap.add_argument("--accumulation", type=int, default=1,
+                    help="microbatches a step of every configuration (default 1)")
     args = ap.parse_args()
     rng = random.Random(0)
     total: Counter = Counter()
@@ -58,13 +62,16 @@ def main() -> int:
         space = candidates.space(model, topology, num_slices=slices, pins=pins)
         groups = defaultdict(list)
         for c in space.candidates:
-            groups[(c.mesh_shown(), c.attention, c.remat_policy, c.grad_accum_steps)].append(c)
+            groups[(c.mesh_shown(), c.attention, c.remat_policy, c.grad_accum_steps, c.quantization,
+                    c.pipeline_microbatches)].append(c)
         keys = sorted(groups)
         rng.shuffle(keys)
         n: Counter = Counter()
         for key in keys[:args.sample]:
             batch = sorted(groups[key], key=lambda c: c.per_device_batch_size)
-            ests = [perfmodel.estimate(resolve(topology, model, [*space.fixed, *c.overrides()], num_slices=slices))
+            accumulate = [f"gradient_accumulation_steps={args.accumulation}"] if args.accumulation > 1 else []
+            ests = [perfmodel.estimate(resolve(topology, model, [*space.fixed, *c.overrides(), *accumulate],
+                                               num_slices=slices))
                     for c in batch]
             for small, large in zip(ests, ests[1:]):
                 n["pairs"] += 1

@@ -23,8 +23,11 @@ Orderings spare estimates without changing the answer (perfmodel's figures obey 
   successive pairs of B at A=1 over 13 presets in 14 cases: dense, MoE and MLA, TPU, GPU and CPU meshes, two slices;
   bench/plan_orderings.py). So each configuration is estimated from its largest microbatch down, and none below the
   first that fits;
-- memory, by microbatch, with the batch free: memory does not fall as B grows (the same 26,177 pairs), so a policy no
-  other keeps less than is estimated at the smallest B first, and where it does not fit there, at no B.
+- memory, by microbatch: memory does not fall as B grows at a given accumulation (the same 26,177 pairs at A=1, and
+  28,096 at A=2 over 14 presets in 15 cases, a pipeline among them: bench/plan_orderings.py --accumulation 2), and it
+  reads A only as whether there is accumulation (its accumulator). So among the batches alike in that (all of them
+  with the batch free; those with A > 1 with the global batch fixed), a policy no other keeps less than that does not
+  fit at one is estimated at their smallest B next, and where it does not fit there, at none of them.
 plan.json counts each (more_accumulation, smaller_batch, keeps_less_than_fitting, keeps_more_than_unfit,
 unfit_at_smallest_batch).
 """
@@ -237,21 +240,21 @@ class _Estimator:
             cells = {(b, a, remat): c for (k, q, mb, b, a, remat), c in choice.cells.items()
                      if (k, q, mb) == (kernel, quant, m)}
             pairs = sorted({(b, a) for b, a, _ in cells}, key=lambda p: -p[0])
-            # with A the same at every batch (the batch free), memory grows with B: the policies no other keeps
-            # less than are estimated at the smallest B first, and one that does not fit there fits at no batch
-            probe = len(pairs) > 1 and len({a for _, a in pairs}) == 1
+            # memory reads A only as whether there is accumulation (its accumulator), and grows with B: among the
+            # batches alike in that (every one with the batch free; those with A > 1 with the global batch fixed), a
+            # policy no other keeps less than that does not fit at one is estimated at their smallest B next, and
+            # if it does not fit there either, it fits at none of them
+            smallest = pairs[-1]
+
+            def alike(a: int) -> bool:
+                return (a > 1) == (smallest[1] > 1)
+
             probed: dict[Candidate, MemoryBreakdown] = {}
-            nowhere: dict[str, str] = {}  # policy -> why it fits at no batch
-            for remat in self.heads if probe else ():
-                if (c := cells.get((*pairs[-1], remat))) is None:  # a policy a pipelined mesh runs as another
-                    continue
-                probed[c] = self.memory(c, mesh)
-                if c.memory_bytes * self.factor > self.hbm:
-                    nowhere[remat] = f"does not fit at {self.batch(*pairs[-1])}, its smallest microbatch"
+            nowhere: dict[str, str] = {}  # policy -> why it fits at none of the batches alike
             fitted_at: dict[str, str] = {}  # remat policy -> the largest microbatch it fits at ("A=2", "B=4")
             for b, a in pairs:
                 # policies keeping only device memory that do not fit at this batch
-                unfit: list[str] = [q for q in nowhere if q not in OFFLOADED]
+                unfit: list[str] = [q for q in nowhere if q not in OFFLOADED] if alike(a) else []
                 fit: dict[str, tuple[Candidate, MemoryBreakdown]] = {}
                 for remat in self.order:
                     if (c := cells.get((b, a, remat))) is None:
@@ -261,7 +264,7 @@ class _Estimator:
                         continue
                     if c in probed:
                         memory = probed.pop(c)
-                    elif remat in nowhere:
+                    elif remat in nowhere and alike(a):
                         c.unfit = nowhere[remat]
                         continue
                     elif (less := None if remat in OFFLOADED else
@@ -274,6 +277,11 @@ class _Estimator:
                     if c.memory_bytes * self.factor > self.hbm:
                         if remat not in OFFLOADED and remat not in unfit:
                             unfit.append(remat)
+                        if (remat in self.heads and alike(a) and (b, a) != smallest
+                                and (low := cells.get((*smallest, remat))) is not None and low not in probed):
+                            probed[low] = self.memory(low, mesh)
+                            if low.memory_bytes * self.factor > self.hbm:
+                                nowhere[remat] = f"does not fit at {self.batch(*smallest)}, its smallest microbatch"
                         continue  # does not fit: its step time is never needed
                     fit[remat] = (c, memory)
                     fitted_at[remat] = self.batch(b, a)
