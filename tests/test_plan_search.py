@@ -519,3 +519,19 @@ def test_estimate_says_when_its_memory_verdict_is_too_close_to_call(capsys):
             assert f"{error.cases} TPU steps of bench/memory_accuracy.py" in out
     main(["estimate", "--topology", "cpu-2", "--model", "tiny", "--json"])  # nothing measured on CPU: nothing said
     assert json.loads(capsys.readouterr().out)["memory_error"] is None
+
+
+def test_with_the_batch_fixed_a_policy_unfit_at_its_smallest_microbatch_fits_at_no_batch_with_accumulation():
+    # llama2-13b on v5p-8, 16 rows of 4,096 tokens: A of 1, 2, 4 and 8. A policy keeping least that does not fit at
+    # one A > 1 is estimated at A=8 (the smallest B) next; where it does not fit there, the search rules it out at
+    # every A > 1 unestimated. Every candidate estimated afresh: those it ruled out so do not fit, the best is the same
+    result = plan.search(plan.PlanRequest("llama2-13b", "v5p-8", global_batch_tokens=16 * 4096))
+    hbm, factor = result.hbm_bytes, 1 + result.margin.value
+    exhaustive = {c: perfmodel.estimate(resolve("v5p-8", "llama2-13b", list(c.overrides())))
+                  for c in result.candidates}
+    ruled_out = [c for c in result.candidates if c.unfit.startswith("does not fit at A=8, its smallest microbatch")]
+    assert ruled_out and result.as_dict(rows=False)["counts"]["unfit_at_smallest_batch"] == len(ruled_out)
+    assert {c.grad_accum_steps for c in ruled_out} <= {2, 4}  # never A=1, nor A=8, where it was estimated
+    assert all(exhaustive[c].memory_per_device_bytes * factor > hbm for c in ruled_out)
+    fits = [c for c, est in exhaustive.items() if est.memory_per_device_bytes * factor <= hbm]
+    assert max(c.tokens_per_s for c in result.fitting) == max(exhaustive[c].tokens_per_s for c in fits)
