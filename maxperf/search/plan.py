@@ -433,6 +433,7 @@ def write(result, out: str | os.PathLike) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / ".plan.json.partial"
     with _no_cycle_collection():
-        tmp.write_text(json.dumps(result.as_dict(), allow_nan=False, separators=(",", ":")) + "\n")
+        text = json.dumps(result.as_dict(), allow_nan=False, check_circular=False, separators=(",", ":"))
+        tmp.write_text(text + "\n")
     os.replace(tmp, directory / "plan.json")
     return directory / "plan.json"
