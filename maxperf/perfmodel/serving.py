@@ -272,7 +272,7 @@ def _decode_temp(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], 
     c = DTYPE_BYTES[train.compute_dtype]
     D, F, Q = _widths(model, sizes)
     S = train.seq_len
-    heads = model.num_heads / split((model.num_heads,), ("heads",), sizes)[0]
+    heads = _local_heads(model, sizes)
     widened = b * S * cache_bytes_per_token(model, train, sizes) / max(1, model.num_layers) * (
         c if train.quantize_kvcache else 0)
     return (b * c * (3 * D + 3 * F + Q) + b * heads * S * 4 * 2 + widened + _ragged_expansion(
@@ -287,9 +287,14 @@ def _peak(chip: Chip, train: TrainConfig) -> float:
     return chip.peak_flops(train.compute_dtype)
 
 
+def _local_heads(model: ModelConfig, sizes: dict[str, int]) -> float:
+    """The query heads on one device."""
+    return model.num_heads / split((model.num_heads,), ("heads",), sizes)[0]
+
+
 def _attention(model: ModelConfig, sizes: dict[str, int]) -> tuple[float, float]:
     """(heads on one device, FLOPs per query per visible key per head: scores and context)."""
-    H = model.num_heads / split((model.num_heads,), ("heads",), sizes)[0]
+    H = _local_heads(model, sizes)
     if model.attention_type is AttentionType.MLA:  # absorbed: scores over C + Dr, the context over C
         return H, 2 * (model.kv_lora_rank + model.qk_rope_head_dim) + 2 * model.kv_lora_rank
     return H, 4 * model.head_dim
@@ -298,9 +303,8 @@ def _attention(model: ModelConfig, sizes: dict[str, int]) -> tuple[float, float]
 def query_heads_per_kv_head(model: ModelConfig, sizes: dict[str, int]) -> float:
     """The query heads on one device that share each of its KV heads (at least 1: tensor parallelism past the KV
     heads replicates them)."""
-    H = model.num_heads / split((model.num_heads,), ("heads",), sizes)[0]
     K = model.num_kv_heads / split((model.num_kv_heads,), ("cache_kv_heads",), sizes)[0]
-    return max(1.0, H / K)
+    return max(1.0, _local_heads(model, sizes) / K)
 
 
 def cache_passes(model: ModelConfig, train: TrainConfig, sizes: dict[str, int]) -> float:
