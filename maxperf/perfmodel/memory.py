@@ -27,7 +27,7 @@ from maxperf.spec.logical_axes import local_size, split
 from maxperf.spec.memo import model_memo
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
-from maxperf.spec.params import ParamArray, param_arrays, state_arrays
+from maxperf.spec.params import ParamArray, logits_table, state_arrays
 from maxperf.spec.params import params_per_device as held_params
 from maxperf.spec.remat import remat_names
 from maxperf.spec.train import DTYPE_BYTES, TrainConfig, gradient_bytes, optimizer_state_bytes
@@ -368,7 +368,7 @@ def _logits(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str, d
     T = a.B * share * a.L  # the tokens whose logits this device computes
     tiles = train.num_vocab_tiling
     heads = 1 + MTP_LOGITS_PER_DEPTH * depths  # the decoder's logits, and those of each MTP depth
-    table = next(x for x in param_arrays(model) if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
+    table = logits_table(model)
     if tiles == 1:
         logits = heads * T * a.V * (GPU_LOGIT_BYTES if platform == "gpu" else c + 4 * LOGITS_FLOAT32_BUFFERS)
     else:  # one chunk's logits at a time, and the vocabulary table's gradient summed over the chunks

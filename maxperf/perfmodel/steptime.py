@@ -43,6 +43,7 @@ from maxperf.perfmodel.network import LATENCY_S, CollectiveTime, all_to_all_time
 from maxperf.perfmodel.saved import offloaded_per_token, over_layers
 from maxperf.perfmodel.sharding import activation_split, gather_axes, held, held_gathered, param_arrays
 from maxperf.perfmodel.work import (
+    COMM_KINDS,
     MATMUL,
     OVERLAP_ORIGIN,
     SHIPPED,
@@ -59,7 +60,7 @@ from maxperf.perfmodel.work import (
 from maxperf.spec.grouped_matmul import megablox_tiling
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
-from maxperf.spec.params import reduced_arrays
+from maxperf.spec.params import logits_table, reduced_arrays
 from maxperf.spec.topology import Topology
 from maxperf.spec.train import DTYPE_BYTES, TrainConfig, optimizer_state_bytes
 
@@ -263,7 +264,7 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     nets = axis_networks(mesh, chip, topology)
     arrays = param_arrays(model)
     layer_arrays = [x for x in arrays if x.block and x.matmul and not x.expert_parallel]
-    table_array = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
+    table_array = logits_table(model)
     fsdp_axes = gather_axes([*layer_arrays, table_array], mesh)
     if fsdp_axes:
         # per layer: the mean over the layers where dense and MoE layers differ
@@ -464,7 +465,8 @@ def _collective(table: Work, name: str, kind: str, nbytes: float, axes: tuple[st
                   dcn_steps=count * t.dcn_steps)
 
 
-_KIND_INDEX = {"compute": 0, "hbm": 1, "ici": 2, "dcn": 3, "host": 4}
+KINDS = ("compute", "hbm", *COMM_KINDS)  # what bounds a row of the breakdown, in its order
+_KIND_INDEX = {kind: i for i, kind in enumerate(KINDS)}
 
 
 def _settle(table: Work, overlap: Overlap) -> StepTime:
@@ -476,12 +478,12 @@ def _settle(table: Work, overlap: Overlap) -> StepTime:
     comm, hidden_share = terms.comm, terms.overlaps(overlap)
     steps, busy, spill = settle(seconds, comm, hidden_share, np.zeros(len(seconds), dtype=int), 1)
     exposed_s = np.where(comm, seconds - seconds * hidden_share * (1 - spill[0]), seconds)
-    kinds = ("compute", "hbm", "ici", "dcn", "host")
-    # per row name: seconds of each kind (kinds' order), then exposed seconds, FLOPs and bytes; summed over Python
+    n = len(KINDS)
+    # per row name: seconds of each kind (KINDS' order), then exposed seconds, FLOPs and bytes; summed over Python
     # floats (a numpy scalar per element costs more than the sums)
     rows: dict[str, list[float]] = {}
-    totals = [0.0] * 5
-    exposed = {"ici": 0.0, "dcn": 0.0, "host": 0.0}
+    totals = [0.0] * n
+    exposed = dict.fromkeys(COMM_KINDS, 0.0)
     laws, bound, flops, nbytes = terms.law.tolist(), flops_bound.tolist(), terms.flops.tolist(), terms.bytes.tolist()
     for name, term_kind, law, by_flops, s, x, f, b in zip(terms.name, terms.kind, laws, bound, seconds.tolist(),
                                                           exposed_s.tolist(), flops, nbytes):
@@ -489,19 +491,20 @@ def _settle(table: Work, overlap: Overlap) -> StepTime:
         k = _KIND_INDEX[kind]
         row = rows.get(name)
         if row is None:
-            row = rows[name] = [0.0] * 8
+            row = rows[name] = [0.0] * (n + 3)
         row[k] += s
-        row[5] += x
-        row[6] += f
-        row[7] += b
+        row[n] += x
+        row[n + 1] += f
+        row[n + 2] += b
         totals[k] += s
-        if k >= 2:
+        if kind in exposed:
             exposed[kind] += x
-    out = [Row(n, kinds[max(range(5), key=r.__getitem__)], sum(r[:5]), r[5], r[6], r[7]) for n, r in rows.items()]
-    totals = dict(zip(kinds, totals))
+    out = [Row(name, KINDS[max(range(n), key=r.__getitem__)], sum(r[:n]), r[n], r[n + 1], r[n + 2])
+           for name, r in rows.items()]
+    totals = dict(zip(KINDS, totals))
     step, work = float(steps[0]), float(busy[0])
     # a network whose traffic alone outlasts all the compute bounds the step however well it overlaps
-    networks = {k: totals[k] for k in ("ici", "dcn", "host")}
+    networks = {k: totals[k] for k in COMM_KINDS}
     slow = max(networks, key=networks.get)
     if networks[slow] > work:
         bottleneck = slow

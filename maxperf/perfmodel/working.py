@@ -24,7 +24,7 @@ from maxperf.spec.logical_axes import split
 from maxperf.spec.memo import model_memo
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
-from maxperf.spec.params import param_arrays, state_arrays
+from maxperf.spec.params import logits_table, param_arrays, state_arrays
 from maxperf.spec.remat import remat_names
 from maxperf.spec.train import DTYPE_BYTES, TrainConfig, micro_batch
 
@@ -229,7 +229,7 @@ def _mesh_parts(model: ModelConfig, mesh: Mesh) -> _MeshParts:
                                else 0.0)
     shard = max((held(x, mesh) for x in arrays if x.matmul and x.block and not x.expert_parallel),
                 default=0.0) if windowed else 0.0
-    table = next(x for x in arrays if x.name == ("embedding" if model.tie_embeddings else "unembedding"))
+    table = logits_table(model)
     experts = [x for x in arrays if x.expert_parallel]
     parts = memo["working mesh parts", mesh.sizes] = _MeshParts(
         windowed=windowed, layer_full=layer_full, shard=shard,

@@ -154,6 +154,12 @@ def mtp_arrays(model: ModelConfig) -> tuple[ParamArray, ...]:
                            ParamArray("mtp_projection", (2 * model.d_model, model.d_model), ("embed", None), n, True)])
 
 
+def logits_table(model: ModelConfig) -> ParamArray:
+    """The vocabulary table the logits' matmul reads: the embedding where the model ties them, else the unembedding."""
+    name = "embedding" if model.tie_embeddings else "unembedding"
+    return next(x for x in param_arrays(model) if x.name == name)
+
+
 def state_arrays(model: ModelConfig) -> tuple[ParamArray, ...]:
     """Every parameter array the train state holds: the decoder's and the MTP modules'."""
     return (*param_arrays(model), *mtp_arrays(model))
