@@ -105,7 +105,7 @@ class SearchResult:
     @property
     def fitting(self) -> list[Candidate]:
         """The candidates that fit and were ranked by their step time (best first)."""
-        return [c for c in self.candidates if c.status in ("chosen", "slower") and not c.skipped]
+        return [c for c in self.candidates if _ranked(c)]
 
     @property
     def winner(self) -> Candidate | None:
@@ -125,14 +125,12 @@ class SearchResult:
         for c in self.candidates:
             n["memory_estimated"] += c.memory_bytes > 0
             n["step_estimated"] += c.step_time_s > 0
-            if c.skipped:
-                for prefix, key in (("A=", "more_accumulation"), ("B=", "smaller_batch"),
-                                    ("remat", "keeps_less_than_fitting")):
-                    if c.skipped.startswith(prefix):
-                        n[key] += 1
-                        break
-            elif c.status in ("chosen", "slower"):
-                n["fit"] += 1
+            n["fit"] += _ranked(c)
+            for prefix, key in (("A=", "more_accumulation"), ("B=", "smaller_batch"),
+                                ("remat", "keeps_less_than_fitting")):
+                if c.skipped.startswith(prefix):
+                    n[key] += 1
+                    break
             if c.unfit.startswith("keeps"):
                 n["keeps_more_than_unfit"] += 1
             elif c.unfit.startswith("does not fit"):
@@ -210,6 +208,11 @@ def _no_cycle_collection():
     finally:
         if was:
             gc.enable()
+
+
+def _ranked(c: Candidate) -> bool:
+    """Whether a candidate fits and was ranked by its step time (SearchResult.fitting)."""
+    return c.status in ("chosen", "slower") and not c.skipped
 
 
 class _Estimator:
