@@ -53,6 +53,8 @@ def main() -> int:
     ap.add_argument("--accumulation", type=int, default=1,
                     help="microbatches a step of every configuration (default 1)")
     args = ap.parse_args()
+    if args.accumulation < 1:
+        ap.error(f"--accumulation must be >= 1 (microbatches a step), got {args.accumulation}")
     rng = random.Random(0)
     total: Counter = Counter()
     for model, topology, slices, pins in CASES:
