@@ -134,6 +134,8 @@ def main() -> int:
                     help="also run `maxperf plan --verify 1` (compiles until one fits; minutes for large ones)")
     ap.add_argument("--no-grid", action="store_true", help="skip the brute-force grid")
     args = ap.parse_args()
+    if not any(args.only in case[0] for case in CASES):
+        ap.error(f"--only {args.only}: no case's name holds it; the cases: {', '.join(case[0] for case in CASES)}")
     ok = True
     with tempfile.TemporaryDirectory(prefix="maxperf-plan-bench-") as tmp:
         for name, model, topology, tokens, words in CASES:
