@@ -176,6 +176,17 @@ def test_gpu_collectives_cross_infiniband_beyond_the_nvlink_domain():
     assert (part["fsdp"].inner, part["fsdp"].outer) == (8, 1)
 
 
+def test_a_gpu_meshs_dcn_axes_cross_hosts_whatever_their_order():
+    """The device mesh puts ici axes inside a host's NVLink domain and dcn axes across hosts (aot.targets), so the
+    network follows ici and dcn: fsdp across two HGX hosts with data inside them runs over the NICs alone, as does
+    a pipeline's stage axis across 8 hosts beside tensor 4 x data 2 inside each (NVIDIA's Llama 3 70B layout)."""
+    chip, hosts = get_chip("h100-sxm"), topology.get("h100-8x2")
+    nets = axis_networks(Mesh(ici={"data": 8}, dcn={"fsdp": 2}), chip, hosts)
+    assert (nets["fsdp"].inner, nets["fsdp"].outer) == (1, 2) and (nets["data"].inner, nets["data"].outer) == (8, 1)
+    nemo = axis_networks(Mesh(ici={"tensor": 4, "data": 2}, dcn={"stage": 8}), chip, topology.get("h100-8x8"))
+    assert [(nemo[a].inner, nemo[a].outer) for a in ("tensor", "data", "stage")] == [(4, 1), (2, 1), (1, 8)]
+
+
 @pytest.mark.parametrize("name, wrapped, closed", [
     ("v6e-256", (16, 16), (True, True)),  # the pod's 16 x 16: both dimensions close into rings
     ("v6e-128", (8, 16), (False, True)),  # only the 16-chip dimension wraps

@@ -4,6 +4,8 @@ refused in one line."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -291,6 +293,32 @@ def test_decode_time_is_bandwidth_bound_at_small_batch_and_grows_with_the_cache(
     assert est.memory.fits and 20 < est.max_batch_per_device < 60
 
 
+
+def test_weights_split_over_fsdp_are_gathered_for_every_step():
+    """A device computes with whole (gathered) weights for its own sequences, as the compiled step does: the FLOPs
+    and weight reads of a decode and a prefill over fsdp equal those over data, and the fsdp layout pays the
+    weights' gathers on top, where splitting them once more would price a 70B prefill faster than its FLOPs at
+    peak allow."""
+    from maxperf.perfmodel import serving as model
+    from maxperf.perfmodel.estimate import device_for
+    from maxperf.spec.request import resolve
+
+    words = ["per_device_batch_size=1", "max_prefill_predict_length=1024", "max_target_length=2048",
+             "quantization=int8"]
+    over_fsdp = resolve("v5e-8", "llama3-70b", words)
+    over_data = resolve("v5e-8", "llama3-70b", [*words, "ici_fsdp_parallelism=1", "ici_data_parallelism=8"])
+    assert dict(over_fsdp.mesh.sizes)["fsdp"] == 8 and dict(over_data.mesh.sizes)["data"] == 8
+    chip = device_for(over_fsdp.topology)
+    for phase, args in ((model.decode_phase, (1, 1536)), (model.prefill_phase, (1, 1024))):
+        f = phase(over_fsdp.model, over_fsdp.train, over_fsdp.mesh, chip, over_fsdp.topology, *args)
+        d = phase(over_data.model, over_data.train, over_data.mesh, chip, over_data.topology, *args)
+        assert f.flops == pytest.approx(d.flops) and f.bytes == pytest.approx(d.bytes)
+        assert d.collective_s == 0 and f.collective_s > 0.5 * 70.6e9 * 7 / 8 / (4 * chip.link_bandwidth)
+    prefill = model.prefill_phase(over_fsdp.model, over_fsdp.train, over_fsdp.mesh, chip, over_fsdp.topology, 1, 1024)
+    assert prefill.seconds > 2 * 70.6e9 * 1024 / chip.peak_int8_ops
+    est = model.estimate(over_fsdp.model, over_fsdp.train, over_fsdp.mesh, chip, over_fsdp.topology)
+    stored = model.estimate(over_data.model, over_data.train, over_data.mesh, chip, over_data.topology)
+    assert est.memory.weights_bytes < stored.memory.weights_bytes / 4  # stored split, gathered a layer at a time
 def test_the_serving_bench_runs_and_reports_held_out_errors(tmp_path):
     """bench/serving.py, which the README quotes: every row predicted, the fitted constant the shipped one, and the
     held-out figures as the README states them."""
@@ -431,6 +459,29 @@ def test_the_serving_plan_ranks_layouts_under_a_latency_bound(tmp_path):
     assert tpots == sorted(tpots) and rates == sorted(rates) and len(plan.pareto) >= 3
     line = plan.compile_line(plan.winner)
     assert line.startswith("maxperf compile --step decode --model llama3-70b --topology h100-8 ")
+
+
+def test_the_serving_plan_across_hosts_splits_each_axis_into_ici_and_dcn():
+    """On hosts of 8 GPUs the plan's meshes keep 8 devices inside each host and the rest across hosts, and its
+    compile line resolves to the mesh it priced (expert parallelism across hosts paying the NICs)."""
+    from maxperf.search import serving_plan
+    from maxperf.spec.request import resolve
+
+    plan = serving_plan.search("mixtral-8x7b", "h100-8x8", ("max_target_length=4096", "max_prefill_predict_length=1024"),
+                               max_tpot_s=0.05)
+    assert plan.winner is not None and plan.candidates > 50
+    for x in plan.meeting[:20]:
+        ici = {a: n // x.dcn.get(a, 1) for a, n in x.axes.items()}
+        assert math.prod(ici.values()) == 8 and math.prod(x.dcn.values()) == 8 and x.dcn["tensor"] == 1
+        words = plan.compile_line(x).split()[8:]
+        request = resolve("h100-8x8", "mixtral-8x7b", words)
+        assert dict(request.mesh.ici) == {**dict(request.mesh.ici), **{a: n for a, n in ici.items() if n > 1}}
+        assert {a: n for a, n in request.mesh.dcn.items() if n > 1} == {a: n for a, n in x.dcn.items() if n > 1}
+    same = [x for x in plan.meeting if x.axes == {"data": 8, "tensor": 1, "expert": 8}]
+    across = [x for x in same if x.dcn["expert"] == 8]  # data inside the hosts, experts across them
+    inside = {(x.batch, x.quantization, x.kv_int8): x for x in same if x.dcn["data"] == 8}
+    pairs = [(x, inside[k]) for x in across if (k := (x.batch, x.quantization, x.kv_int8)) in inside]
+    assert pairs and all(a.tpot_s > b.tpot_s for a, b in pairs)
 
 
 def test_plan_decode_prints_and_compiles_its_winner(tmp_path):

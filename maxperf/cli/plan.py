@@ -58,10 +58,10 @@ def cmd_serving_plan(args) -> int:
         w = result.winner
         print(f"{result.model} decode on {result.topology} ({result.devices} devices): {result.candidates} layouts, "
               f"{result.fitting} fit, {len(result.meeting)} meet the bounds")
-        print(f"{'mesh':<22} {'batch':>6} {'weights':>7} {'cache':>5} {'ms/token':>9} {'TTFT ms':>8} "
+        print(f"{'mesh':<40} {'batch':>6} {'weights':>7} {'cache':>5} {'ms/token':>9} {'TTFT ms':>8} "
               f"{'tok/s/chip':>10} bound")
         for x in result.meeting[:SHOWN]:
-            print(f"{x.as_dict()['mesh']:<22} {x.batch:>6} {x.quantization:>7} {'int8' if x.kv_int8 else 'bf16':>5} "
+            print(f"{x.as_dict()['mesh']:<40} {x.batch:>6} {x.quantization:>7} {'int8' if x.kv_int8 else 'bf16':>5} "
                   f"{x.tpot_s * 1e3:>9.4g} "
                   f"{x.ttft_s * 1e3:>8.4g} {x.tokens_per_s_per_chip:>10.4g} {x.bottleneck}")
         print(f"best: {result.compile_line(w)}")

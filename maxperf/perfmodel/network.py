@@ -132,15 +132,17 @@ def _axis_networks(mesh: Mesh, chip: Chip, topology: Topology) -> dict[str, Axis
         }
     if chip.kind == "gpu":
         # NVSwitch: every GPU reaches any peer in its domain with all its links; beyond the domain, its own NIC. The
-        # domain is the topology's (a job given part of an NVL72 rack has only its own GPUs in it)
+        # domain is the topology's (a job given part of an NVL72 rack has only its own GPUs in it). A mesh's ici axes
+        # lie inside the topology's fast-interconnect domains and its dcn axes across them (aot.targets builds the
+        # device mesh so); of the ici axes, those past the NVLink domain, innermost first, reach over the NIC too
         domain = min(chip.nvlink_domain or 1, topology.devices_per_ici_domain)
         nvlink = chip.link_bandwidth * chip.link_count
         out, inner_product = {}, 1
         for a in INNERMOST_FIRST:
-            n = mesh.axes[a]
+            n = mesh.ici.get(a, 1)
             inside = max(1, min(n, domain // inner_product)) if inner_product <= domain else 1
             inside = math.gcd(n, inside)
-            out[a] = AxisNetwork(a, inside, n // inside, nvlink, host_bw)
+            out[a] = AxisNetwork(a, inside, n // inside * mesh.dcn.get(a, 1), nvlink, host_bw)
             inner_product *= n
         return out
     return _cpu_networks(mesh, chip, topology)

@@ -1,6 +1,9 @@
 """Serving: the memory, prefill time and decode time of models/serving.py's steps, as arithmetic on the spec.
 
-Per device, B sequences over the batch axes (data x fsdp x expert), heads and the MLP over `tensor`:
+Per device, B sequences over the batch axes (data x fsdp x expert), heads and the MLP over `tensor`; weights split over
+the FSDP axes (fsdp, fsdp_transpose, sequence, and expert for all but the routed experts) are gathered whole before
+their matmuls, as in training (perfmodel.sharding), so a device computes and reads each gathered weight for its own
+sequences, every step:
 - memory: the weights (the compute dtype, or 1 byte a number under quantization=int8 / fp8, the embedding table and
   head in the compute dtype), the cache of S positions (models/serving.cache_layout), and the largest temporaries
   (a layer's activations, the last position's logits).
@@ -10,10 +13,10 @@ Per device, B sequences over the batch axes (data x fsdp x expert), heads and th
   the cache (within a layer's window), as the paged and ragged kernels of serving stacks read it (once per query
   head under decode_cache_reads=per_query_head, as TensorRT-LLM's masked multi-head attention kernel does); a mixture
   of experts reads the experts its tokens reach; under tensor parallelism two all-reduces of the activations per
-  layer; a fixed cost per layer (DECODE_LAYER_S).
+  layer; the FSDP gathers of the weights; a fixed cost per layer (DECODE_LAYER_S).
 - prefill, B prompts of P tokens: the training forward's matmuls at the chip's sustained rate for their shapes
-  (perfmodel.work.matmul_efficiency), causal attention at the flash kernels' efficiency, and the same all-reduces
-  over B x P tokens.
+  (perfmodel.work.matmul_efficiency), causal attention at the flash kernels' efficiency, the same all-reduces over
+  B x P tokens and the same gathers.
 int8 and FP8 matmuls run at the chip's int8 / FP8 peak where it has one (MaxText's AQT int8 serving; TensorRT-LLM's
 FP8), else at the bf16 rate.
 """
@@ -25,9 +28,11 @@ import math
 from dataclasses import dataclass
 
 from maxperf.perfmodel.chips import Chip
-from maxperf.perfmodel.network import axis_networks, collective_time
+from maxperf.perfmodel.network import CollectiveTime, axis_networks, collective_time
+from maxperf.perfmodel.sharding import gather_axes, held_gathered, layer_weights
 from maxperf.perfmodel.work import FLASH_EFFICIENCY, SHIPPED, matmul_efficiency
 from maxperf.spec.logical_axes import local_size, split
+from maxperf.spec.memo import per_model
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import AttentionType, ModelConfig
 from maxperf.spec.params import param_arrays
@@ -173,8 +178,11 @@ class ServingEstimate:
                 "uncertainty": dict(zip(("relative", "worst", "basis"), uncertainty(self.kind)))}
 
 
+@per_model
 def serving_model(model: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(model, mtp_num_layers=0)
+    """The model a serving step runs: without its multi-token-prediction modules (kept per model, so that what is
+    computed of it is too)."""
+    return dataclasses.replace(model, mtp_num_layers=0) if model.mtp_num_layers else model
 
 
 def weight_bytes(train: TrainConfig, name: str) -> float:
@@ -187,6 +195,38 @@ def _arrays(model: ModelConfig, sizes: dict[str, int], train: TrainConfig):
     """(array, elements one device holds, bytes of one element) for every weight."""
     for x in param_arrays(serving_model(model)):
         yield x, x.count * local_size(x.shape, x.logical, sizes), weight_bytes(train, x.name)
+
+
+def _computed(model: ModelConfig, mesh: Mesh, train: TrainConfig):
+    """(array, elements one device computes with, bytes of one element) for every weight: after its FSDP gather."""
+    for x in param_arrays(serving_model(model)):
+        yield x, x.count * held_gathered(x, mesh), weight_bytes(train, x.name)
+
+
+def _gathers(model: ModelConfig, mesh: Mesh, chip: Chip, topology: Topology, train: TrainConfig) -> float:
+    """Seconds of a step's FSDP gathers: every weight split over the FSDP axes gathered once, as its own collective
+    (XLA gathers each layer's weights before its matmuls; counted unhidden, as the other serving collectives)."""
+    arrays = [x for x in param_arrays(serving_model(model)) if x.matmul]
+    axes = gather_axes(arrays, mesh)
+    if not axes:
+        return 0.0
+    nbytes = sum(x.count * held_gathered(x, mesh) * weight_bytes(train, x.name) for x in arrays)
+    return _seconds(collective_time("all-gather", nbytes, axes, axis_networks(mesh, chip, topology),
+                                    pieces=sum(x.count for x in arrays)), chip)
+
+
+def _seconds(t: CollectiveTime, chip: Chip) -> float:
+    """A collective's seconds: over the chips' links and the hosts' network, and the latencies its steps across
+    slices or hosts pay (perfmodel.work.Constants.dcn_step_latency, as the training step prices them)."""
+    return t.ici_s + t.dcn_s + t.dcn_steps * SHIPPED.dcn_step_latency[chip.kind]
+
+
+def _gathered_layer_bytes(model: ModelConfig, mesh: Mesh, train: TrainConfig) -> float:
+    """The temporaries of one layer's weights gathered over the FSDP axes (beyond the shards already held)."""
+    sizes = dict(mesh.sizes)
+    arrays = [x for x in param_arrays(serving_model(model)) if x.matmul]
+    return layer_weights(arrays, lambda x: (held_gathered(x, mesh) - local_size(x.shape, x.logical, sizes))
+                         * weight_bytes(train, x.name))
 
 
 def batch_split(sizes: dict[str, int], B: int) -> int:
@@ -231,6 +271,7 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
         temp = _prefill_temp(model, train, sizes, b * P, b, platform)
     else:
         temp = max(_decode_temp(model, train, sizes, b, platform), _prefill_temp(model, train, sizes, P, 1, platform))
+    temp += _gathered_layer_bytes(model, mesh, train)
     return ServingMemory(weights, cache, temp, hbm_bytes)
 
 
@@ -328,13 +369,13 @@ def _collectives(model: ModelConfig, mesh: Mesh, chip: Chip, topology: Topology,
     seconds = 0.0
     if sizes.get("tensor", 1) > 1:
         t = collective_time("all-reduce", tokens * model.d_model * c, ("tensor",), nets)
-        seconds += 2 * model.num_layers * (t.ici_s + t.dcn_s)
+        seconds += 2 * model.num_layers * _seconds(t, chip)
     if sizes.get("expert", 1) > 1 and model.is_moe:
         from maxperf.perfmodel.network import all_to_all_time
 
         k = model.num_experts_per_tok
         t = all_to_all_time(tokens * k * model.d_model * c, ("expert",), nets)
-        seconds += 2 * sum(model.moe_layers()) * (t.ici_s + t.dcn_s)
+        seconds += 2 * sum(model.moe_layers()) * _seconds(t, chip)
     return seconds
 
 
@@ -378,7 +419,7 @@ def decode_phase(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip,
     peak = _peak(chip, train) * SHIPPED.fraction(chip)
     kernels = _Kernels(chip.hbm_bandwidth * k.efficiency(chip.kind))
     routed_tokens = b * sizes.get("expert", 1)
-    for x, n, nb in _arrays(model, sizes, train):
+    for x, n, nb in _computed(model, mesh, train):
         if x.name in ("embedding", "positions"):  # a lookup of b rows
             continue
         if not x.matmul:  # norm scales and biases, read by the kernels around the matmuls
@@ -393,7 +434,8 @@ def decode_phase(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip,
     keys = sum(_visible(context)(w) for w in attention_rule.layer_masks(model))
     kernels.add(b * H * per_key * keys, peak,
                 b * cache_bytes_per_token(model, train, sizes, _visible(context)) * cache_passes(model, train, sizes))
-    return kernels.phase(_collectives(model, mesh, chip, topology, b, c), k.layer(chip.kind) * model.num_layers)
+    return kernels.phase(_collectives(model, mesh, chip, topology, b, c) + _gathers(model, mesh, chip, topology, train),
+                         k.layer(chip.kind) * model.num_layers)
 
 
 def prefill_phase(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, topology: Topology, b: float,
@@ -407,7 +449,7 @@ def prefill_phase(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip
     tokens = b * P
     peak = _peak(chip, train)
     kernels = _Kernels(chip.hbm_bandwidth * k.efficiency(chip.kind))
-    for x, n, nb in _arrays(model, sizes, train):
+    for x, n, nb in _computed(model, mesh, train):
         if x.name in ("embedding", "positions"):
             continue
         if not x.matmul:
@@ -422,7 +464,8 @@ def prefill_phase(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip
                 for w in attention_rule.layer_masks(model))  # causal: half the square within the window
     flash = chip.peak_flops(train.compute_dtype) * SHIPPED.fraction(chip) * FLASH_EFFICIENCY.get(chip.kind, 1.0)
     kernels.add(b * H * per_key * pairs, flash, b * P * cache_bytes_per_token(model, train, sizes))  # cache written
-    return kernels.phase(_collectives(model, mesh, chip, topology, tokens, c), k.layer(chip.kind) * model.num_layers)
+    return kernels.phase(_collectives(model, mesh, chip, topology, tokens, c)
+                         + _gathers(model, mesh, chip, topology, train), k.layer(chip.kind) * model.num_layers)
 
 
 def max_batch_per_device(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_bytes: float,

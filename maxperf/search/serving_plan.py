@@ -1,13 +1,16 @@
 """`maxperf plan --step decode`: the serving layout with the most tokens/s per chip under latency bounds.
 
 The search is analytical (perfmodel.serving): every mesh of the topology's chips over data, tensor and, for a mixture
-of experts, expert; every batch that the mesh's batch shards divide, two per octave up to the largest that fits; the
-weights in the compute dtype or, where the user allows it (`quantization=auto`), int8 or FP8 where the chip has such
-matmul units, and the cache in the compute dtype or int8 (unless `quantize_kvcache` is pinned). Each candidate is
-priced by its time to first token (the prefill of one prompt), its time per output token at the middle of generation
-and its tokens/s per chip; those that fit and meet `--max-time-per-token` and `--max-ttft` are ranked by tokens/s per
-chip. The Pareto front of time per token against tokens/s per chip is kept
-for the report. No layout meeting the bounds is exit 3, naming the closest and what it would need.
+of experts, expert, inside a fast-interconnect domain (a TPU slice, a GPU host's or rack's NVLink domain), and over
+data and expert across the domains of a multi-host GPU topology (tensor parallelism's two all-reduces per layer and
+token stay inside a domain, as serving stacks run it); every batch that the mesh's batch shards divide, two per
+octave up to the largest that fits; the weights in the compute dtype or, where the user allows it
+(`quantization=auto`), int8 or FP8 where the chip has such matmul units, and the cache in the compute dtype or int8
+(unless `quantize_kvcache` is pinned). Each candidate is priced by its time to first token (the prefill of one
+prompt), its time per output token at the middle of generation and its tokens/s per chip; those that fit and meet
+`--max-time-per-token` and `--max-ttft` are ranked by tokens/s per chip. The Pareto front of time per token against
+tokens/s per chip is kept for the report. No layout meeting the bounds is exit 3, naming the closest and what it
+would need.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from maxperf.perfmodel import serving
 from maxperf.perfmodel.estimate import device_for
-from maxperf.search.candidates import divisors
+from maxperf.search.candidates import divisors, mesh_shown
 from maxperf.spec import overrides as overrides_mod
 from maxperf.spec import presets
 from maxperf.spec import topology as topologies
@@ -40,7 +43,8 @@ class NoLayout(DoesNotFit):
 
 @dataclass(frozen=True)
 class Layout:
-    axes: dict[str, int]
+    axes: dict[str, int]  # each axis's size over the whole topology
+    dcn: dict[str, int]  # of it, across fast-interconnect domains ({} on one domain)
     batch: int  # sequences, all devices
     quantization: str
     kv_int8: bool
@@ -52,7 +56,9 @@ class Layout:
     bottleneck: str
 
     def words(self, devices: int) -> list[str]:
-        words = [f"ici_{a}_parallelism={n}" for a, n in self.axes.items() if n > 1]
+        words = [f"ici_{a}_parallelism={n // self.dcn.get(a, 1)}" for a, n in self.axes.items()
+                 if n // self.dcn.get(a, 1) > 1]
+        words += [f"dcn_{a}_parallelism={n}" for a, n in self.dcn.items() if n > 1]
         words.append(f"per_device_batch_size={self.batch / devices:g}")
         if self.quantization != "none":
             words.append(f"quantization={self.quantization}")
@@ -61,8 +67,9 @@ class Layout:
         return words
 
     def as_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "mesh": " x ".join(f"{a}={n}" for a, n in self.axes.items() if n > 1)
-                or "one device"}
+        ici = {a: n // self.dcn.get(a, 1) for a, n in self.axes.items()}
+        shown = mesh_shown(ici, self.dcn)
+        return {**dataclasses.asdict(self), "mesh": "one device" if shown == "1" else shown}
 
 
 @dataclass
@@ -97,19 +104,25 @@ class ServingPlan:
                 "closest": None if self.closest is None else self.closest.as_dict()}
 
 
-def _meshes(devices: int, model, pins: dict[str, int]) -> list[dict[str, int]]:
-    """data x tensor x expert meshes of `devices`, tensor dividing the query heads and expert the experts (an axis
+def _meshes(per_domain: int, domains: int, model, pins: dict[str, int], dcn_pins: dict[str, int]
+            ) -> list[tuple[dict[str, int], dict[str, int]]]:
+    """(each axis's whole size, its size across domains): data x tensor x expert inside a domain of `per_domain`
+    devices, data x expert across the `domains`, tensor dividing the query heads and expert the experts (an axis
     that divides nothing would replicate what it was meant to split)."""
     out = []
-    for t in divisors(devices):
-        if model.num_heads % t:
+    for de in (divisors(domains) if model.is_moe else [1]):
+        dcn = {"data": domains // de, "tensor": 1, "expert": de}
+        if any(dcn[a] != n for a, n in dcn_pins.items()):
             continue
-        for e in (divisors(devices // t) if model.is_moe else [1]):
-            if model.is_moe and model.num_experts % e:
+        for t in divisors(per_domain):
+            if model.num_heads % t:
                 continue
-            axes = {"data": devices // (t * e), "tensor": t, "expert": e}
-            if all(axes[a] == n for a, n in pins.items()):
-                out.append(axes)
+            for e in (divisors(per_domain // t) if model.is_moe else [1]):
+                if model.is_moe and model.num_experts % (e * de):
+                    continue
+                ici = {"data": per_domain // (t * e), "tensor": t, "expert": e}
+                if all(ici[a] == n for a, n in pins.items()):
+                    out.append(({a: ici[a] * dcn[a] for a in ici}, {a: n for a, n in dcn.items() if domains > 1}))
     return out
 
 
@@ -147,6 +160,11 @@ def search(model_name: str, topology_name: str, words: tuple[str, ...] = (), *, 
     configs = overrides_mod.apply(model, list(words))
     model, train, par = configs.model, configs.train, configs.parallelism
     pins = {a: n for a in ("data", "tensor", "expert") if (n := getattr(par, f"ici_{a}")) not in (1, -1)}
+    dcn_pins = {a: n for a in ("data", "tensor", "expert") if (n := getattr(par, f"dcn_{a}")) not in (1, -1)}
+    if dcn_pins.get("tensor", 1) > 1:
+        raise MaxperfError("plan --step decode keeps tensor parallelism inside a fast-interconnect domain: drop "
+                           f"dcn_tensor_parallelism={dcn_pins['tensor']} (search data and expert across domains)")
+    dcn_pins.pop("tensor", None)
     pinned_batch = any(w.startswith(("per_device_batch_size=",)) for w in words)
     kv_choices = ([False, True] if train.quantization is Quantization.AUTO
                   and not any(w.startswith("quantize_kvcache=") for w in words) else [train.quantize_kvcache])
@@ -158,8 +176,8 @@ def search(model_name: str, topology_name: str, words: tuple[str, ...] = (), *, 
                        tuple(w for w in words if not w.startswith(("ici_", "per_device_batch_size=", "quantization=",
                                                                    "quantize_kvcache="))))
     layouts: list[Layout] = []
-    for axes in _meshes(devices, model, pins):
-        mesh = Mesh.of({"data": axes["data"], "tensor": axes["tensor"], "expert": axes["expert"]}, None)
+    for axes, dcn in _meshes(topo.devices_per_ici_domain, topo.ici_domains, model, pins, dcn_pins):
+        mesh = Mesh.of(axes, dcn or None).check(topo)
         shards = axes["data"] * axes["expert"]
         for precision, kv_int8 in itertools.product(_precisions(train.quantization, topo.chip), kv_choices):
             t = dataclasses.replace(train, quantization=Quantization(precision), quantize_kvcache=kv_int8)
@@ -171,7 +189,7 @@ def search(model_name: str, topology_name: str, words: tuple[str, ...] = (), *, 
                     continue
                 t_b = dataclasses.replace(t, per_device_batch_size=B / devices)
                 e = serving.estimate(model, t_b, mesh, chip, topo, largest_batch=False)
-                layouts.append(Layout(axes, B, precision, kv_int8, e.memory.fits, e.memory.total_bytes, e.ttft_s,
+                layouts.append(Layout(axes, dcn, B, precision, kv_int8, e.memory.fits, e.memory.total_bytes, e.ttft_s,
                                       e.time_per_output_token_s, e.tokens_per_s_per_chip, e.decode.bottleneck))
     plan.candidates = len(layouts)
     fitting = [x for x in layouts if x.fits]
