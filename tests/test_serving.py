@@ -467,8 +467,8 @@ def test_the_serving_plan_across_hosts_splits_each_axis_into_ici_and_dcn():
     from maxperf.search import serving_plan
     from maxperf.spec.request import resolve
 
-    plan = serving_plan.search("mixtral-8x7b", "h100-8x8", ("max_target_length=4096", "max_prefill_predict_length=1024"),
-                               max_tpot_s=0.05)
+    plan = serving_plan.search("mixtral-8x7b", "h100-8x8",
+                               ("max_target_length=4096", "max_prefill_predict_length=1024"), max_tpot_s=0.05)
     assert plan.winner is not None and plan.candidates > 50
     for x in plan.meeting[:20]:
         ici = {a: n // x.dcn.get(a, 1) for a, n in x.axes.items()}
