@@ -112,3 +112,29 @@ def test_load_balancing_needs_whole_chunks_and_no_multi_token_prediction():
     assert resolve("cpu-8", "tiny", ["seq_len=24", "ici_sequence=8", "context_parallel_load_balance=false"])
     with pytest.raises(MaxperfError, match="multi-token prediction"):
         resolve("cpu-4", "tiny", ["ici_sequence=2", "mtp_num_layers=1"])
+
+
+def test_without_load_balancing_the_step_waits_for_the_busiest_context_shard():
+    """A causal layer's last of cp contiguous shards sees (2 cp - 1) / cp times the mean shard's pairs; with
+    MaxText's load balancing every shard sees the mean. A window narrower than a shard leaves them near even, and
+    the dot product, which computes every pair, is not unbalanced."""
+    from maxperf.perfmodel import estimate
+    from maxperf.perfmodel.flops import busiest_context_shard
+    from maxperf.spec import presets
+    from maxperf.spec.request import resolve
+
+    assert busiest_context_shard(presets.get("llama3-8b"), 131072, 16) == pytest.approx((31 / 16,) * 32, rel=1e-4)
+    gemma = presets.get("gemma3-4b")  # 1024-token windows in five layers of six
+    windowed = busiest_context_shard(gemma, 32768, 8)
+    globals_ = [f for f, w in zip(windowed, gemma.layer_windows()) if not w]
+    assert globals_ and globals_ == pytest.approx([15 / 8] * len(globals_), rel=1e-3)
+    assert all(1 <= f < 1.02 for f, w in zip(windowed, gemma.layer_windows()) if w)
+
+    def attention_s(*words):
+        est = estimate(resolve("v5p-128", "llama3-8b", ["seq_len=131072", "ici_sequence_parallelism=16", *words]))
+        return next(r.seconds for r in est.breakdown if r.name.startswith("attention"))
+
+    balanced, unbalanced = attention_s(), attention_s("context_parallel_load_balance=false")
+    assert unbalanced == pytest.approx(balanced * 31 / 16, rel=1e-4)
+    dot = "attention=dot_product", "remat_policy=full"
+    assert attention_s(*dot, "context_parallel_load_balance=false") == pytest.approx(attention_s(*dot))

@@ -287,6 +287,34 @@ def layer_pairs(model: ModelConfig, L: int) -> tuple[float, ...]:
     return memo["layer_pairs", L]
 
 
+def _visible_prefix(mask: int, x: int) -> float:
+    """Keys the first x queries of a layer see together: causal (mask 0), within a window of W (mask W > 0) or
+    within chunks of C (mask -C)."""
+    if mask > 0:
+        return x * (x + 1) / 2 if x <= mask else mask * (mask + 1) / 2 + (x - mask) * mask
+    if mask < 0:
+        q, r = divmod(x, -mask)
+        return q * -mask * (-mask + 1) / 2 + r * (r + 1) / 2
+    return x * (x + 1) / 2
+
+
+def busiest_context_shard(model: ModelConfig, L: int, cp: int) -> tuple[float, ...]:
+    """Per layer, the busiest of cp contiguous shards' pairs over the mean shard's: a sequence split over the context
+    axis without context_parallel_load_balance leaves its causal work to the later shards (the last of cp holds
+    (2 cp - 1) / cp times the mean of a causal layer's pairs), and the step waits for the busiest; a window or chunk
+    narrower than a shard leaves them near even."""
+    memo = model_memo(model)
+    if (hit := memo.get(("busiest_context_shard", L, cp))) is not None:
+        return hit
+    n = L // cp
+    out = []
+    for mask in attention_rule.layer_masks(model):
+        shares = [_visible_prefix(mask, (k + 1) * n) - _visible_prefix(mask, k * n) for k in range(cp)]
+        out.append(max(shares) / (sum(shares) / cp) if sum(shares) else 1.0)
+    memo["busiest_context_shard", L, cp] = hit = tuple(out)
+    return hit
+
+
 # The tiles a flash kernel computes whole: splash attention's forward blocks on TPU (sa_block_q x sa_block_kv, MaxText's
 # keys), the Pallas GPU kernel's 128 x 128 (maxperf's models/layers/attention_kernels.py).
 GPU_FLASH_BLOCK = 128

@@ -20,6 +20,7 @@ from maxperf.perfmodel.flops import (
     COMBINE_BACKWARD_EINSUMS,
     DISPATCH_BACKWARD_EINSUMS,
     attention_kernel,
+    busiest_context_shard,
     executed_pairs,
     flash_backward_matmuls,
     gated,
@@ -191,7 +192,11 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     flash_rate = constants.flash_efficiency.get(chip.kind) if kernel == "flash" else None
     skips = ATTENTION_SKIPS_MASKED[kernel] and (chip.kind != "cpu" or cpu.SKIPS_MASKED_BLOCKS)
     attention_rate = chip.attention_rate(train.compute_dtype, Dq)
-    for pairs, run in itertools.groupby(executed_pairs(model, train, L, chip.kind) if skips else layer_pairs(model, L)):
+    per_layer = executed_pairs(model, train, L, chip.kind) if skips else layer_pairs(model, L)
+    if skips and mesh.axes["sequence"] > 1 and not train.context_parallel_load_balance:
+        # kernels that skip masked blocks leave the busiest context shard the most to do (busiest_context_shard)
+        per_layer = tuple(p * f for p, f in zip(per_layer, busiest_context_shard(model, L, mesh.axes["sequence"])))
+    for pairs, run in itertools.groupby(per_layer):
         share = pairs / (L * L) if skips else 1.0
         count = Bm * a.H * micro * share * sum(1 for _ in run)  # a run of alike layers at once
         scores_fwd, context_fwd = 1 + ("scores" in again), 1 + ("context" in again)
