@@ -218,8 +218,16 @@ def test_a_pipeline_computes_its_bubble_and_moves_its_stage_outputs():
     tokens = 4 * 2 * 2048 / 4  # B x stages x L over the microbatches
     assert transfers.bytes == pytest.approx(2 * 65 * (2 + 1) * tokens * 4096 * 2)  # circular storage: 3 permutes
     assert any("65 iterations (1.5% bubble" in a for a in piped.assumptions)
-    more = _estimate("ici_stage=2", "num_pipeline_microbatches=16")
-    assert _row(more, "mlp down").flops < _row(piped, "mlp down").flops  # a smaller bubble: 16 x 16 + 1 iterations
+    more = _estimate("ici_stage=2", "num_pipeline_microbatches=8")
+    assert _row(more, "mlp down").flops < _row(piped, "mlp down").flops  # a smaller bubble: 8 x 16 + 1 iterations
+    # 16 microbatches of 2 rows: fsdp=4 does not divide them, so each device computes both rows, as the compiled
+    # step does (replicated along fsdp): 16 x 16 + 1 iterations of 2 rows against 8 x 16 + 1 of 1
+    replicated = _estimate("ici_stage=2", "num_pipeline_microbatches=16")
+    assert _row(replicated, "mlp down").flops == pytest.approx(_row(more, "mlp down").flops * 257 * 2 / 129, rel=1e-9)
+    from maxperf.spec import resolve
+
+    request = resolve("v5p-16", "llama2-7b", ["per_device_batch_size=4", "ici_stage=2", "num_pipeline_microbatches=16"])
+    assert any("fsdp=4 does not divide a pipeline microbatch's 2 row(s)" in w for w in request.warnings)
 
 
 def test_fsdp_gathers_once_per_step_with_pipeline_fsdp_ag_once():

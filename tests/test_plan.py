@@ -117,6 +117,16 @@ def test_heads_that_tensor_does_not_divide_are_named_with_their_cost():
     assert any(w.startswith("tensor=8 does not divide K=4") for w in p.warnings)
 
 
+def test_a_batch_the_batch_axes_do_not_divide_names_a_batch_that_they_do():
+    """Moving a batch axis to data would not help (data splits the batch too): the warning names a batch the batch
+    axes divide, and that batch resolves without one."""
+    p = resolve("v5p-128", "llama2-7b", ["per_device_batch_size=0.5"])
+    assert p.warnings == ("fsdp=64 does not divide B=32: B is replicated along fsdp, not split; each device holds all "
+                          "32 of it; a microbatch of a multiple of 64 examples splits over them "
+                          "(per_device_batch_size=1 or a multiple of it)",)
+    assert resolve("v5p-128", "llama2-7b", ["per_device_batch_size=1"]).warnings == ()
+
+
 def test_a_sequence_that_sequence_parallelism_does_not_divide_is_named():
     p = resolve("v5p-64", "llama3-8b", ["seq_len=4095", "ici_sequence=4"])
     assert p.warnings == ("sequence=4 does not divide L=4095: L is replicated along sequence, not split; each device "

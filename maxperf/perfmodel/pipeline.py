@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from maxperf.perfmodel.network import AxisNetwork, CollectiveTime
-from maxperf.spec.logical_axes import local_size
+from maxperf.perfmodel.sharding import activation_split
+from maxperf.spec.logical_axes import local_size, split
 from maxperf.spec.memo import model_memo
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
@@ -50,8 +51,21 @@ def view(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> View:
         return NONE
     # a device runs its U places on one microbatch per iteration, every iteration: iterations x U units' work over
     # the model's units (an empty place computes its unit and passes its input on, models/pipeline.py)
-    return View(s, layer_scale=s.iterations * s.units_per_stage / s.units, token_scale=1 / s.microbatches,
+    return View(s, layer_scale=s.iterations * s.units_per_stage / s.units,
+                token_scale=microbatch_rows(model, train, mesh, s.microbatches),
                 logits_scale=1 / s.stages)
+
+
+def microbatch_rows(model: ModelConfig, train: TrainConfig, mesh: Mesh, microbatches: int) -> float:
+    """A pipeline microbatch's rows on one device over the device's rows of the whole microbatch (1 / microbatches
+    where the batch axes divide the pipeline microbatch): where they do not, its rows are replicated along those
+    axes, as the compiled step holds them (spec.logical_axes), and every device along them computes the same rows."""
+    rows = train.micro_batch(mesh.devices) / microbatches
+    whole = activation_split(model, train.per_device_batch_size, train.seq_len, mesh).B
+    if not float(rows).is_integer() or not whole:
+        return 1 / microbatches
+    sizes = dict(mesh.sizes)
+    return rows / split((int(rows),), ("activation_batch",), sizes)[0] / whole
 
 
 def empty_place_params(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> float:

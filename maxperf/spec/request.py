@@ -263,7 +263,7 @@ def replication_warnings(configs: Configs, mesh: Mesh) -> tuple[str, ...]:
             split = spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],) if spec[dim] else ()
             held_of[key] = shape[dim] // math.prod(axes[a] for a in split)
     if not found:
-        return ()
+        return tuple(_pipeline_microbatch_lines(configs, mesh))
     state_per_param = DTYPE_BYTES[str(train.param_dtype)] + optimizer_state_bytes(train)
     held = params_per_device(model, mesh.sizes) * state_per_param
     even = sum(x.count * math.prod(x.shape) for x in param_arrays(model)) * state_per_param / mesh.devices
@@ -278,12 +278,39 @@ def replication_warnings(configs: Configs, mesh: Mesh) -> tuple[str, ...]:
         else:
             line += (f"; each device holds {held_of[(letter, axis)]} of the {size}, and the {n} devices along {axis} "
                      "compute the same ones")
-        lines.append(line + f"; {_suggestion(mesh, axis, size)}")
-    return tuple(lines)
+        lines.append(line + f"; {_suggestion(mesh, axis, size, letter == 'B')}")
+    return tuple(lines + _pipeline_microbatch_lines(configs, mesh))
 
 
-def _suggestion(mesh: Mesh, axis: str, size: int) -> str:
-    """A mesh that divides: the ICI part of `axis` cut to what divides `size`, the rest moved to data."""
+def _pipeline_microbatch_lines(configs: Configs, mesh: Mesh) -> list[str]:
+    """A line where the batch axes do not divide a pipeline microbatch's rows: each is replicated along them, and the
+    devices along them compute the same rows (what the step time and memory count)."""
+    schedule = pipeline.of(configs.model, configs.train, mesh)
+    if schedule is None:
+        return []
+    micro = configs.train.micro_batch(mesh.devices)
+    rows = micro // schedule.microbatches
+    if rows * schedule.microbatches != micro:
+        return []
+    lines = []
+    for _, axis in undivided_axes((rows,), ("activation_batch",), mesh.axes):
+        batch_axes = math.prod(n for a, n in mesh.axes.items() if a in ("data", "fsdp", "fsdp_transpose", "expert"))
+        fewer = micro // batch_axes if micro % batch_axes == 0 else None
+        lines.append(f"{axis}={mesh.axes[axis]} does not divide a pipeline microbatch's {rows} row(s) ({micro} "
+                     f"examples over num_pipeline_microbatches={schedule.microbatches}): they are replicated along "
+                     f"{axis}, and its {mesh.axes[axis]} devices compute the same rows; "
+                     + (f"e.g. num_pipeline_microbatches={fewer} or fewer, or a larger per_device_batch_size"
+                        if fewer and fewer >= schedule.stages else "a larger per_device_batch_size"))
+    return lines
+
+
+def _suggestion(mesh: Mesh, axis: str, size: int, batch: bool = False) -> str:
+    """A mesh that divides: the ICI part of `axis` cut to what divides `size`, the rest moved to data; for the
+    batch, which data splits too, a batch the batch axes divide."""
+    if batch:
+        axes = math.prod(n for a, n in mesh.axes.items() if a in ("data", "fsdp", "fsdp_transpose", "expert"))
+        return (f"a microbatch of a multiple of {axes} examples splits over them (per_device_batch_size="
+                f"{axes / mesh.devices:g} or a multiple of it)")
     ici = mesh.ici[axis]
     keep = math.gcd(ici, size // math.gcd(size, mesh.dcn.get(axis, 1)))
     if axis == "data" or keep == ici:
