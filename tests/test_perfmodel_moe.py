@@ -341,6 +341,20 @@ def test_the_load_imbalance_key_reaches_the_step_time():
         TrainConfig(moe_load_imbalance=0.5)
 
 
+def test_a_load_imbalance_is_at_most_the_expert_shards_and_said_to_change_nothing_without_them():
+    from maxperf.spec.errors import MaxperfError
+    from maxperf.spec.request import resolve
+
+    with pytest.raises(MaxperfError, match="at most 8 .every row on one shard.; choose 1 to 8"):
+        resolve("v5p-256", "mixtral-8x7b", ["ici_expert_parallelism=8", "moe_load_imbalance=100"])
+    assert not any("moe_load_imbalance" in w for w in resolve(
+        "v5p-256", "mixtral-8x7b", ["ici_expert_parallelism=8", "moe_load_imbalance=8"]).warnings)
+    for words, why in ((["moe_load_imbalance=2"], "there is no expert parallelism"),
+                       (["ici_expert_parallelism=8", "sparse_matmul=false", "moe_load_imbalance=2"], "einsum dispatch")):
+        notes = [w for w in resolve("v5p-256", "mixtral-8x7b", words).warnings if "moe_load_imbalance=2" in w]
+        assert len(notes) == 1 and why in notes[0] and notes[0].endswith("it changes nothing")
+
+
 def test_multi_token_prediction_modules_are_in_the_memory():
     """Two MTP modules on one device: their parameters (count_params' mtp) in float32, each depth's logits beside the
     decoder's, and per depth and token its layer's input, the concatenated 2D projection input and three RMSNorms (each

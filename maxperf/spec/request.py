@@ -114,6 +114,7 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     notes += (note,) if note else ()
     _check_context(configs, mesh)
     _check_zero1(configs.train, mesh)
+    notes += _load_imbalance_note(configs, mesh)
     if configs.train.decode_cache_reads == "per_query_head":
         if configs.model.attention_type is AttentionType.MLA:
             raise MaxperfError("decode_cache_reads=per_query_head reads a grouped-query cache once per query head; "
@@ -125,6 +126,26 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
         fp8.check_blocks(configs.train.quantization, configs.model, mesh, configs.train)
     return Request(topo, configs, mesh, notes + replication_warnings(configs, mesh)
                    + gpu_grouped_matmul_warnings(configs, mesh, topo))
+
+
+def _load_imbalance_note(configs: Configs, mesh: Mesh) -> tuple[str, ...]:
+    """moe_load_imbalance (perfmodel's: the busiest expert shard's routed rows over the mean) is at most the expert
+    shards' count (every row on one shard), and prices only expert parallelism with the sparse dispatch: a note
+    where it changes nothing, one line where it cannot be."""
+    value = configs.train.moe_load_imbalance
+    if value is None:
+        return ()
+    shards = mesh.axes.get("expert", 1)
+    if not configs.model.is_moe or shards <= 1 or not configs.train.sparse_matmul:
+        why = ("this model has no experts" if not configs.model.is_moe else
+               "there is no expert parallelism (each device runs every expert on its own tokens)" if shards <= 1 else
+               "the einsum dispatch (sparse_matmul=false) computes fixed-size slots")
+        return (f"moe_load_imbalance={value:g} prices the busiest expert shard under expert parallelism with the "
+                f"sparse dispatch; here {why}, and it changes nothing",)
+    if value > shards:
+        raise MaxperfError(f"moe_load_imbalance={value:g} is the busiest of {shards} expert shards' rows over the "
+                           f"mean, so at most {shards} (every row on one shard); choose 1 to {shards}")
+    return ()
 
 
 def unread_remat_keys(train: TrainConfig) -> list[str]:
