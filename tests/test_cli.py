@@ -871,3 +871,18 @@ def test_errors_name_the_key_as_the_user_spelled_it(capsys):
     # maxperf's own spelling stays its own
     code, _, err = run_main(capsys, "estimate", "--topology", "v5p-8", "--model", "llama2-7b", "seq_len=0")
     assert code == 2 and "seq_len must be >= 1, got 0" in err
+
+
+def test_options_and_keys_that_would_change_nothing_are_said(capsys, tmp_path):
+    """A window on a model none of whose layers reads one is noted; --out (or --keep-executables) with
+    --analytical-only, which compiles nothing to keep, is refused in one line and nothing is written."""
+    code, _, err = run_main(capsys, "estimate", "--topology", "v5p-8", "--model", "llama2-7b", "window=100")
+    assert code == 0 and "window=100 (sliding_window_size)" in err and "it changes nothing" in err
+    code, _, err = run_main(capsys, "estimate", "--topology", "v5p-8", "--model", "llama2-7b", "window=100",
+                            "attention_type=local_sliding")
+    assert code == 0 and "window=100" not in err
+    out = tmp_path / "kept"
+    for extra in (["--out", str(out)], ["--keep-executables"]):
+        code, _, err = run_main(capsys, "estimate-memory", "--analytical-only", "--topology", "v5p-8", "--model",
+                                "llama2-7b", *extra)
+        assert code == 2 and "--analytical-only compiles nothing" in err and not out.exists()

@@ -33,6 +33,9 @@ def cmd_estimate_memory(args) -> int:
     if args.model is None:
         raise MaxperfError("give --model (a preset, see `maxperf models`), or --step MODULE:FACTORY for your own "
                            "step")
+    if args.analytical_only and (args.out or args.keep_executables):
+        raise MaxperfError(f"{'--out' if args.out else '--keep-executables'} keeps what a compile writes, and "
+                           "--analytical-only compiles nothing: drop one of them")
     if step.builtin != "train":
         return _serving(args, step.builtin)
     from maxperf.search import memory_fit  # loads numpy, and the compiler when it compiles

@@ -79,6 +79,11 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
                                                                          quantization=Quantization.NONE))
         notes = ("quantization=auto: bf16 here; `maxperf plan` chooses between bf16 and the chip's FP8 recipe",)
     fp8.check_chip(configs.train.quantization, CHIPS[topo.chip])
+    if configs.model.window != model_cfg.window and configs.model.window not in configs.model.layer_windows():
+        notes += (f"window={configs.model.window} (sliding_window_size) bounds the layers of attention_type="
+                  "local_sliding or local_global; under attention_type="
+                  f"{getattr(configs.model.attention_type, 'value', configs.model.attention_type)} no layer reads it, "
+                  "and it changes nothing",)
     if configs.model.shard_exp_on_fsdp and not configs.model.is_moe:
         notes += ("shard_exp_on_fsdp=true shards a mixture of experts' weights; this model has none, and it changes "
                   "nothing, as in MaxText",)
