@@ -274,3 +274,18 @@ def test_a_damaged_run_json_is_one_line_and_exit_2(tmp_path, capsys, change, mes
     code, err = _report_cli(capsys, run_dir, "-o", tmp_path / "r.html")
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "r.html").exists()
+
+
+def test_an_interrupted_run_is_shown_as_partial(tmp_path, capsys):
+    """run.json's `partial` (a run stopped before its steps were done) is said in the page's headline and facts."""
+    fixture = json.loads((Path(__file__).parent / "fixtures" / "h100_profiled_run.json").read_text())
+    pages = {}
+    for partial in (False, True):
+        run_dir = tmp_path / f"run-{partial}"
+        run_dir.mkdir()
+        (run_dir / "run.json").write_text(json.dumps({**fixture, "partial": partial}))
+        code, err = _report_cli(capsys, run_dir, "-o", tmp_path / f"r-{partial}.html")
+        assert code == 0, err
+        pages[partial] = (tmp_path / f"r-{partial}.html").read_text()
+    assert "PARTIAL: the run was interrupted" in pages[True] and "partial: interrupted after" in pages[True]
+    assert "PARTIAL" not in pages[False] and "partial: interrupted" not in pages[False]

@@ -199,7 +199,9 @@ def _facts(s: Section, manifest: dict, topo: dict, where: str, settings: dict, r
     if run:
         s.facts += [("measured on", f"{run.get('devices')} {run.get('device_kind')} device(s), "
                                     f"{run.get('processes')} process(es)"),
-                    ("steps", f"{run.get('steps')} timed after {run.get('warmup')} warm-up, data: {run.get('data')}"),
+                    ("steps", f"{run.get('steps')} timed after {run.get('warmup')} warm-up, data: {run.get('data')}"
+                              + ("; PARTIAL: the run was interrupted, and these are the steps it finished"
+                                 if run.get("partial") else "")),
                     ("peak FLOP/s from", str(run.get("peak_source")))]
         if run.get("restored_from"):
             s.facts.append(("restored from", run["restored_from"]))
@@ -237,7 +239,8 @@ def _headline(label: str, verdict: str, estimate: dict, run: dict | None, manife
         step = f"step {seconds(predicted)} predicted"
     if run and run.get("step_time_s") is not None:
         ratio = run.get("measured_over_predicted")
-        step += f", {seconds(run['step_time_s'])} measured" + (f" ({ratio:.2f}x predicted)" if ratio else "")
+        step += (f", {seconds(run['step_time_s'])} measured" + (f" ({ratio:.2f}x predicted)" if ratio else "")
+                 + (f" (partial: interrupted after {run.get('steps')} timed steps)" if run.get("partial") else ""))
     mfu = []
     if estimate.get("mfu") is not None:
         mfu.append(f"{percent(estimate['mfu'])} predicted")
