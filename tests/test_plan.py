@@ -127,6 +127,14 @@ def test_a_batch_the_batch_axes_do_not_divide_names_a_batch_that_they_do():
     assert resolve("v5p-128", "llama2-7b", ["per_device_batch_size=1"]).warnings == ()
 
 
+def test_a_context_split_the_sequence_refuses_suggests_one_load_balancing_takes():
+    """Load balancing cuts the sequence into 2 x context chunks, so the suggested split divides L / 2, and resolves."""
+    p = resolve("v5p-128", "llama3-8b", ["ici_context_parallelism=8", "seq_len=2052"])
+    (line,) = [w for w in p.warnings if "does not divide L=2052" in w]
+    assert line.endswith("e.g. ici_sequence=2 ici_data=4")
+    assert resolve("v5p-128", "llama3-8b", ["ici_sequence=2", "ici_data=4", "seq_len=2052"]).mesh.axes["sequence"] == 2
+
+
 def test_a_sequence_that_sequence_parallelism_does_not_divide_is_named():
     p = resolve("v5p-64", "llama3-8b", ["seq_len=4095", "ici_sequence=4"])
     assert p.warnings == ("sequence=4 does not divide L=4095: L is replicated along sequence, not split; each device "

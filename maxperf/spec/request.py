@@ -304,7 +304,9 @@ def replication_warnings(configs: Configs, mesh: Mesh) -> tuple[str, ...]:
         else:
             line += (f"; each device holds {held_of[(letter, axis)]} of the {size}, and the {n} devices along {axis} "
                      "compute the same ones")
-        lines.append(line + f"; {_suggestion(mesh, axis, size, letter == 'B')}")
+        # a load-balanced context split cuts the sequence into 2 x context chunks: what it keeps must divide L / 2
+        balanced = letter == "L" and train.context_parallel_load_balance
+        lines.append(line + f"; {_suggestion(mesh, axis, size // 2 if balanced else size, letter == 'B')}")
     return tuple(lines + _pipeline_microbatch_lines(configs, mesh))
 
 
