@@ -625,3 +625,16 @@ def test_estimate_memory_of_a_serving_step_sets_the_analytical_beside_the_compil
     proc = maxperf("sweep", "--step", "decode", "--model", "tiny", "--topologies", "cpu-1", "--analytical-only",
                    "--out", str(tmp_path / "sweep"))
     assert proc.returncode == 2 and "plan --step decode" in proc.stderr and not (tmp_path / "sweep").exists()
+
+
+def test_a_serving_mesh_that_does_not_divide_the_cache_heads_says_so_in_serving_words(capsys):
+    """tensor=16 over 8 KV heads replicates the cache's heads: said as the training step says a replicated
+    dimension, without its optimizer state, with a mesh that divides."""
+    from maxperf import cli
+
+    code = cli.main(["estimate", "--step", "decode", "--topology", "h100-8x2", "--model", "llama3-70b",
+                     "ici_tensor_parallelism=8", "dcn_tensor_parallelism=2"])
+    err = capsys.readouterr().err
+    assert code in (0, 3) and ("tensor=16 does not divide K=8: the key/value cache's heads are replicated along "
+                               "tensor, not split; e.g. ici_tensor=4 ici_data=2") in err
+    assert "optimizer" not in err

@@ -23,7 +23,7 @@ from maxperf.perfmodel.calibration import StoredCalibration
 from maxperf.spec import presets
 from maxperf.spec.errors import DoesNotFit, MaxperfError
 from maxperf.spec.model import ModelConfig
-from maxperf.spec.request import Request, resolve
+from maxperf.spec.request import Request, resolve, serving_warnings
 from maxperf.spec.topology import Topology
 
 Progress = Callable[[str], None]
@@ -270,6 +270,8 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     say = progress or (lambda _: None)
     start = time.perf_counter()
     p = resolve(topology, model, overrides, num_slices=num_slices, target_config=target_config)
+    if step != "train":  # a serving step's own words (no optimizer state), kept in the manifest too
+        p = dataclasses.replace(p, warnings=serving_warnings(p))
     for line in p.warnings:
         say(f"warning: {line}")
     if step != "train":

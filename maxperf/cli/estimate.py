@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from maxperf.cli.common import (
     GIB,
     JSON_HELP,
@@ -13,7 +15,7 @@ from maxperf.cli.common import (
     serving_words,
     step_settings,
 )
-from maxperf.spec.request import resolve
+from maxperf.spec.request import resolve, serving_warnings
 
 
 def cmd_estimate(args) -> int:
@@ -65,6 +67,8 @@ def _serving(p, kind: str, as_json: bool, calibration) -> int:
     check(p.model, p.train, p.mesh.devices, dict(p.mesh.sizes), kind)
     chip = device_for(p.topology, calibration)
     e = serving.estimate(p.model, p.train, p.mesh, chip, p.topology, kind=kind)
+    for line in serving_warnings(p):
+        print(f"maxperf: warning: {line}", file=sys.stderr)
     if as_json:
         print_json({**e.as_dict(), "step": kind, "topology": p.topology.name,
                     "mesh": {"axes": p.mesh.axes, "ici": p.mesh.ici, "dcn": p.mesh.dcn}})
