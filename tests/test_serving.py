@@ -638,3 +638,24 @@ def test_a_serving_mesh_that_does_not_divide_the_cache_heads_says_so_in_serving_
     assert code in (0, 3) and ("tensor=16 does not divide K=8: the key/value cache's heads are replicated along "
                                "tensor, not split; e.g. ici_tensor=4 ici_data=2") in err
     assert "optimizer" not in err
+
+
+def test_a_prefill_estimate_gives_prompt_tokens_per_second_and_a_batch_that_can_be_asked_for(capsys):
+    """The largest batch is a whole number of sequences over the devices (what per_device_batch_size accepts), and a
+    prefill's throughput is its prompt tokens per second; one sequence is one sequence."""
+    from maxperf import cli
+    from maxperf.perfmodel import serving as model
+    from maxperf.perfmodel.estimate import device_for
+    from maxperf.spec.request import resolve
+
+    words = ["per_device_batch_size=0.125", "max_prefill_predict_length=1024", "quantization=int8",
+             "ici_tensor_parallelism=8"]
+    p = resolve("v5e-8", "llama3-70b", words)
+    e = model.estimate(p.model, p.train, p.mesh, device_for(p.topology), p.topology, kind="prefill")
+    assert (e.max_batch_per_device * 8).is_integer() and e.max_batch_per_device > 1
+    assert resolve("v5e-8", "llama3-70b", [*words[1:], f"per_device_batch_size={e.max_batch_per_device:g}"])
+    assert e.prefill_tokens_per_s == pytest.approx(1024 / e.prefill.seconds)
+    assert cli.main(["estimate", "--step", "prefill", "--topology", "v5e-8", "--model", "llama3-70b", *words]) == 0
+    out = capsys.readouterr().out
+    assert "batch            1 sequence, prompt 1024 tokens" in out
+    assert f"tokens/s         {e.prefill_tokens_per_s:,.0f} prompt tokens/s in prefill" in out

@@ -76,22 +76,31 @@ def _serving(p, kind: str, as_json: bool, calibration) -> int:
     t = p.configs.train
     print(f"{p.model.name} {kind} on {p.topology.display_name} ({p.topology.chips} {chip.name} chips), mesh "
           + (" x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1) or "1 (one device)"))
-    print(f"  batch            {e.batch} sequences, prompt {e.prompt} tokens, cache {e.cache} positions"
+    print(f"  batch            {sequences(e.batch)}, prompt {e.prompt} tokens, cache {e.cache} positions"
           + serving_words(t))
     m = e.memory
     print(f"  memory/device    {m.total_bytes / GIB:.2f} GiB of {m.hbm_bytes / GIB:.2f} GiB "
           f"({'fits' if m.fits else 'DOES NOT FIT'}): weights {m.weights_bytes / GIB:.2f}, cache "
           f"{m.cache_bytes / GIB:.2f}, temporaries {m.temp_bytes / GIB:.2f}")
-    print(f"  largest          {e.max_batch_per_device:.4g} sequences per device at {e.cache} positions; "
-          f"{e.max_context:,} positions at {e.batch} sequences")
+    print(f"  largest          {sequences(e.max_batch_per_device)} per device at {e.cache} positions; "
+          f"{e.max_context:,} positions at {sequences(e.batch)}")
     print(f"  prefill          {e.prefill.seconds * 1e3:.4g} ms for the batch, bound by {e.prefill.bottleneck}; "
           f"time to first token of one prompt {e.ttft_s * 1e3:.4g} ms")
     print(f"  decode           {e.time_per_output_token_s * 1e3:.4g} ms per output token at {e.context:.0f} cached "
           f"positions, bound by {e.decode.bottleneck}")
-    print(f"  tokens/s         {e.tokens_per_s:,.0f} ({e.tokens_per_s_per_chip:,.0f} per chip)")
+    if kind == "prefill":
+        print(f"  tokens/s         {e.prefill_tokens_per_s:,.0f} prompt tokens/s in prefill "
+              f"({e.prefill_tokens_per_s / e.chips:,.0f} per chip); decode {e.tokens_per_s:,.0f}")
+    else:
+        print(f"  tokens/s         {e.tokens_per_s:,.0f} ({e.tokens_per_s_per_chip:,.0f} per chip)")
     relative, worst, basis = serving.uncertainty(e.kind)
     print(f"  uncertainty      +-{relative:.0%} (worst {worst:.0%}): {basis}")
     return 0 if m.fits else 3
+
+
+def sequences(n: float) -> str:
+    """'1 sequence', '8 sequences', '2.5 sequences'."""
+    return f"{n:.4g} sequence" + ("" if n == 1 else "s")
 
 
 ENTRY_NAMES = {"tpu": "TPU", "tpu7x": "TPU7x", "gpu": "GPU"}  # memory_error.json's entries, as the line names them

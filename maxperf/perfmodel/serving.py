@@ -161,6 +161,11 @@ class ServingEstimate:
     def tokens_per_s_per_chip(self) -> float:
         return self.tokens_per_s / self.chips
 
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens per second through the batch's prefill."""
+        return self.batch * self.prompt / self.prefill.seconds
+
     def as_dict(self) -> dict:
         phase = lambda p: {**dataclasses.asdict(p), "bottleneck": p.bottleneck}  # noqa: E731
         return {"schema": "maxperf.serving-estimate/1", "model": self.model, "chip": self.chip,
@@ -171,7 +176,7 @@ class ServingEstimate:
                 "prefill": phase(self.prefill), "first_token": phase(self.first_token), "decode": phase(self.decode),
                 "ttft_s": self.ttft_s,
                 "time_per_output_token_s": self.time_per_output_token_s, "tokens_per_s": self.tokens_per_s,
-                "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
+                "tokens_per_s_per_chip": self.tokens_per_s_per_chip, "prefill_tokens_per_s": self.prefill_tokens_per_s,
                 "max_batch_per_device": self.max_batch_per_device, "max_context": self.max_context,
                 "constants": {"decode_hbm_efficiency": DECODE_HBM_EFFICIENCY, "decode_layer_s": DECODE_LAYER_S,
                               "fitted_on": FITTED_ON},
@@ -479,7 +484,8 @@ def max_batch_per_device(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm
     for _ in range(40):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if need(mid) <= hbm_bytes else (lo, mid)
-    return lo
+    devices = math.prod(dict(mesh.sizes).values())
+    return math.floor(lo * devices + 1e-9) / devices  # a whole number of sequences over the devices, as B must be
 
 
 def max_context(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_bytes: float, kind: str = "decode",
