@@ -57,8 +57,9 @@ def unserved(impl: str, *, L: int, Dh: int, windows: tuple[int, ...], softcap: f
     serves sinks on GPU with cuDNN through Transformer Engine only)."""
     if impl == "splash":
         if L % 128:  # the kernel's tiles are multiples of the 128 lanes (any head dim compiles: it is padded)
-            return (f"needs seq_len a multiple of 128, got {L} (e.g. seq_len={max(128, L // 128 * 128)} or "
-                    f"{(L // 128 + 1) * 128}); or attention=dot_product")
+            nearest = sorted({max(128, L // 128 * 128), (L // 128 + 1) * 128})
+            return (f"needs seq_len a multiple of 128, got {L} (e.g. seq_len="
+                    f"{' or '.join(str(n) for n in nearest)}); or attention=dot_product")
         for name, value in zip(SPLASH_BLOCKS, blocks):
             if L % min(value, L):
                 fits = [b for b in range(128, L + 1, 128) if L % b == 0 and b <= value]
