@@ -886,3 +886,9 @@ def test_options_and_keys_that_would_change_nothing_are_said(capsys, tmp_path):
         code, _, err = run_main(capsys, "estimate-memory", "--analytical-only", "--topology", "v5p-8", "--model",
                                 "llama2-7b", *extra)
         assert code == 2 and "--analytical-only compiles nothing" in err and not out.exists()
+
+
+def test_maxtexts_default_model_is_scaled_1_by_either_spelling(capsys):
+    for words in (["--model", "default"], ["--model", "llama2-7b", "model_name=default"]):
+        code, out, _ = run_main(capsys, "estimate", "--topology", "v5p-8", *words)
+        assert code == 0 and out.startswith("scaled-1 on v5p-8")

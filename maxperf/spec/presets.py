@@ -30,9 +30,9 @@ def names() -> list[str]:
 
 
 def canonical(name: str) -> str:
-    """The preset a name selects: MaxText's model_name for it (`deepseek3-671b` is `deepseek-v3`: FROM_MAXTEXT), or
-    the name as it is."""
-    return FROM_MAXTEXT.get(name, name)
+    """The preset a name selects: MaxText's model_name for it (`deepseek3-671b` is `deepseek-v3`: FROM_MAXTEXT;
+    `default`, MaxText's base model, is scaled-1), or the name as it is."""
+    return DEFAULT_MODEL if name == "default" else FROM_MAXTEXT.get(name, name)
 
 
 def get(name: str) -> ModelConfig:
