@@ -289,3 +289,11 @@ def test_an_interrupted_run_is_shown_as_partial(tmp_path, capsys):
         pages[partial] = (tmp_path / f"r-{partial}.html").read_text()
     assert "PARTIAL: the run was interrupted" in pages[True] and "partial: interrupted after" in pages[True]
     assert "PARTIAL" not in pages[False] and "partial: interrupted" not in pages[False]
+
+
+def test_a_file_that_marks_no_directory_is_named_as_a_file(tmp_path, capsys):
+    stray = tmp_path / "c1.out"
+    stray.write_text("not a report input\n")
+    code, err = _report_cli(capsys, stray, "-o", tmp_path / "r.html")
+    assert code == 2 and f"{stray} is a file; give a maxperf compile, run, sweep or plan directory" in err
+    assert not (tmp_path / "r.html").exists()

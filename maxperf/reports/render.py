@@ -25,8 +25,13 @@ class ReportResult:
     sections: int
 
 
-def _classify(path: Path) -> tuple[str, Path]:
-    path = path.parent if path.is_file() else path
+def _classify(given: Path) -> tuple[str, Path]:
+    """A path's kind and directory: a directory, or one of the files that marks one (its manifest.json, run.json,
+    results.csv, sweep.json or plan.json)."""
+    if given.is_file() and given.name not in ("manifest.json", "run.json", "results.csv", "sweep.json", "plan.json"):
+        raise MaxperfError(f"{given} is a file; give a maxperf compile, run, sweep or plan directory (or its "
+                           "manifest.json, run.json, results.csv or plan.json)")
+    path = given.parent if given.is_file() else given
     if (path / "run.json").is_file():
         return "run", path
     if (path / "manifest.json").is_file():
