@@ -295,5 +295,5 @@ def test_a_file_that_marks_no_directory_is_named_as_a_file(tmp_path, capsys):
     stray = tmp_path / "c1.out"
     stray.write_text("not a report input\n")
     code, err = _report_cli(capsys, stray, "-o", tmp_path / "r.html")
-    assert code == 2 and f"{stray} is a file; give a maxperf compile, run, sweep or plan directory" in err
+    assert code == 2 and f"{stray} is a file, and {tmp_path} is not a maxperf compile, run, sweep or plan" in err
     assert not (tmp_path / "r.html").exists()

@@ -26,11 +26,7 @@ class ReportResult:
 
 
 def _classify(given: Path) -> tuple[str, Path]:
-    """A path's kind and directory: a directory, or one of the files that marks one (its manifest.json, run.json,
-    results.csv, sweep.json or plan.json)."""
-    if given.is_file() and given.name not in ("manifest.json", "run.json", "results.csv", "sweep.json", "plan.json"):
-        raise MaxperfError(f"{given} is a file; give a maxperf compile, run, sweep or plan directory (or its "
-                           "manifest.json, run.json, results.csv or plan.json)")
+    """A path's kind and directory: a maxperf directory, or a file in one."""
     path = given.parent if given.is_file() else given
     if (path / "run.json").is_file():
         return "run", path
@@ -40,6 +36,9 @@ def _classify(given: Path) -> tuple[str, Path]:
         return "sweep", path
     if (path / "plan.json").is_file():
         return "plan", path
+    if given.is_file():
+        raise MaxperfError(f"{given} is a file, and {path} is not a maxperf compile, run, sweep or plan directory; "
+                           "give one (a directory with a manifest.json, run.json, results.csv or plan.json)")
     raise MaxperfError(f"{path} is not a maxperf compile, run, sweep or plan directory (no manifest.json, run.json, "
                        "results.csv or plan.json)")
 
