@@ -892,3 +892,13 @@ def test_maxtexts_default_model_is_scaled_1_by_either_spelling(capsys):
     for words in (["--model", "default"], ["--model", "llama2-7b", "model_name=default"]):
         code, out, _ = run_main(capsys, "estimate", "--topology", "v5p-8", *words)
         assert code == 0 and out.startswith("scaled-1 on v5p-8")
+
+
+def test_a_mistake_in_the_words_content_is_one_line_without_usage():
+    from cli_util import maxperf
+
+    for words, message in ((["dropout_rate=0.1"], "dropout_rate=0.1: maxperf's steps have no dropout"),
+                           (["num_slices=2", "--num-slices", "3"], "--num-slices 3 and")):
+        proc = maxperf("estimate", "--topology", "v5p-8", "--model", "llama2-7b", *words)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "usage:" not in proc.stderr
+        assert proc.stderr.startswith("maxperf: error: ") and message in proc.stderr

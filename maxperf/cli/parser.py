@@ -44,6 +44,12 @@ class Parser(argparse.ArgumentParser):
             print_error_document(f"{self.prog}: {message}", 2)
         super().error(message)
 
+    def word_error(self, message):
+        """A mistake in the key=value words' content (not the command line's shape): one line, exit 2, no usage."""
+        if self.json_words:
+            print_error_document(f"{self.prog}: {message}", 2)
+        self.exit(2, f"maxperf: error: {message}\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="maxperf", description=DESCRIPTION)
@@ -77,12 +83,12 @@ def read_maxtext_words(command: argparse.ArgumentParser, args: argparse.Namespac
     try:
         line = maxtext_line.read(args.overrides)
     except MaxperfError as e:
-        command.error(str(e))
+        command.word_error(str(e))
     for option, value, theirs in (("topology", line.topology, maxtext_line.TOPOLOGY_KEY),
                                   ("num_slices", line.num_slices, maxtext_line.SLICES_KEY)):
         mine = getattr(args, option)
         if value is not None and mine is not None and mine != value:
-            command.error(f"--{option.replace('_', '-')} {mine} and {theirs}={value} disagree: give one")
+            command.word_error(f"--{option.replace('_', '-')} {mine} and {theirs}={value} disagree: give one")
         if value is not None:
             setattr(args, option, value)
     if line.model is not None:
@@ -97,7 +103,7 @@ def read_maxtext_words(command: argparse.ArgumentParser, args: argparse.Namespac
         try:
             maxtext_line.check_decoder_block(line.decoder_block, presets.canonical(args.model or ""))
         except MaxperfError as e:
-            command.error(str(e))
+            command.word_error(str(e))
     args.overrides = list(line.overrides)
     if line.ignored and supervisor.CHILD not in os.environ:  # said once: by the process the user started
         print(f"maxperf: note: MaxText's {', '.join(line.ignored)} change nothing of the step: ignored",
