@@ -304,3 +304,20 @@ def test_a_run_on_a_loaded_host_slows_down_instead_of_aborting(artifact, tmp_pat
             b.wait()
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["steps"] == 3
+
+
+def test_token_data_that_cannot_serve_says_what_would(tmp_path):
+    """--data: a missing file, a file that is not numpy's, and a stream shorter than one row each name what is
+    wanted, where numpy's own messages spoke of pickles and a shape of (0, L+1)."""
+    import numpy as np
+
+    short, text = tmp_path / "short.npy", tmp_path / "text.npy"
+    np.save(short, np.arange(100))
+    text.write_text("hello")
+    for path, message in ((tmp_path / "none.npy", "no such file"),
+                          (text, "not a .npy file (numpy.save of an integer array of token ids"),
+                          (short, "a 1-D stream of 100 tokens holds no row of L+1 = 2049 tokens")):
+        with pytest.raises(MaxperfError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            runner._token_rows(path, 2048, 32000)
+    rows = runner._token_rows(short, 9, 32000)
+    assert rows.shape == (10, 10)

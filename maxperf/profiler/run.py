@@ -119,13 +119,23 @@ def _token_rows(path: Path, L: int, V: int):
     import numpy as np
 
     try:
-        tokens = np.load(path, mmap_mode="r")
+        with open(path, "rb") as f:
+            if f.read(6) != b"\x93NUMPY":
+                raise MaxperfError(f"--data {path}: not a .npy file (numpy.save of an integer array of token ids, "
+                                   "[rows, L+1] or a 1-D stream)")
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise MaxperfError(f"--data {path}: no such file") from None
     except (OSError, ValueError) as e:
-        raise MaxperfError(f"--data {path}: not a readable .npy file ({e})")
+        raise MaxperfError(f"--data {path}: not a .npy array of token ids (numpy.save of an integer array of "
+                           f"[rows, L+1] or a 1-D stream); numpy says: {str(e).splitlines()[0][:200]}")
     if not np.issubdtype(tokens.dtype, np.integer):
         raise MaxperfError(f"--data {path}: tokens must be integers, got {tokens.dtype}")
     if tokens.ndim == 1:
         n = tokens.shape[0] // (L + 1)
+        if n == 0:
+            raise MaxperfError(f"--data {path}: a 1-D stream of {tokens.shape[0]} tokens holds no row of L+1 = "
+                               f"{L + 1} tokens; give at least {L + 1}")
         tokens = tokens[: n * (L + 1)].reshape(n, L + 1)
     if tokens.ndim != 2 or tokens.shape[1] < L + 1 or tokens.shape[0] == 0:
         raise MaxperfError(f"--data {path}: need rows of at least L+1 = {L + 1} tokens (or a 1-D stream), got "
