@@ -535,3 +535,14 @@ def test_with_the_batch_fixed_a_policy_unfit_at_its_smallest_microbatch_fits_at_
     assert all(exhaustive[c].memory_per_device_bytes * factor > hbm for c in ruled_out)
     fits = [c for c, est in exhaustive.items() if est.memory_per_device_bytes * factor <= hbm]
     assert max(c.tokens_per_s for c in result.fitting) == max(exhaustive[c].tokens_per_s for c in fits)
+
+
+def test_a_pinned_custom_policy_is_searched_as_its_keys_place_tensors(tmp_path):
+    """remat_policy=custom pinned with its per-tensor keys: the search ranks it as what those keys keep and offload
+    (no fixed policy table names it), and its winner's line keeps them."""
+    from maxperf.search import plan
+
+    result = plan.search(plan.PlanRequest("llama2-7b", "v5p-8", pins=("remat_policy=custom",
+                                                                      "decoder_layer_input=offload")))
+    assert result.winner is not None and result.winner.remat_policy == "custom"
+    assert "decoder_layer_input=offload" in result.command(result.winner)["maxperf"]

@@ -58,7 +58,7 @@ from maxperf.spec.configs import Configs
 from maxperf.spec.errors import MaxperfError, closest
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.parallelism import ParallelismConfig
-from maxperf.spec.remat import RematPolicy
+from maxperf.spec.remat import RematPolicy, remat_names
 from maxperf.spec.request import Request
 from maxperf.spec.train import AttentionKernel, Quantization, TrainConfig
 from maxperf.user_cache import calibration_for
@@ -223,10 +223,15 @@ class _Estimator:
         self.hbm, self.factor = chip.hbm_bytes, 1 + margin.value
         self.trains: dict[tuple, TrainConfig] = {}  # by (remat, kernel, B, A)
         self.resolved: dict[tuple, TrainConfig] = {}  # the same with the attention kernel resolved for the chip
+        # what each policy keeps on the device, and those that offload (remat_policy=custom, where pinned, by its
+        # per-tensor keys)
+        self.saved = {r: SAVED[r] if r in SAVED else remat_names(found.train, r)[0] for r in found.remats}
+        self.offloaded = {r for r in found.remats if (r in OFFLOADED if r in SAVED else remat_names(found.train, r)[1])}
+        saved, offloaded = self.saved, self.offloaded
         # the remat policies, least kept first, offloads last
-        self.order = sorted(found.remats, key=lambda r: (r in OFFLOADED, len(SAVED[r])))
-        self.heads = [r for r in self.order if r in OFFLOADED or not any(
-            q not in OFFLOADED and SAVED[q] < SAVED[r] for q in found.remats)]
+        self.order = sorted(found.remats, key=lambda r: (r in offloaded, len(saved[r])))
+        self.heads = [r for r in self.order if r in offloaded or not any(
+            q not in offloaded and saved[q] < saved[r] for q in found.remats)]
 
     def mesh(self, choice: MeshChoice) -> None:
         """Estimates the candidates of one mesh, each kernel's from the largest microbatch down (the smallest A of a
@@ -234,6 +239,7 @@ class _Estimator:
         at, nor where one keeping less does not fit; of those that fit at a batch, only those no other fitting
         policy keeps more than are timed."""
         found = self.found
+        saved, offloaded = self.saved, self.offloaded
         mesh = Mesh.of({a: choice.ici[a] * choice.dcn[a] for a in choice.ici}, choice.dcn).check(found.topology)
         parallelism = ParallelismConfig(**{f"ici_{a}": n for a, n in mesh.ici.items()},
                                         **{f"dcn_{a}": n for a, n in mesh.dcn.items()})
@@ -257,7 +263,7 @@ class _Estimator:
             fitted_at: dict[str, str] = {}  # remat policy -> the largest microbatch it fits at ("A=2", "B=4")
             for b, a in pairs:
                 # policies keeping only device memory that do not fit at this batch
-                unfit: list[str] = [q for q in nowhere if q not in OFFLOADED] if alike(a) else []
+                unfit: list[str] = [q for q in nowhere if q not in offloaded] if alike(a) else []
                 fit: dict[str, tuple[Candidate, MemoryBreakdown]] = {}
                 for remat in self.order:
                     if (c := cells.get((b, a, remat))) is None:
@@ -270,15 +276,15 @@ class _Estimator:
                     elif remat in nowhere and alike(a):
                         c.unfit = nowhere[remat]
                         continue
-                    elif (less := None if remat in OFFLOADED else
-                          next((q for q in unfit if SAVED[q] <= SAVED[remat]), None)) is not None:
+                    elif (less := None if remat in offloaded else
+                          next((q for q in unfit if saved[q] <= saved[remat]), None)) is not None:
                         # keeps all that `less` keeps, which does not fit: needs at least as much
                         c.unfit = f"keeps all that remat_policy={less} keeps, which does not fit"
                         continue
                     else:
                         memory = self.memory(c, mesh)
                     if c.memory_bytes * self.factor > self.hbm:
-                        if remat not in OFFLOADED and remat not in unfit:
+                        if remat not in offloaded and remat not in unfit:
                             unfit.append(remat)
                         if (remat in self.heads and alike(a) and (b, a) != smallest
                                 and (low := cells.get((*smallest, remat))) is not None and low not in probed):
@@ -289,8 +295,8 @@ class _Estimator:
                     fit[remat] = (c, memory)
                     fitted_at[remat] = self.batch(b, a)
                 for remat, (c, memory) in fit.items():
-                    more = None if remat in OFFLOADED else next(
-                        (q for q in fit if q not in OFFLOADED and SAVED[q] > SAVED[remat]), None)
+                    more = None if remat in offloaded else next(
+                        (q for q in fit if q not in offloaded and saved[q] > saved[remat]), None)
                     if more is not None:  # recomputes all that `more` recomputes, and more
                         c.skipped = f"remat_policy={more} keeps more and fits: less recompute"
                         continue
