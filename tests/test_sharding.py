@@ -334,3 +334,18 @@ def test_zero1_with_accumulation_gathers_bfloat16_parameters_and_learns_as_the_p
     reference = two_step_losses(plain, batch)
     np.testing.assert_allclose((first, second), reference, rtol=2e-4)
     assert (first, second) != reference and second < first
+
+
+def test_zero1_updates_and_offloads_only_the_state_it_keeps():
+    """Under shard_optimizer_over_data the optimizer updates, and with optimizer_memory_host_offload moves over the
+    host link, the parameters and moments split over `data` (what the memory model keeps), not the whole model's."""
+    from maxperf.perfmodel import estimate
+
+    def rows(*words):
+        est = estimate(resolve("h100-8", "llama3-8b", ["per_device_batch_size=2", "ici_fsdp=1", "ici_data=8",
+                                                       "optimizer_memory_host_offload=true", *words]))
+        return {r.name: r.seconds for r in est.breakdown}
+
+    plain, zero1 = rows(), rows("shard_optimizer_over_data=true")
+    for name in ("optimizer update", "state offload (host link)"):
+        assert zero1[name] == pytest.approx(plain[name] / 8, rel=0.01)

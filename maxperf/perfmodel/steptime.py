@@ -42,7 +42,14 @@ from maxperf.perfmodel.moe import (
 )
 from maxperf.perfmodel.network import LATENCY_S, CollectiveTime, all_to_all_time, axis_networks, collective_time
 from maxperf.perfmodel.saved import offloaded_per_token, over_layers
-from maxperf.perfmodel.sharding import activation_split, gather_axes, held, held_gathered, param_arrays
+from maxperf.perfmodel.sharding import (
+    activation_split,
+    gather_axes,
+    held,
+    held_gathered,
+    param_arrays,
+    zero1_params_per_device,
+)
 from maxperf.perfmodel.work import (
     COMM_KINDS,
     MATMUL,
@@ -62,6 +69,7 @@ from maxperf.spec.grouped_matmul import megablox_tiling
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.params import logits_table, reduced_arrays
+from maxperf.spec.params import params_per_device as held_params
 from maxperf.spec.topology import Topology
 from maxperf.spec.train import DTYPE_BYTES, TrainConfig, optimizer_state_bytes
 
@@ -254,14 +262,19 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
                   HOST_OFFLOAD_OVERLAP)
     table.memory("loss", steps * Tu * a.V * 4 * LOSS_FLOAT32_PASSES)
     local_params = params_per_device(model, mesh, train)
+    # the parameters the optimizer updates and its moments on this device: under ZeRO-1 (shard_optimizer_over_data)
+    # their split over `data` too, as the memory model keeps them (perfmodel.memory)
+    updated = local_params
+    if train.shard_optimizer_over_data and mesh.axes.get("data", 1) > 1:
+        updated = local_params * zero1_params_per_device(model, mesh) / held_params(model, mesh.sizes)
     # MaxText's *_memory_host_offload: the state in pinned host memory crosses the host link to the device and back
     # each step, once per step whatever the microbatches
     state = (optimizer_state_bytes(train) * train.optimizer_memory_host_offload
-             + p * train.parameter_memory_host_offload) * local_params
+             + p * train.parameter_memory_host_offload) * updated
     if state and chip.host_link_bandwidth:
         table.add("state offload (host link)", "host", 2 * state / chip.host_link_bandwidth, 0.0, 2 * state,
                   STATE_OFFLOAD_OVERLAP)
-    table.memory("optimizer update", OPTIMIZER_PASSES * p * local_params)
+    table.memory("optimizer update", OPTIMIZER_PASSES * p * updated)
     if chip.kind == "cpu":
         cpu.temporaries_faults(table.add, chip, temporaries)
 
