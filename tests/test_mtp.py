@@ -181,3 +181,21 @@ def test_an_mtp_moe_layer_records_its_loads_and_its_bias_moves_with_them():
     moved = train_step.update_routed_bias(params, ahead_counts, 0.01)["mtp"][0]["layer"]["mlp"]["router"]["bias"]
     mean = float(counts.sum()) / 4
     np.testing.assert_array_equal(np.asarray(moved), (0.01 * np.sign(mean - np.asarray(counts))).astype(np.float32))
+
+
+def test_each_module_costs_step_time_so_mfu_does_not_rise_with_it():
+    """The modules' FLOPs count in MaxText's model FLOPs, and their layer, projection, attention, logits and loss in
+    the step time: each depth adds time, and more than its share of the model FLOPs does not raise the MFU."""
+    from maxperf.perfmodel import estimate
+    from maxperf.spec.request import resolve
+
+    runs = [estimate(resolve("v5p-32", "deepseek-v2-lite", ["per_device_batch_size=4", f"mtp_num_layers={n}"]))
+            for n in (0, 1, 2)]
+    times = [e.step_time_s for e in runs]
+    assert times[0] < times[1] < times[2]
+    layer = (times[1] - times[0]) / times[0]
+    assert 0.5 / 27 < layer < 3 / 27  # about one more of its 27 layers, with the head's logits
+    assert runs[1].mfu <= runs[0].mfu * 1.01 and runs[2].mfu <= runs[1].mfu * 1.01
+    names = {r.name for r in runs[1].breakdown}
+    assert {"multi-token prediction layers", "multi-token prediction logits",
+            "multi-token prediction attention"} <= names

@@ -27,6 +27,8 @@ from maxperf.perfmodel.flops import (
     head_dims,
     is_mla,
     layer_pairs,
+    mtp_depths,
+    mtp_fwd_flops,
     recomputed,
 )
 from maxperf.perfmodel.memory import params_per_device, zero1_gathered_bytes, zero1_loop_bytes
@@ -188,6 +190,8 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     table.train_matmul("unembedding", Tu, D, a.V, steps * (1 + (train.num_vocab_tiling > 1)), steps,
                        4 if fp32 else c, quantized=False,
                        rate=chip.peak_flops("float32") / table.peak if fp32 else 1.0)
+    if mtp_depths(model):
+        _mtp_terms(table, model, train, mesh, chip, Tu, a, steps, c, constants)
     if model.use_iota_embed:
         # MaxText's use_iota_embed: the lookup as a one-hot matmul [T, V] by [V, D], its backward the table's gradient
         # [V, T] by [T, D] alone (the tokens have none)
@@ -438,6 +442,36 @@ def _moe_matmuls(table: Work, model: ModelConfig, train: TrainConfig, mesh: Mesh
         table.matmul("expert dispatch and combine einsums", slots, a.L, D,
                      count * (1 + ("dispatch" in again) + DISPATCH_BACKWARD_EINSUMS), c)
         table.matmul("expert dispatch and combine einsums", a.L, slots, D, count * (1 + COMBINE_BACKWARD_EINSUMS), c)
+
+
+def _mtp_terms(table: Work, model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, Tu: float,
+               a, steps: int, c: int, constants: Constants) -> None:
+    """DeepSeek-V3's multi-token-prediction modules (mtp_num_layers), each on the device's tokens of a microbatch
+    (models/layers/mtp.py, as MaxText runs them after the decoder): its projection of the normalized hidden state and
+    the next token's embedding (2D to D), one decoder layer of the last layer's kind (its matmuls priced as one
+    matmul of the layer's weights per token, at D by their width over the tensor split; its attention as the
+    decoder's last layer's, at the same kernel), and the shared head's logits and loss."""
+    n = mtp_depths(model)
+    D, L = model.d_model, train.seq_len
+    runs = n * steps
+    flops = mtp_fwd_flops(model, train, Tu / L)  # per microbatch: the device's Tu tokens
+    tensor = mesh.axes.get("tensor", 1)
+    width = flops.weights / n / (2 * Tu * D) / tensor  # the layer's weights per token, over D, on this device
+    again = flops.recompute / flops.weights if flops.weights else 0.0  # the policy's recomputed share
+    table.train_matmul("multi-token prediction layers", Tu, D, width, runs * (1 + again), runs, c)
+    table.train_matmul("multi-token prediction projection", Tu, 2 * D, D / tensor, runs, runs, c)
+    table.train_matmul("multi-token prediction logits", Tu, D, a.V, runs, runs, c, quantized=False)
+    table.memory("multi-token prediction loss", runs * Tu * a.V * 4 * LOSS_FLOAT32_PASSES)
+    Dq, Dv = head_dims(model)
+    heads = a.H / model.num_heads  # the query heads' share on this device
+    executed = flops.attention_executed / n * heads  # one module's forward einsums on this device
+    if attention_kernel(train) == "flash" and chip.kind != "cpu":
+        table.flash("multi-token prediction attention",
+                    runs * executed * (2 + flash_backward_matmuls(train, chip.kind)) / 2, Dq, Dv)
+    else:  # scores and context, each forward and twice in the backward, at their matmul rate
+        examples = Tu / L * a.H * runs
+        table.train_matmul("multi-token prediction attention", L, Dq, L, examples, examples, c, quantized=False)
+        table.train_matmul("multi-token prediction attention", L, L, Dv, examples, examples, c, quantized=False)
 
 
 def _moe_collectives(table: Work, model: ModelConfig, train: TrainConfig, mesh: Mesh, moe, T: float, expert_arrays,
