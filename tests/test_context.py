@@ -138,3 +138,21 @@ def test_without_load_balancing_the_step_waits_for_the_busiest_context_shard():
     assert unbalanced == pytest.approx(balanced * 31 / 16, rel=1e-4)
     dot = "attention=dot_product", "remat_policy=full"
     assert attention_s(*dot, "context_parallel_load_balance=false") == pytest.approx(attention_s(*dot))
+
+
+def test_the_memory_of_a_context_split_holds_the_gathered_keys_and_values():
+    """At the same tokens a device, splitting a longer sequence over the context axis adds the other shards' keys
+    and values (and their gradients) to the attention's working set: llama2-7b at 512k tokens over 16 needs about
+    the 32 KiB a token of a layer's gathered k and v twice over, and no longer fits where 32k tokens whole did."""
+    from maxperf.perfmodel import estimate_memory
+    from maxperf.spec.request import resolve
+
+    def total(*words):
+        p = resolve("v5p-32", "llama2-7b", ["remat_policy=minimal", *words])
+        return estimate_memory(p.model, p.train, p.mesh, 95 * 2**30, "tpu").per_device_total_bytes
+
+    whole = total("per_device_batch_size=1", "seq_len=32768")
+    split = total("per_device_batch_size=0.0625", "seq_len=524288", "ici_context_parallelism=16")
+    per_token = 2 * 2 * 32 * (128 + 128) * 15  # k and v of the 15 other shards, and their gradients, in bfloat16
+    assert split - whole == pytest.approx(32768 * per_token, rel=0.25)
+    assert whole < 95 * 2**30 < split
