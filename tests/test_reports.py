@@ -183,6 +183,13 @@ def test_a_damaged_sweep_table_is_an_error(analytical_sweep, tmp_path):
     (copy / "results.csv").write_text("a,b\n1,2\n")
     with pytest.raises(MaxperfError, match="lacks a sweep's columns"):
         render([copy], tmp_path / "r.html")
+    # cut short: a header and part of a row, or the header alone, where sweep.json counts every point
+    whole = (analytical_sweep.out_dir / "results.csv").read_text()
+    for cut in (whole[:whole.index("\n") + 40], whole[:whole.index("\n") + 1]):
+        (copy / "results.csv").write_text(cut)
+        with pytest.raises(MaxperfError, match="the table is damaged; run the sweep again"):
+            render([copy], tmp_path / "r.html")
+    assert not (tmp_path / "r.html").exists()
 
 
 @pytest.mark.slow

@@ -57,6 +57,18 @@ def read(page: Page, directory: Path) -> None:
     if not {"point", "status", "model"} <= set(frame.columns):
         raise MaxperfError(f"{directory / 'results.csv'} lacks a sweep's columns (point, status, model); run "
                            "the sweep again to rewrite it")
+    # the table and sweep.json are written together: rows that disagree with its count, or a row cut short (no
+    # status), are a damaged table
+    summary = read_json(directory / "sweep.json")
+    counted = summary.get("points") if isinstance(summary, dict) else None
+    statuses = set(frame["status"].dropna())
+    if (isinstance(counted, int) and counted != len(frame)) or frame["status"].isna().any() \
+            or not statuses <= {"ok", "does not fit", "error"}:
+        raise MaxperfError(f"{directory / 'results.csv'} holds {len(frame)} rows"
+                           + (f" where sweep.json counts {counted}" if isinstance(counted, int) else "")
+                           + (", some cut short" if frame["status"].isna().any()
+                              or not statuses <= {"ok", "does not fit", "error"} else "")
+                           + ": the table is damaged; run the sweep again to rewrite it")
     for artifact in frame["artifact"].dropna() if "artifact" in frame else []:
         manifest = read_json(Path(artifact) / "manifest.json")
         if manifest and not page.versions:
