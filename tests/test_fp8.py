@@ -573,3 +573,15 @@ def test_nvidias_llama3_8b_fp8_layout_compiles_for_h100_8_and_fits():
     total, hbm = cmp.compiler["per_device_total_bytes"], cmp.compiler["hbm_bytes"]
     assert total <= hbm, (total / 2**30, hbm / 2**30)
     assert cmp.analytical.per_device_total_bytes == pytest.approx(total, rel=0.10)
+
+
+def test_transformer_engine_recipes_are_refused_on_tpus_naming_maxtexts_tpu_recipe():
+    from maxperf.spec.errors import MaxperfError
+    from maxperf.spec.request import resolve
+
+    for name in ("te_fp8_currentscaling", "te_fp8_delayedscaling", "te_mxfp8"):
+        with pytest.raises(MaxperfError, match="runs on NVIDIA GPUs only; on tpu7x MaxText trains in FP8 with "
+                                               "quantization=fp8_full use_qwix_quantization=true"):
+            resolve("tpu7x-8", "llama3-8b", [f"quantization={name}"])
+    assert resolve("tpu7x-8", "llama3-8b", ["quantization=fp8_full", "use_qwix_quantization=true"])
+    assert resolve("h100-8", "llama3-8b", ["quantization=te_fp8_currentscaling"])

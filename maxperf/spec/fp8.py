@@ -201,6 +201,9 @@ def check_chip(quantization: str, chip) -> None:
     if not has_fp8(chip):
         raise MaxperfError(f"quantization={r.name} multiplies in FP8, which {chip.name} has no matrix units for; "
                            f"the chips that have them: {', '.join(fp8_chips())}")
+    if r.transformer_engine and chip.kind == "tpu":
+        raise MaxperfError(f"quantization={r.name} is a Transformer Engine recipe, which runs on NVIDIA GPUs only; on "
+                           f"{chip.name} MaxText trains in FP8 with quantization=fp8_full use_qwix_quantization=true")
     if r.blackwell and chip.name not in BLACKWELL:
         raise MaxperfError(f"quantization={r.name} is block-scaled MXFP8, which only Blackwell GPUs multiply "
                            f"({', '.join(BLACKWELL)}); on {chip.name} use te_fp8_currentscaling or "
