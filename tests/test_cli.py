@@ -902,3 +902,10 @@ def test_a_mistake_in_the_words_content_is_one_line_without_usage():
         proc = maxperf("estimate", "--topology", "v5p-8", "--model", "llama2-7b", *words)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "usage:" not in proc.stderr
         assert proc.stderr.startswith("maxperf: error: ") and message in proc.stderr
+
+
+def test_an_unknown_name_with_no_close_one_points_to_the_whole_catalog(capsys):
+    code, _, err = run_main(capsys, "estimate", "--topology", "v5p-8", "--model", "nosuchxx")
+    assert code == 2 and "unknown model 'nosuchxx'; valid: " in err and "more (`maxperf models` lists them)" in err
+    code, _, err = run_main(capsys, "cache", "clear", "--older-than", "nan")
+    assert code == 2 and "--older-than takes days, 0 or more, got nan" in err

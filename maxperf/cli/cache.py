@@ -16,7 +16,7 @@ def cmd_cache(args) -> int:
     if args.older_than is not None and args.action != "clear":
         raise MaxperfError("--older-than is for `maxperf cache clear`")
     if args.action == "clear":
-        if args.older_than is not None and args.older_than < 0:
+        if args.older_than is not None and not args.older_than >= 0:  # NaN too
             raise MaxperfError(f"--older-than takes days, 0 or more, got {args.older_than:g}")
         gone = cache.clear(None if args.older_than is None else args.older_than * 86400)
         freed = sum(e.bytes for e in gone)

@@ -39,5 +39,9 @@ def unknown(kind: str, word: str, choices: Iterable[str]) -> MaxperfError:
     """An error for an unknown name that suggests the closest valid ones."""
     choices = list(choices)
     hits = closest(word, choices)
-    hint = f"did you mean {', '.join(hits)}?" if hits else f"valid: {', '.join(sorted(choices)[:12])}"
+    shown = sorted(choices)
+    catalog = {"model": "maxperf models", "topology": "maxperf topologies"}.get(kind)
+    listing = ", ".join(shown[:12]) + (f" and {len(shown) - 12} more" if len(shown) > 12 else "") + (
+        f" (`{catalog}` lists them)" if len(shown) > 12 and catalog else "")
+    hint = f"did you mean {', '.join(hits)}?" if hits else f"valid: {listing}"
     return MaxperfError(f"unknown {kind} {word!r}; {hint}")
