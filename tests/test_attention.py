@@ -226,7 +226,8 @@ def test_maxtexts_cudnn_kernels_are_the_gpu_flash_kernel_and_refused_on_tpu(kern
 def test_auto_falls_back_to_the_dot_product_where_flash_cannot_serve():
     short = overrides.apply(presets.get("tiny"), ["seq_len=64"])  # splash tiles are multiples of 128
     assert ak.check(short.model, short.train, "tpu") == "dot_product"
-    with pytest.raises(MaxperfError, match="attention=flash .splash on tpu. needs seq_len a multiple of 128, got 64 \\(e.g. seq_len=128\\); or"):
+    with pytest.raises(MaxperfError, match=r"attention=flash .splash on tpu. needs seq_len a multiple of 128, got 64 "
+                                           r"\(e.g. seq_len=128\); or"):
         ak.check(short.model, replace(short.train, attention=AttentionKernel.FLASH), "tpu")
     gemma2 = overrides.apply(presets.get("gemma2-2b"), [])
     assert ak.check(gemma2.model, gemma2.train, "gpu") == "dot_product"  # windows and soft-capping

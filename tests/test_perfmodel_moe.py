@@ -350,7 +350,8 @@ def test_a_load_imbalance_is_at_most_the_expert_shards_and_said_to_change_nothin
     assert not any("moe_load_imbalance" in w for w in resolve(
         "v5p-256", "mixtral-8x7b", ["ici_expert_parallelism=8", "moe_load_imbalance=8"]).warnings)
     for words, why in ((["moe_load_imbalance=2"], "there is no expert parallelism"),
-                       (["ici_expert_parallelism=8", "sparse_matmul=false", "moe_load_imbalance=2"], "einsum dispatch")):
+                       (["ici_expert_parallelism=8", "sparse_matmul=false", "moe_load_imbalance=2"],
+                        "einsum dispatch")):
         notes = [w for w in resolve("v5p-256", "mixtral-8x7b", words).warnings if "moe_load_imbalance=2" in w]
         assert len(notes) == 1 and why in notes[0] and notes[0].endswith("it changes nothing")
 
