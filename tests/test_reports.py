@@ -1,5 +1,6 @@
 """`maxperf sweep` and `maxperf report`: resumable sweeps, and self-contained HTML that a browser opens cleanly."""
 
+import csv
 import json
 import re
 import shutil
@@ -109,6 +110,10 @@ def test_scaling_report(analytical_sweep, tmp_path):
     text = result.html_path.read_text()
     assert "weak-scaling efficiency" in text and "(CSV)" in text
     assert all(p.is_file() for p in result.csv_paths)
+    points = next(p for p in result.csv_paths if p.name.endswith("all-points.csv"))
+    with open(points, newline="") as f:
+        cells = [cell for row in csv.reader(f) for cell in row]
+    assert "nan" not in cells  # an empty reason or warnings cell is empty
 
 
 def test_mfu_and_comparison_report(compiled, tmp_path):

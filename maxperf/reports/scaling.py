@@ -103,7 +103,9 @@ def read(page: Page, directory: Path) -> None:
         s.tables.append(page.table("points that failed or do not fit", ["point", "topology", "status", "reason"], [
             [r["point"], r.get("label"), r["status"], r["reason"]] for _, r in failed.iterrows()]))
     shown = [c for c in frame.columns if c not in HIDDEN_COLUMNS and c not in ("label", "settings")]
-    s.tables.append(page.table("all points", shown, frame[shown].values.tolist()))
+    # an empty cell (no reason, no warnings) as empty, not pandas' NaN
+    s.tables.append(page.table("all points", shown, frame[shown].astype(object).where(frame[shown].notna(), "")
+                               .values.tolist()))
     page.sections.append(s)
 
 
