@@ -659,3 +659,13 @@ def test_a_prefill_estimate_gives_prompt_tokens_per_second_and_a_batch_that_can_
     out = capsys.readouterr().out
     assert "batch            1 sequence, prompt 1024 tokens" in out
     assert f"tokens/s         {e.prefill_tokens_per_s:,.0f} prompt tokens/s in prefill" in out
+
+
+def test_estimate_memory_max_batch_of_a_serving_step_answers_first(capsys):
+    from maxperf import cli
+
+    code = cli.main(["estimate-memory", "--analytical-only", "--max-batch", "--step", "decode", "--topology", "v5e-8",
+                     "--model", "llama3-70b", "ici_tensor_parallelism=8", "quantization=int8"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("largest per_device_batch_size that fits: ")
+    assert "(decode, analytical; " in out.splitlines()[0]

@@ -114,6 +114,9 @@ def _serving(args, kind: str) -> int:
     if args.json:
         print_json(result)
         return 0 if fits else 3
+    if args.max_batch:  # the answer first: the serving step's largest batch is the analytical model's
+        print(f"largest per_device_batch_size that fits: {e.max_batch_per_device:g} ({kind}, analytical; "
+              f"{e.max_batch_per_device * request.mesh.devices:g} sequences over {request.mesh.devices} devices)")
     print(f"{request.model.name} {kind} on {request.topology.name}: {e.batch} sequences, prompt {e.prompt}, cache "
           f"{e.cache} positions")
     print(f"  {'':<22} {'analytical':>11} {'compiler':>11}")
