@@ -191,7 +191,7 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
                        4 if fp32 else c, quantized=False,
                        rate=chip.peak_flops("float32") / table.peak if fp32 else 1.0)
     if mtp_depths(model):
-        _mtp_terms(table, model, train, mesh, chip, Tu, a, steps, c, constants)
+        _mtp_terms(table, model, train, mesh, chip, Tu, a, steps, c)
     if model.use_iota_embed:
         # MaxText's use_iota_embed: the lookup as a one-hot matmul [T, V] by [V, D], its backward the table's gradient
         # [V, T] by [T, D] alone (the tokens have none)
@@ -445,7 +445,7 @@ def _moe_matmuls(table: Work, model: ModelConfig, train: TrainConfig, mesh: Mesh
 
 
 def _mtp_terms(table: Work, model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, Tu: float,
-               a, steps: int, c: int, constants: Constants) -> None:
+               a, steps: int, c: int) -> None:
     """DeepSeek-V3's multi-token-prediction modules (mtp_num_layers), each on the device's tokens of a microbatch
     (models/layers/mtp.py, as MaxText runs them after the decoder): its projection of the normalized hidden state and
     the next token's embedding (2D to D), one decoder layer of the last layer's kind (its matmuls priced as one

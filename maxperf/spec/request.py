@@ -20,7 +20,7 @@ from maxperf.spec import topology as topologies
 from maxperf.spec.configs import Configs
 from maxperf.spec.errors import MaxperfError
 from maxperf.spec.hardware import CHIPS
-from maxperf.spec.logical_axes import mesh_axes_for, undivided_axes
+from maxperf.spec.logical_axes import RULES, mesh_axes_for, undivided_axes
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import AttentionType, ModelConfig
 from maxperf.spec.parallelism import ParallelismConfig
@@ -339,24 +339,31 @@ def _pipeline_microbatch_lines(configs: Configs, mesh: Mesh) -> list[str]:
     if rows * schedule.microbatches != micro:
         return []
     lines = []
+    shards = _batch_shards(mesh)
+    # the most microbatches the stages take (a multiple of them) whose rows the batch axes divide
+    fewer = max((m for m in range(schedule.stages, schedule.microbatches, schedule.stages)
+                 if micro % m == 0 and (micro // m) % shards == 0), default=None)
     for _, axis in undivided_axes((rows,), ("activation_batch",), mesh.axes):
-        batch_axes = math.prod(n for a, n in mesh.axes.items() if a in ("data", "fsdp", "fsdp_transpose", "expert"))
-        fewer = micro // batch_axes if micro % batch_axes == 0 else None
         lines.append(f"{axis}={mesh.axes[axis]} does not divide a pipeline microbatch's {rows} row(s) ({micro} "
                      f"examples over num_pipeline_microbatches={schedule.microbatches}): they are replicated along "
                      f"{axis}, and its {mesh.axes[axis]} devices compute the same rows; "
-                     + (f"e.g. num_pipeline_microbatches={fewer} or fewer, or a larger per_device_batch_size"
-                        if fewer and fewer >= schedule.stages else "a larger per_device_batch_size"))
+                     + (f"e.g. num_pipeline_microbatches={fewer}, or a larger per_device_batch_size"
+                        if fewer else "a larger per_device_batch_size"))
     return lines
+
+
+def _batch_shards(mesh: Mesh) -> int:
+    """The product of the mesh axes the batch is split over (the logical rules' activation_batch)."""
+    return math.prod(mesh.axes.get(a, 1) for a in RULES["activation_batch"])
 
 
 def _suggestion(mesh: Mesh, axis: str, size: int, batch: bool = False) -> str:
     """A mesh that divides: the ICI part of `axis` cut to what divides `size`, the rest moved to data; for the
     batch, which data splits too, a batch the batch axes divide."""
     if batch:
-        axes = math.prod(n for a, n in mesh.axes.items() if a in ("data", "fsdp", "fsdp_transpose", "expert"))
-        return (f"a microbatch of a multiple of {axes} examples splits over them (per_device_batch_size="
-                f"{axes / mesh.devices:g} or a multiple of it)")
+        shards = _batch_shards(mesh)
+        return (f"a microbatch of a multiple of {shards} examples splits over them (per_device_batch_size="
+                f"{shards / mesh.devices:g} or a multiple of it)")
     ici = mesh.ici[axis]
     keep = math.gcd(ici, size // math.gcd(size, mesh.dcn.get(axis, 1)))
     if axis == "data" or keep == ici:
