@@ -3,7 +3,7 @@ constants.
 
     .venv/bin/python bench/published.py [--no-fit] [--only SUBSTRING] [--json FILE] [--free NAMES]
                                         [--hold-out row,source,hardware] [--hlo [--hlo-rows IDS]]
-                                        [--compile-misfits]
+                                        [--mapping FILE] [--compile-misfits]
 
 Rows: bench/published/training.csv (what each source states, with its citation) and
 bench/published/maxperf_mapping.csv (how a row is written for maxperf: a preset, key=value overrides, a topology
@@ -45,9 +45,9 @@ PRIOR, on the rest; a chip left with no rows in a fit takes the rule chips.py ap
 (`stand_in`). Leave-one-source-out is the figure to expect on runs the model has not seen. The script also prints, for
 rows stating both TFLOP/s and tokens/s, the source's FLOPs per token over maxperf's, and the published runs that
 maxperf's memory model says would not fit (`--compile-misfits` compiles each of those and prints the compiler's verdict
-beside it). The rows that train in FP8 (quantization set to an FP8 recipe) are summarized again as their own group. Rows
-on a chip with no fitted fraction (B200) take the rule for chips without rows (chips.fraction_without_rows) over the
-fitted fractions, as the perfmodel does.
+beside it; `--mapping` reads another writing of the rows). The rows that train in FP8 (quantization set to an FP8
+recipe) are summarized again as their own group. Rows on a chip with no fitted fraction (B200) take the rule for chips
+without rows (chips.fraction_without_rows) over the fitted fractions, as the perfmodel does.
 
 `--hlo` adds the step time read from the compiled program (maxperf.aot.hlo_time) on the rows of HLO_ROWS (or
 `--hlo-rows`): each row is compiled by `maxperf compile` (one process at a time, HLO_TIMEOUT_S each; the compile
@@ -124,10 +124,13 @@ class Row:
         return self.request is not None and fp8_recipe(str(self.request.train.quantization)) is not None
 
 
-def load_rows(only: str = "") -> list[Row]:
+MAPPING = HERE / "maxperf_mapping.csv"
+
+
+def load_rows(only: str = "", mapping_path: Path = MAPPING) -> list[Row]:
     with open(HERE / "training.csv", newline="") as f:
         data = {r["id"]: r for r in csv.DictReader(f)}
-    with open(HERE / "maxperf_mapping.csv", newline="") as f:
+    with open(mapping_path, newline="") as f:
         mapping = {r["id"]: r for r in csv.DictReader(f)}
     missing = sorted(set(data) ^ set(mapping))
     if missing:
@@ -565,6 +568,9 @@ def main() -> int:
                          "compiled program beside the analytical one (minutes per row; the compile cache keeps them)")
     ap.add_argument("--hlo-rows", default=",".join(HLO_ROWS), help="comma-separated row ids for --hlo")
     ap.add_argument("--hlo-timeout", type=seconds, default=HLO_TIMEOUT_S, help="seconds one row's compile may take")
+    ap.add_argument("--mapping", type=Path, default=MAPPING,
+                    help="how the rows are written for maxperf (default bench/published/maxperf_mapping.csv): another "
+                         "file of the same columns tries other writings of them")
     ap.add_argument("--compile-misfits", action="store_true",
                     help="compile the rows that ran as published but that the analytical memory says do not fit, "
                          "and print the compiler's verdict beside it (seconds to minutes per row)")
@@ -578,7 +584,9 @@ def main() -> int:
     if not modes or set(modes) - set(HOLD_OUTS):
         ap.error(f"--hold-out takes a comma-separated list of {', '.join(HOLD_OUTS)}")
     t0 = time.time()
-    rows = load_rows(args.only)
+    if not args.mapping.is_file():
+        ap.error(f"--mapping {args.mapping}: no such file")
+    rows = load_rows(args.only, args.mapping)
     for row in rows:
         resolve(row)
     ok = [r for r in rows if not r.reason]
@@ -589,7 +597,7 @@ def main() -> int:
     pred0 = np.array([predicted_tokens(r.estimate) for r in ok])
     err0 = pred0 / pub - 1
     results = {r.id: {"group": r.group, "source": source_of(r), "published_tokens_per_s_per_chip": float(p),
-                      "unfitted": float(e)} for r, p, e in zip(ok, pub, err0)}
+                      "unfitted": float(e), "fits": bool(r.estimate.fits)} for r, p, e in zip(ok, pub, err0)}
 
     err_in, held = None, {}
     if not args.no_fit:

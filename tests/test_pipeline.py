@@ -261,6 +261,40 @@ def test_a_stage_holds_its_layers_and_its_microbatches_activations():
                                               rel=1e-9)
 
 
+def test_megatrons_1f1b_holds_the_microbatches_in_flight_where_maxtexts_schedule_holds_them_all():
+    """pipeline_schedule=1f1b: the first stage holds S microbatches' activations (R = 1), or interleaved over R repeats
+    2 (S - 1) + (R - 1) S + 1 chunks (Megatron-LM's warm-up and one more); MaxText's schedule every iteration's. The
+    loop's buffers and the step time stay as they are; the compiled step's manifest says it runs MaxText's."""
+    from maxperf.aot.compiler import step_limitations
+    from maxperf.perfmodel import estimate, estimate_memory
+    from maxperf.perfmodel.memory import pipeline_buffers
+    from maxperf.perfmodel.pipeline import view
+    from maxperf.spec import resolve
+
+    assert schedule(8, 80, 64, microbatches=64, repeats=5, units_per_stage=2, one_f_one_b=True).held_iterations == 47
+    assert schedule(4, 32, 16, microbatches=16, units_per_stage=8, one_f_one_b=True).held_iterations == 4
+    assert schedule(4, 32, 16, microbatches=16, units_per_stage=8).held_iterations == 16 + 3  # the bubble's too
+    assert schedule(4, 32, 2 * 4, microbatches=4, repeats=8, one_f_one_b=True).held_iterations == 32  # all of them
+
+    words = ["per_device_batch_size=4", "remat_policy=full", "ici_stage=2", "ici_fsdp=4", "num_pipeline_microbatches=8"]
+    gpipe, one = (resolve("v5p-16", "llama2-7b", [*words, f"pipeline_schedule={s}"]) for s in ("gpipe", "1f1b"))
+    g, o = (estimate_memory(r.model, r.train, r.mesh, 95 * 2**30, "tpu") for r in (gpipe, one))
+    s = view(one.model, one.train, one.mesh)
+    assert (s.schedule.held_iterations, s.schedule.iterations) == (2 * 1 + 15 * 2 + 1, 8 * 16 + 1)  # S = 2, R = 16
+    buffers = pipeline_buffers(s, 4 * 2048 * 2, 4096, 2)  # B x L over stage=2's halved batch split
+    assert o.activations - buffers == pytest.approx((g.activations - buffers) * 33 / 129, rel=1e-9)
+    assert o.params == g.params and o.optimizer == g.optimizer
+    assert estimate(one).step_time_s == pytest.approx(estimate(gpipe).step_time_s, rel=1e-12)
+    assert any("holds the activations of 33 of its 129 loop iterations" in w for w in one.warnings)
+    assert not any("1f1b" in w for w in gpipe.warnings)
+    assert any("MaxText's" in line for line in step_limitations(one, "train"))
+    assert step_limitations(gpipe, "train") == []
+    flat = resolve("v5p-16", "llama2-7b", ["pipeline_schedule=1f1b"])
+    assert any("one stage, and it changes nothing" in w for w in flat.warnings)
+    with pytest.raises(MaxperfError, match="pipeline_schedule=1f1b .* has no such delay"):
+        resolve("v5p-16", "llama2-7b", [*words, "pipeline_schedule=1f1b", "pipeline_delay_activation_forwarding=true"])
+
+
 def test_an_empty_place_is_computed_and_stores_a_layers_weights():
     """The embedding's and loss's places of 30 layers over 2 stages x 4 repeats x 4: 32 places, whose iterations each
     compute a stage's 4 places (the empty ones pass their input on), and whose weights the stages store alike."""

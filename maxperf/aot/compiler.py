@@ -422,6 +422,10 @@ def step_limitations(p: Request, step: str) -> list[str]:
                 "before its matmuls on GPU (on an H200, llama3-8b at B 8: 24.4 ms a step, 3.9x the analytical figure, "
                 "a serving stack's one read of each; docs/serving.md); scan_layers=false, as MaxText's served "
                 "checkpoints are, compiles without the copies"]
+    if step == "train" and str(p.configs.train.pipeline_schedule) == "1f1b" and p.mesh.axes["stage"] > 1:
+        return ["pipeline_schedule=1f1b is Megatron-LM's order, which perfmodel prices; the compiled pipeline runs "
+                "MaxText's (every microbatch's forward, then the backward), so its memory holds every loop "
+                "iteration's activations, more than 1F1B's microbatches in flight"]
     return []
 
 

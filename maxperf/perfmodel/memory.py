@@ -296,7 +296,9 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
     # (perfmodel.pipeline: iterations x the stage's layers, each on a pipeline microbatch's tokens), and its loop's
     # buffers besides (pipeline_buffers)
     view = pipeline.view(model, train, mesh)
-    Tl = T * view.layer_scale * view.token_scale  # tokens x layers as the layers' saved tensors count them, over N
+    # (of those iterations, the ones whose activations are held at once: all under MaxText's schedule, the microbatches
+    # in flight under 1F1B, View.held_scale)
+    Tl = T * view.layer_scale * view.token_scale * view.held_scale  # tokens x layers the saved tensors count, over N
     names = remat_names(train)
     carry = 0.0 if names is not None and "decoder_layer_input" in names[1] else N * Tl * a.D * c
     carry += pipeline_buffers(view, T, a.D, c)

@@ -29,12 +29,15 @@ STAGE_OVERLAP = {1: 0.0, 2: 0.9}
 @dataclass(frozen=True)
 class View:
     """How a pipelined step scales the unpipelined counts: layer work `layer_scale` times a layer per microbatch, on
-    `token_scale` of the microbatch's tokens; the logits on `logits_scale` of them. All 1 without a pipeline."""
+    `token_scale` of the microbatch's tokens; the logits on `logits_scale` of them; the layers' saved activations
+    `held_scale` of that work's (the iterations a stage holds at once, Schedule.held_iterations). All 1 without a
+    pipeline."""
 
     schedule: Schedule | None
     layer_scale: float = 1.0
     token_scale: float = 1.0
     logits_scale: float = 1.0
+    held_scale: float = 1.0
 
     @property
     def pipelined(self) -> bool:
@@ -53,7 +56,7 @@ def view(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> View:
     # the model's units (an empty place computes its unit and passes its input on, models/pipeline.py)
     return View(s, layer_scale=s.iterations * s.units_per_stage / s.units,
                 token_scale=microbatch_rows(model, train, mesh, s.microbatches),
-                logits_scale=1 / s.stages)
+                logits_scale=1 / s.stages, held_scale=s.held_iterations / s.iterations)
 
 
 def microbatch_rows(model: ModelConfig, train: TrainConfig, mesh: Mesh, microbatches: int) -> float:

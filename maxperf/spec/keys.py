@@ -134,7 +134,8 @@ MEANINGS = {
     "set_remat_policy_on_pipeline_iterations": "pipeline: the remat policy on each loop iteration (false: no remat)",
     "account_for_embedding_in_pipeline_split": "pipeline (Megatron's): the embedding takes a layer's place in the "
     "first stage", "account_for_loss_in_pipeline_split": "pipeline (Megatron's): the loss takes a layer's place in "
-    "the last stage",
+    "the last stage", "pipeline_schedule": "pipeline: gpipe (MaxText's, compiled) or 1f1b (Megatron-LM's, priced): "
+    "the activations each stage holds",
     "context_parallel_load_balance": "context parallelism: sequences reordered so shards share the causal work",
 }
 

@@ -27,6 +27,7 @@ class Schedule:
     # after the last (the loss's, account_for_loss_in_pipeline_split): S x R x U places hold the units and these
     empty_first: int = 0
     empty_last: int = 0
+    one_f_one_b: bool = False  # pipeline_schedule=1f1b: Megatron-LM's order (held_iterations)
 
     @property
     def places(self) -> int:
@@ -49,6 +50,21 @@ class Schedule:
         return self.microbatches * self.repeats + self.bubble_iterations
 
     @property
+    def held_iterations(self) -> int:
+        """The loop iterations whose activations the busiest (first) stage holds at once. MaxText's schedule (gpipe)
+        runs the backward after every forward: all of them. Megatron-LM's 1F1B starts a microbatch's backward when it
+        leaves the last stage, so the first stage holds the S microbatches in flight; interleaved over R repeats
+        (virtual stages), its warm-up runs 2 (S - 1) + (R - 1) S forward chunks before the first backward, one more in
+        the steady state (Narayanan et al., SC'21, section 2.2; Megatron-LM's
+        forward_backward_pipelining_with_interleaving), each chunk a stage's layers of one repeat on one
+        microbatch as one iteration here is. The bubble is the same either way: (S - 1) / (M R) of the work."""
+        if not self.one_f_one_b:
+            return self.iterations
+        S, M, R = self.stages, self.microbatches, self.repeats
+        in_flight = S if R == 1 else 2 * (S - 1) + (R - 1) * S + 1
+        return min(M * R, in_flight)
+
+    @property
     def bubble_iterations(self) -> int:
         return self.delay * (self.stages - 1)
 
@@ -68,15 +84,18 @@ class Schedule:
         return {"stages": self.stages, "microbatches": self.microbatches, "repeats": self.repeats,
                 "layers_per_stage": self.units_per_stage, "iterations": self.iterations,
                 "bubble_fraction": round(self.bubble_fraction, 4), "delay": self.delay,
-                "fsdp_gather_once": self.fsdp_gather_once, "empty_places": [self.empty_first, self.empty_last]}
+                "fsdp_gather_once": self.fsdp_gather_once, "empty_places": [self.empty_first, self.empty_last],
+                "schedule": "1f1b" if self.one_f_one_b else "gpipe", "held_iterations": self.held_iterations}
 
 
 def schedule(stages: int, pipelined_units: int, batch: int, *, microbatches: int = -1, repeats: int = -1,
              units_per_stage: int = 1, delay: bool = False, fsdp_gather_once: bool = False,
-             unit_name: str = "layers", empty_first: int = 0, empty_last: int = 0) -> Schedule | None:
+             unit_name: str = "layers", empty_first: int = 0, empty_last: int = 0,
+             one_f_one_b: bool = False) -> Schedule | None:
     """The schedule of `pipelined_units` units over `stages` stages for a batch of `batch` examples per step's
     microbatch (MaxText's micro_batch_size_to_train_on), or None without a pipeline (one stage); `empty_first`,
-    `empty_last`: places before and after the units that hold none (Megatron's embedding and loss places). Every
+    `empty_last`: places before and after the units that hold none (Megatron's embedding and loss places);
+    `one_f_one_b`: Megatron-LM's order (Schedule.held_iterations). Every
     mistake is one MaxperfError naming what would be valid."""
     if stages <= 1:
         return None
@@ -103,6 +122,9 @@ def schedule(stages: int, pipelined_units: int, batch: int, *, microbatches: int
         raise MaxperfError(
             f"stages ({stages}) x num_pipeline_repeats ({repeats}) x num_layers_per_pipeline_stage "
             f"({units_per_stage}) must equal the {what}; num_pipeline_repeats=-1 derives it")
+    if delay and one_f_one_b:
+        raise MaxperfError("pipeline_delay_activation_forwarding delays MaxText's schedule; pipeline_schedule=1f1b "
+                           "(Megatron-LM's) has no such delay: drop one of them")
     gap = 2 if delay else 1
     if microbatches == -1:
         microbatches = gap * stages
@@ -117,7 +139,8 @@ def schedule(stages: int, pipelined_units: int, batch: int, *, microbatches: int
         raise MaxperfError(f"the batch of {batch} examples does not split into num_pipeline_microbatches="
                            f"{microbatches}; " + (f"choose one of {', '.join(map(str, fits[:8]))}" if fits else
                                                   f"make the batch a multiple of {stages}"))
-    return Schedule(stages, microbatches, repeats, units_per_stage, gap, fsdp_gather_once, empty_first, empty_last)
+    return Schedule(stages, microbatches, repeats, units_per_stage, gap, fsdp_gather_once, empty_first, empty_last,
+                    one_f_one_b)
 
 
 def empty_places(train: TrainConfig) -> tuple[int, int]:
@@ -153,7 +176,7 @@ def of(model: ModelConfig, train: TrainConfig, mesh: Mesh) -> Schedule | None:
     key = ("pipeline schedule", stages, micro, train.scan_layers,
            train.pipeline_parallel_layers, train.num_pipeline_microbatches, train.num_pipeline_repeats,
            train.num_layers_per_pipeline_stage, train.pipeline_delay_activation_forwarding,
-           train.pipeline_fsdp_ag_once, empty_places(train))
+           train.pipeline_fsdp_ag_once, empty_places(train), str(train.pipeline_schedule))
     memo = model_memo(model)  # a search asks for the same schedule at every candidate of a mesh
     if (found := memo.get(key)) is None:
         found = memo[key] = _of(model, train, stages, micro)
@@ -173,4 +196,4 @@ def _of(model: ModelConfig, train: TrainConfig, stages: int, micro: int) -> Sche
                     repeats=train.num_pipeline_repeats, units_per_stage=train.num_layers_per_pipeline_stage,
                     delay=train.pipeline_delay_activation_forwarding, fsdp_gather_once=train.pipeline_fsdp_ag_once,
                     unit_name="layers" if step == 1 else f"blocks of {step} layers",
-                    empty_first=first, empty_last=last)
+                    empty_first=first, empty_last=last, one_f_one_b=str(train.pipeline_schedule) == "1f1b")

@@ -114,7 +114,8 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
                   "choose)",)
         configs = dataclasses.replace(configs, parallelism=ParallelismConfig(ici_data=-1, ici_fsdp=keep))
         mesh = mesh_mod.resolve(configs.parallelism, topo)
-    pipeline.of(configs.model, configs.train, mesh)  # a pipeline's schedule: each mistake one line
+    schedule = pipeline.of(configs.model, configs.train, mesh)  # a pipeline's schedule: each mistake one line
+    notes += _schedule_note(configs.train, schedule)
     configs, note = _pipelined_remat(configs, mesh)
     notes += (note,) if note else ()
     _check_context(configs, mesh)
@@ -243,6 +244,19 @@ def _check_context(configs: Configs, mesh: Mesh) -> None:
         raise MaxperfError("multi-token prediction shifts targets along the sequence, which "
                            "context_parallel_load_balance reorders: set context_parallel_load_balance=false with "
                            f"context parallelism ({cp})")
+
+
+def _schedule_note(train: TrainConfig, schedule: pipeline.Schedule | None) -> tuple[str, ...]:
+    """What pipeline_schedule=1f1b does here: nothing without stages; with them, perfmodel's memory holds the
+    microbatches in flight, where the compiled step runs MaxText's schedule and holds every iteration's."""
+    if str(train.pipeline_schedule) != "1f1b":
+        return ()
+    if schedule is None:
+        return ("pipeline_schedule=1f1b orders a pipeline's microbatches; this mesh has one stage, and it changes "
+                "nothing",)
+    return (f"pipeline_schedule=1f1b (Megatron-LM's) is priced: each stage holds the activations of "
+            f"{schedule.held_iterations} of its {schedule.iterations} loop iterations at once; the compiled step runs "
+            "MaxText's schedule, which holds them all, so a compile's memory is that schedule's",)
 
 
 def _check_zero1(train: TrainConfig, mesh: Mesh) -> None:

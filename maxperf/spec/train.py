@@ -51,6 +51,14 @@ class Quantization(enum.StrEnum):
     AUTO = "auto"
 
 
+class PipelineSchedule(enum.StrEnum):
+    """The order a pipeline runs its microbatches in (pipeline_schedule): MaxText's, the only one compiled, and
+    Megatron-LM's, which NVIDIA's published pipelined runs use and which perfmodel prices."""
+
+    GPIPE = "gpipe"  # MaxText's: every microbatch's forward through the loop, then the loop's backward
+    ONE_F_ONE_B = "1f1b"  # Megatron-LM's one forward, one backward (interleaved with num_pipeline_repeats > 1)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     # B: one microbatch per device, as in MaxText: a microbatch of B x devices examples, a step of
@@ -177,6 +185,12 @@ class TrainConfig:
     # embedding and the loss run outside the loop as for any pipelined decoder (maxperf.spec.pipeline)
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    # maxperf's key (MaxText has one schedule): gpipe, MaxText's, whose backward starts after every microbatch's
+    # forward, so each stage holds the activations of all its loop iterations; 1f1b, Megatron-LM's, which starts a
+    # microbatch's backward as soon as it leaves the last stage, so the first stage holds those of only the
+    # microbatches in flight (maxperf.spec.pipeline.Schedule.held_iterations). The compiled step runs MaxText's;
+    # perfmodel prices either
+    pipeline_schedule: PipelineSchedule = PipelineSchedule.GPIPE
     # MaxText's key and default: under context parallelism (ici_context_parallelism, maxperf's sequence axis) each
     # sequence is reordered so that every shard holds as much of a causal mask's work (models/context.py)
     context_parallel_load_balance: bool = True
