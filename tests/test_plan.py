@@ -307,6 +307,22 @@ def test_plan_keeps_the_embeddings_and_losss_places_for_its_pipelined_meshes():
         candidates.space("llama3.1-405b", "h100-8x128", global_batch_tokens=1 << 22, pins=pins[:2])
 
 
+def test_a_plan_pinning_megatrons_schedule_writes_no_maxtext_line_for_its_pipelined_candidates():
+    """pipeline_schedule=1f1b is maxperf's key for Megatron-LM's order: a pipelined winner has no MaxText command (its
+    pipeline runs MaxText's schedule), an unpipelined one has MaxText's line without the key."""
+    from maxperf.search import candidates
+    from maxperf.search.commands import command
+
+    found = candidates.space("llama3-70b", "h100-8x8", global_batch_tokens=1 << 20,
+                             pins=("seq_len=8192", "dcn_pipeline_parallelism=-1", "pipeline_schedule=1f1b"))
+    lines = {c.dcn["stage"] > 1: command(c, model="llama3-70b", topology="h100-8x8", platform="gpu", num_slices=1,
+                                          seq_len=8192, fixed=found.fixed) for c in found.candidates}
+    assert set(lines) == {True, False}
+    assert lines[True]["maxtext"] is None and "pipeline_schedule=1f1b is Megatron-LM's" in lines[True]["maxtext_note"]
+    assert "pipeline_schedule=1f1b" in lines[True]["maxperf"]
+    assert lines[False]["maxtext"] and "pipeline_schedule" not in lines[False]["maxtext"]
+
+
 def test_a_plan_pinning_remat_none_times_the_pipelined_meshes_as_full(tmp_path):
     """remat_policy=none pinned with pipeline stages searched across hosts: the pipelined meshes run it as full
     (MaxText's remat of the pipeline's iterations), and those candidates are timed as such, none left unpriced."""

@@ -45,6 +45,10 @@ def command(c: Candidate, *, model: str, topology: str, platform: str, num_slice
     if places and c.ici["stage"] * c.dcn["stage"] > 1:
         return out | {"maxtext": None, "maxtext_note": "no equivalent: MaxText's pipeline stages hold equal numbers "
                                                        f"of layers ({', '.join(places)} are Megatron-LM's)"}
+    schedule = [w for w in fixed if w.partition("=")[0] == "pipeline_schedule" and w.partition("=")[2] == "1f1b"]
+    if schedule and c.ici["stage"] * c.dcn["stage"] > 1:
+        return out | {"maxtext": None, "maxtext_note": "no equivalent: MaxText's pipeline runs its own schedule "
+                                                       "(pipeline_schedule=1f1b is Megatron-LM's)"}
     maxtext_fixed = "".join(f" {w}" for w in _maxtext_fixed(fixed))
     flags = f"max_target_length={seq_len}{maxtext_fixed} " + " ".join(maxtext_flags(c))
     # MaxText's train_compile names TPU topologies as maxperf does; elsewhere its flags alone
@@ -62,7 +66,9 @@ def _maxtext_fixed(words: Sequence[str]) -> list[str]:
     out = []
     for w in words:
         key, _, value = w.partition("=")
-        if key in ("seq_len", "max_target_length") or key in MEGATRON_PLACES:
-            continue  # said as max_target_length already; without stages the places change nothing
+        if key in ("seq_len", "max_target_length", "pipeline_schedule") or key in MEGATRON_PLACES:
+            # said as max_target_length already; without stages the places and the schedule change nothing, and
+            # gpipe is MaxText's own
+            continue
         out.append(f"{_MAXTEXT_NAMES.get(key, key)}={value}")
     return out
