@@ -225,6 +225,19 @@ def test_every_spelling_of_one_group_is_priced_by_perfmodels_network(groups):
     assert seconds_of(result, "ag") == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("dtype, size", [("f8e4m3fn", 1), ("f8e5m2", 1), ("f8e8m0fnu", 1), ("f4e2m1fn", 0.5),
+                                         ("bf16", 2), ("f32", 4)])
+def test_a_collective_moves_its_element_types_bytes(dtype, size):
+    """An FP8 weight's gather moves one byte an element (an FP8 step's all-gathers of f8e4m3fn weights), MXFP4 half of
+    one: each at perfmodel's network time for its bytes."""
+    topo = topologies.get("v5p-16")
+    mesh = mesh_mod.resolve(ParallelismConfig(), topo)
+    nets = network.axis_networks(mesh, chips.get("tpu-v5p"), topo)
+    expected = network.collective_time("all-gather", 2048 * 2048 * size, ("fsdp",), nets).ici_s
+    result = predict(EARLY.replace("GROUPS", "[1,8]<=[8]").replace("bf16[", f"{dtype}["))
+    assert seconds_of(result, "ag") == pytest.approx(expected)
+
+
 def test_a_group_along_one_axis_is_priced_over_that_axis_only():
     two = ParallelismConfig(ici_fsdp=4, ici_tensor=2)
     topo = topologies.get("v5p-16")

@@ -62,9 +62,19 @@ SOURCE = "read from the optimized HLO"
 TOP = 15  # instructions listed by predicted time
 
 # Bytes per element of HLO's element types.
-_ELEMENT_BYTES = {"pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
-                  "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-                  "c128": 16, "token": 0, "tuple": 0}
+_ELEMENT_BYTES = {"pred": 1, "s1": 0.125, "u1": 0.125, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1,
+                  "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+                  "c64": 8, "c128": 16, "token": 0, "tuple": 0}
+# XLA's small floats name their bits in their prefix: f8e4m3fn, f8e5m2, f8e8m0fnu (FP8 and MX scales) are one byte an
+# element, f4e2m1fn half of one, f6e2m3fn three quarters
+_SMALL_FLOAT = re.compile(r"f([468])e\d+m\d+")
+
+
+def _element_bytes(t: str) -> float:
+    """Bytes of one element of an HLO element type; a type not known here counts 4 bytes."""
+    if (known := _ELEMENT_BYTES.get(t)) is not None:
+        return known
+    return int(m.group(1)) / 8 if (m := _SMALL_FLOAT.match(t)) else 4
 # An array in a shape: element type, dims, and its layout (where the memory space S(n) is).
 _TYPED_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](?:\{([^}]*)\})?")
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
@@ -205,8 +215,8 @@ def _arrays(shape: str) -> list[tuple[str, list[int], int]]:
 
 def _bytes(shape: str, skip_on_chip: bool = True) -> float:
     """Bytes of a shape's arrays in device memory (on-chip arrays left out)."""
-    return sum(math.prod(d) * _ELEMENT_BYTES.get(t, 4) for t, d, s in _arrays(shape) if not (skip_on_chip and
-                                                                                           s == ON_CHIP))
+    return sum(math.prod(d) * _element_bytes(t) for t, d, s in _arrays(shape) if not (skip_on_chip and
+                                                                                        s == ON_CHIP))
 
 
 def _pairs(rest: str) -> list[tuple[str, str]]:
