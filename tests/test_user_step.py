@@ -188,6 +188,30 @@ def test_the_example_compiles_and_runs_on_cpu_8_against_its_hlo_prediction(tmp_p
     assert result["measured_over_hlo_predicted"] == pytest.approx(result["step_time_s"] / estimate["step_time_s"])
     assert len(result["losses"]) == 3 and all(np.isfinite(result["losses"]))
     assert json.loads((run / "run.json").read_text())["step_time_s"] == result["step_time_s"]
+    assert not any("Step.model_flops is" in n for n in estimate["notes"])  # the example's figure is right
+    # an MFU above 100% is said to be no utilization (the CPU's uncalibrated peak is below what it runs at)
+    above = [n for n in result["notes"] if "is above 100%" in n]
+    assert bool(above) == (result["mfu"] > 1), (result["mfu"], result["notes"])
+
+
+def test_model_flops_above_what_the_program_computes_are_noted():
+    from maxperf.aot.user_compile import model_flops_check
+
+    assert model_flops_check(5.6e9, 5.0e9) == []  # 3 x the forward, the first layer's input gradient uncomputed
+    (note,) = model_flops_check(2 * 5.0e9 * 1.2, 5.0e9)  # the whole step's given where a device's was meant
+    assert "2.4 times the 5e+09" in note
+    (note,) = model_flops_check(5e17, 0.0)
+    assert "more than the 0 the compiled program's" in note
+
+
+def test_an_mfu_above_100_percent_is_noted_as_a_wrong_peak_or_wrong_flops():
+    from maxperf.profiler.run import impossible_mfu
+
+    assert impossible_mfu(None, "published") == [] and impossible_mfu(0.62, "published") == []
+    (note,) = impossible_mfu(2.857, "uncalibrated defaults (run `maxperf calibrate`)")
+    assert note.startswith("MFU 285.7% is above 100%") and note.count("maxperf calibrate") == 1
+    (note,) = impossible_mfu(1.2, "published")
+    assert "model FLOPs counted are more than the step computes" in note and "`maxperf calibrate`" in note
 
 
 @pytest.mark.slow

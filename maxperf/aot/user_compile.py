@@ -180,6 +180,24 @@ def _compile_into(writer, request: UserRequest, user: Step, mesh, lowered, say, 
         limitations=targets.limitations(topo), cache_hit=cache_hit)
 
 
+# A step's model FLOPs are about what its program computes at most: recomputation only adds to the latter, and the
+# usual count (3 x the forward) takes in a little the program skips, the first layer's input gradient (the example's
+# vision step: 1.12 x its compiled FLOPs). Past this margin the Step's figure is said to be suspect (a device's FLOPs
+# given for the whole step's are off by the device count, 2 or more)
+MODEL_FLOPS_MARGIN = 1.5
+
+
+def model_flops_check(per_device: float, compiled: float) -> list[str]:
+    """A note where a Step's model FLOPs per device are more than the compiled program computes: MFU and TFLOP/s are
+    counted from them, so they would overstate both (Step.model_flops is the whole step's, over every device)."""
+    if per_device <= MODEL_FLOPS_MARGIN * compiled:
+        return []
+    ratio = f"{per_device / compiled:.3g} times" if compiled else "more than"
+    return [f"Step.model_flops is {per_device:.4g} FLOPs a device a step, {ratio} the {compiled:.4g} the compiled "
+            "program's matmuls and convolutions compute: TFLOP/s and MFU are counted from it; give the whole "
+            "step's model FLOPs over every device, which recomputation does not count"]
+
+
 def user_estimate(predicted: hlo_time.HloTime, user: Step, topo: Topology, memory: dict[str, Any],
                   calibration: StoredCalibration | None = None) -> dict[str, Any]:
     """estimate.json of a user's step: the step time read from its HLO, and the throughput, TFLOP/s and MFU its
@@ -198,6 +216,7 @@ def user_estimate(predicted: hlo_time.HloTime, user: Step, topo: Topology, memor
         notes.append("the step gives no model_flops: no TFLOP/s or MFU")
     if per_device:
         notes.append(f"MFU against the {chip.name} bfloat16 peak ({peak / 1e12:.4g} TFLOP/s per device)")
+        notes += model_flops_check(per_device, predicted.flops)
     return {
         "schema": ESTIMATE_SCHEMA, "source": predicted.source, "model": user.name, "chip": chip.name,
         "chips": topo.chips, "step_time_s": step, "unit": user.unit,

@@ -89,7 +89,7 @@ def _check_processes(devices: dict, args) -> None:
 
 
 def cmd_run(args) -> int:
-    from maxperf.profiler.run import run  # loads numpy, and jax once the environment is set
+    from maxperf.profiler.run import impossible_mfu, run  # loads numpy, and jax once the environment is set
 
     say = progress()
     if distributed.initialize(args, _prepare(args)):
@@ -122,6 +122,8 @@ def cmd_run(args) -> int:
     if result.tflops_per_device is not None:
         print(f"  TFLOP/s/device   {result.tflops_per_device:.3f} (MFU {result.mfu:.1%} of "
               f"{result.peak_flops_per_device / 1e12:.2f} TFLOP/s, {result.peak_source})")
+        for note in impossible_mfu(result.mfu, result.peak_source):
+            print(f"  note             {note}")
     if result.predicted_step_time_s and result.step == "train":
         print(f"  predicted        {result.predicted_step_time_s:.4f} s (analytical); measured/predicted "
               f"{result.measured_over_predicted:.2f}")

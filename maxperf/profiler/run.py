@@ -301,6 +301,7 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
             hlo_predicted_step_time_s=hlo.get("step_time_s"),
             measured_over_hlo_predicted=median / hlo["step_time_s"] if hlo.get("step_time_s") else None,
         )
+        result.notes.extend(impossible_mfu(result.mfu, result.peak_source))
         if jax.process_index() == 0:
             writer.write_json("run.json", result.as_dict())
             writer.commit()
@@ -391,6 +392,16 @@ def profile_steps(run_step: Callable[[int], None], first: int, writer: artifacts
 # step compiled without the GPU against compiled on it: qwen3-0.6b B 16 L 2048 7.85 s against 0.578 s per step,
 # scaled-1 B 8 6.97 s against 0.296 s.
 UNTUNED_GPU_SLOWDOWN = "13-24x"
+
+
+def impossible_mfu(mfu: float | None, peak_source: str) -> list[str]:
+    """A note where the measured MFU is above 100%: no device computes faster than its peak, so the peak taken is too
+    low (a CPU's uncalibrated default) or the model FLOPs counted are more than the step computes."""
+    if mfu is None or mfu <= 1:
+        return []
+    return [f"MFU {mfu:.1%} is above 100%, which no device reaches: the peak taken ({peak_source}) is below the rate "
+            "this device ran at, or the model FLOPs counted are more than the step computes"
+            + ("" if "calibrate" in peak_source else "; on a CPU, `maxperf calibrate` measures the peak")]
 
 
 def untuned_gpu_step(manifest: dict[str, Any]) -> list[str]:

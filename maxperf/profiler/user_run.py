@@ -19,6 +19,7 @@ from maxperf.profiler.run import (
     calibration_mismatch,
     check_devices,
     device_memory,
+    impossible_mfu,
     percentile,
     profile_steps,
     timed_steps,
@@ -140,6 +141,7 @@ def run(artifact: Artifact, *, steps: int, warmup: int, profile: bool = False, d
             partial=interrupted is not None, hlo_predicted_step_time_s=predicted,
             measured_over_hlo_predicted=median / predicted if predicted else None, step=name, unit=step.unit,
         )
+        result.notes.extend(impossible_mfu(result.mfu, result.peak_source))
         if jax.process_index() == 0:
             writer.write_json("run.json", result.as_dict())
             writer.commit()
