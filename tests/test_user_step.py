@@ -163,6 +163,13 @@ def test_bad_input_is_one_line_exit_2_nothing_written_and_the_traceback_only_wit
     assert verbose.stderr.strip().splitlines()[-1].startswith("maxperf: error:")
     with_model = maxperf("compile", "--step", EXAMPLE, "--model", "tiny", "--topology", "cpu-8", cwd=ROOT)
     assert with_model.returncode == 2 and "drop --model" in with_model.stderr
+    # a sweep checks the factory's import and its words before any point: the same one line, nothing written
+    for step, words, needle in [(EXAMPLE, ["widht=8,16"], "has no parameter 'widht'; did you mean width?"),
+                                ("no_such_module_here:make", [], "importing no_such_module_here failed")]:
+        proc = maxperf("sweep", "--step", step, "--topologies", "cpu-2", *words, "--out", str(work / "sweep"),
+                       cwd=ROOT)
+        assert proc.returncode == 2 and needle in proc.stderr.strip().splitlines()[-1], (step, proc.stderr)
+        assert not any(work.iterdir()), list(work.iterdir())
 
 
 @pytest.mark.slow

@@ -12,11 +12,20 @@ from maxperf.spec.steps import resolve_user
 
 
 def check(step: str, points: Sequence, analytical_only: bool) -> set[str]:
-    """The chips of the grid's topologies, after every point's request is checked (before any work)."""
+    """The chips of the grid's topologies, after every point's request is checked (before any work): its mesh words,
+    and the factory's words against its parameters (the factory imported once here; what it does when called is each
+    point's own)."""
     if analytical_only:
         raise MaxperfError(f"--step {step}: --analytical-only needs maxperf's analytical model of the step, which a "
                            "user's step does not have; its points are compiled")
-    return {resolve_user(p.topology, step, p.overrides, num_slices=p.num_slices).topology.chip for p in points}
+    from maxperf.aot.user_step import factory_arguments, load_factory
+
+    requests = [resolve_user(p.topology, step, p.overrides, num_slices=p.num_slices) for p in points]
+    if requests:
+        factory = load_factory(requests[0].step)
+        for r in requests:
+            factory_arguments(factory, r.step, r.args)
+    return {r.topology.chip for r in requests}
 
 
 def point(step: str, p, out: Path) -> dict[str, Any]:
