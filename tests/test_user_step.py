@@ -211,6 +211,47 @@ def test_model_flops_above_what_the_program_computes_are_noted():
     assert "more than the 0 the compiled program's" in note
 
 
+RUN_STEPS = '''
+import jax
+import jax.numpy as jnp
+
+from maxperf.aot.user_step import Step
+
+S = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+
+
+def wrong_init(mesh):
+    return Step(fn=lambda x: x @ x, args=(S,), init=lambda seed: (jnp.ones((4, 4)),))
+
+
+def broken_loss(mesh):
+    return Step(fn=lambda x: x @ x, args=(S,), init=lambda seed: (jnp.ones((8, 8)),), loss=lambda out: out["nope"])
+
+
+def broken_carry(mesh):
+    return Step(fn=lambda x: x @ x, args=(S,), init=lambda seed: (jnp.ones((8, 8)),),
+                carry=lambda args, out: (out.astype(jnp.bfloat16),))
+'''
+
+
+def test_run_names_the_step_function_that_made_a_bad_argument_or_failed(tmp_path):
+    """Step.init, Step.loss and Step.carry are the user's code: `maxperf run` says which one failed or made an
+    argument the executable was not compiled for, in one line, exit 2, nothing written."""
+    (tmp_path / "run_steps.py").write_text(RUN_STEPS)
+    for factory, needle in [("wrong_init", "Step.init of --step run_steps:wrong_init made argument 0 as "
+                                           "float32[4, 4]; the step was compiled for float32[8, 8]"),
+                            ("broken_loss", "Step.loss of --step run_steps:broken_loss raised TypeError"),
+                            ("broken_carry", "Step.carry of --step run_steps:broken_carry made argument 0 as "
+                                             "bfloat16[8, 8]")]:
+        out = tmp_path / factory
+        compiled = maxperf("compile", "--step", f"run_steps:{factory}", "--topology", "cpu-2", "--out", str(out),
+                           cwd=tmp_path)
+        assert compiled.returncode == 0, compiled.stderr
+        ran = maxperf("run", str(out), "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "ran"), cwd=tmp_path)
+        assert ran.returncode == 2 and needle in ran.stderr.strip().splitlines()[-1], (factory, ran.stderr)
+        assert "Traceback" not in ran.stderr and not (tmp_path / "ran").exists()
+
+
 def test_an_mfu_above_100_percent_is_noted_as_a_wrong_peak_or_wrong_flops():
     from maxperf.profiler.run import impossible_mfu
 

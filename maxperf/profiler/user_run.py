@@ -28,6 +28,23 @@ from maxperf.profiler.run import (
 from maxperf.spec.errors import MaxperfError
 
 
+def check_arguments(made: tuple, wanted: tuple, who: str) -> None:
+    """A UserStepError naming the first argument whose shape or dtype is not the one the step was compiled for
+    (the executable would refuse it with a message that names neither the argument nor where it came from)."""
+    import jax
+
+    for i, (x, want) in enumerate(zip(made, wanted)):
+        got, expect = jax.tree.leaves(x), jax.tree.leaves(want)
+        if len(got) != len(expect):
+            raise UserStepError(f"{who} made argument {i} of {len(got)} arrays; the step was compiled for "
+                                f"{len(expect)}")
+        for a, b in zip(got, expect):
+            shape, dtype = tuple(getattr(a, "shape", ())), getattr(a, "dtype", type(a).__name__)
+            if shape != tuple(b.shape) or str(dtype) != str(b.dtype):
+                raise UserStepError(f"{who} made argument {i} as {dtype}{list(shape)}; the step was compiled for "
+                                    f"{b.dtype}{list(b.shape)}")
+
+
 def default_carry(step: Step, name: str) -> Callable[[tuple, Any], tuple]:
     """A step `(state, ...) -> (state, ...)`: its first result becomes its next first argument; a step that donates
     nothing may take the same arguments again; any other needs `Step.carry`."""
@@ -77,12 +94,19 @@ def run(artifact: Artifact, *, steps: int, warmup: int, profile: bool = False, d
     if len(args) != len(step.args):
         raise UserStepError(f"Step.init of --step {name} made {len(args)} arguments; the step takes "
                             f"{len(step.args)}")
+    check_arguments(args, step.args, f"Step.init of --step {name}")
     carry = step.carry or default_carry(step, name)
     current: dict[str, Any] = {"args": args, "outputs": None}
 
     def prepare(i: int) -> tuple:
         if current["outputs"] is not None:
-            current["args"] = tuple(carry(current["args"], current["outputs"]))
+            try:
+                current["args"] = tuple(carry(current["args"], current["outputs"]))
+            except Exception as e:
+                raise UserStepError(f"Step.carry of --step {name} raised {first_line(e)} (--verbose shows its "
+                                    "traceback)", traceback_text(e)) from None
+            if step.carry is not None:
+                check_arguments(current["args"], step.args, f"Step.carry of --step {name}")
             current["outputs"] = None
         return current["args"]
 
@@ -90,7 +114,13 @@ def run(artifact: Artifact, *, steps: int, warmup: int, profile: bool = False, d
         outputs = compiled(*given)
         jax.block_until_ready(outputs)
         current["outputs"] = outputs
-        return float(step.loss(outputs)) if step.loss is not None else None
+        if step.loss is None:
+            return None
+        try:
+            return float(step.loss(outputs))
+        except Exception as e:
+            raise UserStepError(f"Step.loss of --step {name} raised {first_line(e)} (--verbose shows its traceback)",
+                                traceback_text(e)) from None
 
     writer = artifacts.ArtifactWriter(out_dir, "run", force=force, inputs=[artifact.directory])
     watchdog = Watchdog(peer_timeout) if jax.process_count() > 1 else None
