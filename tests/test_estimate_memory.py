@@ -399,3 +399,34 @@ def test_tpu7x_holds_the_logits_gradient_and_final_hidden_state_through_the_back
     v5p_words = [w for w in words if not w.startswith("ici_fsdp")] + ["ici_fsdp_parallelism=128"]
     v5p = memory_fit.compare("v5p-256", "llama2-7b", v5p_words, analytical_only=True).analytical
     assert tpu7x.temporaries - v5p.temporaries == pytest.approx(T * (D + V) * c - table, rel=1e-6)
+
+
+BIG_MATMUL = '''
+import jax
+import jax.numpy as jnp
+
+from maxperf.aot.user_step import Step
+
+
+def make_step(mesh, n: int = 1024):
+    s = jax.ShapeDtypeStruct((n, n), jnp.bfloat16)
+    return Step(fn=lambda a, b: a @ b, args=(s, s))
+'''
+
+
+def test_a_compile_shows_the_plugins_c_plus_plus_logs_only_with_verbose(tmp_path):
+    """estimate-memory compiles in a watched child as compile does: the CUDA plugin's scheduler logs an error line
+    for arguments past its limit (a 200,000-square bf16 matmul, 224 GiB a device), which only --verbose shows; the
+    verdict is exit 3 either way."""
+    (tmp_path / "big_matmul.py").write_text(BIG_MATMUL)
+    stderr = {}
+    for verbose in (False, True):
+        env = {**os.environ, "PYTHONPATH": str(tmp_path), "MAXPERF_CACHE_DIR": str(tmp_path / f"cache{verbose}")}
+        proc = subprocess.run([sys.executable, "-m", "maxperf.cli", "estimate-memory", "--step",
+                               "big_matmul:make_step", "--topology", "h100-8", "n=200000",
+                               *(["--verbose"] if verbose else [])], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=600)
+        assert proc.returncode == 3 and "DOES NOT FIT" in proc.stdout, proc.stderr
+        stderr[verbose] = proc.stderr.splitlines()
+    assert all(line.startswith(("maxperf: ", "[")) for line in stderr[False]), stderr[False]
+    assert any("gpu_hlo_schedule" in line for line in stderr[True]), stderr[True]

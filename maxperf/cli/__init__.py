@@ -34,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     previous = _raise_on_sigterm()
     try:
-        if getattr(args, "supervised", False):  # commands that start devices run in a watched child process
+        # commands that start devices or load plugins run in a watched child process (`supervised`: True, or whether
+        # this invocation does)
+        supervised = getattr(args, "supervised", False)
+        if supervised(args) if callable(supervised) else supervised:
             code = supervisor.supervise(sys.argv[1:] if argv is None else list(argv), args)
             if code is not None:
                 return code

@@ -237,5 +237,8 @@ def add_parser(sub) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace an earlier output of this command in --out even if it holds other files")
     add_cluster_arguments(p)
-    p.add_argument("--verbose", action="store_true", help="with --step: the traceback of a failing factory or step")
-    p.set_defaults(func=cmd_estimate_memory)
+    p.add_argument("--verbose", action="store_true",
+                   help="show everything jax and its plugins write (C++ logs, warnings), not only maxperf's lines; "
+                        "with --step, the traceback of a failing factory or step")
+    # a compile loads the plugins, which write to the terminal from C++: run it in a watched child, as compile does
+    p.set_defaults(func=cmd_estimate_memory, supervised=lambda args: not args.analytical_only)
