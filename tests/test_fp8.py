@@ -359,7 +359,7 @@ def test_mxfp8_refuses_a_mesh_that_splits_a_weight_below_a_block():
     naming the weight, the split and the mesh."""
     with pytest.raises(MaxperfError, match=r"splits q's embed axis \(64\) 8 ways, leaving runs of 8 contracted "
                                            r"elements per device, not a multiple of 32.*fsdp=8"):
-        resolve("b200-8", "tiny", ["quantization=te_mxfp8"])
+        resolve("b200-8", "llama3-8b", ["quantization=te_mxfp8"])
     assert resolve("b200-8", "tiny", ["quantization=te_mxfp8", "d_model=256", "d_ff=512"]).mesh.axes["fsdp"] == 8
 
 
@@ -465,7 +465,10 @@ def test_gpu_fp8_matmuls_are_priced_by_the_kernels_that_run_them():
     assert "measured: XLA's FP8 GEMMs" in notes
     # the compiled step of a TE recipe is XLA's, which the request says
     said = [n for n in resolve("h100-8", "tiny", ["quantization=te_fp8_currentscaling"]).warnings if "Transformer" in n]
-    assert len(said) == 1 and "priced at the rate of TE's kernels" in said[0]
+    assert len(said) == 1 and "priced at the rate of TE's kernels" in said[0] and "XLA's FP8 matmuls" in said[0]
+    # MXFP8's compiled products are jax's block-scaled ones, not the per-tensor XLA step measured on an H200
+    (mx,) = [n for n in resolve("b200-8", "llama3-8b", ["quantization=te_mxfp8"]).warnings if "Transformer" in n]
+    assert "block-scaled MXFP8 products (a power-of-two scale per 32 elements" in mx and "H200" not in mx
     assert not [n for n in resolve("h100-8", "tiny", ["quantization=fp8"]).warnings if "Transformer" in n]
 
 

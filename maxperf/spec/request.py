@@ -100,7 +100,11 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
                   f"attention=flash, maxperf's {'Pallas Triton kernel' if kernel == 'gpu_flash' else 'CPU kernel'}, "
                   "and priced as flash",)
     recipe = fp8.recipe(str(configs.train.quantization))
-    if recipe is not None and recipe.transformer_engine and topo.platform == "gpu":
+    if recipe is not None and recipe.transformer_engine and topo.platform == "gpu" and recipe.block:
+        notes += (f"quantization={recipe.name} is Transformer Engine's recipe in MaxText: compiled with its numerics "
+                  f"as jax's block-scaled MXFP8 products (a power-of-two scale per {recipe.block} elements, which "
+                  "XLA:GPU runs as cuDNN's block-scaled GEMM), and priced at the rate of TE's kernels",)
+    elif recipe is not None and recipe.transformer_engine and topo.platform == "gpu":
         notes += (f"quantization={recipe.name} is Transformer Engine's recipe in MaxText: compiled with its numerics "
                   "as XLA's FP8 matmuls, and priced at the rate of TE's kernels (on an H200 such an XLA step took 0.82 "
                   "of its bf16 step's time, where TE's rate gives 0.52: docs/accuracy.md)",)
