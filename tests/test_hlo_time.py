@@ -208,6 +208,20 @@ def test_a_gpu_async_pair_overlaps_what_lies_between_and_a_synchronous_collectiv
                                                  + seconds_of(blocking, "d2") + 2 * overhead)
 
 
+def test_a_gpus_kernel_launches_are_their_own_part_and_can_bound_the_step():
+    """A GPU launches each kernel at a fixed cost: the part the step's line shows beside compute and memory, and the
+    bottleneck where it is the largest (a small add whose 2 us launch outlasts its bytes)."""
+    small = ADD.replace("4096,4096", "64,64")
+    result = predict(small, "h100-8")
+    overhead = hlo_time.KERNEL_OVERHEAD_S["gpu"]
+    assert result.launch_s == pytest.approx(overhead * result.kernels) and result.kernels == 1
+    assert result.step_time_s == pytest.approx(result.hbm_s + result.launch_s)
+    assert result.bottleneck == "launches" and result.as_dict()["launch_s"] == result.launch_s
+    big = predict(ADD, "h100-8")
+    assert big.bottleneck == "hbm" and big.launch_s == pytest.approx(overhead)
+    assert predict(ADD, "v5p-16").launch_s == 0.0
+
+
 def test_on_cpu_devices_nothing_overlaps():
     result = predict(LATE.replace("GROUPS", EVERY_DEVICE), "cpu-8")
     total = sum(seconds_of(result, n) for n in ("ag", "d1", "d2"))

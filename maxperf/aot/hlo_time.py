@@ -158,7 +158,7 @@ class HloTime:
     dcn_s: float  # collectives across slices or hosts (their ICI part included), total before overlap
     host_s: float  # copies over the host link
     exposed_s: float  # network and copy time not hidden behind compute: step time - compute stream
-    bottleneck: str  # "compute", "hbm", "ici", "dcn", "host"
+    bottleneck: str  # "compute", "hbm", "ici", "dcn", "host", or "launches" (the kernels' fixed cost, a GPU's)
     flops: float  # matmul FLOPs per device per step, attention kernels included
     top: tuple[OpTime, ...]
     by_kind: Mapping[str, float]  # seconds per instruction kind, before overlap
@@ -168,11 +168,13 @@ class HloTime:
     chip: str
     seconds: float = 0.0  # reading and costing the module here
     source: str = SOURCE
+    launch_s: float = 0.0  # the kernels' fixed cost on the compute stream (KERNEL_OVERHEAD_S x kernels)
 
     def as_dict(self) -> dict:
         out = {"schema": SCHEMA, "source": self.source, "chip": self.chip, "step_time_s": self.step_time_s,
                "compute_s": self.compute_s, "hbm_s": self.hbm_s, "ici_s": self.ici_s, "dcn_s": self.dcn_s,
-               "host_s": self.host_s, "exposed_s": self.exposed_s, "bottleneck": self.bottleneck,
+               "host_s": self.host_s, "launch_s": self.launch_s, "exposed_s": self.exposed_s,
+               "bottleneck": self.bottleneck,
                "flops_per_device": self.flops, "kernels": self.kernels, "by_kind": dict(self.by_kind),
                "top": [op.as_dict() for op in self.top], "assumptions": list(self.assumptions),
                "not_modelled": list(self.not_modelled), "costing_seconds": self.seconds}
@@ -960,15 +962,17 @@ def hlo_time(hlo_text: str, chip: Chip, topology: Topology, mesh: Mesh, constant
         flops += op.flops * op.executions if op.kind in ("matmul", _ATTENTION, "kernel") else 0.0
         kernels += op.executions
     on_stream = totals["compute"] + totals["hbm"]
-    stream = on_stream + KERNEL_OVERHEAD_S.get(chip.kind, 0.0) * kernels
+    launches = KERNEL_OVERHEAD_S.get(chip.kind, 0.0) * kernels
+    stream = on_stream + launches
     exposed = max(step - stream, 0.0)
     networks = {k: totals[k] for k in ("ici", "dcn", "host")}
     slow = max(networks, key=networks.get)
     if networks[slow] > stream:
         bottleneck = slow
     else:
-        bottleneck = "compute" if totals["compute"] >= totals["hbm"] else "hbm"
-        if exposed > max(totals["compute"], totals["hbm"]):
+        stream_parts = {"compute": totals["compute"], "hbm": totals["hbm"], "launches": launches}
+        bottleneck = max(stream_parts, key=stream_parts.get)
+        if exposed > max(stream_parts.values()):
             bottleneck = slow
     ranked = sorted(ops, key=lambda op: -op.total_s)[:top]
     notes = [f"{line} ({n}x)" if n > 1 else line for line, n in walker.accounts.not_modelled.items()]
@@ -976,7 +980,7 @@ def hlo_time(hlo_text: str, chip: Chip, topology: Topology, mesh: Mesh, constant
                    dcn_s=totals["dcn"], host_s=totals["host"], exposed_s=exposed, bottleneck=bottleneck, flops=flops,
                    top=tuple(ranked), by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
                    kernels=int(kernels), assumptions=assumptions(chip, constants), not_modelled=tuple(notes),
-                   chip=chip.name, seconds=time.perf_counter() - start)
+                   chip=chip.name, seconds=time.perf_counter() - start, launch_s=launches)
 
 
 def predict(hlo_text: str, topology: Topology, mesh: Mesh, calibration=None, constants: Constants = SHIPPED

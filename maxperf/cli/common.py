@@ -52,9 +52,10 @@ def print_hlo_line(hlo: dict, analytical_s: float | None = None) -> None:
     """The step time read from the optimized HLO, in one line (beside the analytical one where there is one)."""
     against = (f"; {hlo['step_time_s'] / analytical_s - 1:+.0%} against the analytical"
                if analytical_s else "")
+    launches = f"kernel launches {hlo['launch_s']:.3g} s, " if hlo.get("launch_s") else ""
     print(f"  from the HLO     {hlo['step_time_s']:.4g} s/step, bound by {hlo['bottleneck']} (compute "
-          f"{hlo['compute_s']:.3g} s, memory {hlo['hbm_s']:.3g} s, collectives {hlo['ici_s'] + hlo['dcn_s']:.3g} s, "
-          f"{hlo['exposed_s']:.3g} s exposed){against}")
+          f"{hlo['compute_s']:.3g} s, memory {hlo['hbm_s']:.3g} s, {launches}collectives "
+          f"{hlo['ici_s'] + hlo['dcn_s']:.3g} s, {hlo['exposed_s']:.3g} s exposed){against}")
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
