@@ -704,6 +704,11 @@ def main() -> int:
             out["fitted"] = {NAMES[f.name]: getattr(fitted, f.name) for f in fields(Constants)}
             out["summary"] = {HOLD_OUTS[m]: {"median": float(np.median(np.abs(e))), "worst": float(np.max(np.abs(e)))}
                               for m, e in held.items()}
+            fp8 = np.array([r.fp8 for r in ok], dtype=bool)
+            if fp8.any():  # the FP8 rows alone: what an FP8 step's estimate quotes (perfmodel.work.HELD_OUT_ERROR)
+                out["fp8_summary"] = {HOLD_OUTS[m]: {"median": float(np.median(np.abs(e[fp8]))),
+                                                     "worst": float(np.max(np.abs(e[fp8]))), "rows": int(fp8.sum())}
+                                      for m, e in held.items()}
         outfile.write(args.json, out)
     return 0
 

@@ -471,6 +471,10 @@ def test_plan_ties_use_the_chips_held_out_error_and_verification_proves_distinct
 
     assert work.uncertainty(get_chip("tpu-v5p"), work.SHIPPED).relative == work.HELD_OUT_ERROR["source"][0]
     assert work.uncertainty(get_chip("b200"), work.SHIPPED).relative == work.HELD_OUT_ERROR["generation"][0]
+    # an FP8 step quotes the FP8 rows' held-out error, the larger
+    fp8 = work.uncertainty(get_chip("h100-sxm"), work.SHIPPED, fp8=True)
+    assert (fp8.relative, fp8.worst) == work.HELD_OUT_ERROR["fp8"] and "train in FP8" in fp8.basis
+    assert work.uncertainty(get_chip("h100-sxm"), work.SHIPPED).relative == work.HELD_OUT_ERROR["source"][0]
     # a chip measured on published runs none of which were fitted quotes that measure (bench/recipes.py's Trillium runs)
     assert work.uncertainty(get_chip("tpu-v6e"), work.SHIPPED).relative == work.UNFITTED_RUNS_ERROR["tpu-v6e"][0]
     assert work.uncertainty(get_chip("cpu"), work.SHIPPED) is None

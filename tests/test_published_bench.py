@@ -104,6 +104,9 @@ def test_the_bench_runs_and_reports_its_held_out_errors(tmp_path):
 
     assert summary["leave-one-source-out"]["median"] == pytest.approx(work.HELD_OUT_ERROR["source"][0], abs=0.0005)
     assert summary["leave-one-source-out"]["worst"] == pytest.approx(work.HELD_OUT_ERROR["source"][1], abs=0.0005)
+    fp8 = data["fp8_summary"]["leave-one-source-out"]  # what an FP8 step's estimate quotes
+    assert fp8["rows"] >= 8
+    assert (fp8["median"], fp8["worst"]) == pytest.approx(work.HELD_OUT_ERROR["fp8"], abs=0.0005)
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from maxperf.perfmodel.flops import FlopCounts, ParamCounts, count_flops, count_
 from maxperf.perfmodel.memory import MemoryBreakdown, estimate_memory, params_per_device
 from maxperf.perfmodel.steptime import Row, StepTime, step_time
 from maxperf.perfmodel.work import SHIPPED, Constants, Overlap, Uncertainty, uncertainty
+from maxperf.spec.fp8 import recipe as fp8_recipe
 from maxperf.spec.request import Request
 from maxperf.spec.topology import Topology
 
@@ -179,5 +180,5 @@ def estimate(request: Request, *, overlap: Overlap | float | None = None,
         peaks_calibrated=chip.calibrated, chip_note=chip.note, overlap=overlap,
         calibration=cal.record() if cal is not None and chip.kind == "cpu" else None,
         notes=fallback_notes(topology, chip, cal), assumptions=time.assumptions,
-        uncertainty=uncertainty(chip, constants, model.is_moe),
+        uncertainty=uncertainty(chip, constants, model.is_moe, fp8_recipe(str(train.quantization)) is not None),
     )
