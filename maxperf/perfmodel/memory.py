@@ -321,7 +321,7 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
     saved_copy = (MINIMAL_SAVED_COPIES - 1) * saved if remat != "none" else 0.0
     host_offload = Tl * offloaded_per_token(model, train, mesh)
     logits = _logits(model, train, mesh, platform, depths, view.logits_scale)
-    work = working(model, train, mesh, platform, chip)
+    work = working(model, train, mesh, platform, chip, view)
     moe = moe_shape(model)
 
     def breakdown(temporaries: float) -> MemoryBreakdown:

@@ -245,16 +245,18 @@ def _mesh_parts(model: ModelConfig, mesh: Mesh) -> _MeshParts:
     return parts
 
 
-def working(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str, chip: str = "") -> Working:
+def working(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str, chip: str = "",
+            view: pipeline.View | None = None) -> Working:
     """The backward's working set on a platform kind ("tpu", "gpu", "cpu"; CPU follows the TPU's buffers); `chip`: the
-    chip's name where its compiler's schedule differs (LATE_TABLE_GRADIENT_CHIPS)."""
+    chip's name where its compiler's schedule differs (LATE_TABLE_GRADIENT_CHIPS); `view`: the step's pipeline view
+    where the caller has it (pipeline.view)."""
     c = DTYPE_BYTES[train.compute_dtype]
     p = DTYPE_BYTES[train.param_dtype]
     remat = str(train.remat_policy)
     D = model.d_model
     a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
     # tokens of one layer call on this device (a pipeline microbatch's in a pipeline), and of the logits' call
-    view = pipeline.view(model, train, mesh)
+    view = view or pipeline.view(model, train, mesh)
     T, T_logits = a.T * view.token_scale, a.T * view.logits_scale
     # weights the model gathers itself (a MoE layer's experts) are whole; the rest stream through windowed einsums
     # where their shards are thick enough, else are gathered whole too
