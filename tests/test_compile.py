@@ -253,6 +253,21 @@ def test_a_kernel_out_of_vmem_is_not_called_out_of_device_memory(message):
     assert not compiler.scoped_vmem_exhausted(hbm) and compiler.out_of_memory_figures(hbm)
 
 
+def test_an_out_of_memory_compile_counts_the_arguments_once():
+    """libtpu's "HLO temporaries" figure at least as large as the arguments holds them (a decode step one sequence
+    past fitting: 15.94 GiB beside 15.77 of arguments needs about 16, not 31.7); a smaller one cannot, and they add."""
+    from maxperf.aot import compiler
+
+    message = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required for "
+               "HLO temporaries (15.94G) exceeds available HBM (15.75G). HLO module: jit_decode.")
+    figures = compiler.out_of_memory_figures(message)
+    assert figures["temp_bytes"] == int(15.94 * 2**30) and figures["compiler_available_bytes"] == int(15.75 * 2**30)
+    args = 16927813056
+    assert compiler.oom_total(figures["temp_bytes"], args) == {"argument_bytes": args,
+                                                               "per_device_total_bytes": figures["temp_bytes"]}
+    assert compiler.oom_total(2 * 2**30, 10 * 2**30)["per_device_total_bytes"] == 12 * 2**30
+
+
 def test_the_compile_cache_keys_the_environments_compiler_flags(monkeypatch):
     from maxperf.aot import compiler
 
