@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import math
+import time
+
 from maxperf.cli.common import (
     GIB,
     JSON_HELP,
@@ -102,21 +106,30 @@ def _serving(args, kind: str) -> int:
                                        out=out, step=kind, force=args.force or not args.out,
                                        progress=progress()).memory
             except DoesNotFit:
-                import json
-
                 compiler = json.loads((out / "memory.json").read_text())
     fits = compiler["fits"] if compiler is not None else m.fits
+    largest = None
+    if args.max_batch and not args.analytical_only:
+        largest = _serving_max_batch(args, kind, request, e.max_batch_per_device, m)
     result = {"schema": "maxperf.serving-memory/1", "step": kind, "model": request.model.name,
               "topology": request.topology.name, "analytical": {**{k: getattr(m, k) for k in (
                   "weights_bytes", "cache_bytes", "temp_bytes", "hbm_bytes")}, "total_bytes": m.total_bytes,
                   "fits": m.fits}, "compiler": compiler, "fits": bool(fits),
-              "max_batch_per_device": e.max_batch_per_device, "max_context": e.max_context}
+              "max_batch_per_device": e.max_batch_per_device, "max_context": e.max_context,
+              **({"max_batch": largest} if largest is not None else {})}
     if args.json:
         print_json(result)
         return 0 if fits else 3
-    if args.max_batch:  # the answer first: the serving step's largest batch is the analytical model's
+    devices = request.mesh.devices
+    if largest is not None:  # the answer first: the compiler's largest batch
+        found = largest["per_device_batch_size"]
+        print(f"largest per_device_batch_size that fits: {found:g} ({kind}, by {len(largest['trials'])} compiles: "
+              f"{found * devices:g} sequences over {devices} devices; analytical {e.max_batch_per_device:g})"
+              if found else f"no batch fits ({kind}, by {len(largest['trials'])} compiles: not even one sequence "
+              f"over {devices} devices)")
+    elif args.max_batch:  # --analytical-only: the analytical model's
         print(f"largest per_device_batch_size that fits: {e.max_batch_per_device:g} ({kind}, analytical; "
-              f"{e.max_batch_per_device * request.mesh.devices:g} sequences over {request.mesh.devices} devices)")
+              f"{e.max_batch_per_device * devices:g} sequences over {devices} devices)")
     print(f"{request.model.name} {kind} on {request.topology.name}: {e.batch} sequences, prompt {e.prompt}, cache "
           f"{e.cache} positions")
     print(f"  {'':<22} {'analytical':>11} {'compiler':>11}")
@@ -130,6 +143,50 @@ def _serving(args, kind: str) -> int:
           f"{m.hbm_bytes / GIB:.2f} GiB per device; up to {e.max_batch_per_device:.4g} sequences per device, or "
           f"{e.max_context:,} cache positions at {e.batch} sequences (analytical)")
     return 0 if fits else 3
+
+
+def _serving_max_batch(args, kind: str, request, analytical: float, memory) -> dict:
+    """The largest batch of a serving step the compiler fits, in whole sequences over the devices: compiles started
+    at the analytical largest and aimed where a line through the compiler's totals crosses the device memory, kept
+    strictly inside the bracket (memory_fit's search, in sequences rather than a per-device batch)."""
+    import tempfile
+    from pathlib import Path
+
+    from maxperf import aot
+    from maxperf.search.memory_fit import MAX_BATCH_LIMIT, Trial, _next_batch
+    from maxperf.spec.errors import DoesNotFit
+
+    devices = request.mesh.devices
+    words = [w for w in args.overrides if w.partition("=")[0] != "per_device_batch_size"]
+    say = progress()
+    slope = memory.cache_bytes / max(request.train.per_device_batch_size * devices, 1)  # bytes a device a sequence
+    limit = MAX_BATCH_LIMIT * devices
+    lo, hi = 0, limit + 1  # sequences: lo fits (0: none known), hi does not (limit + 1: none known)
+    trials: list[Trial] = []
+    n = min(max(1, math.floor(analytical * devices + 1e-9)), limit)
+    with tempfile.TemporaryDirectory() as tmp:
+        while True:
+            batch = n / devices
+            say(f"compile {len(trials) + 1}: per_device_batch_size={batch:g} ({n} sequences)")
+            out = Path(args.out) / f"batch-{batch:g}" if args.out else Path(tmp) / f"batch-{n}"
+            start = time.perf_counter()
+            try:
+                figures = aot.compile(args.topology, args.model, [*words, f"per_device_batch_size={batch:g}"],
+                                      num_slices=args.num_slices, out=out, step=kind,
+                                      force=args.force or not args.out, progress=say).memory
+            except DoesNotFit:
+                figures = json.loads((out / "memory.json").read_text())
+            total = figures.get("per_device_total_bytes")
+            trials.append(Trial(n, bool(figures["fits"]), float(total) if total else None,
+                                time.perf_counter() - start))
+            lo, hi = (n, hi) if figures["fits"] else (lo, n)
+            if hi - lo <= 1 or lo >= limit:
+                break
+            n = _next_batch(trials, lo, hi, slope, memory.hbm_bytes)
+    return {"per_device_batch_size": lo / devices, "sequences": lo, "analytical_per_device_batch_size": analytical,
+            "trials": [{"per_device_batch_size": t.per_device_batch_size / devices, "sequences": t.per_device_batch_size,
+                        "fits": t.fits, "per_device_total_bytes": t.per_device_total_bytes,
+                        "compile_seconds": round(t.compile_seconds, 3)} for t in trials]}
 
 
 _ANALYTICAL_ROWS = ("params", "optimizer", "gradients", "grad_accumulator", "activations", "saved_copy", "logits",
