@@ -502,6 +502,47 @@ def test_plan_decode_prints_and_compiles_its_winner(tmp_path):
     assert manifest["step"] == "decode"
 
 
+def test_plan_decode_verification_moves_on_from_a_layout_the_compiler_does_not_fit(tmp_path, monkeypatch, capsys):
+    """A layout the analytical memory fits may not compile within HBM: verification compiles the next in rank order
+    (up to --verify of them), records each verdict in plan.json, and the first that fits is the winner; where none
+    does, plan.json holds the verdicts, no winner's artifact is left, exit 3."""
+    import json
+
+    from maxperf import aot
+    from maxperf.cli import main
+    from maxperf.spec.errors import DoesNotFit
+
+    calls = []
+
+    def compile_(topology, model, words, *, out, **kw):
+        calls.append(list(words))
+        out.mkdir(parents=True, exist_ok=True)
+        fits = len(calls) > fits_since[0]
+        (out / "memory.json").write_text(json.dumps({"per_device_total_bytes": 20 * 2**30 if not fits else 2**30,
+                                                     "hbm_bytes": 16 * 2**30, "fits": fits}))
+        if not fits:
+            raise DoesNotFit("does not fit: needs 20.00 GiB per device")
+        return type("Compiled", (), {"fits": True, "memory": json.loads((out / "memory.json").read_text()),
+                                     "out_dir": out})()
+
+    monkeypatch.setattr(aot, "compile", compile_)
+    fits_since = [1]  # the first layout does not fit, the second does
+    words = ["plan", "--step", "decode", "--model", "llama3-8b", "--topology", "v5e-8", "--verify", "3",
+             "max_target_length=2048", "max_prefill_predict_length=512", "--out"]
+    assert main([*words, str(tmp_path / "a")]) == 0
+    plan = json.loads((tmp_path / "a" / "plan.json").read_text())
+    assert [v["fits"] for v in plan["verified"]] == [False, True] and len(calls) == 2
+    assert plan["winner"]["compile"] == plan["verified"][1]["compile"] != plan["verified"][0]["compile"]
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    calls.clear()
+    fits_since[0] = 99  # none fits
+    assert main([*words, str(tmp_path / "b")]) == 3
+    plan = json.loads((tmp_path / "b" / "plan.json").read_text())
+    assert [v["fits"] for v in plan["verified"]] == [False] * 3 and plan["winner"] is None
+    assert not (tmp_path / "b" / "winner").exists()
+    assert "none of the 3 best layouts fits as compiled" in capsys.readouterr().err
+
+
 def test_plan_decode_with_a_bound_no_layout_meets_exits_3_naming_the_closest(tmp_path):
     from cli_util import maxperf
 

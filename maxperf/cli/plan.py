@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -41,19 +43,12 @@ def cmd_serving_plan(args) -> int:
         if result.winner is None:  # nothing is written
             raise serving_plan.NoLayout(serving_plan.miss_line(result))
         compiled = None
-        if result.winner is not None and args.verify:
-            from maxperf import aot
-            from maxperf.cli.common import compile_only_environment
-
-            compile_only_environment(args.topology)
-            say("compiling the winner")
-            w = result.winner
-            compiled = aot.compile(args.topology, args.model, [*result.pinned, *w.words(result.devices)],
-                                   out=out / "winner", progress=say, step="decode", force=True)
+        if args.verify:
+            compiled = _verify_serving(result, args, out, say)
         path = plan.write(result, out)
     if args.json:
-        print_json({**result.as_dict(), "plan_json": str(path),
-                    "verified": None if compiled is None else bool(compiled.fits)})
+        print_json({**result.as_dict(), "plan_json": str(path)})
+        return 0 if result.winner is not None else 3
     else:
         w = result.winner
         print(f"{result.model} decode on {result.topology} ({result.devices} devices): {result.candidates} layouts, "
@@ -64,13 +59,46 @@ def cmd_serving_plan(args) -> int:
             print(f"{x.as_dict()['mesh']:<40} {x.batch:>6} {x.quantization:>7} {'int8' if x.kv_int8 else 'bf16':>5} "
                   f"{x.tpot_s * 1e3:>9.4g} "
                   f"{x.ttft_s * 1e3:>8.4g} {x.tokens_per_s_per_chip:>10.4g} {x.bottleneck}")
-        print(f"best: {result.compile_line(w)}")
-        if compiled is not None:
-            mem = compiled.memory
-            print(f"compiled: {mem['per_device_total_bytes'] / GIB:.2f} GiB of {mem['hbm_bytes'] / GIB:.2f} GiB "
-                  f"({'fits' if compiled.fits else 'DOES NOT FIT'}) -> {compiled.out_dir}")
+        for v in result.verified:
+            total = v["per_device_total_bytes"]
+            print(f"compiled: {v['compile']}: {'-' if total is None else f'{total / GIB:.2f}'} GiB of "
+                  f"{v['hbm_bytes'] / GIB:.2f} GiB ({'fits' if v['fits'] else 'DOES NOT FIT'})")
+        if w is not None:
+            print(f"best: {result.compile_line(w)}" + (f" (compiled and fits -> {out / 'winner'})"
+                                                       if result.verified else ""))
+        else:
+            print(f"maxperf: error: none of the {len(result.verified)} best layouts fits as compiled (the "
+                  f"compiler's memory above); --verify N compiles more of them", file=sys.stderr)
         print(f"wrote {path}")
-    return 0 if compiled is None or compiled.fits else 3
+    return 0 if result.winner is not None else 3
+
+
+def _verify_serving(result, args, out: Path, say):
+    """Compiles the best layouts in rank order, up to --verify of them, until one fits (a layout the analytical
+    memory fits may not compile within HBM): its artifact is out/winner; each verdict is in plan.json."""
+    from maxperf import aot
+    from maxperf.cli.common import compile_only_environment
+    from maxperf.spec.errors import DoesNotFit
+
+    compile_only_environment(args.topology)
+    for i, layout in enumerate(result.meeting[:args.verify]):
+        say(f"compiling layout {i + 1} of {min(args.verify, len(result.meeting))}: {layout.as_dict()['mesh']}, "
+            f"{layout.batch} sequences")
+        words = [*result.pinned, *layout.words(result.devices)]
+        try:
+            compiled = aot.compile(args.topology, args.model, words, out=out / "winner", progress=say, step="decode",
+                                   force=True)
+            memory, fits = compiled.memory, compiled.fits
+        except DoesNotFit:
+            compiled, memory = None, json.loads((out / "winner" / "memory.json").read_text())
+            fits = False
+        result.verified.append({"compile": result.compile_line(layout), "fits": bool(fits),
+                                "per_device_total_bytes": memory.get("per_device_total_bytes"),
+                                "hbm_bytes": memory.get("hbm_bytes")})
+        if fits:
+            return compiled
+    shutil.rmtree(out / "winner", ignore_errors=True)  # no layout compiled fits: no winner's artifact
+    return None
 
 
 def cmd_plan(args) -> int:

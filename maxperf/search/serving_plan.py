@@ -85,9 +85,15 @@ class ServingPlan:
     pareto: list[Layout] = field(default_factory=list)  # by time per token
     closest: Layout | None = None
     search_seconds: float = 0.0
+    # the layouts compiled to verify the winner, in rank order: their compile lines, the compiler's per-device total
+    # and whether it fits (`maxperf plan --step decode --verify N`); the winner is the first that fits
+    verified: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def winner(self) -> Layout | None:
+        if self.verified:
+            fitting = [i for i, v in enumerate(self.verified) if v["fits"]]
+            return self.meeting[fitting[0]] if fitting else None
         return self.meeting[0] if self.meeting else None
 
     def compile_line(self, layout: Layout) -> str:
@@ -101,7 +107,7 @@ class ServingPlan:
                 "winner": None if self.winner is None else {**self.winner.as_dict(),
                                                             "compile": self.compile_line(self.winner)},
                 "top": [x.as_dict() for x in self.meeting[:20]], "pareto": [x.as_dict() for x in self.pareto],
-                "closest": None if self.closest is None else self.closest.as_dict()}
+                "closest": None if self.closest is None else self.closest.as_dict(), "verified": self.verified}
 
 
 def _meshes(per_domain: int, domains: int, model, pins: dict[str, int], dcn_pins: dict[str, int]
