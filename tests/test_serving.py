@@ -543,6 +543,39 @@ def test_plan_decode_verification_moves_on_from_a_layout_the_compiler_does_not_f
     assert "none of the 3 best layouts fits as compiled" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("words, needle", [
+    (["max_target_length=512", "max_prefill_predict_length=1024"], "leaves no cache position to decode into"),
+    (["max_target_length=512", "max_prefill_predict_length=512"], "leaves no cache position to decode into"),
+    (["quantization=aqt_fp8"], "the serving steps take int8 or fp8 weights"),
+    (["ici_pipeline_parallelism=2"], "does not search ici_pipeline_parallelism"),
+    (["ici_fsdp_parallelism=8"], "does not search ici_fsdp_parallelism"),
+    (["ici_tensor_parallelism=3"], "no mesh of v5e-8 takes ici_tensor_parallelism=3"),
+    (["per_device_batch_size=0.125", "ici_data_parallelism=8"], "a batch of 1 sequences"),
+    (["--num-slices", "2"], "--num-slices 2 serves from several"),
+])
+def test_plan_decode_refuses_pins_it_cannot_honour_in_one_line(tmp_path, words, needle):
+    """Every pin the serving plan would drop or could not meet is bad input: one line, exit 2, nothing written."""
+    from cli_util import maxperf
+
+    out = tmp_path / "plan"
+    proc = maxperf("plan", "--step", "decode", "--model", "llama3-8b", "--topology", "v5e-8", "--verify", "0",
+                   "--out", str(out), *words)
+    assert proc.returncode == 2 and needle in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert not out.exists()
+
+
+def test_serving_steps_refuse_weights_they_do_not_build_and_a_prompt_that_fills_the_cache():
+    from maxperf.spec import resolve
+
+    r = resolve("h100-8", "llama3-8b", ["ici_tensor_parallelism=8", "quantization=aqt_fp8"])
+    with pytest.raises(MaxperfError, match="the serving steps take int8 or fp8 weights"):
+        serving.check(r.model, r.train, 8, dict(r.mesh.sizes), serving.DECODE)
+    full = resolve("h100-8", "llama3-8b", ["max_target_length=512", "max_prefill_predict_length=512"])
+    with pytest.raises(MaxperfError, match="fills the cache"):
+        serving.check(full.model, full.train, 8, dict(full.mesh.sizes), serving.DECODE)
+    serving.check(full.model, full.train, 8, dict(full.mesh.sizes), serving.PREFILL)  # a prefill may fill it
+
+
 def test_plan_decode_with_a_bound_no_layout_meets_exits_3_naming_the_closest(tmp_path):
     from cli_util import maxperf
 

@@ -32,6 +32,9 @@ def cmd_serving_plan(args) -> int:
     if args.global_batch is not None or args.per_device_batch is not None:
         raise MaxperfError("plan --step decode searches the batch itself (pin one with per_device_batch_size=N): "
                            "drop --global-batch / --per-device-batch")
+    if args.num_slices > 1:
+        raise MaxperfError(f"plan --step decode searches one slice or host group; --num-slices {args.num_slices} "
+                           "serves from several: plan one and replicate it")
     say = progress()
     out = Path(args.out) if args.out else default_out(args, "decode")
     with artifacts.hold_output(out, "plan"):

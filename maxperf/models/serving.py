@@ -224,10 +224,16 @@ def check(model: ModelConfig, train: TrainConfig, devices: int, sizes: dict[str,
     mesh cannot split, pipeline stages."""
     if kind not in STEPS:
         raise MaxperfError(f"--step {kind}: the serving steps are {' and '.join(STEPS)}")
+    if train.quantization not in (Quantization.NONE, *STORAGE):
+        raise MaxperfError(f"quantization={train.quantization}: the serving steps take int8 or fp8 weights "
+                           "(quantization=int8 or fp8) or none")
     P, S = train.max_prefill_predict_length, train.seq_len
     if P > S:
         raise MaxperfError(f"max_prefill_predict_length={P} is longer than the cache (max_target_length={S}): a "
                            f"prompt must fit in the cache; set max_target_length >= {P}")
+    if kind == DECODE and P == S:
+        raise MaxperfError(f"max_prefill_predict_length={P} fills the cache (max_target_length={S}): a decode step "
+                           f"needs positions after the prompt; set max_target_length > {P}")
     if sizes.get("stage", 1) > 1:
         raise MaxperfError("the serving steps take no pipeline stages: drop ici_pipeline_parallelism / "
                            "dcn_pipeline_parallelism")

@@ -110,6 +110,26 @@ class ServingPlan:
                 "closest": None if self.closest is None else self.closest.as_dict(), "verified": self.verified}
 
 
+def _check_pins(train, par) -> None:
+    """The pins the search cannot honour, one line each (exit 2): weights other than int8, fp8 or bf16, a prompt that
+    leaves no cache positions to decode into, and mesh axes the search does not lay out."""
+    if train.quantization not in (Quantization.NONE, Quantization.INT8, Quantization.FP8, Quantization.AUTO):
+        raise MaxperfError(f"quantization={train.quantization}: the serving steps take int8 or fp8 weights "
+                           "(quantization=int8, fp8, none, or auto to search them)")
+    P, S = train.max_prefill_predict_length, train.seq_len
+    if P >= S:
+        raise MaxperfError(f"max_prefill_predict_length={P} leaves no cache position to decode into "
+                           f"(max_target_length={S}): set max_target_length > {P}")
+    default = type(par)()
+    other = [f"{side}_{a}" for side in ("ici", "dcn") for a in ("stage", "fsdp", "fsdp_transpose", "sequence")
+             if getattr(par, f"{side}_{a}") != getattr(default, f"{side}_{a}")
+             and getattr(par, f"{side}_{a}") not in (1, -1)]
+    if other:
+        raise MaxperfError(f"plan --step decode lays a serving mesh out over data, tensor and expert; it does not "
+                           f"search {', '.join(other)}: drop them (`maxperf estimate --step decode` prices such a "
+                           "mesh)")
+
+
 def _meshes(per_domain: int, domains: int, model, pins: dict[str, int], dcn_pins: dict[str, int]
             ) -> list[tuple[dict[str, int], dict[str, int]]]:
     """(each axis's whole size, its size across domains): data x tensor x expert inside a domain of `per_domain`
@@ -165,6 +185,7 @@ def search(model_name: str, topology_name: str, words: tuple[str, ...] = (), *, 
         raise MaxperfError(f"plan --step decode searches one slice or node group of TPUs or GPUs, got {topo.name}")
     configs = overrides_mod.apply(model, list(words))
     model, train, par = configs.model, configs.train, configs.parallelism
+    _check_pins(train, par)
     pins = {a: n for a in ("data", "tensor", "expert") if (n := getattr(par, f"ici_{a}")) not in (1, -1)}
     dcn_pins = {a: n for a in ("data", "tensor", "expert") if (n := getattr(par, f"dcn_{a}")) not in (1, -1)}
     if dcn_pins.get("tensor", 1) > 1:
@@ -182,7 +203,22 @@ def search(model_name: str, topology_name: str, words: tuple[str, ...] = (), *, 
                        tuple(w for w in words if not w.startswith(("ici_", "per_device_batch_size=", "quantization=",
                                                                    "quantize_kvcache="))))
     layouts: list[Layout] = []
-    for axes, dcn in _meshes(topo.devices_per_ici_domain, topo.ici_domains, model, pins, dcn_pins):
+    meshes = _meshes(topo.devices_per_ici_domain, topo.ici_domains, model, pins, dcn_pins)
+    if not meshes:
+        given = ", ".join(f"ici_{a}_parallelism={n}" for a, n in pins.items())
+        given += "".join(f", dcn_{a}_parallelism={n}" for a, n in dcn_pins.items())
+        raise MaxperfError(f"no mesh of {topo.name} takes {given.lstrip(', ')}: a serving mesh is data x tensor x "
+                           f"expert over the {topo.devices_per_ici_domain} devices of a "
+                           f"{'host' if topo.platform == 'gpu' else 'slice'}, tensor dividing the "
+                           f"{model.num_heads} query heads"
+                           + (f" and expert the {model.num_experts} experts" if model.is_moe else "")
+                           + f" (tensor can be {', '.join(str(t) for t in divisors(topo.devices_per_ici_domain) if model.num_heads % t == 0)})")
+    if pinned_batch and all(train.micro_batch(devices) % (axes["data"] * axes["expert"]) for axes, _ in meshes):
+        B = train.micro_batch(devices)
+        raise MaxperfError(f"a batch of {B} sequences (per_device_batch_size={train.per_device_batch_size:g} x "
+                           f"{devices} devices) splits over no searched mesh's batch shards (data x expert): pin a "
+                           "batch they divide, or leave it to the search")
+    for axes, dcn in meshes:
         mesh = Mesh.of(axes, dcn or None).check(topo)
         shards = axes["data"] * axes["expert"]
         for precision, kv_int8 in itertools.product(_precisions(train.quantization, topo.chip), kv_choices):
