@@ -128,17 +128,19 @@ def test_a_batch_the_batch_axes_do_not_divide_names_a_batch_that_they_do():
 
 
 def test_a_context_split_the_sequence_refuses_suggests_one_load_balancing_takes():
-    """Load balancing cuts the sequence into 2 x context chunks, so the suggested split divides L / 2, and resolves."""
-    p = resolve("v5p-128", "llama3-8b", ["ici_context_parallelism=8", "seq_len=2052"])
-    (line,) = [w for w in p.warnings if "does not divide L=2052" in w]
-    assert line.endswith("e.g. ici_sequence=2 ici_data=4")
-    assert resolve("v5p-128", "llama3-8b", ["ici_sequence=2", "ici_data=4", "seq_len=2052"]).mesh.axes["sequence"] == 2
+    """Load balancing cuts the sequence into 2 x context chunks: a length they do not divide is one line naming the
+    lengths near it that they do, and the context sizes that fit it, which resolve."""
+    with pytest.raises(MaxperfError, match=r"2 x 8 chunks \(context_parallel_load_balance\): seq_len=2052 must be a "
+                                           r"multiple of 16 \(e.g. 2048 or 2064\), or ici_context_parallelism one of 2$"):
+        resolve("v5p-128", "llama3-8b", ["ici_context_parallelism=8", "seq_len=2052"])
+    assert resolve("v5p-128", "llama3-8b", ["ici_context_parallelism=2", "seq_len=2052"]).mesh.axes["sequence"] == 2
 
 
-def test_a_sequence_that_sequence_parallelism_does_not_divide_is_named():
-    p = resolve("v5p-64", "llama3-8b", ["seq_len=4095", "ici_sequence=4"])
-    assert p.warnings == ("sequence=4 does not divide L=4095: L is replicated along sequence, not split; each device "
-                          "holds all 4095 of it; e.g. ici_sequence=1 ici_data=4",)
+def test_a_sequence_that_the_context_axis_does_not_divide_is_refused():
+    with pytest.raises(MaxperfError, match=r"seq_len=4095 must be a multiple of 8 \(e.g. 4088 or 4096\)$"):
+        resolve("v5p-64", "llama3-8b", ["seq_len=4095", "ici_sequence=4"])
+    with pytest.raises(MaxperfError, match=r"splits each sequence into 4 shards: seq_len=130 must be a multiple of 4"):
+        resolve("v5p-64", "llama3-8b", ["seq_len=130", "ici_sequence=4", "context_parallel_load_balance=false"])
 
 
 def test_explicit_fsdp_that_does_not_divide_the_width_warns_with_the_state_per_device():
@@ -162,14 +164,13 @@ def test_the_default_mesh_divides_the_model_width():
 
 
 def test_warnings_reach_stderr_and_the_json(capsys):
-    assert main(["estimate", "--topology", "v5p-64", "--model", "llama3-8b", "seq_len=4095", "ici_sequence=4",
-                 "--json"]) == 0
+    assert main(["estimate", "--topology", "gb200-72", "--model", "llama3-8b", "ici_fsdp=72", "--json"]) == 0
     out, err = capsys.readouterr()
-    assert err.startswith("maxperf: warning: sequence=4 does not divide L=4095")
-    assert json.loads(out)["warnings"][0].startswith("sequence=4 does not divide L=4095")
-    assert main(["estimate-memory", "--analytical-only", "--topology", "v5p-64", "--model", "llama3-8b",
-                 "seq_len=4095", "ici_sequence=4"]) == 0
-    assert "maxperf: warning: sequence=4 does not divide L=4095" in capsys.readouterr().err
+    assert err.startswith("maxperf: warning: fsdp=72 does not divide D=4096")
+    assert json.loads(out)["warnings"][0].startswith("fsdp=72 does not divide D=4096")
+    assert main(["estimate-memory", "--analytical-only", "--topology", "gb200-72", "--model", "llama3-8b",
+                 "ici_fsdp=72"]) in (0, 3)
+    assert "maxperf: warning: fsdp=72 does not divide D=4096" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -238,7 +238,20 @@ def _check_context(configs: Configs, mesh: Mesh) -> None:
     """Context parallelism's load balancing (models/context.py) cuts each sequence into 2 x context chunks, and
     reorders the tokens, which multi-token prediction's shifted targets do not follow."""
     cp, train = mesh.axes["sequence"], configs.train
-    if cp <= 1 or not train.context_parallel_load_balance or train.seq_len % cp:
+    if cp <= 1:
+        return
+    L, unit = train.seq_len, (2 * cp if train.context_parallel_load_balance else cp)
+    if L % unit:
+        lower, upper = max(unit, L // unit * unit), (L // unit + 1) * unit
+        sizes = [n for n in range(2, mesh.devices + 1) if mesh.devices % n == 0
+                 and L % (2 * n if train.context_parallel_load_balance else n) == 0]
+        raise MaxperfError(
+            f"context parallelism over {cp} devices splits each sequence into "
+            + (f"2 x {cp} chunks (context_parallel_load_balance)" if train.context_parallel_load_balance else
+               f"{cp} shards")
+            + f": seq_len={L} must be a multiple of {unit} (e.g. {lower} or {upper})"
+            + (f", or ici_context_parallelism one of {', '.join(map(str, sizes[:6]))}" if sizes else ""))
+    if not train.context_parallel_load_balance:
         return
     if train.seq_len % (2 * cp):
         raise MaxperfError(f"context_parallel_load_balance cuts each sequence into 2 x {cp} chunks: seq_len="
