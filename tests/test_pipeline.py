@@ -48,6 +48,12 @@ def test_the_embeddings_and_losss_places_make_megatrons_uneven_stages():
     ({"microbatches": 6}, "num_pipeline_microbatches=6 must be a positive multiple of the 4 pipeline stages"),
     ({"microbatches": 4, "delay": True}, "needs at least 2 x 4 = 8 microbatches"),
     ({"microbatches": 128}, "the batch of 64 examples does not split into num_pipeline_microbatches=128"),
+    # the delay's default count (2 x the stages) that the batch does not split: a fix that works, not a smaller count
+    ({"batch": 4, "delay": True}, r"does not split into num_pipeline_microbatches=8 \(2 x the 4 stages, its default "
+     r"with pipeline_delay_activation_forwarding\); make the batch .* a multiple of 8 or drop "
+     r"pipeline_delay_activation_forwarding"),
+    ({"stages": 8, "pipelined_units": 30, "units_per_stage": 1},
+     r"choose a stage count that divides 30 \(2, 3, 5, 6, 10, 15, 30\)"),
 ])
 def test_a_schedule_that_cannot_run_names_what_would(kwargs, message):
     args = {"stages": 4, "pipelined_units": 32, "batch": 64} | kwargs
@@ -291,8 +297,25 @@ def test_megatrons_1f1b_holds_the_microbatches_in_flight_where_maxtexts_schedule
     assert step_limitations(gpipe, "train") == []
     flat = resolve("v5p-16", "llama2-7b", ["pipeline_schedule=1f1b"])
     assert any("one stage, and it changes nothing" in w for w in flat.warnings)
+    keys = resolve("v5p-16", "llama2-7b", ["num_pipeline_microbatches=8", "pipeline_fsdp_ag_once=true"])
+    assert ("num_pipeline_microbatches, pipeline_fsdp_ag_once shape a pipeline's loop; this mesh has one stage, and "
+            "they change nothing") in keys.warnings
     with pytest.raises(MaxperfError, match="pipeline_schedule=1f1b .* has no such delay"):
         resolve("v5p-16", "llama2-7b", [*words, "pipeline_schedule=1f1b", "pipeline_delay_activation_forwarding=true"])
+
+
+def test_estimate_memory_sets_a_1f1b_compile_beside_maxtexts_schedule_analytical(tmp_path):
+    """The compiled pipeline runs MaxText's schedule whatever pipeline_schedule says: estimate-memory compares the
+    compiler's figure with that schedule's analytical one, not 1F1B's smaller one."""
+    from maxperf.search import memory_fit
+
+    words = ["ici_stage=2", "num_layers=4", "per_device_batch_size=2", "num_pipeline_microbatches=8", "seq_len=128"]
+    one = memory_fit.compare("cpu-4", "tiny", [*words, "pipeline_schedule=1f1b"])
+    gpipe = memory_fit.compare("cpu-4", "tiny", words, analytical_only=True)
+    held = memory_fit.compare("cpu-4", "tiny", [*words, "pipeline_schedule=1f1b"], analytical_only=True)
+    assert one.compiler is not None
+    assert one.analytical.per_device_total_bytes == gpipe.analytical.per_device_total_bytes
+    assert held.analytical.activations < gpipe.analytical.activations
 
 
 def test_an_empty_place_is_computed_and_stores_a_layers_weights():

@@ -12,6 +12,7 @@ With `cluster` (a connected maxperf.search.cluster.Cluster), each compile runs a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -29,6 +30,7 @@ from maxperf.perfmodel.flops import resolve_attention
 from maxperf.spec.errors import DoesNotFit
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.request import Request, resolve
+from maxperf.spec.train import PipelineSchedule
 
 SCHEMA = "maxperf.estimate-memory/1"
 MAX_BATCH_SCHEMA = "maxperf.max-batch/1"
@@ -117,6 +119,10 @@ def compare(topology: str, model: str, overrides: Sequence[str] = (), *, num_sli
     mine = analytical(p)
     if analytical_only:
         return MemoryComparison(p, mine, None, None, None)
+    if str(p.configs.train.pipeline_schedule) == "1f1b" and p.mesh.axes["stage"] > 1:
+        # the compiled pipeline runs MaxText's schedule: set the compiler's figure beside that schedule's analytical
+        train = dataclasses.replace(p.configs.train, pipeline_schedule=PipelineSchedule.GPIPE)
+        mine = analytical(dataclasses.replace(p, configs=dataclasses.replace(p.configs, train=train)))
     if cluster is not None:
         memory, seconds, cache_hit = cluster.compile_memory(p, model, overrides, num_slices,
                                                             out=None if out is None else Path(out), force=force,

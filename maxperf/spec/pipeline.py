@@ -113,7 +113,8 @@ def schedule(stages: int, pipelined_units: int, batch: int, *, microbatches: int
             raise MaxperfError(
                 f"{stages} pipeline stages x num_layers_per_pipeline_stage={units_per_stage} do not divide the "
                 f"{what}; " + (f"num_layers_per_pipeline_stage can be {', '.join(map(str, valid))}" if valid else
-                               f"choose a stage count that divides {places}")
+                               f"choose a stage count that divides {places} ("
+                               + ", ".join(str(n) for n in range(2, places + 1) if places % n == 0) + ")")
                 + ("" if (pipelined_units + 2) % per_repeat or empty_first + empty_last == 2 else
                    "; or give the embedding and the loss a layer's place each (account_for_embedding_in_pipeline_"
                    "split=true, account_for_loss_in_pipeline_split=true), as Megatron-LM's uneven stages do"))
@@ -126,7 +127,8 @@ def schedule(stages: int, pipelined_units: int, batch: int, *, microbatches: int
         raise MaxperfError("pipeline_delay_activation_forwarding delays MaxText's schedule; pipeline_schedule=1f1b "
                            "(Megatron-LM's) has no such delay: drop one of them")
     gap = 2 if delay else 1
-    if microbatches == -1:
+    derived = microbatches == -1
+    if derived:
         microbatches = gap * stages
     if microbatches < 1 or microbatches % stages:
         raise MaxperfError(f"num_pipeline_microbatches={microbatches} must be a positive multiple of the {stages} "
@@ -135,10 +137,15 @@ def schedule(stages: int, pipelined_units: int, batch: int, *, microbatches: int
         raise MaxperfError(f"pipeline_delay_activation_forwarding needs at least 2 x {stages} = {2 * stages} "
                            f"microbatches, got num_pipeline_microbatches={microbatches}")
     if batch % microbatches:
-        fits = [m for m in range(stages, batch + 1, stages) if batch % m == 0]
-        raise MaxperfError(f"the batch of {batch} examples does not split into num_pipeline_microbatches="
-                           f"{microbatches}; " + (f"choose one of {', '.join(map(str, fits[:8]))}" if fits else
-                                                  f"make the batch a multiple of {stages}"))
+        # counts the batch splits into that the schedule also takes (at least 2 x stages with the delay)
+        fits = [m for m in range(gap * stages, batch + 1, stages) if batch % m == 0]
+        said = (f"num_pipeline_microbatches={microbatches}" if not derived else
+                f"num_pipeline_microbatches={microbatches} ({'2 x ' if delay else ''}the {stages} stages, its default"
+                + (" with pipeline_delay_activation_forwarding" if delay else "") + ")")
+        fix = (f"choose one of {', '.join(map(str, fits[:8]))}" if fits else
+               f"make the batch (per_device_batch_size x devices) a multiple of {microbatches}"
+               + (" or drop pipeline_delay_activation_forwarding" if delay else ""))
+        raise MaxperfError(f"the batch of {batch} examples does not split into {said}; {fix}")
     return Schedule(stages, microbatches, repeats, units_per_stage, gap, fsdp_gather_once, empty_first, empty_last,
                     one_f_one_b)
 

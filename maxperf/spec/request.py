@@ -266,14 +266,19 @@ def _check_context(configs: Configs, mesh: Mesh) -> None:
 def _schedule_note(train: TrainConfig, schedule: pipeline.Schedule | None) -> tuple[str, ...]:
     """What pipeline_schedule=1f1b does here: nothing without stages; with them, perfmodel's memory holds the
     microbatches in flight, where the compiled step runs MaxText's schedule and holds every iteration's."""
+    if schedule is None:
+        default = TrainConfig()
+        keys = [k for k in ("num_pipeline_microbatches", "num_pipeline_repeats", "num_layers_per_pipeline_stage",
+                            "pipeline_delay_activation_forwarding", "pipeline_fsdp_ag_once", "pipeline_schedule")
+                if getattr(train, k) != getattr(default, k)]
+        return (f"{', '.join(keys)} {'shape' if len(keys) > 1 else 'shapes'} a pipeline's loop; this mesh has one "
+                f"stage, and {'they change' if len(keys) > 1 else 'it changes'} nothing",) if keys else ()
     if str(train.pipeline_schedule) != "1f1b":
         return ()
-    if schedule is None:
-        return ("pipeline_schedule=1f1b orders a pipeline's microbatches; this mesh has one stage, and it changes "
-                "nothing",)
     return (f"pipeline_schedule=1f1b (Megatron-LM's) is priced: each stage holds the activations of "
             f"{schedule.held_iterations} of its {schedule.iterations} loop iterations at once; the compiled step runs "
-            "MaxText's schedule, which holds them all, so a compile's memory is that schedule's",)
+            "MaxText's schedule, which holds them all, so a compile's memory is that schedule's (estimate-memory sets "
+            "it beside that schedule's analytical figure)",)
 
 
 def _check_zero1(train: TrainConfig, mesh: Mesh) -> None:
