@@ -576,6 +576,20 @@ def test_serving_steps_refuse_weights_they_do_not_build_and_a_prompt_that_fills_
     serving.check(full.model, full.train, 8, dict(full.mesh.sizes), serving.PREFILL)  # a prefill may fill it
 
 
+def test_the_bound_a_missed_plan_names_is_one_its_closest_layout_meets():
+    """The bound said is rounded up, not to the nearest (1.8404 ms said as 1.84 was missed again): rerun with it,
+    the plan finds the layout."""
+    from maxperf.search import serving_plan
+
+    missed = serving_plan.search("qwen3-8b", "h100-8", max_tpot_s=0.5e-3)
+    assert not missed.meeting and missed.closest is not None
+    line = serving_plan.miss_line(missed)
+    said = float(line.split("--max-time-per-token ")[1].split(",")[0])
+    assert said >= missed.closest.tpot_s * 1e3 and "bf16 weights" in line and "1 sequence," in line
+    assert serving_plan.search("qwen3-8b", "h100-8", max_tpot_s=said / 1e3).meeting
+    assert serving_plan._rounded_up(1.8404) == "1.85" and serving_plan._rounded_up(12.01) == "12.1"
+
+
 def test_plan_decode_with_a_bound_no_layout_meets_exits_3_naming_the_closest(tmp_path):
     from cli_util import maxperf
 

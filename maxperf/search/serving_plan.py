@@ -253,6 +253,12 @@ def search(model_name: str, topology_name: str, words: tuple[str, ...] = (), *, 
     return plan
 
 
+def _rounded_up(ms: float) -> str:
+    """A bound in ms, three significant digits rounded up, so that the bound said is one the layout meets."""
+    digits = 2 - math.floor(math.log10(ms)) if ms > 0 else 0
+    return f"{math.ceil(ms * 10 ** digits) / 10 ** digits:g}"
+
+
 def miss_line(plan: ServingPlan) -> str:
     """Why no layout is given, and what the closest would need."""
     if plan.closest is None:
@@ -261,11 +267,12 @@ def miss_line(plan: ServingPlan) -> str:
     c = plan.closest
     needs = []
     if plan.bounds["max_time_per_token_s"] and c.tpot_s > plan.bounds["max_time_per_token_s"]:
-        needs.append(f"--max-time-per-token {c.tpot_s * 1e3:.3g}")
+        needs.append(f"--max-time-per-token {_rounded_up(c.tpot_s * 1e3)}")
     if plan.bounds["max_ttft_s"] and c.ttft_s > plan.bounds["max_ttft_s"]:
-        needs.append(f"--max-ttft {c.ttft_s * 1e3:.3g}")
+        needs.append(f"--max-ttft {_rounded_up(c.ttft_s * 1e3)}")
+    weights = "bf16" if c.quantization == "none" else c.quantization
     return (f"no layout meets the bounds ({plan.fitting} fit of {plan.candidates}); closest: "
-            f"{c.as_dict()['mesh']}, {c.batch} sequences, {c.quantization} weights"
+            f"{c.as_dict()['mesh']}, {c.batch} sequence{'s' * (c.batch != 1)}, {weights} weights"
             + (", int8 cache" if c.kv_int8 else "") + ": "
             f"{c.tpot_s * 1e3:.3g} ms per token, TTFT {c.ttft_s * 1e3:.3g} ms; it would need "
             + " and ".join(needs) + ", or faster or more chips")
