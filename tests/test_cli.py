@@ -909,3 +909,18 @@ def test_an_unknown_name_with_no_close_one_points_to_the_whole_catalog(capsys):
     assert code == 2 and "unknown model 'nosuchxx'; valid: " in err and "more (`maxperf models` lists them)" in err
     code, _, err = run_main(capsys, "cache", "clear", "--older-than", "nan")
     assert code == 2 and "--older-than takes days, 0 or more, got nan" in err
+
+
+def test_maxtexts_serving_keys_at_their_defaults_paste_and_other_values_are_refused(capsys):
+    """MaxText's inference keys of features maxperf's serving steps do not build are taken at base.yml's default
+    (named once as ignored) and refused at any other value, one line, exit 2."""
+    words = ["estimate", "--step", "decode", "model_name=llama3-8b", "compile_topology=v5e-8",
+             "ici_tensor_parallelism=8"]
+    defaults = ["ici_autoregressive_parallelism=1", "checkpoint_is_quantized=false", "ar_cache_axis_order=1,2,0,3",
+                "prefill_cache_axis_order=1,2,0,3", "compute_axis_order=0,1,2,3", "reshape_q=false",
+                "model_call_mode=", "decode_sampling_strategy=greedy", "inference_server=MaxtextInterleavedServer"]
+    assert main([*words, *defaults]) == 0
+    err = capsys.readouterr().err
+    assert "ici_autoregressive_parallelism" in err and "change nothing of the step: ignored" in err
+    assert main([*words, "ici_autoregressive_parallelism=2"]) == 2
+    assert "at ici_autoregressive_parallelism=1 (its default) only" in capsys.readouterr().err

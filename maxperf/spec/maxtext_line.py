@@ -113,6 +113,8 @@ TUNING_KEYS = frozenset("""
     local_sa_use_base2_exp sa_bwd_dkv_megacore sa_fuse_reciprocal sa_use_base2_exp use_jax_splash
     use_gmm_v2 merge_gating_gmm use_ragged_sort shardy optimize_mesh_for_tpu_v6e remove_size_one_mesh_axis_from_type
     max_inflight_computations force_unroll ring_scan_unroll
+    prefill_cache_dir inference_metadata_file inference_server inference_benchmark_test enable_model_warmup
+    decode_sampling_nucleus_p decode_sampling_top_k decode_sampling_temperature prefill_chunk_size
 """.split() + _TILES)
 # MaxText's switches of features maxperf's steps do not build, at the value (configs/base.yml's default) that leaves
 # each off: there they change nothing and are named once as ignored; another value is refused, one line. Matmuls at
@@ -131,6 +133,13 @@ DEFAULT_ONLY: dict[str, str] = {
     # the pipeline's scans and gathers as maxperf's pipeline runs them (models/pipeline.py)
     "scan_pipeline_iterations": "true", "scan_pipeline_repeats": "false", "scan_layers_per_stage": "false",
     "set_remat_policy_on_layers_per_stage": "false", "pipeline_fsdp_ag_per_repeat": "false",
+    # serving: no autoregressive mesh axis, weights quantized when the step is built (not read quantized), the
+    # cache laid out as each platform's compiler reads it (models/layers/kv_cache.py), greedy decoding, no chunked
+    # or stacked prefill
+    "ici_autoregressive_parallelism": "1", "dcn_autoregressive_parallelism": "1", "checkpoint_is_quantized": "false",
+    "prefill_cache_axis_order": "1,2,0,3", "ar_cache_axis_order": "1,2,0,3", "compute_axis_order": "0,1,2,3",
+    "reshape_q": "false", "model_call_mode": "", "decode_sampling_strategy": "greedy",
+    "stack_prefill_result_cache": "false", "use_chunked_prefill": "false",
     # remat_policy=custom's names of the experts' and MLA's tensors: maxperf recomputes them (MaxText's default)
     **dict.fromkeys(("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo", "kv_proj", "query_wa_proj", "kv_wa_proj", "mla_q",
                      "mla_kv"), "remat"),
