@@ -922,5 +922,7 @@ def test_maxtexts_serving_keys_at_their_defaults_paste_and_other_values_are_refu
     assert main([*words, *defaults]) == 0
     err = capsys.readouterr().err
     assert "ici_autoregressive_parallelism" in err and "change nothing of the step: ignored" in err
-    assert main([*words, "ici_autoregressive_parallelism=2"]) == 2
+    with pytest.raises(SystemExit) as refused:  # refused as the words are parsed
+        main([*words, "ici_autoregressive_parallelism=2"])
+    assert refused.value.code == 2
     assert "at ici_autoregressive_parallelism=1 (its default) only" in capsys.readouterr().err
