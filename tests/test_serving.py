@@ -5,6 +5,7 @@ refused in one line."""
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -670,6 +671,38 @@ def test_the_report_shows_the_serving_plan_curve_and_the_decode_step(tmp_path):
         rows = list(csv.DictReader(f))
     assert len(rows) == len(plan.pareto) and float(rows[0]["ms/token"]) == pytest.approx(
         plan.pareto[0].tpot_s * 1e3, abs=1e-3)
+    # an altered artifact or a damaged run.json is refused as for the train step: one line, exit 2
+    import json
+    import shutil
+
+    tampered = tmp_path / "tampered"
+    shutil.copytree(art, tampered, ignore=shutil.ignore_patterns("run"))
+    estimate = json.loads((tampered / "estimate.json").read_text())
+    estimate["time_per_output_token_s"] = 1.0
+    (tampered / "estimate.json").write_text(json.dumps(estimate))
+    proc = maxperf("report", str(tampered), "-o", str(tmp_path / "t.html"))
+    assert proc.returncode == 2 and "sha256" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    damaged = tmp_path / "damaged"
+    shutil.copytree(art / "run", damaged)
+    run = json.loads((damaged / "run.json").read_text())
+    run["step_time_s"] = "fast"
+    (damaged / "run.json").write_text(json.dumps(run))
+    proc = maxperf("report", str(damaged), "-o", str(tmp_path / "d.html"))
+    assert proc.returncode == 2 and "'step_time_s' should be a number" in proc.stderr, proc.stderr
+
+
+def test_the_report_of_a_serving_compile_that_does_not_fit_says_by_how_much(tmp_path):
+    from cli_util import maxperf
+
+    art = tmp_path / "dnf"
+    proc = maxperf("compile", "--step", "decode", "--model", "llama3-8b", "--topology", "v5e-4",
+                   "ici_tensor_parallelism=4", "per_device_batch_size=128", *INT8_CACHE, "--out", str(art))
+    assert proc.returncode == 3, proc.stderr
+    proc = maxperf("report", str(art), "-o", str(tmp_path / "r.html"))
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "r.html").read_text()
+    assert re.search(r"DOES NOT FIT: needs [\d.]+ GiB per device of 16.00 GiB \(over by [\d.]+ GiB\)", text)
+    assert "predicted 0 ms" not in text
 
 
 @pytest.mark.slow

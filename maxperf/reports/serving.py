@@ -3,6 +3,7 @@ output token against tokens/s per chip), a `compile --step prefill|decode` direc
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from maxperf.reports import figures
@@ -87,11 +88,38 @@ def read_plan(page: Page, directory: Path) -> None:
     page.sections.append(s)
 
 
+# What the page reads of a serving run.json, and what each field must be when present (null is always allowed).
+RUN_FIELDS = {**dict.fromkeys(("steps", "devices", "batch", "step_time_s", "step_time_min_s", "tokens_per_s",
+                                "tokens_per_s_per_chip", "predicted_step_time_s", "measured_over_predicted",
+                                "hlo_predicted_step_time_s", "measured_over_hlo_predicted"), "a number >= 0"),
+              "step_times_s": "a list of numbers", "artifact": "a string", "device_kind": "a string"}
+
+
+def _run_json(directory: Path) -> dict:
+    """A serving run.json, refused in one line where a field the page reads is of the wrong form or its steps are
+    missing."""
+    from maxperf.aot.artifacts import ArtifactError
+    from maxperf.reports.steps import _fits
+
+    path = directory / "run.json"
+    run = read_json(path) or {}
+    for name, what in RUN_FIELDS.items():
+        if run.get(name) is not None and not _fits(run[name], what):
+            raise ArtifactError(f"{path}: {name!r} should be {what}, not {json.dumps(run[name])[:60]}; the run "
+                                "directory is damaged: run the step again")
+    if not run.get("step_times_s") or run.get("step_time_s") is None:
+        raise ArtifactError(f"{path} holds no measured steps; the run directory is damaged: run the step again")
+    return run
+
+
 def read_step(page: Page, kind: str, directory: Path) -> None:
-    """A serving compile directory, or its run (run.json beside or inside it)."""
-    run = read_json(directory / "run.json") if kind == "run" else None
-    artifact = Path(run["artifact"]) if run else directory
-    manifest = read_json(artifact / "manifest.json") or {}
+    """A serving compile directory, or its run (run.json beside or inside it), its artifact's files checked against
+    their sha256 as for the train step's."""
+    from maxperf.reports.steps import _artifact_of, _verified_manifest
+
+    run = _run_json(directory) if kind == "run" else None
+    artifact = _artifact_of(run, directory) if run else directory
+    manifest = _verified_manifest(artifact) if (artifact / "manifest.json").is_file() or not run else {}
     estimate = read_json(artifact / "estimate.json") or {}
     memory = read_json(artifact / "memory.json") or {}
     step = manifest.get("step") or (run or {}).get("step")
@@ -100,6 +128,16 @@ def read_step(page: Page, kind: str, directory: Path) -> None:
     s = Section(f"{step}: {model} on {topology} ({directory})", kind)
     if memory.get("per_device_total_bytes"):
         s.verdict = "fits" if memory.get("fits") else "does not fit"
+    if memory and not memory.get("fits") and not manifest.get("compiled", True):
+        # a compile the compiler refused: no executable, no prediction; what it needed instead
+        total, hbm = memory.get("per_device_total_bytes"), memory.get("hbm_bytes")
+        s.verdict = "does not fit"
+        s.headline = (f"DOES NOT FIT: needs {total / GIB:.2f} GiB per device of {hbm / GIB:.2f} GiB (over by "
+                      f"{(total - hbm) / GIB:.2f} GiB)" if total and hbm else "DOES NOT FIT (the compiler's verdict)")
+        if memory.get("compiler_message"):
+            s.facts.append(("compiler", memory["compiler_message"]))
+        page.sections.append(s)
+        return
     if step == "decode":
         s.headline = (f"predicted {estimate.get('time_per_output_token_s', 0) * 1e3:.3g} ms per output token, "
                       f"{estimate.get('tokens_per_s_per_chip', 0):,.0f} tokens/s per chip")
