@@ -835,3 +835,9 @@ def test_the_largest_serving_batch_is_the_compilers(tmp_path):
     n = found["sequences"]
     assert n > 0 and trials[n] is True and trials[n + 1] is False, found
     assert found["per_device_batch_size"] == n / 4
+
+
+def test_a_count_of_sequences_is_written_whole():
+    from maxperf.cli.estimate import sequences
+
+    assert (sequences(1), sequences(16384), sequences(2.5)) == ("1 sequence", "16,384 sequences", "2.5 sequences")

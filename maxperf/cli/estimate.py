@@ -99,8 +99,9 @@ def _serving(p, kind: str, as_json: bool, calibration) -> int:
 
 
 def sequences(n: float) -> str:
-    """'1 sequence', '8 sequences', '2.5 sequences'."""
-    return f"{n:.4g} sequence" + ("" if n == 1 else "s")
+    """'1 sequence', '16,384 sequences', '2.5 sequences'."""
+    shown = f"{n:,.0f}" if float(n).is_integer() else f"{n:,.4g}"
+    return f"{shown} sequence" + ("" if n == 1 else "s")
 
 
 ENTRY_NAMES = {"tpu": "TPU", "tpu7x": "TPU7x", "gpu": "GPU"}  # memory_error.json's entries, as the line names them
