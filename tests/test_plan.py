@@ -130,8 +130,9 @@ def test_a_batch_the_batch_axes_do_not_divide_names_a_batch_that_they_do():
 def test_a_context_split_the_sequence_refuses_suggests_one_load_balancing_takes():
     """Load balancing cuts the sequence into 2 x context chunks: a length they do not divide is one line naming the
     lengths near it that they do, and the context sizes that fit it, which resolve."""
-    with pytest.raises(MaxperfError, match=r"2 x 8 chunks \(context_parallel_load_balance\): seq_len=2052 must be a "
-                                           r"multiple of 16 \(e.g. 2048 or 2064\), or ici_context_parallelism one of 2$"):
+    with pytest.raises(MaxperfError, match=r"2 x 8 chunks \(context_parallel_load_balance\): seq_len=2052 must be "
+                                           r"a multiple of 16 \(e.g. 2048 or 2064\), or ici_context_parallelism one "
+                                           r"of 2$"):
         resolve("v5p-128", "llama3-8b", ["ici_context_parallelism=8", "seq_len=2052"])
     assert resolve("v5p-128", "llama3-8b", ["ici_context_parallelism=2", "seq_len=2052"]).mesh.axes["sequence"] == 2
 

@@ -184,8 +184,9 @@ def _serving_max_batch(args, kind: str, request, analytical: float, memory) -> d
                 break
             n = _next_batch(trials, lo, hi, slope, memory.hbm_bytes)
     return {"per_device_batch_size": lo / devices, "sequences": lo, "analytical_per_device_batch_size": analytical,
-            "trials": [{"per_device_batch_size": t.per_device_batch_size / devices, "sequences": t.per_device_batch_size,
-                        "fits": t.fits, "per_device_total_bytes": t.per_device_total_bytes,
+            "trials": [{"per_device_batch_size": t.per_device_batch_size / devices,
+                        "sequences": t.per_device_batch_size, "fits": t.fits,
+                        "per_device_total_bytes": t.per_device_total_bytes,
                         "compile_seconds": round(t.compile_seconds, 3)} for t in trials]}
 
 

@@ -45,9 +45,8 @@ def cmd_serving_plan(args) -> int:
         say(f"estimated {result.candidates} layouts in {result.search_seconds:.2f} s")
         if result.winner is None:  # nothing is written
             raise serving_plan.NoLayout(serving_plan.miss_line(result))
-        compiled = None
         if args.verify:
-            compiled = _verify_serving(result, args, out, say)
+            _verify_serving(result, args, out, say)
         path = plan.write(result, out)
     if args.json:
         print_json({**result.as_dict(), "plan_json": str(path)})
@@ -76,7 +75,7 @@ def cmd_serving_plan(args) -> int:
     return 0 if result.winner is not None else 3
 
 
-def _verify_serving(result, args, out: Path, say):
+def _verify_serving(result, args, out: Path, say) -> None:
     """Compiles the best layouts in rank order, up to --verify of them, until one fits (a layout the analytical
     memory fits may not compile within HBM): its artifact is out/winner; each verdict is in plan.json."""
     from maxperf import aot
@@ -93,15 +92,13 @@ def _verify_serving(result, args, out: Path, say):
                                    force=True)
             memory, fits = compiled.memory, compiled.fits
         except DoesNotFit:
-            compiled, memory = None, json.loads((out / "winner" / "memory.json").read_text())
-            fits = False
+            memory, fits = json.loads((out / "winner" / "memory.json").read_text()), False
         result.verified.append({"compile": result.compile_line(layout), "fits": bool(fits),
                                 "per_device_total_bytes": memory.get("per_device_total_bytes"),
                                 "hbm_bytes": memory.get("hbm_bytes")})
         if fits:
-            return compiled
+            return
     shutil.rmtree(out / "winner", ignore_errors=True)  # no layout compiled fits: no winner's artifact
-    return None
 
 
 def cmd_plan(args) -> int:

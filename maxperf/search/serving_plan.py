@@ -212,7 +212,8 @@ def search(model_name: str, topology_name: str, words: tuple[str, ...] = (), *, 
                            f"{'host' if topo.platform == 'gpu' else 'slice'}, tensor dividing the "
                            f"{model.num_heads} query heads"
                            + (f" and expert the {model.num_experts} experts" if model.is_moe else "")
-                           + f" (tensor can be {', '.join(str(t) for t in divisors(topo.devices_per_ici_domain) if model.num_heads % t == 0)})")
+                           + " (tensor can be " + ", ".join(str(t) for t in divisors(topo.devices_per_ici_domain)
+                                                            if model.num_heads % t == 0) + ")")
     if pinned_batch and all(train.micro_batch(devices) % (axes["data"] * axes["expert"]) for axes, _ in meshes):
         B = train.micro_batch(devices)
         raise MaxperfError(f"a batch of {B} sequences (per_device_batch_size={train.per_device_batch_size:g} x "
