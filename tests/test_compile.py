@@ -263,9 +263,11 @@ def test_an_out_of_memory_compile_counts_the_arguments_once():
     figures = compiler.out_of_memory_figures(message)
     assert figures["temp_bytes"] == int(15.94 * 2**30) and figures["compiler_available_bytes"] == int(15.75 * 2**30)
     args = 16927813056
-    assert compiler.oom_total(figures["temp_bytes"], args) == {"argument_bytes": args,
-                                                               "per_device_total_bytes": figures["temp_bytes"]}
-    assert compiler.oom_total(2 * 2**30, 10 * 2**30)["per_device_total_bytes"] == 12 * 2**30
+    assert compiler.oom_total(figures["temp_bytes"], args) == {
+        "argument_bytes": args, "temp_bytes": figures["temp_bytes"] - args,
+        "per_device_total_bytes": figures["temp_bytes"]}
+    assert compiler.oom_total(2 * 2**30, 10 * 2**30) == {"argument_bytes": 10 * 2**30, "temp_bytes": 2 * 2**30,
+                                                         "per_device_total_bytes": 12 * 2**30}
 
 
 def test_the_compile_cache_keys_the_environments_compiler_flags(monkeypatch):

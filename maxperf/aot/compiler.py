@@ -135,9 +135,10 @@ def oom_total(temporaries: int, arguments: int) -> dict[str, int]:
     arguments the step's shardings give. libtpu's figure holds the arguments where it is at least as large as they
     are: a decode step of llama3-70b on v5e-8 in int8 fits at 22 sequences a device (15.63 GiB compiled, 0.17 of them
     temporaries) and at 23 was refused with temporaries of 15.94 GiB beside 15.77 of arguments (one more sequence
-    cannot add 15.8 GiB of temporaries). A smaller figure cannot hold them, and they are added."""
+    cannot add 15.8 GiB of temporaries). A smaller figure cannot hold them, and they are added. `temp_bytes` is
+    what lies beside the arguments, as memory_analysis counts temporaries, so that the parts sum to the total."""
     total = temporaries if temporaries >= arguments else temporaries + arguments
-    return {"argument_bytes": arguments, "per_device_total_bytes": total}
+    return {"argument_bytes": arguments, "temp_bytes": total - arguments, "per_device_total_bytes": total}
 
 
 def scoped_vmem_exhausted(message: str) -> bool:
