@@ -43,12 +43,17 @@ UNQUANTIZED = ("embed", "unembed", "positions")  # top-level parameters kept in 
 TOKENS_AXES = ("cache_batch", None)
 
 
-def serving_configs(model: ModelConfig, train: TrainConfig) -> tuple[ModelConfig, TrainConfig]:
-    """The model without its training-only modules, and the step's settings: weights in the compute dtype, no
-    remat, no training quantization (int8 weights are stored so instead)."""
+def check_weights(train: TrainConfig) -> None:
+    """The weights the serving steps build: in the compute dtype, or stored int8 or fp8 (STORAGE); else one line."""
     if train.quantization not in (Quantization.NONE, *STORAGE):
         raise MaxperfError(f"quantization={train.quantization}: the serving steps take int8 or fp8 weights "
                            "(quantization=int8 or fp8) or none")
+
+
+def serving_configs(model: ModelConfig, train: TrainConfig) -> tuple[ModelConfig, TrainConfig]:
+    """The model without its training-only modules, and the step's settings: weights in the compute dtype, no
+    remat, no training quantization (int8 weights are stored so instead)."""
+    check_weights(train)
     model = dataclasses.replace(model, mtp_num_layers=0)
     train = dataclasses.replace(train, param_dtype=train.compute_dtype, quantization=Quantization.NONE,
                                 grad_accum_steps=1, remat_policy="none", parameter_memory_host_offload=False,
@@ -224,9 +229,7 @@ def check(model: ModelConfig, train: TrainConfig, devices: int, sizes: dict[str,
     mesh cannot split, pipeline stages."""
     if kind not in STEPS:
         raise MaxperfError(f"--step {kind}: the serving steps are {' and '.join(STEPS)}")
-    if train.quantization not in (Quantization.NONE, *STORAGE):
-        raise MaxperfError(f"quantization={train.quantization}: the serving steps take int8 or fp8 weights "
-                           "(quantization=int8 or fp8) or none")
+    check_weights(train)
     P, S = train.max_prefill_predict_length, train.seq_len
     if P > S:
         raise MaxperfError(f"max_prefill_predict_length={P} is longer than the cache (max_target_length={S}): a "
