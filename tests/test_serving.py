@@ -553,6 +553,7 @@ def test_plan_decode_verification_moves_on_from_a_layout_the_compiler_does_not_f
     (["ici_tensor_parallelism=3"], "no mesh of v5e-8 takes ici_tensor_parallelism=3"),
     (["per_device_batch_size=0.125", "ici_data_parallelism=8"], "a batch of 1 sequences"),
     (["--num-slices", "2"], "--num-slices 2 serves from several"),
+    (["--verify", "-1"], "--verify must be >= 0 (0: no compile), got -1"),
 ])
 def test_plan_decode_refuses_pins_it_cannot_honour_in_one_line(tmp_path, words, needle):
     """Every pin the serving plan would drop or could not meet is bad input: one line, exit 2, nothing written."""

@@ -104,13 +104,13 @@ def _verify_serving(result, args, out: Path, say) -> None:
 def cmd_plan(args) -> int:
     from maxperf.search import plan, verify
 
+    if args.verify < 0:  # a serving plan's as well: it compiles up to that many layouts
+        raise MaxperfError(f"--verify must be >= 0 (0: no compile), got {args.verify}")
     if args.step == "decode":
         return cmd_serving_plan(args)
     if args.max_time_per_token is not None or args.max_ttft is not None:
         raise MaxperfError("--max-time-per-token and --max-ttft bound a serving plan: add --step decode")
 
-    if args.verify < 0:
-        raise MaxperfError(f"--verify must be >= 0 (0: no compile), got {args.verify}")
     if args.workers is not None and args.workers < 1:
         raise MaxperfError(f"--workers must be >= 1, got {args.workers}")
     if args.per_device_batch is not None and args.per_device_batch <= 0:
