@@ -171,6 +171,28 @@ def test_a_compiler_no_fit_drops_the_candidate_and_the_next_is_chosen(tiny):
     assert result.winner is result.fitting[0] and result.winner.verified is None
 
 
+def test_a_mesh_whose_state_alone_does_not_fit_is_left_out_whole_and_fits_at_no_batch():
+    result = plan.search(plan.PlanRequest("llama3-8b", "v5p-8", per_device_batch=1))
+    assert result.pruned and result.fitting
+    left_out = sum(p["candidates"] for p in result.pruned)
+    n = result.counts()
+    assert n["enumerated"] == len(result.candidates) + left_out and n["state_does_not_fit"] == left_out
+    assert not any(c.reason.startswith(plan.STATE_ALONE) for c in result.candidates)
+    factor = 1 + result.margin.value
+    for p in result.pruned:
+        assert p["reason"].startswith(plan.STATE_ALONE) and p["candidates"] > 0
+        # the least memory any of its candidates could need, the whole estimate with the policy that keeps least
+        words = [f"ici_{a}={k}" for a, k in p["ici"].items()] + [
+            "remat_policy=full", f"attention={p['attention']}", "per_device_batch_size=1"]
+        memory = perfmodel.estimate(resolve("v5p-8", "llama3-8b", words)).memory
+        assert memory.per_device_total_bytes * factor > result.hbm_bytes
+        state = memory.params + memory.optimizer + memory.optimizer_staged
+        assert f"{state / (1 << 30):.2f} GiB a device" in p["reason"]
+    # the meshes kept are those whose state fits
+    kept = {c.mesh_shown() for c in result.candidates}
+    assert not kept & {p["mesh"] for p in result.pruned}
+
+
 def test_no_fit_exits_3_with_the_closest_miss(capsys, tmp_path):
     code, out, err = run_main(capsys, "plan", "--model", "llama3-70b", "--topology", "v5p-8", "--verify", "0",
                               "--out", str(tmp_path / "p"))
@@ -180,9 +202,13 @@ def test_no_fit_exits_3_with_the_closest_miss(capsys, tmp_path):
     miss = doc["closest_miss"]
     assert doc["chosen"] is None and miss["memory_with_margin_bytes"] > miss["hbm_bytes"]
     assert len(miss["would_need"]) == 3
-    # the closest miss needs the least memory of every candidate estimated
+    # the closest miss needs the least memory of every candidate estimated: here every mesh's state alone is over
+    # HBM, so the one with the least state is estimated whole, and it is the one candidate listed
     needs = [c["analytical_memory_bytes"] for c in doc["candidates"] if c["analytical_memory_bytes"]]
     assert miss["candidate"]["analytical_memory_bytes"] == min(needs)
+    state = {p["mesh"]: float(p["reason"].split(" take ")[1].split(" GiB")[0]) for p in doc["pruned"]}
+    assert state[miss["candidate"]["mesh"]] == min(state.values()) and len(doc["candidates"]) == 1
+    assert doc["counts"]["enumerated"] == 1 + sum(p["candidates"] for p in doc["pruned"])
 
 
 def test_plan_json_schema(capsys, tmp_path):
@@ -194,7 +220,8 @@ def test_plan_json_schema(capsys, tmp_path):
     doc = json.loads(Path(summary["plan_json"]).read_text())
     assert doc["schema"] == "maxperf.plan/2" and not list((tmp_path / "p").glob(".*partial"))
     n = doc["counts"]
-    assert n["indivisible"] == 0 and doc["pruned"] == [] and len(doc["candidates"]) == n["enumerated"]
+    assert n["indivisible"] == 0 and len(doc["candidates"]) + sum(p["candidates"] for p in doc["pruned"]) == n[
+        "enumerated"]
     assert {c["status"] for c in doc["candidates"]} <= {"chosen", "slower", "does not fit", "compile failed"}
     chosen = doc["candidates"][doc["chosen"]]
     assert chosen["status"] == "chosen" and "--model tiny --topology cpu-8" in doc["command"]["maxperf"]

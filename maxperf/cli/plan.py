@@ -175,7 +175,7 @@ def summary(result, path: Path) -> dict:
 
 
 def print_plan(result, path: Path) -> None:
-    counts = result.as_dict(rows=False)["counts"]
+    counts = result.counts()
     r = result.request
     batch = (f"global batch {r.global_batch_tokens:,} tokens ({result.global_batch_rows} x {result.seq_len})"
              if r.global_batch_tokens else f"per-device batch {r.per_device_batch:g} per step" if r.per_device_batch

@@ -239,19 +239,24 @@ def expert_gradient_excess(model: ModelConfig, train: TrainConfig, mesh: Mesh) -
     return sum(x.count * (expert_entry_size(x, mesh) - held(x, mesh)) for x in state_arrays(model)
                if x.expert_parallel)
 
-def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_bytes: float,
-                    platform: str = "tpu", chip: str = "") -> MemoryBreakdown:
-    """`platform` ("tpu", "gpu", "cpu"): whose compiler's buffer choices to follow where they differ (GPU: the loss's
-    float32 logits, the optimizer's gradient copy, the grouped matmuls' expansion); CPU follows the TPU's. `chip`: the
-    chip's name, where one generation's compiler schedules apart (working.LATE_TABLE_GRADIENT_CHIPS)."""
-    c = DTYPE_BYTES[train.compute_dtype]
-    p = DTYPE_BYTES[train.param_dtype]
-    remat = str(train.remat_policy)
-    N = model.num_layers
-    micro = train.grad_accum_steps
-    a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
-    T = a.T  # tokens of one microbatch on this device: B (MaxText's per_device_batch_size) x L
+@dataclass(frozen=True)
+class _State:
+    """The state's bytes on a device (estimate_memory's parts of that name), and what each parameter costs."""
 
+    params: float
+    optimizer: float
+    gradients: float
+    accumulator: float
+    gathered: float  # ZeRO-1's parameters gathered back over `data`
+    update_gradients: float  # the gradients the optimizer's update reads
+    state_per_param: float
+    host_state: float
+    optimizer_staged: float
+
+
+def _state(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str) -> _State:
+    p = DTYPE_BYTES[train.param_dtype]
+    micro = train.grad_accum_steps
     local_params = params_per_device(model, mesh, train)
     params = local_params * p
     optimizer = optimizer_state_bytes(train) * local_params
@@ -289,6 +294,29 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
         host_state += optimizer
         optimizer_staged = OFFLOADED_OPTIMIZER_STAGED * optimizer
         optimizer = 0.0
+    return _State(params, optimizer, gradients, accumulator, gathered, update_gradients, state_per_param,
+                  host_state, optimizer_staged)
+
+
+def state_floor_bytes(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str = "tpu") -> float:
+    """What estimate_memory counts in every phase whatever the batch, accumulation, remat policy and attention
+    kernel: the parameters and the optimizer state on the device (its staged part where offloaded). A layout where
+    they alone exceed HBM fits at no batch."""
+    s = _state(model, train, mesh, platform)
+    return s.params + s.optimizer + s.optimizer_staged
+
+
+def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_bytes: float,
+                    platform: str = "tpu", chip: str = "") -> MemoryBreakdown:
+    """`platform` ("tpu", "gpu", "cpu"): whose compiler's buffer choices to follow where they differ (GPU: the loss's
+    float32 logits, the optimizer's gradient copy, the grouped matmuls' expansion); CPU follows the TPU's. `chip`: the
+    chip's name, where one generation's compiler schedules apart (working.LATE_TABLE_GRADIENT_CHIPS)."""
+    c = DTYPE_BYTES[train.compute_dtype]
+    remat = str(train.remat_policy)
+    N = model.num_layers
+    a = activation_split(model, train.per_device_batch_size, train.seq_len, mesh)
+    T = a.T  # tokens of one microbatch on this device: B (MaxText's per_device_batch_size) x L
+    state = _state(model, train, mesh, platform)
 
     # scanned or not, the backward reads every layer's input: N x T x D (Korthikanti's 2sbh per layer for "full"),
     # in device memory unless the policy offloads it (MaxText's decoder_layer_input=offload; then it is among the
@@ -326,13 +354,14 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
 
     def breakdown(temporaries: float) -> MemoryBreakdown:
         return MemoryBreakdown(
-            params=params, optimizer=optimizer, gradients=gradients, grad_accumulator=accumulator,
+            params=state.params, optimizer=state.optimizer, gradients=state.gradients,
+            grad_accumulator=state.accumulator,
             activations=activations, saved_copy=saved_copy, logits=logits, temporaries=temporaries,
             optimizer_temporaries=(GPU_OPTIMIZER_GRADIENT_COPIES if platform == "gpu" else OPTIMIZER_GRADIENT_COPIES)
-            * update_gradients, hbm_bytes=hbm_bytes, host_offload=host_offload,
-            host_state=host_state, optimizer_staged=optimizer_staged, fp8_state=fp8_state_bytes(model, train),
-            gathered_params=gathered,
-            state_blocks=tuple((k, n * state_per_param) for k, n in params_per_block(model, mesh).items()),
+            * state.update_gradients, hbm_bytes=hbm_bytes, host_offload=host_offload,
+            host_state=state.host_state, optimizer_staged=state.optimizer_staged,
+            fp8_state=fp8_state_bytes(model, train), gathered_params=state.gathered,
+            state_blocks=tuple((k, n * state.state_per_param) for k, n in params_per_block(model, mesh).items()),
             activation_blocks=(("experts", parts["mlp"] if moe else 0.0),
                                ("attention", parts["attention"]),
                                ("rest", carry + parts["rest"] + (0.0 if moe else parts["mlp"]) + mtp_saved)),

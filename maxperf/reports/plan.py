@@ -3,7 +3,6 @@ tokens/s over the candidates that fit (the chosen one marked), the ranked table 
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from pathlib import Path
 
@@ -99,11 +98,12 @@ def read(page: Page, directory: Path) -> None:
           "compiler" if c.get("compiler_memory_bytes") is not None else "analytical", c["bottleneck"],
           c["verified"], c["status"]] for c in ranked],
         emphasis={i for i, c in enumerate(ranked) if c is chosen}))
-    # a rule, not each instance of it: the sizes in a reason become N
-    reasons = Counter(("indivisible", re.sub(r"\d+(\.\d+)?", "N", p["reason"])) for p in data["pruned"])
+    # the groups of candidates left out whole: their parameters and optimizer state alone do not fit
+    state_alone = ("does not fit", "parameters and optimizer state alone over HBM")
+    reasons = {state_alone: len({p["mesh"] for p in data["pruned"]})} if data["pruned"] else {}
     counted = Counter()
     for p in data["pruned"]:
-        counted[("indivisible", re.sub(r"\d+(\.\d+)?", "N", p["reason"]))] += p["candidates"]
+        counted[state_alone] += p["candidates"]
     for c in cands:
         if c["status"] == "does not fit":
             why = "compiler: does not fit" if c["verified"] is False else (

@@ -28,8 +28,11 @@ Orderings spare estimates without changing the answer (perfmodel's figures obey 
   reads A only as whether there is accumulation (its accumulator). So among the batches alike in that (all of them
   with the batch free; those with A > 1 with the global batch fixed), a policy no other keeps less than that does not
   fit at one is estimated at their smallest B next, and where it does not fit there, at none of them.
+- memory, by state: the parameters and the optimizer state on a device (memory.state_floor_bytes) depend on the
+  mesh and the precision, not on the batch, the remat policy or the kernel, and every phase holds them; where they
+  alone exceed HBM with the margin, none of a mesh's candidates of that precision is estimated.
 plan.json counts each (more_accumulation, smaller_batch, keeps_less_than_fitting, keeps_more_than_unfit,
-unfit_at_smallest_batch).
+unfit_at_smallest_batch, state_does_not_fit).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +56,7 @@ from maxperf.perfmodel.estimate import device_for
 from maxperf.perfmodel.flops import resolve_attention
 from maxperf.perfmodel.work import SHIPPED, uncertainty
 from maxperf.search import commands
-from maxperf.search.candidates import OFFLOADED, SAVED, Candidate, MeshChoice, Space, number, space
+from maxperf.search.candidates import OFFLOADED, SAVED, Candidate, MeshChoice, Space, mesh_shown, number, space
 from maxperf.search.margin import Margin, load_margin
 from maxperf.spec.configs import Configs
 from maxperf.spec.errors import MaxperfError, closest
@@ -65,6 +69,7 @@ from maxperf.user_cache import calibration_for
 
 SCHEMA = "maxperf.plan/2"  # 2: per_device_batch_size is one microbatch, as in MaxText
 GIB = 1 << 30
+STATE_ALONE = "its parameters and optimizer state alone"  # how a candidate ruled out by its state's bytes begins
 OBJECTIVES = ("tokens_per_s", "mfu")
 
 
@@ -101,6 +106,10 @@ class SearchResult:
     # candidates whose objective is within this fraction of the best are ties (perfmodel's held-out error on the
     # chip: what the model cannot tell apart); 0 ranks by the objective alone
     tie: float = 0.0
+    # the candidates left out of `candidates` a group at a time (a mesh's of one kernel, precision and pipeline
+    # microbatch count whose parameters and optimizer state alone do not fit): each group's mesh, kernel, precision,
+    # microbatches, reason and how many candidates
+    pruned: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def fitting(self) -> list[Candidate]:
@@ -117,26 +126,29 @@ class SearchResult:
                                 num_slices=self.request.num_slices, seq_len=self.seq_len, fixed=self.fixed)
 
     def counts(self) -> dict[str, int]:
-        """How many candidates each rule settled, in one pass over them: every candidate enumerated divides the model
-        and the batch (maxperf.search.candidates), none is indivisible."""
+        """How many candidates each rule settled: every candidate enumerated divides the model and the batch
+        (maxperf.search.candidates), none is indivisible. One tally of the few kinds of (status, skipped, unfit)
+        there are, then a pass over the kinds."""
+        cands = self.candidates
         n = dict.fromkeys(("memory_estimated", "step_estimated", "fit", "more_accumulation", "smaller_batch",
                            "keeps_less_than_fitting", "keeps_more_than_unfit", "unfit_at_smallest_batch",
-                           "does_not_fit"), 0)
-        for c in self.candidates:
-            n["memory_estimated"] += c.memory_bytes > 0
-            n["step_estimated"] += c.step_time_s > 0
-            n["fit"] += _ranked(c)
-            for prefix, key in (("A=", "more_accumulation"), ("B=", "smaller_batch"),
-                                ("remat", "keeps_less_than_fitting")):
-                if c.skipped.startswith(prefix):
-                    n[key] += 1
-                    break
-            if c.unfit.startswith("keeps"):
-                n["keeps_more_than_unfit"] += 1
-            elif c.unfit.startswith("does not fit"):
-                n["unfit_at_smallest_batch"] += 1
-            n["does_not_fit"] += c.status == "does not fit"
-        return {"enumerated": len(self.candidates), "indivisible": 0, **n, "compiled": self.compiles}
+                           "state_does_not_fit", "does_not_fit"), 0)
+        n["memory_estimated"] = sum(1 for c in cands if c.memory_bytes > 0)
+        n["step_estimated"] = sum(1 for c in cands if c.step_time_s > 0)
+        skipped_as = {"A=": "more_accumulation", "B=": "smaller_batch", "remat": "keeps_less_than_fitting"}
+        unfit_as = {"keeps": "keeps_more_than_unfit", "does not fit": "unfit_at_smallest_batch",
+                    STATE_ALONE: "state_does_not_fit"}
+        kinds = Counter((c.status, c.skipped[:5], c.unfit[:12]) for c in cands)
+        for (status, skipped, unfit), count in kinds.items():
+            n["fit"] += count if status in ("chosen", "slower") and not skipped else 0
+            n["does_not_fit"] += count if status == "does not fit" else 0
+            for table, text in ((skipped_as, skipped), (unfit_as, unfit)):
+                if (key := next((k for w, k in table.items() if text.startswith(w[:12])), None)) is not None:
+                    n[key] += count
+        left_out = sum(p["candidates"] for p in self.pruned)
+        n["state_does_not_fit"] += left_out
+        n["does_not_fit"] += left_out
+        return {"enumerated": len(cands) + left_out, "indivisible": 0, **n, "compiled": self.compiles}
 
     def as_dict(self, rows: bool = True) -> dict[str, Any]:
         """plan.json; `rows` False leaves out its candidates (a summary's header, built fast)."""
@@ -155,7 +167,7 @@ class SearchResult:
             "chosen": None if winner is None else self.candidates.index(winner),
             "command": None if winner is None else self.command(winner),
             "closest_miss": self.closest_miss, "notes": self.notes,
-        } | ({"candidates": [c.as_dict() for c in self.candidates], "pruned": []} if rows else {})
+        } | ({"candidates": [c.as_dict() for c in self.candidates], "pruned": self.pruned} if rows else {})
 
 
 def search(req: PlanRequest, progress: Callable[[str], None] | None = None, margin: Margin | None = None
@@ -185,10 +197,20 @@ def _search(req: PlanRequest, progress: Callable[[str], None] | None, margin: Ma
     estimator = _Estimator(found, device_for(topo, calibration), calibration, margin)
     for choice in found.meshes:
         estimator.mesh(choice)
+    if estimator.floored and not any(c.memory_bytes for c in found.candidates):
+        # none was estimated: the one with the least state is, as the closest to fitting
+        c, _, group = estimator.floored
+        c.unfit = ""
+        group["candidates"] -= 1
+        if not group["candidates"]:
+            estimator.pruned.remove(group)
+        estimator.memory(c, Mesh.of(c.axes, c.dcn).check(topo))
+    # the groups whose state alone does not fit are listed by group, not candidate by candidate
+    candidates = [c for c in found.candidates if not c.unfit.startswith(STATE_ALONE)]
     held_out = uncertainty(estimator.chip, SHIPPED, model.is_moe)
     result = SearchResult(req, model.name, topo.name, topo.platform, topo.num_devices, topo.chips, train0.seq_len,
-                          found.rows, estimator.hbm, margin, found.fixed, found.candidates, 0.0,
-                          tie=held_out.relative if held_out else 0.0)
+                          found.rows, estimator.hbm, margin, found.fixed, candidates, 0.0,
+                          tie=held_out.relative if held_out else 0.0, pruned=estimator.pruned)
     rank(result)
     if not result.fitting and result.candidates:
         result.closest_miss = closest_miss(result, model, estimator.trains, topo, calibration)
@@ -232,6 +254,9 @@ class _Estimator:
         self.order = sorted(found.remats, key=lambda r: (r in offloaded, len(saved[r])))
         self.heads = [r for r in self.order if r in offloaded or not any(
             q not in offloaded and saved[q] < saved[r] for q in found.remats)]
+        # of the candidates whose state alone does not fit, one with the least state, and that state's bytes
+        self.floored: tuple[Candidate, float, dict[str, Any]] | None = None
+        self.pruned: list[dict[str, Any]] = []  # SearchResult.pruned
 
     def mesh(self, choice: MeshChoice) -> None:
         """Estimates the candidates of one mesh, each kernel's from the largest microbatch down (the smallest A of a
@@ -245,10 +270,28 @@ class _Estimator:
                                         **{f"dcn_{a}": n for a, n in mesh.dcn.items()})
         smaller = ("more accumulation only repeats the weight gathers per microbatch" if found.rows else
                    "a smaller per-device batch does the same weight gathers for fewer tokens")
-        for kernel, quant, m in sorted({k[:3] for k in choice.cells}):
-            cells = {(b, a, remat): c for (k, q, mb, b, a, remat), c in choice.cells.items()
-                     if (k, q, mb) == (kernel, quant, m)}
+        groups: dict[tuple[str, str, int], dict[tuple[float, int, str], Candidate]] = {}
+        for (kernel, quant, m, b, a, remat), c in choice.cells.items():
+            groups.setdefault((kernel, quant, m), {})[b, a, remat] = c
+        for (kernel, quant, m), cells in sorted(groups.items()):
             pairs = sorted({(b, a) for b, a, _ in cells}, key=lambda p: -p[0])
+            # the parameters and optimizer state are the same whatever the batch, remat policy and kernel: where they
+            # alone do not fit, no candidate of these does
+            b, a, remat = next(iter(cells))
+            floor = perfmodel.memory.state_floor_bytes(found.model, self.train(remat, kernel, b, a, quant, m, True),
+                                                       mesh, self.chip.kind)
+            if floor * self.factor > self.hbm:
+                why = (f"{STATE_ALONE} take {floor / GIB:.2f} GiB a device "
+                       f"({floor * self.factor / GIB:.2f} GiB with the margin)")
+                for c in cells.values():
+                    c.unfit = why
+                group = {"mesh": mesh_shown(choice.ici, choice.dcn), "ici": choice.ici, "dcn": choice.dcn,
+                         "attention": kernel, "quantization": quant, "pipeline_microbatches": m, "reason": why,
+                         "candidates": len(cells)}
+                self.pruned.append(group)
+                if self.floored is None or floor < self.floored[1]:
+                    self.floored = (next(iter(cells.values())), floor, group)
+                continue
             # memory reads A only as whether there is accumulation (its accumulator), and grows with B: among the
             # batches alike in that (every one with the batch free; those with A > 1 with the global batch fixed), a
             # policy no other keeps less than that does not fit at one is estimated at their smallest B next, and
@@ -443,6 +486,8 @@ def write(result, out: str | os.PathLike) -> Path:
     tmp = directory / ".plan.json.partial"
     with _no_cycle_collection():
         text = json.dumps(result.as_dict(), allow_nan=False, check_circular=False, separators=(",", ":"))
-        tmp.write_text(text + "\n")
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.write("\n")
     os.replace(tmp, directory / "plan.json")
     return directory / "plan.json"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from maxperf.spec.errors import MaxperfError
+from maxperf.spec.memo import per_model
 
 # MaxText's splash attention block sizes (configs/base.yml sa_block_*), the train config's keys for them
 SPLASH_BLOCKS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",
@@ -42,6 +43,7 @@ def layer_masks(model) -> tuple[int, ...]:
     return tuple(sign * (w or 0) for w in model.layer_windows())
 
 
+@per_model
 def windows_of(model) -> tuple[int, ...]:
     """Every mask the model's layers use (`layer_masks`), sorted: the attention layer's `windows`."""
     return tuple(sorted(set(layer_masks(model))))
