@@ -77,6 +77,25 @@ def test_run_refuses_before_the_first_step(compiled, tmp_path):
     assert _intact(exp)
 
 
+@pytest.mark.parametrize("out, checkpoint, said", [
+    ("r", "r/ck", "holds"), ("r", "r", "holds"), ("r/sub", "r", "lies inside --checkpoint")])
+def test_a_checkpoint_inside_the_output_or_around_it_is_refused_before_the_first_step(compiled, tmp_path, out,
+                                                                                      checkpoint, said):
+    proc = maxperf("run", str(compiled), "--steps", "1", "--warmup", "0", "--out", str(tmp_path / out),
+                   "--checkpoint", str(tmp_path / checkpoint))
+    err = _one_line_refusal(proc)
+    assert said in err and "step 1" not in err and "loading" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing written: no checkpoint, no half output
+
+
+@pytest.mark.parametrize("option, said", [("--restore", "is not a checkpoint directory"), ("--data", "is not a file")])
+def test_a_missing_input_is_refused_before_the_executable_loads(compiled, tmp_path, option, said):
+    proc = maxperf("run", str(compiled), "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "r"), option,
+                   str(tmp_path / "absent"))
+    err = _one_line_refusal(proc)
+    assert said in err and "loading" not in err and not (tmp_path / "r").exists()
+
+
 def test_an_earlier_artifact_is_replaced_and_a_foreign_file_in_it_is_refused(compiled, tmp_path):
     out = tmp_path / "again"
     aot.compile("cpu-8", "tiny", TINY, out=out)

@@ -137,6 +137,11 @@ def claim_output(out: Path, kind: str, *, force: bool = False, inputs: Sequence[
     if kind == "report":
         return _claim_report(Path(out))
     out, spec = Path(out), _OUTPUT_KINDS[kind]
+    resolved = out.resolve()
+    for given in inputs:  # whether or not they exist yet (a checkpoint this run will write)
+        path = Path(given).resolve()
+        if path == resolved or resolved in path.parents:
+            raise OutputRefused(f"--out {out} holds {given}, which this {kind} uses; give another directory")
     if not os.path.lexists(out):
         if out.parent.exists() and not out.parent.is_dir():
             raise OutputRefused(f"--out {out}: {out.parent} is a file, not a directory")
@@ -144,11 +149,6 @@ def claim_output(out: Path, kind: str, *, force: bool = False, inputs: Sequence[
     if _protected(out):
         raise OutputRefused(f"--out {out} is the working directory, the home directory or one of their parents; "
                             "give a new directory")
-    resolved = out.resolve()
-    for given in inputs:
-        path = Path(given).resolve()
-        if path == resolved or resolved in path.parents:
-            raise OutputRefused(f"--out {out} holds {given}, which this {kind} uses; give another directory")
     if out.is_symlink() or not out.is_dir():
         raise OutputRefused(f"--out {out} is a file, not a maxperf {kind} output; give a new directory")
     present = {str(p.relative_to(out)) for p in out.rglob("*") if not p.is_dir() or p.is_symlink()}

@@ -226,9 +226,18 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
     if artifact.manifest.get("step") in ("prefill", "decode"):
         return _serving(artifact, devices, steps=steps, warmup=warmup, profile=profile, data=data,
                         checkpoint=checkpoint, restore=restore, out=out, force=force, say=say)
+    out_dir = Path(out) if out is not None else artifact.directory / "run"
     if checkpoint is not None:
         checkpoints.check_destination(Path(checkpoint))  # a save that cannot happen fails before the first step
-    out_dir = Path(out) if out is not None else artifact.directory / "run"
+        if Path(checkpoint).resolve() in out_dir.resolve().parents:
+            raise MaxperfError(f"--out {out_dir} lies inside --checkpoint {checkpoint}, which the save needs for "
+                               "itself; give two directories apart")
+    # what the run reads is there before the executable loads (the restore's contents are checked against the state
+    # once it has the state's shapes)
+    if restore is not None and not Path(restore).is_dir():
+        raise MaxperfError(f"--restore {restore} is not a checkpoint directory (a `maxperf run --checkpoint` output)")
+    if data is not None and not Path(data).is_file():
+        raise MaxperfError(f"--data {data} is not a file; give a .npy file of token ids")
     used = [path for path in (artifact.directory, data, restore, checkpoint) if path is not None]
     artifacts.claim_output(out_dir, "run", force=force, inputs=used)  # a bad --out fails before any work
     say(f"loading the executable onto {len(devices)} {devices[0].platform} device(s)")
