@@ -786,6 +786,9 @@ def test_maxtexts_scaled_default_model_is_the_scaled_family(capsys):
     assert parse_args(build_parser(), ["compile", "model_name=default", "compile_topology=v5p-8"]).model == "scaled-1"
     assert parse_args(build_parser(), ["estimate", "model_name=deepseek3-671b", "compile_topology=v5p-8"]).model == \
         "deepseek-v3"
+    # the same model named twice, by maxperf's name and MaxText's
+    assert parse_args(build_parser(), ["estimate", "--model", "deepseek-v3", "model_name=deepseek3-671b",
+                                       "compile_topology=v5p-8"]).model == "deepseek-v3"
 
 
 @pytest.mark.parametrize("argv, line", [
@@ -798,6 +801,15 @@ def test_maxtexts_scaled_default_model_is_the_scaled_family(capsys):
     (["estimate", "model_name=llama2-7b", "global_parameter_scale=4", "compile_topology=v5p-8"],
      "global_parameter_scale=4 grows MaxText's default model"),
     (["estimate", "--model", "tiny", "--topology", "v5p-8", "steps_to_run=5"], "unknown override key 'steps_to_run'"),
+    # the model, the slice count and the topology are named once: a second naming that disagrees is refused
+    (["estimate", "--model", "llama3-8b", "--topology", "v5p-8", "model_name=llama2-7b"],
+     "--model llama3-8b and model_name=llama2-7b disagree: give one"),
+    (["estimate", "--model", "llama3-8b", "--topology", "v5p-8", "global_parameter_scale=4"],
+     "--model llama3-8b and global_parameter_scale=4 disagree: give one"),
+    (["estimate", "--model", "tiny", "--topology", "v5p-8", "--num-slices", "2", "num_slices=3"],
+     "--num-slices 2 and num_slices=3 disagree: give one"),
+    (["estimate", "--topology", "v5p-8", "model_name=llama2-7b", "model_name=llama3-8b"],
+     "model_name=llama2-7b and model_name=llama3-8b disagree: give one"),
 ])
 def test_maxtext_words_maxperf_cannot_take_are_one_line_exit_2(capsys, argv, line):
     try:  # a usage error leaves through argparse (SystemExit), a bad key through main's one line
@@ -889,9 +901,12 @@ def test_options_and_keys_that_would_change_nothing_are_said(capsys, tmp_path):
 
 
 def test_maxtexts_default_model_is_scaled_1_by_either_spelling(capsys):
-    for words in (["--model", "default"], ["--model", "llama2-7b", "model_name=default"]):
+    for words in (["--model", "default"], ["model_name=default"], ["--model", "scaled-1", "model_name=default"]):
         code, out, _ = run_main(capsys, "estimate", "--topology", "v5p-8", *words)
         assert code == 0 and out.startswith("scaled-1 on v5p-8")
+    with pytest.raises(SystemExit):  # another model named by --model: refused, not replaced
+        run_main(capsys, "estimate", "--topology", "v5p-8", "--model", "llama2-7b", "model_name=default")
+    assert "--model llama2-7b and model_name=default disagree: give one" in capsys.readouterr().err
 
 
 def test_a_mistake_in_the_words_content_is_one_line_without_usage():

@@ -168,6 +168,8 @@ class Line:
     untuned: tuple[str, ...] = ()  # TUNING_KEYS given
     layouts: tuple[str, ...] = ()  # LAYOUT_KEYS and LAYOUT_MODELS given (the model as its plain config)
     decoder_block: str | None = None  # MaxText's decoder_block=, checked against the model's (check_decoder_block)
+    model_word: str = ""  # the word that named the model ("model_name=llama2-7b"), where one did
+    slices_word: str = ""  # and the slice count
 
 
 def read(words: Sequence[str]) -> Line:
@@ -207,18 +209,28 @@ def read(words: Sequence[str]) -> Line:
         elif key in (SCHEDULE_KEY, RUNTIME_SLICES_KEY) and _number(key, value) == -1:
             ignored.append(key)
         elif key == RUNTIME_SLICES_KEY:
-            found[key] = value
+            _found(found, key, value)
         elif key == DECODER_BLOCK_KEY:
-            found[key] = value.strip().strip("'\"")
+            _found(found, key, value.strip().strip("'\""))
         elif key in (MODEL_KEY, SCALE_KEY, TOPOLOGY_KEY, SLICES_KEY):
             if key == MODEL_KEY and value in LAYOUT_MODELS:
                 layouts.append(f"{MODEL_KEY}={value}")
-                value = LAYOUT_MODELS[value]
-            found[key] = value
+            _found(found, key, value)
         else:
             overrides.append(word)
+    model_key = SCALE_KEY if SCALE_KEY in found and found.get(MODEL_KEY) in (None, "default") else MODEL_KEY
+    slices_key = SLICES_KEY if SLICES_KEY in found else RUNTIME_SLICES_KEY
     return Line(tuple(overrides), found.get(TOPOLOGY_KEY), _model(found), _slices(found), tuple(ignored),
-                tuple(untuned), tuple(layouts), found.get(DECODER_BLOCK_KEY))
+                tuple(untuned), tuple(layouts), found.get(DECODER_BLOCK_KEY),
+                f"{model_key}={found[model_key]}" if model_key in found else "",
+                f"{slices_key}={found[slices_key]}" if slices_key in found else "")
+
+
+def _found(found: dict[str, str], key: str, value: str) -> None:
+    """Records one of the keys that name the request; the same key twice with two values is a MaxperfError."""
+    if key in found and found[key] != value:
+        raise MaxperfError(f"{key}={found[key]} and {key}={value} disagree: give one")
+    found[key] = value
 
 
 def check_decoder_block(block: str, model: str) -> None:
@@ -263,6 +275,7 @@ def _model(found: dict[str, str]) -> str | None:
                                "out (or at 1)")
     if name is None:
         return None
+    name = LAYOUT_MODELS.get(name, name)
     if name == "default":
         return "scaled-1"
     if presets.canonical(name) in presets.names():
