@@ -810,6 +810,11 @@ def test_maxtexts_scaled_default_model_is_the_scaled_family(capsys):
      "--num-slices 2 and num_slices=3 disagree: give one"),
     (["estimate", "--topology", "v5p-8", "model_name=llama2-7b", "model_name=llama3-8b"],
      "model_name=llama2-7b and model_name=llama3-8b disagree: give one"),
+    # one setting spelled two ways with two values; each named as the user spelled it
+    (["estimate", "--model", "tiny", "--topology", "v5p-8", "seq_len=1024", "max_target_length=4096"],
+     "seq_len=1024 and max_target_length=4096 set the same seq_len: give one"),
+    (["estimate", "--model", "tiny", "--topology", "v5p-8", "ici_fsdp_parallelism=4", "ici_fsdp=2"],
+     "ici_fsdp_parallelism=4 and ici_fsdp=2 set the same ici_fsdp: give one"),
 ])
 def test_maxtext_words_maxperf_cannot_take_are_one_line_exit_2(capsys, argv, line):
     try:  # a usage error leaves through argparse (SystemExit), a bad key through main's one line
@@ -898,6 +903,14 @@ def test_options_and_keys_that_would_change_nothing_are_said(capsys, tmp_path):
         code, _, err = run_main(capsys, "estimate-memory", "--analytical-only", "--topology", "v5p-8", "--model",
                                 "llama2-7b", *extra)
         assert code == 2 and "--analytical-only compiles nothing" in err and not out.exists()
+
+
+def test_a_key_given_again_takes_its_last_value_and_two_spellings_that_agree_stand(capsys):
+    for words, batch in ((["per_device_batch_size=2", "per_device_batch_size=3"], "global batch     12 x 1024"),
+                         (["seq_len=1024", "max_target_length=1024"], "global batch     4 x 1024")):
+        code, out, _ = run_main(capsys, "estimate", "--topology", "v5p-8", "--model", "llama2-7b", "seq_len=1024",
+                                *words)
+        assert code == 0 and batch in out
 
 
 def test_maxtexts_default_model_is_scaled_1_by_either_spelling(capsys):

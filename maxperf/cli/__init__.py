@@ -80,10 +80,10 @@ def in_user_words(message: str, args: argparse.Namespace) -> str:
     `seq_len`, `ici_context_parallelism` for `ici_sequence`: spec.overrides.ALIASES) written as they spelled it."""
     from maxperf.spec.overrides import ALIASES
 
-    for word in getattr(args, "overrides", None) or ():
-        key = str(word).split("=", 1)[0]
+    keys = [str(word).split("=", 1)[0] for word in getattr(args, "overrides", None) or ()]
+    for key in keys:
         ours = ALIASES.get(key)
-        if ours and ours != key:
+        if ours and ours != key and ours not in keys:  # where they spelled it both ways, each stands as given
             message = re.sub(rf"(?<![\w.]){re.escape(ours)}(?!\w)", key, message)
     return message
 

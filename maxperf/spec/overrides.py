@@ -169,6 +169,7 @@ def apply(model: ModelConfig, words: list[str], train: TrainConfig | None = None
     """Applies `key=value` words; an unknown key or a bad value raises MaxperfError naming what is valid."""
     fields = _fields()
     changes: dict[str, dict] = {part: {} for part in _CONFIGS}
+    spelled: dict[str, tuple[str, str]] = {}  # field -> the key and text that last set it
     for word in words:
         key, sep, text = word.partition("=")
         if not sep or not key:
@@ -179,7 +180,13 @@ def apply(model: ModelConfig, words: list[str], train: TrainConfig | None = None
             hint = f"did you mean {', '.join(hits)}?" if hits else "`maxperf keys` lists the valid keys"
             raise MaxperfError(f"unknown override key {key!r}; {hint}")
         part, kind = fields[name]
-        changes[part][name] = _bounded(key, name, part, _parse(key, text, kind), text)
+        value = _bounded(key, name, part, _parse(key, text, kind), text)
+        # one setting spelled two ways with two values is a mistake; the same key given again takes the last value,
+        # as MaxText's command line does
+        if (earlier := spelled.get(name)) is not None and earlier[0] != key and changes[part][name] != value:
+            raise MaxperfError(f"{earlier[0]}={earlier[1]} and {key}={text} set the same {name}: give one")
+        spelled[name] = (key, text)
+        changes[part][name] = value
     configs = Configs(
         model=dataclasses.replace(model, **changes["model"]),
         train=dataclasses.replace(train or TrainConfig(), **changes["train"]),
