@@ -313,6 +313,7 @@ def test_a_point_stopped_between_its_artifact_and_its_point_json_leaves_no_folde
 
 def test_a_sweep_is_not_resumed_by_another_request(tmp_path):
     from maxperf.search.sweep import _finished, grid, point_key, sweep
+    from maxperf.spec.errors import MaxperfError
 
     out = tmp_path / "s"
     first = sweep("llama2-7b", ["v5p-8", "v5p-16"], analytical_only=True, out=out, workers=1)
@@ -320,10 +321,29 @@ def test_a_sweep_is_not_resumed_by_another_request(tmp_path):
     point = grid(["v5p-8"], [1], {})[0]
     assert _finished(out / "points" / point.name, point_key("llama2-7b", point, True))
     assert not _finished(out / "points" / point.name, point_key("llama2-7b", point, False))
-    other = sweep("llama2-13b", ["v5p-8", "v5p-16"], analytical_only=True, out=out, workers=1)
+    # another model's sweep would replace this one's tables and its points of the same names: refused, untouched
+    tables = {name: (out / name).read_bytes() for name in ("results.csv", "sweep.json")}
+    with pytest.raises(MaxperfError, match="holds a sweep of llama2-7b; give a new directory for llama2-13b"):
+        sweep("llama2-13b", ["v5p-8", "v5p-16"], analytical_only=True, out=out, workers=1)
+    assert {name: (out / name).read_bytes() for name in tables} == tables
+    other = sweep("llama2-13b", ["v5p-8", "v5p-16"], analytical_only=True, out=tmp_path / "other", workers=1)
     assert other.computed == 2 and {r["model"] for r in other.rows} == {"llama2-13b"}
-    again = sweep("llama2-13b", ["v5p-8", "v5p-16"], analytical_only=True, out=out, workers=1)
-    assert again.computed == 0
+    # the same model grows its sweep: the points done are not run again
+    again = sweep("llama2-7b", ["v5p-8", "v5p-16", "v5p-32"], analytical_only=True, out=out, workers=1)
+    assert again.computed == 1 and len(again.rows) == 3
+
+
+def test_a_value_given_twice_is_one_point_and_an_axis_given_twice_is_refused(capsys, tmp_path):
+    from maxperf.search.sweep import grid
+
+    points = grid(["v5p-8", "v5p-8"], [1, 1], {"per_device_batch_size": ["1", "2", "1"]})
+    assert [p.name for p in points] == ["v5p-8_per_device_batch_size=1", "v5p-8_per_device_batch_size=2"]
+    code, out, _ = run_main(capsys, "sweep", "--model", "tiny", "--topologies", "cpu-1", "per_device_batch_size=1,1",
+                            "--analytical-only", "--out", str(tmp_path / "s"), "--json")
+    assert code == 0 and len(json.loads(out)["rows"]) == 1
+    code, _, err = run_main(capsys, "sweep", "--model", "tiny", "--topologies", "cpu-1", "per_device_batch_size=1",
+                            "per_device_batch_size=2", "--analytical-only", "--out", str(tmp_path / "t"))
+    assert code == 2 and "sweep axis per_device_batch_size is given twice" in err and not (tmp_path / "t").exists()
 
 
 # traces open in xprof's server on loopback only (item 14)

@@ -16,7 +16,9 @@ def _grid_axes(words: list[str]) -> dict[str, list[str]]:
         key, sep, values = word.partition("=")
         if not sep or not key or not values:
             raise MaxperfError(f"sweep axis {word!r} is not key=v1,v2,... (e.g. per_device_batch_size=1,2,4)")
-        axes[key] = [v for v in values.split(",") if v]
+        if key in axes:
+            raise MaxperfError(f"sweep axis {key} is given twice; give its values once: {key}=v1,v2,...")
+        axes[key] = list(dict.fromkeys(v.strip() for v in values.split(",") if v.strip()))  # a value once
     return axes
 
 

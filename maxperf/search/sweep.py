@@ -104,10 +104,12 @@ def is_user_step(model: str) -> bool:
 
 
 def grid(topologies: Sequence[str], num_slices: Sequence[int], axes: dict[str, Sequence[str]]) -> list[Point]:
+    """Every point once: a topology, slice count or value given twice names one point (two of the same name would
+    race on one directory)."""
     keys = list(axes)
-    combos = list(itertools.product(*(axes[k] for k in keys))) or [()]
+    combos = list(itertools.product(*(dict.fromkeys(axes[k]) for k in keys))) or [()]
     return [Point(t, s, tuple(f"{k}={v}" for k, v in zip(keys, combo)))
-            for t in topologies for s in num_slices for combo in combos]
+            for t in dict.fromkeys(topologies) for s in dict.fromkeys(num_slices) for combo in combos]
 
 
 def default_workers(points: int) -> int:
@@ -317,6 +319,7 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
     out_dir = Path(out)
     # before any work: a directory that is not an earlier sweep's is refused, and one sweep writes there at a time
     with _joined(cluster, model, points, out_dir, say) as session, artifacts.hold_output(out_dir, "sweep"):
+        _check_same_model(out_dir, model)
         start = time.perf_counter()
         todo = [pt for pt in points
                 if not _finished(out_dir / "points" / pt.name, point_key(model, pt, analytical_only, calibration))]
@@ -337,6 +340,18 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
             _write_tables(out_dir, rows, model, analytical_only, partial=len(rows) < len(points))
     return SweepResult(out_dir, rows, len(todo), time.perf_counter() - start,
                        None if session is None else session.as_dict())
+
+
+def _check_same_model(out_dir: Path, model: str) -> None:
+    """An earlier sweep's directory takes more points of its own model (it resumes and grows); another model's
+    sweep there would replace its tables and the points of the same names: refused before any work."""
+    try:
+        earlier = json.loads((out_dir / "sweep.json").read_text()).get("model")
+    except (OSError, ValueError, AttributeError):
+        return
+    if earlier is not None and earlier != model:
+        raise MaxperfError(f"--out {out_dir} holds a sweep of {earlier}; give a new directory for {model} (a sweep "
+                           "directory resumes and grows the sweep of its own model only)")
 
 
 def _joined(address: str | None, model: str, points: Sequence[Point], out_dir: Path, say):
