@@ -251,6 +251,8 @@ def test_plan_gives_maxtexts_model_or_says_there_is_none(capsys, tmp_path):
     result = plan.search(plan.PlanRequest("scaled-8", "v5p-8", per_device_batch=1, pins=("seq_len=256",)))
     words = result.command(result.winner)["maxtext"].split()
     assert "global_parameter_scale=8" in words and "max_target_length=256" in words
+    # MaxText's AOT module and config as its repository lays them out (src/maxtext/trainers/pre_train/train_compile.py)
+    assert words[:4] == ["python3", "-m", "maxtext.trainers.pre_train.train_compile", "src/maxtext/configs/base.yml"]
     assert not [w for w in words if w.startswith("model_name=")]
     # a pinned dim is not multiplied by MaxText's scale: scale 1, every dim given
     pinned = plan.search(plan.PlanRequest("scaled-8", "v5p-8", per_device_batch=1, pins=("seq_len=256",
