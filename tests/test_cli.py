@@ -974,3 +974,23 @@ def test_maxtexts_serving_keys_at_their_defaults_paste_and_other_values_are_refu
         main([*words, "ici_autoregressive_parallelism=2"])
     assert refused.value.code == 2
     assert "at ici_autoregressive_parallelism=1 (its default) only" in capsys.readouterr().err
+    # a quantized checkpoint gives the int8 weights the step holds: the same step, with the precision it needs
+    assert main([*words, "quantization=int8", "checkpoint_is_quantized=True"]) == 0
+    assert "checkpoint_is_quantized" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*words, "checkpoint_is_quantized=True"])
+    assert "checkpoint_is_quantized=True reads int8 or fp8 weights: give quantization=int8" in capsys.readouterr().err
+
+
+def test_maxtexts_training_keys_at_their_defaults_paste_and_other_values_are_refused(capsys):
+    words = ["estimate", "model_name=llama2-7b", "compile_topology=v5p-8"]
+    defaults = ["context_parallel_strategy=all_gather", "ici_tensor_sequence_parallelism=1",
+                "dcn_tensor_sequence_parallelism=1", "enable_padding_causal_mask=true",
+                "inhomogeneous_layer_cycle_interval=1"]
+    assert main([*words, *defaults]) == 0
+    err = capsys.readouterr().err
+    assert all(w.partition("=")[0] in err for w in defaults) and "change nothing of the step: ignored" in err
+    for word in ("context_parallel_strategy=ring", "ici_tensor_sequence_parallelism=2"):
+        with pytest.raises(SystemExit) as refused:
+            main([*words, word])
+        assert refused.value.code == 2 and "(its default) only" in capsys.readouterr().err

@@ -133,13 +133,17 @@ DEFAULT_ONLY: dict[str, str] = {
     # the pipeline's scans and gathers as maxperf's pipeline runs them (models/pipeline.py)
     "scan_pipeline_iterations": "true", "scan_pipeline_repeats": "false", "scan_layers_per_stage": "false",
     "set_remat_policy_on_layers_per_stage": "false", "pipeline_fsdp_ag_per_repeat": "false",
-    # serving: no autoregressive mesh axis, weights quantized when the step is built (not read quantized), the
-    # cache laid out as each platform's compiler reads it (models/layers/kv_cache.py), greedy decoding, no chunked
-    # or stacked prefill
-    "ici_autoregressive_parallelism": "1", "dcn_autoregressive_parallelism": "1", "checkpoint_is_quantized": "false",
+    # serving: no autoregressive mesh axis, the cache laid out as each platform's compiler reads it
+    # (models/layers/kv_cache.py), greedy decoding, no chunked or stacked prefill
+    "ici_autoregressive_parallelism": "1", "dcn_autoregressive_parallelism": "1",
     "prefill_cache_axis_order": "1,2,0,3", "ar_cache_axis_order": "1,2,0,3", "compute_axis_order": "0,1,2,3",
     "reshape_q": "false", "model_call_mode": "", "decode_sampling_strategy": "greedy",
     "stack_prefill_result_cache": "false", "use_chunked_prefill": "false",
+    # no tensor-sequence mesh axis; context parallelism gathers the keys and values whole (models/layers/attention.py),
+    # MaxText's default strategy; the causal mask as MaxText's default builds it; one kind of layer throughout
+    "ici_tensor_sequence_parallelism": "1", "dcn_tensor_sequence_parallelism": "1",
+    "context_parallel_strategy": "all_gather", "enable_padding_causal_mask": "true",
+    "inhomogeneous_layer_cycle_interval": "1",
     # remat_policy=custom's names of the experts' and MLA's tensors: maxperf recomputes them (MaxText's default)
     **dict.fromkeys(("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo", "kv_proj", "query_wa_proj", "kv_wa_proj", "mla_q",
                      "mla_kv"), "remat"),
@@ -152,6 +156,7 @@ DEFAULT_ONLY: dict[str, str] = {
 LAYOUT_KEYS = frozenset({"use_2d_fsdp_sharding"})
 LAYOUT_MODELS = {"deepseek3-671b-2dfsdp": "deepseek3-671b"}
 MODEL_KEY, SCALE_KEY = "model_name", "global_parameter_scale"
+QUANTIZED_CHECKPOINT = "checkpoint_is_quantized"
 TOPOLOGY_KEY, SLICES_KEY = "compile_topology", "compile_topology_num_slices"
 
 
@@ -196,6 +201,14 @@ def read(words: Sequence[str]) -> Line:
             if not _same(value, DEFAULT_ONLY[key]):
                 raise MaxperfError(f"{key}={value}: maxperf builds MaxText's step at {key}={DEFAULT_ONLY[key]} (its "
                                    "default) only")
+            ignored.append(key)
+        elif key == QUANTIZED_CHECKPOINT:
+            # the serving steps hold int8 (fp8) weights as a quantized checkpoint gives them (models/serving.py):
+            # the same step, its weights read rather than quantized when built
+            quantization = next((w.partition("=")[2].strip().lower() for w in reversed(words)
+                                 if w.partition("=")[0] == "quantization"), "")
+            if _same(value, "true") and quantization not in ("int8", "fp8"):
+                raise MaxperfError(f"{key}={value} reads int8 or fp8 weights: give quantization=int8 (or fp8) with it")
             ignored.append(key)
         elif key == DROPOUT_RATE:
             if _number(key, value) != 0:
