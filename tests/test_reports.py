@@ -120,13 +120,14 @@ def test_mfu_and_comparison_report(compiled, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "run.json").write_text(json.dumps({
-        "schema": "maxperf.run/1", "artifact": str(compiled[0]), "step_time_s": 0.02, "predicted_step_time_s": 0.01,
+        "schema": "maxperf.run/1", "artifact": str(compiled[0]), "steps": 2, "devices": 8, "device_kind": "cpu",
+        "step_times_s": [0.02, 0.02], "step_time_s": 0.02, "predicted_step_time_s": 0.01,
         "measured_over_predicted": 2.0, "tflops_per_device": 0.001, "mfu": 0.2,
         "memory": {"measured_peak_bytes": None}}))
     result = render([compiled[0], compiled[1], run_dir], tmp_path / "mfu.html", command=["maxperf", "report"])
     page = assert_self_contained(result.html_path)
     # the time breakdown, the HLO-derived time by kind and memory, for each of three; step times
-    assert page.svgs == 10 and page.labelled_svgs == 10
+    assert page.svgs == 11 and page.labelled_svgs == 11  # and the run's steps one by one
     text = result.html_path.read_text()
     assert "measured against predicted" in text and "side by side" in text and "★" in text
     assert "step time read from the compiled program" in text and "instructions taking the most time" in text
@@ -261,7 +262,8 @@ def test_report_refuses_an_artifact_that_run_refuses(compiled, tmp_path, capsys,
         aot.load(tampered)
     run_dir = tmp_path / "run"  # a run of the tampered compile: the same refusal
     run_dir.mkdir()
-    (run_dir / "run.json").write_text(json.dumps({"schema": "maxperf.run/1", "artifact": str(tampered)}))
+    (run_dir / "run.json").write_text(json.dumps({"schema": "maxperf.run/1", "artifact": str(tampered), "steps": 1,
+                                                  "devices": 8, "device_kind": "cpu", "step_times_s": [0.1]}))
     for given in (tampered, tampered / "compiled.pkl", run_dir):
         code, err = _report_cli(capsys, given, "-o", tmp_path / "r.html")
         assert code == 2 and err.count("\n") == 1 and message in err, err
@@ -277,7 +279,10 @@ def test_report_refuses_an_artifact_that_run_refuses(compiled, tmp_path, capsys,
     (lambda text: json.dumps({**json.loads(text), "losses": [10.7, "x"]}), "'losses' should be a list of numbers"),
     (lambda text: json.dumps({**json.loads(text), "memory": [1]}), "'memory' should be an object"),
     (lambda text: json.dumps({**json.loads(text), "artifact": 5}), "'artifact' should be a string"),
-], ids=["truncated", "schema", "step-time", "mfu", "losses", "memory", "artifact"])
+    (lambda text: json.dumps({"schema": "maxperf.run/1"}), "lacks steps, devices, device_kind, step_times_s"),
+    (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "device_kind"}),
+     "lacks device_kind, which every run writes"),
+], ids=["truncated", "schema", "step-time", "mfu", "losses", "memory", "artifact", "empty", "no-device"])
 def test_a_damaged_run_json_is_one_line_and_exit_2(tmp_path, capsys, change, message):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

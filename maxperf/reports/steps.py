@@ -74,6 +74,8 @@ RUN_FIELDS = {
     **dict.fromkeys(("artifact", "device_kind", "peak_source", "data", "restored_from", "platform"), _TEXT),
     "notes": "a list of strings",
 }
+# what every run.json maxperf run writes holds, interrupted or not
+RUN_REQUIRED = ("steps", "devices", "device_kind", "step_times_s")
 
 
 def _fits(value, what: str) -> bool:
@@ -98,6 +100,10 @@ def _run_json(directory: Path) -> dict:
     if run.get("schema") != RUN_SCHEMA:
         raise ArtifactError(f"{path} has schema {json.dumps(run.get('schema'))[:60]}, not {RUN_SCHEMA}; the run "
                             "directory is damaged: run the step again")
+    missing = [name for name in RUN_REQUIRED if run.get(name) is None]
+    if missing:
+        raise ArtifactError(f"{path} lacks {', '.join(missing)}, which every run writes; the run directory is damaged: "
+                            "run the step again")
     for name, what in RUN_FIELDS.items():
         if run.get(name) is not None and not _fits(run[name], what):
             raise ArtifactError(f"{path}: {name!r} should be {what}, not {json.dumps(run[name])[:60]}; the run "
