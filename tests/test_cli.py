@@ -652,10 +652,17 @@ def test_a_maxtext_command_line_names_the_request_its_options_would(capsys):
                               "per_device_batch_size=2")
     assert code == 0, err
     mine = run_main(capsys, "estimate", "--json", "--model", "llama2-7b", "--topology", "v5p-256", "--num-slices",
-                    "2", "per_device_batch_size=2")
+                    "2", "learning_rate=3e-5", "load_balance_loss_weight=0", "per_device_batch_size=2")
     assert json.loads(out) == json.loads(mine[1])
-    assert err.splitlines() == ["maxperf: note: MaxText's maxtext/configs/base.yml, steps, run_name, dataset_type, "
-                                "base_output_directory change nothing of the step: ignored"]
+    assert err.splitlines() == [
+        "maxperf: note: maxtext/configs/base.yml: MaxText's defaults where maxperf's differ, before the line's own "
+        "words (per_device_batch_size=12 learning_rate=3e-5 load_balance_loss_weight=0)",
+        "maxperf: note: MaxText's steps, run_name, dataset_type, base_output_directory change nothing of the step: "
+        "ignored"]
+    # the line's batch where it gives none is base.yml's, 12 a device, as MaxText would train it
+    code, out, _ = run_main(capsys, "estimate", "--json", "maxtext/configs/base.yml", "model_name=llama2-7b",
+                            "compile_topology=v5p-8")
+    assert code == 0 and json.loads(out)["global_batch"] == 48
 
 
 def test_a_tpu_recipes_keys_paste_as_they_are(capsys):

@@ -113,6 +113,9 @@ def read_maxtext_words(command: argparse.ArgumentParser, args: argparse.Namespac
         except MaxperfError as e:
             command.word_error(str(e))
     args.overrides = list(line.overrides)
+    if line.config_file and supervisor.CHILD not in os.environ:
+        print(f"maxperf: note: {line.config_file}: MaxText's defaults where maxperf's differ, before the line's own "
+              f"words ({' '.join(maxtext_line.BASE_YML_DEFAULTS)})", file=sys.stderr)
     if line.ignored and supervisor.CHILD not in os.environ:  # said once: by the process the user started
         print(f"maxperf: note: MaxText's {', '.join(line.ignored)} change nothing of the step: ignored",
               file=sys.stderr)

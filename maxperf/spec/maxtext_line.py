@@ -155,6 +155,9 @@ DEFAULT_ONLY: dict[str, str] = {
 # and named once as not reproduced.
 LAYOUT_KEYS = frozenset({"use_2d_fsdp_sharding"})
 LAYOUT_MODELS = {"deepseek3-671b-2dfsdp": "deepseek3-671b"}
+# configs/base.yml's values of the keys whose maxperf defaults differ: a line that names MaxText's config file takes
+# them (base.yml: per_device_batch_size 12.0, learning_rate 3.e-5, load_balance_loss_weight 0.0), before its own words
+BASE_YML_DEFAULTS = ("per_device_batch_size=12", "learning_rate=3e-5", "load_balance_loss_weight=0")
 MODEL_KEY, SCALE_KEY = "model_name", "global_parameter_scale"
 QUANTIZED_CHECKPOINT = "checkpoint_is_quantized"
 TOPOLOGY_KEY, SLICES_KEY = "compile_topology", "compile_topology_num_slices"
@@ -175,17 +178,19 @@ class Line:
     decoder_block: str | None = None  # MaxText's decoder_block=, checked against the model's (check_decoder_block)
     model_word: str = ""  # the word that named the model ("model_name=llama2-7b"), where one did
     slices_word: str = ""  # and the slice count
+    config_file: str = ""  # MaxText's config file, where the line names one (its defaults are the line's)
 
 
 def read(words: Sequence[str]) -> Line:
     """The request MaxText's words in `words` name; a MaxperfError, one line, for a value maxperf cannot take."""
     overrides, ignored, untuned, layouts = [], [], [], []
+    config_file = ""
     found: dict[str, str] = {}
     for word in words:
         key, eq, value = word.partition("=")
         if not eq:
-            if word.endswith((".yml", ".yaml")):  # MaxText's config file: its defaults are maxperf's
-                ignored.append(word)
+            if word.endswith((".yml", ".yaml")):  # MaxText's config file: its defaults (BASE_YML_DEFAULTS)
+                config_file = word
                 continue
             overrides.append(word)  # not MaxText's: the overrides say what is wrong with it
         elif key in RUN_KEYS:
@@ -233,10 +238,12 @@ def read(words: Sequence[str]) -> Line:
             overrides.append(word)
     model_key = SCALE_KEY if SCALE_KEY in found and found.get(MODEL_KEY) in (None, "default") else MODEL_KEY
     slices_key = SLICES_KEY if SLICES_KEY in found else RUNTIME_SLICES_KEY
+    if config_file:
+        overrides[:0] = BASE_YML_DEFAULTS
     return Line(tuple(overrides), found.get(TOPOLOGY_KEY), _model(found), _slices(found), tuple(ignored),
                 tuple(untuned), tuple(layouts), found.get(DECODER_BLOCK_KEY),
                 f"{model_key}={found[model_key]}" if model_key in found else "",
-                f"{slices_key}={found[slices_key]}" if slices_key in found else "")
+                f"{slices_key}={found[slices_key]}" if slices_key in found else "", config_file)
 
 
 def _found(found: dict[str, str], key: str, value: str) -> None:
