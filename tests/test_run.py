@@ -102,6 +102,11 @@ def test_token_file_feeds_the_step(artifact, tmp_path):
     np.save(tmp_path / "tokens.npy", np.arange(40 * 65, dtype=np.int32) % 256)
     result = runner.run(artifact, steps=2, warmup=0, data=tmp_path / "tokens.npy", out=tmp_path / "d")
     assert result.data.endswith("tokens.npy") and len(result.losses) == 2
+    # a file shorter than the steps read: its rows are read again, and run.json says so
+    np.save(tmp_path / "short.npy", np.arange(3 * 65, dtype=np.int32) % 256)
+    short = runner.run(artifact, steps=2, warmup=0, data=tmp_path / "short.npy", out=tmp_path / "s")
+    said = [n for n in short.notes if "read again" in n]
+    assert len(said) == 1 and "short.npy holds 3 rows" in said[0]
     np.save(tmp_path / "bad.npy", np.full((4, 65), 999, dtype=np.int32))
     with pytest.raises(MaxperfError, match=r"\[0, 256\)"):
         runner.run(artifact, steps=1, warmup=0, data=tmp_path / "bad.npy", out=tmp_path / "e")

@@ -112,7 +112,18 @@ def batches(spec, data: Path | None, first_step: int, seed: int):
         batch = {"inputs": rows[:, :-1], "targets": rows[:, 1:], "mask": np.ones((Bg, L), bool)}
         return jax.device_put(batch, spec.batch_shardings)
 
+    from_file.rows, from_file.batch_rows = tokens.shape[0], Bg  # what data_note reads
     return from_file
+
+
+def data_note(data, batch_for, executed: int) -> list[str]:
+    """The line run.json's notes carry where the steps read more rows than a --data file holds: its rows repeat."""
+    rows, per_step = getattr(batch_for, "rows", None), getattr(batch_for, "batch_rows", None)
+    if data is None or rows is None or executed * per_step <= rows:
+        return []
+    within = f"; each batch of {per_step} rows holds some more than once" if per_step > rows else ""
+    return [f"--data {data} holds {rows} rows and the {executed} steps run read {executed * per_step}: its rows were "
+            f"read again from the start ({executed * per_step / rows:.1f} passes){within}"]
 
 
 def _token_rows(path: Path, L: int, V: int):
@@ -287,8 +298,9 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         median = statistics.median(times)
         estimate = artifact.json("estimate.json")
         record = calibration.record() if calibration is not None else None
+        executed = warmup + len(times) + (PROFILED_STEPS if profile_summary is not None else 0)
         notes = [*fallback_notes(p.topology, chip, calibration), *calibration_mismatch(estimate, record),
-                 *untuned_gpu_step(artifact.manifest)]
+                 *untuned_gpu_step(artifact.manifest), *data_note(data, batch_for, executed)]
         if interrupted is not None:
             notes.insert(0, f"interrupted after {len(times)} of {steps} timed steps: the figures are of those")
         predicted = estimate.get("step_time_s") if estimate else None
