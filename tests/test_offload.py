@@ -2,6 +2,7 @@
 steps, in the compiled step (memory kinds) and in perfmodel (host memory, HBM, the host link)."""
 
 import importlib.util
+import json
 from dataclasses import replace
 
 import pytest
@@ -101,3 +102,19 @@ def test_a_moe_layer_offloads_its_experts_rows_across_the_host_link():
         host[extra] = next(b.bytes for b in e.breakdown if b.name == "remat offload (host link)")
     rows = m.num_experts_per_tok * m.d_model * 2  # bf16 rows of the k experts each token went to
     assert host[("mlpwo=offload",)] - host[()] == pytest.approx(2 * m.num_layers * T * rows, rel=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="needs the tpu extra: pip install 'maxperf[tpu]'")
+def test_compile_says_the_pinned_host_memory_beside_perfmodels(tmp_path):
+    from cli_util import maxperf
+
+    proc = maxperf("compile", "--topology", "v5p-8", "--model", "tiny", "seq_len=256",
+                   "optimizer_memory_host_offload=true", "--out", str(tmp_path / "a"))
+    assert proc.returncode == 0, proc.stderr
+    memory = json.loads((tmp_path / "a" / "memory.json").read_text())
+    line = next(x for x in proc.stdout.splitlines() if x.strip().startswith("host memory"))
+    assert f"{memory['host_argument_bytes'] / 2**30:.2f} GiB pinned per device (perfmodel " in line
+    plain = maxperf("compile", "--topology", "v5p-8", "--model", "tiny", "seq_len=256", "--out", str(tmp_path / "b"))
+    assert plain.returncode == 0 and "host memory" not in plain.stdout

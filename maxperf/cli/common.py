@@ -216,3 +216,12 @@ def compile_only_environment(topology: str = "") -> None:
     if driver_present() and any(chip.split("-")[0] == family for chip in CHIP_TO_DEVICE):
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def host_total(compiler: dict | None) -> int | None:
+    """Pinned host memory per device in the compiler's figures (state offloaded between steps, offloaded
+    activations): arguments and outputs, donated ones once, and host temporaries; None where it gave none."""
+    if not compiler or "host_argument_bytes" not in compiler:
+        return None
+    return (compiler["host_argument_bytes"] + compiler["host_output_bytes"] - compiler["host_alias_bytes"]
+            + compiler["host_temp_bytes"])

@@ -14,6 +14,7 @@ from maxperf.cli.common import (
     add_step_argument,
     batch_words,
     compile_only_environment,
+    host_total,
     print_hlo_line,
     print_json,
     print_step_settings,
@@ -63,6 +64,10 @@ def cmd_compile(args) -> int:
     print_step_settings(p)
     print(f"  memory/device    {mem['per_device_total_bytes'] / GIB:.2f} GiB of {mem['hbm_bytes'] / GIB:.2f} GiB "
           f"({'fits' if mem['fits'] else 'DOES NOT FIT'}, headroom {mem['headroom_bytes'] / GIB:.2f} GiB)")
+    if host := host_total(mem):  # offloaded state or activations: pinned host memory, the compiler's and perfmodel's
+        analytical = ((result.estimate or {}).get("memory") or {}).get("host_bytes")
+        print(f"  host memory      {host / GIB:.2f} GiB pinned per device"
+              + (f" (perfmodel {analytical / GIB:.2f} GiB)" if analytical is not None else ""))
     print(f"  FLOPs/device     {cost['flops_per_device'] / 1e12:.4g} TFLOP per step ({cost['flops_source']})")
     if result.estimate:
         e = result.estimate

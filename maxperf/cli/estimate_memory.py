@@ -13,6 +13,7 @@ from maxperf.cli.common import (
     add_request_arguments,
     add_step_argument,
     compile_only_environment,
+    host_total,
     join_cluster,
     print_json,
     print_warnings,
@@ -195,15 +196,6 @@ _ANALYTICAL_ROWS = ("params", "optimizer", "gradients", "grad_accumulator", "act
 _COMPILER_ROWS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes")
 
 
-def _host_total(compiler: dict | None) -> int | None:
-    """Pinned host memory per device in the compiler's figures (state offloaded between steps, offloaded
-    activations): arguments and outputs, donated ones once, and host temporaries; None where it gave none."""
-    if not compiler or "host_argument_bytes" not in compiler:
-        return None
-    return (compiler["host_argument_bytes"] + compiler["host_output_bytes"] - compiler["host_alias_bytes"]
-            + compiler["host_temp_bytes"])
-
-
 def _print_comparison(cmp) -> None:
     p, a, c = cmp.plan, cmp.analytical, cmp.compiler
     t = p.configs.train
@@ -229,7 +221,7 @@ def _print_comparison(cmp) -> None:
     total_c = c.get("per_device_total_bytes") if c else None
     print(f"  {f'total ({peak} phase)':<28} {_gib(a.per_device_total_bytes):>9}    {'per-device total':<30} "
           f"{_gib(total_c) if c else 'not compiled':>9}")
-    host_c = _host_total(c)
+    host_c = host_total(c)
     if a.host_bytes or host_c:
         print(f"  {'pinned host memory':<28} {_gib(a.host_bytes):>9}    {'pinned host memory':<30} "
               f"{_gib(host_c) if c else 'not compiled':>9}")

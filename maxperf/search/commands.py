@@ -52,8 +52,8 @@ def command(c: Candidate, *, model: str, topology: str, platform: str, num_slice
     maxtext_fixed = "".join(f" {w}" for w in _maxtext_fixed(fixed))
     flags = f"max_target_length={seq_len}{maxtext_fixed} " + " ".join(maxtext_flags(c))
     # MaxText's train_compile names TPU topologies as maxperf does; elsewhere its flags alone
-    start = (f"python3 -m maxtext.trainers.pre_train.train_compile src/maxtext/configs/base.yml {' '.join(maxtext_model)} "
-             f"compile_topology={topology} compile_topology_num_slices={num_slices} "
+    start = (f"python3 -m maxtext.trainers.pre_train.train_compile src/maxtext/configs/base.yml "
+             f"{' '.join(maxtext_model)} compile_topology={topology} compile_topology_num_slices={num_slices} "
              if platform == "tpu" else f"{' '.join(maxtext_model)} ")
     return out | {"maxtext": start + flags}
 
