@@ -397,6 +397,8 @@ def test_the_exchange_runs_serially_where_overlapping_it_would_not_fit(L):
     roomy = estimate_memory(SMALL, train, mesh, 95e9)
     tight = estimate_memory(SMALL, train, mesh, roomy.per_device_total_bytes - 1)
     assert roomy.temporaries - tight.temporaries == 3 * 2 * L * 4 * 64 * 2
+    # the serialized breakdown says what the overlapped one needed, and the overlapped one says nothing
+    assert tight.overlapped_bytes == roomy.per_device_total_bytes and roomy.overlapped_bytes == 0
     gpu = estimate_memory(SMALL, train, mesh, roomy.per_device_total_bytes - 1, platform="gpu")
     assert gpu.temporaries == estimate_memory(SMALL, train, mesh, 95e9, platform="gpu").temporaries
 

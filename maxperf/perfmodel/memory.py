@@ -123,6 +123,9 @@ class MemoryBreakdown:
     fp8_state: float = 0.0  # a delayed FP8 recipe's scales and amax histories (fp8_state_bytes), on every device
     # ZeRO-1 (shard_optimizer_over_data): the parameters gathered back over `data` for the forward and backward
     gathered_params: float = 0.0
+    # a TPU mixture of experts whose overlapped schedule does not fit, so that the compiler serializes the experts'
+    # dispatch: what the overlapped schedule would need (0: the breakdown is the overlapped schedule's)
+    overlapped_bytes: float = 0.0
     # what the parameters, gradients and optimizer state of each part take ("experts": the MoE blocks' routers, routed
     # and shared experts; "attention": the attention blocks; "rest": embeddings, dense MLPs, norms), and what the
     # saved activations of each take (the MLP's part under "experts" in MoE layers, under "rest" in dense ones)
@@ -176,7 +179,7 @@ class MemoryBreakdown:
             "hbm_bytes": self.hbm_bytes, "headroom_bytes": self.headroom_bytes, "fits": self.fits,
             "host_offload": self.host_offload, "host_state": self.host_state,
             "optimizer_staged": self.optimizer_staged, "host_bytes": self.host_bytes, "fp8_state": self.fp8_state,
-            "gathered_params": self.gathered_params,
+            "gathered_params": self.gathered_params, "overlapped_bytes": self.overlapped_bytes,
             "state_blocks": dict(self.state_blocks), "activation_blocks": dict(self.activation_blocks),
         }
 
@@ -352,7 +355,7 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
     work = working(model, train, mesh, platform, chip, view)
     moe = moe_shape(model)
 
-    def breakdown(temporaries: float) -> MemoryBreakdown:
+    def breakdown(temporaries: float, overlapped_bytes: float = 0.0) -> MemoryBreakdown:
         return MemoryBreakdown(
             params=state.params, optimizer=state.optimizer, gradients=state.gradients,
             grad_accumulator=state.accumulator,
@@ -365,12 +368,13 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
             activation_blocks=(("experts", parts["mlp"] if moe else 0.0),
                                ("attention", parts["attention"]),
                                ("rest", carry + parts["rest"] + (0.0 if moe else parts["mlp"]) + mtp_saved)),
+            overlapped_bytes=overlapped_bytes,
         )
 
     overlapped = breakdown(work.overlapped)
     if platform != "tpu" or moe is None or overlapped.fits or dispatch(train) != "sparse":
         return overlapped
-    return breakdown(work.serial)
+    return breakdown(work.serial, overlapped.per_device_total_bytes)
 
 
 def pipeline_buffers(view: pipeline.View, T: float, D: float, c: int) -> float:
