@@ -331,6 +331,10 @@ def test_a_sweep_is_not_resumed_by_another_request(tmp_path):
     # the same model grows its sweep: the points done are not run again
     again = sweep("llama2-7b", ["v5p-8", "v5p-16", "v5p-32"], analytical_only=True, out=out, workers=1)
     assert again.computed == 1 and len(again.rows) == 3
+    # the same preset by MaxText's name is the same model
+    deepseek = sweep("deepseek-v3", ["v5p-256"], analytical_only=True, out=tmp_path / "ds", workers=1)
+    assert sweep("deepseek3-671b", ["v5p-256"], analytical_only=True, out=tmp_path / "ds", workers=1).rows
+    assert deepseek.rows
 
 
 def test_a_value_given_twice_is_one_point_and_an_axis_given_twice_is_refused(capsys, tmp_path):
@@ -338,9 +342,13 @@ def test_a_value_given_twice_is_one_point_and_an_axis_given_twice_is_refused(cap
 
     points = grid(["v5p-8", "v5p-8"], [1, 1], {"per_device_batch_size": ["1", "2", "1"]})
     assert [p.name for p in points] == ["v5p-8_per_device_batch_size=1", "v5p-8_per_device_batch_size=2"]
-    code, out, _ = run_main(capsys, "sweep", "--model", "tiny", "--topologies", "cpu-1", "per_device_batch_size=1,1",
-                            "--analytical-only", "--out", str(tmp_path / "s"), "--json")
-    assert code == 0 and len(json.loads(out)["rows"]) == 1
+    code, out, _ = run_main(capsys, "sweep", "--model", "tiny", "--topologies", "cpu-1",
+                            "per_device_batch_size=1,1,1.0,01", "--analytical-only", "--out", str(tmp_path / "s"),
+                            "--json")
+    assert code == 0 and [r["point"] for r in json.loads(out)["rows"]] == ["cpu-1_per_device_batch_size=1"]
+    code, _, err = run_main(capsys, "sweep", "--model", "tiny", "--topologies", "cpu-1", "ici_tensor=1,2",
+                            "ici_tensor_parallelism=1,2", "--analytical-only", "--out", str(tmp_path / "u"))
+    assert code == 2 and "sweep axis ici_tensor is given twice (ici_tensor and ici_tensor_parallelism)" in err
     code, _, err = run_main(capsys, "sweep", "--model", "tiny", "--topologies", "cpu-1", "per_device_batch_size=1",
                             "per_device_batch_size=2", "--analytical-only", "--out", str(tmp_path / "t"))
     assert code == 2 and "sweep axis per_device_batch_size is given twice" in err and not (tmp_path / "t").exists()

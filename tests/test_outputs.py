@@ -78,7 +78,7 @@ def test_run_refuses_before_the_first_step(compiled, tmp_path):
 
 
 @pytest.mark.parametrize("out, checkpoint, said", [
-    ("r", "r/ck", "holds"), ("r", "r", "holds"), ("r/sub", "r", "lies inside --checkpoint")])
+    ("r", "r/ck", "holds"), ("r", "r", "which this run uses"), ("r/sub", "r", "lies inside --checkpoint")])
 def test_a_checkpoint_inside_the_output_or_around_it_is_refused_before_the_first_step(compiled, tmp_path, out,
                                                                                       checkpoint, said):
     proc = maxperf("run", str(compiled), "--steps", "1", "--warmup", "0", "--out", str(tmp_path / out),

@@ -193,6 +193,17 @@ def test_a_mesh_whose_state_alone_does_not_fit_is_left_out_whole_and_fits_at_no_
     assert not kept & {p["mesh"] for p in result.pruned}
 
 
+def test_where_every_mesh_is_pruned_the_closest_miss_needs_the_least_memory_of_its_mesh():
+    result = plan.search(plan.PlanRequest("deepseek-v2-lite", "v5e-8", per_device_batch=1))
+    assert result.winner is None and len(result.candidates) == 1 and result.pruned
+    miss = result.closest_miss["candidate"]
+    # the policy that keeps least, with the flash kernel, on the same mesh: the closest miss needs no more
+    words = [f"ici_{a}={n}" for a, n in miss["ici"].items()] + [
+        "remat_policy=full", "attention=flash", "per_device_batch_size=1"]
+    least = perfmodel.estimate(resolve("v5e-8", "deepseek-v2-lite", words)).memory_per_device_bytes
+    assert miss["analytical_memory_bytes"] <= least
+
+
 def test_no_fit_exits_3_with_the_closest_miss(capsys, tmp_path):
     code, out, err = run_main(capsys, "plan", "--model", "llama3-70b", "--topology", "v5p-8", "--verify", "0",
                               "--out", str(tmp_path / "p"))

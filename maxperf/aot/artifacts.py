@@ -140,7 +140,9 @@ def claim_output(out: Path, kind: str, *, force: bool = False, inputs: Sequence[
     resolved = out.resolve()
     for given in inputs:  # whether or not they exist yet (a checkpoint this run will write)
         path = Path(given).resolve()
-        if path == resolved or resolved in path.parents:
+        if path == resolved:
+            raise OutputRefused(f"--out {out} is {given}, which this {kind} uses; give another directory")
+        if resolved in path.parents:
             raise OutputRefused(f"--out {out} holds {given}, which this {kind} uses; give another directory")
     if not os.path.lexists(out):
         if out.parent.exists() and not out.parent.is_dir():

@@ -6,19 +6,29 @@ import os
 import sys
 
 from maxperf.cli.common import JSON_HELP, add_cluster_arguments, add_step_argument, print_json, progress
+from maxperf.spec import overrides
 from maxperf.spec.errors import MaxperfError
 from maxperf.spec.steps import parse_step
 
 
 def _grid_axes(words: list[str]) -> dict[str, list[str]]:
+    """The grid's axes: each setting once (under whichever spelling), each value once (1, 1.0 and 01 are one)."""
     axes: dict[str, list[str]] = {}
+    spelled: dict[str, str] = {}  # setting -> the key that gave it
     for word in words:
         key, sep, values = word.partition("=")
         if not sep or not key or not values:
             raise MaxperfError(f"sweep axis {word!r} is not key=v1,v2,... (e.g. per_device_batch_size=1,2,4)")
-        if key in axes:
-            raise MaxperfError(f"sweep axis {key} is given twice; give its values once: {key}=v1,v2,...")
-        axes[key] = list(dict.fromkeys(v.strip() for v in values.split(",") if v.strip()))  # a value once
+        name, _ = overrides.setting(key)
+        if name in spelled:
+            both = key if spelled[name] == key else f"{spelled[name]} and {key}"
+            raise MaxperfError(f"sweep axis {name} is given twice ({both}); give its values once: {key}=v1,v2,...")
+        spelled[name] = key
+        seen: dict = {}
+        for text in (v.strip() for v in values.split(",") if v.strip()):
+            value = overrides.setting(key, text)[1]
+            seen.setdefault(("value", value) if value is not None else ("text", text), text)
+        axes[key] = list(seen.values())
     return axes
 
 

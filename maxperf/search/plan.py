@@ -198,8 +198,12 @@ def _search(req: PlanRequest, progress: Callable[[str], None] | None, margin: Ma
     for choice in found.meshes:
         estimator.mesh(choice)
     if estimator.floored and not any(c.memory_bytes for c in found.candidates):
-        # none was estimated: the one with the least state is, as the closest to fitting
-        c, _, group = estimator.floored
+        # none was estimated: of the groups with the least state, every candidate is, and the one needing the least
+        # memory stands as the closest to fitting
+        least = min(floor for floor, *_ in estimator.floored)
+        options = [(c, group) for floor, group, cells, mesh in estimator.floored if floor <= least * (1 + 1e-9)
+                   for c in cells.values() if estimator.memory(c, mesh) is not None]
+        c, group = min(options, key=lambda option: option[0].memory_bytes)
         c.unfit = ""
         group["candidates"] -= 1
         if not group["candidates"]:
@@ -254,8 +258,8 @@ class _Estimator:
         self.order = sorted(found.remats, key=lambda r: (r in offloaded, len(saved[r])))
         self.heads = [r for r in self.order if r in offloaded or not any(
             q not in offloaded and saved[q] < saved[r] for q in found.remats)]
-        # of the candidates whose state alone does not fit, one with the least state, and that state's bytes
-        self.floored: tuple[Candidate, float, dict[str, Any]] | None = None
+        # the groups whose state alone does not fit: (its state's bytes, its pruned entry, its cells, its mesh)
+        self.floored: list[tuple[float, dict[str, Any], dict, Mesh]] = []
         self.pruned: list[dict[str, Any]] = []  # SearchResult.pruned
 
     def mesh(self, choice: MeshChoice) -> None:
@@ -289,8 +293,7 @@ class _Estimator:
                          "attention": kernel, "quantization": quant, "pipeline_microbatches": m, "reason": why,
                          "candidates": len(cells)}
                 self.pruned.append(group)
-                if self.floored is None or floor < self.floored[1]:
-                    self.floored = (next(iter(cells.values())), floor, group)
+                self.floored.append((floor, group, cells, mesh))
                 continue
             # memory reads A only as whether there is accumulation (its accumulator), and grows with B: among the
             # batches alike in that (every one with the batch free; those with A > 1 with the global batch fixed), a

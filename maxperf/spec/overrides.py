@@ -103,6 +103,19 @@ def valid_keys() -> list[str]:
     return sorted(_fields())
 
 
+def setting(key: str, text: str = "") -> tuple[str, object]:
+    """The setting a key names (its own name for MaxText's spellings) and, where `text` is given, the value it takes
+    (None where the key is unknown or the text does not parse: `apply` says why)."""
+    name = ALIASES.get(key, key)
+    fields = _fields()
+    if name not in fields or not text:
+        return name, None
+    try:
+        return name, _parse(key, text, fields[name][1])
+    except MaxperfError:
+        return name, None
+
+
 def _parse(key: str, text: str, kind: type):
     args = typing.get_args(kind)
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
