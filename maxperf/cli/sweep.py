@@ -59,8 +59,8 @@ def cmd_sweep(args) -> int:
         raise MaxperfError("give --model (a preset, see `maxperf models`), or --step MODULE:FACTORY for your own "
                            "step")
     # a user's step is swept under its factory's name (MODULE:FACTORY; presets never hold ':')
-    result = sweep(str(step) if step.is_user else args.model, list(dict.fromkeys(t.strip() for t in args.topologies.split(",") if t.strip())),
-                   num_slices=slices,
+    topologies = list(dict.fromkeys(t.strip() for t in args.topologies.split(",") if t.strip()))
+    result = sweep(str(step) if step.is_user else args.model, topologies, num_slices=slices,
                    axes=_grid_axes(args.overrides), analytical_only=args.analytical_only, out=args.out,
                    workers=args.workers, progress=progress(), cluster=args.cluster,
                    keep_executables=args.keep_executables)
