@@ -342,6 +342,20 @@ def test_verify_compiles_the_best_and_the_report_shows_it(capsys, tmp_path):
         check_in_chromium(result.html_path, tmp_path)
 
 
+def test_the_report_counts_each_rejection_by_the_rule_that_made_it(capsys, tmp_path):
+    code, _, err = run_main(capsys, "plan", "--model", "llama3-8b", "--topology", "v5p-8", "--per-device-batch", "1",
+                            "--verify", "0", "--out", str(tmp_path / "p"))
+    assert code == 0, err
+    n = json.loads((tmp_path / "p" / "plan.json").read_text())["counts"]
+    result = render([tmp_path / "p"], tmp_path / "r" / "plan.html")
+    with open(next(p for p in result.csv_paths if "rejections" in p.name), newline="") as f:
+        rows = {(r["status"], r["reason"]): int(r["candidates"]) for r in csv.DictReader(f)}
+    assert rows.get(("slower", "another remat policy keeps more and fits"), 0) == n["keeps_less_than_fitting"] > 0
+    assert rows[("does not fit", "parameters and optimizer state alone over HBM")] == n["state_does_not_fit"] > 0
+    assert rows.get(("slower", "fits, lower objective"), 0) == n["fit"] - 1  # every ranked one but the chosen
+    assert sum(rows.values()) == n["enumerated"] - 1
+
+
 def test_pareto_front():
     points = [(1.0, 10.0), (2.0, 5.0), (2.0, 20.0), (3.0, 15.0), (4.0, 30.0)]
     assert [points[i] for i in pareto(points)] == [(1.0, 10.0), (2.0, 20.0), (4.0, 30.0)]

@@ -112,8 +112,11 @@ def read(page: Page, directory: Path) -> None:
             counted[("does not fit", why)] += 1
         elif c["status"] == "compile failed":
             counted[("compile failed", c["reason"][:120])] += 1
-        elif c["status"] == "slower":
-            counted[("slower", "more accumulation than needed" if c["reason"].startswith("A=") else
+        elif c["status"] == "slower":  # the search's skips (not timed), then those timed and ranked below
+            reason = c["reason"]
+            counted[("slower", "more accumulation than needed" if reason.startswith("A=") else
+                     "a smaller batch than one that fits" if reason.startswith("B=") else
+                     "another remat policy keeps more and fits" if reason.startswith("remat_policy=") else
                      "fits, lower objective")] += 1
     s.tables.append(page.table("rejections by reason", ["status", "reason", "candidates", "meshes"],
                                [[k[0], k[1], v, reasons.get(k, "")] for k, v in counted.most_common(20)]))
