@@ -96,6 +96,16 @@ def test_a_missing_input_is_refused_before_the_executable_loads(compiled, tmp_pa
     assert said in err and "loading" not in err and not (tmp_path / "r").exists()
 
 
+def test_a_data_file_of_the_wrong_rows_is_refused_before_the_executable_loads(compiled, tmp_path):
+    import numpy as np
+
+    np.save(tmp_path / "short_rows.npy", np.zeros((4, 10), dtype=np.int32))
+    proc = maxperf("run", str(compiled), "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "r"), "--data",
+                   str(tmp_path / "short_rows.npy"))
+    err = _one_line_refusal(proc)
+    assert "need rows of at least L+1" in err and "loading" not in err and not (tmp_path / "r").exists()
+
+
 def test_an_earlier_artifact_is_replaced_and_a_foreign_file_in_it_is_refused(compiled, tmp_path):
     out = tmp_path / "again"
     aot.compile("cpu-8", "tiny", TINY, out=out)

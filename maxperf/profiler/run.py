@@ -91,8 +91,9 @@ def check_devices(artifact: Artifact, devices) -> list:
     return list(devices)[:count] if platform == "cpu" else list(devices)
 
 
-def batches(spec, data: Path | None, first_step: int, seed: int):
-    """Batch i of the run: seeded synthetic tokens, or consecutive rows of a token file."""
+def batches(spec, data: Path | None, first_step: int, seed: int, tokens=None):
+    """Batch i of the run: seeded synthetic tokens, or consecutive rows of a token file (`tokens`: its rows as
+    _token_rows read them, where the caller has them)."""
     import numpy as np
 
     from maxperf.models import train_step
@@ -102,7 +103,7 @@ def batches(spec, data: Path | None, first_step: int, seed: int):
         def synthetic(i: int):
             return train_step.synthetic_batch(spec, seed + 1 + first_step + i)
         return synthetic
-    tokens = _token_rows(data, L, spec.model.vocab_size)
+    tokens = _token_rows(data, L, spec.model.vocab_size) if tokens is None else tokens
 
     def from_file(i: int):
         import jax
@@ -249,18 +250,19 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         raise MaxperfError(f"--restore {restore} is not a checkpoint directory (a `maxperf run --checkpoint` output)")
     if data is not None and not Path(data).is_file():
         raise MaxperfError(f"--data {data} is not a file; give a .npy file of token ids")
+    p = artifact.plan
+    tokens = None if data is None else _token_rows(Path(data), p.configs.train.seq_len, p.configs.model.vocab_size)
     used = [path for path in (artifact.directory, data, restore, checkpoint) if path is not None]
     artifacts.claim_output(out_dir, "run", force=force, inputs=used)  # a bad --out fails before any work
     say(f"loading the executable onto {len(devices)} {devices[0].platform} device(s)")
     spec, step = artifact.step(devices)
-    p = artifact.plan
     if restore is not None:
         say(f"restoring the state from {restore}")
         state = checkpoints.restore(Path(restore), spec)
     else:
         state = train_step.init_state(spec, seed=p.configs.train.seed)
     first = int(jax.device_get(state["step"]))
-    batch_for = batches(spec, Path(data) if data else None, first, p.configs.train.seed)
+    batch_for = batches(spec, Path(data) if data else None, first, p.configs.train.seed, tokens)
     writer = artifacts.ArtifactWriter(out_dir, "run", force=force, inputs=used)  # checked again, and locked
     watchdog = Watchdog(peer_timeout) if jax.process_count() > 1 else None
     losses: list[float] = []
