@@ -125,7 +125,8 @@ def test_each_step_reads_the_global_batch_of_rows_under_accumulation(tmp_path):
     spec = train_step.abstract_step(p.configs.model, p.configs.train, targets.jax_mesh(p.topology, p.mesh, jax.devices()[:8]))
     rows = np.arange(200 * 9, dtype=np.int32).reshape(200, 9) % 256
     np.save(tmp_path / "tokens.npy", rows)
-    batch_for = runner.batches(spec, tmp_path / "tokens.npy", first_step=0, seed=0)
+    tokens = runner._token_rows(tmp_path / "tokens.npy", 8, p.configs.model.vocab_size)
+    batch_for = runner.batches(spec, tokens, first_step=0, seed=0)
     first, second = (jax.device_get(batch_for(i)) for i in (0, 1))
     assert first["inputs"].shape == second["inputs"].shape == (64, 8)
     np.testing.assert_array_equal(first["inputs"], rows[:64, :-1])

@@ -76,12 +76,6 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     return args
 
 
-def _preset(name: str) -> str:
-    """A --model as the preset it names (an unknown name as given: the request says what is wrong with it)."""
-    canonical = presets.canonical(name)
-    return canonical if canonical in presets.names() else name
-
-
 def read_maxtext_words(command: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A MaxText command line's words (spec.maxtext_line) into --topology, --model and --num-slices, the words with
     no effect on the step named once on stderr; a clash with the options, or a topology or model named nowhere, is a
@@ -98,7 +92,7 @@ def read_maxtext_words(command: argparse.ArgumentParser, args: argparse.Namespac
         if value is not None:
             setattr(args, option, value)
     if line.model is not None:
-        if args.model is not None and _preset(args.model) != line.model:
+        if args.model is not None and presets.canonical(args.model) != line.model:
             command.word_error(f"--model {args.model} and {line.model_word} disagree: give one")
         args.model = line.model
     if args.num_slices is None:

@@ -91,19 +91,18 @@ def check_devices(artifact: Artifact, devices) -> list:
     return list(devices)[:count] if platform == "cpu" else list(devices)
 
 
-def batches(spec, data: Path | None, first_step: int, seed: int, tokens=None):
-    """Batch i of the run: seeded synthetic tokens, or consecutive rows of a token file (`tokens`: its rows as
-    _token_rows read them, where the caller has them)."""
+def batches(spec, tokens, first_step: int, seed: int):
+    """Batch i of the run: seeded synthetic tokens (`tokens` None), or consecutive rows of a token file's `tokens`
+    as _token_rows read them."""
     import numpy as np
 
     from maxperf.models import train_step
 
     Bg, L = spec.batch["inputs"].shape
-    if data is None:
+    if tokens is None:
         def synthetic(i: int):
             return train_step.synthetic_batch(spec, seed + 1 + first_step + i)
         return synthetic
-    tokens = _token_rows(data, L, spec.model.vocab_size) if tokens is None else tokens
 
     def from_file(i: int):
         import jax
@@ -262,7 +261,7 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
     else:
         state = train_step.init_state(spec, seed=p.configs.train.seed)
     first = int(jax.device_get(state["step"]))
-    batch_for = batches(spec, Path(data) if data else None, first, p.configs.train.seed, tokens)
+    batch_for = batches(spec, tokens, first, p.configs.train.seed)
     writer = artifacts.ArtifactWriter(out_dir, "run", force=force, inputs=used)  # checked again, and locked
     watchdog = Watchdog(peer_timeout) if jax.process_count() > 1 else None
     losses: list[float] = []

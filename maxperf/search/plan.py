@@ -136,8 +136,7 @@ class SearchResult:
         n["memory_estimated"] = sum(1 for c in cands if c.memory_bytes > 0)
         n["step_estimated"] = sum(1 for c in cands if c.step_time_s > 0)
         skipped_as = {"A=": "more_accumulation", "B=": "smaller_batch", "remat": "keeps_less_than_fitting"}
-        unfit_as = {"keeps": "keeps_more_than_unfit", "does not fit": "unfit_at_smallest_batch",
-                    STATE_ALONE: "state_does_not_fit"}
+        unfit_as = {"keeps": "keeps_more_than_unfit", "does not fit": "unfit_at_smallest_batch"}
         kinds = Counter((c.status, c.skipped[:5], c.unfit[:12]) for c in cands)
         for (status, skipped, unfit), count in kinds.items():
             n["fit"] += count if status in ("chosen", "slower") and not skipped else 0
@@ -146,7 +145,7 @@ class SearchResult:
                 if (key := next((k for w, k in table.items() if text.startswith(w[:12])), None)) is not None:
                     n[key] += count
         left_out = sum(p["candidates"] for p in self.pruned)
-        n["state_does_not_fit"] += left_out
+        n["state_does_not_fit"] = left_out
         n["does_not_fit"] += left_out
         return {"enumerated": len(cands) + left_out, "indivisible": 0, **n, "compiled": self.compiles}
 
@@ -201,14 +200,17 @@ def _search(req: PlanRequest, progress: Callable[[str], None] | None, margin: Ma
         # none was estimated: of the groups with the least state, every candidate is, and the one needing the least
         # memory stands as the closest to fitting
         least = min(floor for floor, *_ in estimator.floored)
-        options = [(c, group) for floor, group, cells, mesh in estimator.floored if floor <= least * (1 + 1e-9)
-                   for c in cells.values() if estimator.memory(c, mesh) is not None]
+        options = []
+        for floor, group, cells, mesh in estimator.floored:
+            if floor <= least * (1 + 1e-9):
+                for c in cells.values():
+                    estimator.memory(c, mesh)
+                    options.append((c, group))
         c, group = min(options, key=lambda option: option[0].memory_bytes)
         c.unfit = ""
         group["candidates"] -= 1
         if not group["candidates"]:
             estimator.pruned.remove(group)
-        estimator.memory(c, Mesh.of(c.axes, c.dcn).check(topo))
     # the groups whose state alone does not fit are listed by group, not candidate by candidate
     candidates = [c for c in found.candidates if not c.unfit.startswith(STATE_ALONE)]
     held_out = uncertainty(estimator.chip, SHIPPED, model.is_moe)

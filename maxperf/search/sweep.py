@@ -343,23 +343,18 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
 
 
 def _check_same_model(out_dir: Path, model: str) -> None:
-    """An earlier sweep's directory takes more points of its own model (it resumes and grows); another model's
-    sweep there would replace its tables and the points of the same names: refused before any work."""
+    """An earlier sweep's directory takes more points of its own model (it resumes and grows; MaxText's name of a
+    preset is the preset); another model's sweep there would replace its tables and the points of the same names:
+    refused before any work."""
+    from maxperf.spec import presets
+
     try:
         earlier = json.loads((out_dir / "sweep.json").read_text()).get("model")
     except (OSError, ValueError, AttributeError):
         return
-    if earlier is not None and _named(earlier) != _named(model):
+    if earlier is not None and presets.canonical(earlier) != presets.canonical(model):
         raise MaxperfError(f"--out {out_dir} holds a sweep of {earlier}; give a new directory for {model} (a sweep "
                            "directory resumes and grows the sweep of its own model only)")
-
-
-def _named(model: str) -> str:
-    """A sweep's model as the preset it names (MaxText's names and maxperf's alike); a user's step as given."""
-    from maxperf.spec import presets
-
-    canonical = presets.canonical(model)
-    return canonical if canonical in presets.names() else model
 
 
 def _joined(address: str | None, model: str, points: Sequence[Point], out_dir: Path, say):
