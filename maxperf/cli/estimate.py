@@ -113,7 +113,8 @@ def memory_error(p, est):
     from maxperf.search.margin import measured_error
 
     error = measured_error(p.topology.platform, p.topology.chip)
-    return error, error is not None and error.close_call(est.memory_per_device_bytes, est.memory.hbm_bytes)
+    return error, (error is not None and error.close_call(est.memory_per_device_bytes, est.memory.hbm_bytes)
+                   or est.memory.may_not_fit)
 
 
 def close_call_line(est, error, close: bool) -> str | None:
@@ -121,6 +122,8 @@ def close_call_line(est, error, close: bool) -> str | None:
     if not close:
         return None
     total, hbm = est.memory_per_device_bytes, est.memory.hbm_bytes
+    if est.memory.may_not_fit:
+        return may_not_fit_line(est.memory)
     where = (f"on the {error.cases} {ENTRY_NAMES.get(error.name, error.name)} steps of bench/memory_accuracy.py the "
              "compiler counted")
     if total <= hbm:
@@ -128,6 +131,15 @@ def close_call_line(est, error, close: bool) -> str | None:
     else:
         seen = f"up to {error.over:.1%} less than perfmodel ({total / (1 + error.over) / GIB:.2f} GiB here)"
     return f"too close to call: {where} {seen}; `maxperf estimate-memory` compiles the step for the compiler's figure"
+
+
+def may_not_fit_line(memory, check: str = "`maxperf estimate-memory` compiles the step for the compiler's figure"
+                     ) -> str:
+    """Why a step that fits as counted may not (MemoryBreakdown.may_not_fit), and `check`, how to find out."""
+    late = memory.late_risk_bytes
+    return (f"may not fit: where libtpu takes the vocabulary table's gradient after the backward layers, as it does "
+            f"in some FSDP schedules, the logits' gradient ({late / GIB:.2f} GiB) stays live through them: "
+            f"{(memory.per_device_total_bytes + late) / GIB:.2f} GiB; {check}")
 
 
 def estimate_summary(p, est) -> dict:

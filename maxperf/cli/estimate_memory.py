@@ -242,6 +242,10 @@ def _print_comparison(cmp) -> None:
                 else f"; compiled in {cmp.compile_seconds:.1f} s")
     print(f"  verdict ({cmp.source}): {verdict} in {cmp.hbm_bytes / GIB:.2f} GiB per device, headroom "
           f"{cmp.headroom_bytes / GIB:.2f} GiB{compiled}")
+    if c is None and a.may_not_fit:
+        from maxperf.cli.estimate import may_not_fit_line
+
+        print(f"  {may_not_fit_line(a, 'compiled (without --analytical-only), the compiler gives its figure')}")
     if cmp.out_dir is not None:
         print(f"  artifact kept in {cmp.out_dir}")
 

@@ -126,6 +126,9 @@ class MemoryBreakdown:
     # a TPU mixture of experts whose overlapped schedule does not fit, so that the compiler serializes the experts'
     # dispatch: what the overlapped schedule would need (0: the breakdown is the overlapped schedule's)
     overlapped_bytes: float = 0.0
+    # what the peak would grow by where libtpu takes the vocabulary table's gradient after the backward scan, which
+    # perfmodel counts before it (working.late_logits_gradient); 0 where the placement is counted or cannot differ
+    late_risk_bytes: float = 0.0
     # what the parameters, gradients and optimizer state of each part take ("experts": the MoE blocks' routers, routed
     # and shared experts; "attention": the attention blocks; "rest": embeddings, dense MLPs, norms), and what the
     # saved activations of each take (the MLP's part under "experts" in MoE layers, under "rest" in dense ones)
@@ -168,6 +171,11 @@ class MemoryBreakdown:
     def fits(self) -> bool:
         return self.headroom_bytes >= 0
 
+    @property
+    def may_not_fit(self) -> bool:
+        """Fits as counted, but not with the logits' gradient held through the backward (late_risk_bytes)."""
+        return self.fits and self.per_device_total_bytes + self.late_risk_bytes > self.hbm_bytes
+
     def as_dict(self) -> dict:
         return {
             "params": self.params, "optimizer": self.optimizer, "gradients": self.gradients,
@@ -180,6 +188,7 @@ class MemoryBreakdown:
             "host_offload": self.host_offload, "host_state": self.host_state,
             "optimizer_staged": self.optimizer_staged, "host_bytes": self.host_bytes, "fp8_state": self.fp8_state,
             "gathered_params": self.gathered_params, "overlapped_bytes": self.overlapped_bytes,
+            "late_risk_bytes": self.late_risk_bytes, "may_not_fit": self.may_not_fit,
             "state_blocks": dict(self.state_blocks), "activation_blocks": dict(self.activation_blocks),
         }
 
@@ -368,7 +377,7 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
             activation_blocks=(("experts", parts["mlp"] if moe else 0.0),
                                ("attention", parts["attention"]),
                                ("rest", carry + parts["rest"] + (0.0 if moe else parts["mlp"]) + mtp_saved)),
-            overlapped_bytes=overlapped_bytes,
+            overlapped_bytes=overlapped_bytes, late_risk_bytes=work.late_risk,
         )
 
     overlapped = breakdown(work.overlapped)
