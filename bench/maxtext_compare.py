@@ -5,7 +5,8 @@
     .venv/bin/python bench/maxtext_compare.py --repeat 3 mixtral  # each side 3 times, taking turns; medians
 
 MaxText runs from its own venv (PEER_VENV, default /tmp/peer, installed by shared/peer/maxtext_aot.sh) exactly as
-that script runs it: `python -m maxtext.trainers.pre_train.train_compile base.yml compile_topology=... jax_cache_dir=""`.
+that script runs it:
+`python -m maxtext.trainers.pre_train.train_compile base.yml compile_topology=... jax_cache_dir=""`.
 maxperf runs as a fresh `maxperf compile` process with its compile cache off (MAXPERF_NO_CACHE=1). The two of a case
 run back to back, one at a time, so the machine's load falls on both alike. On this shared machine the same
 program's backend passes took 38 to 59 s from one compile to the next (mixtral-8x7b, maxperf's, 2026-11-23), so

@@ -88,7 +88,8 @@ HLO_ROWS = ("maxtext-v4-22b-x1", "maxtext-v4-22b-x4", "maxtext-v5e-16b-x1", "max
             "mpt-h100-7b-L2048-8gpu", "maxtext-v5e-32b-x1", "maxtext-v5p-64b-v5p-128-x1", "mpt-a100-7b-L2048-8gpu",
             "mpt-h100-1b-L2048-8gpu", "ironwood-llama3.1-70b-L8192-bf16-64chips")
 HLO_TIMEOUT_S = 1800
-FAMILY_ORDER = ("fsdp", "tensor", "data", "sequence", "expert")  # the collectives' Overlap fields; the first three fitted
+# the collectives' Overlap fields; the first three fitted
+FAMILY_ORDER = ("fsdp", "tensor", "data", "sequence", "expert")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -667,7 +668,8 @@ def main() -> int:
     if both:
         print("\nFLOPs per token, the source's (its TFLOP/s / its tokens/s) over maxperf's model FLOPs per token:")
         for r in both:
-            theirs = float(r.data["published_tflops_per_chip"]) * 1e12 / float(r.data["published_tokens_per_s_per_chip"])
+            theirs = (float(r.data["published_tflops_per_chip"]) * 1e12
+                      / float(r.data["published_tokens_per_s_per_chip"]))
             print(f"  {r.id:<44} {theirs / r.flops_per_token:.4f}")
     unfit = [r.id for r in ok if not r.estimate.fits]
     if unfit:

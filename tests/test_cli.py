@@ -285,8 +285,8 @@ def test_a_point_of_many_words_gets_a_folder_name_the_file_system_takes(tmp_path
     words = ("account_for_embedding_in_pipeline_split=true", "account_for_loss_in_pipeline_split=true",
              "ici_fsdp=2", "ici_tensor=4", "dcn_data=2", "dcn_stage=8", "dcn_fsdp=8",
              "remat_policy=minimal_offloaded", "attention=flash", "per_device_batch_size=0.5", "grad_accum_steps=1")
-    a, b = Point("h100-8x128", 1, (*words, "num_pipeline_microbatches=8")), Point("h100-8x128", 1,
-                                                                                 (*words, "num_pipeline_microbatches=16"))
+    a = Point("h100-8x128", 1, (*words, "num_pipeline_microbatches=8"))
+    b = Point("h100-8x128", 1, (*words, "num_pipeline_microbatches=16"))
     assert len(a.name) <= MAX_NAME and a.name != b.name and a.name.startswith("h100-8x128_account_for")
     (tmp_path / a.name).mkdir()
     short = Point("v5p-8", 1, ("ici_fsdp=4",))

@@ -223,7 +223,8 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
         (["compile", "--topology", "v5p-8", "--model", "lama2-7b"], "llama2-7b"),
         (["compile", "--topology", "cpu-8", "--model", "tiny", "ici_tensor=3"], "ici_tensor=3"),
         (["compile", "--topology", "cpu-8", "--model", "tiny", "remat_policy=fulll"], "did you mean full"),
-        (["compile", "--topology", "cpu-8", "--model", "tiny", "per_device_batch_size=-1"], "> 0 (a fraction such as 0.5 is allowed), got -1"),
+        (["compile", "--topology", "cpu-8", "--model", "tiny", "per_device_batch_size=-1"],
+         "> 0 (a fraction such as 0.5 is allowed), got -1"),
     ]:
         proc = maxperf(*args, cwd=tmp_path)
         assert proc.returncode == 2, (args, proc.stderr)

@@ -193,8 +193,8 @@ def test_a_tiny_compile_keeps_the_saved_activations_perfmodel_counts(tmp_path):
 # (libtpu 0.0.52, the current step): the analytical total stays within the fidelity issue's worst 20% of each and its
 # median 10% over them; a change to a formula that moves one past it must come with the compiled step that justifies it.
 # Under tensor parallelism with the batch split too the compiler keeps the logits' gradient and the gathered final
-# hidden state through the backward scan (perfmodel.working.LATE_TABLE_GRADIENT_INPUTS); without a batch split (tensor 16
-# on 16 chips) it does not.
+# hidden state through the backward scan (perfmodel.working.LATE_TABLE_GRADIENT_INPUTS); without a batch split
+# (tensor 16 on 16 chips) it does not.
 RECORDED_COMPILES = [
     ("llama2-7b", "v5p-32", [*LLAMA_4, "ici_tensor_parallelism=4", "per_device_batch_size=2", "remat_policy=none",
                              "attention=flash"], 6663319744),

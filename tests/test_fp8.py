@@ -366,9 +366,10 @@ def test_mxfp8_refuses_a_mesh_that_splits_a_weight_below_a_block():
 def test_mxfp8_splits_heads_and_experts_which_no_product_contracts_alone():
     """Blocks run along a product's contraction: tensor parallelism splits q's heads, whose head_dim (128) stays whole
     within each device's run of the backward's (heads, head_dim) contraction, and expert parallelism the experts'
-    own axis, which no product contracts; both are NVIDIA's Blackwell MXFP8 layouts. A mixture of experts' einsum dispatch
-    contracts each device's experts' capacity slots, refused where they make no whole block."""
-    assert resolve("b200-8", "llama3-8b", ["quantization=te_mxfp8", "ici_tensor_parallelism=8"]).mesh.axes["tensor"] == 8
+    own axis, which no product contracts; both are NVIDIA's Blackwell MXFP8 layouts. A mixture of experts' einsum
+    dispatch contracts each device's experts' capacity slots, refused where they make no whole block."""
+    assert resolve("b200-8", "llama3-8b", ["quantization=te_mxfp8",
+                                           "ici_tensor_parallelism=8"]).mesh.axes["tensor"] == 8
     moe = ["quantization=te_mxfp8", "ici_expert_parallelism=8", "sparse_matmul=false", "capacity_factor=1.25",
            "max_target_length=4096"]
     assert resolve("b200-8", "qwen3-30b-a3b", moe).mesh.axes["expert"] == 8  # 16 experts x 320 slots a device
@@ -395,8 +396,9 @@ def test_mxfp8_compiles_under_tensor_and_expert_parallelism(words):
     of jax's block-scaled matmul requires) and multiplies its projections in E4M3."""
     model = "tiny-moe" if "model=tiny-moe" in words else "tiny"
     words = [w for w in words if not w.startswith("model=")]
-    req = resolve("b200-8", model, ["compute_dtype=bfloat16", "attention=flash", "seq_len=2048", "per_device_batch_size=1",
-                                    "quantization=te_mxfp8", "d_model=256", "d_ff=512", *words])
+    req = resolve("b200-8", model, ["compute_dtype=bfloat16", "attention=flash", "seq_len=2048",
+                                    "per_device_batch_size=1", "quantization=te_mxfp8", "d_model=256", "d_ff=512",
+                                    *words])
     from maxperf.aot import hlo_cost, targets
 
     mesh = targets.jax_mesh(req.topology, req.mesh)

@@ -106,12 +106,14 @@ def test_page_faults_of_large_temporaries_count_on_cpu():
     cal = calibration.Calibration(matmul=square, **{**CAL, "page_fault_bandwidth": 4e9})
     model = presets.get("tiny")
     # the materialized scores (dot_product attention) make the large temporaries
-    big = estimate(Request.of(CPU2, model, TrainConfig(per_device_batch_size=8, seq_len=512, attention="dot_product"), {"fsdp": 2}, {}), calibration=cal)
+    big = estimate(Request.of(CPU2, model, TrainConfig(per_device_batch_size=8, seq_len=512, attention="dot_product"),
+                              {"fsdp": 2}, {}), calibration=cal)
     temporaries = max(big.memory.phases().values())
     assert temporaries > FRESH_MAPPING_THRESHOLD
     faults = next(r for r in big.breakdown if r.name == "page faults (new temporaries)")
     assert faults.seconds == pytest.approx(temporaries / 2e9)  # two devices share the measured 4 GB/s
-    small = estimate(Request.of(CPU2, model, TrainConfig(per_device_batch_size=1, seq_len=64), {"fsdp": 2}, {}), calibration=cal)
+    small = estimate(Request.of(CPU2, model, TrainConfig(per_device_batch_size=1, seq_len=64), {"fsdp": 2}, {}),
+                     calibration=cal)
     assert max(small.memory.phases().values()) < FRESH_MAPPING_THRESHOLD  # reused by the allocator: no faults
     assert not any(r.name.startswith("page faults") for r in small.breakdown)
 
@@ -166,7 +168,8 @@ def test_cpu_attention_runs_at_its_measured_whole_rate():
     assert rows["attention (measured kernels)"].flops == flops
     assert rows["attention (measured kernels)"].seconds == pytest.approx(flops / 1e10)  # two devices share 2e10
     assert not {"attention scores", "attention context", "softmax"} & set(rows)
-    f32 = estimate(Request.of(CPU2, model, TrainConfig(per_device_batch_size=2, seq_len=256, compute_dtype="float32"), {"fsdp": 2}, {}), calibration=cal).breakdown
+    f32 = estimate(Request.of(CPU2, model, TrainConfig(per_device_batch_size=2, seq_len=256, compute_dtype="float32"),
+                              {"fsdp": 2}, {}), calibration=cal).breakdown
     assert {"attention scores", "attention context", "softmax"} <= {r.name for r in f32}
 
 
@@ -211,7 +214,8 @@ def test_each_gathered_weight_pays_the_measured_collective_latency():
 
     def rows(latency):
         cal = calibration.Calibration(matmul=square, **{**CAL, "collective_latency": latency})
-        return {r.name: r.seconds for r in estimate(Request.of(CPU2, model, train, {"fsdp": 2}, {}), calibration=cal).breakdown}
+        return {r.name: r.seconds for r in estimate(Request.of(CPU2, model, train, {"fsdp": 2}, {}),
+                                                    calibration=cal).breakdown}
 
     slow, fast = rows(1e-4), rows(0.0)
     # 2 layers x 2 gathers x 7 weights (q, k, v, o, up, gate, down) and 2 gathers of the vocabulary table; one
@@ -245,7 +249,8 @@ def test_estimate_records_which_calibration_it_used():
     bare = estimate(Request.of(CPU2, model, train, {"fsdp": 2}, {}), calibration=cal)
     assert bare.calibration["path"] is None and bare.calibration["used"] and bare.peak_flops == 8e11 / 2
     # TPUs and GPUs take nothing from a CPU calibration, and record none
-    tpu = estimate(Request.of(Topo("tpu-v5p", 4, 4, torus=(2, 2, 1)), model, train, {"fsdp": 4}, {}), calibration=passed)
+    tpu = estimate(Request.of(Topo("tpu-v5p", 4, 4, torus=(2, 2, 1)), model, train, {"fsdp": 4}, {}),
+                   calibration=passed)
     assert tpu.calibration is None and tpu.notes == () and tpu.peak_flops == chips.CHIPS["tpu-v5p"].peak_bf16_flops
 
 

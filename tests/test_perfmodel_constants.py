@@ -81,7 +81,8 @@ def test_an_estimate_names_the_fitted_and_assumed_constants_it_rests_on():
     assert json.loads(json.dumps(e.as_dict()))["assumptions"] == list(e.assumptions)
     given = estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 64}, {}), overlap=0.3).assumptions
     assert "fsdp collectives 30% hidden (as given)" in given
-    h200 = estimate(Request.of(Topo("h200", 16, 8, hosts=2), LLAMA, TRAIN, {"data": 2, "fsdp": 8}, {"data": 2})).assumptions
+    h200 = estimate(Request.of(Topo("h200", 16, 8, hosts=2), LLAMA, TRAIN, {"data": 2, "fsdp": 8},
+                               {"data": 2})).assumptions
     # H200 is H100 SXM's compute (chips.SAME_COMPUTE): its fraction, not fitted on a row of its own
     assert h200[0].startswith(f"matmuls at {chips.MATMUL_FRACTION['h100-sxm']:.2f} of peak (assumed) x m / "
                               f"(m + {work.MATMUL_HALF['gpu']})")

@@ -53,7 +53,8 @@ def test_accumulation_runs_a_microbatches_of_b_per_device():
     # MaxText's meaning: per_device_batch_size is one microbatch, the step A of them (B x A x L tokens per device)
     one = TrainConfig(per_device_batch_size=2, seq_len=2048)
     four = replace(one, grad_accum_steps=4)
-    e1, e4 = estimate(Request.of(v5p(64), LLAMA, one, {"fsdp": 64}, {})), estimate(Request.of(v5p(64), LLAMA, four, {"fsdp": 64}, {}))
+    e1 = estimate(Request.of(v5p(64), LLAMA, one, {"fsdp": 64}, {}))
+    e4 = estimate(Request.of(v5p(64), LLAMA, four, {"fsdp": 64}, {}))
     assert count_flops(LLAMA, four).tokens == 2 * 4 * 2048
     assert e4.model_flops_per_device == pytest.approx(4 * e1.model_flops_per_device, rel=1e-12)
     assert e4.tokens_per_s == pytest.approx(2 * 4 * 2048 * 64 / e4.step_time_s, rel=1e-12)
@@ -69,7 +70,8 @@ def test_accumulation_runs_a_microbatches_of_b_per_device():
 
 
 def test_the_largest_preset_on_a_full_pod_adds_up():
-    e = estimate(Request.of(v5p(8960, (16, 20, 28)), presets.get("llama3.1-405b"), TrainConfig(seq_len=8192), {"fsdp": 1120, "tensor": 8}, {}))
+    e = estimate(Request.of(v5p(8960, (16, 20, 28)), presets.get("llama3.1-405b"), TrainConfig(seq_len=8192),
+                            {"fsdp": 1120, "tensor": 8}, {}))
     t = e.time
     assert e.step_time_s == pytest.approx(t.compute_s + t.hbm_s + t.exposed_ici_s + t.exposed_dcn_s, rel=1e-12)
     assert e.mfu == e.model_flops_per_device / (e.step_time_s * e.peak_flops)
@@ -86,7 +88,8 @@ def test_every_preset_estimates_and_its_figures_follow_from_each_other(name):
 
 def test_state_divides_by_fsdp_and_activations_by_the_batch_shards():
     small = estimate(Request.of(v5p(8, (2, 2, 2)), LLAMA, TrainConfig(per_device_batch_size=4), {"fsdp": 8}, {})).memory
-    large = estimate(Request.of(v5p(32, (2, 4, 4)), LLAMA, TrainConfig(per_device_batch_size=1), {"fsdp": 32}, {})).memory
+    large = estimate(Request.of(v5p(32, (2, 4, 4)), LLAMA, TrainConfig(per_device_batch_size=1), {"fsdp": 32},
+                                {})).memory
     # the same global batch (32 sequences): 4x the shards, 1/4 of everything but the replicated norms
     for field in ("params", "optimizer", "gradients", "activations"):
         assert getattr(large, field) == pytest.approx(getattr(small, field) / 4, rel=1e-3), field
@@ -110,7 +113,8 @@ def test_remat_trades_memory_for_time():
 def test_fit_verdict_and_headroom():
     fits = estimate(Request.of(v5p(8, (2, 2, 2)), presets.get("tiny"), TRAIN, {"fsdp": 8}, {}))
     assert fits.fits and fits.memory.headroom_bytes > 0
-    big = estimate(Request.of(Topo("tpu-v5e", 8, 8, torus=(2, 4)), presets.get("llama3.1-405b"), TRAIN, {"fsdp": 8}, {}))
+    big = estimate(Request.of(Topo("tpu-v5e", 8, 8, torus=(2, 4)), presets.get("llama3.1-405b"), TRAIN, {"fsdp": 8},
+                              {}))
     assert not big.fits and big.memory.headroom_bytes < 0
 
 
@@ -138,7 +142,8 @@ def test_overlap_never_lengthens_the_step():
 
 
 def test_bottleneck_compute_for_a_big_model_on_big_batches():
-    e = estimate(Request.of(v5p(1024, (8, 8, 16)), presets.get("gpt3-175b"), TrainConfig(seq_len=2048), {"fsdp": 1024}, {}))
+    e = estimate(Request.of(v5p(1024, (8, 8, 16)), presets.get("gpt3-175b"), TrainConfig(seq_len=2048),
+                            {"fsdp": 1024}, {}))
     assert e.bottleneck == "compute"
 
 
@@ -151,12 +156,14 @@ def test_bottleneck_hbm_for_a_tiny_model():
 
 
 def test_bottleneck_ici_for_heavy_tensor_parallelism_on_short_sequences():
-    e = estimate(Request.of(Topo("tpu-v5e", 1024, 8, num_slices=4, hosts=128, torus=(16, 16)), LLAMA, TrainConfig(per_device_batch_size=1, seq_len=128), {"data": 4, "fsdp": 256}, {"data": 4}))
+    e = estimate(Request.of(Topo("tpu-v5e", 1024, 8, num_slices=4, hosts=128, torus=(16, 16)), LLAMA,
+                            TrainConfig(per_device_batch_size=1, seq_len=128), {"data": 4, "fsdp": 256}, {"data": 4}))
     assert e.bottleneck == "ici"
 
 
 def test_bottleneck_dcn_when_gradients_cross_slices():
-    e = estimate(Request.of(Topo("tpu-v5e", 16, 4, num_slices=4, hosts=4, torus=(2, 2)), LLAMA, TrainConfig(per_device_batch_size=1, seq_len=128), {"data": 4, "fsdp": 4}, {"data": 4}))
+    e = estimate(Request.of(Topo("tpu-v5e", 16, 4, num_slices=4, hosts=4, torus=(2, 2)), LLAMA,
+                            TrainConfig(per_device_batch_size=1, seq_len=128), {"data": 4, "fsdp": 4}, {"data": 4}))
     assert e.bottleneck == "dcn"
     assert any(r.kind == "dcn" and r.name.startswith("data all-reduce") for r in e.breakdown)
 

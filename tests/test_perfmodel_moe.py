@@ -239,7 +239,8 @@ def test_all_to_all_rows_of_the_step():
 def test_load_imbalance_scales_the_busiest_experts_work():
     topo = Topo("tpu-v5p", 8, torus=(2, 2, 2))
     train = TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="none")
-    down = {f: _row(estimate(Request.of(topo, SMALL, train, {"expert": 4, "fsdp": 2}, {}), load_imbalance=f), "experts down")
+    down = {f: _row(estimate(Request.of(topo, SMALL, train, {"expert": 4, "fsdp": 2}, {}), load_imbalance=f),
+                    "experts down")
             for f in (1.0, 2.0)}
     assert down[2.0].flops == 2 * down[1.0].flops == 2 * (3 * 2 * 64 * 2 * 32 * 64 * 2)  # fwd + bwd, 2 MoE layers
     # without an expert axis every device runs all experts on its own tokens: no imbalance
@@ -285,7 +286,8 @@ def test_megablox_computes_a_row_tile_for_every_expert_boundary():
 
 def test_estimate_memory_breaks_down_experts_attention_and_the_rest():
     topo = Topo("tpu-v5p", 8, torus=(2, 2, 2))
-    e = estimate(Request.of(topo, SMALL, TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="none"), {"expert": 4, "fsdp": 2}, {}))
+    e = estimate(Request.of(topo, SMALL, TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="none"),
+                            {"expert": 4, "fsdp": 2}, {}))
     d = e.as_dict()["memory"]
     assert set(d["state_blocks"]) == set(d["activation_blocks"]) == {"experts", "attention", "rest"}
     assert sum(d["activation_blocks"].values()) == pytest.approx(e.memory.activations, rel=1e-12)
@@ -332,7 +334,8 @@ def test_the_load_imbalance_key_reaches_the_step_time():
     v5p = Topo("tpu-v5p", 64, hosts=16, torus=(4, 4, 4))
 
     def step(**kw):
-        return estimate(Request.of(v5p, model, TrainConfig(per_device_batch_size=1, seq_len=2048, **kw), {"fsdp": 8, "expert": 8}, {}))
+        train = TrainConfig(per_device_batch_size=1, seq_len=2048, **kw)
+        return estimate(Request.of(v5p, model, train, {"fsdp": 8, "expert": 8}, {}))
 
     assumed, balanced, skewed = step(), step(moe_load_imbalance=1.0), step(moe_load_imbalance=2.0)
     assert balanced.step_time_s < assumed.step_time_s < skewed.step_time_s

@@ -235,7 +235,8 @@ def test_a_pipeline_computes_its_bubble_and_moves_its_stage_outputs():
     request = resolve("v5p-16", "llama2-7b", ["per_device_batch_size=4", "ici_stage=2", "num_pipeline_microbatches=16"])
     assert any("fsdp=4 does not divide a pipeline microbatch's 2 row(s)" in w
                and "e.g. num_pipeline_microbatches=8," in w for w in request.warnings)
-    suggested = resolve("v5p-16", "llama2-7b", ["per_device_batch_size=4", "ici_stage=2", "num_pipeline_microbatches=8"])
+    suggested = resolve("v5p-16", "llama2-7b", ["per_device_batch_size=4", "ici_stage=2",
+                                                "num_pipeline_microbatches=8"])
     assert not any("pipeline microbatch" in w for w in suggested.warnings)
 
 

@@ -229,7 +229,8 @@ def test_step_time_follows_the_kernel_and_the_offload():
 
     topo = Topo("tpu-v5p", 64, hosts=16, torus=(4, 4, 4))
     train = TrainConfig(per_device_batch_size=2, seq_len=4096, remat_policy="minimal")
-    rows = {m: {r.name: r for r in estimate(Request.of(topo, LLAMA, replace(train, attention=m), {"fsdp": 64}, {})).breakdown}
+    rows = {m: {r.name: r for r in estimate(Request.of(topo, LLAMA, replace(train, attention=m), {"fsdp": 64},
+                                                       {})).breakdown}
             for m in ("flash", "dot_product")}
     assert "attention (flash kernel)" in rows["flash"] and "softmax" not in rows["flash"]  # no passes over HBM
     assert {"attention scores", "attention context", "softmax"} <= set(rows["dot_product"])

@@ -122,7 +122,8 @@ def test_each_step_reads_the_global_batch_of_rows_under_accumulation(tmp_path):
     from maxperf.spec.request import resolve
 
     p = resolve("cpu-8", "tiny", ["seq_len=8", "per_device_batch_size=2", "gradient_accumulation_steps=4"])
-    spec = train_step.abstract_step(p.configs.model, p.configs.train, targets.jax_mesh(p.topology, p.mesh, jax.devices()[:8]))
+    spec = train_step.abstract_step(p.configs.model, p.configs.train, targets.jax_mesh(p.topology, p.mesh,
+                                                                                       jax.devices()[:8]))
     rows = np.arange(200 * 9, dtype=np.int32).reshape(200, 9) % 256
     np.save(tmp_path / "tokens.npy", rows)
     tokens = runner._token_rows(tmp_path / "tokens.npy", 8, p.configs.model.vocab_size)
@@ -290,7 +291,8 @@ def test_a_cpu_run_gives_xla_collectives_time_to_wait_for_busy_cores(monkeypatch
     cli_run.patient_cpu_collectives(60)
     flags = os.environ["XLA_FLAGS"].split()
     assert "--xla_cpu_collective_call_terminate_timeout_seconds=600" in flags
-    assert "--xla_cpu_collective_timeout_seconds=600" in flags and flags[0] == "--xla_force_host_platform_device_count=8"
+    assert "--xla_cpu_collective_timeout_seconds=600" in flags
+    assert flags[0] == "--xla_force_host_platform_device_count=8"
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_collective_call_terminate_timeout_seconds=5")
     cli_run.patient_cpu_collectives(60)
     assert "--xla_cpu_collective_call_terminate_timeout_seconds=5" in os.environ["XLA_FLAGS"].split()
@@ -300,7 +302,8 @@ def test_a_cpu_run_gives_xla_collectives_time_to_wait_for_busy_cores(monkeypatch
 @pytest.mark.slow
 def test_a_run_on_a_loaded_host_slows_down_instead_of_aborting(artifact, tmp_path):
     """Four processes spinning on this machine's cores while a cpu-8 step runs its collectives: the run finishes."""
-    burners = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 120\nwhile time.time() < end: pass"])
+    burners = [subprocess.Popen([sys.executable, "-c",
+                                 "import time\nend = time.time() + 120\nwhile time.time() < end: pass"])
                for _ in range(4)]
     try:
         proc = maxperf("run", str(artifact), "--steps", "3", "--warmup", "1", "--out", str(tmp_path / "loaded"),

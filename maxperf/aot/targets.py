@@ -248,8 +248,8 @@ def compiler_options(topology: Topology, random_bits: bool = False) -> dict[str,
     """XLA options to pass as `.compile(compiler_options=...)` for this topology.
 
     GPU across hosts: the one-shot all-reduce kernel works only among GPUs that share NVLink, and compiling it for
-    hundreds of GPUs hit an LLVM error (jax 0.12's CUDA plugin, 512 GPUs); it is turned off there. Checked: the compile-only CUDA plugin
-    accepts it as a compile option.
+    hundreds of GPUs hit an LLVM error (jax 0.12's CUDA plugin, 512 GPUs); it is turned off there. Checked: the
+    compile-only CUDA plugin accepts it as a compile option.
     GPU without the GPU attached: XLA rewrites large sorts into CUB's radix sort and asks the CUDA runtime for its
     scratch size while compiling, which fails with no GPU ("cudaErrorInvalidDevice: invalid device ordinal"; a MoE
     step under expert parallelism sorts the rows it receives: tiny-moe with 64 experts over ici_expert=8 on h100-8
@@ -277,7 +277,8 @@ def limitations(topology: Topology, moe: bool = True) -> list[str]:
     notes: list[str] = []
     if topology.platform == "gpu":
         notes.append("`maxperf run` gives jax's GPU allocator 95% of each GPU's memory "
-                     "(XLA_PYTHON_CLIENT_MEM_FRACTION=0.95; jax's default 0.75 would hold less than the verdict assumes)")
+                     "(XLA_PYTHON_CLIENT_MEM_FRACTION=0.95; jax's default 0.75 would hold less than the verdict "
+                     "assumes)")
     if compiles_on_attached_gpus(topology) is not None:
         notes.append(f"compiled on this machine's {topology.gpu_target} GPUs (autotuned, with XLA's cost analysis)")
     elif topology.platform == "gpu":

@@ -137,9 +137,10 @@ class StepTime:
 def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, topology: Topology,
               overlap: Overlap, temporaries: float = 0.0, imbalance: float | None = None,
               constants: Constants = SHIPPED) -> StepTime:
-    """`constants`: the fitted constants (SHIPPED: as fitted on bench/published.py); `temporaries`: bytes per device live beside the state at the step's peak (the memory model's), which CPU
-    devices fault in afresh every step (perfmodel.cpu); `imbalance`: the MoE load imbalance (perfmodel.moe
-    load_imbalance; None: the train config's moe_load_imbalance where it has one, else LOAD_IMBALANCE)."""
+    """`constants`: the fitted constants (SHIPPED: as fitted on bench/published.py); `temporaries`: bytes per device
+    live beside the state at the step's peak (the memory model's), which CPU devices fault in afresh every step
+    (perfmodel.cpu); `imbalance`: the MoE load imbalance (perfmodel.moe load_imbalance; None: the train config's
+    moe_load_imbalance where it has one, else LOAD_IMBALANCE)."""
     c = DTYPE_BYTES[train.compute_dtype]
     p = DTYPE_BYTES[train.param_dtype]
     D, N, Dh, L = model.d_model, model.num_layers, model.head_dim, train.seq_len
@@ -507,7 +508,8 @@ def _collective(table: Work, name: str, kind: str, nbytes: float, axes: tuple[st
     if table.chip.kind != "cpu" and (t.ici_s or t.dcn_s) and "overlap " + family not in table.assumed:
         origin = OVERLAP_ORIGIN[family] if overlap == getattr(DEFAULT_OVERLAP, family) else "as given"
         table.assume("overlap " + family, f"{family} collectives {overlap:.0%} hidden ({origin})")
-        table.assume("latency", f"{LATENCY_S['ici'] * 1e6:g} us per collective inside a slice or NVLink domain (assumed), "
+        table.assume("latency", f"{LATENCY_S['ici'] * 1e6:g} us per collective inside a slice or NVLink domain "
+                                "(assumed), "
                                 f"{table.constants.dcn_step_latency[table.chip.kind] * 1e6:g} us per step of its ring "
                                 f"across ({'fitted' if table.chip.kind == 'tpu' else 'assumed'})")
     if t.ici_s:

@@ -184,9 +184,10 @@ class Overlap:
     tensor-parallel collectives are decomposed by XLA into collective matmuls that overlap the matmuls they feed (Wang
     et al., ASPLOS 2023), all but hidden (fitted 0.99 on 2026-11-23, 22 TPU rows with a tensor axis, and held since);
     the data-parallel gradient all-reduce runs once after the scanned backward, with nothing left to hide behind
-    (fitted 0.0 on 2026-11-23, 36 rows with a data axis, and held since); sequence-parallel collectives half hidden (assumed: no row has a sequence axis); the expert-parallel
-    all-to-alls of a MoE layer exposed (assumed: the experts' matmuls wait for the rows the dispatch brings, the
-    layer's next work for what the combine brings back; no published row has an expert axis)."""
+    (fitted 0.0 on 2026-11-23, 36 rows with a data axis, and held since); sequence-parallel collectives half hidden
+    (assumed: no row has a sequence axis); the expert-parallel all-to-alls of a MoE layer exposed (assumed: the
+    experts' matmuls wait for the rows the dispatch brings, the layer's next work for what the combine brings back; no
+    published row has an expert axis)."""
 
     fsdp: float = 0.45
     tensor: float = 0.99

@@ -126,33 +126,33 @@ def calibrate(*, sizes: Sequence[int] = MATMUL_SIZES, dtypes: Sequence[str] = DT
                 samples.append(MatmulSample(dtype=dtype, size=n, flops_per_s=d * 2 * n * n * m / seconds, thin=m,
                                             side=side))
     count = bandwidth_bytes // 4
-    x = put((d, count), jnp.float32, 1.0)
+    summed = put((d, count), jnp.float32, 1.0)
     total = jax.jit(lambda x: jnp.sum(x, axis=1))
-    seconds = _typical_seconds(lambda: total(x).block_until_ready(), repeats)
+    seconds = _typical_seconds(lambda a=summed: total(a).block_until_ready(), repeats)
     bandwidth = d * count * 4 / seconds
-    del x
+    del summed
     count = page_fault_bytes // 4
     fresh = jax.jit(lambda x: x + 1.0)
     in_place = jax.jit(lambda x: x + 1.0, donate_argnums=0)
-    x = put((d, count), jnp.float32, 1.0)
-    fresh_s = _typical_seconds(lambda: fresh(x).block_until_ready(), repeats)
-    del x
+    kept = put((d, count), jnp.float32, 1.0)
+    fresh_s = _typical_seconds(lambda a=kept: fresh(a).block_until_ready(), repeats)
+    del kept
     in_place_s = _typical_seconds(lambda x: in_place(x).block_until_ready(), repeats,
                                   make=lambda: put((d, count), jnp.float32, 1.0))
     # None where new memory costs nothing measurable (an allocator that reuses mapped memory)
     page_fault = d * count * 4 / (fresh_s - in_place_s) if fresh_s > 1.05 * in_place_s else None
     n = transpose_side
-    x = put((d, n, n), jnp.float32, 1.0)
+    square = put((d, n, n), jnp.float32, 1.0)
     transpose = jax.jit(lambda x: jnp.swapaxes(x, 1, 2) * 2.0)
-    seconds = _typical_seconds(lambda: transpose(x).block_until_ready(), repeats)
+    seconds = _typical_seconds(lambda a=square: transpose(a).block_until_ready(), repeats)
     transposed = d * 2 * n * n * 4 / seconds  # read and written
-    del x
+    del square
     rows = max(1, elementwise_bytes // 4 // ELEMENTWISE_ROW)
-    x = put((d, rows, ELEMENTWISE_ROW), jnp.float32, 1.0)
+    rows_in = put((d, rows, ELEMENTWISE_ROW), jnp.float32, 1.0)
     softmax = jax.jit(lambda x: jax.nn.softmax(x, axis=-1).astype(jnp.bfloat16))
-    seconds = _typical_seconds(lambda: softmax(x).block_until_ready(), repeats)
+    seconds = _typical_seconds(lambda a=rows_in: softmax(a).block_until_ready(), repeats)
     elementwise = d * rows * ELEMENTWISE_ROW * (4 + 2) / seconds  # float32 read, bfloat16 written
-    del x
+    del rows_in
     attention = tuple(_attention(mesh, put, dtype, head_dim, attention_shape, repeats)
                       for dtype in dtypes for head_dim in attention_head_dims)
     collective = all_reduce = latency = None

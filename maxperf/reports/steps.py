@@ -330,8 +330,9 @@ def _memory(page: Page, s: Section, analytical: dict, memory: dict, topo: dict, 
 
 def _measured(page: Page, s: Section, run: dict, estimate: dict, memory: dict, topo: dict, label: str) -> None:
     predicted = run.get("predicted_step_time_s") or estimate.get("step_time_s")
-    per_device = (estimate["tflops_per_chip"] * topo["chips"] / topo["devices"]  # tpu7x: two devices a chip
-                  if estimate.get("tflops_per_chip") is not None and topo.get("chips") and topo.get("devices") else None)
+    known = estimate.get("tflops_per_chip") is not None and topo.get("chips") and topo.get("devices")
+    # tpu7x: two devices a chip
+    per_device = estimate["tflops_per_chip"] * topo["chips"] / topo["devices"] if known else None
     measured_memory = run.get("memory") or {}
     compiled_bytes = memory.get("per_device_total_bytes") or measured_memory.get("compiler_per_device_bytes")
     rows = [["step time (s)", run.get("step_time_s"), predicted, run.get("measured_over_predicted")],

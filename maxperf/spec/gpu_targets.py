@@ -116,7 +116,8 @@ def gpu_target_config(chip: str) -> str:
     targets = embedded_targets()
     device = CHIP_TO_DEVICE.get(chip, chip)
     if device not in targets:
-        cuda = [d for d, text in targets.items() if _PLATFORM.search(text) and _PLATFORM.search(text).group(1) == "CUDA"]
+        cuda = [d for d, text in targets.items()
+                if (found := _PLATFORM.search(text)) is not None and found.group(1) == "CUDA"]
         raise unknown("GPU target", chip, list(CHIP_TO_DEVICE) + cuda)
     return targets[device]
 

@@ -179,7 +179,8 @@ _TPUS = [
         # [7x] 1200 GBps bidirectional per chip; the page gives no port count: 6 assumed, as for v5p's 3D torus
         link_bandwidth=1200 * G / 2 / 6, link_count=6,
         torus_dims=3,  # [7x] "shares many similarities with TPU v5p": 3D torus of 4x4x4 cubes
-        mxu_width=256,  # MaxText docs/guides/optimization/custom_model.md: Trillium and Ironwood "optimized for 256x256"
+        # MaxText docs/guides/optimization/custom_model.md: Trillium and Ironwood "optimized for 256x256"
+        mxu_width=256,
         cores_per_device=1,  # [7x] two TensorCores a chip, each its own JAX device
         host_network_bandwidth=4 * 100 * GBIT, host_chips=4,  # [7x] DCN 100 Gbps per chip; 4-chip VMs
     ),

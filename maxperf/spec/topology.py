@@ -164,12 +164,15 @@ _TPU_FAMILIES = (
     _TpuFamily("v4", "tpu-v4", "v4", 2, 1, "megacore", ((2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4)), 32, (), 4,
                "cloud.google.com/tpu/docs/v4: v4-8 (2x2x1) to v4-4096 (8x16x16, 2048 chips), 4 chips per host"),
     _TpuFamily("v5e", "tpu-v5e", "v5e", 1, 1, None, ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16)),
-               0, (), 8, "cloud.google.com/tpu/docs/v5e: v5litepod-1/4/8 are one host (1, 4, 8 chips); 16-256 chips have 4 per host"),
+               0, (), 8, "cloud.google.com/tpu/docs/v5e: v5litepod-1/4/8 are one host (1, 4, 8 chips); 16-256 chips "
+               "have 4 per host"),
     _TpuFamily("v5p", "tpu-v5p", "v5p", 2, 1, "megacore", ((2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4)), 96, (), 4,
                "cloud.google.com/tpu/docs/v5p: v5p-8 (2x2x1) to v5p-12288 (16x16x24, 96 cubes), 4 chips per host"),
     _TpuFamily("v6e", "tpu-v6e", "v6e", 1, 1, None, ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16)),
-               0, (), 8, "cloud.google.com/tpu/docs/v6e: v6e-1/4/8 are one host (1, 4, 8 chips); 16-256 chips have 4 per host"),
-    _TpuFamily("tpu7x", "tpu7x", "tpu7x", 2, 2, None, ((1, 1, 1), (2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4)), 96, (108, 128, 140, 144), 4,
+               0, (), 8, "cloud.google.com/tpu/docs/v6e: v6e-1/4/8 are one host (1, 4, 8 chips); 16-256 chips "
+               "have 4 per host"),
+    _TpuFamily("tpu7x", "tpu7x", "tpu7x", 2, 2, None, ((1, 1, 1), (2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4)), 96,
+               (108, 128, 140, 144), 4,
                "cloud.google.com/tpu/docs/tpu7x: two TensorCores (two JAX devices) per chip, 4 chips per host, "
                "9216-chip pod; slices past 96 cubes as xpk lists them (12x24x24, 16x16x32, 16x20x28, 16x24x24); "
                "one chip (1x1x1), GKE's single-chip node as tpu-recipes' Ironwood vLLM recipes serve on it"),

@@ -182,15 +182,15 @@ def _blockwise_forward(q, k, v, window, sinks_KxG, q_ids, softcap):
     i = q_ids
 
     def body(carry, xs):
-        o, m, l = carry  # o [B, K, G, L, Dv], running max m and sum l [B, K, G, L], all float32
+        o, m, total = carry  # o [B, K, G, L, Dv], running max m and sum total [B, K, G, L], all float32
         kj, vj, j0 = xs
         s, _, mask = _scores(q, kj, i, j0 + jnp.arange(b), window, softcap)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         correction = jnp.exp(m - m_new)
-        l = l * correction + jnp.sum(p, axis=-1)
+        total = total * correction + jnp.sum(p, axis=-1)
         pv = jnp.einsum("BKGLS,BSKd->BKGLd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
-        return (o * correction[..., None] + pv, m_new, l), None
+        return (o * correction[..., None] + pv, m_new, total), None
 
     if sinks_KxG is None:
         m0, l0 = jnp.full((B, K, G, L), _MASKED, jnp.float32), jnp.zeros((B, K, G, L), jnp.float32)
@@ -199,9 +199,9 @@ def _blockwise_forward(q, k, v, window, sinks_KxG, q_ids, softcap):
         l0 = jnp.ones((B, K, G, L), jnp.float32)
     init = (jnp.zeros((B, K, G, L, Dv), jnp.float32), m0, l0)
     starts = jnp.arange(0, k.shape[1], b)
-    (o, m, l), _ = jax.lax.scan(body, init, (_kv_blocks(k, b), _kv_blocks(v, b), starts))
-    out_BxLxKxGxDh = jnp.einsum("BKGLd->BLKGd", o / l[..., None]).astype(q.dtype)
-    return out_BxLxKxGxDh, m + jnp.log(l)
+    (o, m, total), _ = jax.lax.scan(body, init, (_kv_blocks(k, b), _kv_blocks(v, b), starts))
+    out_BxLxKxGxDh = jnp.einsum("BKGLd->BLKGd", o / total[..., None]).astype(q.dtype)
+    return out_BxLxKxGxDh, m + jnp.log(total)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

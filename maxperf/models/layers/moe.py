@@ -136,7 +136,8 @@ def load_balance_loss(routing: Routing, E: int) -> jax.Array:
     """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4): E sum_e f_e P_e, f_e the fraction of the
     T x K assignments that go to expert e, P_e the mean router probability of e; 1 when perfectly balanced."""
     K = routing.experts_TxK.shape[-1]
-    counts_E = jnp.sum(jax.nn.one_hot(routing.experts_TxK, E, dtype=jnp.float32), axis=tuple(range(routing.experts_TxK.ndim)))
+    counts_E = jnp.sum(jax.nn.one_hot(routing.experts_TxK, E, dtype=jnp.float32),
+                       axis=tuple(range(routing.experts_TxK.ndim)))
     f_E = counts_E / (routing.experts_TxK.size // K * K)
     P_E = jnp.mean(routing.probs_TxE.reshape(-1, E), axis=0)
     return E * jnp.sum(f_E * P_E)
@@ -403,12 +404,12 @@ def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelCo
 
     def shard(x_bxlxD, experts_bxlxK, weights_bxlxK, ws, bs):
         ws = tuple(_gather(w, gather) for w, gather in zip(ws, gathers))
-        b, l, _ = x_bxlxD.shape
-        out_TxD = _local_experts(x_bxlxD.reshape(b * l, D), experts_bxlxK.reshape(b * l, -1),
-                                 weights_bxlxK.reshape(b * l, -1), ws if gated else (None, *ws), ep_axis=e_axis,
+        b, length, _ = x_bxlxD.shape
+        out_TxD = _local_experts(x_bxlxD.reshape(b * length, D), experts_bxlxK.reshape(b * length, -1),
+                                 weights_bxlxK.reshape(b * length, -1), ws if gated else (None, *ws), ep_axis=e_axis,
                                  ep=ep, tensor_axis=f_axis, biases=None if not bs else bs if gated else (None, *bs),
                                  **kw)
-        return out_TxD.reshape(b, l, D)
+        return out_TxD.reshape(b, length, D)
 
     # check_vma=False as MaxText's MoE shard_map has it (configs/base.yml check_vma): the megablox Pallas kernel's
     # outputs carry no varying-axes types
