@@ -44,6 +44,15 @@ def test_cpu_artifact_has_every_file_and_field(cpu8):
     parts = memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"] + memory["temp_bytes"]
     assert memory["per_device_total_bytes"] == parts + memory["generated_code_bytes"]
     assert memory["fits"] is True and memory["headroom_bytes"] > 0
+    # what XLA holds at the step's peak: the state and batch (all live in the backward, but for a few scalars) and
+    # the step's own buffers, the largest first, each named by its jax operation
+    peak = memory["peak"]
+    assert peak["argument_bytes"] == pytest.approx(memory["argument_bytes"], rel=0.01)
+    assert peak["argument_bytes"] < peak["live_bytes"] <= parts
+    sizes = [b["bytes"] for b in peak["buffers"]]
+    assert sizes == sorted(sizes, reverse=True) and not any(b["argument"] for b in peak["buffers"])
+    assert any("transpose(jvp())" in b["operation"] for b in peak["buffers"])  # the backward's
+    assert all(b["shape"].startswith(("f32[", "bf16[", "s32[", "u32[")) for b in peak["buffers"])
     cost = json.loads((d / "cost.json").read_text())
     assert cost["flops_per_device"] > 0 and "flops_source" in cost
     assert "module @" in (d / "hlo/lowered.stablehlo.mlir").read_text()
@@ -183,6 +192,8 @@ def test_compiles_for_virtual_topologies(tmp_path, topology, slices, devices):
     assert result.global_batch == 2 * devices
     cost = json.loads((tmp_path / "out" / "cost.json").read_text())
     assert cost["flops_per_device"] > 0
+    peak = json.loads((tmp_path / "out" / "memory.json").read_text())["peak"]  # XLA's live ranges on every target
+    assert peak["live_bytes"] > peak["argument_bytes"] > 0 and peak["buffers"]
     if topology.startswith("h100"):
         assert cost["xla_flops_per_device"] is None  # the GPU compiler gives none without a GPU
         assert any("cost analysis" in note for note in result.limitations)

@@ -477,3 +477,44 @@ def test_a_compile_shows_the_plugins_c_plus_plus_logs_only_with_verbose(tmp_path
         stderr[verbose] = proc.stderr.splitlines()
     assert all(line.startswith(("maxperf: ", "[")) for line in stderr[False]), stderr[False]
     assert any("gpu_hlo_schedule" in line for line in stderr[True]), stderr[True]
+
+
+LIVE_RANGES = """HloLiveRange (max 9):
+  Live ranges at 7 (peak):
+    loop{1}: 4096 bytes (cumulative: 4096 bytes)
+    p0{}: 2048 bytes (cumulative: 6144 bytes)
+    big{}: 1024 bytes (cumulative: 7168 bytes)
+  Stack trace breakdown for peak usage: 7168 bytes
+"""
+HLO = """HloModule m
+
+%body (x: (s32[], f32[32,32])) -> (s32[], f32[32,32]) {
+  %p0 = (s32[], f32[32,32]) parameter(0)
+}
+
+ENTRY %main (p0: f32[16,32]) -> f32[16,32] {
+  %p0 = f32[16,32]{1,0} parameter(0), metadata={op_name="state[\\'params\\'][\\'w\\']"}
+  %big = bf16[16,32]{1,0} fusion(%p0), kind=kLoop, calls=%f, metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
+  %loop = (s32[], f32[32,32]{1,0}) while(%t), condition=%c, body=%body
+}
+"""
+
+
+def test_the_compilers_peak_names_each_buffer_by_its_shape_and_operation():
+    from maxperf.aot import peak
+
+    found = peak.parse(LIVE_RANGES, HLO)
+    assert (found.live_bytes, found.argument_bytes, found.instruction) == (7168, 2048, 7)
+    # the entry's parameter is the state; a tuple element takes its own shape; the largest first
+    assert [(b.name, b.shape, b.operation) for b in found.buffers] == [
+        ("loop{1}", "f32[32,32]{1,0}", "while"), ("big", "bf16[16,32]{1,0}", "jit(step)/transpose(jvp())/dot_general")]
+    assert peak.parse("HloLiveRange (max 0):\n", HLO) is None
+
+
+def test_estimate_memory_prints_what_the_compiler_holds_at_its_peak(tmp_path):
+    r = maxperf("--topology", "cpu-4", "--model", "tiny", *TINY)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if "compiler's peak" in x)
+    assert "GiB live at once: the state and batch" in line
+    listed = r.stdout.splitlines()[r.stdout.splitlines().index(line) + 1:]
+    assert listed[0].strip().split()[1] == "MiB" and "[" in listed[0]

@@ -40,6 +40,7 @@ class Entry:
     optimized_hlo: str
     compile_seconds: float  # how long the original compile took
     label: str = ""  # what was compiled, for `maxperf cache list` ("llama2-7b on v5p-8", a user's step)
+    peak: dict | None = None  # what is live at the compiled step's peak (aot.peak.Peak.as_dict), where XLA reported it
 
 
 @dataclass(frozen=True)

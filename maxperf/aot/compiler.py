@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from maxperf import __version__
-from maxperf.aot import artifacts, cache, hlo_time, targets
+from maxperf.aot import artifacts, cache, hlo_time, peak, targets
 from maxperf.perfmodel.calibration import StoredCalibration
 from maxperf.spec import presets
 from maxperf.spec.errors import DoesNotFit, MaxperfError
@@ -207,14 +207,16 @@ def xla_cost(compiled) -> dict[str, float] | None:
     return {k: float(v) for k, v in raw.items()} if raw else None
 
 
-def memory_report(fields: dict[str, int], capacity: int) -> dict[str, Any]:
-    """Per-device figures from XLA's memory analysis; the total is what the device must hold at once."""
+def memory_report(fields: dict[str, int], capacity: int, live_peak: dict | None = None) -> dict[str, Any]:
+    """Per-device figures from XLA's memory analysis; the total is what the device must hold at once. `live_peak`:
+    what is live at the step's peak (aot.peak), kept as "peak" where XLA reported it."""
     # donated state is both argument and output: count it once (as MaxText's memory report does)
     total = (fields["argument_bytes"] + fields["output_bytes"] - fields["alias_bytes"] + fields["temp_bytes"]
              + fields["generated_code_bytes"])
     return {"schema": "maxperf.memory/1", "source": "xla memory_analysis", **fields,
             "per_device_total_bytes": int(total), "hbm_bytes": int(capacity),
-            "headroom_bytes": int(capacity - total), "fits": bool(total <= capacity)}
+            "headroom_bytes": int(capacity - total), "fits": bool(total <= capacity),
+            **({"peak": live_peak} if live_peak else {})}
 
 
 def cost_report(raw: dict[str, float] | None, hlo_text: str, topology: Topology) -> dict[str, Any]:
@@ -338,7 +340,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
     else:
         say("compiling")
         try:
-            compiled = lowered.compile(options or None)
+            compiled, found = peak.compile_with_peak(lowered, options)
         except Exception as e:  # XLA reports out-of-memory as a compile error on TPU
             if scoped_vmem_exhausted(str(e)):
                 raise MaxperfError(vmem_error(str(e))) from None
@@ -362,12 +364,13 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
                             memory=memory_fields(compiled.memory_analysis()), xla_cost=xla_cost(compiled),
                             optimized_hlo=compiled.as_text(), compile_seconds=time.perf_counter() - t,
                             label=f"{p.model.name} {step} on {topo.name}" + (
-                                f" x{topo.num_slices}" if topo.num_slices > 1 else ""))
+                                f" x{topo.num_slices}" if topo.num_slices > 1 else ""),
+                            peak=found.as_dict() if found else None)
         cache.put(key, entry)
     compile_seconds = time.perf_counter() - t
     say("writing artifacts")
     writer.write_text("hlo/optimized.hlo.txt", entry.optimized_hlo)
-    memory = memory_report(entry.memory, capacity)
+    memory = memory_report(entry.memory, capacity, getattr(entry, "peak", None))
     writer.write_json("memory.json", memory)
     cost = cost_report(entry.xla_cost, entry.optimized_hlo, topo)
     writer.write_json("cost.json", cost)

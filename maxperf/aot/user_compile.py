@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from maxperf.aot import artifacts, cache, compiler, hlo_time, targets, user_step
+from maxperf.aot import artifacts, cache, compiler, hlo_time, peak, targets, user_step
 from maxperf.aot.user_step import Step, UserStepError
 from maxperf.perfmodel.calibration import StoredCalibration
 from maxperf.spec.errors import DoesNotFit
@@ -129,7 +129,7 @@ def _compile_into(writer, request: UserRequest, user: Step, mesh, lowered, say, 
     else:
         say("compiling")
         try:
-            compiled = lowered.compile(options or None)
+            compiled, found = peak.compile_with_peak(lowered, options)
         except Exception as e:
             if compiler.scoped_vmem_exhausted(str(e)):
                 raise UserStepError(compiler.vmem_error(str(e)), user_step.traceback_text(e)) from None
@@ -154,12 +154,13 @@ def _compile_into(writer, request: UserRequest, user: Step, mesh, lowered, say, 
         entry = cache.Entry(payload=payload, in_tree=str(in_tree), out_tree=str(out_tree),
                             memory=compiler.memory_fields(compiled.memory_analysis()),
                             xla_cost=compiler.xla_cost(compiled), optimized_hlo=compiled.as_text(),
-                            compile_seconds=time.perf_counter() - t, label=f"--step {user.name} on {topo.name}")
+                            compile_seconds=time.perf_counter() - t, label=f"--step {user.name} on {topo.name}",
+                            peak=found.as_dict() if found else None)
         cache.put(key, entry)
     compile_seconds = time.perf_counter() - t
     say("reading the step time from the optimized HLO")
     writer.write_text("hlo/optimized.hlo.txt", entry.optimized_hlo)
-    memory = compiler.memory_report(entry.memory, capacity)
+    memory = compiler.memory_report(entry.memory, capacity, getattr(entry, "peak", None))
     writer.write_json("memory.json", memory)
     cost = compiler.cost_report(entry.xla_cost, entry.optimized_hlo, topo)
     writer.write_json("cost.json", cost)
@@ -209,23 +210,23 @@ def user_estimate(predicted: hlo_time.HloTime, user: Step, topo: Topology, memor
         calibration = calibration_for(topo)
     chip = device_for(topo, calibration)
     step = predicted.step_time_s
-    peak = chip.peak_flops("bfloat16")
+    peak_flops = chip.peak_flops("bfloat16")
     per_device = user.model_flops / topo.num_devices if user.model_flops else None
     notes = list(fallback_notes(topo, chip, calibration))
     if not user.model_flops:
         notes.append("the step gives no model_flops: no TFLOP/s or MFU")
     if per_device:
-        notes.append(f"MFU against the {chip.name} bfloat16 peak ({peak / 1e12:.4g} TFLOP/s per device)")
+        notes.append(f"MFU against the {chip.name} bfloat16 peak ({peak_flops / 1e12:.4g} TFLOP/s per device)")
         notes += model_flops_check(per_device, predicted.flops)
     return {
         "schema": ESTIMATE_SCHEMA, "source": predicted.source, "model": user.name, "chip": chip.name,
         "chips": topo.chips, "step_time_s": step, "unit": user.unit,
         "tokens_per_s": user.tokens_per_step / step if user.tokens_per_step and step else None,
         "tflops_per_chip": per_device * topo.devices_per_chip / step / 1e12 if per_device and step else None,
-        "mfu": per_device / (step * peak) if per_device and step else None,
+        "mfu": per_device / (step * peak_flops) if per_device and step else None,
         "model_flops_per_device": per_device, "hardware_flops_per_device": predicted.flops,
         "memory_per_device_bytes": None, "fits": memory.get("fits"), "bottleneck": predicted.bottleneck,
-        "peak_flops": peak, "calibration": calibration.record() if calibration is not None else None,
+        "peak_flops": peak_flops, "calibration": calibration.record() if calibration is not None else None,
         "notes": notes, "hlo_time": predicted.as_dict(),
     }
 

@@ -236,6 +236,8 @@ def _print_comparison(cmp) -> None:
               "more)")
     if cmp.difference is not None:
         print(f"  analytical vs compiler     {cmp.difference:+.1%}")
+    if c and c.get("peak"):
+        _print_peak(c)
     if c and c.get("compiler_message"):
         print(f"  compiler: {c['compiler_message']}")
     verdict = "fits" if cmp.fits else "DOES NOT FIT"
@@ -249,6 +251,30 @@ def _print_comparison(cmp) -> None:
         print(f"  {may_not_fit_line(a, 'compiled (without --analytical-only), the compiler gives its figure')}")
     if cmp.out_dir is not None:
         print(f"  artifact kept in {cmp.out_dir}")
+
+
+def _print_peak(compiler: dict) -> None:
+    """What the compiler holds at its step's peak (memory.json's "peak", aot.peak): the arguments, then the largest
+    buffers the step makes, each with the jax operation it came from."""
+    peak = compiler["peak"]
+    live, args = peak["live_bytes"], peak["argument_bytes"]
+    packed = compiler["per_device_total_bytes"] - compiler.get("generated_code_bytes", 0) - live
+    print(f"  compiler's peak            {_gib(live)} GiB live at once: the state and batch {_gib(args)} GiB, "
+          f"the step's buffers {_gib(live - args)} GiB"
+          + (f"; its total is {_gib(packed)} GiB more, where its allocator could not pack buffers of different "
+             "lifetimes tightly" if packed > 0.05 * live else ""))
+    for b in peak["buffers"][:PEAK_SHOWN]:
+        shape = b["shape"].split("{")[0] if b["shape"] else "?"
+        print(f"    {b['bytes'] / 2**20:>9.1f} MiB  {shape:<28} {_operation(b['operation'])}")
+
+
+PEAK_SHOWN = 8  # buffers of the compiler's peak that estimate-memory prints
+
+
+def _operation(name: str, width: int = 72) -> str:
+    """A jax operation's name as the HLO metadata gives it, without the outer jit(step) and cut to its tail."""
+    name = name.removeprefix("jit(step)/")
+    return name if len(name) <= width else "..." + name[-(width - 3):]
 
 
 def _print_max_batch(found, analytical_only: bool, smallest=None) -> None:

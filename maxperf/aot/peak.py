@@ -1,0 +1,139 @@
+"""What the compiler holds at its step's peak: the buffers live at once where XLA's liveness analysis of the
+scheduled program peaks, read from the live-range report XLA writes beside its dumps (`--xla_dump_to`: the module's
+`*after_optimizations-live-range.txt`, "Live ranges at N (peak)"), each named by the instruction that defines it and
+described from the optimized HLO by its shape and the jax operation it came from (its `op_name` metadata).
+
+The peak counts the step's arguments (the state and the batch) and every temporary live at that instruction; the
+compiler's per-device total (memory_analysis) can exceed it where its allocator could not pack buffers of different
+lifetimes tightly (a few large ones, as a long context's gathered keys and values make).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+LIVE_RANGE_GLOB = "*after_optimizations-live-range.txt"
+_PEAK = re.compile(r"Live ranges at (\d+) \(peak\):")
+_LIVE = re.compile(r"\s+([^\s{]+)(\{[\d,]*\})?: (\d+) bytes")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([^\s=]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+SHOWN = 12  # buffers kept in the report, the largest first
+
+
+@dataclass(frozen=True)
+class Buffer:
+    bytes: int
+    name: str  # the defining instruction, with its tuple index where it is an element of one ("while.129{2}")
+    shape: str  # as the optimized HLO writes it, layout included; "" where the instruction was not found
+    operation: str  # the jax operation (op_name metadata), or the HLO opcode where there is none
+    argument: bool  # a parameter of the entry computation: part of the step's state or batch
+
+
+@dataclass(frozen=True)
+class Peak:
+    live_bytes: int  # every buffer live at the peak, arguments included
+    argument_bytes: int  # of which the entry computation's parameters (the step's state and batch)
+    instruction: int  # the peak's position in the program's schedule
+    buffers: tuple[Buffer, ...]  # the largest SHOWN of the others: what the step makes and holds at its peak
+
+    def as_dict(self) -> dict:
+        return {"source": "XLA's live ranges of the scheduled program (the peak of its live-range report)",
+                "live_bytes": self.live_bytes, "argument_bytes": self.argument_bytes,
+                "instruction": self.instruction, "buffers": [asdict(b) for b in self.buffers]}
+
+
+def compile_with_peak(lowered, options: dict):
+    """`lowered.compile(options)`, with XLA dumping the module into a temporary folder for its live-range report:
+    (the compiled executable, the Peak read from it or None where XLA wrote none)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="maxperf-peak-") as tmp:
+        compiled = lowered.compile({**options, "xla_dump_to": tmp})
+        try:
+            found = read(tmp, compiled.as_text())
+        except (OSError, ValueError):  # a report in a form this reader does not know: the compile stands without it
+            found = None
+    return compiled, found
+
+
+def read(dump_dir: str | Path, optimized_hlo: str) -> Peak | None:
+    """The peak of the module XLA dumped into `dump_dir` with the largest one (a compile dumps one module); None where
+    no live-range report was written (an XLA that writes none)."""
+    peaks = [p for f in Path(dump_dir).glob(LIVE_RANGE_GLOB) if (p := parse(f.read_text(), optimized_hlo))]
+    return max(peaks, key=lambda p: p.live_bytes, default=None)
+
+
+def parse(live_ranges: str, optimized_hlo: str) -> Peak | None:
+    lines = live_ranges.splitlines()
+    start = next((i for i, line in enumerate(lines) if _PEAK.search(line)), None)
+    if start is None:
+        return None
+    live = []
+    for line in lines[start + 1:]:
+        m = _LIVE.match(line)
+        if not m:
+            break
+        live.append((m.group(1), m.group(2) or "", int(m.group(3))))
+    described = _instructions(optimized_hlo)
+    buffers = []
+    for name, index, size in live:
+        shape, opcode, op_name = described.get(name, ("", "", ""))
+        buffers.append(Buffer(bytes=size, name=name + (index if index != "{}" else ""),
+                              shape=_element(shape, index), operation=op_name or opcode,
+                              argument=opcode == "parameter" and name in described.entry_parameters))
+    made = sorted((b for b in buffers if not b.argument), key=lambda b: -b.bytes)
+    return Peak(live_bytes=sum(b.bytes for b in buffers), argument_bytes=sum(b.bytes for b in buffers if b.argument),
+                instruction=int(_PEAK.search(lines[start]).group(1)), buffers=tuple(made[:SHOWN]))
+
+
+class _Described(dict):
+    entry_parameters: set[str]
+
+
+def _instructions(hlo: str) -> _Described:
+    """name -> (shape, opcode, op_name) of every instruction of `hlo`; and the entry computation's parameters."""
+    out = _Described()
+    out.entry_parameters = set()
+    in_entry = False
+    for line in hlo.splitlines():
+        if line.startswith("ENTRY "):
+            in_entry = True
+        elif line.startswith("}"):
+            in_entry = False
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, shape, opcode, rest = m.groups()
+        meta = _OP_NAME.search(rest)
+        out.setdefault(name, (shape, opcode, meta.group(1).replace("\\'", "'") if meta else ""))
+        if in_entry and opcode == "parameter":
+            out.entry_parameters.add(name)
+    return out
+
+
+def _element(shape: str, index: str) -> str:
+    """The element of a tuple `shape` at the live-range report's `index` ("{2}", "{1,0}"); `shape` itself for {}."""
+    for i in (int(x) for x in index.strip("{}").split(",") if x):
+        parts = _split_tuple(shape)
+        if parts is None or i >= len(parts):
+            return shape
+        shape = parts[i]
+    return shape
+
+
+def _split_tuple(shape: str) -> list[str] | None:
+    if not (shape.startswith("(") and shape.endswith(")")):
+        return None
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(shape[1:-1], start=1):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(shape[start:i].strip())
+            start = i + 1
+    parts.append(shape[start:-1].strip())
+    return parts
