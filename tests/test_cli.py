@@ -745,9 +745,11 @@ def test_gpt_oss_ironwood_recipe_pastes_with_its_experts_stored_over_fsdp(capsys
     mine, theirs = json.loads(out), json.loads(plain)
     assert (mine["topology"], mine["chips"]) == ("tpu7x-128", 64)
     assert mine["step_time_s"] == pytest.approx(theirs["step_time_s"], rel=1e-9)
-    assert theirs["memory_per_device_bytes"] - mine["memory_per_device_bytes"] == pytest.approx(1.98 * 2**30,
-                                                                                               rel=0.01)
-    assert mine["fits"]
+    # the default layout's overlapped schedule would pass the 94.74 GiB libtpu gives a device, so perfmodel prices
+    # the experts' dispatch serialized there (MemoryBreakdown.overlapped_bytes keeps what overlapping would need)
+    overlapped = theirs["memory"]["overlapped_bytes"] or theirs["memory_per_device_bytes"]
+    assert overlapped - mine["memory_per_device_bytes"] == pytest.approx(1.98 * 2**30, rel=0.01)
+    assert mine["fits"] and theirs["fits"]
 
 
 @pytest.mark.parametrize("word, line", [

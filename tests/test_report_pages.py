@@ -211,7 +211,7 @@ def test_a_step_that_does_not_fit_says_so_first(tmp_path):
     result = render([tmp_path / "oom"], tmp_path / "oom.html")
     html = result.html_path.read_text()
     [line] = headlines(html)
-    assert line.startswith("tiny / v5e-1: DOES NOT FIT: needs ") and "of 16.00 GiB" in line and " over " in line
+    assert line.startswith("tiny / v5e-1: DOES NOT FIT: needs ") and "of 15.75 GiB" in line and " over " in line
     assert "no step time: the step was not compiled" in line
     assert 'class="headline does-not-fit"' in html and html.index("DOES NOT FIT") < html.index("<svg")
     assert "- s/step" not in html and "? s" not in html

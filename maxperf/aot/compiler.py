@@ -348,12 +348,14 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
             if figures is None:
                 raise MaxperfError(f"XLA could not compile the step: {str(e).splitlines()[0][:300]}") from e
             memory = {"schema": "maxperf.memory/1", "source": "xla compile error (out of memory)", **figures,
-                      "hbm_bytes": capacity, "fits": False, "compiler_message": str(e).splitlines()[0][:500]}
+                      "hbm_bytes": figures.get("compiler_available_bytes") or capacity, "fits": False,
+                      # where XLA stopped: what it had counted when the memory ran out, not the whole step's
+                      "at_least": True, "compiler_message": str(e).splitlines()[0][:500]}
             if "temp_bytes" in figures:  # the compiler named its "temporaries": with or without the arguments
                 memory.update(oom_total(figures["temp_bytes"], argument_bytes(spec)))
                 memory["source"] += "; arguments from the state's shardings"
             if memory.get("per_device_total_bytes"):
-                memory["headroom_bytes"] = capacity - memory["per_device_total_bytes"]
+                memory["headroom_bytes"] = memory["hbm_bytes"] - memory["per_device_total_bytes"]
             writer.write_json("memory.json", memory)
             _write_manifest(writer, p, spec, argv, time.perf_counter() - t, lower_seconds, start,
                             compiled=False, cache_hit=False, step=step)

@@ -138,13 +138,15 @@ def _compile_into(writer, request: UserRequest, user: Step, mesh, lowered, say, 
                 raise UserStepError(f"XLA could not compile the step of --step {user.name}: "
                                     f"{str(e).splitlines()[0][:300]}", user_step.traceback_text(e)) from None
             memory = {"schema": "maxperf.memory/1", "source": "xla compile error (out of memory)", **figures,
-                      "hbm_bytes": capacity, "fits": False, "compiler_message": str(e).splitlines()[0][:500]}
+                      "hbm_bytes": figures.get("compiler_available_bytes") or capacity, "fits": False,
+                      # where XLA stopped: what it had counted when the memory ran out, not the whole step's
+                      "at_least": True, "compiler_message": str(e).splitlines()[0][:500]}
             if "temp_bytes" in figures:
                 memory["argument_bytes"] = argument_bytes(user)
                 memory["per_device_total_bytes"] = memory["argument_bytes"] + figures["temp_bytes"]
                 memory["source"] += "; arguments from their shardings"
             if memory.get("per_device_total_bytes"):
-                memory["headroom_bytes"] = capacity - memory["per_device_total_bytes"]
+                memory["headroom_bytes"] = memory["hbm_bytes"] - memory["per_device_total_bytes"]
             writer.write_json("memory.json", memory)
             write_manifest(writer, request, user, mesh, argv, time.perf_counter() - t, lower_seconds, start,
                            compiled=False, cache_hit=False)

@@ -43,8 +43,8 @@ def cmd_estimate(args) -> int:
               f"{est.params.total / 1e9:.2f}B, {est.flops.mtp_flops / est.flops.model_flops:.1%} of the model FLOPs")
     print(f"  memory/device    {est.memory_per_device_bytes / GIB:.2f} GiB of {est.memory.hbm_bytes / GIB:.2f} GiB "
           f"({'fits' if est.fits else 'DOES NOT FIT'})")
-    if (close := close_call_line(est, *memory_error(p, est))) is not None:
-        print(f"  memory check     {close}")
+    for line in memory_check_lines(est, *memory_error(p, est)):
+        print(f"  memory check     {line}")
     if est.uncertainty:
         print(f"  uncertainty      +-{est.uncertainty.relative:.0%}: {est.uncertainty.basis}")
     if est.chip_note:
@@ -109,7 +109,8 @@ ENTRY_NAMES = {"tpu": "TPU", "tpu7x": "TPU7x", "gpu": "GPU"}  # memory_error.jso
 
 def memory_error(p, est):
     """(search.margin.MeasuredError of the platform, or None where nothing was measured; whether the compiler's count
-    of the step's memory could fall on the other side of the device's HBM than perfmodel's does, within that error)."""
+    of the step's memory could fall on the other side of the device's HBM than perfmodel's does, within that error,
+    or beyond it where libtpu holds the logits' gradient late: MemoryBreakdown.may_not_fit)."""
     from maxperf.search.margin import measured_error
 
     error = measured_error(p.topology.platform, p.topology.chip)
@@ -117,29 +118,40 @@ def memory_error(p, est):
                    or est.memory.may_not_fit)
 
 
-def close_call_line(est, error, close: bool) -> str | None:
+COMPILE_CHECK = "`maxperf estimate-memory` compiles the step for the compiler's figure"
+
+
+def memory_check_lines(est, error, close: bool, check: str = COMPILE_CHECK) -> list[str]:
+    """The lines that say a memory verdict is too close to call (memory_error) and that the step may not fit
+    (MemoryBreakdown.may_not_fit), each ending with `check`, how to find out; none where neither holds."""
+    lines = []
+    if close and error is not None and error.close_call(est.memory_per_device_bytes, est.memory.hbm_bytes):
+        lines.append(close_call_line(est, error, True, check))
+    if est.memory.may_not_fit:
+        lines.append(may_not_fit_line(est.memory, check))
+    return lines
+
+
+def close_call_line(est, error, close: bool, check: str = COMPILE_CHECK) -> str | None:
     """The line that says a memory verdict is too close to call (memory_error), else None."""
-    if not close:
+    if not close or error is None:
         return None
     total, hbm = est.memory_per_device_bytes, est.memory.hbm_bytes
-    if est.memory.may_not_fit:
-        return may_not_fit_line(est.memory)
     where = (f"on the {error.cases} {ENTRY_NAMES.get(error.name, error.name)} steps of bench/memory_accuracy.py the "
              "compiler counted")
     if total <= hbm:
         seen = f"up to {error.under:.1%} more than perfmodel ({total * (1 + error.under) / GIB:.2f} GiB here)"
     else:
         seen = f"up to {error.over:.1%} less than perfmodel ({total / (1 + error.over) / GIB:.2f} GiB here)"
-    return f"too close to call: {where} {seen}; `maxperf estimate-memory` compiles the step for the compiler's figure"
+    return f"too close to call: {where} {seen}; {check}"
 
 
-def may_not_fit_line(memory, check: str = "`maxperf estimate-memory` compiles the step for the compiler's figure"
-                     ) -> str:
+def may_not_fit_line(memory, check: str = COMPILE_CHECK) -> str:
     """Why a step that fits as counted may not (MemoryBreakdown.may_not_fit), and `check`, how to find out."""
     late = memory.late_risk_bytes
     return (f"may not fit: where libtpu takes the vocabulary table's gradient after the backward layers, as it does "
             f"in some FSDP schedules, the logits' gradient ({late / GIB:.2f} GiB) stays live through them: "
-            f"{(memory.per_device_total_bytes + late) / GIB:.2f} GiB; {check}")
+            f"{memory.late_total_bytes / GIB:.2f} GiB; {check}")
 
 
 def estimate_summary(p, est) -> dict:

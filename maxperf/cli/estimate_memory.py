@@ -219,8 +219,10 @@ def _print_comparison(cmp) -> None:
         rn, rv = right[i] if i < len(right) else ("", None)
         print(f"  {ln:<28} {_gib(lv):>9}    {rn:<30} {_gib(rv):>9}")
     total_c = c.get("per_device_total_bytes") if c else None
+    shown = ("not compiled" if not c else f"at least {_gib(total_c)}" if c.get("at_least") and total_c
+             else _gib(total_c))
     print(f"  {f'total ({peak} phase)':<28} {_gib(a.per_device_total_bytes):>9}    {'per-device total':<30} "
-          f"{_gib(total_c) if c else 'not compiled':>9}")
+          f"{shown:>9}")
     host_c = host_total(c)
     if a.host_bytes or host_c:
         print(f"  {'pinned host memory':<28} {_gib(a.host_bytes):>9}    {'pinned host memory':<30} "
@@ -243,12 +245,19 @@ def _print_comparison(cmp) -> None:
     verdict = "fits" if cmp.fits else "DOES NOT FIT"
     compiled = ("" if cmp.compile_seconds is None else "; from the compile cache" if cmp.cache_hit
                 else f"; compiled in {cmp.compile_seconds:.1f} s")
-    print(f"  verdict ({cmp.source}): {verdict} in {cmp.hbm_bytes / GIB:.2f} GiB per device, headroom "
-          f"{cmp.headroom_bytes / GIB:.2f} GiB{compiled}")
-    if c is None and a.may_not_fit:
-        from maxperf.cli.estimate import may_not_fit_line
+    short = c is not None and c.get("at_least")
+    print(f"  verdict ({cmp.source}): {verdict} in {cmp.hbm_bytes / GIB:.2f} GiB per device, "
+          + (f"over by at least {-cmp.headroom_bytes / GIB:.2f} GiB" if short else
+             f"headroom {cmp.headroom_bytes / GIB:.2f} GiB") + compiled)
+    if c is None:  # analytical only: where the compiler's figure could fall on the other side of HBM
+        from types import SimpleNamespace
 
-        print(f"  {may_not_fit_line(a, 'compiled (without --analytical-only), the compiler gives its figure')}")
+        from maxperf.cli.estimate import memory_check_lines, memory_error
+
+        est = SimpleNamespace(memory_per_device_bytes=a.per_device_total_bytes, memory=a)
+        for line in memory_check_lines(est, *memory_error(p, est),
+                                       check="compiled (without --analytical-only), the compiler gives its figure"):
+            print(f"  memory check: {line}")
     if cmp.out_dir is not None:
         print(f"  artifact kept in {cmp.out_dir}")
 

@@ -172,9 +172,18 @@ class MemoryBreakdown:
         return self.headroom_bytes >= 0
 
     @property
+    def late_total_bytes(self) -> float:
+        """The per-device total where the logits' gradient is held from the loss through the backward
+        (late_risk_bytes): the loss and backward phases hold it, the optimizer's does not."""
+        phases = self.phases()
+        risk = self.late_risk_bytes
+        return (self.per_device_total_bytes - max(phases.values())
+                + max(phases["loss"] + risk, phases["backward"] + risk, phases["optimizer"]))
+
+    @property
     def may_not_fit(self) -> bool:
         """Fits as counted, but not with the logits' gradient held through the backward (late_risk_bytes)."""
-        return self.fits and self.per_device_total_bytes + self.late_risk_bytes > self.hbm_bytes
+        return self.fits and self.late_risk_bytes > 0 and self.late_total_bytes > self.hbm_bytes
 
     def as_dict(self) -> dict:
         return {
@@ -188,7 +197,8 @@ class MemoryBreakdown:
             "host_offload": self.host_offload, "host_state": self.host_state,
             "optimizer_staged": self.optimizer_staged, "host_bytes": self.host_bytes, "fp8_state": self.fp8_state,
             "gathered_params": self.gathered_params, "overlapped_bytes": self.overlapped_bytes,
-            "late_risk_bytes": self.late_risk_bytes, "may_not_fit": self.may_not_fit,
+            "late_risk_bytes": self.late_risk_bytes, "late_total_bytes": self.late_total_bytes,
+            "may_not_fit": self.may_not_fit,
             "state_blocks": dict(self.state_blocks), "activation_blocks": dict(self.activation_blocks),
         }
 

@@ -78,8 +78,11 @@ class MemoryComparison:
 
     @property
     def difference(self) -> float | None:
-        """(analytical - compiler) / compiler, signed; None without compiler figures."""
-        total = (self.compiler or {}).get("per_device_total_bytes")
+        """(analytical - compiler) / compiler, signed; None without the compiler's whole figure."""
+        compiler = self.compiler or {}
+        total = compiler.get("per_device_total_bytes")
+        if compiler.get("at_least"):  # an out-of-memory compile's figure is where XLA stopped counting
+            return None
         return (self.analytical.per_device_total_bytes - total) / total if total else None
 
     def as_dict(self) -> dict[str, Any]:

@@ -12,6 +12,8 @@ Sources, cited by short name below:
   [v6e]   cloud.google.com/tpu/docs/v6e (key specifications table)
   [7x]    cloud.google.com/tpu/docs/tpu7x (specification table comparing v5p, v6e, TPU7x)
   [book]  Austin et al., "How to Scale Your Model" (jax-ml.github.io/scaling-book), part 2, TPU spec tables
+  [libtpu] the "available HBM" of libtpu 0.0.52's out-of-memory compile errors (CompileTimeHbmOom: "the total memory
+          required for HLO temporaries (...) exceeds available HBM (95.73G)"), compiled here on the named slices
   [a100]  NVIDIA A100 Tensor Core GPU datasheet (SXM4); [dgxa100] NVIDIA DGX A100 datasheet
   [h100]  NVIDIA H100 Tensor Core GPU datasheet (SXM5); [dgxh100] NVIDIA DGX H100 datasheet
   [h200]  NVIDIA H200 Tensor Core GPU datasheet (SXM); [dgxh200] NVIDIA DGX H200 datasheet
@@ -80,6 +82,9 @@ class Chip:
     # (perfmodel.network.LATENCY_S)
     collective_latency: float | None = None
     note: str = ""
+    # TPU: what libtpu lets one program hold, per chip: its HBM less what the runtime keeps ([libtpu]); None: all of
+    # hbm_bytes
+    usable_hbm_bytes: float | None = None
 
     def peak_flops(self, dtype: str) -> float:
         """Peak matmul FLOP/s for a compute dtype. On TPU, jax's default precision runs float32 matmuls as one bf16
@@ -127,6 +132,7 @@ _TPUS = [
         peak_bf16_flops=275 * T,  # [v4] "275 teraflops (bf16 or int8)"
         peak_int8_ops=275 * T,  # [v4] same figure for int8
         hbm_bytes=32 * GiB, hbm_bandwidth=1200 * G,  # [v4] "32 GiB, 1200 GBps"
+        usable_hbm_bytes=30.75 * GiB,  # [libtpu] v4-8
         link_bandwidth=45 * G, link_count=6,  # [book] v4p ICI 4.5e10 B/s one way per link; 3D torus: 6 ports
         torus_dims=3,  # [v4] 3D mesh/torus
         mxu_width=128,  # [book] "all previous generations use 128x128"
@@ -139,6 +145,7 @@ _TPUS = [
         peak_bf16_flops=197 * T,  # [v5e] "197 TFLOPs"
         peak_int8_ops=393 * T,  # [v5e] "393 TOPs" (Int8)
         hbm_bytes=16 * GiB, hbm_bandwidth=819 * G,  # [v5e] "16 GB, 819 GBps"
+        usable_hbm_bytes=15.75 * GiB,  # [libtpu] v5e-8
         link_bandwidth=400 * G / 2 / 4, link_count=4,  # [v5e] 400 GBps bidirectional per chip, 4 ICI ports
         torus_dims=2,  # [v5e] 2D torus
         mxu_width=128,  # [book] 128x128 MXUs
@@ -151,6 +158,7 @@ _TPUS = [
         peak_fp8_flops=459 * T,  # [v5p] FP8 459 TFLOPs (no faster than bf16)
         peak_int8_ops=918 * T,  # Google Cloud blog "Introducing Cloud TPU v5p" (Dec 2023): 918 TOPS int8
         hbm_bytes=95 * GiB, hbm_bandwidth=2765 * G,  # [v5p] 95 GiB, 2765 GBps
+        usable_hbm_bytes=95.73 * GiB,  # [libtpu] v5p-8
         link_bandwidth=1200 * G / 2 / 6, link_count=6,  # [v5p] 1200 GBps bidirectional per chip; 3D torus: 6 ports
         torus_dims=3,  # [v5p] 3D torus
         mxu_width=128,  # [book] 128x128 MXUs
@@ -165,6 +173,7 @@ _TPUS = [
         peak_fp8_flops=918 * T,  # [7x] FP8 918 TFLOPs for v6e
         peak_int8_ops=1836 * T,  # [v6e] "1836 TOPs"
         hbm_bytes=32 * GiB, hbm_bandwidth=1638 * G,  # [v6e] 32 GB, 1638 GBps ([7x] writes 32 GiB)
+        usable_hbm_bytes=31.24 * GiB,  # [libtpu] v6e-16
         link_bandwidth=800 * G / 2 / 4, link_count=4,  # [v6e] 800 GBps bidirectional per chip, "ICI ports per chip 4"
         torus_dims=2,  # [v6e] 2D torus
         mxu_width=256,  # [v6e] "two 256x256 matrix-multiply units (MXU)"
@@ -176,6 +185,7 @@ _TPUS = [
         peak_bf16_flops=2307 * T,  # [7x] 2307 TFLOPs BF16
         peak_fp8_flops=4614 * T,  # [7x] 4614 TFLOPs FP8
         hbm_bytes=192 * GiB, hbm_bandwidth=7380 * G,  # [7x] 192 GiB, 7380 GB/s
+        usable_hbm_bytes=2 * 94.74 * GiB,  # [libtpu] tpu7x-8, 94.74G a device
         # [7x] 1200 GBps bidirectional per chip; the page gives no port count: 6 assumed, as for v5p's 3D torus
         link_bandwidth=1200 * G / 2 / 6, link_count=6,
         torus_dims=3,  # [7x] "shares many similarities with TPU v5p": 3D torus of 4x4x4 cubes

@@ -94,8 +94,12 @@ class Topology:
 
     @property
     def target_hbm_bytes(self) -> int | None:
-        """GPU: the memory the target spec compiled for states (`device_memory_size`); None elsewhere, or where the
-        CUDA plugin that holds the spec is missing (perfmodel reads this, else the chip table's figure)."""
+        """The memory per chip the compiler lets a program hold. GPU: what the target spec compiled for states
+        (`device_memory_size`), None where the CUDA plugin that holds the spec is missing; TPU: libtpu's (the chip
+        table's usable_hbm_bytes); None elsewhere. perfmodel reads this, else the chip table's hbm_bytes."""
+        if self.platform == "tpu":
+            usable = _chip_spec(self.chip).usable_hbm_bytes
+            return None if usable is None else int(usable)
         if self.platform != "gpu":
             return None
         return gpu_targets.target_memory_bytes(self.chip, self.target_config_path)
