@@ -518,3 +518,20 @@ def test_estimate_memory_prints_what_the_compiler_holds_at_its_peak(tmp_path):
     assert "GiB live at once: the state and batch" in line
     listed = r.stdout.splitlines()[r.stdout.splitlines().index(line) + 1:]
     assert listed[0].strip().split()[1] == "MiB" and "[" in listed[0]
+
+
+def test_weights_gathered_whole_come_a_matrix_at_a_time_where_a_layers_worth_would_not_fit():
+    """tpu-recipes' GPT-3 175B on v6e-256 (fsdp 256: 48 rows of D a shard, the weights gathered whole) ran in
+    production and compiles to 30.10 GiB of the 31.24 GiB libtpu gives a device, one gathered [49152, 12288] matrix
+    live at its peak: perfmodel prices that schedule where a layer's worth ahead would not fit, and keeps what the
+    layer's worth would need."""
+    words = ["per_device_batch_size=3", "ici_fsdp_parallelism=-1", "remat_policy=full", "attention=flash"]
+    a = memory_fit.compare("v6e-256", "gpt3-175b", words, analytical_only=True).analytical
+    layer, matrix = 12 * 12288**2 * 2, 49152 * 12288 * 2  # q, k, v, o and the MLP's two matrices; the largest
+    assert a.fits and a.overlapped_bytes > a.hbm_bytes
+    assert a.overlapped_bytes - a.per_device_total_bytes == pytest.approx(layer - matrix, rel=0.01)
+    assert abs(a.per_device_total_bytes / (30.10 * 2**30) - 1) <= 0.05
+    # where the layer's worth fits, it is counted: the same step at a quarter of the batch
+    small = memory_fit.compare("v6e-256", "gpt3-175b", ["per_device_batch_size=1", *words[1:]],
+                               analytical_only=True).analytical
+    assert small.overlapped_bytes == 0

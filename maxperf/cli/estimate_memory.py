@@ -233,9 +233,10 @@ def _print_comparison(cmp) -> None:
         for block in ("experts", "attention", "rest"):
             print(f"    {block:<24} {_gib(state.get(block)):>9} {_gib(saved.get(block)):>9}")
     if a.overlapped_bytes:  # why a larger batch can need less: the compiler's schedule under memory pressure
-        print(f"  schedule (analytical)      the experts' dispatch serialized: overlapped with the other layers' work "
-              f"it would need {_gib(a.overlapped_bytes)} GiB, past HBM (so a smaller batch that overlaps can show "
-              "more)")
+        what = ("the experts' dispatch serialized: overlapped with the other layers' work" if state.get("experts")
+                else "the weights gathered a matrix at a time: a layer's worth ahead")
+        print(f"  schedule (analytical)      {what} it would need {_gib(a.overlapped_bytes)} GiB, past HBM (so a "
+              "smaller batch that overlaps can show more)")
     if cmp.difference is not None:
         print(f"  analytical vs compiler     {cmp.difference:+.1%}")
     if c and c.get("peak"):

@@ -123,8 +123,9 @@ class MemoryBreakdown:
     fp8_state: float = 0.0  # a delayed FP8 recipe's scales and amax histories (fp8_state_bytes), on every device
     # ZeRO-1 (shard_optimizer_over_data): the parameters gathered back over `data` for the forward and backward
     gathered_params: float = 0.0
-    # a TPU mixture of experts whose overlapped schedule does not fit, so that the compiler serializes the experts'
-    # dispatch: what the overlapped schedule would need (0: the breakdown is the overlapped schedule's)
+    # a TPU step whose overlapped schedule does not fit, so that the compiler serializes it (a mixture of experts'
+    # dispatch; a dense model's weights gathered whole, a matrix at a time): what the overlapped schedule would need
+    # (0: the breakdown is the overlapped schedule's)
     overlapped_bytes: float = 0.0
     # what the peak would grow by where libtpu takes the vocabulary table's gradient after the backward scan, which
     # perfmodel counts before it (working.late_logits_gradient); 0 where the placement is counted or cannot differ
@@ -391,7 +392,8 @@ def estimate_memory(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_byte
         )
 
     overlapped = breakdown(work.overlapped)
-    if platform != "tpu" or moe is None or overlapped.fits or dispatch(train) != "sparse":
+    if (platform != "tpu" or overlapped.fits or work.serial >= work.overlapped
+            or moe is not None and dispatch(train) != "sparse"):
         return overlapped
     return breakdown(work.serial, overlapped.per_device_total_bytes)
 

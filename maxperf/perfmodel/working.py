@@ -63,6 +63,11 @@ OFFLOAD_STAGED_LAYERS = 2
 # the compiles of bench/memory_accuracy.py's "gpu" group (qwen3-30b-a3b on h100-8, expert 8: only the float32
 # gradients f32[48,16,2048,768] span the layers).
 GATHERED_LAYERS = 1
+# Where that layer's worth would not fit, the scheduler (memory-pressure aware) gathers one weight matrix at a time,
+# each just before the matmul that reads it. Measured here with libtpu 0.0.52: gpt3-175b on v6e-256 (fsdp 256, 48
+# rows of D a shard), B 3, L 2048, remat full, flash (tpu-recipes' Trillium GPT-3 175B): at the compiler's peak one
+# gathered bf16[1,49152,12288] (1.13 GiB) is live beside the stacked layer inputs, not the layer's 3.4 GiB; 30.10 GiB
+# per device compiled, 31.63 analytical with the layer's worth.
 HOISTED_EXPERT_COPIES = 1
 # Beside the gathered experts, the experts' backward writes their weight gradients whole before reduce-scattering
 # them, where the shards are thick enough for windowed gathers (THIN_EXPERT_GATHER_IN_FLIGHT for the others): two
@@ -195,8 +200,9 @@ def recomputed_attention_per_token(model: ModelConfig, train: TrainConfig, mesh:
 @dataclass(frozen=True)
 class Working:
     """Bytes per device live beside the saved activations at the backward's peak: as the compiler overlaps a mixture
-    of experts' exchange with its experts' work, and as XLA:TPU serializes it where that would not fit
-    (MOE_ROW_D_BUFFERS_SERIAL; the same figure for a model without routed experts)."""
+    of experts' exchange with its experts' work or gathers a layer's weights ahead, and as XLA:TPU serializes them
+    where that would not fit (MOE_ROW_D_BUFFERS_SERIAL, GATHERED_LAYERS' note; the same figure where neither
+    applies)."""
 
     overlapped: float
     serial: float
@@ -219,6 +225,7 @@ class _MeshParts:
     expert_rows: float  # the routed experts' D rows per FSDP shard
     experts_sharded_held: float  # the routed experts' shards where FSDP splits them
     layer_gathered: float  # a layer's weights, every one gathered
+    matrix_full: float  # the largest weight matrix gathered whole where the weights are not windowed (0 where they are)
 
 
 def _mesh_parts(model: ModelConfig, mesh: Mesh) -> _MeshParts:
@@ -244,7 +251,9 @@ def _mesh_parts(model: ModelConfig, mesh: Mesh) -> _MeshParts:
                          if name == "embed"), default=float(D)),
         experts_sharded_held=sum(x.count * held(x, mesh) for x in state_arrays(model)
                                  if x.expert_parallel and held_gathered(x, mesh) > held(x, mesh)),
-        layer_gathered=layer_weights(arrays, lambda x: held_gathered(x, mesh)))
+        layer_gathered=layer_weights(arrays, lambda x: held_gathered(x, mesh)),
+        matrix_full=0.0 if windowed else max((held_gathered(x, mesh) for x in arrays
+                                              if x.matmul and x.block and not x.expert_parallel), default=0.0))
     return parts
 
 
@@ -339,14 +348,18 @@ def working(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str, c
         layers = model.num_layers / s.stages if s.fsdp_gather_once else s.units_per_stage - 1
         stage_gathered = 2 * c * layers * parts.layer_gathered
 
-    def peak(mlp: float) -> float:
+    def peak(mlp: float, weights: float = gathered) -> float:
         busiest = max(T * mlp, T * attention_phase, expert_grads)
-        return (gathered + in_flight + grads_unsharded + busiest + staged + table_grads + late_table_gradient
+        return (weights + in_flight + grads_unsharded + busiest + staged + table_grads + late_table_gradient
                 + expert_grad_copy + stage_gathered)
 
+    # a dense model's weights gathered whole: under memory pressure XLA:TPU gathers them a matrix at a time
+    # (GATHERED_SERIAL) instead of a layer's worth ahead
+    one_matrix = (gathered - GATHERED_LAYERS * layer_full * c + c * parts.matrix_full
+                  if tpu_gathered and moe is None and parts.matrix_full else gathered)
     late_risk = (late_logits_gradient(T_logits, a.V, c) if platform == "tpu" and not late_table_gradient
                  and train.num_vocab_tiling == 1 and batch_split > 1 and not depths else 0.0)
-    return Working(overlapped=peak(mlp_phase), serial=peak(serial_phase), late_risk=late_risk)
+    return Working(overlapped=peak(mlp_phase), serial=peak(serial_phase, one_matrix), late_risk=late_risk)
 
 
 # Where the batch is split and the vocabulary is not (FSDP, data), XLA:TPU takes the vocabulary table's weight gradient
