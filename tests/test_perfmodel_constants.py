@@ -108,7 +108,10 @@ def test_maxperf_estimate_prints_its_assumptions(capsys):
     out = capsys.readouterr().out
     assert (f"\n  assumptions:     matmuls at {chips.MATMUL_FRACTION['tpu-v5p']:.2f} of peak (fitted) x m / "
             f"(m + {work.MATMUL_HALF['tpu']})") in out
-    assert f"\n                   fsdp collectives {work.Overlap().fsdp:.0%} hidden (fitted)\n" in out
+    # a tiny step's compute cannot hide its collectives: the line says the share applied beside the fitted one
+    line = next(x for x in out.splitlines() if "fsdp collectives" in x).strip()
+    assert line.startswith(f"fsdp collectives {work.Overlap().fsdp:.0%} hidden (fitted), ")
+    assert line.endswith("% here: the compute beside them runs out")
     held_out = work.HELD_OUT_ERROR["source"][0]
     assert (f"\n  uncertainty      +-{held_out:.0%}: each source's published runs predicted by constants fitted "
             "without them") in out

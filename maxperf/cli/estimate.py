@@ -158,7 +158,9 @@ def estimate_summary(p, est) -> dict:
     """`maxperf estimate --json`: perfmodel's estimate with what it was for (topology, mesh, batch)."""
     t = p.configs.train
     error, close = memory_error(p, est)
+    per_chip = p.topology.devices_per_chip  # tpu7x: two devices a chip; peak_flops is a device's, MFU against it
     return {**est.as_dict(), "topology": p.topology.name, "num_slices": p.topology.num_slices,
+            "devices_per_chip": per_chip, "peak_flops_per_chip": est.peak_flops * per_chip,
             "memory_close_call": close, "memory_error": error.as_dict() if error else None,
             "mesh": {"axes": p.mesh.axes, "ici": p.mesh.ici, "dcn": p.mesh.dcn},
             "warnings": list(p.warnings),

@@ -174,17 +174,32 @@ def summary(result, path: Path) -> dict:
             "top": [c.as_dict() for c in result.candidates[:SHOWN]]}
 
 
+COUNTED = (("indivisible", "indivisible"), ("does_not_fit", "do not fit"), ("fit", "fit and ranked"),
+           ("more_accumulation", "need less accumulation"), ("smaller_batch", "a smaller batch than one that fits"),
+           ("keeps_less_than_fitting", "recompute more than a policy that fits"))
+
+
+def count_line(counts: dict[str, int]) -> str:
+    """'N candidates: ...', every rule that settled one named (the always-present first three even at 0), and any the
+    rules leave over (compiles that failed), so that the parts add up to the whole."""
+    n = counts["enumerated"]
+    parts = [f"{counts[k]:,} {words}" for i, (k, words) in enumerate(COUNTED) if i < 3 or counts[k]]
+    rest = n - sum(counts[k] for k, _ in COUNTED)
+    if rest:
+        parts.append(f"{rest:,} failed to compile")
+    return f"{n:,} candidate{'s' if n != 1 else ''}: " + ", ".join(parts)
+
+
 def print_plan(result, path: Path) -> None:
     counts = result.counts()
     r = result.request
+    pinned = next((w.split("=", 1)[1] for w in r.pins if w.split("=", 1)[0] == "per_device_batch_size"), None)
     batch = (f"global batch {r.global_batch_tokens:,} tokens ({result.global_batch_rows} x {result.seq_len})"
              if r.global_batch_tokens else f"per-device batch {r.per_device_batch:g} per step" if r.per_device_batch
-             else "per-device batch searched")
+             else f"per-device batch {pinned} (pinned)" if pinned else "per-device batch searched")
     print(f"{result.model_name} on {result.topology_name}" + (f" x {r.num_slices}" if r.num_slices > 1 else "")
           + f" ({result.devices} devices), {batch}, L={result.seq_len}, objective {r.objective}")
-    print(f"  {counts['enumerated']:,} candidates: {counts['indivisible']:,} indivisible, "
-          f"{counts['does_not_fit']:,} do not fit, {counts['fit']:,} fit and ranked, "
-          f"{counts['more_accumulation']:,} need less accumulation; searched in {result.search_seconds:.2f} s"
+    print(f"  {count_line(counts)}; searched in {result.search_seconds:.2f} s"
           + (f", {result.compiles} compiled in {result.verify_seconds:.0f} s" if result.compiles else ""))
     print(f"  memory margin {result.margin.value:.1%}: {result.margin.source}")
     for note in result.notes:

@@ -156,6 +156,7 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     Tu = a.T * view.logits_scale
     steps = train.grad_accum_steps  # what runs once per microbatch outside the layers
     table = Work(chip, train.compute_dtype, constants, int8_matmuls(train), fp8_matmuls(train))
+    table.overlap_given = overlap != DEFAULT_OVERLAP
 
     # matmuls: forward, backward (2 x forward), and the forward again where remat recomputes it
     again = recomputed(model, train)
@@ -506,7 +507,7 @@ def _collective(table: Work, name: str, kind: str, nbytes: float, axes: tuple[st
     family = name.split()[0]
     # CPU collectives: measured rates, latency and overlap; the first line of each key stands (Work.assume)
     if table.chip.kind != "cpu" and (t.ici_s or t.dcn_s) and "overlap " + family not in table.assumed:
-        origin = OVERLAP_ORIGIN[family] if overlap == getattr(DEFAULT_OVERLAP, family) else "as given"
+        origin = OVERLAP_ORIGIN[family] if not table.overlap_given else "as given"
         table.assume("overlap " + family, f"{family} collectives {overlap:.0%} hidden ({origin})")
         table.assume("latency", f"{LATENCY_S['ici'] * 1e6:g} us per collective inside a slice or NVLink domain "
                                 "(assumed), "
@@ -517,6 +518,20 @@ def _collective(table: Work, name: str, kind: str, nbytes: float, axes: tuple[st
     if t.dcn_s:
         table.add(name + " (dcn)", "dcn", count * t.dcn_s, 0.0, count * nbytes, family=family,
                   dcn_steps=count * t.dcn_steps)
+
+
+def _applied_overlap(table: Work, terms, comm, seconds, exposed_s, overlap: Overlap) -> None:
+    """Where less of a family's collectives is hidden than its overlap allows (the compute to hide them behind runs
+    out), its assumption line says the share applied."""
+    for family in dict.fromkeys(f for f, is_comm in zip(terms.family, comm.tolist()) if f and is_comm):
+        key = "overlap " + family
+        if key not in table.assumed:
+            continue
+        rows = np.array([f == family for f in terms.family]) & comm
+        total = float(seconds[rows].sum())
+        applied = 1 - float(exposed_s[rows].sum()) / total if total else 0.0
+        if applied < getattr(overlap, family) - 0.005:
+            table.assumed[key] += f", {applied:.0%} here: the compute beside them runs out"
 
 
 KINDS = ("compute", "hbm", *COMM_KINDS)  # what bounds a row of the breakdown, in its order
@@ -532,6 +547,7 @@ def _settle(table: Work, overlap: Overlap) -> StepTime:
     comm, hidden_share = terms.comm, terms.overlaps(overlap)
     steps, busy, spill = settle(seconds, comm, hidden_share, np.zeros(len(seconds), dtype=int), 1)
     exposed_s = np.where(comm, seconds - seconds * hidden_share * (1 - spill[0]), seconds)
+    _applied_overlap(table, terms, comm, seconds, exposed_s, overlap)
     n = len(KINDS)
     # per row name: seconds of each kind (KINDS' order), then exposed seconds, FLOPs and bytes; summed over Python
     # floats (a numpy scalar per element costs more than the sums)

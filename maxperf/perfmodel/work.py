@@ -380,6 +380,7 @@ class Work:
         self.half = chip.measured_matmul_half(dtype)
         self.rows: list[tuple] = []  # one per term, in COLUMNS' order
         self.assumed: dict[str, str] = {}
+        self.overlap_given = False  # the Overlap is the caller's, not the default (assumption lines say "as given")
 
     def assume(self, key: str, line: str) -> None:
         """Records that a constant that is fitted or assumed, not measured on this chip, drove this step."""

@@ -212,6 +212,15 @@ def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_t
                                 ici, dcn, remat, kernel, b, a, q, m, shown=shown)
                             candidates.append(c)
         meshes.append(mesh)
+    if not candidates:
+        smallest = min(round(b * devices) for b, _ in pairs)
+        across = (f", across the {topo.ici_domains} {'slices' if topo.platform == 'tpu' else 'hosts'} too"
+                  if topo.ici_domains > 1 else "")
+        raise MaxperfError(
+            f"no layout of {devices} devices divides this step: each splits the batch over its data and fsdp axes"
+            f"{across}, and a batch of {smallest} row{'s' if smallest != 1 else ''} divides over none; a larger batch "
+            "(--global-batch, --per-device-batch), or pins that split something else (dcn_sequence_parallelism, "
+            "ici_tensor_parallelism), would")
     # the policies searched, with those a pipelined mesh runs them as (none as full, or none)
     remats = list(dict.fromkeys([*remats, *(c.remat_policy for c in candidates)]))
     return Space(topo, model, train, fixed, rows, pairs, remats, kernels, precisions, meshes, candidates)

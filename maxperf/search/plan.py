@@ -411,7 +411,7 @@ def rank(result: SearchResult) -> None:
                   key=lambda c: (-getattr(c, objective), c.verified is not True, c.memory_shown_bytes()))
     ties = [c for c in fits if fits and getattr(c, objective) >= getattr(fits[0], objective) * (1 - result.tie)]
     if len(ties) > 1:  # what the model cannot tell apart, the simplest layout first
-        ties.sort(key=lambda c: (c.verified is not True, complexity(c), -getattr(c, objective)))
+        ties.sort(key=lambda c: (c.verified is not True, complexity(c), -getattr(c, objective), c.mesh_shown()))
         fits = ties + fits[len(ties):]
         note = (f"{len(ties)} candidates lie within {result.tie:.0%} of the fastest by {objective}, perfmodel's "
                 f"held-out error on this chip: ties, ranked simplest layout first")
@@ -438,17 +438,21 @@ def rank(result: SearchResult) -> None:
         if c.verified is None and above:
             c.reason = "not compiled: verification stopped before it"
         elif c in ties:
-            c.reason = f"a tie ({ratio:.3f}x by {objective}, within {result.tie:.0%}), less simple"
+            simpler = complexity(best) < complexity(c)
+            c.reason = (f"a tie ({ratio:.3f}x by {objective}, within {result.tie:.0%}), "
+                        + ("less simple" if simpler else "as simple, slower" if ratio >= 1 else
+                           "as simple, not compiled" if c.verified is None else "as simple"))
         else:
             c.reason = f"{ratio:.3f}x slower by {objective}"
 
 
-def complexity(c: Candidate) -> tuple[int, int, int, int, str]:
+def complexity(c: Candidate) -> tuple[int, int, int, int]:
     """How far a candidate is from the layouts production recipes run (MaxText's default: FSDP over the slice, data
     parallelism across slices, one microbatch, bf16, flash attention): the mesh axes over 1 beyond those, gradient
-    accumulation, FP8, the dot product; then the mesh in words, so that ties order the same way every time."""
+    accumulation, FP8, the dot product. Ties of equal complexity rank by speed, then by the mesh in words, so that
+    they order the same way every time."""
     axes = sum(1 for a, n in c.axes.items() if n > 1 and a != "fsdp" and not (a == "data" and c.ici[a] == 1))
-    return axes, int(c.grad_accum_steps > 1), int(c.quantization != "none"), int(c.attention != "flash"), c.mesh_shown()
+    return axes, int(c.grad_accum_steps > 1), int(c.quantization != "none"), int(c.attention != "flash")
 
 
 def closest_miss(result: SearchResult, model, trains, topo, calibration) -> dict[str, Any]:
