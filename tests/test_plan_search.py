@@ -3,6 +3,7 @@ no fit (exit 3 with the closest miss), plan.json, verification by real compiles,
 
 import csv
 import json
+import re
 import math
 from pathlib import Path
 
@@ -354,6 +355,22 @@ def test_the_report_counts_each_rejection_by_the_rule_that_made_it(capsys, tmp_p
     assert rows[("does not fit", "parameters and optimizer state alone over HBM")] == n["state_does_not_fit"] > 0
     assert rows.get(("slower", "fits, lower objective"), 0) == n["fit"] - 1  # every ranked one but the chosen
     assert sum(rows.values()) == n["enumerated"] - 1
+
+
+def test_a_plan_into_an_earlier_plans_directory_leaves_only_its_own_compiles(capsys, tmp_path):
+    """An earlier plan's compiled points that this one does not compile are removed once it is written, and the
+    counts line adds up to the candidates enumerated."""
+    stale = tmp_path / "p" / "points" / "v5p-8_ici_fsdp=4_remat_policy=full"
+    stale.mkdir(parents=True)
+    (stale / "point.json").write_text("{}")
+    code, out, err = run_main(capsys, "plan", "--model", "llama3-8b", "--topology", "v5p-8", "--per-device-batch", "1",
+                              "--verify", "0", "--out", str(tmp_path / "p"))
+    assert code == 0, err
+    assert not (tmp_path / "p" / "points").exists() and "removed 1 compiled point(s)" in err
+    n = json.loads((tmp_path / "p" / "plan.json").read_text())["counts"]
+    line = next(x for x in out.splitlines() if " candidates: " in x)
+    parts = [int(n.replace(",", "")) for n in re.findall(r"(\d[\d,]*) [a-z]", line.split(":", 1)[1].split(";")[0])]
+    assert sum(parts) == n["enumerated"]
 
 
 def test_pareto_front():

@@ -136,6 +136,8 @@ def cmd_plan(args) -> int:
             verify.verify(result, args.verify, out, workers=args.workers, progress=say, cluster=cluster,
                           keep_executables=args.keep_executables)
         path = plan.write(result, out)
+        if stale := verify.prune_points(result, out):
+            say(f"removed {len(stale)} compiled point(s) of an earlier plan in {out} that this plan did not compile")
     code = 0 if result.winner is not None else 3
     if args.json:
         print_json(summary(result, path))

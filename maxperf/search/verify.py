@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -129,3 +130,21 @@ def memory_from_artifact(artifact: str | None) -> float | None:
         return float(json.loads((Path(artifact) / "memory.json").read_text())["per_device_total_bytes"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def prune_points(result: SearchResult, out: str | os.PathLike) -> list[str]:
+    """Removes from `out`/points what an earlier plan into the same directory compiled and this one did not (a
+    re-plan may resume its compiles there, so they are kept until this plan is written), and returns their names:
+    plan.json and points/ then describe the same compiles."""
+    directory = Path(out) / "points"
+    if not directory.is_dir():
+        return []
+    kept = {sweep.Point(result.topology_name, result.request.num_slices, (*result.fixed, *c.overrides())).name
+            for c in result.candidates if c.verified is not None or c.compile_error}
+    stale = sorted(p.name for p in directory.iterdir() if p.is_dir() and p.name not in kept)
+    for name in stale:
+        shutil.rmtree(directory / name, ignore_errors=True)
+    if not any(directory.iterdir()):
+        directory.rmdir()
+    return stale
+
