@@ -3,8 +3,8 @@ no fit (exit 3 with the closest miss), plan.json, verification by real compiles,
 
 import csv
 import json
-import re
 import math
+import re
 from pathlib import Path
 
 import pytest
