@@ -263,7 +263,8 @@ def test_report_refuses_an_artifact_that_run_refuses(compiled, tmp_path, capsys,
     run_dir = tmp_path / "run"  # a run of the tampered compile: the same refusal
     run_dir.mkdir()
     (run_dir / "run.json").write_text(json.dumps({"schema": "maxperf.run/1", "artifact": str(tampered), "steps": 1,
-                                                  "devices": 8, "device_kind": "cpu", "step_times_s": [0.1]}))
+                                                  "devices": 8, "device_kind": "cpu", "step_times_s": [0.1],
+                                                  "step_time_s": 0.1}))
     for given in (tampered, tampered / "compiled.pkl", run_dir):
         code, err = _report_cli(capsys, given, "-o", tmp_path / "r.html")
         assert code == 2 and err.count("\n") == 1 and message in err, err
@@ -282,7 +283,13 @@ def test_report_refuses_an_artifact_that_run_refuses(compiled, tmp_path, capsys,
     (lambda text: json.dumps({"schema": "maxperf.run/1"}), "lacks steps, devices, device_kind, step_times_s"),
     (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "device_kind"}),
      "lacks device_kind, which every run writes"),
-], ids=["truncated", "schema", "step-time", "mfu", "losses", "memory", "artifact", "empty", "no-device"])
+    (lambda text: json.dumps({**json.loads(text), "step_times_s": [0.3, -0.3, 0.3, 0.3, 0.3]}),
+     "'step_times_s' should be a list of numbers >= 0"),
+    (lambda text: json.dumps({**json.loads(text), "steps": 2}), "lists 5 step times for its 2 timed steps"),
+    (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "step_time_s"}),
+     "lacks step_time_s, the median of its 5 step times"),
+], ids=["truncated", "schema", "step-time", "mfu", "losses", "memory", "artifact", "empty", "no-device",
+        "negative-time", "count", "no-median"])
 def test_a_damaged_run_json_is_one_line_and_exit_2(tmp_path, capsys, change, message):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -291,6 +298,25 @@ def test_a_damaged_run_json_is_one_line_and_exit_2(tmp_path, capsys, change, mes
     code, err = _report_cli(capsys, run_dir, "-o", tmp_path / "r.html")
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "r.html").exists()
+
+
+def test_a_run_beside_another_compile_in_its_directory_shows_what_was_measured_only(compiled, tmp_path, capsys):
+    """A compile written into the directory a run ran after it ran (run.json's artifact_sha256 is not the manifest's
+    compiled.pkl) is not set beside the run: the page shows the measurement alone and says why."""
+    art = compiled[0]
+    manifest = json.loads((art / "manifest.json").read_text())
+    base = {"schema": "maxperf.run/1", "artifact": str(art), "steps": 2, "devices": 8, "device_kind": "cpu",
+            "step_times_s": [0.02, 0.02], "step_time_s": 0.02}
+    pages = {}
+    for name, sha in (("same", manifest["files"]["compiled.pkl"]), ("other", "0" * 64)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        (run_dir / "run.json").write_text(json.dumps({**base, "artifact_sha256": sha}))
+        code, err = _report_cli(capsys, run_dir, "-o", tmp_path / f"{name}.html")
+        assert code == 0, err
+        pages[name] = (tmp_path / f"{name}.html").read_text()
+    assert "holds another compile now" in pages["other"] and "holds another compile now" not in pages["same"]
+    assert "tiny / " in pages["same"] and "tiny / " not in pages["other"]
 
 
 def test_an_interrupted_run_is_shown_as_partial(tmp_path, capsys):
@@ -314,3 +340,20 @@ def test_a_file_that_marks_no_directory_is_named_as_a_file(tmp_path, capsys):
     code, err = _report_cli(capsys, stray, "-o", tmp_path / "r.html")
     assert code == 2 and f"{stray} is a file, and {tmp_path} is not a maxperf compile, run, sweep or plan" in err
     assert not (tmp_path / "r.html").exists()
+
+
+def test_a_user_steps_sweep_row_has_no_global_batch_and_counts_its_own_unit(compiled, tmp_path, capsys):
+    """A user's step sweeps without a global_batch column (its batch is its own); its run counts images, not
+    tokens, and the page's measured-against-predicted table says so."""
+    from maxperf.reports.scaling import _Point
+
+    assert _Point({"chips": 4, "predicted_mfu": 0.5}, "predicted_mfu").global_batch == 1.0
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({
+        "schema": "maxperf.run/1", "artifact": str(compiled[0]), "steps": 1, "devices": 8, "device_kind": "cpu",
+        "step_times_s": [0.02], "step_time_s": 0.02, "tokens_per_s": 100.0, "unit": "images"}))
+    code, err = _report_cli(capsys, run_dir, "-o", tmp_path / "r.html")
+    assert code == 0, err
+    page = (tmp_path / "r.html").read_text()
+    assert ">images/s<" in page and ">tokens/s<" not in page

@@ -58,6 +58,9 @@ class RunResult:
     restored_from: str | None = None
     data: str = "synthetic uniform tokens"
     artifact: str = ""
+    # the sha256 of the compiled.pkl that ran, as its manifest lists it: a report refuses to set the run beside
+    # another compile written into the same directory since
+    artifact_sha256: str | None = None
     notes: list[str] = field(default_factory=list)
     calibration: dict[str, Any] | None = None  # CPU: the calibration the peak came from (StoredCalibration.record())
     partial: bool = False  # interrupted: `steps` counts the timed steps measured before it
@@ -319,6 +322,7 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
             measured_over_predicted=median / predicted if predicted else None, memory=memory,
             profile=profile_summary, checkpoint=saved, restored_from=str(restore) if restore else None,
             data=str(data) if data else "synthetic uniform tokens", artifact=str(artifact.directory.resolve()),
+            artifact_sha256=artifact.manifest.get("files", {}).get("compiled.pkl"),
             notes=notes, calibration=record, partial=interrupted is not None,
             hlo_predicted_step_time_s=hlo.get("step_time_s"),
             measured_over_hlo_predicted=median / hlo["step_time_s"] if hlo.get("step_time_s") else None,

@@ -116,6 +116,7 @@ def run(artifact: Artifact, devices, *, steps: int, warmup: int, out_dir: Path, 
             "hlo_predicted_step_time_s": hlo, "measured_over_hlo_predicted": median / hlo if hlo else None,
             "memory_compiler_per_device_bytes": (artifact.json("memory.json") or {}).get("per_device_total_bytes"),
             "artifact": str(artifact.directory.resolve()),
+            "artifact_sha256": artifact.manifest.get("files", {}).get("compiled.pkl"),
         }
         writer.write_text("run.json", json.dumps(result, indent=2, allow_nan=False) + "\n")
         writer.commit()

@@ -168,6 +168,7 @@ def run(artifact: Artifact, *, steps: int, warmup: int, profile: bool = False, d
                     **device_memory(devices)},
             profile=profile_summary, data="Step.init's arguments, carried from step to step",
             artifact=str(artifact.directory.resolve()), notes=notes, calibration=record,
+            artifact_sha256=artifact.manifest.get("files", {}).get("compiled.pkl"),
             partial=interrupted is not None, hlo_predicted_step_time_s=predicted,
             measured_over_hlo_predicted=median / predicted if predicted else None, step=name, unit=step.unit,
         )

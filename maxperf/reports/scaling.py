@@ -25,7 +25,8 @@ class _Point:
     def __init__(self, row, column: str):
         self.row = row
         self.chips = int(row["chips"])
-        self.global_batch = float(row["global_batch"]) if row.get("global_batch") == row.get("global_batch") else 1.0
+        batch = row.get("global_batch")  # a user's step's sweep has no such column
+        self.global_batch = float(batch) if batch is not None and batch == batch else 1.0
         v = row.get(column)
         self.value = None if v is None or v != v else float(v)
 

@@ -69,9 +69,11 @@ RUN_FIELDS = {
     **dict.fromkeys(("steps", "warmup", "devices", "processes", "step_time_s", "step_time_p10_s", "step_time_p90_s",
                      "step_time_min_s", "tokens_per_s", "tflops_per_device", "mfu", "peak_flops_per_device",
                      "predicted_step_time_s", "measured_over_predicted"), _NUMBER),
-    **dict.fromkeys(("step_times_s", "losses"), "a list of numbers"),
+    "step_times_s": "a list of numbers >= 0",
+    "losses": "a list of numbers",
     **dict.fromkeys(("memory", "profile", "checkpoint"), _OBJECT),
-    **dict.fromkeys(("artifact", "device_kind", "peak_source", "data", "restored_from", "platform"), _TEXT),
+    **dict.fromkeys(("artifact", "device_kind", "peak_source", "data", "restored_from", "platform", "artifact_sha256",
+                     "unit"), _TEXT),
     "notes": "a list of strings",
 }
 # what every run.json maxperf run writes holds, interrupted or not
@@ -86,6 +88,8 @@ def _fits(value, what: str) -> bool:
         return number(value) and value >= 0
     if what == "a list of numbers":  # losses may be negative: finite numbers only
         return isinstance(value, list) and all(number(v) for v in value)
+    if what == "a list of numbers >= 0":
+        return isinstance(value, list) and all(number(v) and v >= 0 for v in value)
     if what == "a list of strings":
         return isinstance(value, list) and all(isinstance(v, str) for v in value)
     return isinstance(value, dict if what == _OBJECT else str)
@@ -108,6 +112,13 @@ def _run_json(directory: Path) -> dict:
         if run.get(name) is not None and not _fits(run[name], what):
             raise ArtifactError(f"{path}: {name!r} should be {what}, not {json.dumps(run[name])[:60]}; the run "
                                 "directory is damaged: run the step again")
+    times = run["step_times_s"]
+    if len(times) != run["steps"]:
+        raise ArtifactError(f"{path} lists {len(times)} step times for its {run['steps']} timed steps; the run "
+                            "directory is damaged: run the step again")
+    if times and run.get("step_time_s") is None:
+        raise ArtifactError(f"{path} lacks step_time_s, the median of its {len(times)} step times; the run directory "
+                            "is damaged: run the step again")
     return run
 
 
@@ -115,7 +126,13 @@ def read(page: Page, kind: str, directory: Path) -> Step:
     run = _run_json(directory) if kind == "run" else None
     art = _artifact_of(run, directory) if run else directory
     manifest = _verified_manifest(art) if (art / "manifest.json").is_file() else {}
-    estimate, memory = read_json(art / "estimate.json") or {}, read_json(art / "memory.json") or {}
+    # a compile written into the run's compile directory since it ran is another step: set aside, as if gone
+    replaced = bool(run and manifest and run.get("artifact_sha256")
+                    and manifest.get("files", {}).get("compiled.pkl") != run["artifact_sha256"])
+    if replaced:
+        manifest = {}
+    estimate, memory = ({}, {}) if replaced else (read_json(art / "estimate.json") or {}, read_json(art / "memory.json")
+                                                 or {})
     page.versions = page.versions or manifest.get("versions", {})
     topo = manifest.get("topology", {})
     model = manifest.get("model", {}).get("name")
@@ -157,20 +174,23 @@ def read(page: Page, kind: str, directory: Path) -> Step:
     if manifest and not manifest.get("compiled", True) and not estimate:
         s.notes.append("the step was not compiled (it does not fit), so no step time was predicted for it")
     if run and not manifest:
-        s.notes.append(f"the compile directory this run ran ({run.get('artifact')}) is not there: only what "
-                       "run.json holds is shown")
+        why = ("holds another compile now (its compiled.pkl is not the executable this run measured)" if replaced
+               else "is not there")
+        s.notes.append(f"the compile directory this run ran ({run.get('artifact')}) {why}: only what run.json holds "
+                       "is shown")
+    unit = (user or {}).get("unit") or (run or {}).get("unit") or "tokens"  # a user's step counts its own
     tokens = manifest.get("tokens_per_step")
     if tokens is None and run and run.get("tokens_per_s") and run.get("step_time_s"):
         tokens = round(run["tokens_per_s"] * run["step_time_s"])  # a run away from its compile
     numbers = {"fits": verdict[0], "tokens per step": tokens, "predicted step time (s)": estimate.get("step_time_s")
-               or (run or {}).get("predicted_step_time_s"), "predicted tokens/s": estimate.get("tokens_per_s"),
+               or (run or {}).get("predicted_step_time_s"), f"predicted {unit}/s": estimate.get("tokens_per_s"),
                "predicted TFLOP/s per chip": estimate.get("tflops_per_chip"), "predicted MFU": estimate.get("mfu"),
                "predicted step time from the HLO (s)": (estimate.get("hlo_time") or {}).get("step_time_s"),
                "analytical memory (GiB)": gib(estimate.get("memory_per_device_bytes")),
                "compiler memory (GiB)": gib(memory.get("per_device_total_bytes")),
                "compile (s)": manifest.get("compile_seconds")}
     if run:
-        numbers.update({"measured step time (s)": run.get("step_time_s"), "measured tokens/s": run.get("tokens_per_s"),
+        numbers.update({"measured step time (s)": run.get("step_time_s"), f"measured {unit}/s": run.get("tokens_per_s"),
                         "measured TFLOP/s per device": run.get("tflops_per_device"), "measured MFU": run.get("mfu"),
                         "measured / predicted step time": run.get("measured_over_predicted"),
                         "measured / HLO-predicted step time": run.get("measured_over_hlo_predicted"),
@@ -335,11 +355,20 @@ def _measured(page: Page, s: Section, run: dict, estimate: dict, memory: dict, t
     per_device = estimate["tflops_per_chip"] * topo["chips"] / topo["devices"] if known else None
     measured_memory = run.get("memory") or {}
     compiled_bytes = memory.get("per_device_total_bytes") or measured_memory.get("compiler_per_device_bytes")
+    unit = run.get("unit") or "tokens"
+    # MFU on one peak: a run on a calibrated CPU measures against the calibration's, an older compile's prediction
+    # may stand on the defaults'
+    mfu, run_peak, their_peak = estimate.get("mfu"), run.get("peak_flops_per_device"), estimate.get("peak_flops")
+    if mfu is not None and run_peak and their_peak and abs(their_peak / run_peak - 1) > 0.01:
+        mfu = mfu * their_peak / run_peak
+        s.notes.append(f"the predicted MFU is taken against the run's peak ({run_peak / 1e12:.4g} TFLOP/s per device, "
+                       f"{run.get('peak_source') or 'as run.json gives it'}), not the prediction's "
+                       f"({their_peak / 1e12:.4g})")
     rows = [["step time (s)", run.get("step_time_s"), predicted, run.get("measured_over_predicted")],
-            ["tokens/s", run.get("tokens_per_s"), estimate.get("tokens_per_s"), _ratio(run.get("tokens_per_s"),
-                                                                                      estimate.get("tokens_per_s"))],
+            [f"{unit}/s", run.get("tokens_per_s"), estimate.get("tokens_per_s"), _ratio(run.get("tokens_per_s"),
+                                                                                       estimate.get("tokens_per_s"))],
             ["TFLOP/s per device", run.get("tflops_per_device"), per_device, None],
-            ["MFU", run.get("mfu"), estimate.get("mfu"), _ratio(run.get("mfu"), estimate.get("mfu"))],
+            ["MFU", run.get("mfu"), mfu, _ratio(run.get("mfu"), mfu)],
             ["memory peak per device (GiB)", gib(measured_memory.get("measured_peak_bytes")),
              gib(compiled_bytes), _ratio(measured_memory.get("measured_peak_bytes"), compiled_bytes)]]
     rows[2][3] = _ratio(rows[2][1], rows[2][2])
