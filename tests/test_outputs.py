@@ -279,8 +279,9 @@ def test_an_interrupted_run_keeps_its_timed_steps(compiled, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_keeps_what_the_run_measured(compiled, tmp_path, signum):
+@pytest.mark.parametrize("signum, twice", [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+                         ids=["SIGINT", "SIGTERM", "SIGINT-twice"])
+def test_a_signal_keeps_what_the_run_measured(compiled, tmp_path, signum, twice):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.Popen([sys.executable, "-m", "maxperf.cli", "run", str(compiled), "--steps", "100000",
                              "--warmup", "1", "--out", str(tmp_path / "out")], stderr=subprocess.PIPE, text=True,
@@ -288,6 +289,8 @@ def test_a_signal_keeps_what_the_run_measured(compiled, tmp_path, signum):
     for line in proc.stderr:
         if "] step 2:" in line:
             break
+    if twice:  # `timeout -s INT` signals the command and then its process group: one interrupt, delivered twice
+        os.kill(proc.pid, signum)
     os.killpg(proc.pid, signum)  # the command and its child, as Ctrl-C or a job scheduler does
     rest = proc.stderr.read()
     assert proc.wait(timeout=60) == 128 + signum, rest

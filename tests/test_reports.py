@@ -80,6 +80,20 @@ def test_a_sweep_resumes_where_it_stopped(analytical_sweep, tmp_path):
     assert again.computed == 1 and len(again.rows) == 8
 
 
+def test_a_sweep_over_part_of_its_grid_keeps_every_point_in_its_tables(analytical_sweep, tmp_path):
+    """A sweep run again into its directory over fewer points (one topology, one value) computes nothing new and its
+    tables still list every point the directory holds, as points/ does."""
+    import pandas as pd
+
+    out = tmp_path / "part"
+    shutil.copytree(analytical_sweep.out_dir, out)
+    again = sweep("llama2-7b", ["v5p-8"], axes={"per_device_batch_size": ["1"]}, analytical_only=True, out=out,
+                  workers=1)
+    assert again.computed == 0 and len(again.rows) == 1  # this request's point; the tables hold all of them
+    assert len(pd.read_csv(out / "results.csv")) == len(list((out / "points").iterdir())) == 8
+    assert json.loads((out / "sweep.json").read_text())["points"] == 8
+
+
 def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     result = sweep("llama2-70b", ["v5p-8", "v5p-128"], analytical_only=True, out=tmp_path / "f", workers=1)
     by_topology = {r["topology"]: r for r in result.rows}

@@ -11,12 +11,20 @@ from maxperf.spec.errors import MaxperfError
 _SCHEDULER_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES")
 
 
+def _seconds(text: str) -> int:
+    """--timeout's value: a whole number of seconds above 0 (argparse turns the ValueError into a usage error)."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number of seconds above 0, got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("multi-process (one process per host)")
     group.add_argument("--coordinator", help="HOST:PORT of process 0")
     group.add_argument("--num-processes", type=int, help="processes in the job")
     group.add_argument("--process-id", type=int, help="this process's index, 0 to num-processes - 1")
-    group.add_argument("--timeout", type=int, default=60,
+    group.add_argument("--timeout", type=_seconds, default=60,
                        help="seconds to wait for peers: to join, for a silent peer before giving up, and at exit "
                             "(default 60)")
 

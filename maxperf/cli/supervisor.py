@@ -164,6 +164,9 @@ class _Relay:
                 self.hidden += 1
 
 
+SAME_INTERRUPT_SECONDS = 1.0  # signals this close after the first are the same interrupt, delivered twice
+
+
 def _watch(argv: list[str], args: argparse.Namespace) -> int:
     notes = tempfile.TemporaryFile()  # unnamed: nothing is left behind, whatever happens to this process
     env = {**os.environ, CHILD: str(os.getpid()), NOTES: str(notes.fileno()), ARGV0: sys.argv[0]}
@@ -176,7 +179,10 @@ def _watch(argv: list[str], args: argparse.Namespace) -> int:
         if child.poll() is not None:
             return
         if stop:
-            child.kill()  # a second Ctrl-C: at once
+            # a second Ctrl-C: at once; but one interrupt can arrive twice (`timeout -s INT` signals the command and
+            # its process group, a terminal's Ctrl-C the group), a moment apart: that is still the first
+            if time.monotonic() - stop[0][0] >= SAME_INTERRUPT_SECONDS:
+                child.kill()
             return
         stop.append((time.monotonic(), signum))
         child.send_signal(signum)  # the child cleans up and says which signal stopped it

@@ -167,6 +167,8 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
             row["fits"] = est.fits
             if not est.fits:
                 row.update(status="does not fit", reason="analytical memory exceeds HBM")
+            # an earlier compile of this point (the row now says no compile): not left beside it
+            shutil.rmtree(Path(directory) / "artifact", ignore_errors=True)
     except MaxperfError as e:
         row.update(status="error", reason=str(e))
     except Exception as e:  # one broken point must not end the sweep
@@ -335,9 +337,11 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
                 else:
                     run_points(model, todo, out_dir, analytical_only=analytical_only, calibration=calibration,
                                workers=workers or default_workers(len(todo)), progress=say, start=start)
-        finally:  # interrupted or not, the tables say what points/ holds
-            rows = _rows(out_dir, points, model, analytical_only, calibration)
-            _write_tables(out_dir, rows, model, analytical_only, partial=len(rows) < len(points))
+        finally:  # interrupted or not, the tables say what points/ holds: this request's points, then earlier ones
+            with _signals_held():  # a second Ctrl-C must not cut the tables short
+                rows = _rows(out_dir, points, model, analytical_only, calibration)
+                earlier = _earlier_rows(out_dir, points)
+                _write_tables(out_dir, rows + earlier, model, analytical_only, partial=len(rows) < len(points))
     return SweepResult(out_dir, rows, len(todo), time.perf_counter() - start,
                        None if session is None else session.as_dict())
 
@@ -383,6 +387,38 @@ def _rows(out_dir: Path, points: Sequence[Point], model: str, analytical_only: b
     return rows
 
 
+def _earlier_rows(out_dir: Path, points: Sequence[Point]) -> list[dict[str, Any]]:
+    """The finished points of earlier requests into the same directory (other values, topologies or modes) that this
+    request did not ask for, by name: the directory's tables list every point it holds."""
+    asked = {pt.name for pt in points}
+    directory = out_dir / "points"
+    rows = []
+    for path in sorted(directory.glob("*/point.json")) if directory.is_dir() else ():
+        if path.parent.name in asked:
+            continue
+        try:
+            row = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(row, dict) and row.get("schema") == POINT_SCHEMA:
+            rows.append(row)
+    return rows
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM ignored while a sweep writes what it keeps (the main thread only can change them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def run_points(model: str, todo: list[Point], out_dir: Path, *, analytical_only: bool = False,
                calibration: StoredCalibration | None = None, workers: int = 1,
                progress: Callable[[str], None] | None = None, start: float | None = None) -> None:
@@ -416,8 +452,9 @@ def run_points(model: str, todo: list[Point], out_dir: Path, *, analytical_only:
                 f"{' (' + row['reason'] + ')' if row['reason'] else ''}; about {left:.0f} s left")
         pool.shutdown()
     except (KeyboardInterrupt, _Terminated) as e:
-        _stop(pool, futures)
-        remove_partials(out_dir, todo)
+        with _signals_held():  # one interrupt can arrive twice (a terminal's Ctrl-C, `timeout -s INT`)
+            _stop(pool, futures)
+            remove_partials(out_dir, todo)
         signum = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
         finished = sum(_finished(out_dir / "points" / pt.name, point_key(model, pt, analytical_only, calibration))
                        for pt in todo)
