@@ -93,6 +93,9 @@ def test_restored_run_continues_the_loss(artifact, tmp_path):
     resumed = runner.run(artifact, steps=3, warmup=0, out=tmp_path / "c", restore=tmp_path / "ckpt")
     assert first.losses == pytest.approx(straight.losses[:3], rel=1e-6)
     assert resumed.losses == pytest.approx(straight.losses[3:], rel=1e-6)
+    # a directory that holds no checkpoint (the run's own output) is refused before the executable loads
+    with pytest.raises(MaxperfError, match="is not a checkpoint directory"):
+        runner.run(artifact, steps=1, warmup=0, out=tmp_path / "d", restore=tmp_path / "b")
 
 
 @pytest.mark.slow

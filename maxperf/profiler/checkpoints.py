@@ -69,13 +69,22 @@ def save(directory: Path, state: dict) -> dict[str, Any]:
     return {"path": str(directory), "blocking_seconds": blocking, "total_seconds": total, "bytes": size}
 
 
+# What orbax's StandardCheckpointer writes into every checkpoint it saves: the pytree's metadata, and the checkpoint's
+CHECKPOINT_MARKERS = ("_METADATA", "_CHECKPOINT_METADATA")
+
+
+def is_checkpoint(directory: Path) -> bool:
+    """Whether `directory` holds a saved checkpoint (orbax's markers), read before the executable loads."""
+    return directory.is_dir() and any((directory / name).is_file() for name in CHECKPOINT_MARKERS)
+
+
 def restore(directory: Path, spec) -> dict:
     """The state saved under `directory`, placed with the step's shardings."""
     import jax
 
     ocp = _orbax()
     directory = directory.absolute()
-    if not directory.is_dir():
+    if not is_checkpoint(directory):
         raise MaxperfError(f"--restore {directory} is not a checkpoint directory")
     target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), spec.state,
                           spec.state_shardings)

@@ -248,7 +248,7 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
                                "itself; give two directories apart")
     # what the run reads is there before the executable loads (the restore's contents are checked against the state
     # once it has the state's shapes)
-    if restore is not None and not Path(restore).is_dir():
+    if restore is not None and not checkpoints.is_checkpoint(Path(restore)):
         raise MaxperfError(f"--restore {restore} is not a checkpoint directory (a `maxperf run --checkpoint` output)")
     if data is not None and not Path(data).is_file():
         raise MaxperfError(f"--data {data} is not a file; give a .npy file of token ids")
