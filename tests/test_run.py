@@ -276,6 +276,28 @@ def test_the_supervisor_shows_maxperfs_lines_and_ends_in_one(capsys):
     assert supervisor.ending(-6, False, relay, args) == (None, 1)  # an abort at exit, after it said why
 
 
+
+def test_cpu_devices_stuck_at_different_collectives_are_named_in_one_line(capsys):
+    """XLA:CPU can run a device's independent collectives in any order; devices that wait at different ones for each
+    other end the run by its termination timeout: the line names the collectives and what to do."""
+    import argparse
+    import io
+
+    from maxperf.cli import supervisor
+
+    key = "RendezvousKey{run_id=RunId: 1, global_devices=[0, 1, 2, 3], num_local_participants=4, op_id=%d}"
+    waits = [f"E1130 04:42:30.030638    102{i} rendezvous.cc:116] [id={i}] This thread has been waiting for "
+             f"`{kind} {key % op}` for 20 seconds and may be stuck." for i, (kind, op) in
+             enumerate([("all reduce", 29), ("all reduce", 29), ("all gather", 7)])]
+    fatal = f"F1130 04:43:20.030875    1022 rendezvous.cc:161] [id=1] Termination timeout for `all reduce {key % 29}`"
+    relay = supervisor._Relay(io.BytesIO("\n".join([*waits, fatal, ""]).encode()), verbose=False)
+    relay.thread.join()
+    args = argparse.Namespace(command="run", num_processes=None, process_id=None, coordinator=None, timeout=5)
+    line, code = supervisor.ending(-6, False, relay, args)
+    assert code == 1 and "waited at different collectives (all reduce op 29, all gather op 7)" in line
+    assert line.endswith("run again, or compile for as many CPU devices as there are cores")
+
+
 def test_a_collective_that_lost_its_peer_is_named_as_such():
     seen = ("UNKNOWN: Gloo AllGather failed: [external/xla++third_party_ext+gloo/gloo/transport/tcp/pair.cc:538] "
             "Read error [127.0.0.1]:4517: Connection reset by peer")  # process 0 of a cpu-4x2 run, process 1 killed

@@ -41,6 +41,8 @@ RESULT_CODES = (0, 3)  # exit codes of a command that printed its result: done, 
 GRACE_SECONDS = 10  # after Ctrl-C, the child's time to clean up before it is killed
 _OURS = re.compile(r"^(maxperf: |\[\s*\d+\.\ds\] )")  # lines maxperf writes on stderr: messages and progress
 _FATAL = re.compile(r"^F\d{4} [\d:.]+\s+\d+ \S+\] (.*)")  # an absl/glog fatal line: Fyyyy hh:mm:ss.us tid file:l] msg
+# XLA:CPU's note on a device waiting at a collective: "... waiting for `all gather RendezvousKey{..., op_id=7}` ..."
+_WAITING = re.compile(r"waiting for `([a-z\- ]+) RendezvousKey\{.*?op_id=(\d+)\}`")
 JOINED = "joined the job at"  # the progress line of a process that joined its multi-process job
 
 
@@ -144,6 +146,7 @@ class _Relay:
         self.joined = self.said_error = False
         self.error: str | None = None  # the last `maxperf: error ...` or `maxperf: interrupted ...` line
         self.fatal: str | None = None
+        self.waiting: dict[str, None] = {}  # the collectives XLA:CPU's devices were stuck at ("all gather 7"), in order
         self.hidden = 0
         self.thread = threading.Thread(target=self._copy, daemon=True)
         self.thread.start()
@@ -158,6 +161,8 @@ class _Relay:
                     self.said_error, self.error = True, line
             elif (m := _FATAL.match(line)) and self.fatal is None:
                 self.fatal = m.group(1)
+            if not ours and (w := _WAITING.search(line)):
+                self.waiting[f"{w.group(1)} {w.group(2)}"] = None
             if ours or self.verbose:
                 print(line, file=sys.stderr, flush=True)
             else:
@@ -261,6 +266,19 @@ def _verdict(signum: int, relay: _Relay, args: argparse.Namespace) -> str:
                     "own --process-id")
         return distributed.lost_job(args.process_id, n, why)
     who = f"process {args.process_id} of {n}: " if n > 1 else ""
+    if n == 1 and len(relay.waiting) > 1:
+        return cpu_collective_deadlock(list(relay.waiting), args.command)
     what = (f": {status}" if status else
             " (sent by a person or by the system when memory runs out)" if signum == signal.SIGKILL else "")
     return f"{who}the {args.command} process was ended by {_name(signum)}{what}{_hint(relay)}"
+
+
+def cpu_collective_deadlock(waiting: list[str], command: str) -> str:
+    """The line for CPU devices stuck at different collectives, each waiting for devices that wait at another."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"the {command} process was ended by XLA:CPU: its devices waited at different collectives "
+            f"({', '.join(f'{w.rsplit(' ', 1)[0]} op {w.rsplit(' ', 1)[1]}' for w in waiting)}), each for devices "
+            "stuck at another, which its runtime can do where a device's collectives do not depend on each other "
+            f"and its devices outnumber this machine's {cores} cores: run again, or compile for as many CPU devices "
+            "as there are cores")
+
