@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from maxperf.cli.common import (
@@ -168,12 +169,24 @@ def estimate_summary(p, est) -> dict:
             "global_batch": t.global_batch(p.mesh.devices), "seq_len": t.seq_len, **step_settings(p)}
 
 
+def _fraction(text: str) -> float:
+    """--overlap's value: a number from 0 to 1 (argparse turns the error into a usage line, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1 (the share of communication hidden), "
+                                         f"got {text}")
+    return value
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("estimate", help="analytical step time, TFLOP/s, MFU and memory, no compile")
     add_request_arguments(p, model_default=None)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument("--step", choices=("train", "prefill", "decode"), default="train",
                    help="train (default), or a serving step: its memory, latency and tokens/s (docs/serving.md)")
-    p.add_argument("--overlap", type=float, help="fraction of communication hidden under compute (0..1); "
+    p.add_argument("--overlap", type=_fraction, help="fraction of communication hidden under compute (0..1); "
                    "default: per collective family on TPU and GPU, none on CPU")
     p.set_defaults(func=cmd_estimate)

@@ -199,7 +199,7 @@ def print_plan(result, path: Path) -> None:
     batch = (f"global batch {r.global_batch_tokens:,} tokens ({result.global_batch_rows} x {result.seq_len})"
              if r.global_batch_tokens else f"per-device batch {r.per_device_batch:g} per step" if r.per_device_batch
              else f"per-device batch {pinned} (pinned)" if pinned else "per-device batch searched")
-    print(f"{result.model_name} on {result.topology_name}" + (f" x {r.num_slices}" if r.num_slices > 1 else "")
+    print(f"{result.model_name} on " + (f"{r.num_slices} x " if r.num_slices > 1 else "") + result.topology_name
           + f" ({result.devices} devices), {batch}, L={result.seq_len}, objective {r.objective}")
     print(f"  {count_line(counts)}; searched in {result.search_seconds:.2f} s"
           + (f", {result.compiles} compiled in {result.verify_seconds:.0f} s" if result.compiles else ""))

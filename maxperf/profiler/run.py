@@ -72,7 +72,7 @@ class RunResult:
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["out_dir"] = None if self.out_dir is None else str(self.out_dir)
+        out["out_dir"] = None if self.out_dir is None else str(Path(self.out_dir).absolute())
         return {"schema": RUN_SCHEMA, **out}
 
 
@@ -151,7 +151,10 @@ def _token_rows(path: Path, L: int, V: int):
             raise MaxperfError(f"--data {path}: a 1-D stream of {tokens.shape[0]} tokens holds no row of L+1 = "
                                f"{L + 1} tokens; give at least {L + 1}")
         tokens = tokens[: n * (L + 1)].reshape(n, L + 1)
-    if tokens.ndim != 2 or tokens.shape[1] < L + 1 or tokens.shape[0] == 0:
+    if tokens.ndim == 2 and tokens.shape[0] == 0:
+        raise MaxperfError(f"--data {path}: holds no rows (shape {tokens.shape}); give at least one row of L+1 = "
+                           f"{L + 1} tokens")
+    if tokens.ndim != 2 or tokens.shape[1] < L + 1:
         raise MaxperfError(f"--data {path}: need rows of at least L+1 = {L + 1} tokens (or a 1-D stream), got "
                            f"shape {tokens.shape}")
     tokens = tokens[:, : L + 1]
@@ -320,7 +323,7 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
             losses=losses, platform=devices[0].platform, device_kind=devices[0].device_kind, devices=len(devices),
             processes=jax.process_count(), process_index=jax.process_index(), predicted_step_time_s=predicted,
             measured_over_predicted=median / predicted if predicted else None, memory=memory,
-            profile=profile_summary, checkpoint=saved, restored_from=str(restore) if restore else None,
+            profile=profile_summary, checkpoint=saved, restored_from=str(Path(restore).absolute()) if restore else None,
             data=str(data) if data else "synthetic uniform tokens", artifact=str(artifact.directory.resolve()),
             artifact_sha256=artifact.manifest.get("files", {}).get("compiled.pkl"),
             notes=notes, calibration=record, partial=interrupted is not None,

@@ -191,7 +191,8 @@ def _search(req: PlanRequest, progress: Callable[[str], None] | None, margin: Ma
     topo, model, train0 = found.topology, found.model, found.train
     calibration = calibration_for(topo)
     margin = margin or load_margin(topo.platform, chip=topo.chip)
-    say(f"{len(found.candidates)} candidates over {len(found.meshes)} meshes that divide the model and the batch")
+    say(f"{len(found.candidates):,} candidate{'s' if len(found.candidates) != 1 else ''} over {len(found.meshes)} "
+        f"mesh{'es' if len(found.meshes) != 1 else ''} that divide the model and the batch")
 
     estimator = _Estimator(found, device_for(topo, calibration), calibration, margin)
     for choice in found.meshes:
