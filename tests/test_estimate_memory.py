@@ -131,9 +131,13 @@ def test_a_compile_cache_hit_says_so(tmp_path, monkeypatch):
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr
     assert "; compiled in " in runs[0].stdout and "from the compile cache" not in runs[0].stdout
     assert "; from the compile cache" in runs[1].stdout and "compiled in" not in runs[1].stdout
+    # the compiler's peak comes back with the cached executable, as it was read at the compile
+    peaks = [next(x for x in r.stdout.splitlines() if "compiler's peak" in x) for r in runs]
+    assert peaks[0] == peaks[1]
     monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path / "cache"))
     again = memory_fit.compare("cpu-8", "tiny", args[4:])
     assert again.cache_hit is True and again.as_dict()["cache_hit"] is True
+    assert again.compiler["peak"]["live_bytes"] > 0
 
 
 def test_a_mixture_of_experts_breakdown_names_experts_attention_and_the_rest():

@@ -116,7 +116,7 @@ def _local(k: str) -> Entry | None:
             return None
         entry = Entry(payload=payload, in_tree=meta["in_tree"], out_tree=meta["out_tree"], memory=meta["memory"],
                       xla_cost=meta["xla_cost"], optimized_hlo=(path / "optimized.hlo.txt").read_text(),
-                      compile_seconds=meta["compile_seconds"], label=meta.get("label", ""))
+                      compile_seconds=meta["compile_seconds"], label=meta.get("label", ""), peak=meta.get("peak"))
     except (OSError, ValueError, KeyError):
         return None
     try:
