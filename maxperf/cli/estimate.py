@@ -44,7 +44,7 @@ def cmd_estimate(args) -> int:
               f"{est.params.total / 1e9:.2f}B, {est.flops.mtp_flops / est.flops.model_flops:.1%} of the model FLOPs")
     print(f"  memory/device    {est.memory_per_device_bytes / GIB:.2f} GiB of {est.memory.hbm_bytes / GIB:.2f} GiB "
           f"({'fits' if est.fits else 'DOES NOT FIT'})")
-    for line in memory_check_lines(est, *memory_error(p, est)):
+    for line in memory_check_lines(est, memory_error(p, est)[0]):
         print(f"  memory check     {line}")
     if est.uncertainty:
         print(f"  uncertainty      +-{est.uncertainty.relative:.0%}: {est.uncertainty.basis}")
@@ -122,21 +122,19 @@ def memory_error(p, est):
 COMPILE_CHECK = "`maxperf estimate-memory` compiles the step for the compiler's figure"
 
 
-def memory_check_lines(est, error, close: bool, check: str = COMPILE_CHECK) -> list[str]:
-    """The lines that say a memory verdict is too close to call (memory_error) and that the step may not fit
-    (MemoryBreakdown.may_not_fit), each ending with `check`, how to find out; none where neither holds."""
+def memory_check_lines(est, error, check: str = COMPILE_CHECK) -> list[str]:
+    """The lines that say a memory verdict is too close to call (within `error`, memory_error's) and that the step
+    may not fit (MemoryBreakdown.may_not_fit), each ending with `check`, how to find out; none where neither holds."""
     lines = []
-    if close and error is not None and error.close_call(est.memory_per_device_bytes, est.memory.hbm_bytes):
-        lines.append(close_call_line(est, error, True, check))
+    if error is not None and error.close_call(est.memory_per_device_bytes, est.memory.hbm_bytes):
+        lines.append(close_call_line(est, error, check))
     if est.memory.may_not_fit:
         lines.append(may_not_fit_line(est.memory, check))
     return lines
 
 
-def close_call_line(est, error, close: bool, check: str = COMPILE_CHECK) -> str | None:
-    """The line that says a memory verdict is too close to call (memory_error), else None."""
-    if not close or error is None:
-        return None
+def close_call_line(est, error, check: str = COMPILE_CHECK) -> str:
+    """The line that says a memory verdict is too close to call within `error` (memory_error's)."""
     total, hbm = est.memory_per_device_bytes, est.memory.hbm_bytes
     where = (f"on the {error.cases} {ENTRY_NAMES.get(error.name, error.name)} steps of bench/memory_accuracy.py the "
              "compiler counted")

@@ -256,7 +256,7 @@ def _print_comparison(cmp) -> None:
         from maxperf.cli.estimate import memory_check_lines, memory_error
 
         est = SimpleNamespace(memory_per_device_bytes=a.per_device_total_bytes, memory=a)
-        for line in memory_check_lines(est, *memory_error(p, est),
+        for line in memory_check_lines(est, memory_error(p, est)[0],
                                        check="compiled (without --analytical-only), the compiler gives its figure"):
             print(f"  memory check: {line}")
     if cmp.out_dir is not None:

@@ -354,7 +354,7 @@ def working(model: ModelConfig, train: TrainConfig, mesh: Mesh, platform: str, c
                 + expert_grad_copy + stage_gathered)
 
     # a dense model's weights gathered whole: under memory pressure XLA:TPU gathers them a matrix at a time
-    # (GATHERED_SERIAL) instead of a layer's worth ahead
+    # (GATHERED_LAYERS' note) instead of a layer's worth ahead
     one_matrix = (gathered - GATHERED_LAYERS * layer_full * c + c * parts.matrix_full
                   if tpu_gathered and moe is None and parts.matrix_full else gathered)
     late_risk = (late_logits_gradient(T_logits, a.V, c) if platform == "tpu" and not late_table_gradient

@@ -377,14 +377,19 @@ def _rows(out_dir: Path, points: Sequence[Point], model: str, analytical_only: b
     """The finished points of this request (those that ended in an error included), in grid order."""
     rows = []
     for pt in points:
-        try:
-            row = json.loads((out_dir / "points" / pt.name / "point.json").read_text())
-        except (OSError, ValueError):
-            continue
-        if (isinstance(row, dict) and row.get("schema") == POINT_SCHEMA
-                and row.get("key") == json.dumps(point_key(model, pt, analytical_only, calibration))):
+        row = _read_row(out_dir / "points" / pt.name / "point.json")
+        if row is not None and row.get("key") == json.dumps(point_key(model, pt, analytical_only, calibration)):
             rows.append(row)
     return rows
+
+
+def _read_row(path: Path) -> dict[str, Any] | None:
+    """A point.json's row, or None where it is missing, unreadable or not a sweep point's."""
+    try:
+        row = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return row if isinstance(row, dict) and row.get("schema") == POINT_SCHEMA else None
 
 
 def _earlier_rows(out_dir: Path, points: Sequence[Point]) -> list[dict[str, Any]]:
@@ -392,17 +397,9 @@ def _earlier_rows(out_dir: Path, points: Sequence[Point]) -> list[dict[str, Any]
     request did not ask for, by name: the directory's tables list every point it holds."""
     asked = {pt.name for pt in points}
     directory = out_dir / "points"
-    rows = []
-    for path in sorted(directory.glob("*/point.json")) if directory.is_dir() else ():
-        if path.parent.name in asked:
-            continue
-        try:
-            row = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(row, dict) and row.get("schema") == POINT_SCHEMA:
-            rows.append(row)
-    return rows
+    paths = sorted(directory.glob("*/point.json")) if directory.is_dir() else []
+    rows = [_read_row(path) for path in paths if path.parent.name not in asked]
+    return [row for row in rows if row is not None]
 
 
 @contextlib.contextmanager

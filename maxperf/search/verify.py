@@ -44,8 +44,7 @@ def verify(result: SearchResult, k: int, out: str | os.PathLike, workers: int | 
         if want <= 0 or not todo or result.compiles >= budget:
             break
         todo = todo[:budget - result.compiles]
-        points = {sweep.Point(result.topology_name, result.request.num_slices, (*result.fixed, *c.overrides())): c
-                  for c in todo}
+        points = {_point(result, c): c for c in todo}
         say(f"compiling {len(points)} candidate(s): " + "; ".join(c.mesh_shown() for c in todo))
         if cluster is not None:
             cluster.run_points(result.request.model, list(points), out_dir, calibration=calibration,
@@ -139,12 +138,15 @@ def prune_points(result: SearchResult, out: str | os.PathLike) -> list[str]:
     directory = Path(out) / "points"
     if not directory.is_dir():
         return []
-    kept = {sweep.Point(result.topology_name, result.request.num_slices, (*result.fixed, *c.overrides())).name
-            for c in result.candidates if c.verified is not None or c.compile_error}
+    kept = {_point(result, c).name for c in result.candidates if c.verified is not None or c.compile_error}
     stale = sorted(p.name for p in directory.iterdir() if p.is_dir() and p.name not in kept)
     for name in stale:
         shutil.rmtree(directory / name, ignore_errors=True)
-    if not any(directory.iterdir()):
-        directory.rmdir()
+    sweep._remove_if_empty(directory)
     return stale
+
+
+def _point(result: SearchResult, c: Candidate) -> sweep.Point:
+    """The sweep point a candidate compiles as (its directory under out/points)."""
+    return sweep.Point(result.topology_name, result.request.num_slices, (*result.fixed, *c.overrides()))
 
