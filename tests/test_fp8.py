@@ -440,10 +440,34 @@ def test_perfmodel_runs_the_projections_at_the_fp8_peak(topology, value):
     assert 1.9 < chip.peak_fp8_flops / chip.peak_bf16_flops < 2.1
     bf16, fp8_rows = _rows(topology), _rows(topology, f"quantization={value}")
     assert fp8_rows["mlp down"].flops == bf16["mlp down"].flops
+    # no faster than the chip's best measured share of the FP8 peak (matmul_ceiling)
+    from maxperf.perfmodel.chips import matmul_ceiling
+
+    share = bf16["mlp down"].flops / bf16["mlp down"].seconds / chip.peak_bf16_flops
+    ceiling = matmul_ceiling(chip) * chip.peak_fp8_flops / chip.peak_bf16_flops
+    speedup = min(speedup, ceiling / share)
     assert fp8_rows["mlp down"].seconds == pytest.approx(bf16["mlp down"].seconds / speedup, rel=1e-9)
     for unchanged in ("unembedding", "attention (flash kernel)"):
         assert fp8_rows[unchanged].seconds == bf16[unchanged].seconds
     assert fp8_rows["fp8 quantize"].seconds > 0 and "fp8 quantize" not in bf16
+
+
+@pytest.mark.parametrize("topology, value", [("b200-1", "te_mxfp8"), ("h100-1", "te_fp8_currentscaling")])
+def test_an_fp8_matmul_runs_at_no_more_of_the_fp8_peak_than_the_best_measured_matmul(topology, value):
+    """The FP8 efficiency fitted on Transformer Engine's rows (above 1 relative to bf16's share) does not lift a wide
+    matmul past the share of its peak the chip's best measured matmul reaches: an FP8 GEMM of a very wide model runs
+    at that ceiling of the FP8 peak, not above the datasheet."""
+    from maxperf.perfmodel import estimate
+    from maxperf.perfmodel.chips import matmul_ceiling
+    from maxperf.spec.hardware import CHIPS
+
+    request = resolve(topology, "llama3-8b", ["d_model=131072", "d_ff=524288", "num_heads=128", "head_dim=1024",
+                                              "num_kv_heads=128", "num_layers=1", "per_device_batch_size=128",
+                                              f"quantization={value}", "remat_policy=none"])
+    chip = CHIPS[request.topology.chip]
+    rows = {r.name: r for r in estimate(request).breakdown}
+    rate = rows["mlp up and gate"].flops / rows["mlp up and gate"].seconds
+    assert rate == pytest.approx(matmul_ceiling(chip) * chip.peak_fp8_flops, rel=1e-6)
 
 
 def test_gpu_fp8_matmuls_are_priced_by_the_kernels_that_run_them():

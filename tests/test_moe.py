@@ -517,3 +517,29 @@ def test_on_tpu_the_megablox_kernel_gives_ragged_dots_values_and_gradients(monke
                     jax.grad(functools.partial(loss, ragged), (0, 1))(x, w)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-2)
     assert calls and set(calls) == {(512, 256, 384)}
+
+
+def test_an_axis_that_does_not_divide_what_the_axes_before_it_leave_says_so():
+    """gpt-oss's D=2880 split over fsdp=64 leaves 45 rows a device, which expert=4 does not divide (2880 itself it
+    does): the warning names the product that fails, not a false 'expert=4 does not divide 2880'."""
+    from maxperf.spec.request import resolve
+
+    lines = [w for w in resolve("tpu7x-256", "gpt-oss-120b", ["per_device_batch_size=4", "ici_expert_parallelism=4"]
+                                ).warnings if w.startswith("expert=4")]
+    assert lines and all("does not divide the 45 of D=2880 that fsdp=64 leaves" in w for w in lines), lines
+    assert "product fsdp x expert divides 2880" in lines[0]
+
+
+def test_the_headline_says_what_overrides_changed_of_the_preset(capsys):
+    """A preset changed by key=value words is not the preset: the estimate's first line and its --json say which
+    fields differ; the preset as it is carries no such words."""
+    import json
+
+    from maxperf import cli
+
+    assert cli.main(["estimate", "--topology", "v5p-8", "--model", "llama2-7b", "base_num_decoder_layers=4"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("llama2-7b (modified: num_layers=4) on v5p-8")
+    assert cli.main(["estimate", "--topology", "v5p-8", "--model", "llama2-7b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model_changed"] == {}
+    assert cli.main(["estimate", "--topology", "v5p-8", "--model", "llama2-7b", "--json", "num_layers=4"]) == 0
+    assert json.loads(capsys.readouterr().out)["model_changed"] == {"num_layers": "4"}

@@ -371,3 +371,25 @@ def test_a_user_steps_sweep_row_has_no_global_batch_and_counts_its_own_unit(comp
     assert code == 0, err
     page = (tmp_path / "r.html").read_text()
     assert ">images/s<" in page and ">tokens/s<" not in page
+
+
+def test_scaling_tables_of_a_user_steps_sweep_and_of_cpu_devices():
+    """A user's step's sweep has no global batch nor tokens/s: its efficiency table leaves them empty rather than
+    failing; and each point's memory limit is its own device's (a CPU device's share of the host shrinks with the
+    devices), not the largest of its chip type."""
+    import pandas as pd
+
+    from maxperf.reports.page import GIB, Page, Section
+    from maxperf.reports.scaling import _efficiency, _memory
+
+    frame = pd.DataFrame({"chip": ["cpu", "cpu"], "settings": ["s", "s"], "label": ["cpu-1", "cpu-2"], "chips": [1, 2],
+                          "num_slices": [1, 1], "predicted_step_time_s": [1.0, 0.6], "status": ["ok", "ok"],
+                          "hbm_bytes": [24 * GIB, 12 * GIB], "analytical_memory_bytes": [GIB, GIB / 2]})
+    page, section = Page(), Section("s", "sweep")
+    _efficiency(page, section, frame)
+    (rows,) = [t.rows for _, t in section.figures] or [t.rows for t in section.tables]
+    assert [r[5] for r in rows] == [None, None] and rows[1][6] is None and len(rows[1]) == 7
+    page, section = Page(), Section("s", "sweep")
+    _memory(page, section, frame)
+    (_, table), = section.figures
+    assert [r[6] for r in table.rows] == [24.0, 12.0]

@@ -16,6 +16,7 @@ from maxperf.cli.common import (
     serving_words,
     step_settings,
 )
+from maxperf.spec import presets
 from maxperf.spec.request import resolve, serving_warnings
 
 
@@ -31,7 +32,7 @@ def cmd_estimate(args) -> int:
     if args.json:
         print_json(estimate_summary(p, est))
         return 0 if est.fits else 3
-    print(f"{p.model.name} on {p.topology.display_name} ({p.topology.chips} {est.chip} chips), mesh "
+    print(f"{presets.label(p.model)} on {p.topology.display_name} ({p.topology.chips} {est.chip} chips), mesh "
           + (" x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1) or "1 (one device)"))
     print(f"  global batch     {batch_words(p.configs.train, p.configs.train.global_batch(p.mesh.devices))}")
     print_step_settings(p)
@@ -75,7 +76,7 @@ def _serving(p, kind: str, as_json: bool, calibration) -> int:
                     "mesh": {"axes": p.mesh.axes, "ici": p.mesh.ici, "dcn": p.mesh.dcn}})
         return 0 if e.memory.fits else 3
     t = p.configs.train
-    print(f"{p.model.name} {kind} on {p.topology.display_name} ({p.topology.chips} {chip.name} chips), mesh "
+    print(f"{presets.label(p.model)} {kind} on {p.topology.display_name} ({p.topology.chips} {chip.name} chips), mesh "
           + (" x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1) or "1 (one device)"))
     print(f"  batch            {sequences(e.batch)}, prompt {e.prompt} tokens, cache {e.cache} positions"
           + serving_words(t))
@@ -163,6 +164,7 @@ def estimate_summary(p, est) -> dict:
             "memory_close_call": close, "memory_error": error.as_dict() if error else None,
             "mesh": {"axes": p.mesh.axes, "ici": p.mesh.ici, "dcn": p.mesh.dcn},
             "warnings": list(p.warnings),
+            "model_changed": {k: str(v) for k, v in presets.changed_from_preset(p.model).items()},
             "per_device_batch_size": t.per_device_batch_size, "grad_accum_steps": t.grad_accum_steps,
             "global_batch": t.global_batch(p.mesh.devices), "seq_len": t.seq_len, **step_settings(p)}
 

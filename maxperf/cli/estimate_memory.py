@@ -20,6 +20,7 @@ from maxperf.cli.common import (
     progress,
 )
 from maxperf.reports import memory as memory_parts
+from maxperf.spec import presets
 from maxperf.spec.errors import MaxperfError
 from maxperf.spec.request import resolve
 from maxperf.spec.steps import parse_step
@@ -131,8 +132,8 @@ def _serving(args, kind: str) -> int:
     elif args.max_batch:  # --analytical-only: the analytical model's
         print(f"largest per_device_batch_size that fits: {e.max_batch_per_device:g} ({kind}, analytical; "
               f"{e.max_batch_per_device * devices:g} sequences over {devices} devices)")
-    print(f"{request.model.name} {kind} on {request.topology.name}: {e.batch} sequences, prompt {e.prompt}, cache "
-          f"{e.cache} positions")
+    print(f"{presets.label(request.model)} {kind} on {request.topology.name}: {e.batch} sequences, prompt "
+          f"{e.prompt}, cache {e.cache} positions")
     print(f"  {'':<22} {'analytical':>11} {'compiler':>11}")
     rows = (("weights", m.weights_bytes, None), ("cache", m.cache_bytes, None), ("temporaries", m.temp_bytes,
             compiler and compiler.get("temp_bytes")), ("total", m.total_bytes, compiler and compiler.get(
@@ -199,8 +200,8 @@ _COMPILER_ROWS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
 def _print_comparison(cmp) -> None:
     p, a, c = cmp.plan, cmp.analytical, cmp.compiler
     t = p.configs.train
-    print(f"{p.model.name} on {p.topology.name}" + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1
-                                                   else "")
+    print(f"{presets.label(p.model)} on {p.topology.name}"
+          + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1 else "")
           + ", mesh " + (" x ".join(f"{k}={n}" for k, n in p.mesh.axes.items() if n > 1) or "1")
           + f"; B={t.per_device_batch_size}" + (f" x A={t.grad_accum_steps} microbatches" if t.grad_accum_steps > 1
                                                   else "") + f", L={t.seq_len}, remat {t.remat_policy.value}")

@@ -146,9 +146,13 @@ def _memory(page: Page, s: Section, frame) -> None:
     panels, rows = {}, []
     compiled = "compiler_memory_bytes" in frame and frame["compiler_memory_bytes"].notna().any()
     for chip, name, g in _lines(frame):
-        hbm = float(g["hbm_bytes"].max()) if "hbm_bytes" in g and g["hbm_bytes"].notna().any() else None
+        # each point's own device memory (a CPU device's is its share of the host's, less with more devices); the
+        # panel's line the least of them
+        each = ([None if v != v else float(v) for v in g["hbm_bytes"]] if "hbm_bytes" in g
+                else [None] * len(g))
+        hbm = min((v for v in each if v), default=None)
         panel = panels.setdefault(chip, figures.Panel(str(chip)))
-        if hbm and panel.limit is None:
+        if hbm and (panel.limit is None or hbm / GIB < panel.limit[0]):
             panel.limit = (hbm / GIB, f"{chip} HBM {hbm / GIB:.1f} GiB")
         chips = [int(c) for c in g["chips"]]
         analytical = [None if v != v else v / GIB for v in g["analytical_memory_bytes"]]
@@ -156,11 +160,11 @@ def _memory(page: Page, s: Section, frame) -> None:
         compiler = [None if v != v else v / GIB for v in g["compiler_memory_bytes"]] if compiled else [None] * len(g)
         if compiled:
             panel.lines.append((f"compiler, {name}", chips, compiler))
-        for (_, r), c, a, x in zip(g.iterrows(), chips, analytical, compiler):
+        for (_, r), c, a, x, own in zip(g.iterrows(), chips, analytical, compiler, each):
             fits = r.get("fits") if r.get("fits") == r.get("fits") else r.get("analytical_fits")
             if fits is False or r["status"] == "does not fit":
                 panel.over.append((c, x if x is not None else a))
-            rows.append([chip, name, r["label"], c, a, x, None if hbm is None else hbm / GIB,
+            rows.append([chip, name, r["label"], c, a, x, None if own is None else own / GIB,
                          "does not fit" if r["status"] == "does not fit" else "fits" if r["status"] == "ok"
                          else r["status"]])
     svg = figures.panels(list(panels.values()), xlabel="chips", ylabel="GiB per device", from_zero=True,
@@ -173,15 +177,22 @@ def _efficiency(page: Page, s: Section, ok) -> None:
     rows = []
     for chip, name, g in _lines(ok):
         base = g.iloc[0]
-        rows.append([chip, name, base["label"], int(base["chips"]), "(the base)", int(base["global_batch"]), None,
-                     None])
+
+        def batch(r):  # a user step's results have no global batch of tokens
+            v = r.get("global_batch")
+            return None if v is None or v != v else int(v)
+
+        def rate(r):
+            v = r.get("predicted_tokens_per_s")
+            return None if v is None or v != v else float(v)
+
+        rows.append([chip, name, base["label"], int(base["chips"]), "(the base)", batch(base), None, None])
         for _, r in g.iloc[1:].iterrows():
             n = r["chips"] / base["chips"]
-            weak = r["predicted_tokens_per_s"] / (base["predicted_tokens_per_s"] * n)
+            weak = rate(r) / (rate(base) * n) if rate(r) and rate(base) else None
             strong = (base["predicted_step_time_s"] / (r["predicted_step_time_s"] * n)
-                      if r["global_batch"] == base["global_batch"] else None)
-            rows.append([chip, name, r["label"], int(r["chips"]), base["label"], int(r["global_batch"]), weak,
-                         strong])
+                      if batch(r) is not None and batch(r) == batch(base) else None)
+            rows.append([chip, name, r["label"], int(r["chips"]), base["label"], batch(r), weak, strong])
     columns = ["chip", "settings", "topology", "chips", "against", "global batch", "weak-scaling efficiency",
                "strong-scaling efficiency (same global batch only)"]
     if all(row[-1] is None for row in rows):  # the batch grows with the chips: no strong scaling to show

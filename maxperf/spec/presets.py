@@ -6,6 +6,7 @@ paper where no weights were released); `PUBLISHED_PARAMS` holds the publisher's 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection
 
 from maxperf.spec.errors import unknown
@@ -410,3 +411,19 @@ PUBLISHED_ACTIVE_PARAMS = {
     "llama4-scout-17b-16e": 17e9,  # Meta's model cards: 17B active
     "llama4-maverick-17b-128e": 17e9,
 }
+
+
+def changed_from_preset(model: ModelConfig) -> dict[str, object]:
+    """The fields of `model` that differ from the preset of its name (key=value overrides of the model), in the
+    config's field order; empty for a model of no preset's name."""
+    if canonical(model.name) not in _REGISTRY:
+        return {}
+    base = get(model.name)
+    return {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
+            if getattr(model, f.name) != getattr(base, f.name)}
+
+
+def label(model: ModelConfig) -> str:
+    """The model's name, with what overrides changed of its preset: "llama2-7b (modified: num_layers=4)"."""
+    changed = changed_from_preset(model)
+    return model.name + (f" (modified: {', '.join(f'{k}={v}' for k, v in changed.items())})" if changed else "")

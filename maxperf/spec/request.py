@@ -316,6 +316,7 @@ def replication_warnings(configs: Configs, mesh: Mesh) -> tuple[str, ...]:
         (model.num_heads, "activation_heads"), (model.num_kv_heads, "activation_kv_heads"),
         (model.d_ff, "activation_mlp"), (model.vocab_size, "activation_vocab"))]
     held_of: dict[tuple[str, str], int] = {}  # what one device holds of an activation dimension
+    split_by: dict[tuple[str, str], tuple[str, ...]] = {}  # the axes that do split it
     for shape, logical, weight in arrays:
         spec = mesh_axes_for(shape, logical, axes)
         for dim, axis in undivided_axes(shape, logical, axes):
@@ -324,6 +325,7 @@ def replication_warnings(configs: Configs, mesh: Mesh) -> tuple[str, ...]:
             found[key] = (shape[dim], axes[axis], weight or was_weight)
             split = spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],) if spec[dim] else ()
             held_of[key] = shape[dim] // math.prod(axes[a] for a in split)
+            split_by[key] = split
     if not found:
         return tuple(_pipeline_microbatch_lines(configs, mesh))
     state_per_param = DTYPE_BYTES[str(train.param_dtype)] + optimizer_state_bytes(train)
@@ -332,6 +334,11 @@ def replication_warnings(configs: Configs, mesh: Mesh) -> tuple[str, ...]:
     lines = []
     for (letter, axis), (size, n, weight) in found.items():
         line = f"{axis}={n} does not divide {letter}={size}: {letter} is replicated along {axis}, not split"
+        if split_by[(letter, axis)]:  # the axes before it split the dimension, and it does not divide what they leave
+            others = " x ".join(f"{a}={axes[a]}" for a in split_by[(letter, axis)])
+            line = (f"{axis}={n} does not divide the {held_of[(letter, axis)]} of {letter}={size} that {others} "
+                    f"leave{'s' if len(split_by[(letter, axis)]) == 1 else ''} on a device: {letter} is split over "
+                    f"{others} and replicated along {axis}")
         if weight:
             line += (f"; parameters and optimizer state take {held / GIB:.2f} GiB per device ({even / GIB:.2f} GiB "
                      f"if split over all {mesh.devices} devices)")
@@ -342,6 +349,10 @@ def replication_warnings(configs: Configs, mesh: Mesh) -> tuple[str, ...]:
                      "compute the same ones")
         # a load-balanced context split cuts the sequence into 2 x context chunks: what it keeps must divide L / 2
         balanced = letter == "L" and train.context_parallel_load_balance
+        if split_by[(letter, axis)] and letter != "B":
+            names = " x ".join((*split_by[(letter, axis)], axis))
+            lines.append(line + f"; choose axis sizes whose product {names} divides {size}")
+            continue
         lines.append(line + f"; {_suggestion(mesh, axis, size // 2 if balanced else size, letter == 'B')}")
     return tuple(lines + _pipeline_microbatch_lines(configs, mesh))
 
