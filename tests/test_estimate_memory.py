@@ -539,3 +539,19 @@ def test_weights_gathered_whole_come_a_matrix_at_a_time_where_a_layers_worth_wou
     small = memory_fit.compare("v6e-256", "gpt3-175b", ["per_device_batch_size=1", *words[1:]],
                                analytical_only=True).analytical
     assert small.overlapped_bytes == 0
+
+
+def test_max_batch_says_which_fraction_fits_where_one_sequence_per_device_does_not(capsys):
+    """A 256k-token context split four ways does not fit one sequence per v5p device; half a sequence (two devices a
+    sequence, MaxText's fractional per_device_batch_size) does: the search says so beside its 'nothing fits'."""
+    from maxperf import cli
+
+    words = ["--topology", "v5p-8", "--model", "llama3.1-8b", "ici_context_parallelism=4",
+             "max_target_length=262144"]
+    assert cli.main(["estimate-memory", "--analytical-only", "--max-batch", *words]) == 3
+    out = capsys.readouterr().out
+    assert "no per_device_batch_size fits" in out
+    assert "below one sequence per device: per_device_batch_size=0.5 fits by perfmodel" in out
+    assert cli.main(["estimate-memory", "--analytical-only", "--max-batch", "--json", *words]) == 3
+    assert json.loads(capsys.readouterr().out)["fractional"]["per_device_batch_size"] == 0.5
+    assert cli.main(["estimate-memory", "--analytical-only", *words, "per_device_batch_size=0.5"]) == 0

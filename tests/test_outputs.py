@@ -363,14 +363,47 @@ def test_the_compile_cache_keeps_to_its_bound_least_recently_used_first(tmp_path
     from maxperf.aot import cache
 
     monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path / "c"))
-    monkeypatch.setenv("MAXPERF_CACHE_MAX_BYTES", str(2500))
+    monkeypatch.setenv("MAXPERF_CACHE_MAX_BYTES", str(2600))  # two entries of 1000 bytes and their meta, not three
     for i, k in enumerate(("a" * 64, "b" * 64)):
         _cached(k, 1000, f"step {i}")
         os.utime(cache.directory() / k / cache.USED, (1000 + i, 1000 + i))
     assert cache.get("a" * 64) is not None  # a hit: "a" is now the most recently used
-    _cached("c" * 64, 1000, "step 2")  # past 2500 bytes: "b", used least recently, goes
+    _cached("c" * 64, 1000, "step 2")  # past 2600 bytes: "b", used least recently, goes
     assert sorted(e.key[0] for e in cache.entries()) == ["a", "c"]
     assert [e.label for e in cache.entries()][0] == "step 2"
+
+
+def test_a_damaged_cache_entry_is_a_miss_left_out_of_the_list_and_replaced(tmp_path, monkeypatch):
+    """An executable cut short on disk is not served, not listed as an entry, and the next store of its step replaces
+    it (before, the damaged entry stayed and the step compiled again every time)."""
+    from maxperf.aot import cache
+
+    monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path / "c"))
+    k = "e" * 64
+    _cached(k, 1000, "step")
+    with open(cache.directory() / k / "executable.bin", "r+b") as f:
+        f.truncate(500)
+    assert cache.get(k) is None and cache.entries() == []
+    _cached(k, 1000, "step")
+    assert cache.get(k) is not None and [e.label for e in cache.entries()] == ["step"]
+    assert [p.name for p in cache.directory().iterdir()] == [k]  # nothing set aside is left behind
+
+
+@pytest.mark.parametrize("text, size", [("2500", 2500), ("5G", 5 << 30), ("512MiB", 512 << 20), ("1.5K", 1536)])
+def test_the_cache_bound_takes_bytes_or_binary_units(monkeypatch, text, size):
+    from maxperf.aot import cache
+
+    monkeypatch.setenv("MAXPERF_CACHE_MAX_BYTES", text)
+    assert cache.max_bytes() == size
+
+
+def test_a_cache_bound_that_is_not_a_size_is_refused(monkeypatch):
+    from maxperf.aot import cache
+    from maxperf.spec.errors import MaxperfError
+
+    monkeypatch.setenv("MAXPERF_CACHE_MAX_BYTES", "lots")
+    with pytest.raises(MaxperfError, match="MAXPERF_CACHE_MAX_BYTES='lots' is not a size"):
+        cache.enabled()
 
 
 def test_maxperf_cache_sizes_lists_and_clears(tmp_path, monkeypatch, capsys):
@@ -410,3 +443,26 @@ def test_a_plan_directory_is_told_by_the_schema_its_plan_json_opens_with(tmp_pat
         else:
             with pytest.raises(OutputRefused, match="did not write; give a new directory$"):
                 artifacts.claim_output(out, "plan")
+
+
+def test_a_run_writes_beside_its_artifact_or_in_its_run_directory_only(tmp_path):
+    """`run a1 --out a1/sub` wrote into the compile's directory, which a later compile to a1 then refused; the run's
+    default, a1/run, and any directory beside a1 stay allowed."""
+    from maxperf.profiler.run import refuse_inside_artifact
+    from maxperf.spec.errors import MaxperfError
+
+    artifact = tmp_path / "a1"
+    artifact.mkdir()
+    for allowed in (artifact / "run", tmp_path / "a1-run", tmp_path / "elsewhere" / "r"):
+        refuse_inside_artifact(allowed, artifact)
+    for refused in (artifact / "sub", artifact / "run" / "deeper", artifact):
+        with pytest.raises(MaxperfError, match="lies inside the compile artifact"):
+            refuse_inside_artifact(refused, artifact)
+
+
+def test_a_report_given_a_directory_suggests_a_file_beside_it(tmp_path):
+    from maxperf.aot import artifacts
+
+    (tmp_path / "a1").mkdir()
+    with pytest.raises(artifacts.OutputRefused, match=r"e\.g\. -o .*a1\.html \(beside it, not inside"):
+        artifacts.claim_output(tmp_path / "a1", "report")

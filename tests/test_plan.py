@@ -341,3 +341,23 @@ def test_a_plan_pinning_remat_none_times_the_pipelined_meshes_as_full(tmp_path):
     assert {c["remat_policy"] for c in candidates if c["dcn"]["stage"] == 1} == {"none"}
     timed = [c for c in candidates if c["status"] not in ("does not fit", "slower")]
     assert timed and all(c["step_time_s"] > 0 for c in timed)
+
+
+def test_a_gpu_plans_maxtext_line_is_maxtexts_train_compile_where_it_names_the_machine():
+    """MaxText compiles GPU steps ahead of time for its machine types (compile_topology=a3, eight H100s a host, one
+    slice a host); for a GPU it names no machine of, the line is its flags alone and says so."""
+    from maxperf.search.candidates import Candidate
+    from maxperf.search.commands import command
+    from maxperf.spec.logical_axes import MESH_AXES
+
+    ici = dict.fromkeys(MESH_AXES, 1) | {"fsdp": 8}
+    dcn = dict.fromkeys(MESH_AXES, 1) | {"fsdp": 8}
+    c = Candidate(ici, dcn, "full", "flash", 2, 1)
+    h100 = command(c, model="llama3.1-70b", topology="h100-8x8", platform="gpu", num_slices=1, seq_len=2048,
+                   fixed=())
+    assert h100["maxtext"].startswith("python3 -m maxtext.trainers.pre_train.train_compile src/maxtext/configs/"
+                                      "base.yml model_name=llama3.1-70b hardware=gpu compile_topology=a3 "
+                                      "compile_topology_num_slices=8 ")
+    a100 = command(c, model="llama3.1-70b", topology="a100-8x8", platform="gpu", num_slices=1, seq_len=2048,
+                   fixed=())
+    assert a100["maxtext"].startswith("model_name=llama3.1-70b ") and "names no machine" in a100["maxtext_note"]

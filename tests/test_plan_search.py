@@ -529,7 +529,7 @@ def test_candidates_within_the_uncertainty_are_ties_won_by_the_simplest_layout()
     slow = _candidate(800.0, fsdp=32)
     result = _ranked(0.08, twin, tensor, slow, plain)
     assert result.winner is plain and result.candidates[:3] == [plain, twin, tensor]
-    assert "within 8% of the fastest" in plain.reason and "a tie" in twin.reason
+    assert "within 8% of the fastest (0.999x the fastest's tokens_per_s)" in plain.reason and "a tie" in twin.reason
     assert slow.reason == "1.250x slower by tokens_per_s"
     assert any("3 candidates lie within 8%" in n for n in result.notes)
     # where the model can tell them apart (no uncertainty, as on CPU devices), the fastest wins
@@ -621,3 +621,14 @@ def test_a_pinned_custom_policy_is_searched_as_its_keys_place_tensors(tmp_path):
                                                                       "decoder_layer_input=offload")))
     assert result.winner is not None and result.winner.remat_policy == "custom"
     assert "decoder_layer_input=offload" in result.command(result.winner)["maxperf"]
+
+
+def test_pinned_axes_that_cannot_split_the_model_are_named():
+    """ici_tensor_parallelism=16 on 16 devices leaves nothing to search and does not divide llama3.1-8b's 8 key/value
+    heads: the error says that, not that a batch of 16 rows divides over no data or fsdp axis."""
+    from maxperf.search.candidates import space
+    from maxperf.spec.errors import MaxperfError
+
+    with pytest.raises(MaxperfError, match="pinned axes divides llama3.1-8b: tensor=16 does not divide the 8 "
+                                           "key/value heads"):
+        space("llama3.1-8b", "v5p-32", global_batch_tokens=65536, pins=["ici_tensor_parallelism=16"])

@@ -393,3 +393,33 @@ def test_scaling_tables_of_a_user_steps_sweep_and_of_cpu_devices():
     _memory(page, section, frame)
     (_, table), = section.figures
     assert [r[6] for r in table.rows] == [24.0, 12.0]
+
+
+def test_a_cpu_step_that_does_not_fit_says_so_in_its_headline():
+    """A CPU device's memory is its share of the host's; a step over it does not fit there either, and the report's
+    headline says DOES NOT FIT as compile did (before, a CPU step's headline gave its size alone)."""
+    from maxperf.reports.steps import _verdict
+
+    fits, words = _verdict({}, {"per_device_total_bytes": 800 * 2**30, "hbm_bytes": 12 * 2**30, "fits": False},
+                           {"platform": "cpu"}, None)
+    assert fits is False and words.startswith("DOES NOT FIT: needs 800.00 GiB per device") and "CPU" in words
+    fits, words = _verdict({}, {"per_device_total_bytes": 2**30, "hbm_bytes": 12 * 2**30, "fits": True},
+                           {"platform": "cpu"}, None)
+    assert fits is True and "CPU: host memory" in words
+
+
+def test_an_interrupted_sweeps_page_says_it_is_partial(tmp_path):
+    """sweep.json marks a sweep cut short (partial); its page says so in its headline and a note, and a finished
+    sweep's does not."""
+    from maxperf.reports.page import Page
+    from maxperf.reports.scaling import read
+
+    (tmp_path / "results.csv").write_text("point,model,status,reason\np0,tiny,ok,\n")
+    for partial in (True, False):
+        (tmp_path / "sweep.json").write_text(json.dumps({"schema": "maxperf.sweep/1", "model": "tiny", "points": 1,
+                                                         "partial": partial}))
+        page = Page()
+        read(page, tmp_path)
+        (section,) = page.sections
+        assert section.headline.startswith("(partial: the sweep was interrupted") is partial
+        assert any("the sweep was interrupted" in n for n in section.notes) is partial

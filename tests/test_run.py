@@ -356,3 +356,28 @@ def test_token_data_that_cannot_serve_says_what_would(tmp_path):
             runner._token_rows(path, 2048, 32000)
     rows = runner._token_rows(short, 9, 32000)
     assert rows.shape == (10, 10)
+
+
+def test_the_output_is_locked_before_the_executable_loads(artifact, tmp_path, monkeypatch):
+    """Two runs to one --out at once: the second is refused at once, while the first still loads its executable
+    (before, the lock came after the load and init, so both ran and one result replaced the other)."""
+    from maxperf.aot import artifacts
+    from maxperf.aot.artifacts import OutputRefused
+
+    loaded = aot.load(artifact)
+    refused = []
+
+    class Loading:  # the artifact, whose executable loads while a second writer tries --out
+        def __getattr__(self, name):
+            return getattr(loaded, name)
+
+        def step(self, devices):
+            try:
+                artifacts.ArtifactWriter(tmp_path / "r", "run")
+            except OutputRefused as e:
+                refused.append(str(e))
+            return loaded.step(devices)
+
+    monkeypatch.setattr(runner, "load", lambda path: Loading())
+    runner.run(artifact, steps=1, warmup=0, out=tmp_path / "r")
+    assert len(refused) == 1 and "another maxperf is writing there now" in refused[0]

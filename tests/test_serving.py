@@ -672,6 +672,12 @@ def test_the_report_shows_the_serving_plan_curve_and_the_decode_step(tmp_path):
         rows = list(csv.DictReader(f))
     assert len(rows) == len(plan.pareto) and float(rows[0]["ms/token"]) == pytest.approx(
         plan.pareto[0].tpot_s * 1e3, abs=1e-3)
+    # two serving steps (the compile and its run) are compared side by side, before their own sections
+    proc = maxperf("report", str(art), str(art / "run"), "-o", str(tmp_path / "both.html"))
+    assert proc.returncode == 0, proc.stderr
+    both = (tmp_path / "both.html").read_text()
+    assert "serving steps side by side" in both and "measured ms a step" in both
+    assert both.index("serving steps compared") < both.index("decode: tiny on cpu-1")
     # an altered artifact or a damaged run.json is refused as for the train step: one line, exit 2
     import json
     import shutil

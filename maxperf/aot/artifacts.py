@@ -181,7 +181,9 @@ def report_files(out: Path) -> Path:
 def _claim_report(out: Path) -> None:
     """A report replaces only an earlier report (the page and its CSV tables), never a user's file."""
     if out.is_dir():
-        raise OutputRefused(f"-o {out} is a directory; give the HTML file to write, e.g. -o {out / 'report.html'}")
+        raise OutputRefused(f"-o {out} is a directory; give the HTML file to write, e.g. -o "
+                            f"{out.parent / (out.name + '.html')} (beside it, not inside: a compile's or run's "
+                            "directory holds only what maxperf writes there)")
     ours = False
     if os.path.lexists(out):
         try:

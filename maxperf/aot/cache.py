@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from maxperf.spec.errors import MaxperfError
 from maxperf.user_cache import cache_dir
 
 SCHEMA = "maxperf.compile-cache/1"
@@ -54,10 +55,26 @@ class Stored:
     used: float  # the last hit, or the creation
 
 
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
 def max_bytes() -> int:
-    """MAXPERF_CACHE_MAX_BYTES, else DEFAULT_MAX_BYTES; a value that is not a whole number of bytes is the default."""
-    text = os.environ.get("MAXPERF_CACHE_MAX_BYTES", "")
-    return int(text) if text.isdigit() else DEFAULT_MAX_BYTES
+    """MAXPERF_CACHE_MAX_BYTES (bytes, or with a binary unit: 512M, 5G, 5GiB), else DEFAULT_MAX_BYTES; any other value
+    is refused (MaxperfError), not taken for the default."""
+    text = os.environ.get("MAXPERF_CACHE_MAX_BYTES", "").strip()
+    if not text:
+        return DEFAULT_MAX_BYTES
+    number, unit = text.rstrip("BbIi").rstrip(), ""
+    if number and number[-1].upper() in _SIZE_UNITS:
+        number, unit = number[:-1].strip(), number[-1].upper()
+    try:
+        value = float(number) * _SIZE_UNITS[unit]
+    except ValueError:
+        value = -1.0
+    if value < 0 or value != value:
+        raise MaxperfError(f"MAXPERF_CACHE_MAX_BYTES={text!r} is not a size: give bytes, or a number with K, M, G or "
+                           "T (binary units), e.g. 5G")
+    return int(value)
 
 
 class SharedStore(Protocol):
@@ -76,7 +93,12 @@ def share(store: SharedStore | None) -> None:
 
 
 def enabled() -> bool:
-    return os.environ.get("MAXPERF_NO_CACHE", "") in ("", "0")
+    """Whether compiles use the cache (MAXPERF_NO_CACHE unset or 0); a MAXPERF_CACHE_MAX_BYTES that is not a size is
+    refused here, before any compile."""
+    on = os.environ.get("MAXPERF_NO_CACHE", "") in ("", "0")
+    if on:
+        max_bytes()
+    return on
 
 
 def directory() -> Path:
@@ -144,13 +166,18 @@ def _store(k: str, entry: Entry) -> None:
         (tmp / "executable.bin").write_bytes(entry.payload)
         (tmp / "optimized.hlo.txt").write_text(entry.optimized_hlo)
         meta = {k2: v for k2, v in asdict(entry).items() if k2 not in ("payload", "optimized_hlo")}
-        meta.update(schema=SCHEMA, executable_sha256=hashlib.sha256(entry.payload).hexdigest())
+        meta.update(schema=SCHEMA, executable_sha256=hashlib.sha256(entry.payload).hexdigest(),
+                    executable_bytes=len(entry.payload))
         (tmp / "meta.json").write_text(json.dumps(meta))
         (tmp / USED).touch()
         final = root / k
-        if final.exists():
+        if final.exists() and _local(k) is not None:  # another process stored it meanwhile
             shutil.rmtree(tmp, ignore_errors=True)
         else:
+            if final.exists():  # a damaged entry (a miss each time it is read): set aside, then replaced
+                aside = Path(tempfile.mkdtemp(prefix=f".{k[:16]}.damaged.", dir=root))
+                os.replace(final, aside / k)
+                shutil.rmtree(aside, ignore_errors=True)
             os.replace(tmp, final)
     except OSError:
         return
@@ -169,6 +196,8 @@ def entries() -> list[Stored]:
             continue  # an entry being written
         try:
             meta = json.loads((path / "meta.json").read_text())
+            if meta.get("executable_bytes", -1) not in (-1, (path / "executable.bin").stat().st_size):
+                continue  # damaged: a miss, replaced by the next compile of its step
             size = sum(f.stat().st_size for f in path.iterdir())
             created = (path / "meta.json").stat().st_mtime
             used = (path / USED).stat().st_mtime if (path / USED).exists() else created

@@ -41,12 +41,12 @@ def cmd_topologies(args) -> int:
     if args.json:
         print_json([t.as_dict() for t in rows])
         return 0
-    print(f"{'topology':<16} {'platform':<8} {'chips':>6} {'hosts':>6} {'HBM/chip':>9} {'bf16 TFLOP/s':>13}  layout")
+    print(f"{'topology':<16} {'platform':<8} {'chips':>6} {'hosts':>6} {'HBM/chip':>10} {'bf16 TFLOP/s':>13}  layout")
     for t in rows:
-        hbm = f"{t.hbm_bytes_per_chip / GIB:.0f} GiB" if t.hbm_bytes_per_chip else "-"
+        hbm = f"{t.hbm_bytes_per_chip / GIB:.2f} GiB" if t.hbm_bytes_per_chip else "-"
         peak = f"{t.peak_bf16_flops_per_chip / 1e12:.0f}" if t.peak_bf16_flops_per_chip else "-"
         layout = t.libtpu_topology or t.gpu_target or ""
-        print(f"{t.name:<16} {t.platform:<8} {t.chips:>6} {t.hosts:>6} {hbm:>9} {peak:>13}  {layout}")
+        print(f"{t.name:<16} {t.platform:<8} {t.chips:>6} {t.hosts:>6} {hbm:>10} {peak:>13}  {layout}")
     print("cpu-N: N devices of this process (any N)")
     return 0
 

@@ -64,10 +64,23 @@ def _estimate(args, memory_fit, say, cluster) -> int:
         smallest = None if found.fits else memory_fit.compare(
             args.topology, args.model, [*args.overrides, "per_device_batch_size=1"], num_slices=args.num_slices,
             analytical_only=args.analytical_only, cluster=cluster)
+        # below one sequence per device (MaxText's fractional per_device_batch_size): the largest fraction that
+        # fits by perfmodel, said beside the verdict
+        fraction = None if found.fits else memory_fit.fractional_batch(
+            resolve(args.topology, args.model, args.overrides, num_slices=args.num_slices), args.overrides,
+            args.num_slices)
         if args.json:
-            print_json({**found.as_dict(), **({"at_batch_1": smallest.as_dict()} if smallest else {})})
+            print_json({**found.as_dict(), **({"at_batch_1": smallest.as_dict()} if smallest else {}),
+                        **({"fractional": {"per_device_batch_size": fraction[0], "analytical_fits": True,
+                                           "per_device_total_bytes": fraction[1].per_device_total_bytes}}
+                           if fraction else {})})
         else:
             _print_max_batch(found, args.analytical_only, smallest)
+            if fraction:
+                b, breakdown = fraction
+                print(f"  below one sequence per device: per_device_batch_size={b:g} fits by perfmodel "
+                      f"({breakdown.per_device_total_bytes / GIB:.2f} GiB per device); `maxperf estimate-memory "
+                      f"per_device_batch_size={b:g}` compiles it")
         return 0 if found.fits else 3
     cmp = memory_fit.compare(args.topology, args.model, args.overrides, num_slices=args.num_slices,
                              analytical_only=args.analytical_only, out=args.out, progress=say, force=args.force,

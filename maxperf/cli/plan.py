@@ -207,20 +207,27 @@ def print_plan(result, path: Path) -> None:
     for note in result.notes:
         print(f"  note: {note}")
     ranked = result.fitting[:SHOWN]
+    objective = r.objective
+    # the fastest candidate that fits is always in the table, though ties rank it below simpler layouts
+    fastest = max(result.fitting, key=lambda c: getattr(c, objective), default=None)
+    numbered = list(enumerate(ranked, 1))
+    if fastest is not None and fastest not in ranked:
+        numbered.append((result.fitting.index(fastest) + 1, fastest))
     precisions = any(c.quantization != "none" for c in result.candidates)
     pipelined = any(c.pipeline_microbatches for c in result.candidates)
     if ranked:
         print(f"  {'#':>2} {'mesh':<40} {'remat':<20} {'kernel':<11} " + (f"{'precision':<21} " if precisions else "")
               + f"{'B':>5} {'A':>3} " + (f"{'M':>4} " if pipelined else "")
               + f"{'step':>9} {'tokens/s':>10} {'MFU':>6} {'GiB':>7} {'bound':<7} verified")
-        for i, c in enumerate(ranked, 1):
+        for i, c in numbered:
             mem = f"{c.memory_shown_bytes() / GIB:.2f}" + ("*" if c.compiler_memory_bytes is not None else "")
             verified = {None: "-", True: "fits", False: "NO"}[c.verified]
             print(f"  {i:>2} {c.mesh_shown():<40} {c.remat_policy:<20} {c.attention:<11} "
                   + (f"{precision_name(c.quantization):<21} " if precisions else "") +
                   f"{c.per_device_batch_size:>5g} {c.grad_accum_steps:>3} "
                   + (f"{c.pipeline_microbatches:>4} " if pipelined else "") + f"{c.step_time_s:>8.4g}s "
-                  f"{c.tokens_per_s:>10,.0f} {c.mfu:>6.1%} {mem:>7} {c.bottleneck:<7} {verified}")
+                  f"{c.tokens_per_s:>10,.0f} {c.mfu:>6.1%} {mem:>7} {c.bottleneck:<7} {verified}"
+                  + ("  (the fastest)" if c is fastest and len(result.fitting) > 1 else ""))
         print(f"  (GiB: per device, * the compiler's; HBM {result.hbm_bytes / GIB:.2f} GiB)")
     rejected = [c for c in result.candidates if c.verified is False]
     for c in rejected:
@@ -236,8 +243,13 @@ def print_plan(result, path: Path) -> None:
               + (f" M={winner.pipeline_microbatches}" if winner.pipeline_microbatches else "")
               + f": {winner.step_time_s:.4g} s/step, "
               f"{winner.tokens_per_s:,.0f} tokens/s, MFU {winner.mfu:.1%}")
+        if fastest is not None and fastest is not winner:
+            print(f"  the fastest by perfmodel, #{result.fitting.index(fastest) + 1}, gives "
+                  f"{getattr(fastest, objective) / getattr(winner, objective):.3f}x the winner's {objective}: "
+                  + (winner.reason or "the winner is the fastest compiled"))
         print(f"  {cmd['maxperf']}")
-        print(f"  MaxText: {cmd['maxtext'] or cmd['maxtext_note']}")
+        print(f"  MaxText: {cmd['maxtext'] or cmd['maxtext_note']}"
+              + (f"\n  ({cmd['maxtext_note']})" if cmd["maxtext"] and cmd.get("maxtext_note") else ""))
     else:
         print_miss(result)
     print(f"wrote {path}")

@@ -217,6 +217,16 @@ def device_memory(devices) -> dict[str, Any]:
             "measured_note": "largest over the local devices"}
 
 
+def refuse_inside_artifact(out_dir: Path, directory: Path) -> None:
+    """A run writes beside its compile artifact or in its `run` directory (the default), nowhere else inside it: a
+    compile's directory holds only what maxperf writes there, and a later compile to it would be refused."""
+    resolved, home = out_dir.resolve(), directory.resolve()
+    if home in resolved.parents and resolved != home / "run" or resolved == home:
+        raise MaxperfError(f"--out {out_dir} lies inside the compile artifact {directory}, which holds only what "
+                           f"maxperf writes there; give a directory beside it (e.g. --out {directory.name}-run), or "
+                           f"leave --out out for {directory / 'run'}")
+
+
 def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = False, data: str | Path | None = None,
         checkpoint: str | Path | None = None, restore: str | Path | None = None, out: str | Path | None = None,
         progress: Callable[[str], None] | None = None, peer_timeout: float = 60.0, force: bool = False) -> RunResult:
@@ -244,6 +254,7 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         return _serving(artifact, devices, steps=steps, warmup=warmup, profile=profile, data=data,
                         checkpoint=checkpoint, restore=restore, out=out, force=force, say=say)
     out_dir = Path(out) if out is not None else artifact.directory / "run"
+    refuse_inside_artifact(out_dir, artifact.directory)
     if checkpoint is not None:
         checkpoints.check_destination(Path(checkpoint))  # a save that cannot happen fails before the first step
         if Path(checkpoint).resolve() in out_dir.resolve().parents:
@@ -258,17 +269,21 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
     p = artifact.plan
     tokens = None if data is None else _token_rows(Path(data), p.configs.train.seq_len, p.configs.model.vocab_size)
     used = [path for path in (artifact.directory, data, restore, checkpoint) if path is not None]
-    artifacts.claim_output(out_dir, "run", force=force, inputs=used)  # a bad --out fails before any work
-    say(f"loading the executable onto {len(devices)} {devices[0].platform} device(s)")
-    spec, step = artifact.step(devices)
-    if restore is not None:
-        say(f"restoring the state from {restore}")
-        state = checkpoints.restore(Path(restore), spec)
-    else:
-        state = train_step.init_state(spec, seed=p.configs.train.seed)
-    first = int(jax.device_get(state["step"]))
-    batch_for = batches(spec, tokens, first, p.configs.train.seed)
-    writer = artifacts.ArtifactWriter(out_dir, "run", force=force, inputs=used)  # checked again, and locked
+    # a bad --out fails before any work, and --out is locked from here: a second run to it is refused at once
+    writer = artifacts.ArtifactWriter(out_dir, "run", force=force, inputs=used)
+    try:
+        say(f"loading the executable onto {len(devices)} {devices[0].platform} device(s)")
+        spec, step = artifact.step(devices)
+        if restore is not None:
+            say(f"restoring the state from {restore}")
+            state = checkpoints.restore(Path(restore), spec)
+        else:
+            state = train_step.init_state(spec, seed=p.configs.train.seed)
+        first = int(jax.device_get(state["step"]))
+        batch_for = batches(spec, tokens, first, p.configs.train.seed)
+    except BaseException:
+        writer.abandon()
+        raise
     watchdog = Watchdog(peer_timeout) if jax.process_count() > 1 else None
     losses: list[float] = []
     times: list[float] = []
@@ -365,6 +380,7 @@ def _serving(artifact: Artifact, devices, *, steps: int, warmup: int, profile: b
         raise MaxperfError(f"{', '.join(given)}: a serving step runs synthetic tokens and keeps no state; drop "
                            f"{' and '.join(given)}")
     out_dir = Path(out) if out is not None else artifact.directory / "run"
+    refuse_inside_artifact(out_dir, artifact.directory)
     artifacts.claim_output(out_dir, "run", force=force, inputs=[artifact.directory])
     say(f"loading the {artifact.manifest['step']} step onto {len(devices)} {devices[0].platform} device(s)")
     result = serving_run.run(artifact, devices, steps=steps, warmup=warmup, out_dir=out_dir, force=force,

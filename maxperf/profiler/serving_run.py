@@ -59,15 +59,19 @@ def run(artifact: Artifact, devices, *, steps: int, warmup: int, out_dir: Path, 
     kind = artifact.manifest["step"]
     p = artifact.plan
     train = p.configs.train
-    spec, step = loaded(artifact, devices)
-    say("initializing the weights")
-    params_sharding = spec.arg_shardings[0]
-    with jax.set_mesh(spec.mesh):
-        params = jax.jit(lambda: serving.init_params(p.configs.model, train, train.seed),
-                         out_shardings=params_sharding)()
+    writer = artifacts.ArtifactWriter(out_dir, "run", force=force, inputs=used)  # --out locked from here
+    try:
+        spec, step = loaded(artifact, devices)
+        say("initializing the weights")
+        params_sharding = spec.arg_shardings[0]
+        with jax.set_mesh(spec.mesh):
+            params = jax.jit(lambda: serving.init_params(p.configs.model, train, train.seed),
+                             out_shardings=params_sharding)()
+    except BaseException:
+        writer.abandon()
+        raise
     B, P, S = spec.global_batch, train.max_prefill_predict_length, train.seq_len
     rng = np.random.default_rng(train.seed)
-    writer = artifacts.ArtifactWriter(out_dir, "run", force=force, inputs=used)
     try:
         times: list[float] = []
         if kind == serving.PREFILL:

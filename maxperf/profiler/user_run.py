@@ -22,6 +22,7 @@ from maxperf.profiler.run import (
     impossible_mfu,
     percentile,
     profile_steps,
+    refuse_inside_artifact,
     timed_steps,
     untuned_gpu_step,
 )
@@ -79,24 +80,31 @@ def run(artifact: Artifact, *, steps: int, warmup: int, profile: bool = False, d
                                "(Step.init)")
     devices = check_devices(artifact, jax.devices())
     out_dir = Path(out) if out is not None else artifact.directory / "run"
-    artifacts.claim_output(out_dir, "run", force=force, inputs=[artifact.directory])
-    say(f"calling the step's factory {name} and loading the executable onto {len(devices)} "
-        f"{devices[0].platform} device(s)")
-    step, compiled, mesh = artifact.user_step(devices)
-    if step.init is None:
-        raise UserStepError(f"--step {name} gives no Step.init: `maxperf run` needs it to make the step's arguments")
+    refuse_inside_artifact(out_dir, artifact.directory)
+    # --out locked from here: a second run to it is refused at once
+    writer = artifacts.ArtifactWriter(out_dir, "run", force=force, inputs=[artifact.directory])
     try:
-        with context(step, mesh):
-            args = tuple(step.init(0))
-    except Exception as e:
-        raise UserStepError(f"Step.init of --step {name} raised {first_line(e)} (--verbose shows its traceback)",
-                            traceback_text(e)) from None
-    if len(args) != len(step.args):
-        raise UserStepError(f"Step.init of --step {name} made {len(args)} arguments; the step takes "
-                            f"{len(step.args)}")
-    check_arguments(args, step.args, f"Step.init of --step {name}")
-    carry = step.carry or default_carry(step, name)
-    current: dict[str, Any] = {"args": args, "outputs": None}
+        say(f"calling the step's factory {name} and loading the executable onto {len(devices)} "
+            f"{devices[0].platform} device(s)")
+        step, compiled, mesh = artifact.user_step(devices)
+        if step.init is None:
+            raise UserStepError(f"--step {name} gives no Step.init: `maxperf run` needs it to make the step's "
+                                "arguments")
+        try:
+            with context(step, mesh):
+                args = tuple(step.init(0))
+        except Exception as e:
+            raise UserStepError(f"Step.init of --step {name} raised {first_line(e)} (--verbose shows its "
+                                "traceback)", traceback_text(e)) from None
+        if len(args) != len(step.args):
+            raise UserStepError(f"Step.init of --step {name} made {len(args)} arguments; the step takes "
+                                f"{len(step.args)}")
+        check_arguments(args, step.args, f"Step.init of --step {name}")
+        carry = step.carry or default_carry(step, name)
+        current: dict[str, Any] = {"args": args, "outputs": None}
+    except BaseException:
+        writer.abandon()
+        raise
 
     def prepare(i: int) -> tuple:
         if current["outputs"] is not None:
@@ -111,7 +119,15 @@ def run(artifact: Artifact, *, steps: int, warmup: int, profile: bool = False, d
         return current["args"]
 
     def execute(given: tuple) -> float | None:
-        outputs = compiled(*given)
+        try:
+            outputs = compiled(*given)
+        except TypeError as e:  # jax's check of the arguments against the executable's
+            if "Argument types differ" not in str(e):
+                raise
+            differ = [line.strip() for line in str(e).splitlines()[1:] if line.strip()][:2]
+            raise UserStepError(f"the arguments --step {name} makes no longer match the compiled executable (its "
+                                "factory or the words given to it changed since the compile)"
+                                + (f": {'; '.join(differ)}" if differ else "") + "; compile it again") from None
         jax.block_until_ready(outputs)
         current["outputs"] = outputs
         if step.loss is None:
@@ -122,7 +138,6 @@ def run(artifact: Artifact, *, steps: int, warmup: int, profile: bool = False, d
             raise UserStepError(f"Step.loss of --step {name} raised {first_line(e)} (--verbose shows its traceback)",
                                 traceback_text(e)) from None
 
-    writer = artifacts.ArtifactWriter(out_dir, "run", force=force, inputs=[artifact.directory])
     watchdog = Watchdog(peer_timeout) if jax.process_count() > 1 else None
     times: list[float] = []
     losses: list[float] = []

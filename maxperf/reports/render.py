@@ -72,7 +72,7 @@ def _render(paths: list[str | os.PathLike], out_html: str | os.PathLike, command
     from maxperf.reports import steps as step_sections
 
     report = Page()
-    steps = []
+    steps, serving = [], []
     for path in paths:
         path = Path(path)
         if not path.exists():
@@ -83,8 +83,8 @@ def _render(paths: list[str | os.PathLike], out_html: str | os.PathLike, command
         if kind != "sweep" and serving_sections.is_serving(kind, directory):
             if kind == "plan":
                 serving_sections.read_plan(report, directory)
-            else:
-                serving_sections.read_step(report, kind, directory)
+            elif (figures := serving_sections.read_step(report, kind, directory)) is not None:
+                serving.append(figures)
             continue
         if kind == "sweep":
             scaling.read(report, directory)
@@ -96,9 +96,15 @@ def _render(paths: list[str | os.PathLike], out_html: str | os.PathLike, command
             steps.append(step_sections.read(report, kind, directory))
     if len(steps) >= 2:
         compare.section(report, steps)
+    if len(serving) >= 2:
+        from maxperf.reports import serving as serving_sections
+
+        serving_sections.compare_section(report, serving)
     out = Path(out_html)
     if out.is_dir():
-        raise MaxperfError(f"-o {out} is a directory; give the HTML file to write, e.g. -o {out / 'report.html'}")
+        raise MaxperfError(f"-o {out} is a directory; give the HTML file to write, e.g. -o "
+                            f"{out.parent / (out.name + '.html')} (beside it, not inside: a compile's or run's "
+                            "directory holds only what maxperf writes there)")
     from maxperf.aot.artifacts import directory_mode
 
     files = out.with_name(out.stem + "_files")

@@ -85,6 +85,10 @@ def read(page: Page, directory: Path) -> None:
                       (frame["overrides"] if "overrides" in frame else [""] * len(frame))])
     ok = frame[frame["status"] == "ok"] if has_chips else frame.iloc[0:0]
     s.headline = _headline(model, frame, ok)
+    if isinstance(summary, dict) and summary.get("partial"):  # interrupted: the points not reached are not here
+        s.headline = "(partial: the sweep was interrupted before all its points) " + s.headline
+        s.notes.append("the sweep was interrupted: this page shows the points that finished; running the same "
+                       "sweep again finishes the others and keeps these")
     fitting = (frame["status"] == "ok").sum()
     s.verdict = ("fits" if len(frame) and fitting == len(frame) else "does not fit" if len(frame) and fitting == 0
                  else "")  # some points fit and some do not: neither colour

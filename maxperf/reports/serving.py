@@ -112,9 +112,10 @@ def _run_json(directory: Path) -> dict:
     return run
 
 
-def read_step(page: Page, kind: str, directory: Path) -> None:
+def read_step(page: Page, kind: str, directory: Path) -> dict | None:
     """A serving compile directory, or its run (run.json beside or inside it), its artifact's files checked against
-    their sha256 as for the train step's."""
+    their sha256 as for the train step's. Returns its figures for a side-by-side table (`compare_section`), None
+    for a step the compiler refused."""
     from maxperf.reports.steps import _artifact_of, _verified_manifest
 
     run = _run_json(directory) if kind == "run" else None
@@ -137,7 +138,7 @@ def read_step(page: Page, kind: str, directory: Path) -> None:
         if memory.get("compiler_message"):
             s.facts.append(("compiler", memory["compiler_message"]))
         page.sections.append(s)
-        return
+        return None
     if step == "decode":
         s.headline = (f"predicted {estimate.get('time_per_output_token_s', 0) * 1e3:.3g} ms per output token, "
                       f"{estimate.get('tokens_per_s_per_chip', 0):,.0f} tokens/s per chip")
@@ -163,3 +164,34 @@ def read_step(page: Page, kind: str, directory: Path) -> None:
         s.tables.append(page.table("measured steps", ["step", "seconds"],
                                    [[i, t] for i, t in enumerate(run["step_times_s"])]))
     page.sections.append(s)
+    m = estimate.get("memory") or {}
+    predicted = (estimate.get("time_per_output_token_s") if step == "decode"
+                 else estimate.get("prefill", {}).get("seconds"))
+    return {"label": f"{step}: {model} on {topology}", "directory": str(directory), "section": s, "figures": {
+        "step": step, "model": model, "topology": topology, "batch (sequences)": estimate.get("batch"),
+        "prompt tokens": estimate.get("prompt_tokens"), "cache positions": estimate.get("cache_positions"),
+        "predicted ms a step": None if predicted is None else predicted * 1e3,
+        "tokens/s per chip (predicted)": estimate.get("tokens_per_s_per_chip"),
+        "time to first token ms (predicted)": None if estimate.get("ttft_s") is None else estimate["ttft_s"] * 1e3,
+        "measured ms a step": None if not run or run.get("step_time_s") is None else run["step_time_s"] * 1e3,
+        "measured / predicted": (run or {}).get("measured_over_predicted"),
+        "memory/device GiB (compiler)": (memory.get("per_device_total_bytes") or 0) / GIB or None,
+        "memory/device GiB (analytical)": m["total_bytes"] / GIB if m.get("total_bytes") else None,
+        "largest batch per device": estimate.get("max_batch_per_device")}}
+
+
+def compare_section(page: Page, steps: list[dict]) -> None:
+    """Two or more serving steps side by side: their settings, predicted and measured times and memory, and the
+    ratio of the last to the first."""
+    columns = ["figure", *[f"{chr(ord('A') + i)}: {st['label']}" for i, st in enumerate(steps)],
+               "ratio last / first"]
+    rows = []
+    for key in steps[0]["figures"]:
+        values = [st["figures"].get(key) for st in steps]
+        first, last = values[0], values[-1]
+        numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (first, last))
+        rows.append([key, *values, last / first if numeric and first else None])
+    rows.append(["directory", *[st["directory"] for st in steps], None])
+    s = Section("serving steps compared", "comparison", headline=f"{len(steps)} serving steps side by side",
+                tables=[page.table("serving steps side by side", columns, rows)])
+    page.sections.insert(page.sections.index(steps[0]["section"]), s)  # the comparison before the details

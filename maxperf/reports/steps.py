@@ -248,11 +248,12 @@ def _verdict(estimate: dict, memory: dict, topo: dict, run: dict | None) -> tupl
     else:
         return None, "memory not known"
     of = f" of {size(hbm)}" if hbm else ""
-    if cpu:
-        return fits, f"{size(total)} per device ({source}; CPU: host memory{of})"
     if fits is False:
         over = f", {size(total - hbm)} over" if hbm else ""
-        return False, f"DOES NOT FIT: needs {size(total)} per device{of}{over} ({source})"
+        return False, (f"DOES NOT FIT: needs {size(total)} per device{of}{over} ({source}"
+                       + ("; CPU: a device's share of host memory)" if cpu else ")"))
+    if cpu:
+        return fits, f"{size(total)} per device ({source}; CPU: host memory{of})"
     return fits, f"fits: {size(total)} per device{of} ({source})"
 
 

@@ -212,6 +212,11 @@ def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_t
                                 ici, dcn, remat, kernel, b, a, q, m, shown=shown)
                             candidates.append(c)
         meshes.append(mesh)
+    if not meshes:
+        pins = {a: ici_pins.get(a, 1) * dcn_pins.get(a, 1) for a in MESH_AXES}
+        if (reason := divisible.why_not(pins)) is not None:
+            raise MaxperfError(f"no layout of {devices} devices with the pinned axes divides {model_name}: {reason}; "
+                               "pin sizes that divide it, or leave the axis to the search")
     if not candidates:
         smallest = min(round(b * devices) for b, _ in pairs)
         across = (f", across the {topo.ici_domains} {'slices' if topo.platform == 'tpu' else 'hosts'} too"
@@ -319,6 +324,20 @@ class Divisibility:
         self.arrays += [((n,), (name,)) for n, name in (
             (model.num_heads, "activation_heads"), (model.num_kv_heads, "activation_kv_heads"),
             (model.d_ff, "activation_mlp"), (model.vocab_size, "activation_vocab"))]
+
+    def why_not(self, axes: dict[str, int]) -> str | None:
+        """What a mesh (the pins alone: the other axes at 1) fails to split, in words; None where it splits the
+        model's dimensions (the batch left out: the caller says that)."""
+        if self.experts % axes["expert"]:
+            return f"expert={axes['expert']} does not divide the {self.experts} experts"
+        if self.seq_len % axes["sequence"]:
+            return f"sequence={axes['sequence']} does not divide the sequence of {self.seq_len}"
+        if (problem := requests.experts_on_fsdp_problem(self.model, axes)) is not None:
+            return problem
+        for n, what in ((self.heads, "query heads"), (self.kv_heads, "key/value heads")):
+            if n % axes["tensor"]:
+                return f"tensor={axes['tensor']} does not divide the {n} {what}"
+        return None
 
     def divides(self, axes: dict[str, int]) -> bool:
         if self.experts % axes["expert"] or self.seq_len % axes["sequence"]:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from maxperf.search.candidates import Candidate, number, precision_words
 from maxperf.spec import overrides as overrides_mod
 from maxperf.spec import presets
+from maxperf.spec import topology as topologies
 
 _MAXTEXT_NAMES = {v: k for k, v in overrides_mod.ALIASES.items() if not k.startswith(("ici_", "dcn_"))}
 MAXTEXT_AXES = {"sequence": "context", "stage": "pipeline"}  # maxperf's mesh axes MaxText names otherwise
@@ -51,11 +52,25 @@ def command(c: Candidate, *, model: str, topology: str, platform: str, num_slice
                                                        "(pipeline_schedule=1f1b is Megatron-LM's)"}
     maxtext_fixed = "".join(f" {w}" for w in _maxtext_fixed(fixed))
     flags = f"max_target_length={seq_len}{maxtext_fixed} " + " ".join(maxtext_flags(c))
-    # MaxText's train_compile names TPU topologies as maxperf does; elsewhere its flags alone
-    start = (f"python3 -m maxtext.trainers.pre_train.train_compile src/maxtext/configs/base.yml "
-             f"{' '.join(maxtext_model)} compile_topology={topology} compile_topology_num_slices={num_slices} "
-             if platform == "tpu" else f"{' '.join(maxtext_model)} ")
+    # MaxText's train_compile names TPU topologies as maxperf does, and GPU hosts by their machine type (run on one
+    # such host, which it needs for the compile), one slice a host; a GPU it names no machine of, its flags alone
+    train_compile = "python3 -m maxtext.trainers.pre_train.train_compile src/maxtext/configs/base.yml"
+    if platform == "tpu":
+        start = (f"{train_compile} {' '.join(maxtext_model)} compile_topology={topology} "
+                 f"compile_topology_num_slices={num_slices} ")
+    elif (machine := GPU_MACHINES.get(topologies.get(topology).chip)) is not None:
+        start = (f"{train_compile} {' '.join(maxtext_model)} hardware=gpu compile_topology={machine} "
+                 f"compile_topology_num_slices={topologies.get(topology).hosts} ")
+    else:
+        return out | {"maxtext": f"{' '.join(maxtext_model)} {flags}",
+                      "maxtext_note": f"MaxText's flags alone: its train_compile names no machine of {topology}'s "
+                                      "GPUs, so give them to its train on the GPU hosts"}
     return out | {"maxtext": start + flags}
+
+
+# MaxText's names of GPU machines (its accelerator_to_spec_map, which train_compile's compile_topology takes): A3,
+# eight H100s a host; A4, eight B200s
+GPU_MACHINES = {"h100-sxm": "a3", "b200": "a4"}
 
 
 # maxperf's keys of Megatron-LM's uneven pipeline stages, which MaxText has not

@@ -27,7 +27,7 @@ from maxperf.aot.artifacts import OutputRefused
 from maxperf.perfmodel import MemoryBreakdown, estimate_memory
 from maxperf.perfmodel.estimate import device_for
 from maxperf.perfmodel.flops import resolve_attention
-from maxperf.spec.errors import DoesNotFit
+from maxperf.spec.errors import DoesNotFit, MaxperfError
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.request import Request, resolve
 from maxperf.spec.train import PipelineSchedule
@@ -206,6 +206,23 @@ def analytical_max_batch(p: Request, overrides: Sequence[str], num_slices: int, 
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def fractional_batch(p: Request, overrides: Sequence[str], num_slices: int) -> tuple[float, MemoryBreakdown] | None:
+    """Where one sequence per device does not fit: the largest per_device_batch_size below 1 (1/2, 1/4, ..., down to
+    one sequence for the whole mesh; MaxText takes fractions whose global batch is whole and splits over the batch
+    axes) that fits by perfmodel, and its breakdown; None where none does or none is valid."""
+    b = 0.5
+    while b * p.mesh.devices >= 1:
+        try:
+            request = resolve(p.topology.name, p.model, [*overrides, f"per_device_batch_size={b:g}"],
+                              num_slices=num_slices)
+        except MaxperfError:
+            request = None
+        if request is not None and (found := analytical(request)).fits:
+            return b, found
+        b /= 2
+    return None
 
 
 def _with_batch(p: Request, overrides: Sequence[str], num_slices: int, b: int) -> Request:

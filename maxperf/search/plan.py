@@ -429,7 +429,9 @@ def rank(result: SearchResult) -> None:
     best = compiled[0] if compiled else fits[0]
     best.status = "chosen"
     if len(ties) > 1 and best in ties:
-        best.reason = f"the simplest layout of {len(ties)} within {result.tie:.0%} of the fastest"
+        gap = getattr(best, objective) / max(getattr(c, objective) for c in ties)
+        best.reason = (f"the simplest layout of {len(ties)} within {result.tie:.0%} of the fastest"
+                       + (f" ({gap:.3f}x the fastest's {objective})" if gap < 1 else ""))
     above = True
     for c in fits:
         if c is best:
@@ -471,8 +473,10 @@ def closest_miss(result: SearchResult, model, trains, topo, calibration) -> dict
     offload = dataclasses.replace(train, optimizer_memory_host_offload=True, parameter_memory_host_offload=True)
     mem = perfmodel.estimate(Request.of(topo, model, offload, c.axes, c.dcn),
                              calibration=calibration).memory_per_device_bytes
+    with_margin = f"with the {factor - 1:.1%} memory margin"
     options.append(f"offload: optimizer_memory_host_offload=true parameter_memory_host_offload=true take it to "
-                   f"{mem * factor / GIB:.2f} GiB ({'fits' if mem * factor <= limit else 'still does not fit'})")
+                   f"{mem * factor / GIB:.2f} GiB {with_margin} ({mem / GIB:.2f} GiB without; "
+                   f"{'fits' if mem * factor <= limit else 'still does not fit'})")
     seq = train.seq_len
     while seq >= 256:
         seq //= 2
@@ -480,7 +484,8 @@ def closest_miss(result: SearchResult, model, trains, topo, calibration) -> dict
         mem = perfmodel.estimate(Request.of(topo, model, shorter, c.axes, c.dcn),
                                  calibration=calibration).memory_per_device_bytes
         if mem * factor <= limit:
-            options.append(f"shorter sequence: seq_len={seq} needs {mem * factor / GIB:.2f} GiB (fits)")
+            options.append(f"shorter sequence: seq_len={seq} needs {mem * factor / GIB:.2f} GiB {with_margin} "
+                           "(fits)")
             break
     else:
         options.append(f"shorter sequence: even seq_len={seq} does not fit")
