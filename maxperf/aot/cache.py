@@ -138,7 +138,9 @@ def _local(k: str) -> Entry | None:
             return None
         entry = Entry(payload=payload, in_tree=meta["in_tree"], out_tree=meta["out_tree"], memory=meta["memory"],
                       xla_cost=meta["xla_cost"], optimized_hlo=(path / "optimized.hlo.txt").read_text(),
-                      compile_seconds=meta["compile_seconds"], label=meta.get("label", ""), peak=meta.get("peak"))
+                      compile_seconds=meta["compile_seconds"], label=meta.get("label", ""),
+                      # a peak read before host buffers were told apart (no host_bytes) may count them: left out
+                      peak=meta.get("peak") if "host_bytes" in (meta.get("peak") or {}) else None)
     except (OSError, ValueError, KeyError):
         return None
     try:

@@ -20,6 +20,7 @@ _LIVE = re.compile(r"\s+([^\s{]+)(\{[\d,]*\})?: (\d+) bytes")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([^\s=]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 SHOWN = 12  # buffers kept in the report, the largest first
+HOST_MEMORY_SPACE = "S(5)"  # a layout's memory space of pinned host memory on TPU, as the optimized HLO writes it
 
 
 @dataclass(frozen=True)
@@ -33,15 +34,19 @@ class Buffer:
 
 @dataclass(frozen=True)
 class Peak:
-    live_bytes: int  # every buffer live at the peak, arguments included
+    live_bytes: int  # every device buffer live at the peak, arguments included
     argument_bytes: int  # of which the entry computation's parameters (the step's state and batch)
     instruction: int  # the peak's position in the program's schedule
     buffers: tuple[Buffer, ...]  # the largest SHOWN of the others: what the step makes and holds at its peak
+    # buffers the report counts at the peak that live in host memory (memory space S(5): offloaded activations and
+    # their copies), which take no device memory; left out of live_bytes and buffers
+    host_bytes: int = 0
 
     def as_dict(self) -> dict:
         return {"source": "XLA's live ranges of the scheduled program (the peak of its live-range report)",
                 "live_bytes": self.live_bytes, "argument_bytes": self.argument_bytes,
-                "instruction": self.instruction, "buffers": [asdict(b) for b in self.buffers]}
+                "host_bytes": self.host_bytes, "instruction": self.instruction,
+                "buffers": [asdict(b) for b in self.buffers]}
 
 
 def compile_with_peak(lowered, options: dict):
@@ -61,8 +66,17 @@ def compile_with_peak(lowered, options: dict):
 def read(dump_dir: str | Path, optimized_hlo: str) -> Peak | None:
     """The peak of the module XLA dumped into `dump_dir` with the largest one (a compile dumps one module); None where
     no live-range report was written (an XLA that writes none)."""
-    peaks = [p for f in Path(dump_dir).glob(LIVE_RANGE_GLOB) if (p := parse(f.read_text(), optimized_hlo))]
+    peaks = [p for f in Path(dump_dir).glob(LIVE_RANGE_GLOB)
+             if (p := parse(f.read_text(), _module_text(f, optimized_hlo)))]
     return max(peaks, key=lambda p: p.live_bytes, default=None)
+
+
+def _module_text(live_range: Path, optimized_hlo: str) -> str:
+    """The optimized module the live-range report describes, as XLA dumped it beside the report (its instructions
+    include those buffer assignment's passes add, as the host offload's copies, which the executable's text may
+    name otherwise); the executable's text where there is no such file."""
+    dumped = live_range.with_name(live_range.name.replace("-live-range.txt", ".txt"))
+    return dumped.read_text() if dumped.is_file() else optimized_hlo
 
 
 def parse(live_ranges: str, optimized_hlo: str) -> Peak | None:
@@ -77,15 +91,19 @@ def parse(live_ranges: str, optimized_hlo: str) -> Peak | None:
             break
         live.append((m.group(1), m.group(2) or "", int(m.group(3))))
     described = _instructions(optimized_hlo)
-    buffers = []
+    buffers, host = [], 0
     for name, index, size in live:
         shape, opcode, op_name = described.get(name, ("", "", ""))
+        element = _element(shape, index)
+        if HOST_MEMORY_SPACE in element:
+            host += size
+            continue
         buffers.append(Buffer(bytes=size, name=name + (index if index != "{}" else ""),
-                              shape=_element(shape, index), operation=op_name or opcode,
+                              shape=element, operation=op_name or opcode,
                               argument=opcode == "parameter" and name in described.entry_parameters))
     made = sorted((b for b in buffers if not b.argument), key=lambda b: -b.bytes)
     return Peak(live_bytes=sum(b.bytes for b in buffers), argument_bytes=sum(b.bytes for b in buffers if b.argument),
-                instruction=int(_PEAK.search(lines[start]).group(1)), buffers=tuple(made[:SHOWN]))
+                instruction=int(_PEAK.search(lines[start]).group(1)), buffers=tuple(made[:SHOWN]), host_bytes=host)
 
 
 class _Described(dict):

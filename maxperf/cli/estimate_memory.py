@@ -286,7 +286,8 @@ def _print_peak(compiler: dict) -> None:
     print(f"  compiler's peak            {_gib(live)} GiB live at once: the state and batch {_gib(args)} GiB, "
           f"the step's buffers {_gib(live - args)} GiB"
           + (f"; its total is {_gib(packed)} GiB more, where its allocator could not pack buffers of different "
-             "lifetimes tightly" if packed > 0.05 * live else ""))
+             "lifetimes tightly" if packed > 0.05 * live else "")
+          + (f"; and {_gib(peak['host_bytes'])} GiB offloaded to host memory" if peak.get("host_bytes") else ""))
     for b in peak["buffers"][:PEAK_SHOWN]:
         shape = b["shape"].split("{")[0] if b["shape"] else "?"
         print(f"    {b['bytes'] / 2**20:>9.1f} MiB  {shape:<28} {_operation(b['operation'])}")
