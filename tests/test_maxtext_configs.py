@@ -118,3 +118,50 @@ def test_script_compiler_flags_are_read():
     """The XLA flags a script exports (LIBTPU_INIT_ARGS), which --with-libtpu-args compiles under."""
     args = _parse("v6e/gemma2_27b.sh").libtpu_args.split()
     assert "--xla_tpu_scoped_vmem_limit_kib=122880" in args and len(args) == 8
+
+
+def test_maxtexts_sequence_and_context_keys_set_maxperfs_one_sequence_axis_where_the_other_is_1():
+    """A pasted base.yml gives ici_sequence_parallelism: 1 beside ici_context_parallelism: 4; MaxText's two axes over
+    1 at once are refused (maxperf's sequence axis is MaxText's context axis), even at equal sizes, which before
+    merged silently into one axis."""
+    from maxperf.spec.errors import MaxperfError
+    from maxperf.spec.request import resolve
+
+    base = ["per_device_batch_size=1", "max_target_length=32768"]
+    for words in (["ici_sequence_parallelism=1", "ici_context_parallelism=2"],
+                  ["ici_context_parallelism=2", "ici_sequence_parallelism=1"]):
+        assert resolve("v5p-16", "llama3-8b", [*base, *words]).mesh.axes["sequence"] == 2
+    with pytest.raises(MaxperfError, match="are two mesh axes in MaxText"):
+        resolve("v5p-16", "llama3-8b", [*base, "ici_sequence_parallelism=2", "ici_context_parallelism=2"])
+
+
+def test_maxtexts_schedule_and_check_keys_are_ignored_and_its_deprecated_remat_name_read():
+    """warmup_steps_fraction, wsd_decay_steps_fraction, sharding_tolerance and override_model_config change nothing
+    of the step: named once as ignored, not refused; remat_policy=minimal_flash is MaxText's deprecated name of
+    minimal_with_context (its decoders.py still takes it), not an unknown value."""
+    from maxperf.spec import maxtext_line
+    from maxperf.spec.request import resolve
+
+    assert {"warmup_steps_fraction", "wsd_decay_steps_fraction", "sharding_tolerance",
+            "override_model_config"} <= maxtext_line.RUN_KEYS
+    assert str(resolve("h100-8", "llama3-8b", ["remat_policy=minimal_flash"]).configs.train.remat_policy) == \
+        "minimal_with_context"
+
+
+def test_a_quantized_dropless_moe_is_priced_as_maxtext_runs_it_and_says_compile_refuses_it():
+    from maxperf.spec.request import resolve
+
+    notes = resolve("v5p-128", "mixtral-8x7b", ["quantization=int8"]).warnings
+    assert any("dropless" in n and "`maxperf compile` does not build that kernel" in n for n in notes), notes
+    assert not any("dropless" in n for n in resolve("v5p-128", "mixtral-8x7b", []).warnings)
+
+
+def test_scan_layers_false_with_pipeline_stages_is_maxtexts_pipeline():
+    """MaxText's base.yml recommends scan_layers=false with pipeline parallelism (its pipeline scans the iterations
+    and holds its layers by stage whatever the key says): the same step, said in a note, not a refusal."""
+    from maxperf.spec.request import resolve
+
+    words = ["per_device_batch_size=4", "ici_pipeline_parallelism=2"]
+    unscanned = resolve("v5p-16", "llama2-7b", [*words, "scan_layers=false"])
+    assert unscanned.configs.train == resolve("v5p-16", "llama2-7b", words).configs.train
+    assert any(w.startswith("scan_layers=false with pipeline stages") for w in unscanned.warnings)

@@ -425,3 +425,14 @@ def test_a_pipeline_differentiates_under_an_offloading_policy():
     """The iteration's policy keeps its input and each layer's input besides the policy's own choices, which for an
     offloading policy say where to (jax's save_from_both_policies takes only save-or-not policies and raised here)."""
     assert 1 in _checkpoints(_tiny_pipelined_jaxpr(("remat_policy=minimal_offloaded",), grad=True))
+
+
+def test_the_microbatch_suggestion_keeps_to_the_delayed_forwarding_floor():
+    """With pipeline_delay_activation_forwarding MaxText needs at least 2 x stages microbatches: the warning about
+    replicated microbatch rows does not suggest fewer (it suggested 2 for 2 stages, which is then refused)."""
+    from maxperf.spec.request import resolve
+
+    words = ["per_device_batch_size=1", "max_target_length=4096", "dcn_pipeline_parallelism=2",
+             "pipeline_delay_activation_forwarding=true"]
+    (line,) = [w for w in resolve("v5p-64", "llama2-70b", words, num_slices=2).warnings if "pipeline microbatch" in w]
+    assert "num_pipeline_microbatches=2" not in line and line.endswith("a larger per_device_batch_size")

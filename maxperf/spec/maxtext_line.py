@@ -63,6 +63,7 @@ RUN_KEYS = frozenset("""
     inference_microbenchmark_prefill_lengths inference_microbenchmark_stages inference_microbenchmark_loop_iters
     inference_microbenchmark_log_file_path inference_metadata_file inference_server inference_benchmark_test
     enable_model_warmup enable_llm_inference_pool autoregressive_decode_assert load_from_prefill_dir prefill_cache_dir
+    warmup_steps_fraction wsd_decay_steps_fraction sharding_tolerance override_model_config
 """.split())
 # MaxText's dropout (configs/base.yml: dropout_rate 0.0 by default, enable_dropout true): maxperf's steps have none,
 # which is MaxText's step at dropout_rate=0 whatever enable_dropout says

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from maxperf.spec.errors import MaxperfError, closest
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.parallelism import ParallelismConfig
+from maxperf.spec.remat import RematPolicy
 from maxperf.spec.train import AttentionKernel, Quantization, TrainConfig
 
 # MaxText's names (MaxText/configs/base.yml) for the same settings.
@@ -85,8 +86,15 @@ OTHER_FLOAT_LIMIT = 1e12
 _CONFIGS = {"model": ModelConfig, "train": TrainConfig, "parallelism": ParallelismConfig}
 _FIXED = {"name", "rope_scaling"}  # not settable from the command line
 # MaxText's spellings of values: its `attention=autoselected` is maxperf's `auto`, its `quantization=""` `none`
-# (which `bf16` names too, beside `auto` and `fp8`, as `maxperf plan`'s precision choice).
-VALUE_ALIASES = {(AttentionKernel, "autoselected"): "auto", (Quantization, ""): "none", (Quantization, "bf16"): "none"}
+# (which `bf16` names too, beside `auto` and `fp8`, as `maxperf plan`'s precision choice); its remat_policy
+# `minimal_flash`, which its layers/decoders.py still takes for minimal_with_context (with a deprecation warning).
+VALUE_ALIASES = {(AttentionKernel, "autoselected"): "auto", (Quantization, ""): "none", (Quantization, "bf16"): "none",
+                 (RematPolicy, "minimal_flash"): "minimal_with_context"}
+
+
+# maxperf's settings that two of MaxText's keys set, where in MaxText they are two axes
+TWO_AXES_IN_MAXTEXT = {"ici_sequence": {"ici_sequence_parallelism", "ici_context_parallelism"},
+                       "dcn_sequence": {"dcn_sequence_parallelism", "dcn_context_parallelism"}}
 
 
 def _fields() -> dict[str, tuple[str, type]]:
@@ -196,7 +204,19 @@ def apply(model: ModelConfig, words: list[str], train: TrainConfig | None = None
         value = _bounded(key, name, part, _parse(key, text, kind), text)
         # one setting spelled two ways with two values is a mistake; the same key given again takes the last value,
         # as MaxText's command line does
-        if (earlier := spelled.get(name)) is not None and earlier[0] != key and changes[part][name] != value:
+        earlier = spelled.get(name)
+        if earlier is not None and earlier[0] != key and {earlier[0], key} <= TWO_AXES_IN_MAXTEXT.get(name, set()):
+            # MaxText's sequence and context axes are two; maxperf's one sequence axis is its context axis, which
+            # either name sets where the other is 1: both over 1 would be MaxText's two axes, which maxperf does not
+            # build
+            previous = changes[part][name]
+            if previous not in (1, None) and value not in (1, None):
+                raise MaxperfError(f"{earlier[0]}={earlier[1]} and {key}={text} are two mesh axes in MaxText "
+                                   "(sequence and context); maxperf has one, its sequence axis, which is MaxText's "
+                                   "context parallelism: give one of them")
+            if value in (1, None):
+                continue  # the other name's size stands
+        elif earlier is not None and earlier[0] != key and changes[part][name] != value:
             raise MaxperfError(f"{earlier[0]}={earlier[1]} and {key}={text} set the same {name}: give one")
         spelled[name] = (key, text)
         changes[part][name] = value

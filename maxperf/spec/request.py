@@ -90,6 +90,12 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     if configs.model.is_moe and configs.train.sparse_matmul and configs.train.capacity_factor > 0:
         notes += (f"capacity_factor={configs.train.capacity_factor:g} drops tokens only in the einsum dispatch "
                   "(sparse_matmul=false); the sparse dispatch is dropless and does not read it, as in MaxText",)
+    quantized = str(configs.train.quantization) not in ("none", "auto")
+    if configs.model.is_moe and configs.train.sparse_matmul and quantized:
+        notes += (f"quantization={configs.train.quantization} with the dropless (sparse_matmul) experts: priced as "
+                  "MaxText runs it, its grouped matmul quantized (megablox's int8, Qwix's FP8 rule); `maxperf "
+                  "compile` does not build that kernel and refuses the step (sparse_matmul=false, the capacity "
+                  "einsums, it compiles quantized)",)
     if unread := unread_remat_keys(configs.train):
         notes += (f"{', '.join(unread)} place tensors only under remat_policy=custom, as in MaxText; under "
                   f"remat_policy={configs.train.remat_policy} they change nothing (set remat_policy=custom to apply "
@@ -118,9 +124,9 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
                   "choose)",)
         configs = dataclasses.replace(configs, parallelism=ParallelismConfig(ici_data=-1, ici_fsdp=keep))
         mesh = mesh_mod.resolve(configs.parallelism, topo)
+    configs, note = _pipelined_remat(configs, mesh)
     schedule = pipeline.of(configs.model, configs.train, mesh)  # a pipeline's schedule: each mistake one line
     notes += _schedule_note(configs.train, schedule)
-    configs, note = _pipelined_remat(configs, mesh)
     notes += (note,) if note else ()
     _check_context(configs, mesh)
     _check_zero1(configs.train, mesh)
@@ -182,14 +188,22 @@ def _pipelined_remat(configs: Configs, mesh: Mesh) -> tuple[Configs, str]:
         return dataclasses.replace(configs, train=train), (
             "account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split place the layers of "
             "pipeline stages; the mesh has one stage, so they change nothing")
+    scan = ""
+    if not train.scan_layers:
+        # MaxText's pipeline stacks and runs its layers by stage whatever scan_layers says (its base.yml recommends
+        # false with pipeline parallelism, scanning the pipeline's iterations instead): maxperf's pipelined stack
+        train = dataclasses.replace(train, scan_layers=True)
+        scan = ("scan_layers=false with pipeline stages: the pipeline holds and runs its layers by stage, as MaxText's "
+                "does whatever scan_layers says")
     policy = remat.pipelined(train.remat_policy, train.set_remat_policy_on_pipeline_iterations)
     if policy == train.remat_policy:
-        return configs, ""
+        return dataclasses.replace(configs, train=train), scan
     why = ("set_remat_policy_on_pipeline_iterations=false leaves the pipeline's layers unrematerialized" if
            policy is remat.RematPolicy.NONE else "each pipeline iteration is rematerialized whole, keeping its "
            "input and each layer's input (set_remat_policy_on_pipeline_iterations=true)")
     note = f"remat_policy={train.remat_policy} under a pipeline runs as remat_policy={policy}, as in MaxText: {why}"
-    return dataclasses.replace(configs, train=dataclasses.replace(train, remat_policy=policy)), note
+    return (dataclasses.replace(configs, train=dataclasses.replace(train, remat_policy=policy)),
+            "; ".join(n for n in (scan, note) if n))
 
 
 def gpu_grouped_matmul_warnings(configs: Configs, mesh: Mesh, topo: Topology) -> tuple[str, ...]:
@@ -387,8 +401,10 @@ def _pipeline_microbatch_lines(configs: Configs, mesh: Mesh) -> list[str]:
         return []
     lines = []
     shards = _batch_shards(mesh)
-    # the most microbatches the stages take (a multiple of them) whose rows the batch axes divide
-    fewer = max((m for m in range(schedule.stages, schedule.microbatches, schedule.stages)
+    # the most microbatches the stages take (a multiple of them, at least two rounds of them where activations are
+    # forwarded a step late: pipeline_delay_activation_forwarding) whose rows the batch axes divide
+    least = schedule.stages * (2 if configs.train.pipeline_delay_activation_forwarding else 1)
+    fewer = max((m for m in range(least, schedule.microbatches, schedule.stages)
                  if micro % m == 0 and (micro // m) % shards == 0), default=None)
     for _, axis in undivided_axes((rows,), ("activation_batch",), mesh.axes):
         lines.append(f"{axis}={mesh.axes[axis]} does not divide a pipeline microbatch's {rows} row(s) ({micro} "
