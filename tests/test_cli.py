@@ -1011,3 +1011,12 @@ def test_maxtexts_training_keys_at_their_defaults_paste_and_other_values_are_ref
         with pytest.raises(SystemExit) as refused:
             main([*words, word])
         assert refused.value.code == 2 and "(its default) only" in capsys.readouterr().err
+
+
+def test_the_catalog_gives_a_cpu_device_its_share_of_host_memory(capsys):
+    """compile and run count a CPU device's memory as its share of the host's: the catalog says the same (before, every
+    cpu-N showed the whole host's memory and a bf16 peak of 0)."""
+    code, out, _ = run_main(capsys, "topologies", "--platform", "cpu")
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("cpu-")}
+    assert code == 0 and float(rows["cpu-1"][4]) == pytest.approx(2 * float(rows["cpu-2"][4]), abs=0.02)
+    assert rows["cpu-4"][6] == "-"

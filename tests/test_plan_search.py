@@ -532,9 +532,14 @@ def test_candidates_within_the_uncertainty_are_ties_won_by_the_simplest_layout()
     assert "within 8% of the fastest (0.999x the fastest's tokens_per_s)" in plain.reason and "a tie" in twin.reason
     assert slow.reason == "1.250x slower by tokens_per_s"
     assert any("3 candidates lie within 8%" in n for n in result.notes)
-    # where the model can tell them apart (no uncertainty, as on CPU devices), the fastest wins
+    # where the model can tell them apart (no uncertainty, as on CPU devices), the fastest wins; equal predictions
+    # are ties without an error to quote
     again = [_candidate(1001.0, fsdp=2, fsdp_transpose=16), _candidate(1000.0, fsdp=32)]
     assert _ranked(0.0, *again).winner is again[0]
+    same = _ranked(0.0, _candidate(1000.0, fsdp=2, fsdp_transpose=16), _candidate(1000.0, fsdp=32))
+    tied = "2 candidates predict the same tokens_per_s: ties, ranked simplest layout first"
+    assert tied in same.notes
+    assert not any("held-out error" in n for n in same.notes)
 
 
 def test_plan_ties_use_the_chips_held_out_error_and_verification_proves_distinct_layouts():

@@ -42,12 +42,19 @@ def cmd_topologies(args) -> int:
         print_json([t.as_dict() for t in rows])
         return 0
     print(f"{'topology':<16} {'platform':<8} {'chips':>6} {'hosts':>6} {'HBM/chip':>10} {'bf16 TFLOP/s':>13}  layout")
+    from maxperf.aot.compiler import device_memory_bytes
+
     for t in rows:
-        hbm = f"{t.hbm_bytes_per_chip / GIB:.2f} GiB" if t.hbm_bytes_per_chip else "-"
-        peak = f"{t.peak_bf16_flops_per_chip / 1e12:.0f}" if t.peak_bf16_flops_per_chip else "-"
+        # a CPU device holds its share of this host's memory, as compile and run count it; its peak is what
+        # `maxperf calibrate` measures
+        memory = (device_memory_bytes(t) if t.platform == "cpu" else t.hbm_bytes_per_chip)
+        hbm = f"{memory / GIB:.2f} GiB" if memory else "-"
+        peak = (f"{t.peak_bf16_flops_per_chip / 1e12:.0f}" if t.peak_bf16_flops_per_chip and t.platform != "cpu"
+                else "-")
         layout = t.libtpu_topology or t.gpu_target or ""
         print(f"{t.name:<16} {t.platform:<8} {t.chips:>6} {t.hosts:>6} {hbm:>10} {peak:>13}  {layout}")
-    print("cpu-N: N devices of this process (any N)")
+    print("cpu-N: N devices of this process (any N), each with its share of this host's memory; their peak is "
+          "what `maxperf calibrate` measures")
     return 0
 
 

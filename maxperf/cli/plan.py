@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -102,6 +103,9 @@ def _verify_serving(result, args, out: Path, say) -> None:
 
 
 def cmd_plan(args) -> int:
+    # the compiles of --verify run in worker processes that start jax: on the host's CPU alone, as a sweep's do (no
+    # GPU plugin's start-up traceback on a machine without one)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from maxperf.search import plan, verify
 
     if args.verify < 0:  # a serving plan's as well: it compiles up to that many layouts

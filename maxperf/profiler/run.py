@@ -177,9 +177,10 @@ class Watchdog:
     It allows half the peer timeout, or five times the slowest step so far if that is longer, so it speaks before
     jax's coordination service aborts the process (after the whole timeout) with a stack trace."""
 
-    def __init__(self, peer_timeout: float):
+    def __init__(self, peer_timeout: float, platform: str = ""):
         import threading
 
+        self.platform = platform
         self.base = peer_timeout / 2
         self.seconds = self.base
         self.last = time.monotonic()
@@ -199,8 +200,11 @@ class Watchdog:
 
         while not self.done.wait(1.0):
             if time.monotonic() - self.last > self.seconds:
+                cpu = ("; on CPU devices XLA:CPU's runtime may run a device's independent collectives in another "
+                       "order than its peers' and wait for them forever (likeliest where the devices outnumber the "
+                       "machine's cores): run again, or compile for fewer devices" if self.platform == "cpu" else "")
                 print(f"maxperf: error: no step finished for {self.seconds:.0f} s; a peer process has stopped or "
-                      "hangs, so this one gives up", file=sys.stderr, flush=True)
+                      f"hangs, so this one gives up{cpu}", file=sys.stderr, flush=True)
                 os._exit(1)
 
 
@@ -284,7 +288,7 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
     except BaseException:
         writer.abandon()
         raise
-    watchdog = Watchdog(peer_timeout) if jax.process_count() > 1 else None
+    watchdog = Watchdog(peer_timeout, devices[0].platform) if jax.process_count() > 1 else None
     losses: list[float] = []
     times: list[float] = []
     interrupted: KeyboardInterrupt | None = None  # Ctrl-C, or SIGTERM as the command raises it

@@ -138,7 +138,7 @@ def run(artifact: Artifact, *, steps: int, warmup: int, profile: bool = False, d
             raise UserStepError(f"Step.loss of --step {name} raised {first_line(e)} (--verbose shows its traceback)",
                                 traceback_text(e)) from None
 
-    watchdog = Watchdog(peer_timeout) if jax.process_count() > 1 else None
+    watchdog = Watchdog(peer_timeout, devices[0].platform) if jax.process_count() > 1 else None
     times: list[float] = []
     losses: list[float] = []
     interrupted: KeyboardInterrupt | None = None

@@ -415,9 +415,10 @@ def rank(result: SearchResult) -> None:
         ties.sort(key=lambda c: (c.verified is not True, complexity(c), -getattr(c, objective), c.mesh_shown()))
         fits = ties + fits[len(ties):]
         note = (f"{len(ties)} candidates lie within {result.tie:.0%} of the fastest by {objective}, perfmodel's "
-                f"held-out error on this chip: ties, ranked simplest layout first")
+                f"held-out error on this chip: ties, ranked simplest layout first" if result.tie > 0 else
+                f"{len(ties)} candidates predict the same {objective}: ties, ranked simplest layout first")
         if note not in result.notes:
-            result.notes = [n for n in result.notes if "held-out error on this chip" not in n] + [note]
+            result.notes = [n for n in result.notes if not n.endswith("ties, ranked simplest layout first")] + [note]
     skipped = [c for c in result.candidates if c.skipped]
     misses = sorted((c for c in result.candidates if c.status == "does not fit"),
                     key=lambda c: (bool(c.unfit), c.memory_shown_bytes()))
