@@ -373,19 +373,19 @@ def replication_warnings(configs: Configs, mesh: Mesh) -> tuple[str, ...]:
 
 def serving_warnings(request: Request) -> tuple[str, ...]:
     """A serving step's warnings: the request's notes, and for each mesh axis that does not divide a serving
-    dimension (the cache's batch and KV heads, the query heads) the line the training step's replication warning
-    gives, in a serving step's words (no optimizer state)."""
+    dimension (the cache's KV heads, the query heads) the line the training step's replication warning gives, in a
+    serving step's words (no optimizer state)."""
     configs, mesh = request.configs, request.mesh
     training = set(replication_warnings(configs, mesh))
     lines = [w for w in request.warnings if w not in training]
     model, axes = configs.model, mesh.axes
+    # (a batch the batch axes do not divide is refused by the serving steps, not replicated: no line for it)
     for size, logical, letter, what in (
-            (configs.train.micro_batch(mesh.devices), "cache_batch", "B", "the sequences and their cache"),
             (model.num_kv_heads, "cache_kv_heads", "K", "the key/value cache's heads"),
             (model.num_heads, "heads", "H", "the query heads")):
         for _, axis in undivided_axes((size,), (logical,), axes):
             lines.append(f"{axis}={axes[axis]} does not divide {letter}={size}: {what} are replicated along {axis}, "
-                         f"not split; {_suggestion(mesh, axis, size, letter == 'B')}")
+                         f"not split; {_suggestion(mesh, axis, size)}")
     return tuple(lines)
 
 
