@@ -36,6 +36,9 @@ def cmd_serving_plan(args) -> int:
     if args.num_slices > 1:
         raise MaxperfError(f"plan --step decode searches one slice or host group; --num-slices {args.num_slices} "
                            "serves from several: plan one and replicate it")
+    if args.objective != "tokens_per_s":
+        raise MaxperfError(f"plan --step decode ranks by tokens/s per chip under its latency bounds; --objective "
+                           f"{args.objective} is a training plan's: drop it")
     say = progress()
     out = Path(args.out) if args.out else default_out(args, "decode")
     with artifacts.hold_output(out, "plan"):

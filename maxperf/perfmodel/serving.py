@@ -211,7 +211,8 @@ def _computed(model: ModelConfig, mesh: Mesh, train: TrainConfig):
 def _gathers(model: ModelConfig, mesh: Mesh, chip: Chip, topology: Topology, train: TrainConfig) -> float:
     """Seconds of a step's FSDP gathers: every weight split over the FSDP axes gathered once, as its own collective
     (XLA gathers each layer's weights before its matmuls; counted unhidden, as the other serving collectives)."""
-    arrays = [x for x in param_arrays(serving_model(model)) if x.matmul]
+    # the weights a gather axis splits (the routed experts under expert parallelism stay where they are)
+    arrays = [x for x in param_arrays(serving_model(model)) if x.matmul and gather_axes([x], mesh)]
     axes = gather_axes(arrays, mesh)
     if not axes:
         return 0.0
@@ -376,6 +377,16 @@ def cache_passes(model: ModelConfig, train: TrainConfig, sizes: dict[str, int]) 
     return query_heads_per_kv_head(model, sizes)
 
 
+def _prefill_pairs(P: int, w: int) -> float:
+    """Query-key pairs of a causal prefill of P tokens in a layer of window w (0: all; < 0: chunks of -w): half the
+    square within a window or chunk as long as the prompt; a shorter window, each query its w keys; shorter chunks,
+    each chunk's half square."""
+    if w < 0:
+        return P * min(P, -w) / 2
+    visible = _visible(P)(w)
+    return P * visible / (2 if visible == P else 1)
+
+
 def _visible(context: float):
     """Keys a query at `context` positions sees in a layer of window w (0: all; < 0: its chunk, half on average)."""
     return lambda w: min(context, w) if w > 0 else (min(context, -w / 2) if w < 0 else context)
@@ -480,8 +491,7 @@ def prefill_phase(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip
         # the thin side: the rows, or the model width every projection reads or writes
         kernels.add(2 * n * rows, peak * matmul_efficiency(chip, min(rows, model.d_model)), n * nb)
     H, per_key = _attention(model, sizes)
-    pairs = sum(P * _visible(P)(w) / (2 if w >= 0 and _visible(P)(w) == P else 1)
-                for w in attention_rule.layer_masks(model))  # causal: half the square within the window
+    pairs = sum(_prefill_pairs(P, w) for w in attention_rule.layer_masks(model))
     flash = chip.peak_flops(train.compute_dtype) * SHIPPED.fraction(chip) * FLASH_EFFICIENCY.get(chip.kind, 1.0)
     kernels.add(b * H * per_key * pairs, flash, b * P * cache_bytes_per_token(model, train, sizes))  # cache written
     return kernels.phase(_collectives(model, mesh, chip, topology, tokens, c)

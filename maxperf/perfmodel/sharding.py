@@ -40,10 +40,12 @@ def gather_axes(arrays: Iterable[ParamArray], mesh: Mesh) -> tuple[str, ...]:
     `expert` for the routed experts, which each device keeps its own of)."""
     used = set()
     for x in arrays:
+        mine = set()
         for entry in mesh_axes_for(x.shape, x.logical, mesh.axes):
-            used.update((entry,) if isinstance(entry, str) else entry or ())
-        if x.expert_parallel:
-            used.discard("expert")
+            mine.update((entry,) if isinstance(entry, str) else entry or ())
+        if x.expert_parallel:  # not gathered over `expert`; the other arrays may well be
+            mine.discard("expert")
+        used |= mine
     return tuple(a for a in FSDP_AXES if a in used)
 
 

@@ -77,7 +77,12 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     if configs.train.quantization is Quantization.AUTO:  # only a search chooses the precision
         configs = dataclasses.replace(configs, train=dataclasses.replace(configs.train,
                                                                          quantization=Quantization.NONE))
-        notes = ("quantization=auto: bf16 here; `maxperf plan` chooses between bf16 and the chip's FP8 recipe",)
+        chip = CHIPS[topo.chip]
+        recipe = fp8.PREFERRED.get(chip.name) if fp8.has_fp8(chip) else None
+        notes = ("quantization=auto: bf16 here; `maxperf plan` chooses the precision: "
+                 + (f"bf16 or {recipe} for training" if recipe else
+                    f"bf16 for training ({chip.name} has no FP8 matrix units)")
+                 + ", the weights' and cache's for serving",)
     fp8.check_chip(configs.train.quantization, CHIPS[topo.chip])
     if configs.model.window != model_cfg.window and configs.model.window not in configs.model.layer_windows():
         notes += (f"window={configs.model.window} (sliding_window_size) bounds the layers of attention_type="
