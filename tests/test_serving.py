@@ -895,3 +895,16 @@ def test_a_serving_plan_refuses_a_training_objective(capsys):
     assert cli.main(["plan", "--step", "decode", "--model", "llama3-8b", "--topology", "h100-8", "--objective", "mfu",
                      "--verify", "0"]) == 2
     assert "--objective mfu is a training plan's" in capsys.readouterr().err
+
+
+def test_the_largest_context_says_where_its_search_stopped():
+    """A tiny model's cache fits far past the search's bound: the answer is the bound, said as "at least", not the
+    bound less one as if the next position did not fit."""
+    from maxperf.perfmodel import serving as serving_model
+    from maxperf.spec.request import resolve
+
+    request = resolve("tpu7x-8", "tiny", [])
+    found = serving_model.max_context(request.model, request.train, request.mesh, 94 * 2**30)
+    assert found == serving_model.MAX_CONTEXT_SEARCHED
+    assert serving_model.context_words(found) == "at least 67,108,864"
+    assert serving_model.context_words(628594) == "628,594"

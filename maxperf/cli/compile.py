@@ -121,8 +121,10 @@ def _print_serving(result, kind: str) -> int:
     if e.get("hlo_time"):
         print(f"  read from HLO    {e['hlo_time']['step_time_s'] * 1e3:.4g} ms per step (the compiled step attends "
               "over the whole cache)")
-    print(f"  largest          {e['max_batch_per_device']:.4g} sequences per device fit; {e['max_context']:,} "
-          f"cache positions at {result.global_batch} sequences")
+    from maxperf.perfmodel.serving import context_words
+
+    print(f"  largest          {e['max_batch_per_device']:.4g} sequences per device fit; "
+          f"{context_words(e['max_context'])} cache positions at {result.global_batch} sequences")
     for note in result.limitations:
         print(f"  note: {note}")
     return 0 if result.fits else 3

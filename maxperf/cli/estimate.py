@@ -65,6 +65,7 @@ def _serving(p, kind: str, as_json: bool, calibration) -> int:
     from maxperf.models.serving import check
     from maxperf.perfmodel import serving
     from maxperf.perfmodel.estimate import device_for
+    from maxperf.perfmodel.serving import context_words
 
     check(p.model, p.train, p.mesh.devices, dict(p.mesh.sizes), kind)
     chip = device_for(p.topology, calibration)
@@ -85,7 +86,7 @@ def _serving(p, kind: str, as_json: bool, calibration) -> int:
           f"({'fits' if m.fits else 'DOES NOT FIT'}): weights {m.weights_bytes / GIB:.2f}, cache "
           f"{m.cache_bytes / GIB:.2f}, temporaries {m.temp_bytes / GIB:.2f}")
     print(f"  largest          {sequences(e.max_batch_per_device)} per device at {e.cache} positions; "
-          f"{e.max_context:,} positions at {sequences(e.batch)}")
+          f"{context_words(e.max_context)} positions at {sequences(e.batch)}")
     print(f"  prefill          {e.prefill.seconds * 1e3:.4g} ms for the batch, bound by {e.prefill.bottleneck}; "
           f"time to first token of one prompt {e.ttft_s * 1e3:.4g} ms")
     print(f"  decode           {e.time_per_output_token_s * 1e3:.4g} ms per output token at {e.context:.0f} cached "

@@ -101,6 +101,7 @@ def _serving(args, kind: str) -> int:
     from maxperf.models.serving import check
     from maxperf.perfmodel import serving
     from maxperf.perfmodel.estimate import device_for
+    from maxperf.perfmodel.serving import context_words
 
     if args.cluster is not None:
         raise MaxperfError(f"--step {kind} compiles here, in one process: drop --cluster")
@@ -156,7 +157,7 @@ def _serving(args, kind: str) -> int:
         print(f"  {name:<22} {analytical / GIB:>10.2f}G {shown}")
     print(f"  verdict ({'compiler' if compiler else 'analytical'}): {'fits' if fits else 'DOES NOT FIT'} in "
           f"{m.hbm_bytes / GIB:.2f} GiB per device; up to {e.max_batch_per_device:.4g} sequences per device, or "
-          f"{e.max_context:,} cache positions at {e.batch} sequences (analytical)")
+          f"{context_words(e.max_context)} cache positions at {e.batch} sequences (analytical)")
     return 0 if fits else 3
 
 

@@ -513,6 +513,14 @@ def max_batch_per_device(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm
     return math.floor(lo * devices + 1e-9) / devices  # a whole number of sequences over the devices, as B must be
 
 
+MAX_CONTEXT_SEARCHED = 1 << 26  # cache positions: max_context searches no further
+
+
+def context_words(positions: float) -> str:
+    """A max_context in words: "at least N" where the search stopped at its bound."""
+    return f"at least {positions:,}" if positions >= MAX_CONTEXT_SEARCHED else f"{positions:,}"
+
+
 def max_context(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_bytes: float, kind: str = "decode",
                 platform: str = "tpu") -> int:
     """The most cache positions (max_target_length, at least the prompt's) whose `kind` step fits at this batch; 0
@@ -525,7 +533,9 @@ def max_context(model: ModelConfig, train: TrainConfig, mesh: Mesh, hbm_bytes: f
     if not fits(lo):
         return 0
     hi = lo * 2
-    while fits(hi) and hi < 1 << 26:
+    while fits(hi):
+        if hi >= MAX_CONTEXT_SEARCHED:  # the search stops here: at least this many fit (context_words says so)
+            return MAX_CONTEXT_SEARCHED
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
