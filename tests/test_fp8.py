@@ -614,3 +614,21 @@ def test_transformer_engine_recipes_are_refused_on_tpus_naming_maxtexts_tpu_reci
             resolve("tpu7x-8", "llama3-8b", [f"quantization={name}"])
     assert resolve("tpu7x-8", "llama3-8b", ["quantization=fp8_full", "use_qwix_quantization=true"])
     assert resolve("h100-8", "llama3-8b", ["quantization=te_fp8_currentscaling"])
+
+
+@pytest.mark.slow
+def test_a_step_jax_cannot_serialize_keeps_the_compilers_figures_and_says_why(tmp_path):
+    """te_mxfp8's block-scaled products are partitioned by jax's custom partitioning, whose lowering holds a local
+    function that does not pickle: `maxperf compile` ends in one line (exit 2, not a traceback's AttributeError),
+    writes the compiler's memory and HLO without compiled.pkl, and the report reads it."""
+    from cli_util import maxperf
+
+    out = tmp_path / "mx"
+    proc = maxperf("compile", "--topology", "b200-8", "--model", "tiny", "d_model=256", "d_ff=512",
+                   "quantization=te_mxfp8", "--out", str(out))
+    assert proc.returncode == 2, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("maxperf: error:")]
+    assert "jax cannot serialize this compiled step" in line and "te_mxfp8's block-scaled products" in line
+    assert (out / "memory.json").is_file() and (out / "hlo" / "optimized.hlo.txt").is_file()
+    assert not (out / "compiled.pkl").exists()
+    assert maxperf("report", str(out), "-o", str(tmp_path / "r.html")).returncode == 0

@@ -207,6 +207,17 @@ def xla_cost(compiled) -> dict[str, float] | None:
     return {k: float(v) for k, v in raw.items()} if raw else None
 
 
+def unserializable_why(p: Request) -> str:
+    """Why a step's executable may not pickle, in words: block-scaled FP8 products partition by a custom rule."""
+    from maxperf.spec import fp8
+
+    recipe = fp8.recipe(str(p.configs.train.quantization))
+    if recipe is not None and recipe.block:
+        return (f"quantization={recipe.name}'s block-scaled products are partitioned by jax's custom partitioning, "
+                "whose rule does not pickle")
+    return "a part of its lowering does not pickle"
+
+
 def memory_report(fields: dict[str, int], capacity: int, live_peak: dict | None = None) -> dict[str, Any]:
     """Per-device figures from XLA's memory analysis; the total is what the device must hold at once. `live_peak`:
     what is live at the step's peak (aot.peak), kept as "peak" where XLA reported it."""
@@ -361,7 +372,20 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
                             compiled=False, cache_hit=False, step=step)
             finish(writer)
             raise DoesNotFit(verdict_line(memory)) from None
-        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        try:
+            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        except Exception as e:  # jax pickles the executable's lowering: some partitioning rules do not pickle
+            # the compiler's figures are written as a compile that does not fit writes them, without compiled.pkl
+            writer.write_text("hlo/optimized.hlo.txt", compiled.as_text())
+            writer.write_json("memory.json", memory_report(memory_fields(compiled.memory_analysis()), capacity,
+                                                           found.as_dict() if found else None))
+            _write_manifest(writer, p, spec, argv, time.perf_counter() - t, lower_seconds, start,
+                            compiled=False, cache_hit=False, step=step)
+            finish(writer)
+            raise MaxperfError(
+                f"jax cannot serialize this compiled step ({type(e).__name__}: {str(e).splitlines()[0][:120]}): "
+                f"{unserializable_why(p)}; the compiler's memory and optimized HLO are in {writer.out}, but no "
+                "compiled.pkl, so `maxperf run` cannot load it") from None
         entry = cache.Entry(payload=payload, in_tree=str(in_tree), out_tree=str(out_tree),
                             memory=memory_fields(compiled.memory_analysis()), xla_cost=xla_cost(compiled),
                             optimized_hlo=compiled.as_text(), compile_seconds=time.perf_counter() - t,
