@@ -296,3 +296,38 @@ def test_maxtexts_step_without_maxtext_says_how_to_install_it(mesh):
     name = steps.StepName(module="maxperf.integrations.maxtext_step", factory="make_step")
     with pytest.raises(UserStepError, match=r"MaxText is not installed here: install MaxText beside maxperf"):
         user_step.make_step(name, mesh, {"model_name": "llama2-7b"})
+
+
+def test_optional_factory_parameters_take_their_type():
+    """A factory's `Optional[int]`, `int | None` and `Union[float, None]` parameters receive an int and a float, not
+    the text of the word (which traced into a confusing jax error)."""
+    import inspect
+    from typing import Optional, Union
+
+    def factory(mesh, a: Optional[int] = None, b: int | None = None, c: Union[float, None] = None,  # noqa: UP007
+                d: "Optional[int]" = None):  # noqa: UP037
+        return None
+
+    kinds = {n: user_step._parameter_type(p) for n, p in inspect.signature(factory).parameters.items() if n != "mesh"}
+    assert kinds == {"a": int, "b": int, "c": float, "d": int}
+
+
+def test_a_default_carry_refuses_a_donated_batch_before_the_first_step():
+    """A step that donates an argument besides its state would be fed that consumed buffer again by the default
+    carry (a jax runtime error about a deleted buffer, exit 1): refused at once, in one line."""
+    from maxperf.profiler.user_run import default_carry
+
+    step = user_step.Step(fn=lambda s, b: (s, b), args=(jax.ShapeDtypeStruct((2,), jnp.float32),) * 2, donate=(0, 1))
+    with pytest.raises(user_step.UserStepError, match=r"donates argument\(s\) \[1\]"):
+        default_carry(step, "m:f")
+
+
+def test_a_default_carry_does_not_feed_a_loss_back_as_the_state():
+    """A non-donating `(w, x) -> (loss, grad)` step: the scalar loss has the tree of a one-array w, but not its shape,
+    so the step takes its own arguments again rather than the loss as w."""
+    from maxperf.profiler.user_run import default_carry
+
+    w, x = jnp.ones((4,)), jnp.ones((4,))
+    step = user_step.Step(fn=lambda w, x: (jnp.sum(w * x), x), args=(jax.ShapeDtypeStruct((4,), jnp.float32),) * 2)
+    carried = default_carry(step, "m:f")((w, x), (jnp.float32(1.0), x))
+    assert carried[0].shape == (4,)

@@ -67,15 +67,16 @@ def sha256(path: Path) -> str:
 @dataclasses.dataclass(frozen=True)
 class _Kind:
     marker: str
-    schema: str
+    schemas: tuple[str, ...]  # the marker's schema names (any version)
     replaces: bool
 
 
 _OUTPUT_KINDS = {
-    "compile": _Kind("manifest.json", "maxperf.manifest", True),
-    "run": _Kind("run.json", "maxperf.run", True),
-    "sweep": _Kind("sweep.json", "maxperf.sweep", False),
-    "plan": _Kind("plan.json", "maxperf.plan", False),
+    "compile": _Kind("manifest.json", ("maxperf.manifest",), True),
+    "run": _Kind("run.json", ("maxperf.run",), True),
+    "sweep": _Kind("sweep.json", ("maxperf.sweep",), False),
+    # a training plan's or a serving plan's (plan --step decode)
+    "plan": _Kind("plan.json", ("maxperf.plan", "maxperf.serving-plan"), False),
 }
 
 
@@ -94,13 +95,13 @@ def _marked(directory: Path, kind: _Kind) -> dict | None:
             return None
         if head is not None:
             schema = head.group(1).decode("utf-8", "replace")
-            return {"schema": schema} if schema.rpartition("/")[0] == kind.schema else None
+            return {"schema": schema} if schema.rpartition("/")[0] in kind.schemas else None
     try:
         data = json.loads((directory / kind.marker).read_text())
     except (OSError, ValueError):
         return None
     schema = data.get("schema") if isinstance(data, dict) else None
-    return data if isinstance(schema, str) and schema.rpartition("/")[0] == kind.schema else None
+    return data if isinstance(schema, str) and schema.rpartition("/")[0] in kind.schemas else None
 
 
 def _owned_files(directory: Path, kind: str, marker: dict) -> set[str]:

@@ -120,7 +120,10 @@ def _compile_into(writer, request: UserRequest, user: Step, mesh, lowered, say, 
     text = lowered.as_text()
     writer.write_text("hlo/lowered.stablehlo.mlir", text)
     options = {**targets.compiler_options(topo), **dict(user.compiler_options)}
-    key = cache.key(text, compiler.target_identity(topo), options, compiler.cache_versions())
+    # the argument and result trees are keyed too: the lowered text does not name a dict's keys, and the executable
+    # is loaded with the trees its entry recorded
+    key = cache.key(f"{text}\n{lowered.in_tree}\n{lowered.out_tree}", compiler.target_identity(topo), options,
+                    compiler.cache_versions())
     entry = cache.get(key)
     cache_hit = entry is not None
     t = time.perf_counter()
@@ -152,7 +155,22 @@ def _compile_into(writer, request: UserRequest, user: Step, mesh, lowered, say, 
                            compiled=False, cache_hit=False)
             compiler.finish(writer)
             raise DoesNotFit(compiler.verdict_line(memory)) from None
-        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        try:
+            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        except Exception as e:  # jax pickles the executable's lowering: a host callback's function does not pickle
+            writer.write_text("hlo/optimized.hlo.txt", compiled.as_text())
+            memory = compiler.memory_report(compiler.memory_fields(compiled.memory_analysis()), capacity,
+                                            found.as_dict() if found else None)
+            writer.write_json("memory.json", memory)
+            write_manifest(writer, request, user, mesh, argv, time.perf_counter() - t, lower_seconds, start,
+                           compiled=False, cache_hit=False)
+            compiler.finish(writer)
+            raise UserStepError(
+                f"jax cannot serialize the compiled step of --step {user.name} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:120]}): a part of its lowering does not pickle (a host callback, as "
+                "jax.debug.print or jax.pure_callback makes, holds a Python function); the compiler's memory and "
+                f"optimized HLO are in {writer.out}, but no compiled.pkl, so `maxperf run` cannot load it",
+                user_step.traceback_text(e)) from None
         entry = cache.Entry(payload=payload, in_tree=str(in_tree), out_tree=str(out_tree),
                             memory=compiler.memory_fields(compiled.memory_analysis()),
                             xla_cost=compiler.xla_cost(compiled), optimized_hlo=compiled.as_text(),

@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import traceback
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -138,7 +139,14 @@ def _parameter_type(p: inspect.Parameter) -> type | None:
     kinds = {"int": int, "float": float, "bool": bool, "str": str}
     annotation = p.annotation
     if isinstance(annotation, str):
-        annotation = kinds.get(annotation.replace(" ", "").removesuffix("|None").removeprefix("None|"))
+        text = annotation.replace(" ", "").removeprefix("typing.")
+        if text.startswith("Optional[") and text.endswith("]"):
+            text = text.removeprefix("Optional[").removesuffix("]")
+        annotation = kinds.get(text.removesuffix("|None").removeprefix("None|"))
+    else:  # Optional[int], int | None, Union[int, None]: the type beside None
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(members) == 1 and type(None) in typing.get_args(annotation):
+            annotation = members[0]
     if annotation in (int, float, bool, str):
         return annotation
     if p.default is not inspect.Parameter.empty and type(p.default) in (int, float, bool, str):
@@ -201,10 +209,15 @@ def make_step(name: StepName, mesh, args: Mapping[str, str]) -> Step:
     factory = load_factory(name)
     kwargs = factory_arguments(factory, name, args)
     try:
-        step = factory(mesh, **kwargs)
+        # what the factory prints goes to stderr: stdout holds the command's own output (one JSON document with --json)
+        with contextlib.redirect_stdout(sys.stderr):
+            step = factory(mesh, **kwargs)
     except Exception as e:
         raise UserStepError(f"--step {name} raised {first_line(e)} (--verbose shows its traceback)",
                             traceback_text(e)) from None
+    except SystemExit as e:  # sys.exit in the factory: not maxperf's exit status (3 would say "does not fit")
+        raise UserStepError(f"--step {name} called sys.exit({e.code!r}) while making its step; a factory returns a "
+                            "Step (raise an exception to refuse its arguments)") from None
     return check(step, mesh, name)
 
 

@@ -57,7 +57,7 @@ FITTED_ON = "bench/serving.py, 2026-11-29"
 # How far this model falls from published serving measurements it was not fitted on, per chip kind (an estimate
 # quotes its own kind's; "all" where no rows are of its kind): the median and worst |predicted / published - 1| of
 # throughput, each source's rows predicted with the constants fitted without them (bench/serving.py, 2026-11-29)
-HELD_OUT_ERROR = {"gpu": (0.208, 1.860), "tpu": (0.074, 0.275), "all": (0.180, 1.860)}
+HELD_OUT_ERROR = {"gpu": (0.201, 1.871), "tpu": (0.074, 0.277), "all": (0.166, 1.871)}
 HELD_OUT_BASIS = {
     "gpu": "62 published serving runs on GPUs (TensorRT-LLM on H100 and H200)",
     "tpu": "8 published serving runs on TPUs (vLLM on v6e and TPU7x)",
@@ -69,7 +69,7 @@ def uncertainty(kind: str) -> tuple[float, float, str]:
     """(median, worst, basis) of the held-out error an estimate on a chip of `kind` quotes."""
     key = kind if kind in HELD_OUT_ERROR else "all"
     return (*HELD_OUT_ERROR[key], f"the median and worst error on {HELD_OUT_BASIS[key]}, each source held out of the "
-                                  "fit (bench/serving.py, 2026-11-29)")
+                                  "fit (bench/serving.py, 2026-11-30)")
 
 
 @dataclass(frozen=True)
@@ -354,11 +354,16 @@ def _local_heads(model: ModelConfig, sizes: dict[str, int]) -> float:
     return model.num_heads / split((model.num_heads,), ("heads",), sizes)[0]
 
 
-def _attention(model: ModelConfig, sizes: dict[str, int]) -> tuple[float, float]:
-    """(heads on one device, FLOPs per query per visible key per head: scores and context)."""
+def _attention(model: ModelConfig, sizes: dict[str, int], absorbed: bool = True) -> tuple[float, float]:
+    """(heads on one device, FLOPs per query per visible key per head: scores and context). MLA's decode attends in
+    the absorbed form (scores over the latent C and the rope part Dr, the context over C); its prefill, as the
+    training step, over the keys and values expanded from the latent (scores over the nope and rope dims, the
+    context over the value dim)."""
     H = _local_heads(model, sizes)
-    if model.attention_type is AttentionType.MLA:  # absorbed: scores over C + Dr, the context over C
-        return H, 2 * (model.kv_lora_rank + model.qk_rope_head_dim) + 2 * model.kv_lora_rank
+    if model.attention_type is AttentionType.MLA:
+        if absorbed:
+            return H, 2 * (model.kv_lora_rank + model.qk_rope_head_dim) + 2 * model.kv_lora_rank
+        return H, 2 * (model.qk_nope_head_dim + model.qk_rope_head_dim) + 2 * model.v_head_dim
     return H, 4 * model.head_dim
 
 
@@ -488,9 +493,11 @@ def prefill_phase(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip
             continue
         rows = tokens * (model.num_experts_per_tok / model.num_experts * sizes.get("expert", 1)
                          if x.expert_parallel else 1)
+        if x.name == "unembedding":  # the output head reads the last position of each prompt only
+            rows = b
         # the thin side: the rows, or the model width every projection reads or writes
         kernels.add(2 * n * rows, peak * matmul_efficiency(chip, min(rows, model.d_model)), n * nb)
-    H, per_key = _attention(model, sizes)
+    H, per_key = _attention(model, sizes, absorbed=False)
     pairs = sum(_prefill_pairs(P, w) for w in attention_rule.layer_masks(model))
     flash = chip.peak_flops(train.compute_dtype) * SHIPPED.fraction(chip) * FLASH_EFFICIENCY.get(chip.kind, 1.0)
     kernels.add(b * H * per_key * pairs, flash, b * P * cache_bytes_per_token(model, train, sizes))  # cache written

@@ -392,11 +392,13 @@ def _serving(artifact: Artifact, devices, *, steps: int, warmup: int, profile: b
     return {**result, "out_dir": str(out_dir)}
 
 
-def timed_steps(prepare: Callable[[int], Any], execute: Callable[[Any], float | None], warmup: int, steps: int,
-                times: list[float], losses: list[float], watchdog: Watchdog | None, say: Callable[[str], None]) -> None:
+def timed_steps(prepare: Callable[[int], Any], execute: Callable[[Any], float | Callable[[], float] | None],
+                warmup: int, steps: int, times: list[float], losses: list[float], watchdog: Watchdog | None,
+                say: Callable[[str], None]) -> None:
     """Runs `warmup` then `steps` steps, appending each timed step's seconds and loss to `times` and `losses` as it
     finishes (so an interrupted run keeps them): `prepare(i)` makes step i's input, untimed and ready on the
-    devices; `execute(input)` runs the step to completion and returns its loss (None: none recorded)."""
+    devices; `execute(input)` runs the step to completion and returns its loss, or a function that reads it, called
+    after the step is timed (None: none recorded)."""
     import jax
 
     for i in range(warmup + steps):
@@ -405,6 +407,8 @@ def timed_steps(prepare: Callable[[int], Any], execute: Callable[[Any], float | 
         t = time.perf_counter()
         loss = execute(given)
         elapsed = time.perf_counter() - t
+        if callable(loss):  # a loss read only once the step's time is taken
+            loss = loss()
         if watchdog:
             watchdog.beat(elapsed)
         if i >= warmup:

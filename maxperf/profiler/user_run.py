@@ -46,19 +46,40 @@ def check_arguments(made: tuple, wanted: tuple, who: str) -> None:
                                     f"{b.dtype}{list(b.shape)}")
 
 
+def _same(a: float | None, b: float | None) -> bool:
+    """Whether two optional figures agree (to rounding)."""
+    if not a or not b:
+        return not a and not b
+    return abs(a / b - 1) < 1e-9
+
+
 def default_carry(step: Step, name: str) -> Callable[[tuple, Any], tuple]:
-    """A step `(state, ...) -> (state, ...)`: its first result becomes its next first argument; a step that donates
-    nothing may take the same arguments again; any other needs `Step.carry`."""
+    """A step `(state, ...) -> (state, ...)`: its first result becomes its next first argument where it has that
+    argument's arrays (structure, shapes and dtypes); a step that donates nothing may take the same arguments again;
+    any other needs `Step.carry`."""
     import jax
 
+    def alike(new: Any, old: Any) -> bool:
+        if jax.tree.structure(new) != jax.tree.structure(old):
+            return False
+        return all(tuple(getattr(a, "shape", ())) == tuple(getattr(b, "shape", ()))
+                   and str(getattr(a, "dtype", "")) == str(getattr(b, "dtype", ""))
+                   for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old)))
+
+    others = [i for i in step.donate if i != 0]
+    if others:  # refused before the first step: a donated argument is gone once the step has run
+        raise UserStepError(f"--step {name} donates argument(s) {others}, which the default carry would pass to the "
+                            "next step after the step consumed them; give Step.carry(args, outputs) -> the next "
+                            "step's arguments, or donate only the first (the state)")
+
     def carry(args: tuple, outputs: Any) -> tuple:
-        if (isinstance(outputs, (tuple, list)) and outputs
-                and jax.tree.structure(outputs[0]) == jax.tree.structure(args[0])):
+        if isinstance(outputs, (tuple, list)) and outputs and alike(outputs[0], args[0]):
             return (outputs[0], *args[1:])
         if not step.donate:
             return args
         raise UserStepError(f"--step {name}: its results do not begin with a new value of its first (donated) "
-                            "argument; give Step.carry(args, outputs) -> the next step's arguments")
+                            "argument, of the same shapes and dtypes; give Step.carry(args, outputs) -> the next "
+                            "step's arguments")
 
     return carry
 
@@ -118,7 +139,7 @@ def run(artifact: Artifact, *, steps: int, warmup: int, profile: bool = False, d
             current["outputs"] = None
         return current["args"]
 
-    def execute(given: tuple) -> float | None:
+    def execute(given: tuple) -> Callable[[], float] | None:
         try:
             outputs = compiled(*given)
         except TypeError as e:  # jax's check of the arguments against the executable's
@@ -128,15 +149,29 @@ def run(artifact: Artifact, *, steps: int, warmup: int, profile: bool = False, d
             raise UserStepError(f"the arguments --step {name} makes no longer match the compiled executable (its "
                                 "factory or the words given to it changed since the compile)"
                                 + (f": {'; '.join(differ)}" if differ else "") + "; compile it again") from None
+        except ValueError as e:  # jax's check of the arguments' shardings against the executable's
+            if "shardings" not in str(e):
+                raise
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            detail = "; ".join(lines[1:3])[:400]
+            raise UserStepError(f"--step {name}'s arguments are not placed as the compiled step takes them (Step.init "
+                                "or Step.carry made arrays with other shardings than Step.args, or its out_shardings "
+                                "differ from them and the results were carried)"
+                                + (f": {detail}" if detail else "") + "; place them with jax.device_put(x, "
+                                "sharding) as Step.args are") from None
         jax.block_until_ready(outputs)
         current["outputs"] = outputs
         if step.loss is None:
             return None
-        try:
-            return float(step.loss(outputs))
-        except Exception as e:
-            raise UserStepError(f"Step.loss of --step {name} raised {first_line(e)} (--verbose shows its traceback)",
-                                traceback_text(e)) from None
+
+        def loss() -> float:  # read after the step's time is taken: Step.loss is the user's host code, not the step
+            try:
+                return float(step.loss(outputs))
+            except Exception as e:
+                raise UserStepError(f"Step.loss of --step {name} raised {first_line(e)} (--verbose shows its "
+                                    "traceback)", traceback_text(e)) from None
+
+        return loss
 
     watchdog = Watchdog(peer_timeout, devices[0].platform) if jax.process_count() > 1 else None
     times: list[float] = []
@@ -167,12 +202,20 @@ def run(artifact: Artifact, *, steps: int, warmup: int, profile: bool = False, d
                  *untuned_gpu_step(artifact.manifest)]
         if interrupted is not None:
             notes.insert(0, f"interrupted after {len(times)} of {steps} timed steps: the figures are of those")
-        per_device = step.model_flops / topology.num_devices if step.model_flops else None
+        # the compiled step's figures, as the compile recorded them: the factory called again here may give others
+        per_device = estimate.get("model_flops_per_device")
+        tokens = artifact.manifest.get("tokens_per_step")
+        now = step.model_flops / topology.num_devices if step.model_flops else None
+        if not _same(now, per_device) or not _same(step.tokens_per_step, tokens):
+            notes.append(f"--step {name} now gives model_flops {step.model_flops or 0:.4g} and tokens_per_step "
+                         f"{step.tokens_per_step or 0:.4g}, not those of the compile ("
+                         f"{(per_device or 0) * topology.num_devices:.4g} and {tokens or 0:.4g}): the figures here "
+                         "are the compiled step's; compile again if its work changed")
         result = RunResult(
             out_dir=out_dir, steps=len(times), warmup=warmup, step_times_s=times, step_time_s=median,
             step_time_p10_s=percentile(times, 0.1), step_time_p90_s=percentile(times, 0.9),
             step_time_min_s=min(times),
-            tokens_per_s=step.tokens_per_step / median if step.tokens_per_step else None,
+            tokens_per_s=tokens / median if tokens else None,
             tflops_per_device=per_device / median / 1e12 if per_device else None,
             mfu=per_device / (median * peak) if per_device else None, peak_flops_per_device=peak,
             peak_source=("calibrated by `maxperf calibrate`" if chip.calibrated else chip.note or "published"),

@@ -177,8 +177,8 @@ def search(model_name: str, topology_name: str, words: tuple[str, ...] = (), *, 
     where not pinned; `largest_batch`: the most sequences tried (default 1,024 a device; memory bounds it first)."""
     start = time.perf_counter()
     for bound, name in ((max_tpot_s, "--max-time-per-token"), (max_ttft_s, "--max-ttft")):
-        if bound is not None and bound <= 0:
-            raise MaxperfError(f"{name} must be > 0 ms, got {bound * 1e3:g}")
+        if bound is not None and not (bound > 0 and math.isfinite(bound)):
+            raise MaxperfError(f"{name} must be a finite number of ms > 0, got {bound * 1e3:g}")
     model = presets.get(model_name)
     topo = topologies.get(topology_name)
     if topo.num_slices > 1 or topo.platform == "cpu":

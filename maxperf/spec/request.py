@@ -99,8 +99,8 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     if configs.model.is_moe and configs.train.sparse_matmul and quantized:
         notes += (f"quantization={configs.train.quantization} with the dropless (sparse_matmul) experts: priced as "
                   "MaxText runs it, its grouped matmul quantized (megablox's int8, Qwix's FP8 rule); `maxperf "
-                  "compile` does not build that kernel and refuses the step (sparse_matmul=false, the capacity "
-                  "einsums, it compiles quantized)",)
+                  "compile` of the train step does not build that kernel and refuses it (sparse_matmul=false, the "
+                  "capacity einsums, it compiles quantized); the serving steps (--step prefill|decode) compile it",)
     if unread := unread_remat_keys(configs.train):
         notes += (f"{', '.join(unread)} place tensors only under remat_policy=custom, as in MaxText; under "
                   f"remat_policy={configs.train.remat_policy} they change nothing (set remat_policy=custom to apply "
