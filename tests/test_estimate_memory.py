@@ -573,3 +573,31 @@ def test_max_batch_says_which_fraction_fits_where_one_sequence_per_device_does_n
     assert cli.main(["estimate-memory", "--analytical-only", "--max-batch", "--json", *words]) == 3
     assert json.loads(capsys.readouterr().out)["fractional"]["per_device_batch_size"] == 0.5
     assert cli.main(["estimate-memory", "--analytical-only", *words, "per_device_batch_size=0.5"]) == 0
+
+
+def test_logits_dot_in_fp32_holds_float32_logits_beside_the_compute_dtypes():
+    """The compiler's temporaries grow by 4 bytes a logit (llama3-8b, 2 layers, B 4 on v5p-8: 3.57 to 7.51 GiB): the
+    analytical memory with them, not the same figure whatever the key says."""
+    from maxperf.perfmodel.estimate import estimate
+    from maxperf.spec.request import resolve
+
+    words = ["num_layers=2", "per_device_batch_size=4"]
+    plain = estimate(resolve("v5p-8", "llama3-8b", words)).memory
+    fp32 = estimate(resolve("v5p-8", "llama3-8b", [*words, "logits_dot_in_fp32=true"])).memory
+    assert fp32.logits - plain.logits == pytest.approx(4 * 4 * 2048 * 128256, rel=1e-6)
+
+
+def test_pinned_host_memory_past_the_hosts_is_said():
+    """Offloaded activations live in the hosts' memory: 370 GiB a v5p chip (llama3-70b, B 4, L 8192, every
+    projection offloaded) is past the 112 GB a chip of a 448 GB 4-chip host has, which a note says; the 70B Trillium
+    recipe's 45 GiB a chip is within its 192 GiB."""
+    from maxperf.perfmodel.estimate import estimate
+    from maxperf.spec.request import resolve
+
+    over = estimate(resolve("v5p-512", "llama3-70b", ["per_device_batch_size=4", "max_target_length=8192",
+                                                      "remat_policy=minimal_offloaded"]))
+    assert any("passes the 104 GiB of host memory a tpu-v5p chip has" in n for n in over.notes), over.notes
+    within = estimate(resolve("v6e-32", "llama3.1-70b", ["per_device_batch_size=2", "max_target_length=8192",
+                                                         "remat_policy=custom", "decoder_layer_input=offload",
+                                                         "query_proj=offload"]))
+    assert within.memory.host_bytes > 0 and not any("host memory" in n for n in within.notes)

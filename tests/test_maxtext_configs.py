@@ -152,7 +152,8 @@ def test_a_quantized_dropless_moe_is_priced_as_maxtext_runs_it_and_says_compile_
     from maxperf.spec.request import resolve
 
     notes = resolve("v5p-128", "mixtral-8x7b", ["quantization=int8"]).warnings
-    assert any("dropless" in n and "`maxperf compile` does not build that kernel" in n for n in notes), notes
+    assert any("dropless" in n and "of the train step does not build that kernel" in n
+               and "the serving steps (--step prefill|decode) compile it" in n for n in notes), notes
     assert not any("dropless" in n for n in resolve("v5p-128", "mixtral-8x7b", []).warnings)
 
 
@@ -165,3 +166,55 @@ def test_scan_layers_false_with_pipeline_stages_is_maxtexts_pipeline():
     unscanned = resolve("v5p-16", "llama2-7b", [*words, "scan_layers=false"])
     assert unscanned.configs.train == resolve("v5p-16", "llama2-7b", words).configs.train
     assert any(w.startswith("scan_layers=false with pipeline stages") for w in unscanned.warnings)
+
+
+def test_maxtexts_soft_caps_at_zero_are_off_and_its_activation_lists_and_defaults_are_read():
+    """MaxText caps logits only above zero (base.yml's 0.0 is no cap: applied as a cap of 0 every logit was 0 and the
+    loss NaN); its mlp_activations are lists; its transpose-tensor axes, rope_min_timescale and a clamp of -1 are
+    its defaults; local_rope_max_timescale is the sliding layers' RoPE base."""
+    from maxperf.spec import maxtext_line
+    from maxperf.spec.errors import MaxperfError
+    from maxperf.spec.request import resolve
+
+    line = maxtext_line.read(["attn_logits_soft_cap=0.0", "final_logits_soft_cap=0",
+                              'mlp_activations=["gelu","linear"]',
+                              "mlp_activations_limit=-1", "ici_tensor_transpose_parallelism=1", "rope_min_timescale=1"])
+    assert line.overrides == ("attn_logit_softcap=none", "final_logit_softcap=none", "mlp_activations=geglu")
+    assert set(line.ignored) == {"mlp_activations_limit", "ici_tensor_transpose_parallelism", "rope_min_timescale"}
+    model = resolve("cpu-2", "gemma2-2b", list(line.overrides)).model
+    assert model.attn_logit_softcap is None and model.final_logit_softcap is None and str(model.activation) == "geglu"
+    assert maxtext_line.read(["attn_logits_soft_cap=50"]).overrides == ("attn_logits_soft_cap=50",)
+    with pytest.raises(MaxperfError, match="builds \\[silu, linear\\]"):
+        maxtext_line.read(['mlp_activations=["relu"]'])
+    assert resolve("cpu-2", "gemma3-1b", ["local_rope_max_timescale=20000"]).model.local_rope_theta == 20000
+
+
+def test_a_maxtext_config_file_is_read_with_its_base_and_the_line_overrides_it(tmp_path):
+    """A config other than base.yml (MaxText's configs/models/gpu/*.yml) gives its keys, after those of the file its
+    base_config names and before the line's own words; a file that is not there is refused, not taken as base.yml."""
+    from maxperf.spec import maxtext_line
+    from maxperf.spec.errors import MaxperfError
+
+    (tmp_path / "parent.yml").write_text('base_config: "base.yml"\nmax_target_length: 4096\nremat_policy: "full"\n')
+    child = tmp_path / "child.yml"
+    child.write_text('base_config: "parent.yml"\nmodel_name: "llama3-70b"\nper_device_batch_size: 4\n'
+                     'max_target_length: 8192\nuse_iota_embed: True\nsteps: 30\n')
+    line = maxtext_line.read([str(child), "per_device_batch_size=2", "compile_topology=a3",
+                              "compile_topology_num_slices=2"])
+    assert line.model == "llama3-70b" and line.topology == "h100-8" and line.num_slices == 2
+    words = list(line.overrides)
+    assert "max_target_length=8192" in words and "max_target_length=4096" not in words  # the child's value
+    assert words[-1] == "per_device_batch_size=2" and "remat_policy=full" in words and "use_iota_embed=true" in words
+    assert "steps" in line.ignored
+    with pytest.raises(MaxperfError, match="no such MaxText config file"):
+        maxtext_line.read([str(tmp_path / "missing.yml")])
+    assert maxtext_line.read(["maxtext/configs/base.yml"]).overrides == maxtext_line.BASE_YML_DEFAULTS
+
+
+def test_mixtral_experts_are_base_mlp_dim_wide_as_in_maxtexts_mixtral_block():
+    from maxperf.spec.errors import MaxperfError
+    from maxperf.spec.request import resolve
+
+    assert resolve("v5p-64", "mixtral-8x7b", ["base_mlp_dim=7168"]).model.moe_mlp_dim == 7168
+    with pytest.raises(MaxperfError, match="mixtral block"):
+        resolve("v5p-64", "mixtral-8x7b", ["shared_experts=1"])

@@ -331,3 +331,16 @@ def test_a_default_carry_does_not_feed_a_loss_back_as_the_state():
     step = user_step.Step(fn=lambda w, x: (jnp.sum(w * x), x), args=(jax.ShapeDtypeStruct((4,), jnp.float32),) * 2)
     carried = default_carry(step, "m:f")((w, x), (jnp.float32(1.0), x))
     assert carried[0].shape == (4,)
+
+
+def test_a_sweep_point_of_a_user_step_is_keyed_by_its_factorys_source(tmp_path, monkeypatch):
+    """The same words over a changed factory are another step: its sweep point is computed again, not resumed."""
+    from maxperf.search.sweep import Point, point_key
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "keyed_step.py").write_text("def make_step(mesh, layers: int = 2):\n    return None\n")
+    point = Point("cpu-1", 1, ("d=64",))
+    before = point_key("keyed_step:make_step", point, False)
+    (tmp_path / "keyed_step.py").write_text("def make_step(mesh, layers: int = 8):\n    return None\n")
+    after = point_key("keyed_step:make_step", point, False)
+    assert before["step_source_sha256"] and before != after

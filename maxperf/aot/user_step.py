@@ -100,6 +100,23 @@ def _importable_from_here():
             sys.path.remove(cwd)
 
 
+def source_digest(name: StepName) -> str | None:
+    """The sha256 of the file that defines the factory's module (found as `load_factory` imports it, not imported),
+    or None where it is not found: a sweep's point of a user step is computed again when it changes."""
+    import hashlib
+
+    try:
+        with _importable_from_here():
+            if name.module.endswith(".py"):
+                path = Path(name.module)
+            else:
+                spec = importlib.util.find_spec(name.module)
+                path = Path(spec.origin) if spec is not None and spec.origin else None
+        return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None and path.is_file() else None
+    except (ImportError, ValueError, OSError):
+        return None
+
+
 def load_factory(name: StepName) -> Callable[..., Any]:
     """The factory function `name` names, imported; a UserStepError saying what was expected where it fails."""
     where = f"--step {name}"

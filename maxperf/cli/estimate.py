@@ -51,6 +51,8 @@ def cmd_estimate(args) -> int:
         print(f"  uncertainty      +-{est.uncertainty.relative:.0%}: {est.uncertainty.basis}")
     if est.chip_note:
         print(f"  note: {est.chip_note}")
+    for note in est.notes:  # the fallbacks that change the figures, host memory past the hosts'
+        print(f"  note: {note}")
     if est.assumptions:
         print("  assumptions:     " + "\n                   ".join(est.assumptions))
     width = max([len("component"), *(len(row.name) for row in est.breakdown)])

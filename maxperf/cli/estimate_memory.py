@@ -242,6 +242,10 @@ def _print_comparison(cmp) -> None:
     if a.host_bytes or host_c:
         print(f"  {'pinned host memory':<28} {_gib(a.host_bytes):>9}    {'pinned host memory':<30} "
               f"{_gib(host_c) if c else 'not compiled':>9}")
+        from maxperf.perfmodel.estimate import host_memory_notes
+
+        for note in host_memory_notes(p.topology, max(a.host_bytes, host_c or 0)):
+            print(f"  note: {note}")
     state, saved = dict(a.state_blocks), dict(a.activation_blocks)
     if state.get("experts") or saved.get("experts"):  # a mixture of experts: where the state and activations sit
         print("  by block (analytical)        state    saved activations")

@@ -87,8 +87,8 @@ def _verify_serving(result, args, out: Path, say) -> None:
     from maxperf.spec.errors import DoesNotFit
 
     compile_only_environment(args.topology)
-    for i, layout in enumerate(result.meeting[:args.verify]):
-        say(f"compiling layout {i + 1} of {min(args.verify, len(result.meeting))}: {layout.as_dict()['mesh']}, "
+    for i, layout in enumerate(list(result.meeting[:args.verify])):
+        say(f"compiling layout {i + 1} of {min(args.verify, len(result.meeting) + i)}: {layout.as_dict()['mesh']}, "
             f"{layout.batch} sequences")
         words = [*result.pinned, *layout.words(result.devices)]
         try:
@@ -102,6 +102,7 @@ def _verify_serving(result, args, out: Path, say) -> None:
                                 "hbm_bytes": memory.get("hbm_bytes")})
         if fits:
             return
+        result.reject(layout)  # the ranking and the front go on without it
     shutil.rmtree(out / "winner", ignore_errors=True)  # no layout compiled fits: no winner's artifact
 
 

@@ -125,6 +125,20 @@ def default_overlap(chip: chips.Chip) -> Overlap:
 _OVERLAP, _CPU_OVERLAP = Overlap(), Overlap.uniform(cpu.OVERLAP)  # frozen: one each serves every estimate
 
 
+def host_memory_notes(topology: Topology, host_bytes_per_device: float) -> tuple[str, ...]:
+    """A line where the pinned host memory a chip's devices use passes the host memory a chip has
+    (hardware.HOST_MEMORY_PER_CHIP, where published): the offload would not fit on the hosts."""
+    from maxperf.spec.hardware import HOST_MEMORY_PER_CHIP
+
+    per_chip = HOST_MEMORY_PER_CHIP.get(topology.chip)
+    used = host_bytes_per_device * topology.num_devices / topology.chips
+    if per_chip is None or used <= per_chip:
+        return ()
+    return (f"pinned host memory {used / 2**30:.1f} GiB a chip passes the {per_chip / 2**30:.0f} GiB of host memory "
+            f"a {topology.chip} chip has ({used * topology.chips_per_host / 2**30:.0f} GiB a host): the offloaded "
+            "tensors would not fit on the hosts; offload less (remat_policy) or use more chips",)
+
+
 def fallback_notes(topology: Topology, chip: chips.Chip, calibration: StoredCalibration | None) -> tuple[str, ...]:
     """What the prediction stands on that is not the real thing: CPU peaks without a usable calibration, a GPU's
     memory from its datasheet where the target spec it compiles for would say."""
@@ -179,6 +193,7 @@ def estimate(request: Request, *, overlap: Overlap | float | None = None,
         bottleneck=time.bottleneck, breakdown=time.rows, params=params, flops=flops, time=time, peak_flops=peak,
         peaks_calibrated=chip.calibrated, chip_note=chip.note, overlap=overlap,
         calibration=cal.record() if cal is not None and chip.kind == "cpu" else None,
-        notes=fallback_notes(topology, chip, cal), assumptions=time.assumptions,
+        notes=fallback_notes(topology, chip, cal) + host_memory_notes(topology, memory.host_bytes),
+        assumptions=time.assumptions,
         uncertainty=uncertainty(chip, constants, model.is_moe, fp8_recipe(str(train.quantization)) is not None),
     )

@@ -21,12 +21,24 @@ METRICS = (
 HIDDEN_COLUMNS = ("schema", "key")  # the point's name says the same, shorter
 
 
+def _batch(row) -> float | None:
+    """A point's global batch; for a user's step, whose results have no such column, its units (tokens, images) per
+    step: its throughput times its step time (None where it gives no throughput)."""
+    v = row.get("global_batch")
+    if v is not None and v == v:
+        return float(v)
+    rate, step = row.get("predicted_tokens_per_s"), row.get("predicted_step_time_s")
+    if rate is None or step is None or rate != rate or step != step or not rate:
+        return None
+    return round(float(rate) * float(step), 6)
+
+
 class _Point:
     def __init__(self, row, column: str):
         self.row = row
         self.chips = int(row["chips"])
-        batch = row.get("global_batch")  # a user's step's sweep has no such column
-        self.global_batch = float(batch) if batch is not None and batch == batch else 1.0
+        batch = _batch(row)
+        self.global_batch = batch if batch is not None else 1.0
         v = row.get(column)
         self.value = None if v is None or v != v else float(v)
 
@@ -182,9 +194,9 @@ def _efficiency(page: Page, s: Section, ok) -> None:
     for chip, name, g in _lines(ok):
         base = g.iloc[0]
 
-        def batch(r):  # a user step's results have no global batch of tokens
-            v = r.get("global_batch")
-            return None if v is None or v != v else int(v)
+        def batch(r):
+            v = _batch(r)
+            return None if v is None else round(v)
 
         def rate(r):
             v = r.get("predicted_tokens_per_s")

@@ -31,6 +31,7 @@ from maxperf.spec import topology as topologies
 from maxperf.spec.errors import DoesNotFit, MaxperfError
 from maxperf.spec.hardware import CHIPS
 from maxperf.spec.mesh import Mesh
+from maxperf.spec.model import AttentionType
 from maxperf.spec.train import Quantization
 
 SCHEMA = "maxperf.serving-plan/1"
@@ -85,16 +86,26 @@ class ServingPlan:
     pareto: list[Layout] = field(default_factory=list)  # by time per token
     closest: Layout | None = None
     search_seconds: float = 0.0
+    pinned_batch: int | None = None  # the sequences per_device_batch_size pinned
+    most_that_fit: int = 0  # the most sequences any searched layout holds
     # the layouts compiled to verify the winner, in rank order: their compile lines, the compiler's per-device total
     # and whether it fits (`maxperf plan --step decode --verify N`); the winner is the first that fits
     verified: list[dict[str, Any]] = field(default_factory=list)
 
+    # the layouts the analytical memory fits whose compiles did not (`--verify`): out of `meeting` and `pareto`
+    rejected: list[Layout] = field(default_factory=list)
+
     @property
     def winner(self) -> Layout | None:
-        if self.verified:
-            fitting = [i for i, v in enumerate(self.verified) if v["fits"]]
-            return self.meeting[fitting[0]] if fitting else None
+        if self.verified and not any(v["fits"] for v in self.verified):
+            return None
         return self.meeting[0] if self.meeting else None
+
+    def reject(self, layout: Layout) -> None:
+        """A layout compiled by --verify to more than the device holds: no longer ranked, nor on the Pareto front."""
+        self.rejected.append(layout)
+        self.meeting = [x for x in self.meeting if x != layout]
+        self.pareto = [x for x in self.pareto if x != layout]
 
     def compile_line(self, layout: Layout) -> str:
         return ("maxperf compile --step decode --model " + self.model + " --topology " + self.topology + " "
@@ -107,7 +118,8 @@ class ServingPlan:
                 "winner": None if self.winner is None else {**self.winner.as_dict(),
                                                             "compile": self.compile_line(self.winner)},
                 "top": [x.as_dict() for x in self.meeting[:20]], "pareto": [x.as_dict() for x in self.pareto],
-                "closest": None if self.closest is None else self.closest.as_dict(), "verified": self.verified}
+                "closest": None if self.closest is None else self.closest.as_dict(), "verified": self.verified,
+                "rejected_by_compiler": [x.as_dict() for x in self.rejected]}
 
 
 def _check_pins(train, par) -> None:
@@ -130,19 +142,21 @@ def _check_pins(train, par) -> None:
                            "mesh)")
 
 
-def _meshes(per_domain: int, domains: int, model, pins: dict[str, int], dcn_pins: dict[str, int]
-            ) -> list[tuple[dict[str, int], dict[str, int]]]:
+def _meshes(per_domain: int, domains: int, model, pins: dict[str, int], dcn_pins: dict[str, int],
+            tpu: bool = False) -> list[tuple[dict[str, int], dict[str, int]]]:
     """(each axis's whole size, its size across domains): data x tensor x expert inside a domain of `per_domain`
     devices, data x expert across the `domains`, tensor dividing the query heads and expert the experts (an axis
-    that divides nothing would replicate what it was meant to split)."""
+    that divides nothing would replicate what it was meant to split); on a TPU (`tpu`) tensor at most the KV
+    heads."""
     out = []
     for de in (divisors(domains) if model.is_moe else [1]):
         dcn = {"data": domains // de, "tensor": 1, "expert": de}
         if any(dcn[a] != n for a, n in dcn_pins.items()):
             continue
         for t in divisors(per_domain):
-            if model.num_heads % t:
-                continue
+            past_kv = t > model.num_kv_heads and model.attention_type is not AttentionType.MLA
+            if model.num_heads % t or (tpu and past_kv):
+                continue  # on a TPU tensor past the KV heads compiles to a second copy of the cache (serving_warnings)
             for e in (divisors(per_domain // t) if model.is_moe else [1]):
                 if model.is_moe and model.num_experts % (e * de):
                     continue
@@ -186,7 +200,10 @@ def search(model_name: str, topology_name: str, words: tuple[str, ...] = (), *, 
     configs = overrides_mod.apply(model, list(words))
     model, train, par = configs.model, configs.train, configs.parallelism
     _check_pins(train, par)
-    pins = {a: n for a in ("data", "tensor", "expert") if (n := getattr(par, f"ici_{a}")) not in (1, -1)}
+    # an axis the words set is pinned, at 1 too (1 is also the default, so the value alone cannot tell); -1 fills
+    given = {overrides_mod.ALIASES.get(k, k) for k in (w.partition("=")[0] for w in words)}
+    pins = {a: n for a in ("data", "tensor", "expert")
+            if (n := getattr(par, f"ici_{a}")) != -1 and (n != 1 or f"ici_{a}" in given)}
     dcn_pins = {a: n for a in ("data", "tensor", "expert") if (n := getattr(par, f"dcn_{a}")) not in (1, -1)}
     if dcn_pins.get("tensor", 1) > 1:
         raise MaxperfError("plan --step decode keeps tensor parallelism inside a fast-interconnect domain: drop "
@@ -203,7 +220,7 @@ def search(model_name: str, topology_name: str, words: tuple[str, ...] = (), *, 
                        tuple(w for w in words if not w.startswith(("ici_", "per_device_batch_size=", "quantization=",
                                                                    "quantize_kvcache="))))
     layouts: list[Layout] = []
-    meshes = _meshes(topo.devices_per_ici_domain, topo.ici_domains, model, pins, dcn_pins)
+    meshes = _meshes(topo.devices_per_ici_domain, topo.ici_domains, model, pins, dcn_pins, topo.platform == "tpu")
     if not meshes:
         given = ", ".join(f"ici_{a}_parallelism={n}" for a, n in pins.items())
         given += "".join(f", dcn_{a}_parallelism={n}" for a, n in dcn_pins.items())
@@ -219,6 +236,8 @@ def search(model_name: str, topology_name: str, words: tuple[str, ...] = (), *, 
         raise MaxperfError(f"a batch of {B} sequences (per_device_batch_size={train.per_device_batch_size:g} x "
                            f"{devices} devices) splits over no searched mesh's batch shards (data x expert): pin a "
                            "batch they divide, or leave it to the search")
+    if pinned_batch:
+        plan.pinned_batch = train.micro_batch(devices)
     for axes, dcn in meshes:
         mesh = Mesh.of(axes, dcn or None).check(topo)
         shards = axes["data"] * axes["expert"]
@@ -226,6 +245,7 @@ def search(model_name: str, topology_name: str, words: tuple[str, ...] = (), *, 
             t = dataclasses.replace(train, quantization=Quantization(precision), quantize_kvcache=kv_int8)
             top = serving.max_batch_per_device(model, t, mesh, chip.hbm_bytes, platform=chip.kind) * devices
             ceiling = min(largest_batch, int(top)) if math.isfinite(top) else largest_batch
+            plan.most_that_fit = max(plan.most_that_fit, ceiling - ceiling % shards)
             batches = ([train.micro_batch(devices)] if pinned_batch else _batches(shards, max(ceiling, shards)))
             for B in batches:
                 if B % shards:
@@ -262,6 +282,11 @@ def _rounded_up(ms: float) -> str:
 
 def miss_line(plan: ServingPlan) -> str:
     """Why no layout is given, and what the closest would need."""
+    if plan.closest is None and plan.pinned_batch and plan.most_that_fit:
+        return (f"no layout of {plan.model} fits the pinned {plan.pinned_batch} sequences on {plan.topology} "
+                f"({plan.candidates} tried); the most a searched layout holds is {plan.most_that_fit} "
+                f"(per_device_batch_size={plan.most_that_fit / plan.devices:g}): pin fewer, or leave the batch to "
+                "the search")
     if plan.closest is None:
         return (f"no layout of {plan.model} fits on {plan.topology} ({plan.candidates} tried): more or larger "
                 "chips, or int8 / fp8 weights (quantization=auto)")

@@ -92,10 +92,17 @@ class SweepResult:
 
 def point_key(model: str, point: Point, analytical_only: bool,
               calibration: StoredCalibration | None = None) -> dict[str, Any]:
-    """Everything that decides a point's result: a point.json with another key is computed again."""
-    return {"model": model, "analytical_only": analytical_only, "topology": point.topology,
-            "num_slices": point.num_slices, "overrides": list(point.overrides),
-            "calibration_sha256": calibration.sha256 if calibration is not None else None}
+    """Everything that decides a point's result: a point.json with another key is computed again (a user's step by
+    the file that defines its factory too: the same words over changed code are another step)."""
+    key = {"model": model, "analytical_only": analytical_only, "topology": point.topology,
+           "num_slices": point.num_slices, "overrides": list(point.overrides),
+           "calibration_sha256": calibration.sha256 if calibration is not None else None}
+    if is_user_step(model):
+        from maxperf.aot.user_step import source_digest
+        from maxperf.spec.steps import parse_step
+
+        key["step_source_sha256"] = source_digest(parse_step(model))
+    return key
 
 
 def is_user_step(model: str) -> bool:

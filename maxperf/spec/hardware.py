@@ -284,6 +284,12 @@ def _cpu_chip() -> Chip:
 
 CHIPS: dict[str, Chip] = {c.name: c for c in [*_TPUS, *_GPUS, _cpu_chip()]}
 
+# Host memory per chip, bytes: what pinned host memory (offloaded activations and state) shares with the host's own
+# use. [v5e] "DRAM per host 512 GiB", 8 chips per host; [v5p] "RAM (GB) (4-chip VM) 448"; [v6e] "DRAM per host
+# 1536 GiB", 8 chips per host; [dgxh100] DGX H100: 2 TB of system memory for its 8 GPUs. Others unpublished here.
+HOST_MEMORY_PER_CHIP = {"tpu-v5e": 512 * GiB / 8, "tpu-v5p": 448e9 / 4, "tpu-v6e": 1536 * GiB / 8,
+                        "h100-sxm": 2e12 / 8, "h200": 2e12 / 8}
+
 # One direction of each chip's link to host memory, bytes/s (Chip.host_link_bandwidth).
 HOST_LINK_BANDWIDTH = {
     # [book] part 2: "PCIe bandwidth is typically around 1.6e10 bytes / second per TPU (3.2e10 for TPU v6e)", whose

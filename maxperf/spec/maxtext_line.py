@@ -8,8 +8,10 @@ reproduced; every other word is a key=value override as before."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from maxperf.spec import presets
 from maxperf.spec.errors import MaxperfError, closest
@@ -72,6 +74,13 @@ DROPOUT_RATE, DROPOUT_SWITCH = "dropout_rate", "enable_dropout"
 # at gradient_clipping_threshold <= 0, a schedule as long as the run (its `steps`) at learning_rate_schedule_steps=-1,
 # the slices found at run time at num_slices=-1
 CLIP_KEY, SCHEDULE_KEY, RUNTIME_SLICES_KEY = "gradient_clipping_threshold", "learning_rate_schedule_steps", "num_slices"
+# MaxText's logit soft caps, off at 0.0 (base.yml's default; layers/attentions.py caps only when the value is > 0):
+# maxperf's keys hold no cap as none
+SOFT_CAPS = {"attn_logits_soft_cap": "attn_logit_softcap", "final_logits_soft_cap": "final_logit_softcap"}
+# mlp_activations as MaxText lists them (base.yml: ["silu", "linear"], a gated unit's two branches): maxperf's names
+ACTIVATION_LISTS = {("silu", "linear"): "swiglu", ("gelu", "linear"): "geglu", ("gelu",): "gelu"}
+# gpt-oss's clamp (mlp_activations_limit), off at -1 (base.yml's default): only activation=clamped_swiglu reads it
+ACTIVATION_LIMIT = "mlp_activations_limit"
 # The decoder block MaxText's model config (configs/models/*.yml) sets for each preset it has; base.yml's default,
 # llama2, for its default model (maxperf's scaled family). `decoder_block=` restating it changes nothing.
 DECODER_BLOCKS = {
@@ -143,6 +152,7 @@ DEFAULT_ONLY: dict[str, str] = {
     # no tensor-sequence mesh axis; context parallelism gathers the keys and values whole (models/layers/attention.py),
     # MaxText's default strategy; the causal mask as MaxText's default builds it; one kind of layer throughout
     "ici_tensor_sequence_parallelism": "1", "dcn_tensor_sequence_parallelism": "1",
+    "ici_tensor_transpose_parallelism": "1", "dcn_tensor_transpose_parallelism": "1", "rope_min_timescale": "1",
     "context_parallel_strategy": "all_gather", "enable_padding_causal_mask": "true",
     "inhomogeneous_layer_cycle_interval": "1",
     # remat_policy=custom's names of the experts' and MLA's tensors: maxperf recomputes them (MaxText's default)
@@ -162,6 +172,9 @@ BASE_YML_DEFAULTS = ("per_device_batch_size=12", "learning_rate=3e-5", "load_bal
 MODEL_KEY, SCALE_KEY = "model_name", "global_parameter_scale"
 QUANTIZED_CHECKPOINT = "checkpoint_is_quantized"
 TOPOLOGY_KEY, SLICES_KEY = "compile_topology", "compile_topology_num_slices"
+# MaxText's GPU machines for train_compile (accelerator_to_spec_map: 8 GPUs a host, compile_topology_num_slices hosts;
+# `maxperf plan` writes them so): maxperf's topology of one host, --num-slices hosts (h100-8 x N is h100-8xN)
+GPU_HOSTS = {"a3": "h100-8", "a4": "b200-8"}
 
 
 @dataclass(frozen=True)
@@ -187,7 +200,7 @@ def read(words: Sequence[str]) -> Line:
     overrides, ignored, untuned, layouts = [], [], [], []
     config_file = ""
     found: dict[str, str] = {}
-    for word in words:
+    for word in _with_config_files(words):
         key, eq, value = word.partition("=")
         if not eq:
             if word.endswith((".yml", ".yaml")):  # MaxText's config file: its defaults (BASE_YML_DEFAULTS)
@@ -225,6 +238,12 @@ def read(words: Sequence[str]) -> Line:
             ignored.append(key)
         elif key == CLIP_KEY and _number(key, value) <= 0:  # MaxText clips only above zero
             overrides.append("grad_clip_norm=none")
+        elif key in SOFT_CAPS and _number(key, value) <= 0:  # MaxText caps only above zero
+            overrides.append(f"{SOFT_CAPS[key]}=none")
+        elif key == ACTIVATION_LIMIT and _number(key, value) < 0:
+            ignored.append(key)
+        elif key == "mlp_activations" and value.strip().startswith("["):
+            overrides.append(f"{key}={_activation_list(value)}")
         elif key in (SCHEDULE_KEY, RUNTIME_SLICES_KEY) and _number(key, value) == -1:
             ignored.append(key)
         elif key == RUNTIME_SLICES_KEY:
@@ -237,6 +256,8 @@ def read(words: Sequence[str]) -> Line:
             _found(found, key, value)
         else:
             overrides.append(word)
+    if found.get(TOPOLOGY_KEY) in GPU_HOSTS:  # a GPU machine: its hosts are MaxText's slices
+        found[TOPOLOGY_KEY] = GPU_HOSTS[found[TOPOLOGY_KEY]]
     model_key = SCALE_KEY if SCALE_KEY in found and found.get(MODEL_KEY) in (None, "default") else MODEL_KEY
     slices_key = SLICES_KEY if SLICES_KEY in found else RUNTIME_SLICES_KEY
     if config_file:
@@ -245,6 +266,67 @@ def read(words: Sequence[str]) -> Line:
                 tuple(untuned), tuple(layouts), found.get(DECODER_BLOCK_KEY),
                 f"{model_key}={found[model_key]}" if model_key in found else "",
                 f"{slices_key}={found[slices_key]}" if slices_key in found else "", config_file)
+
+
+BASE_FILES = ("base.yml", "base.yaml")
+
+
+def _with_config_files(words: Sequence[str]) -> list[str]:
+    """The words with each MaxText config file other than base.yml followed by its keys (`key=value`, after the
+    files its `base_config` names, before the line's own words, which override them as in MaxText); base.yml stands
+    for its defaults (BASE_YML_DEFAULTS), read or not. A config file that is not there is a MaxperfError."""
+    out: list[str] = []
+    for word in words:
+        out.append(word)
+        if "=" in word or not word.endswith((".yml", ".yaml")) or Path(word).name in BASE_FILES:
+            continue
+        out.extend(f"{k}={_yaml_word(v)}" for k, v in _config_keys(Path(word), ()).items() if v is not None)
+    return out
+
+
+def _config_keys(path: Path, seen: tuple[Path, ...]) -> dict:
+    """A MaxText config file's keys over those of the files its `base_config` names (base.yml's: its defaults)."""
+    import yaml
+
+    if not path.is_file():
+        raise MaxperfError(f"{path}: no such MaxText config file; give its path (maxperf reads its keys), or name "
+                           "configs/base.yml with the keys as words")
+    if path.resolve() in seen:
+        raise MaxperfError(f"{path}: its base_config names itself again ({' -> '.join(map(str, seen))})")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise MaxperfError(f"{path}: not a readable YAML config ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise MaxperfError(f"{path}: a MaxText config is a mapping of keys to values, got a {type(data).__name__}")
+    base = data.pop("base_config", None)
+    keys: dict = {}
+    if base and Path(str(base)).name not in BASE_FILES:
+        keys.update(_config_keys(path.parent / str(base), (*seen, path.resolve())))
+    keys.update(data)
+    return keys
+
+
+def _yaml_word(value) -> str:
+    """A YAML value as a key=value word's value: true/false, a list as JSON, anything else as it prints."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return json.dumps(list(value))
+    return str(value)
+
+
+def _activation_list(value: str) -> str:
+    """MaxText's mlp_activations list (["silu", "linear"]) as maxperf's activation name; a MaxperfError naming the
+    lists maxperf builds for any other."""
+    try:
+        names = tuple(str(v).strip().lower() for v in json.loads(value.replace("'", '"')))
+    except (ValueError, TypeError):
+        names = tuple(v.strip().strip("'\"").lower() for v in value.strip().strip("[]").split(",") if v.strip())
+    if names not in ACTIVATION_LISTS:
+        known = ", ".join(f"[{', '.join(k)}]" for k in ACTIVATION_LISTS)
+        raise MaxperfError(f"mlp_activations={value}: maxperf builds {known} (or activation=clamped_swiglu)")
+    return ACTIVATION_LISTS[names]
 
 
 def _found(found: dict[str, str], key: str, value: str) -> None:

@@ -53,6 +53,7 @@ ALIASES = {
     "sliding_window_size": "window",
     "logits_via_embedding": "tie_embeddings",
     "rope_max_timescale": "rope_theta",
+    "local_rope_max_timescale": "local_rope_theta",
     "final_logits_soft_cap": "final_logit_softcap",
     "attn_logits_soft_cap": "attn_logit_softcap",
     "use_qk_norm": "qk_norm",
@@ -185,6 +186,11 @@ class Configs:
     parallelism: ParallelismConfig
 
 
+# MaxText's mixtral block (models/mixtral.py) makes its experts `mlp_dim` wide and adds no shared expert: these keys
+# are not read there
+MIXTRAL_UNREAD = frozenset({"base_moe_mlp_dim", "shared_experts"})
+
+
 def apply(model: ModelConfig, words: list[str], train: TrainConfig | None = None,
           parallelism: ParallelismConfig | None = None) -> Configs:
     """Applies `key=value` words; an unknown key or a bad value raises MaxperfError naming what is valid."""
@@ -200,6 +206,10 @@ def apply(model: ModelConfig, words: list[str], train: TrainConfig | None = None
             hits = closest(key, [*fields, *ALIASES])
             hint = f"did you mean {', '.join(hits)}?" if hits else "`maxperf keys` lists the valid keys"
             raise MaxperfError(f"unknown override key {key!r}; {hint}")
+        if name in MIXTRAL_UNREAD and model.name.startswith("mixtral"):
+            raise MaxperfError(f"{key}={text}: MaxText's mixtral block builds its experts base_mlp_dim wide and has no "
+                               "shared experts, whatever base_moe_mlp_dim and shared_experts say: give base_mlp_dim "
+                               "for the experts' width")
         part, kind = fields[name]
         value = _bounded(key, name, part, _parse(key, text, kind), text)
         # one setting spelled two ways with two values is a mistake; the same key given again takes the last value,

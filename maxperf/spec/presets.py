@@ -219,18 +219,20 @@ register(
 def _moe(name: str, V: int, D: int, N: int, H: int, K: int, Dh: int, E: int, top_k: int, moe_F: int, theta: float,
          **kw) -> ModelConfig:
     kw.setdefault("d_ff", moe_F)  # the dense layers' MLP, where some layers are dense (Llama 4 Maverick)
+    kw.setdefault("base_moe_mlp_dim", moe_F)  # None: the experts are d_ff wide (MaxText's mixtral block)
     return ModelConfig(
         name=name, vocab_size=V, d_model=D, num_layers=N, num_heads=H, num_kv_heads=K, head_dim=Dh, rope_theta=theta,
-        num_experts=E, num_experts_per_tok=top_k, base_moe_mlp_dim=moe_F, **kw,
+        num_experts=E, num_experts_per_tok=top_k, **kw,
     )
 
 
 # mistralai/Mixtral-8x7B-v0.1 and Mixtral-8x22B-v0.1: top-2 of 8, the two weights a softmax over the picked logits
 # (norm_topk_prob); their config.json sets no sliding window ("sliding_window": null), as MaxText's configs run them
+# MaxText's mixtral block makes the experts mlp_dim (base_mlp_dim) wide: d_ff is their width (base_moe_mlp_dim unset)
 register("mixtral-8x7b", lambda: _moe("mixtral-8x7b", 32000, 4096, 32, 32, 8, 128, 8, 2, 14336, 1e6,
-                                      norm_topk_prob=True))
+                                      norm_topk_prob=True, base_moe_mlp_dim=None))
 register("mixtral-8x22b", lambda: _moe("mixtral-8x22b", 32768, 6144, 56, 48, 8, 128, 8, 2, 16384, 1e6,
-                                       norm_topk_prob=True))
+                                       norm_topk_prob=True, base_moe_mlp_dim=None))
 # Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B: 128 experts of width 768 or 1536, top-8 renormalized, QK-norm;
 # Qwen3-Coder-480B-A35B-Instruct (MaxText's configs/models/qwen3-480b-a35b.yml): 160 experts of width 2560
 register("qwen3-30b-a3b", lambda: _moe("qwen3-30b-a3b", 151936, 2048, 48, 32, 4, 128, 128, 8, 768, 1e6,
