@@ -231,6 +231,26 @@ def broken_loss(mesh):
 def broken_carry(mesh):
     return Step(fn=lambda x: x @ x, args=(S,), init=lambda seed: (jnp.ones((8, 8)),),
                 carry=lambda args, out: (out.astype(jnp.bfloat16),))
+
+
+def timed_loss(mesh):
+    import time
+
+    def slow_loss(out):
+        time.sleep(0.5)
+        return out[0, 0]
+
+    return Step(fn=lambda x: x @ x, args=(S,), init=lambda seed: (jnp.ones((8, 8)) / 8,), loss=slow_loss,
+                model_flops=2 * 8 ** 3, tokens_per_step=8)
+
+
+def printing(mesh):
+    def step(x):
+        jax.debug.print("x {}", x[0, 0])
+        return x @ x
+
+    print("made by the factory")
+    return Step(fn=step, args=(S,))
 '''
 
 
@@ -344,3 +364,29 @@ def test_a_sweep_point_of_a_user_step_is_keyed_by_its_factorys_source(tmp_path, 
     (tmp_path / "keyed_step.py").write_text("def make_step(mesh, layers: int = 8):\n    return None\n")
     after = point_key("keyed_step:make_step", point, False)
     assert before["step_source_sha256"] and before != after
+
+
+def test_run_times_the_step_not_its_loss_and_a_host_callback_step_keeps_its_memory(tmp_path):
+    """Step.loss is the user's host code: read after each step's time is taken (a 0.5 s loss made a 0.5 s step). A
+    step with a host callback (jax.debug.print) compiles, but its executable does not pickle: compile writes the
+    memory and HLO and exits 2 in one line; estimate-memory gives the compiler's memory; a factory's prints go to
+    stderr, so --json's stdout stays one document."""
+    (tmp_path / "run_steps.py").write_text(RUN_STEPS)
+    out = tmp_path / "timed"
+    assert maxperf("compile", "--step", "run_steps:timed_loss", "--topology", "cpu-1", "--out", str(out),
+                   cwd=tmp_path).returncode == 0
+    ran = maxperf("run", str(out), "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "ran"), "--json",
+                  cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    result = json.loads(ran.stdout)
+    assert max(result["step_times_s"]) < 0.25 and len(result["losses"]) == 2
+
+    printed = maxperf("compile", "--step", "run_steps:printing", "--topology", "cpu-1", "--out", str(tmp_path / "p"),
+                      "--json", cwd=tmp_path)
+    assert printed.returncode == 2 and "made by the factory" not in printed.stdout
+    assert json.loads(printed.stdout)["error"].startswith("jax cannot serialize the compiled step")
+    assert (tmp_path / "p" / "memory.json").is_file() and not (tmp_path / "p" / "compiled.pkl").exists()
+    memory = maxperf("estimate-memory", "--step", "run_steps:printing", "--topology", "cpu-1", "--json",
+                     cwd=tmp_path)
+    assert memory.returncode == 0, memory.stderr
+    assert json.loads(memory.stdout)["fits"] is True

@@ -165,7 +165,7 @@ def _compile_into(writer, request: UserRequest, user: Step, mesh, lowered, say, 
             write_manifest(writer, request, user, mesh, argv, time.perf_counter() - t, lower_seconds, start,
                            compiled=False, cache_hit=False)
             compiler.finish(writer)
-            raise UserStepError(
+            raise user_step.Unserializable(
                 f"jax cannot serialize the compiled step of --step {user.name} ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:120]}): a part of its lowering does not pickle (a host callback, as "
                 "jax.debug.print or jax.pure_callback makes, holds a Python function); the compiler's memory and "

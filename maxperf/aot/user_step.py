@@ -77,6 +77,11 @@ class UserStepError(MaxperfError):
         self.details = details
 
 
+class Unserializable(UserStepError):
+    """The step compiled, but jax cannot pickle its executable: the compile's memory and HLO are written, no
+    compiled.pkl."""
+
+
 def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__

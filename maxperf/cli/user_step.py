@@ -72,6 +72,7 @@ def memory(args, step: StepName, say) -> int:
     """`maxperf estimate-memory --step MODULE:FACTORY`: the compiler's memory per device and the verdict (there is
     no analytical model of a user's step)."""
     from maxperf.aot import user_compile
+    from maxperf.aot import user_step as user_step_module
 
     if args.analytical_only or args.max_batch:
         raise MaxperfError(f"--step {step}: {'--analytical-only' if args.analytical_only else '--max-batch'} needs "
@@ -88,6 +89,12 @@ def memory(args, step: StepName, say) -> int:
             mem, fits = _read_json(out / "memory.json"), False
             if mem is None:
                 raise
+        except user_step_module.Unserializable as e:  # the memory is known; only the executable cannot be kept
+            mem = _read_json(out / "memory.json")
+            if mem is None:
+                raise
+            fits = bool(mem.get("fits"))
+            say(f"note: {str(e).split(': a part of')[0]}: no executable kept; the memory is the compiler's")
         if args.json:
             print_json({"schema": MEMORY_SCHEMA, "step": str(step), "topology": args.topology, "fits": fits,
                         "source": "compiler", "analytical": None, "compiler": mem,
