@@ -397,13 +397,31 @@ def test_the_cache_bound_takes_bytes_or_binary_units(monkeypatch, text, size):
     assert cache.max_bytes() == size
 
 
-def test_a_cache_bound_that_is_not_a_size_is_refused(monkeypatch):
+@pytest.mark.parametrize("text", ["lots", "inf", "1e400", "nan", "-1"])
+def test_a_cache_bound_that_is_not_a_size_is_refused(monkeypatch, text):
     from maxperf.aot import cache
     from maxperf.spec.errors import MaxperfError
 
-    monkeypatch.setenv("MAXPERF_CACHE_MAX_BYTES", "lots")
-    with pytest.raises(MaxperfError, match="MAXPERF_CACHE_MAX_BYTES='lots' is not a size"):
+    monkeypatch.setenv("MAXPERF_CACHE_MAX_BYTES", text)
+    with pytest.raises(MaxperfError, match=f"MAXPERF_CACHE_MAX_BYTES='{text}' is not a size"):
         cache.enabled()
+
+
+def test_a_cache_entry_whose_meta_is_not_an_object_is_damaged_and_clear_removes_only_the_caches_own(tmp_path,
+                                                                                                   monkeypatch):
+    """A meta.json of `[]` is a damaged entry: a miss, left out of the list, removed by `cache clear` (it made list,
+    clear and compile fail with an AttributeError); clear leaves a directory of the user's (`.git`) alone."""
+    from maxperf.aot import cache
+
+    monkeypatch.setenv("MAXPERF_CACHE_DIR", str(tmp_path / "c"))
+    k = "f" * 64
+    _cached(k, 100, "step")
+    (cache.directory() / k / "meta.json").write_text("[]")
+    (cache.directory() / ".git").mkdir()
+    (cache.directory() / ".git" / "HEAD").write_text("ref")
+    assert cache.get(k) is None and cache.entries() == []
+    cache.clear()
+    assert sorted(p.name for p in cache.directory().iterdir()) == [".git"]
 
 
 def test_maxperf_cache_sizes_lists_and_clears(tmp_path, monkeypatch, capsys):

@@ -423,3 +423,25 @@ def test_an_interrupted_sweeps_page_says_it_is_partial(tmp_path):
         (section,) = page.sections
         assert section.headline.startswith("(partial: the sweep was interrupted") is partial
         assert any("the sweep was interrupted" in n for n in section.notes) is partial
+
+
+def test_a_report_inside_a_compile_artifact_is_refused(compiled, capsys):
+    """A compile's directory holds only what maxperf compile writes there (a later compile to it would refuse the
+    report, or --force delete it): the report goes beside it."""
+    target = compiled[0] / "report.html"
+    code, err = _report_cli(capsys, compiled[0], "-o", target)
+    assert code == 2 and "lies inside" in err and not target.exists()
+
+
+def test_an_analytical_sweep_keeps_a_points_earlier_compile_and_its_run(tmp_path):
+    """A point compiled before (and run there by `maxperf run`'s default --out) is not deleted by an analytical
+    re-run of the sweep: the row names the artifact kept."""
+    from maxperf.profiler import run as runner
+
+    out = tmp_path / "sw"
+    sweep("tiny", ["cpu-1"], axes={"seq_len": ["64"]}, out=out, workers=1)
+    (point,) = (out / "points").iterdir()
+    runner.run(point / "artifact", steps=1, warmup=0)
+    result = sweep("tiny", ["cpu-1"], axes={"seq_len": ["64"]}, analytical_only=True, out=out, workers=1)
+    assert (point / "artifact" / "compiled.pkl").is_file() and (point / "artifact" / "run" / "run.json").is_file()
+    assert result.rows[0]["earlier_artifact"] == str(point / "artifact")

@@ -381,3 +381,24 @@ def test_the_output_is_locked_before_the_executable_loads(artifact, tmp_path, mo
     monkeypatch.setattr(runner, "load", lambda path: Loading())
     runner.run(artifact, steps=1, warmup=0, out=tmp_path / "r")
     assert len(refused) == 1 and "another maxperf is writing there now" in refused[0]
+
+
+def test_a_checkpoint_inside_the_artifact_or_the_restored_checkpoint_is_refused(artifact, tmp_path):
+    """A checkpoint written into the compile artifact would make a later compile to it refuse, or --force delete it;
+    one inside the checkpoint being restored would write into what the run reads."""
+    with pytest.raises(MaxperfError, match="lies inside the compile artifact"):
+        runner.run(artifact, steps=1, warmup=0, checkpoint=Path(artifact) / "ck", out=tmp_path / "r1")
+    first = tmp_path / "ck1"
+    runner.run(artifact, steps=1, warmup=0, checkpoint=first, out=tmp_path / "r2")
+    with pytest.raises(MaxperfError, match="lies inside --restore"):
+        runner.run(artifact, steps=1, warmup=0, restore=first, checkpoint=first / "next", out=tmp_path / "r3")
+    assert not (Path(artifact) / "ck").exists() and not (first / "next").exists()
+
+
+def test_a_restored_runs_data_note_counts_from_its_first_step(tmp_path):
+    class Batches:
+        rows, batch_rows = 3, 1
+
+    assert runner.data_note("d.npy", Batches(), 2) == []
+    (note,) = runner.data_note("d.npy", Batches(), 2, first=4)
+    assert "from step 4 read up to row 6" in note

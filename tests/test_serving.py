@@ -643,6 +643,8 @@ def test_run_measures_a_compiled_decode_step_beside_its_prediction(tmp_path):
     assert run["predicted_step_time_s"] > 0 and run["hlo_predicted_step_time_s"] > 0
     proc = maxperf("run", str(art), "--checkpoint", str(tmp_path / "ckpt"), "--force")
     assert proc.returncode == 2 and "keeps no state" in proc.stderr
+    again = maxperf("run", str(art), "--steps", "2", "--warmup", "1")  # its own output, written again
+    assert again.returncode == 0, again.stderr
 
 
 def test_the_report_shows_the_serving_plan_curve_and_the_decode_step(tmp_path):

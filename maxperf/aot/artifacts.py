@@ -73,7 +73,7 @@ class _Kind:
 
 _OUTPUT_KINDS = {
     "compile": _Kind("manifest.json", ("maxperf.manifest",), True),
-    "run": _Kind("run.json", ("maxperf.run",), True),
+    "run": _Kind("run.json", ("maxperf.run", "maxperf.serving-run"), True),  # a train or user step's run, a serving one
     "sweep": _Kind("sweep.json", ("maxperf.sweep",), False),
     # a training plan's or a serving plan's (plan --step decode)
     "plan": _Kind("plan.json", ("maxperf.plan", "maxperf.serving-plan"), False),

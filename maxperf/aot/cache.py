@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -71,7 +73,7 @@ def max_bytes() -> int:
         value = float(number) * _SIZE_UNITS[unit]
     except ValueError:
         value = -1.0
-    if value < 0 or value != value:
+    if value < 0 or not math.isfinite(value):
         raise MaxperfError(f"MAXPERF_CACHE_MAX_BYTES={text!r} is not a size: give bytes, or a number with K, M, G or "
                            "T (binary units), e.g. 5G")
     return int(value)
@@ -131,7 +133,7 @@ def _local(k: str) -> Entry | None:
     path = directory() / k
     try:
         meta = json.loads((path / "meta.json").read_text())
-        if meta.get("schema") != SCHEMA:
+        if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
             return None
         payload = (path / "executable.bin").read_bytes()
         if hashlib.sha256(payload).hexdigest() != meta["executable_sha256"]:
@@ -141,7 +143,7 @@ def _local(k: str) -> Entry | None:
                       compile_seconds=meta["compile_seconds"], label=meta.get("label", ""),
                       # a peak read before host buffers were told apart (no host_bytes) may count them: left out
                       peak=meta.get("peak") if "host_bytes" in (meta.get("peak") or {}) else None)
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         return None
     try:
         (path / USED).touch()  # the last use, which eviction goes by
@@ -198,7 +200,8 @@ def entries() -> list[Stored]:
             continue  # an entry being written
         try:
             meta = json.loads((path / "meta.json").read_text())
-            if meta.get("executable_bytes", -1) not in (-1, (path / "executable.bin").stat().st_size):
+            if not isinstance(meta, dict) or meta.get("executable_bytes", -1) not in (
+                    -1, (path / "executable.bin").stat().st_size):
                 continue  # damaged: a miss, replaced by the next compile of its step
             size = sum(f.stat().st_size for f in path.iterdir())
             created = (path / "meta.json").stat().st_mtime
@@ -234,7 +237,13 @@ def clear(older_than_s: float | None = None) -> list[Stored]:
     for e in gone:
         shutil.rmtree(directory() / e.key, ignore_errors=True)
     if older_than_s is None and directory().is_dir():
-        for path in directory().iterdir():  # half-written entries of a killed compile
-            if path.name.startswith("."):
+        for path in directory().iterdir():  # half-written entries of a killed compile, and damaged ones
+            ours = _TEMPORARY.fullmatch(path.name) or _KEY.fullmatch(path.name)
+            if ours and path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
     return gone
+
+
+# The names maxperf gives the cache's directories: an entry's key (sha256 hex), and _store's temporary ones
+_KEY = re.compile(r"[0-9a-f]{64}")
+_TEMPORARY = re.compile(r"\.[0-9a-f]{16}\.(damaged\.)?[A-Za-z0-9_]+")

@@ -119,14 +119,17 @@ def batches(spec, tokens, first_step: int, seed: int):
     return from_file
 
 
-def data_note(data, batch_for, executed: int) -> list[str]:
-    """The line run.json's notes carry where the steps read more rows than a --data file holds: its rows repeat."""
+def data_note(data, batch_for, executed: int, first: int = 0) -> list[str]:
+    """The line run.json's notes carry where the steps read more rows than a --data file holds: its rows repeat. A
+    run restored at step `first` reads from row first x the batch."""
     rows, per_step = getattr(batch_for, "rows", None), getattr(batch_for, "batch_rows", None)
-    if data is None or rows is None or executed * per_step <= rows:
+    end = (first + executed) * (per_step or 0)
+    if data is None or rows is None or end <= rows:
         return []
     within = f"; each batch of {per_step} rows holds some more than once" if per_step > rows else ""
-    return [f"--data {data} holds {rows} rows and the {executed} steps run read {executed * per_step}: its rows were "
-            f"read again from the start ({executed * per_step / rows:.1f} passes){within}"]
+    start = f" from step {first}" if first else ""
+    return [f"--data {data} holds {rows} rows and the {executed} steps run{start} read up to row {end}: its rows "
+            f"were read again from the start ({end / rows:.1f} passes){within}"]
 
 
 def _token_rows(path: Path, L: int, V: int):
@@ -264,6 +267,13 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         if Path(checkpoint).resolve() in out_dir.resolve().parents:
             raise MaxperfError(f"--out {out_dir} lies inside --checkpoint {checkpoint}, which the save needs for "
                                "itself; give two directories apart")
+        ckpt, home = Path(checkpoint).resolve(), artifact.directory.resolve()
+        if ckpt == home or home in ckpt.parents:  # a later compile would refuse it, --force remove it
+            raise MaxperfError(f"--checkpoint {checkpoint} lies inside the compile artifact {artifact.directory}, "
+                               "which holds only what maxperf compile writes there; give a directory beside it")
+        if restore is not None and (ckpt == Path(restore).resolve() or Path(restore).resolve() in ckpt.parents):
+            raise MaxperfError(f"--checkpoint {checkpoint} lies inside --restore {restore}, the checkpoint this run "
+                               "reads; give a directory beside it")
     # what the run reads is there before the executable loads (the restore's contents are checked against the state
     # once it has the state's shapes)
     if restore is not None and not checkpoints.is_checkpoint(Path(restore)):
@@ -326,9 +336,11 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         record = calibration.record() if calibration is not None else None
         executed = warmup + len(times) + (PROFILED_STEPS if profile_summary is not None else 0)
         notes = [*fallback_notes(p.topology, chip, calibration), *calibration_mismatch(estimate, record),
-                 *untuned_gpu_step(artifact.manifest), *data_note(data, batch_for, executed)]
+                 *untuned_gpu_step(artifact.manifest), *data_note(data, batch_for, executed, first)]
         if interrupted is not None:
-            notes.insert(0, f"interrupted after {len(times)} of {steps} timed steps: the figures are of those")
+            notes.insert(0, f"interrupted after {len(times)} of {steps} timed steps: the figures are of those"
+                         + (f"; no checkpoint was written to {checkpoint} (the state of an interrupted run is not "
+                            "saved: run again to save one)" if checkpoint is not None else ""))
         predicted = estimate.get("step_time_s") if estimate else None
         hlo = (estimate or {}).get("hlo_time") or {}
         memory = {"compiler_per_device_bytes": (artifact.json("memory.json") or {}).get("per_device_total_bytes"),
@@ -368,7 +380,7 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
     if interrupted is not None:
         if result.out_dir is not None:
             say(f"interrupted after {len(times)} of {steps} timed steps: {out_dir}/run.json keeps them, marked "
-                "partial")
+                "partial" + (f"; no checkpoint was written to {checkpoint}" if checkpoint is not None else ""))
         raise interrupted
     return result
 

@@ -174,8 +174,9 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
             row["fits"] = est.fits
             if not est.fits:
                 row.update(status="does not fit", reason="analytical memory exceeds HBM")
-            # an earlier compile of this point (the row now says no compile): not left beside it
-            shutil.rmtree(Path(directory) / "artifact", ignore_errors=True)
+            # an earlier compile of this point (and what `maxperf run` wrote into it) stays: the row names it
+            if (Path(directory) / "artifact" / "manifest.json").is_file():
+                row["earlier_artifact"] = str(Path(directory) / "artifact")
     except MaxperfError as e:
         row.update(status="error", reason=str(e))
     except Exception as e:  # one broken point must not end the sweep
