@@ -361,3 +361,27 @@ def test_a_gpu_plans_maxtext_line_is_maxtexts_train_compile_where_it_names_the_m
     a100 = command(c, model="llama3.1-70b", topology="a100-8x8", platform="gpu", num_slices=1, seq_len=2048,
                    fixed=())
     assert a100["maxtext"].startswith("model_name=llama3.1-70b ") and "names no machine" in a100["maxtext_note"]
+
+
+def test_a_gpu_plan_of_a_sliding_window_model_searches_the_dot_product_and_its_maxtext_line_counts_every_host():
+    """GPU flash serves no sliding window: gemma2-9b on h100-8x4 searched flash and was refused as a whole; now its
+    candidates are the dot product's. A GPU plan over --num-slices names all the hosts in its MaxText line (it named
+    one slice's, which MaxText's train_compile then refused for the dcn axes)."""
+    from maxperf.search import candidates
+    from maxperf.search.commands import command
+
+    found = candidates.space("gemma2-9b", "h100-8x4", global_batch_tokens=1 << 20)
+    assert found.candidates and {c.attention for c in found.candidates} == {"dot_product"}
+    multi = candidates.space("llama3-70b", "h100-8x8", num_slices=3, global_batch_tokens=6 << 20,
+                             pins=("seq_len=8192",))
+    c = next(c for c in multi.candidates if c.dcn["data"] * c.dcn["fsdp"] == 24)
+    line = command(c, model="llama3-70b", topology="h100-8x8", platform="gpu", num_slices=3, seq_len=8192,
+                   fixed=multi.fixed)
+    assert "compile_topology=a3 compile_topology_num_slices=24" in line["maxtext"]
+
+
+def test_plan_refuses_ici_pipeline_left_to_the_search():
+    from maxperf.search import candidates
+
+    with pytest.raises(MaxperfError, match="ici_pipeline_parallelism=-1: plan searches pipeline stages across"):
+        candidates.space("llama3-70b", "v5p-256", global_batch_tokens=1 << 22, pins=("ici_pipeline_parallelism=-1",))

@@ -395,3 +395,13 @@ def test_toy_step_compiles_and_serializes(name, num_slices, ici, dcn):
     assert memory.argument_size_in_bytes > 0 and memory.alias_size_in_bytes > 0  # w is donated into the output
     payload, _, _ = serialize(compiled)
     assert len(payload) > 1000
+
+
+def test_a_gpu_system_takes_any_host_count():
+    """Clusters have 3 or 24 hosts, not only powers of two: `h100-8x24` is 24 HGX hosts (it was an unknown
+    topology), `gb200-72x6` six racks; past MAX_GPU_UNITS it is refused."""
+    t = T.get("h100-8x24")
+    assert (t.chips, t.hosts, t.chips_per_host, t.chip) == (192, 24, 8, "h100-sxm")
+    assert T.get("gb200-72x6").chips == 432 and T.get("b200-8x3").hosts == 3
+    with pytest.raises(MaxperfError, match="unknown topology"):
+        T.get(f"h100-8x{T.MAX_GPU_UNITS + 1}")

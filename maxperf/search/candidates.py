@@ -38,6 +38,21 @@ from maxperf.spec.train import AttentionKernel, Quantization, TrainConfig
 REMAT_POLICIES = tuple(p.value for p in RematPolicy if p is not RematPolicy.CUSTOM)
 # auto is flash on TPU and GPU (and the blockwise flash on CPU): the two distinct kernels.
 KERNELS = (AttentionKernel.FLASH.value, AttentionKernel.DOT_PRODUCT.value)
+
+
+def servable_kernels(model, train, platform: str) -> list[str]:
+    """KERNELS less those that cannot serve the model on the platform (GPU flash and sliding windows: gemma 2 and
+    3, mistral, gpt-oss on a GPU search the dot product only), which a candidate would be refused for."""
+    from maxperf.spec import attention_rule
+
+    out = []
+    for kernel in KERNELS:
+        try:
+            attention_rule.for_config(model, replace(train, attention=AttentionKernel(kernel)), platform)
+        except MaxperfError:
+            continue
+        out.append(kernel)
+    return out or [AttentionKernel.DOT_PRODUCT.value]
 # Without --global-batch or --per-device-batch: these B (fractions where B x devices is whole), no accumulation.
 FREE_BATCHES = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
 # What the search decides; a pin (key=value) fixes it. Names after MaxText's aliases are resolved.
@@ -185,7 +200,7 @@ def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_t
     check_pins(topo.ici_domains, dcn_pins, "dcn")
     pairs, rows = batches(global_batch_tokens, per_device_batch, devices, train.seq_len, pinned)
     remats = [pinned["remat_policy"]] if "remat_policy" in pinned else list(REMAT_POLICIES)
-    kernels = [pinned["attention"]] if "attention" in pinned else list(KERNELS)
+    kernels = [pinned["attention"]] if "attention" in pinned else servable_kernels(model, train, topo.platform)
     precisions = precisions_for(pinned.get("quantization", "none"), CHIPS[topo.chip])
     pinned_microbatches = check_stages(model, train, ici_pins.get("stage", 1) * dcn_pins.get("stage", 1))
 
@@ -433,6 +448,10 @@ def split_pins(model: ModelConfig, pins: Sequence[str]) -> tuple[dict[str, str],
                 value = getattr(overrides_mod.apply(model, [f"{name}={value}"]).train, name).value
             elif name == "quantization":  # MaxText's "" and bf16 are none
                 value = overrides_mod.VALUE_ALIASES.get((Quantization, value), value)
+            if name == "ici_stage" and value.strip() == "-1":
+                raise MaxperfError(f"{key}=-1: plan searches pipeline stages across slices or hosts "
+                                   "(dcn_pipeline_parallelism=-1), not within one; pin a stage count there (e.g. "
+                                   f"{key}=4) or leave it out")
             if not (name.startswith(("ici_", "dcn_")) and value.strip() == "-1"):  # -1: left to the search
                 searched[name] = value
         else:

@@ -60,7 +60,7 @@ def command(c: Candidate, *, model: str, topology: str, platform: str, num_slice
                  f"compile_topology_num_slices={num_slices} ")
     elif (machine := GPU_MACHINES.get(topologies.get(topology).chip)) is not None:
         start = (f"{train_compile} {' '.join(maxtext_model)} hardware=gpu compile_topology={machine} "
-                 f"compile_topology_num_slices={topologies.get(topology).hosts} ")
+                 f"compile_topology_num_slices={topologies.get(topology).hosts * num_slices} ")
     else:
         return out | {"maxtext": f"{' '.join(maxtext_model)} {flags}",
                       "maxtext_note": f"MaxText's flags alone: its train_compile names no machine of {topology}'s "

@@ -169,6 +169,12 @@ class SearchResult:
         } | ({"candidates": [c.as_dict() for c in self.candidates], "pruned": self.pruned} if rows else {})
 
 
+
+def _percent(x: float) -> str:
+    """A share as the percentage it is to a tenth, without a trailing .0 (0.08: 8%, 0.055: 5.5%): a tie said as 6%
+    where it was 5.5% let a layout 5.9% slower read as inside it."""
+    return f"{x * 100:.1f}".rstrip("0").rstrip(".") + "%"
+
 def search(req: PlanRequest, progress: Callable[[str], None] | None = None, margin: Margin | None = None
            ) -> SearchResult:
     """Enumerates, estimates and ranks every candidate; compiles nothing. `margin`: instead of the measured one
@@ -414,7 +420,7 @@ def rank(result: SearchResult) -> None:
     if len(ties) > 1:  # what the model cannot tell apart, the simplest layout first
         ties.sort(key=lambda c: (c.verified is not True, complexity(c), -getattr(c, objective), c.mesh_shown()))
         fits = ties + fits[len(ties):]
-        note = (f"{len(ties)} candidates lie within {result.tie:.0%} of the fastest by {objective}, perfmodel's "
+        note = (f"{len(ties)} candidates lie within {_percent(result.tie)} of the fastest by {objective}, perfmodel's "
                 f"held-out error on this chip: ties, ranked simplest layout first" if result.tie > 0 else
                 f"{len(ties)} candidates predict the same {objective}: ties, ranked simplest layout first")
         if note not in result.notes:
@@ -431,7 +437,7 @@ def rank(result: SearchResult) -> None:
     best.status = "chosen"
     if len(ties) > 1 and best in ties:
         gap = getattr(best, objective) / max(getattr(c, objective) for c in ties)
-        best.reason = (f"the simplest layout of {len(ties)} within {result.tie:.0%} of the fastest"
+        best.reason = (f"the simplest layout of {len(ties)} within {_percent(result.tie)} of the fastest"
                        + (f" ({gap:.3f}x the fastest's {objective})" if gap < 1 else ""))
     above = True
     for c in fits:
@@ -443,7 +449,7 @@ def rank(result: SearchResult) -> None:
             c.reason = "not compiled: verification stopped before it"
         elif c in ties:
             simpler = complexity(best) < complexity(c)
-            c.reason = (f"a tie ({ratio:.3f}x by {objective}, within {result.tie:.0%}), "
+            c.reason = (f"a tie ({ratio:.3f}x by {objective}, within {_percent(result.tie)}), "
                         + ("less simple" if simpler else "as simple, slower" if ratio >= 1 else
                            "as simple, not compiled" if c.verified is None else "as simple"))
         else:

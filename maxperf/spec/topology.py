@@ -290,6 +290,21 @@ def catalog() -> list[Topology]:
     return list(_catalog().values())
 
 
+MAX_GPU_UNITS = 4096  # HGX hosts (or NVL72 racks) a GPU topology `<gpu>-8xM` may name: past any cluster built
+
+
+def _any_host_count(key: str) -> Topology | None:
+    """`h100-8x24`, `b200-8x3`, `gb200-72x6`: a GPU system of any number of its hosts (or racks), not only the
+    catalog's powers of two; None where `key` names no such system."""
+    m = re.fullmatch(r"([a-z0-9-]+?)-(\d+)x(\d+)", key)
+    if m is None or not 1 <= int(m.group(3)) <= MAX_GPU_UNITS:
+        return None
+    for prefix, chip, per_host, nvlink_hosts, _, _ in _GPU_SYSTEMS:
+        if prefix == m.group(1) and int(m.group(2)) == per_host * nvlink_hosts:
+            return _gpu_topology(prefix, chip, per_host, nvlink_hosts, int(m.group(3)))
+    return None
+
+
 def _unknown_topology(name: str, key: str, table) -> MaxperfError:
     """An unknown topology's error: where it names a family and a size (v5p-65), that family's sizes nearest to it
     (v5p-64, v5p-128); else the names nearest in spelling."""
@@ -344,6 +359,8 @@ def get(name: str, num_slices: int = 1, target_config_path: str | None = None) -
         topology = grid
     elif (m := re.fullmatch(r"cpu-(\d+)(?:x(\d+))?", key)) and int(m.group(1)) >= 1 and int(m.group(2) or 1) >= 1:
         topology = _cpu_topology(int(m.group(1)), int(m.group(2) or 1))
+    elif (hosts := _any_host_count(key)) is not None:
+        topology = hosts
     else:
         raise _unknown_topology(name, key, table)
     if num_slices > 1:
