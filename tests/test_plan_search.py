@@ -637,3 +637,15 @@ def test_pinned_axes_that_cannot_split_the_model_are_named():
     with pytest.raises(MaxperfError, match="pinned axes divides llama3.1-8b: tensor=16 does not divide the 8 "
                                            "key/value heads"):
         space("llama3.1-8b", "v5p-32", global_batch_tokens=65536, pins=["ici_tensor_parallelism=16"])
+
+
+def test_a_batch_no_layout_divides_names_the_factor_left_and_a_batch_that_would():
+    """144 GB200s (two NVL72 racks) and 256 rows share only 16: the error names the 9 left and a batch of 288 rows,
+    not "a batch of 1 row" (the most accumulation tried)."""
+    from maxperf.search.candidates import space
+    from maxperf.spec.errors import MaxperfError
+
+    why = (r"256 rows a microbatch without accumulation .*shares only a factor of 16 with the 144 devices \(the "
+           r"factor 9 .*a multiple of 144 rows \(e.g. 288\)")
+    with pytest.raises(MaxperfError, match=why):
+        space("llama3-8b", "gb200-72x2", global_batch_tokens=2 << 20, pins=["seq_len=8192"])

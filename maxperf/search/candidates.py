@@ -233,14 +233,20 @@ def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_t
             raise MaxperfError(f"no layout of {devices} devices with the pinned axes divides {model_name}: {reason}; "
                                "pin sizes that divide it, or leave the axis to the search")
     if not candidates:
-        smallest = min(round(b * devices) for b, _ in pairs)
-        across = (f", across the {topo.ici_domains} {'slices' if topo.platform == 'tpu' else 'hosts'} too"
-                  if topo.ici_domains > 1 else "")
+        rows_tried = sorted({round(b * devices) for b, _ in pairs})
+        smallest, largest = rows_tried[0], rows_tried[-1]
+        domain = "slices" if topo.platform == "tpu" else ("NVLink domains" if topo.hosts_per_nvlink_domain > 1
+                                                           else "hosts")
+        across = f", across the {topo.ici_domains} {domain} too" if topo.ici_domains > 1 else ""
+        shared = math.gcd(largest, devices)
+        tried = (f"{largest} rows a microbatch without accumulation ({smallest} at the most accumulation tried)"
+                 if largest != smallest else f"{largest} row{'s' if largest != 1 else ''}")
         raise MaxperfError(
             f"no layout of {devices} devices divides this step: each splits the batch over its data and fsdp axes"
-            f"{across}, and a batch of {smallest} row{'s' if smallest != 1 else ''} divides over none; a larger batch "
-            "(--global-batch, --per-device-batch), or pins that split something else (dcn_sequence_parallelism, "
-            "ici_tensor_parallelism), would")
+            f"{across}, and the batch's {tried} shares only a factor of {shared} with the {devices} devices (the "
+            f"factor {devices // shared} divides neither it nor the model's other dims); a batch of a multiple of "
+            f"{devices} rows (e.g. {-(-largest // devices) * devices}), or pins that split something else "
+            "(dcn_sequence_parallelism, ici_tensor_parallelism), would")
     # the policies searched, with those a pipelined mesh runs them as (none as full, or none)
     remats = list(dict.fromkeys([*remats, *(c.remat_policy for c in candidates)]))
     return Space(topo, model, train, fixed, rows, pairs, remats, kernels, precisions, meshes, candidates)

@@ -170,6 +170,9 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
                     row.update(status="does not fit", reason="compiler memory exceeds HBM")
             except DoesNotFit as e:
                 row.update(status="does not fit", reason=str(e), fits=False, artifact=str(Path(directory) / "artifact"))
+            except artifacts.OutputRefused as e:  # the point's earlier artifact holds what a run wrote there
+                row.update(status="error", reason=f"{e}".split("; move them")[0] + "; the sweep does not replace it: "
+                           "move those files out of the point's artifact, or sweep into another --out")
         else:
             row["fits"] = est.fits
             if not est.fits:
