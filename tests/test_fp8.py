@@ -632,3 +632,17 @@ def test_a_step_jax_cannot_serialize_keeps_the_compilers_figures_and_says_why(tm
     assert (out / "memory.json").is_file() and (out / "hlo" / "optimized.hlo.txt").is_file()
     assert not (out / "compiled.pkl").exists()
     assert maxperf("report", str(out), "-o", str(tmp_path / "r.html")).returncode == 0
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "int8"])
+def test_compile_refuses_a_quantized_dropless_moe_before_any_work(tmp_path, quantization):
+    """The train step quantizes the capacity einsums only: compile refuses a quantized dropless MoE at once, in one
+    line, with no pricing warning before it and nothing written (it warned that the step was priced, set up the
+    devices and the state, then refused)."""
+    from cli_util import maxperf
+
+    proc = maxperf("compile", "--topology", "tpu7x-8", "--model", "mixtral-8x7b", "num_layers=1",
+                   "per_device_batch_size=1", "seq_len=1024", f"quantization={quantization}", "--out",
+                   str(tmp_path / "a"))
+    assert proc.returncode == 2 and "needs sparse_matmul=false" in proc.stderr
+    assert "warning" not in proc.stderr and "abstract state" not in proc.stderr and not (tmp_path / "a").exists()

@@ -445,3 +445,30 @@ def test_an_analytical_sweep_keeps_a_points_earlier_compile_and_its_run(tmp_path
     result = sweep("tiny", ["cpu-1"], axes={"seq_len": ["64"]}, analytical_only=True, out=out, workers=1)
     assert (point / "artifact" / "compiled.pkl").is_file() and (point / "artifact" / "run" / "run.json").is_file()
     assert result.rows[0]["earlier_artifact"] == str(point / "artifact")
+
+
+def test_the_comparison_ranks_the_hlo_step_time_lowest_first_and_only_at_the_same_tokens():
+    """The HLO-derived step time is a time: the lower is the best, and between steps of different tokens per step
+    it is not ranked nor given a ratio (the larger was starred, across batches); measured over HLO-predicted is a
+    ratio of accuracy, never ranked."""
+    from maxperf.reports import compare
+    from maxperf.reports.page import Page, Section
+    from maxperf.reports.steps import Step
+
+    def step(label, tokens, hlo):
+        return Step(label, {"kind": "compile"}, {"model": {"name": "m"}, "train": {}, "parallelism": {}},
+                    {"tokens per step": tokens, "fits": True,
+                                                     "predicted step time from the HLO (s)": hlo,
+                                                     "measured / HLO-predicted step time": hlo * 10},
+                    Section(label, label))
+
+    for tokens, best in (((4096, 4096), 1), ((4096, 8192), None)):
+        page = Page()
+        steps = [step("a", tokens[0], 0.035), step("b", tokens[1], 0.050)]
+        page.sections.extend(st.section for st in steps)
+        compare.section(page, steps)
+        table = next(s for s in page.sections if s.kind == "comparison").tables[0]
+        row = next(i for i, r in enumerate(table.rows) if r[0] == "predicted step time from the HLO (s)")
+        assert table.best.get(row) == best and (table.rows[row][-1] is None) == (best is None)
+        accuracy = next(i for i, r in enumerate(table.rows) if r[0] == "measured / HLO-predicted step time")
+        assert accuracy not in table.best

@@ -296,6 +296,13 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     p = resolve(topology, model, overrides, num_slices=num_slices, target_config=target_config)
     if step != "train":  # a serving step's own words (no optimizer state), kept in the manifest too
         p = dataclasses.replace(p, warnings=serving_warnings(p))
+    else:  # a quantized dropless mixture of experts: the train step refuses it, before any work (no pricing note)
+        from maxperf.models.layers import quantization as quant
+        from maxperf.spec import fp8 as fp8_spec
+
+        name = str(p.train.quantization)
+        config = fp8_spec.recipe(name) or (quant.Int8() if name == "int8" else None)
+        quant.check_moe(config, p.model.is_moe, p.train.sparse_matmul)
     for line in p.warnings:
         say(f"warning: {line}")
     if step != "train":
