@@ -298,11 +298,10 @@ def compile(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
         p = dataclasses.replace(p, warnings=serving_warnings(p))
     else:  # a quantized dropless mixture of experts: the train step refuses it, before any work (no pricing note)
         from maxperf.models.layers import quantization as quant
-        from maxperf.spec import fp8 as fp8_spec
 
-        name = str(p.train.quantization)
-        config = fp8_spec.recipe(name) or (quant.Int8() if name == "int8" else None)
-        quant.check_moe(config, p.model.is_moe, p.train.sparse_matmul)
+        # the step's own reading of the key; a shard count given, so that reading it starts no jax backend
+        quant.check_moe(quant.from_train(dataclasses.replace(p.train, quantization_local_shard_count=1)),
+                        p.model.is_moe, p.train.sparse_matmul)
     for line in p.warnings:
         say(f"warning: {line}")
     if step != "train":

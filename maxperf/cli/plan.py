@@ -87,9 +87,9 @@ def _verify_serving(result, args, out: Path, say) -> None:
     from maxperf.spec.errors import DoesNotFit
 
     compile_only_environment(args.topology)
-    for i, layout in enumerate(list(result.meeting[:args.verify])):
-        say(f"compiling layout {i + 1} of {min(args.verify, len(result.meeting) + i)}: {layout.as_dict()['mesh']}, "
-            f"{layout.batch} sequences")
+    best = result.meeting[:args.verify]  # a copy: a layout that does not fit leaves result.meeting (reject)
+    for i, layout in enumerate(best):
+        say(f"compiling layout {i + 1} of {len(best)}: {layout.as_dict()['mesh']}, {layout.batch} sequences")
         words = [*result.pinned, *layout.words(result.devices)]
         try:
             compiled = aot.compile(args.topology, args.model, words, out=out / "winner", progress=say, step="decode",

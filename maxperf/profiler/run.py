@@ -268,10 +268,10 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
             raise MaxperfError(f"--out {out_dir} lies inside --checkpoint {checkpoint}, which the save needs for "
                                "itself; give two directories apart")
         ckpt, home = Path(checkpoint).resolve(), artifact.directory.resolve()
-        if ckpt == home or home in ckpt.parents:  # a later compile would refuse it, --force remove it
+        if ckpt.is_relative_to(home):  # a later compile would refuse it, --force remove it
             raise MaxperfError(f"--checkpoint {checkpoint} lies inside the compile artifact {artifact.directory}, "
                                "which holds only what maxperf compile writes there; give a directory beside it")
-        if restore is not None and (ckpt == Path(restore).resolve() or Path(restore).resolve() in ckpt.parents):
+        if restore is not None and ckpt.is_relative_to(Path(restore).resolve()):
             raise MaxperfError(f"--checkpoint {checkpoint} lies inside --restore {restore}, the checkpoint this run "
                                "reads; give a directory beside it")
     # what the run reads is there before the executable loads (the restore's contents are checked against the state

@@ -67,7 +67,7 @@ def render(paths: list[str | os.PathLike], out_html: str | os.PathLike,
     for path in paths:  # a compile's or run's directory holds only what maxperf compile or run writes there
         given = Path(path).resolve()
         home = given if given.is_dir() else given.parent
-        if home in out.parents and ((home / "manifest.json").is_file() or (home / "run.json").is_file()):
+        if out.is_relative_to(home) and ((home / "manifest.json").is_file() or (home / "run.json").is_file()):
             raise MaxperfError(f"-o {out_html} lies inside {path}, which holds only what maxperf compile or run "
                                f"writes there; write the report beside it (e.g. -o {home.name}.html)")
     with artifacts.hold_output(Path(out_html), "report"):
