@@ -61,6 +61,7 @@ from maxperf.perfmodel.work import (
     Overlap,
     Terms,
     Work,
+    flash_speedup,
     fp8_key,
     fp8_matmuls,
     int8_matmuls,
@@ -217,9 +218,12 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
         if flash_rate:
             # the forward kernel (2 matmuls), again where remat recomputes it, and the backward kernel's
             flops = 2 * a.L * L * (Dq + Dv) / 2 * (2 * context_fwd + flash_backward_matmuls(train, chip.kind)) * count
+            speedup = flash_speedup(chip, train)
             if "flash" not in table.assumed:  # once, not per layer
-                table.assume("flash", f"flash attention at {flash_rate:.2f} of the matmul rate (fitted)")
-            table.flash("attention (flash kernel)", flops, Dq, Dv)
+                table.assume("flash", f"flash attention at {flash_rate:.2f} of the matmul rate (fitted)"
+                             + (f" x {speedup:g} for cuDNN's kernel on {chip.name} (FlashAttention-3 paper)"
+                                if speedup != 1 else ""))
+            table.flash("attention (flash kernel)", flops, Dq, Dv, speedup)
         elif attention_rate:  # measured whole (CPU devices): scores, softmax and context, forward and backward
             cpu.measured_attention(table.add, attention_rate,
                                    2 * a.L * L * (Dq + Dv) / 2 * (scores_fwd + context_fwd + 4) * count)
@@ -469,7 +473,8 @@ def _mtp_terms(table: Work, model: ModelConfig, train: TrainConfig, mesh: Mesh, 
     executed = flops.attention_executed / n * heads  # one module's forward einsums on this device
     if attention_kernel(train) == "flash" and chip.kind != "cpu":
         table.flash("multi-token prediction attention",
-                    runs * executed * (2 + flash_backward_matmuls(train, chip.kind)) / 2, Dq, Dv)
+                    runs * executed * (2 + flash_backward_matmuls(train, chip.kind)) / 2, Dq, Dv,
+                    flash_speedup(chip, train))
     else:  # scores and context, each forward and twice in the backward, at their matmul rate
         examples = Tu / L * a.H * runs
         table.train_matmul("multi-token prediction attention", L, Dq, L, examples, examples, c, quantized=False)

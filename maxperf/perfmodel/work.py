@@ -52,6 +52,21 @@ ELEMENTWISE_D_PASSES = 2.7
 # rows, 35 GPU rows, all with flash), the kernels computing their masks' partial blocks whole (flops.executed_pairs)
 # and splash's split backward its seven matmuls per block (flops.flash_backward_matmuls).
 FLASH_EFFICIENCY = {"tpu": 0.78, "gpu": 0.47}
+# The GPU value prices the FlashAttention-2 and Triton class of kernels (MosaicML's runs; maxperf's own GPU kernel,
+# Pallas Triton). cuDNN's fused attention (MaxText's attention=cudnn_flash_te / cudnn_flash_jax, Transformer Engine's
+# in NVIDIA's recipes) runs on Hopper's warpgroup matrix instructions and tensor memory accelerator, which those
+# kernels do not use: on an H100 SXM5 in bf16, head dim 128, 1k to 16k tokens, its forward ran at 1.58x to 1.70x
+# FlashAttention-2's rate (causal and not) and its backward at 1.57x to 1.63x (Shah et al. 2024, FlashAttention-3,
+# arXiv:2407.08608, Figs. 5 and 6). Assumed the same on Blackwell; on the A100 both run the same mma instructions (1).
+CUDNN_FLASH_SPEEDUP = 1.6
+CUDNN_FLASH_CHIPS = frozenset({"h100-sxm", "h200"})
+
+
+def flash_speedup(chip: Chip, train) -> float:
+    """How much faster than FLASH_EFFICIENCY's kernels `train`'s flash attention runs on `chip`: CUDNN_FLASH_SPEEDUP
+    for cuDNN's kernels on the chips that have the instructions it uses, else 1."""
+    cudnn = str(getattr(train, "attention", "")) in ("cudnn_flash_te", "cudnn_flash_jax")
+    return CUDNN_FLASH_SPEEDUP if cudnn and chip.name in CUDNN_FLASH_CHIPS else 1.0
 # quantization=int8 (models/layers/quantization.py, AQT's config_v3): each quantized operand is read twice in the
 # compute dtype (its absmax, then scale and round) and written once as int8; a gradient's stochastic rounding adds
 # its noise, 4-byte random bits that XLA's RngBitGenerator writes and the quantize fusion reads (counted from the
@@ -63,18 +78,19 @@ INT8_NOISE_BYTES = 8
 # matmul, x fill) times FP8_EFFICIENCY, how much of that an FP8 GEMM keeps relative to a bf16 one (its kernels, the
 # scales applied in its epilogue, and what else the FP8 recipes' frameworks run faster than the runs the bf16
 # fraction was fitted on), per chip kind and, on GPUs, per implementation (fp8_key):
-# - "tpu", "gpu": fitted (FITTED_FP8) on bench/published's FP8 rows: on GPU NVIDIA Megatron-Bridge's Llama 3 8B on
-#   8 H100s and 8 B200s and Llama 3 70B on 64 H100s (Transformer Engine's current scaling, 744, 1,576 and 719 TFLOP/s
-#   per GPU: above the bf16 fraction fitted on MosaicML's and MaxText's H100 runs, so above 1), which prices the
-#   te_* recipes; on TPU the tpu-recipes Ironwood Llama 3.1 70B and 405B fp8_full rows.
+# - "tpu", "gpu": fitted (FITTED_FP8) on bench/published's FP8 rows: on GPU NVIDIA Megatron-Bridge's Llama 3 8B,
+#   70B and 405B on H100s, B200s and GB200s (Transformer Engine's current scaling, e.g. 744, 1,576 and 719 TFLOP/s
+#   per GPU for the 8B on 8 H100s and 8 B200s and the 70B on 64 H100s: above the bf16 fraction fitted on MosaicML's
+#   and MaxText's H100 runs, so above 1, with their attention at cuDNN's rate, CUDNN_FLASH_SPEEDUP), which prices
+#   the te_* recipes; on TPU the tpu-recipes Ironwood Llama 3.1 70B and 405B fp8_full rows.
 # - "gpu xla": the recipes whose FP8 matmuls XLA builds on a GPU (fp8, fp8_gpu, aqt_*: MaxText runs them through
 #   flax's, Qwix's and AQT's jax ops). Measured (MEASURED_FP8): one step of maxperf's scaled-1 preset (B 8, L 2048,
 #   flash, full remat) on an H200, compiled there (autotuned) by jax 0.11.2, took 290.7 ms in bf16 and 230.3 ms with
-#   quantization=fp8: 0.79 of the bf16 step, where "gpu"'s value predicts 0.52. The value puts the predicted ratio
+#   quantization=fp8: 0.79 of the bf16 step, where "gpu"'s value predicts 0.58. The value puts the predicted ratio
 #   at the measured one (so it carries none of the bf16 prediction's own error, 0.86 of measured there).
-FP8_EFFICIENCY = {"tpu": 1.00, "gpu": 1.50, "gpu xla": 0.73, "cpu": 1.0}
+FP8_EFFICIENCY = {"tpu": 1.00, "gpu": 1.27, "gpu xla": 0.73, "cpu": 1.0}
 FITTED_FP8 = {"tpu": "bench/published.py, 2026-11-27, 2 TPU7x FP8 rows",
-              "gpu": "bench/published.py, 2026-11-27, 3 NVIDIA FP8 rows (Transformer Engine)"}
+              "gpu": "bench/published.py, 2026-11-30, 6 NVIDIA FP8 rows (Transformer Engine)"}
 MEASURED_FP8 = {"gpu xla": "XLA's FP8 step against its bf16 step on an H200, bench/gpu_measured.py, 2026-11-28"}
 
 
@@ -110,7 +126,7 @@ DCN_STEP_LATENCY = {"tpu": 1.71e-3, "gpu": 30e-6, "cpu": 30e-6}
 # the first for chips whose rate was fitted, the second for the others.
 # "fp8": the rows that train in FP8 alone, each source held out (8 rows: NVIDIA's Transformer Engine runs on H100,
 # B200 and GB200 and the TPU7x recipes); an FP8 step quotes it where its chip's figure is the smaller.
-HELD_OUT_ERROR = {"source": (0.055, 0.257), "generation": (0.060, 0.289), "fp8": (0.101, 0.257)}
+HELD_OUT_ERROR = {"source": (0.049, 0.249), "generation": (0.053, 0.309), "fp8": (0.073, 0.180)}
 HELD_OUT_BASIS = "bench/published.py, 2026-11-30, 90 rows"
 # Chips measured directly on published runs that no constant was fitted on: the median and worst |error| and the
 # median signed error of throughput per chip over those runs, and what they are. An estimate on such a chip quotes
@@ -438,11 +454,12 @@ class Work:
         if self.chip.kind == "cpu":
             cpu.dot_accumulator_faults(self.add, self.chip, M, K, N, count, c)
 
-    def flash(self, name: str, flops: float, Dq: float, Dv: float) -> None:
+    def flash(self, name: str, flops: float, Dq: float, Dv: float, speedup: float = 1.0) -> None:
         """A flash attention kernel's FLOPs, at its fraction of the sustained matmul rate (Constants.flash_efficiency)
         times the share of the matrix units its head dims fill: half its matmuls contract over or produce the query
-        and key head dim Dq, half the value's Dv (`mxu_fill`)."""
-        rate = 1 / (0.5 / mxu_fill(self.chip, Dq) + 0.5 / mxu_fill(self.chip, Dv))
+        and key head dim Dq, half the value's Dv (`mxu_fill`); times `speedup`, the kernel's over the fitted ones'
+        (`flash_speedup`)."""
+        rate = speedup / (0.5 / mxu_fill(self.chip, Dq) + 0.5 / mxu_fill(self.chip, Dv))
         self._term(name, "compute", FLASH, peak_s=flops / self.peak, rate=rate, flops=flops)
 
     def d_passes(self, name: str, fixed_bytes: float, bytes_per_pass: float) -> None:

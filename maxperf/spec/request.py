@@ -109,7 +109,8 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
         kernel = attention_rule.implementation(configs.train.attention, topo.platform)  # refuses a TPU
         notes += (f"attention={configs.train.attention} (cuDNN's fused attention in MaxText) is compiled as "
                   f"attention=flash, maxperf's {'Pallas Triton kernel' if kernel == 'gpu_flash' else 'CPU kernel'}, "
-                  "and priced as flash",)
+                  "and priced as cuDNN's kernel (on H100 and H200 1.6x the flash rate, measured against "
+                  "FlashAttention-2 in the FlashAttention-3 paper; elsewhere the flash rate)",)
     recipe = fp8.recipe(str(configs.train.quantization))
     if recipe is not None and recipe.transformer_engine and topo.platform == "gpu" and recipe.block:
         notes += (f"quantization={recipe.name} is Transformer Engine's recipe in MaxText: compiled with its numerics "
@@ -118,7 +119,7 @@ def resolve(topology: str | Topology, model: str | ModelConfig = presets.DEFAULT
     elif recipe is not None and recipe.transformer_engine and topo.platform == "gpu":
         notes += (f"quantization={recipe.name} is Transformer Engine's recipe in MaxText: compiled with its numerics "
                   "as XLA's FP8 matmuls, and priced at the rate of TE's kernels (on an H200 such an XLA step took 0.82 "
-                  "of its bf16 step's time, where TE's rate gives 0.52: docs/accuracy.md)",)
+                  "of its bf16 step's time, where TE's rate gives 0.58: docs/accuracy.md)",)
     mesh = mesh_mod.resolve(configs.parallelism, topo)
     configs.train.micro_batch(mesh.devices)  # B x devices examples per microbatch: a whole number
     _check_experts(configs.model, mesh)
