@@ -355,3 +355,37 @@ def test_perfmodel_counts_the_kernel_the_model_runs(platform, kernel, monkeypatc
             continue
         counted = attention_kernel(resolve_attention(cfg.model, cfg.train, platform))
         assert counted == ("dot_product" if traced == "dot_product" else "flash"), (words, traced)
+
+
+def _pallas_calls(jaxpr) -> list[str]:
+    """The names of the Pallas kernels a jaxpr calls, nested jaxprs included, in order."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            names.append(str(eqn.params.get("name_and_src_info", eqn.params.get("name"))).split(" ")[0])
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names.extend(_pallas_calls(inner))
+    return names
+
+
+def test_gpu_flash_in_interpret_mode_matches_dot_product_and_keeps_its_residuals_by_the_context_name():
+    """jax's Pallas Triton kernel, run by Pallas's interpreter on CPU: the same values and gradients as the dot
+    product; and under a remat policy that keeps "context" (minimal_with_context) the backward runs the backward
+    kernels alone, where jax's own rule, whose output and log-sum-exp carry no name, ran the forward kernel again."""
+    q, k, v = _qkv(Dh=64)
+    got = _value_and_grads(lambda q, k, v: ak.gpu_flash(q, k, v, 0, interpret=True), q, k, v)
+    ref = _value_and_grads(_dot(0, None), q, k, v)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(g, r, **TOLERANCE)
+
+    def kernels(policy):
+        layer = jax.checkpoint(lambda q, k, v: jnp.sin(ak.gpu_flash(q, k, v, 0, interpret=True)), policy=policy)
+        grad = jax.grad(lambda q, k, v: jnp.sum(layer(q, k, v)), argnums=(0, 1, 2))
+        return _pallas_calls(jax.make_jaxpr(grad)(q, k, v).jaxpr)
+
+    keeps_context = jax.checkpoint_policies.save_only_these_names("context")
+    assert kernels(keeps_context) == ["mha_forward", "mha_preprocess_backward", "mha_backward"]
+    assert kernels(jax.checkpoint_policies.nothing_saveable).count("mha_forward") == 2  # full remat: once again

@@ -437,7 +437,39 @@ def gpu_blocks(Dh: int, itemsize: int) -> dict[str, int]:
             "block_kv_dq": 32}
 
 
-def gpu_flash(q, k, v, window=0) -> jax.Array:
+@functools.cache
+def _gpu_mha(blocks, interpret: bool = False):
+    """jax's Pallas Triton flash attention (causal, unscaled, `blocks` its tiles) whose residuals beyond q, k and v,
+    its output and log-sum-exp, carry the context's checkpoint name, as the CPU kernel's and splash's do: a remat
+    policy that keeps the context keeps them, and the backward runs the backward kernel alone. jax's own rule leaves
+    them unnamed, so such a policy recomputed the forward kernel in the backward (its residuals are reached through
+    its private backward rule, the same in jax 0.11.2 and 0.12; without it, jax's own rule)."""
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    options = {"sm_scale": 1.0, "causal": True, "block_sizes": blocks, "interpret": interpret}
+    backward = getattr(gpu_attention, "_mha_backward", None)
+    if backward is None:
+        return functools.partial(gpu_attention.mha, **options)
+
+    @jax.custom_vjp
+    def attend(q, k, v, segment_ids):
+        return gpu_attention.mha(q, k, v, segment_ids, **options)
+
+    def forward(q, k, v, segment_ids):
+        out, lse = gpu_attention.mha(q, k, v, segment_ids, return_residuals=True, **options)
+        out, lse = checkpoint_name(out, "context"), checkpoint_name(lse, "context")
+        return out, (q, k, v, segment_ids, out, lse)
+
+    def backward_rule(residuals, do):
+        # jax's rule's arguments: sm_scale, causal, block_sizes, backward_pass_impl, num_warps, num_stages, grid,
+        # interpret, debug, return_residuals (mha's defaults), then the residuals and the output's cotangent
+        return backward(1.0, True, blocks, "triton", None, 2, None, interpret, False, False, residuals, do)
+
+    attend.defvjp(forward, backward_rule)
+    return attend
+
+
+def gpu_flash(q, k, v, window=0, interpret: bool = False) -> jax.Array:
     """jax.experimental.pallas.ops.gpu.attention.mha, causal, kv heads repeated to the query heads (the kernel
     has no grouped-query form), under shard_map over batch and heads. The query comes scaled, so sm_scale is 1.
     Chunks (a mask W < 0) are the kernel's segments: position // C, which keeps each query within its chunk.
@@ -467,8 +499,7 @@ def gpu_flash(q, k, v, window=0) -> jax.Array:
     segments = () if segments_BxL is None else (segments_BxL,)
 
     def local(q_, k_, v_, *segments_):
-        return gpu_attention.mha(q_, k_, v_, segment_ids=segments_[0] if segments_ else None, sm_scale=1.0,
-                                 causal=True, block_sizes=blocks)
+        return _gpu_mha(blocks, interpret)(q_, k_, v_, segments_[0] if segments_ else None)
 
     fn = local
     if not jax.sharding.get_abstract_mesh().empty:
