@@ -543,3 +543,28 @@ def test_the_headline_says_what_overrides_changed_of_the_preset(capsys):
     assert json.loads(capsys.readouterr().out)["model_changed"] == {}
     assert cli.main(["estimate", "--topology", "v5p-8", "--model", "llama2-7b", "--json", "num_layers=4"]) == 0
     assert json.loads(capsys.readouterr().out)["model_changed"] == {"num_layers": "4"}
+
+
+def _checkpoint_names(jaxpr) -> list[tuple[str, ...]]:
+    """Each value's checkpoint names, in order: a value named twice (checkpoint_name of a checkpoint_name) gives
+    both, innermost first."""
+    names, of = [], {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            chain = of.get(eqn.invars[0], ()) + (eqn.params["name"],)
+            of[eqn.outvars[0]] = chain
+            names = [n for n in names if n != chain[:-1]] + [chain]
+    return names
+
+
+def test_dropless_experts_name_their_up_projection_as_maxtext_does():
+    """MaxText's sparse_matmul path names the routed experts' gate output mlpwi_0 and moe_mlpwi_0, their up output
+    moe_mlpwi_1 alone (layers/moe.py), their down output mlpwo and moe_mlpwo: a policy that keeps mlpwi_1 (minimal,
+    custom mlpwi_1=device) recomputes the experts' up projection."""
+    E, D, F, T = 4, 8, 16, 12
+    ws = [jnp.ones((E, D, F)), jnp.ones((E, D, F)), jnp.ones((E, F, D))]
+    jaxpr = jax.make_jaxpr(lambda x: moe._expert_mlp(x, jnp.array([3, 3, 3, 3], jnp.int32), ws, Activation.SWIGLU))(
+        jnp.ones((T, D)))
+    names = _checkpoint_names(jaxpr.jaxpr)
+    assert ("moe_mlpwi_1",) in names and not any("mlpwi_1" in chain for chain in names)
+    assert ("mlpwi_0", "moe_mlpwi_0") in names

@@ -298,13 +298,17 @@ def test_estimate_memory_breaks_down_experts_attention_and_the_rest():
 def test_saved_expert_tensors_fill_the_worst_case_exchange_buffer():
     """Under expert=4 each device receives, for each of its 64 tokens, min(k, E / expert) = 1 row from each of the 4
     devices: 4 rows, however routing falls; the shared expert adds its own. remat minimal keeps mlpwi_0, mlpwi_1
-    and, read by the routing weights' gradient in a MoE layer, mlpwo."""
+    and, read by the routing weights' gradient in a MoE layer, mlpwo; but the dropless routed experts' up
+    projection MaxText names moe_mlpwi_1 alone, so mlpwi_1 keeps the shared expert's there (the einsum dispatch
+    names both)."""
     from maxperf.perfmodel.saved import named_per_token
 
     mesh = Mesh.of({"expert": 4, "fsdp": 2}, {}).check(Topo("tpu-v5p", 8, torus=(2, 2, 2)))
     train = TrainConfig(per_device_batch_size=2, seq_len=32, remat_policy="minimal")
     sizes = named_per_token(SMALL, train, mesh, moe_layer=True)
-    assert (sizes["mlpwi_0"], sizes["mlpwi_1"], sizes["mlpwo"]) == (2 * (4 + 1) * 32, 2 * (4 + 1) * 32, 2 * 64 * 5)
+    assert (sizes["mlpwi_0"], sizes["mlpwi_1"], sizes["mlpwo"]) == (2 * (4 + 1) * 32, 2 * 1 * 32, 2 * 64 * 5)
+    einsum = named_per_token(SMALL, replace(train, sparse_matmul=False), mesh, moe_layer=True)
+    assert einsum["mlpwi_1"] == einsum["mlpwi_0"]
     dense = named_per_token(SMALL, train, mesh)
     assert (dense["mlpwi_0"], dense["mlpwo"]) == (2 * 128, 0.0)
 

@@ -385,3 +385,40 @@ def test_plan_refuses_ici_pipeline_left_to_the_search():
 
     with pytest.raises(MaxperfError, match="ici_pipeline_parallelism=-1: plan searches pipeline stages across"):
         candidates.space("llama3-70b", "v5p-256", global_batch_tokens=1 << 22, pins=("ici_pipeline_parallelism=-1",))
+
+
+@pytest.mark.parametrize("per_device", [2**30, 300 * 2**30])
+def test_a_compile_jax_cannot_serialize_keeps_its_memory_verdict_in_a_sweep_point(tmp_path, monkeypatch, per_device):
+    """A step that compiles but whose executable jax cannot pickle (te_mxfp8's block-scaled products) writes its
+    memory without compiled.pkl: a sweep point (what plan's verification compiles) keeps the compiler's verdict, it
+    fits or does not, where it recorded a failed compile."""
+    from maxperf import aot
+    from maxperf.search import sweep
+    from maxperf.spec.errors import Unserializable
+
+    def compile_(topology, model, words, *, out, **kw):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "memory.json").write_text(json.dumps({"per_device_total_bytes": per_device, "hbm_bytes": 178 * 2**30,
+                                                     "fits": per_device < 178 * 2**30}))
+        raise Unserializable("jax cannot serialize this compiled step (AttributeError: x): te_mxfp8; the compiler's "
+                             f"memory and optimized HLO are in {out}, but no compiled.pkl")
+
+    monkeypatch.setattr(aot, "compile", compile_)
+    point = sweep.Point("b200-8", 1, ("num_layers=2", "quantization=te_mxfp8"))
+    row = sweep.run_point("llama3-8b", point, str(tmp_path / "p"), analytical_only=False)
+    fits = per_device < 178 * 2**30
+    assert (row["status"], row["fits"], row["compiler_memory_bytes"]) == ("ok" if fits else "does not fit", fits,
+                                                                          per_device)
+    assert row["executable"] is False and "cannot serialize" in row["reason"]
+
+
+@pytest.mark.slow
+def test_plan_verifies_a_te_mxfp8_layout_whose_executable_cannot_be_kept(tmp_path):
+    """plan --verify on a B200 in te_mxfp8: the compile fits (its executable does not pickle), so the plan has its
+    verified winner, where it said no candidate fits and exited 3."""
+    code = main(["plan", "--model", "llama3-8b", "--topology", "b200-8", "--global-batch", "64K", "seq_len=2048",
+                 "num_layers=2", "quantization=te_mxfp8", "--verify", "1", "--workers", "1", "--out",
+                 str(tmp_path / "plan")])
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert code == 0 and plan["chosen"] is not None
+    assert plan["candidates"][plan["chosen"]]["verified"] and plan["command"]

@@ -21,7 +21,7 @@ from maxperf import __version__
 from maxperf.aot import artifacts, cache, hlo_time, peak, targets
 from maxperf.perfmodel.calibration import StoredCalibration
 from maxperf.spec import presets
-from maxperf.spec.errors import DoesNotFit, MaxperfError
+from maxperf.spec.errors import DoesNotFit, MaxperfError, Unserializable
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.request import Request, resolve, serving_warnings
 from maxperf.spec.topology import Topology
@@ -388,7 +388,7 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
             _write_manifest(writer, p, spec, argv, time.perf_counter() - t, lower_seconds, start,
                             compiled=False, cache_hit=False, step=step)
             finish(writer)
-            raise MaxperfError(
+            raise Unserializable(
                 f"jax cannot serialize this compiled step ({type(e).__name__}: {str(e).splitlines()[0][:120]}): "
                 f"{unserializable_why(p)}; the compiler's memory and optimized HLO are in {writer.out}, but no "
                 "compiled.pkl, so `maxperf run` cannot load it") from None

@@ -110,6 +110,8 @@ def recomputed(model: ModelConfig, train: TrainConfig, moe_layer: bool = False) 
         out.add("router")
         if dispatch(train) != "sparse":  # the experts' input is the dispatch einsum's output, named by no policy
             out.add("dispatch")
+        elif gated(model):  # the routed experts' up projection, which MaxText names moe_mlpwi_1 alone, always again
+            out.add("moe_mlpwi_1")
     return frozenset(out)
 
 
@@ -122,10 +124,12 @@ def head_dims(model: ModelConfig) -> tuple[int, int]:
     return attention_rule.head_dims(model)
 
 
-def projection_flops_per_token(model: ModelConfig, moe_rows: float | None = None) -> dict[str, float]:
+def projection_flops_per_token(model: ModelConfig, moe_rows: float | None = None,
+                               sparse: bool = False) -> dict[str, float]:
     """Forward FLOPs per token of each named projection of one layer. `moe_rows`: for a MoE layer, the routed rows a
     token costs (perfmodel.moe.rows_per_token); its MLP names then cover the routed and shared experts, and "router"
-    the gate."""
+    the gate; but with the dropless dispatch (`sparse`) a gated MLP's "mlpwi_1" the shared experts' alone and
+    "moe_mlpwi_1" the routed ones' (moe_wi: MaxText names the routed up projection moe_mlpwi_1 alone there)."""
     D, H, K, Dh, F = model.d_model, model.num_heads, model.num_kv_heads, model.head_dim, model.d_ff
     if is_mla(model):
         R, C, Dn, Dr, Dv = (model.q_lora_rank, model.kv_lora_rank, model.qk_nope_head_dim, model.qk_rope_head_dim,
@@ -142,8 +146,20 @@ def projection_flops_per_token(model: ModelConfig, moe_rows: float | None = None
     if moe is None:
         return {**attention, "mlpwi_0": 2 * D * F, "mlpwi_1": 2 * D * F, "mlpwi": 2 * D * F, "mlpwo": 2 * F * D}
     width = (moe_rows + moe.S) * moe.Fe
-    return {**attention, "mlpwi_0": 2 * D * width, "mlpwi_1": 2 * D * width, "mlpwi": 2 * D * width,
-            "mlpwo": 2 * width * D, "router": 2 * D * moe.E}
+    names = {**attention, "mlpwi_0": 2 * D * width, "mlpwi_1": 2 * D * width, "mlpwi": 2 * D * width,
+             "mlpwo": 2 * width * D, "router": 2 * D * moe.E}
+    if sparse and gated(model):
+        names |= {"mlpwi_1": 2 * D * moe.S * moe.Fe, "moe_mlpwi_1": 2 * D * moe_rows * moe.Fe}
+    return names
+
+
+def moe_wi(model: ModelConfig, train: TrainConfig) -> tuple[str, ...]:
+    """The names of a MoE layer's experts' up (and gate) projections: with the dropless dispatch a gated MLP's up
+    projection is two, the routed experts' moe_mlpwi_1 and the shared experts' mlpwi_1
+    (projection_flops_per_token)."""
+    if not gated(model):
+        return ("mlpwi",)
+    return ("mlpwi_0", "mlpwi_1", "moe_mlpwi_1") if dispatch(train) == "sparse" else ("mlpwi_0", "mlpwi_1")
 
 
 # AdamW elementwise work per parameter (optax.adamw): m update 3, v update 4, bias corrections 2, sqrt+eps+divide 3,
@@ -444,7 +460,7 @@ def count_flops(model: ModelConfig, train: TrainConfig, params_per_device: float
     if moe:
         rows = rows_per_token(moe, train)
         again_moe = recomputed(model, train, moe_layer=True)
-        moe_token = projection_flops_per_token(model, rows)
+        moe_token = projection_flops_per_token(model, rows, dispatch(train) == "sparse")
         recompute += n_moe * tokens * sum(moe_token[n] for n in again_moe if n in moe_token)
         padding = TRAIN_FACTOR * n_moe * 2 * tokens * (rows - moe.k) * mlp_params(model, moe.Fe)
         if dispatch(train) != "sparse":
@@ -498,8 +514,8 @@ def mtp_fwd_flops(model: ModelConfig, train: TrainConfig, B: float) -> MtpFlops:
     tokens = B * L
     moe = moe_shape(model)
     last_moe = bool(moe) and moe_layers_of(model)[-1]
-    per_token = projection_flops_per_token(model, moe.k if last_moe else None)
-    wi = ("mlpwi_0", "mlpwi_1") if gated(model) else ("mlpwi",)
+    per_token = projection_flops_per_token(model, moe.k if last_moe else None, dispatch(train) == "sparse")
+    wi = moe_wi(model, train) if last_moe else ("mlpwi_0", "mlpwi_1") if gated(model) else ("mlpwi",)
     names = ("query_proj", "key_proj", "value_proj", "out_proj", *wi, "mlpwo", *(("router",) if last_moe else ()))
     Dq, Dv = head_dims(model)
     kernel = attention_kernel(train)

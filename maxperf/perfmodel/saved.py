@@ -109,6 +109,9 @@ def _named_per_token(model: ModelConfig, train: TrainConfig, mesh: Mesh, moe_lay
         wi = {"mlpwi": 2 * c * F}
     else:
         wi = {"mlpwi_0": c * F, "mlpwi_1": c * F} if gated(model) else {"mlpwi": c * F}
+    if moe is not None and train.sparse_matmul and "mlpwi_1" in wi:
+        # MaxText's dropless experts name their up projection moe_mlpwi_1 alone: mlpwi_1 keeps the shared experts'
+        wi["mlpwi_1"] = c * moe.S * a.Fe
     if moe is not None:  # the experts' output rows are whole D wide, partial sums over a tensor-split width (the
         # forward scan of expert_gradient_excess's compile, at tensor 4, stacks bf16[32,32768,4096] for them)
         wo = c * (D * routed_rows_held(moe, train, mesh) + (a.D if moe.S else 0))

@@ -417,9 +417,11 @@ def _moe_matmuls(table: Work, model: ModelConfig, train: TrainConfig, mesh: Mesh
                                    f"per-expert matmul rate (fitted on two H100 steps; sparse_matmul=false "
                                    f"capacity_factor=1.25 ran 3.5-9.6x faster there)")
     wi = ("mlpwi_0", "mlpwi_1") if gated(model) else ("mlpwi",)
+    # the dropless routed experts' up projection is moe_mlpwi_1 alone (flops.moe_wi), the shared experts' mlpwi_1
+    routed_wi = ("mlpwi_0", "moe_mlpwi_1") if kind == "sparse" and gated(model) else wi
     up, down = "experts up and gate" if gated(model) else "experts up", "experts down"
     megablox = kind == "sparse" and table.chip.kind == "tpu" and train.megablox
-    for name, K, N, forward, backward in ((up, D, a.Fe, moe_fwd(*wi), len(wi) * bwd), (down, a.Fe, D,
+    for name, K, N, forward, backward in ((up, D, a.Fe, moe_fwd(*routed_wi), len(routed_wi) * bwd), (down, a.Fe, D,
                                                                                        moe_fwd("mlpwo"), bwd)):
         total = group * local  # the device's routed rows, sorted by expert
         tiles = megablox_tiling(int(total), int(K), int(N)) if megablox else None

@@ -133,7 +133,7 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from maxperf import aot, perfmodel
     from maxperf.spec import request as planning
-    from maxperf.spec.errors import DoesNotFit
+    from maxperf.spec.errors import DoesNotFit, Unserializable
 
     row = new_row(model, point, analytical_only, calibration)
     cpu_start = time.process_time()  # this process's CPU time, the compiler's threads included
@@ -170,6 +170,14 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
                     row.update(status="does not fit", reason="compiler memory exceeds HBM")
             except DoesNotFit as e:
                 row.update(status="does not fit", reason=str(e), fits=False, artifact=str(Path(directory) / "artifact"))
+            except Unserializable as e:  # compiled, its memory written: the verdict stands, only the executable is not
+                memory = json.loads((Path(directory) / "artifact" / "memory.json").read_text())
+                fits = memory["per_device_total_bytes"] <= memory["hbm_bytes"]
+                row.update(compiler_memory_bytes=memory["per_device_total_bytes"], fits=fits,
+                           artifact=str(Path(directory) / "artifact"), executable=False,
+                           reason=str(e).split("; the compiler's memory")[0])
+                if not fits:
+                    row.update(status="does not fit")
             except artifacts.OutputRefused as e:  # the point's earlier artifact holds what a run wrote there
                 row.update(status="error", reason=f"{e}".split("; move them")[0] + "; the sweep does not replace it: "
                            "move those files out of the point's artifact, or sweep into another --out")

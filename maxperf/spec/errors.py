@@ -16,6 +16,11 @@ class DoesNotFit(MaxperfError):
     exit_code = 3
 
 
+class Unserializable(MaxperfError):
+    """The step compiled, and its memory and optimized HLO are written, but jax cannot pickle its executable: no
+    compiled.pkl, so it cannot run. Exit code 2."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so that the same cleanup runs. Exit code 143."""
 

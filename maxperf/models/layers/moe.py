@@ -17,7 +17,9 @@ Dispatch, as MaxText chooses it (`sparse_matmul`, `capacity_factor`):
   dropless). The partitioner moves tokens between expert shards.
 
 Checkpoint names as MaxText gives them (layers/moe.py): the expert projections carry both MaxText's MLP names
-(mlpwi_0, mlpwi_1, mlpwo) and its MoE ones (moe_mlpwi_0, moe_mlpwi_1, moe_mlpwo), so the remat policies save them.
+(mlpwi_0, mlpwi_1, mlpwo) and its MoE ones (moe_mlpwi_0, moe_mlpwi_1, moe_mlpwo), so the remat policies save them;
+but for the dropless path's up projection, which MaxText names moe_mlpwi_1 alone (its sparse_matmul branches), so
+a policy that keeps mlpwi_1 (minimal, minimal_offloaded, custom mlpwi_1=) recomputes it there.
 """
 
 from __future__ import annotations
@@ -236,9 +238,8 @@ def _expert_mlp(x_TxD, group_sizes_E, weights, activation: Activation, megablox:
     h_TxF = grouped_matmul(x_TxD, wi_1, group_sizes_E, megablox)
     if bias is not None:
         h_TxF = h_TxF + bias.rows(bias.wi_1)
-    h_TxF = checkpoint_name(h_TxF, "moe_mlpwi_1")
+    h_TxF = checkpoint_name(h_TxF, "moe_mlpwi_1")  # and not mlpwi_1, as MaxText's sparse_matmul path names it
     if wi_0 is not None:
-        h_TxF = checkpoint_name(h_TxF, "mlpwi_1")
         g_TxF = grouped_matmul(x_TxD, wi_0, group_sizes_E, megablox)
         if bias is not None:
             g_TxF = g_TxF + bias.rows(bias.wi_0)
