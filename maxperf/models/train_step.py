@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -453,10 +454,68 @@ def jit_step(spec: AbstractStep):
 
 
 def init_state(spec: AbstractStep, seed: int) -> dict:
-    """Real, sharded initial state from a seed (for running)."""
-    init = jax.jit(init_fn(spec.model, spec.train), out_shardings=spec.state_shardings)
+    """Real, sharded initial state from a seed (for running): a pipelined stack's layers initialized in the model's
+    order and then stored stage-major (`stored_layers`), so that one seed gives the same model whatever the
+    pipeline's layout."""
+    init = init_fn(spec.model, spec.train)
+    if _layer_order(spec) is not None:
+        init = (lambda make: lambda key: _reorder_layers(spec, make(key), to_stored=True))(init)
     with jax.set_mesh(spec.mesh):
-        return init(jax.random.PRNGKey(seed))
+        return jax.jit(init, out_shardings=spec.state_shardings)(jax.random.PRNGKey(seed))
+
+
+def _layer_order(spec: AbstractStep):
+    """(the decoder stack's name, the unit stored at each of its positions) where the step pipelines it and so
+    stores its layers stage-major (models/pipeline.stage_major); None where they are stored in the model's order."""
+    from maxperf.models import pipeline
+    from maxperf.spec.mesh import Mesh as SpecMesh
+
+    schedule = pipeline_spec.of(spec.model, spec.train, SpecMesh(dict(spec.mesh.shape), {}))
+    if schedule is None:
+        return None
+    order = pipeline.stage_major(schedule.places, schedule)
+    if (order == np.arange(order.size)).all():
+        return None
+    return stacks(spec.model)[0].name, order
+
+
+def _reorder_layers(spec: AbstractStep, state: dict, *, to_stored: bool) -> dict:
+    """`state` (traced) with its pipelined stack's layer axis, in the parameters, their optimizer state and the FP8
+    state, moved from the model's order to the stored one (`to_stored`) or back."""
+    name, order = _layer_order(spec)
+    index = jnp.asarray(order if to_stored else np.argsort(order))
+    md = model_def(spec.model, spec.train)
+    at = jax.tree.map(lambda axes: axes.index("stage_layers") if "stage_layers" in axes else -1, md.logical_axes,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+    def move(x, axis):
+        return jnp.take(x, index, axis=axis) if axis >= 0 else x
+
+    optimizer, _ = make_optimizer(spec.train)
+    out = {**state, "params": jax.tree.map(move, state["params"], at),
+           "opt_state": optax.tree_map_params(optimizer, move, state["opt_state"], at,
+                                              transform_non_params=lambda x: x)}
+    if name in state.get("fp8", {}):  # per stored place [places, ...]
+        out["fp8"] = {**state["fp8"], name: jax.tree.map(lambda x: move(x, 0), state["fp8"][name])}
+    return out
+
+
+def stored_layers(spec: AbstractStep, state: dict) -> dict:
+    """A state whose pipelined stack is in the model's layer order (a checkpoint's) with it stored as the step
+    stores it; the state itself where the step does not reorder its layers."""
+    if _layer_order(spec) is None:
+        return state
+    with jax.set_mesh(spec.mesh):
+        return jax.jit(lambda s: _reorder_layers(spec, s, to_stored=True), out_shardings=spec.state_shardings)(state)
+
+
+def model_order_layers(spec: AbstractStep, state: dict) -> dict:
+    """The inverse of `stored_layers`: what a checkpoint keeps, so that it restores into any pipeline's layout."""
+    if _layer_order(spec) is None:
+        return state
+    with jax.set_mesh(spec.mesh):
+        return jax.jit(lambda s: _reorder_layers(spec, s, to_stored=False),
+                       out_shardings=spec.state_shardings)(state)
 
 
 def synthetic_batch(spec: AbstractStep, seed: int) -> dict:

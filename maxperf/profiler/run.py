@@ -290,7 +290,7 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         spec, step = artifact.step(devices)
         if restore is not None:
             say(f"restoring the state from {restore}")
-            state = checkpoints.restore(Path(restore), spec)
+            state = train_step.stored_layers(spec, checkpoints.restore(Path(restore), spec))
         else:
             state = train_step.init_state(spec, seed=p.configs.train.seed)
         first = int(jax.device_get(state["step"]))
@@ -326,7 +326,9 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
             shutil.rmtree(writer.tmp / "trace", ignore_errors=True)
         if watchdog:
             watchdog.stop()  # orbax bounds its own waits for peers
-        saved = checkpoints.save(Path(checkpoint), state) if checkpoint is not None and interrupted is None else None
+        # a checkpoint keeps a pipelined stack in the model's layer order: it restores into any layout of the model
+        saved = (checkpoints.save(Path(checkpoint), train_step.model_order_layers(spec, state))
+                 if checkpoint is not None and interrupted is None else None)
         calibration = calibration_for(p.topology)
         chip = device_for(p.topology, calibration)
         peak = chip.peak_flops(p.configs.train.compute_dtype)
