@@ -14,7 +14,8 @@ in a JSON file keyed by the case, so that a second run after a change to perfmod
 (the compiler's figures depend on the step, not on perfmodel); delete the file to measure again; `--cached-only`
 reports the cached cases alone. `--error-json` writes the summary of every TPU case reported (median and worst
 absolute error, the 90th percentile of the signed underestimate) as maxperf/search/memory_error.json's entry for
-"tpu", from which `maxperf plan` takes its memory margin (maxperf.search.margin).
+"tpu", TPU7x's for "tpu7x" and the GPU steps that fit for "gpu" (entries a run does not measure stay), from which
+`maxperf plan` takes its memory margin and `maxperf estimate` its "too close to call" line (maxperf.search.margin).
 
 The design. A full factorial of tensor parallelism (1, 2, 4, 8, 16) x per-device batch (1 to 32) x sequence length
 (2048, 4096, 8192) x 12 remat policies x 2 kernels is 2160 compiles; on a shared 2-core machine one TPU compile of
@@ -132,6 +133,8 @@ GPU_MOE = (("deepseek-v2-lite", "h100-8", ("per_device_batch_size=1",)),
            ("qwen3-30b-a3b", "h100-1", ("num_layers=2", "per_device_batch_size=1")),
            ("qwen3-30b-a3b", "h100-8", ("num_layers=2", "per_device_batch_size=2", "ici_expert_parallelism=8")),
            *(("mixtral-8x7b", "h100-1", ("num_layers=2", f"per_device_batch_size={b}")) for b in (1, 2, 4)),
+           # FSDP alone over eight: every layer's experts gathered whole (bf16[8, 4096, 14336] each)
+           *(("mixtral-8x7b", "h100-8", ("num_layers=2", f"per_device_batch_size={b}")) for b in (1, 4)),
            *(("gpt-oss-20b", "h100-1", ("num_layers=2", f"per_device_batch_size={b}")) for b in (1, 2, 4)),
            *((m, "h100-8x16", ("per_device_batch_size=1", "ici_expert_parallelism=8", "dcn_fsdp_parallelism=16"))
              for m in ("deepseek-v3", "qwen3-235b-a22b")))
@@ -285,7 +288,8 @@ def main() -> int:
                     help="run only this group (repeatable)")
     ap.add_argument("--cached-only", action="store_true", help="report only the cases the cache holds")
     ap.add_argument("--json", type=Path, help="also write the rows here")
-    ap.add_argument("--error-json", type=Path, help="write the TPU groups' summary (memory_error.json schema)")
+    ap.add_argument("--error-json", type=Path, help="write the summaries of the TPU groups, TPU7x's and the GPUs' "
+                                                    "(memory_error.json schema; the entries not measured stay)")
     args = ap.parse_args()
     args.json = outfile.checked(ap, args.json)
     args.error_json = outfile.checked(ap, args.error_json, "--error-json")
@@ -361,18 +365,21 @@ def main() -> int:
               f"(target <= 15%)")
     if args.json:
         outfile.write(args.json, rows)
-    # TPU7x's compiler schedules apart (working.LATE_TABLE_GRADIENT_CHIPS): its margin is its own (search.margin)
+    # TPU7x's compiler schedules apart (working.LATE_TABLE_GRADIENT_CHIPS): its margin is its own (search.margin), as
+    # the GPUs' (their steps that fit)
     tpu = [r for r in rows if r["group"] not in ("gpu", "tpu7x")]
     tpu7x = [r for r in rows if r["group"] == "tpu7x"]
-    if args.error_json and tpu:
+    if args.error_json and (tpu or tpu7x or gpu):
         # the compiler's figures do not depend on perfmodel: a run from the cache measures what a fresh one would
         argv = [a for a in sys.argv[1:] if a != "--cached-only"]
         if "--cache" in argv:
             del argv[argv.index("--cache"):argv.index("--cache") + 2]
         command = " ".join([".venv/bin/python bench/memory_accuracy.py", *argv])
-        doc = {name: {**summary(mine), "command": command, "date": datetime.date.today().isoformat(),
-                      "groups": sorted({r["group"] for r in mine})}
-               for name, mine in (("tpu", tpu), ("tpu7x", tpu7x)) if mine}
+        # the entries this run measured replace theirs; the others stay
+        doc = json.loads(args.error_json.read_text()) if args.error_json.exists() else {}
+        doc |= {name: {**summary(mine), "command": command, "date": datetime.date.today().isoformat(),
+                       "groups": sorted({r["group"] for r in mine})}
+                for name, mine in (("tpu", tpu), ("tpu7x", tpu7x), ("gpu", gpu)) if mine}
         outfile.write(args.error_json, doc)
     return 0
 

@@ -361,6 +361,11 @@ def test_a_gpu_plans_maxtext_line_is_maxtexts_train_compile_where_it_names_the_m
     a100 = command(c, model="llama3.1-70b", topology="a100-8x8", platform="gpu", num_slices=1, seq_len=2048,
                    fixed=())
     assert a100["maxtext"].startswith("model_name=llama3.1-70b ") and "names no machine" in a100["maxtext_note"]
+    # part of a host: a3 is eight H100s, so a plan of four names no machine (it named a3, which compiles 8)
+    ici4 = dict.fromkeys(MESH_AXES, 1) | {"fsdp": 4}
+    part = command(Candidate(ici4, dict.fromkeys(MESH_AXES, 1), "full", "flash", 2, 1), model="llama3.1-70b",
+                   topology="h100-4", platform="gpu", num_slices=1, seq_len=2048, fixed=())
+    assert "compile_topology" not in part["maxtext"] and "a host of 8 GPUs" in part["maxtext_note"]
 
 
 def test_a_gpu_plan_of_a_sliding_window_model_searches_the_dot_product_and_its_maxtext_line_counts_every_host():
@@ -422,3 +427,21 @@ def test_plan_verifies_a_te_mxfp8_layout_whose_executable_cannot_be_kept(tmp_pat
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert code == 0 and plan["chosen"] is not None
     assert plan["candidates"][plan["chosen"]]["verified"] and plan["command"]
+
+
+def test_plan_searches_fp8_for_a_dropless_mixture_of_experts_only_where_the_step_quantizes_it():
+    """The train step quantizes a mixture of experts' capacity einsums, not its dropless grouped matmul (compile
+    refuses that pair): under quantization=auto a dropless MoE is searched in bf16 with a note saying why, a pinned
+    FP8 recipe is refused in compile's one line, and with sparse_matmul=false the FP8 recipe is searched."""
+    from maxperf.search.candidates import space
+
+    auto = space("mixtral-8x7b", "h100-8", global_batch_tokens=1 << 18,
+                 pins=["seq_len=2048", "num_layers=2", "quantization=auto"])
+    assert auto.precisions == ["none"] and "sparse_matmul=false" in auto.notes[0]
+    assert {c.quantization for c in auto.candidates} == {"none"}
+    with pytest.raises(MaxperfError, match="needs sparse_matmul=false"):
+        space("mixtral-8x7b", "h100-8", global_batch_tokens=1 << 18,
+              pins=["seq_len=2048", "num_layers=2", "quantization=te_fp8_currentscaling"])
+    einsums = space("mixtral-8x7b", "h100-8", global_batch_tokens=1 << 18,
+                    pins=["seq_len=2048", "num_layers=2", "quantization=auto", "sparse_matmul=false"])
+    assert einsums.precisions == ["none", "te_fp8_currentscaling"] and not einsums.notes

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from maxperf.spec import fp8, presets
@@ -173,6 +173,7 @@ class Space:
     precisions: list[str]  # "none" and, where quantization=auto, the chip's FP8 recipe
     meshes: list[MeshChoice]
     candidates: list[Candidate]
+    notes: list[str] = field(default_factory=list)  # what the search left out of the request's space, and why
 
 
 def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_tokens: int | None = None,
@@ -202,6 +203,18 @@ def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_t
     remats = [pinned["remat_policy"]] if "remat_policy" in pinned else list(REMAT_POLICIES)
     kernels = [pinned["attention"]] if "attention" in pinned else servable_kernels(model, train, topo.platform)
     precisions = precisions_for(pinned.get("quantization", "none"), CHIPS[topo.chip])
+    notes = []
+    if model.is_moe and train.sparse_matmul and any(p not in ("none", "bf16") for p in precisions):
+        # the train step quantizes a mixture of experts' capacity einsums only (models/layers/quantization.check_moe)
+        quantized = next(p for p in precisions if p not in ("none", "bf16"))
+        if pinned.get("quantization") != "auto":
+            raise MaxperfError(f"quantization={quantized} with a mixture of experts needs sparse_matmul=false (the "
+                               "capacity einsums, which it quantizes as MaxText does); the dropless grouped matmul is "
+                               "not quantized here")
+        precisions = [p for p in precisions if p in ("none", "bf16")]
+        notes.append(f"quantization=auto searched bf16 alone: {model.name}'s dropless experts (sparse_matmul=true) "
+                     f"are not quantized here; pin sparse_matmul=false to search {quantized} over the capacity "
+                     "einsums")
     pinned_microbatches = check_stages(model, train, ici_pins.get("stage", 1) * dcn_pins.get("stage", 1))
 
     divisible = Divisibility(model, train.seq_len, [round(b * devices) for b, _ in pairs], stage_counts)
@@ -249,7 +262,7 @@ def space(model_name: str, topology: str, *, num_slices: int = 1, global_batch_t
             "(dcn_sequence_parallelism, ici_tensor_parallelism), would")
     # the policies searched, with those a pipelined mesh runs them as (none as full, or none)
     remats = list(dict.fromkeys([*remats, *(c.remat_policy for c in candidates)]))
-    return Space(topo, model, train, fixed, rows, pairs, remats, kernels, precisions, meshes, candidates)
+    return Space(topo, model, train, fixed, rows, pairs, remats, kernels, precisions, meshes, candidates, notes)
 
 
 def dcn_stage_counts(model: ModelConfig, train: TrainConfig, domains: int, pinned: dict[str, str],

@@ -58,9 +58,14 @@ def command(c: Candidate, *, model: str, topology: str, platform: str, num_slice
     if platform == "tpu":
         start = (f"{train_compile} {' '.join(maxtext_model)} compile_topology={topology} "
                  f"compile_topology_num_slices={num_slices} ")
-    elif (machine := GPU_MACHINES.get(topologies.get(topology).chip)) is not None:
+    elif (machine := GPU_MACHINES.get((topo := topologies.get(topology)).chip)) is not None:
+        if topo.chips_per_host != GPU_MACHINE_CHIPS:  # part of a host: no machine of MaxText's is that
+            return out | {"maxtext": f"{' '.join(maxtext_model)} {flags}",
+                          "maxtext_note": f"MaxText's flags alone: its train_compile's {machine} is a host of "
+                                          f"{GPU_MACHINE_CHIPS} GPUs, and {topology} is {topo.chips_per_host} of "
+                                          "one, so give them to its train on those GPUs"}
         start = (f"{train_compile} {' '.join(maxtext_model)} hardware=gpu compile_topology={machine} "
-                 f"compile_topology_num_slices={topologies.get(topology).hosts * num_slices} ")
+                 f"compile_topology_num_slices={topo.hosts * num_slices} ")
     else:
         return out | {"maxtext": f"{' '.join(maxtext_model)} {flags}",
                       "maxtext_note": f"MaxText's flags alone: its train_compile names no machine of {topology}'s "
@@ -71,6 +76,7 @@ def command(c: Candidate, *, model: str, topology: str, platform: str, num_slice
 # MaxText's names of GPU machines (its accelerator_to_spec_map, which train_compile's compile_topology takes): A3,
 # eight H100s a host; A4, eight B200s
 GPU_MACHINES = {"h100-sxm": "a3", "b200": "a4"}
+GPU_MACHINE_CHIPS = 8
 
 
 # maxperf's keys of Megatron-LM's uneven pipeline stages, which MaxText has not

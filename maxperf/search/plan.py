@@ -224,6 +224,7 @@ def _search(req: PlanRequest, progress: Callable[[str], None] | None, margin: Ma
     result = SearchResult(req, model.name, topo.name, topo.platform, topo.num_devices, topo.chips, train0.seq_len,
                           found.rows, estimator.hbm, margin, found.fixed, candidates, 0.0,
                           tie=held_out.relative if held_out else 0.0, pruned=estimator.pruned)
+    result.notes.extend(found.notes)
     rank(result)
     if not result.fitting and result.candidates:
         result.closest_miss = closest_miss(result, model, estimator.trains, topo, calibration)
