@@ -15,6 +15,7 @@ from reports_browser import CHROMIUM, check_in_chromium
 from maxperf import aot
 from maxperf.aot.artifacts import ArtifactError
 from maxperf.reports import render
+from maxperf.reports.page import percent
 from maxperf.search.sweep import sweep
 from maxperf.spec.errors import MaxperfError
 
@@ -331,6 +332,35 @@ def test_a_run_beside_another_compile_in_its_directory_shows_what_was_measured_o
         pages[name] = (tmp_path / f"{name}.html").read_text()
     assert "holds another compile now" in pages["other"] and "holds another compile now" not in pages["same"]
     assert "tiny / " in pages["same"] and "tiny / " not in pages["other"]
+
+
+def test_a_run_whose_compile_predicts_anew_shows_its_own_prediction_and_one_peaks_mfu(compiled, tmp_path, capsys):
+    """The same executable compiled again into a run's directory (a compile-cache hit under another calibration)
+    predicts another step time: the page shows the run's own prediction, not the new estimate's figures beside it
+    (it divided one by the other's ratio); and the predicted MFU, in the headline as in the table, is taken on the
+    run's peak where the run measured on another (it set 23.5% predicted beside 6.1% measured for a step that ran as
+    predicted)."""
+    art = compiled[0]
+    manifest = json.loads((art / "manifest.json").read_text())
+    estimate = json.loads((art / "estimate.json").read_text())
+    predicted = estimate["step_time_s"]
+    base = {"schema": "maxperf.run/1", "artifact": str(art), "steps": 2, "devices": 8, "device_kind": "cpu",
+            "step_times_s": [predicted, predicted], "step_time_s": predicted,
+            "artifact_sha256": manifest["files"]["compiled.pkl"], "measured_over_predicted": 1.0}
+    pages = {}
+    for name, extra in (("restated", {"predicted_step_time_s": predicted * 1.46}),
+                        ("peak", {"predicted_step_time_s": predicted, "mfu": estimate["mfu"] / 4,
+                                  "peak_flops_per_device": estimate["peak_flops"] * 4})):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        (run_dir / "run.json").write_text(json.dumps({**base, **extra}))
+        code, err = _report_cli(capsys, run_dir, "-o", tmp_path / f"{name}.html")
+        assert code == 0, err
+        pages[name] = (tmp_path / f"{name}.html").read_text()
+    assert "was compiled again since" in pages["restated"]
+    assert "was compiled again since" not in pages["peak"]
+    mfu = percent(estimate["mfu"] / 4)
+    assert f"MFU {mfu} predicted, {mfu} measured" in pages["peak"]
 
 
 def test_an_interrupted_run_is_shown_as_partial(tmp_path, capsys):

@@ -700,6 +700,16 @@ def test_the_report_shows_the_serving_plan_curve_and_the_decode_step(tmp_path):
     (damaged / "run.json").write_text(json.dumps(run))
     proc = maxperf("report", str(damaged), "-o", str(tmp_path / "d.html"))
     assert proc.returncode == 2 and "'step_time_s' should be a number" in proc.stderr, proc.stderr
+    # a run whose compile directory holds another compile now (compiled.pkl not the one it measured): its own
+    # figures alone, not the other step's prediction under its name
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(art / "run", elsewhere)
+    run = json.loads((elsewhere / "run.json").read_text())
+    (elsewhere / "run.json").write_text(json.dumps({**run, "artifact_sha256": "0" * 64}))
+    proc = maxperf("report", str(elsewhere), "-o", str(tmp_path / "e.html"))
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "e.html").read_text()
+    assert "holds another compile now" in text and "no prediction shown" in text and "decode: tiny on cpu-1" in text
 
 
 def test_the_report_of_a_serving_compile_that_does_not_fit_says_by_how_much(tmp_path):

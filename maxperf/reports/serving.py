@@ -121,11 +121,16 @@ def read_step(page: Page, kind: str, directory: Path) -> dict | None:
     run = _run_json(directory) if kind == "run" else None
     artifact = _artifact_of(run, directory) if run else directory
     manifest = _verified_manifest(artifact) if (artifact / "manifest.json").is_file() or not run else {}
-    estimate = read_json(artifact / "estimate.json") or {}
-    memory = read_json(artifact / "memory.json") or {}
+    # a compile written into the run's compile directory since it ran is another step (as for the train step's)
+    replaced = bool(run and manifest and run.get("artifact_sha256")
+                    and manifest.get("files", {}).get("compiled.pkl") != run["artifact_sha256"])
+    if replaced:
+        manifest = {}
+    estimate = {} if replaced else read_json(artifact / "estimate.json") or {}
+    memory = {} if replaced else read_json(artifact / "memory.json") or {}
     step = manifest.get("step") or (run or {}).get("step")
-    model = manifest.get("model", {}).get("name", "?")
-    topology = manifest.get("topology", {}).get("name", "?")
+    model = manifest.get("model", {}).get("name") or (run or {}).get("model") or "?"
+    topology = manifest.get("topology", {}).get("name") or (run or {}).get("topology") or "?"
     s = Section(f"{step}: {model} on {topology} ({directory})", kind)
     if memory.get("per_device_total_bytes"):
         s.verdict = "fits" if memory.get("fits") else "does not fit"
@@ -139,7 +144,11 @@ def read_step(page: Page, kind: str, directory: Path) -> dict | None:
             s.facts.append(("compiler", memory["compiler_message"]))
         page.sections.append(s)
         return None
-    if step == "decode":
+    if replaced:
+        s.headline = "no prediction shown"
+        s.notes.append(f"the compile directory this run ran ({run.get('artifact')}) holds another compile now (its "
+                       "compiled.pkl is not the executable this run measured): only what run.json holds is shown")
+    elif step == "decode":
         s.headline = (f"predicted {estimate.get('time_per_output_token_s', 0) * 1e3:.3g} ms per output token, "
                       f"{estimate.get('tokens_per_s_per_chip', 0):,.0f} tokens/s per chip")
     else:

@@ -133,6 +133,13 @@ def read(page: Page, kind: str, directory: Path) -> Step:
         manifest = {}
     estimate, memory = ({}, {}) if replaced else (read_json(art / "estimate.json") or {}, read_json(art / "memory.json")
                                                  or {})
+    # a compile written again into the run's directory with the same executable (a compile-cache hit under another
+    # calibration) may predict another step time: its estimate is not the one this run was measured against
+    predicted_then = (run or {}).get("predicted_step_time_s")
+    restated = bool(predicted_then and estimate.get("step_time_s")
+                    and abs(estimate["step_time_s"] / predicted_then - 1) > 1e-6)
+    if restated:
+        now, estimate = estimate["step_time_s"], {}
     page.versions = page.versions or manifest.get("versions", {})
     topo = manifest.get("topology", {})
     model = manifest.get("model", {}).get("name")
@@ -173,6 +180,10 @@ def read(page: Page, kind: str, directory: Path) -> Step:
     s.notes = list(dict.fromkeys([*s.notes, *(estimate.get("notes") or []), *((run or {}).get("notes") or [])]))
     if manifest and not manifest.get("compiled", True) and not estimate:
         s.notes.append("the step was not compiled (it does not fit), so no step time was predicted for it")
+    if restated:
+        s.notes.append(f"the compile directory this run ran ({run.get('artifact')}) was compiled again since, its "
+                       f"estimate.json predicting {seconds(now)} a step where this run was measured against "
+                       f"{seconds(predicted_then)}: only the prediction run.json holds is shown")
     if run and not manifest:
         why = ("holds another compile now (its compiled.pkl is not the executable this run measured)" if replaced
                else "is not there")
@@ -184,7 +195,8 @@ def read(page: Page, kind: str, directory: Path) -> Step:
         tokens = round(run["tokens_per_s"] * run["step_time_s"])  # a run away from its compile
     numbers = {"fits": verdict[0], "tokens per step": tokens, "predicted step time (s)": estimate.get("step_time_s")
                or (run or {}).get("predicted_step_time_s"), f"predicted {unit}/s": estimate.get("tokens_per_s"),
-               "predicted TFLOP/s per chip": estimate.get("tflops_per_chip"), "predicted MFU": estimate.get("mfu"),
+               "predicted TFLOP/s per chip": estimate.get("tflops_per_chip"),
+               "predicted MFU": predicted_mfu(estimate, run)[0],
                "predicted step time from the HLO (s)": (estimate.get("hlo_time") or {}).get("step_time_s"),
                "analytical memory (GiB)": gib(estimate.get("memory_per_device_bytes")),
                "compiler memory (GiB)": gib(memory.get("per_device_total_bytes")),
@@ -257,6 +269,19 @@ def _verdict(estimate: dict, memory: dict, topo: dict, run: dict | None) -> tupl
     return fits, f"fits: {size(total)} per device{of} ({source})"
 
 
+def predicted_mfu(estimate: dict, run: dict | None) -> tuple[float | None, str | None]:
+    """The predicted MFU on the measured one's peak, and a note where that is not the prediction's own: a run on a
+    calibrated CPU measures against the calibration's peak, an older compile's prediction may stand on the
+    defaults'."""
+    mfu, their_peak = estimate.get("mfu"), estimate.get("peak_flops")
+    run_peak = (run or {}).get("peak_flops_per_device")
+    if mfu is None or not run_peak or not their_peak or abs(their_peak / run_peak - 1) <= 0.01:
+        return mfu, None
+    return mfu * their_peak / run_peak, (
+        f"the predicted MFU is taken against the run's peak ({run_peak / 1e12:.4g} TFLOP/s per device, "
+        f"{run.get('peak_source') or 'as run.json gives it'}), not the prediction's ({their_peak / 1e12:.4g})")
+
+
 def _headline(label: str, verdict: str, estimate: dict, run: dict | None, manifest: dict) -> str:
     predicted = estimate.get("step_time_s") or (run or {}).get("predicted_step_time_s")
     if predicted is None:
@@ -269,8 +294,8 @@ def _headline(label: str, verdict: str, estimate: dict, run: dict | None, manife
         step += (f", {seconds(run['step_time_s'])} measured" + (f" ({ratio:.2f}x predicted)" if ratio else "")
                  + (f" (partial: interrupted after {run.get('steps')} timed steps)" if run.get("partial") else ""))
     mfu = []
-    if estimate.get("mfu") is not None:
-        mfu.append(f"{percent(estimate['mfu'])} predicted")
+    if (predicted_mfu_value := predicted_mfu(estimate, run)[0]) is not None:
+        mfu.append(f"{percent(predicted_mfu_value)} predicted")
     if run and run.get("mfu") is not None:
         mfu.append(f"{percent(run['mfu'])} measured")
     line = f"{label}: {verdict}; {step}"
@@ -357,14 +382,9 @@ def _measured(page: Page, s: Section, run: dict, estimate: dict, memory: dict, t
     measured_memory = run.get("memory") or {}
     compiled_bytes = memory.get("per_device_total_bytes") or measured_memory.get("compiler_per_device_bytes")
     unit = run.get("unit") or "tokens"
-    # MFU on one peak: a run on a calibrated CPU measures against the calibration's, an older compile's prediction
-    # may stand on the defaults'
-    mfu, run_peak, their_peak = estimate.get("mfu"), run.get("peak_flops_per_device"), estimate.get("peak_flops")
-    if mfu is not None and run_peak and their_peak and abs(their_peak / run_peak - 1) > 0.01:
-        mfu = mfu * their_peak / run_peak
-        s.notes.append(f"the predicted MFU is taken against the run's peak ({run_peak / 1e12:.4g} TFLOP/s per device, "
-                       f"{run.get('peak_source') or 'as run.json gives it'}), not the prediction's "
-                       f"({their_peak / 1e12:.4g})")
+    mfu, note = predicted_mfu(estimate, run)
+    if note:
+        s.notes.append(note)
     rows = [["step time (s)", run.get("step_time_s"), predicted, run.get("measured_over_predicted")],
             [f"{unit}/s", run.get("tokens_per_s"), estimate.get("tokens_per_s"), _ratio(run.get("tokens_per_s"),
                                                                                        estimate.get("tokens_per_s"))],
