@@ -455,12 +455,20 @@ def test_an_interrupted_sweeps_page_says_it_is_partial(tmp_path):
         assert any("the sweep was interrupted" in n for n in section.notes) is partial
 
 
-def test_a_report_inside_a_compile_artifact_is_refused(compiled, capsys):
+def test_a_report_inside_a_compile_artifact_is_refused(compiled, capsys, tmp_path):
     """A compile's directory holds only what maxperf compile writes there (a later compile to it would refuse the
     report, or --force delete it): the report goes beside it."""
     target = compiled[0] / "report.html"
     code, err = _report_cli(capsys, compiled[0], "-o", target)
     assert code == 2 and "lies inside" in err and not target.exists()
+    # nor inside the compile directory a run given ran (a later compile there refused it; --force deleted it)
+    run_dir = tmp_path / "a-run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({"schema": "maxperf.run/1", "artifact": str(compiled[0]), "steps": 1,
+                                                  "devices": 8, "device_kind": "cpu", "step_times_s": [0.1],
+                                                  "step_time_s": 0.1}))
+    code, err = _report_cli(capsys, run_dir, "-o", target)
+    assert code == 2 and "the compile directory" in err and "lies inside" in err and not target.exists()
 
 
 def test_an_analytical_sweep_keeps_a_points_earlier_compile_and_its_run(tmp_path):
@@ -502,3 +510,25 @@ def test_the_comparison_ranks_the_hlo_step_time_lowest_first_and_only_at_the_sam
         assert table.best.get(row) == best and (table.rows[row][-1] is None) == (best is None)
         accuracy = next(i for i, r in enumerate(table.rows) if r[0] == "measured / HLO-predicted step time")
         assert accuracy not in table.best
+
+
+def test_the_comparison_stars_no_tie_and_no_compile_cache_hits_compile_time():
+    """Two steps alike in a figure: neither is starred (the first was); a compile served from the compile cache
+    compiled nothing, so its compile seconds are not a figure to rank (0 s was starred as the fastest compile)."""
+    from maxperf.reports import compare
+    from maxperf.reports.page import Page, Section
+    from maxperf.reports.steps import Step
+
+    def step(label, seconds, compile_s):
+        return Step(label, {"kind": "compile"}, {"model": {"name": "m"}, "train": {}, "parallelism": {}},
+                    {"tokens per step": 4096, "fits": True, "predicted step time (s)": seconds,
+                     "compile (s)": compile_s}, Section(label, label))
+
+    page = Page()
+    steps = [step("a", 0.0037, 5.73), step("b", 0.0037, None), step("c", 0.0041, 7.0)]
+    page.sections.extend(st.section for st in steps)
+    compare.section(page, steps)
+    table = next(s for s in page.sections if s.kind == "comparison").tables[0]
+    rows = {r[0]: i for i, r in enumerate(table.rows)}
+    assert rows["predicted step time (s)"] not in table.best
+    assert table.best[rows["compile (s)"]] == 1  # a's 5.73 s against c's 7.0; b's cache hit not ranked

@@ -85,7 +85,8 @@ def section(page: Page, steps: list[Step]) -> None:
         ranked = [i for i in candidates if _number(values[i])]
         if len(ranked) >= 2 and c not in NOT_RANKED and (same_tokens or c not in STEP_TIMES):
             best = (min if c in LOWER_IS_BETTER else max)(ranked, key=lambda i: values[i])
-            table.best[len(table.rows) - 1] = 1 + best
+            if sum(values[i] == values[best] for i in ranked) == 1:  # a value shared by two is no one step's best
+                table.best[len(table.rows) - 1] = 1 + best
     table.emphasis = set(range(settings_rows))
     s = Section("comparison", "comparison", tables=[table])
     letters = [h.split(":")[0] for h in heads]
@@ -104,7 +105,7 @@ def section(page: Page, steps: list[Step]) -> None:
     s.facts = [(h.split(":")[0], st.section.title.split(": ", 1)[1]) for h, st in zip(heads, steps)]
     s.facts.append(("differ in", ", ".join([*config, *shown]) or "nothing but their directories"))
     s.facts.append(("best value", "marked ★ in each row among the steps that fit (lowest time, memory and loss; "
-                                  "highest throughput and MFU)"))
+                                  "highest throughput and MFU), where no other step has it too"))
     unfit = [letters[i] for i, st in enumerate(steps) if st.figures.get("fits") is False]
     if unfit:
         s.notes.append(f"{', '.join(unfit)} {'does' if len(unfit) == 1 else 'do'} not fit in device memory: marked "

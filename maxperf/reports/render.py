@@ -7,6 +7,7 @@ as CSV next to the page (`NAME_files/*.csv`) and linked by a relative path; noth
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 import sys
@@ -67,9 +68,18 @@ def render(paths: list[str | os.PathLike], out_html: str | os.PathLike,
     for path in paths:  # a compile's or run's directory holds only what maxperf compile or run writes there
         given = Path(path).resolve()
         home = given if given.is_dir() else given.parent
-        if out.is_relative_to(home) and ((home / "manifest.json").is_file() or (home / "run.json").is_file()):
-            raise MaxperfError(f"-o {out_html} lies inside {path}, which holds only what maxperf compile or run "
-                               f"writes there; write the report beside it (e.g. -o {home.name}.html)")
+        homes = [(home, f"{path},")]
+        if (home / "run.json").is_file():  # and the compile directory the run ran
+            try:
+                ran = json.loads((home / "run.json").read_text()).get("artifact")
+            except (OSError, ValueError, AttributeError):
+                ran = None
+            if isinstance(ran, str) and ran:
+                homes.append((Path(ran).resolve(), f"{ran}, the compile directory {path} ran,"))
+        for where, said in homes:
+            if out.is_relative_to(where) and ((where / "manifest.json").is_file() or (where / "run.json").is_file()):
+                raise MaxperfError(f"-o {out_html} lies inside {said} which holds only what maxperf compile or run "
+                                   f"writes there; write the report beside it (e.g. -o {where.name}.html)")
     with artifacts.hold_output(Path(out_html), "report"):
         return _render(paths, out_html, command)
 

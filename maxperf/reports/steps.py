@@ -200,7 +200,8 @@ def read(page: Page, kind: str, directory: Path) -> Step:
                "predicted step time from the HLO (s)": (estimate.get("hlo_time") or {}).get("step_time_s"),
                "analytical memory (GiB)": gib(estimate.get("memory_per_device_bytes")),
                "compiler memory (GiB)": gib(memory.get("per_device_total_bytes")),
-               "compile (s)": manifest.get("compile_seconds")}
+               # a compile-cache hit compiled nothing: its seconds are no compile time to rank
+               "compile (s)": None if manifest.get("compile_cache_hit") else manifest.get("compile_seconds")}
     if run:
         numbers.update({"measured step time (s)": run.get("step_time_s"), f"measured {unit}/s": run.get("tokens_per_s"),
                         "measured TFLOP/s per device": run.get("tflops_per_device"), "measured MFU": run.get("mfu"),
