@@ -1020,3 +1020,6 @@ def test_the_catalog_gives_a_cpu_device_its_share_of_host_memory(capsys):
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("cpu-")}
     assert code == 0 and float(rows["cpu-1"][4]) == pytest.approx(2 * float(rows["cpu-2"][4]), abs=0.02)
     assert rows["cpu-4"][6] == "-"
+    code, out, _ = run_main(capsys, "topologies", "--platform", "cpu", "--json")  # the JSON as the text
+    shares = {t["name"]: t["hbm_bytes_per_device"] / 2**30 for t in json.loads(out)}
+    assert shares["cpu-2"] == pytest.approx(float(rows["cpu-2"][4]), abs=0.01)

@@ -484,3 +484,24 @@ def test_a_report_given_a_directory_suggests_a_file_beside_it(tmp_path):
     (tmp_path / "a1").mkdir()
     with pytest.raises(artifacts.OutputRefused, match=r"e\.g\. -o .*a1\.html \(beside it, not inside"):
         artifacts.claim_output(tmp_path / "a1", "report")
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_is_refused_in_one_short_line(compiled, tmp_path):
+    """A checkpoint missing part of its arrays: one line that says it is damaged or another model's, with orbax's
+    reason cut short (its tensorstore error ran to 2,500 characters), exit 2, nothing written."""
+    import shutil
+
+    runner.run(compiled, steps=1, warmup=0, out=tmp_path / "r", checkpoint=tmp_path / "ck")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tmp_path / "ck", damaged)
+    arrays = [p for p in damaged.iterdir() if p.is_dir()]
+    assert arrays
+    for p in arrays:
+        shutil.rmtree(p)
+    proc = maxperf("run", str(compiled), "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "r2"),
+                   "--restore", str(damaged))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]  # after the progress lines of loading
+    assert err.startswith("maxperf: error:") and "is damaged" in err and len(err) < 700
+    assert not (tmp_path / "r2").exists()

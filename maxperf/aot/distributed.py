@@ -12,8 +12,11 @@ _SCHEDULER_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WO
 
 
 def _seconds(text: str) -> int:
-    """--timeout's value: a whole number of seconds above 0 (argparse turns the ValueError into a usage error)."""
-    value = int(text)
+    """--timeout's value: a whole number of seconds above 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a whole number of seconds above 0, got {text}")
     return value

@@ -37,12 +37,16 @@ def _billions(n: int) -> str:
 
 
 def cmd_topologies(args) -> int:
+    from maxperf.aot.compiler import device_memory_bytes
+
     rows = [t for t in topologies.catalog() if args.platform in (None, t.platform)]
     if args.json:
-        print_json([t.as_dict() for t in rows])
+        # a CPU device holds its share of this host's memory, as compile and run count it (and the text says)
+        print_json([t.as_dict() | ({"hbm_bytes_per_chip": device_memory_bytes(t),
+                                    "hbm_bytes_per_device": device_memory_bytes(t)} if t.platform == "cpu" else {})
+                    for t in rows])
         return 0
     print(f"{'topology':<16} {'platform':<8} {'chips':>6} {'hosts':>6} {'HBM/chip':>10} {'bf16 TFLOP/s':>13}  layout")
-    from maxperf.aot.compiler import device_memory_bytes
 
     for t in rows:
         # a CPU device holds its share of this host's memory, as compile and run count it; its peak is what

@@ -91,7 +91,11 @@ def restore(directory: Path, spec) -> dict:
     checkpointer = ocp.StandardCheckpointer()
     try:
         return checkpointer.restore(directory, target)
-    except Exception as e:  # orbax reports a mismatched tree or missing files in many ways
-        raise MaxperfError(f"--restore {directory}: not a checkpoint of this model's state ({str(e).splitlines()[0]})")
+    except Exception as e:  # orbax reports a mismatched tree or missing files in many ways, some pages long
+        said = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        said = said if len(said) <= 200 else said[:200] + "..."
+        raise MaxperfError(f"--restore {directory}: cannot be restored into this model's state: it is damaged "
+                           f"(files missing or altered) or the checkpoint of another model, layout or optimizer "
+                           f"(orbax: {said})") from None
     finally:
         checkpointer.close()
