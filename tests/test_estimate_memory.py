@@ -66,6 +66,19 @@ def test_analytical_max_batch_is_the_boundary():
     assert at.fits and not above.fits
 
 
+def test_max_batch_searches_the_batches_a_pipelines_microbatches_split():
+    """16 pipeline microbatches over 8 devices need 2 rows a device: the search steps by 2 (it tried 1 and stopped,
+    naming a batch the user never gave); the answer is the boundary among those multiples."""
+    words = ["ici_pipeline_parallelism=4", "num_pipeline_microbatches=16", "per_device_batch_size=2"]
+    found = memory_fit.max_batch("v5p-16", "llama2-7b", words, analytical_only=True)
+    b = found.per_device_batch_size
+    assert b >= 2 and b % 2 == 0
+    at = memory_fit.compare("v5p-16", "llama2-7b", [*words, f"per_device_batch_size={b}"], analytical_only=True)
+    above = memory_fit.compare("v5p-16", "llama2-7b", [*words, f"per_device_batch_size={b + 2}"],
+                               analytical_only=True)
+    assert at.fits and not above.fits
+
+
 def test_next_batch_aims_at_the_crossing_and_stays_inside_the_bracket():
     gib = 1 << 30
     # 10 GiB fixed + 2 GiB per example, 95 GiB device: the line crosses at B = 42.5

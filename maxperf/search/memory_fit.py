@@ -189,23 +189,40 @@ class MaxBatch:
         }
 
 
-def analytical_max_batch(p: Request, overrides: Sequence[str], num_slices: int, limit: int = MAX_BATCH_LIMIT) -> int:
-    """The largest B that fits by perfmodel (0 when B=1 does not): bisection on the analytical total, which grows
-    with B."""
-    def fits(b: int) -> bool:
-        return analytical(_with_batch(p, overrides, num_slices, b)).fits
+def batch_unit(p: Request, overrides: Sequence[str], num_slices: int, limit: int = MAX_BATCH_LIMIT) -> int:
+    """The smallest per_device_batch_size the request takes (a pipeline's microbatches, or gradient accumulation's,
+    may need several rows a device to split into): every multiple of it splits too, so a search for the largest
+    batch steps by it. The request's own error where none up to `limit` does."""
+    refused = None
+    for b in range(1, limit + 1):
+        try:
+            _with_batch(p, overrides, num_slices, b)
+            return b
+        except MaxperfError as e:
+            refused = refused or e
+    raise refused
 
+
+def analytical_max_batch(p: Request, overrides: Sequence[str], num_slices: int, limit: int = MAX_BATCH_LIMIT) -> int:
+    """The largest B that fits by perfmodel (0 when the smallest the request takes does not): bisection on the
+    analytical total, which grows with B, over the multiples of `batch_unit`."""
+    unit = batch_unit(p, overrides, num_slices, limit)
+
+    def fits(k: int) -> bool:
+        return analytical(_with_batch(p, overrides, num_slices, k * unit)).fits
+
+    top = limit // unit
     if not fits(1):
         return 0
     lo, hi = 1, 2
-    while hi <= limit and fits(hi):
+    while hi <= top and fits(hi):
         lo, hi = hi, hi * 2
-    if hi > limit:
-        return limit
+    if hi > top:
+        return top * unit
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return lo * unit
 
 
 def fractional_batch(p: Request, overrides: Sequence[str], num_slices: int) -> tuple[float, MemoryBreakdown] | None:
@@ -246,31 +263,38 @@ def max_batch(topology: str, model: str, overrides: Sequence[str] = (), *, num_s
                        analytical_only=True) if guess else None
         return MaxBatch(guess, guess, 0, (), best, guess >= limit)
     say = progress or (lambda _: None)
-    slope = (analytical(_with_batch(p, overrides, num_slices, 2)).per_device_total_bytes
-             - analytical(_with_batch(p, overrides, num_slices, 1)).per_device_total_bytes)
-    lo, hi = 0, limit + 1  # lo fits (0: none known), hi does not (limit + 1: none known)
-    trials: list[Trial] = []
+    # in units of the smallest batch the request takes (batch_unit): k units are per_device_batch_size k x unit
+    unit = batch_unit(p, overrides, num_slices, limit)
+    top = limit // unit
+    slope = (analytical(_with_batch(p, overrides, num_slices, 2 * unit)).per_device_total_bytes
+             - analytical(_with_batch(p, overrides, num_slices, unit)).per_device_total_bytes)
+    lo, hi = 0, top + 1  # lo fits (0: none known), hi does not (top + 1: none known)
+    trials: list[Trial] = []  # in units while searching
     results: dict[int, MemoryComparison] = {}
-    b = max(1, guess)
+    k = max(1, guess // unit)
     while True:
+        b = k * unit
         say(f"compile {len(trials) + 1}: per_device_batch_size={b}")
         cmp = compare(topology, model, [*overrides, f"per_device_batch_size={b}"], num_slices=num_slices,
                       out=None if out is None else Path(out) / f"batch-{b}", progress=progress, force=force,
                       cluster=cluster, keep_executables=keep_executables)
         total = (cmp.compiler or {}).get("per_device_total_bytes")
-        trials.append(Trial(b, cmp.fits, float(total) if total else None, cmp.compile_seconds or 0.0))
-        results[b] = cmp
+        trials.append(Trial(k, cmp.fits, float(total) if total else None, cmp.compile_seconds or 0.0))
+        results[k] = cmp
         if cmp.fits:
-            lo = b
+            lo = k
         else:
-            hi = b
+            hi = k
         if hi - lo <= 1:
             break
-        b = _next_batch(trials, lo, hi, slope, cmp.hbm_bytes)
-    return MaxBatch(lo, guess, len(trials), tuple(trials), results.get(lo), lo >= limit)
+        k = _next_batch(trials, lo, hi, slope, cmp.hbm_bytes, top)
+    found = tuple(Trial(t.per_device_batch_size * unit, t.fits, t.per_device_total_bytes, t.compile_seconds)
+                  for t in trials)
+    return MaxBatch(lo * unit, guess, len(trials), found, results.get(lo), lo >= top)
 
 
-def _next_batch(trials: Sequence[Trial], lo: int, hi: int, slope: float, hbm: float) -> int:
+def _next_batch(trials: Sequence[Trial], lo: int, hi: int, slope: float, hbm: float,
+                top: int = MAX_BATCH_LIMIT) -> int:
     """Where the compiler's memory, as a line in B, crosses `hbm`, kept strictly inside (lo, hi): the line through
     the bracket's two figures when both are known, else through the last two, else perfmodel's slope through one."""
     points = {t.per_device_batch_size: t.per_device_total_bytes for t in trials if t.per_device_total_bytes}
@@ -282,7 +306,7 @@ def _next_batch(trials: Sequence[Trial], lo: int, hi: int, slope: float, hbm: fl
         slope = secant if secant > 0 else slope
     anchor = lo if lo in points else trials[-1].per_device_batch_size
     if anchor not in points or slope <= 0:  # no figure to aim with: bisect, or double while unbounded
-        return (lo + hi) // 2 if hi <= MAX_BATCH_LIMIT else max(2 * lo, lo + 1)
+        return (lo + hi) // 2 if hi <= top else max(2 * lo, lo + 1)
     b = math.floor(anchor + (hbm - points[anchor]) / slope)
     return min(max(b, lo + 1), hi - 1)
 
