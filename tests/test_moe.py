@@ -253,7 +253,7 @@ def test_the_experts_gathered_inside_the_dispatch_keep_their_shards_layout():
 
 # --- the decoder ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("N,dense,step", [(2, 0, 1), (5, 1, 2), (6, 2, 3), (4, 0, 2), (3, 3, 1)])
+@pytest.mark.parametrize("N,dense,step", [(2, 0, 1), (5, 1, 2), (6, 2, 3), (4, 0, 2), (4, 3, 1)])
 def test_stacks_follow_the_moe_layers(N, dense, step):
     cfg = tiny_moe(num_layers=N, first_num_dense_layers=dense, interleave_moe_layer_step=step)
     flat, start = [], 0
@@ -262,6 +262,14 @@ def test_stacks_follow_the_moe_layers(N, dense, step):
         flat += list(st.pattern) * st.count
         start += st.count * len(st.pattern)
     assert tuple(flat) == cfg.moe_layers()
+
+
+@pytest.mark.parametrize("N,dense,step", [(3, 3, 1), (2, 3, 1), (1, 0, 2), (3, 2, 2)])
+def test_a_mixture_of_experts_with_no_layer_of_experts_is_refused(N, dense, step):
+    """MaxText's num_moe_layers of 0 or less (num_layers=2 of DeepSeek-V3's 3 dense layers first): refused, naming
+    the first layer of experts, where it was estimated as a dense model with the MoE's uncertainty."""
+    with pytest.raises(MaxperfError, match="no layer of experts"):
+        tiny_moe(num_layers=N, first_num_dense_layers=dense, interleave_moe_layer_step=step)
 
 
 @pytest.mark.slow

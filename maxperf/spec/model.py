@@ -230,6 +230,13 @@ class ModelConfig:
         require(self.first_num_dense_layers >= 0 and self.interleave_moe_layer_step >= 1,
                  f"first_num_dense_layers must be >= 0 and interleave_moe_layer_step >= 1, got "
                  f"{self.first_num_dense_layers} and {self.interleave_moe_layer_step}")
+        if self.num_experts > 1:  # MaxText's num_moe_layers would be 0 or less: a mixture of experts without experts
+            first = self.first_num_dense_layers + self.interleave_moe_layer_step - 1
+            require(self.num_layers > first,
+                    f"num_layers={self.num_layers} leaves {self.name} no layer of experts (its first is layer "
+                    f"{first + 1}: first_num_dense_layers={self.first_num_dense_layers}, interleave_moe_layer_step="
+                    f"{self.interleave_moe_layer_step}); give num_layers={first + 1} or more, or fewer dense layers "
+                    "first (first_num_dense_layers)")
         if self.n_routing_groups != -1 or self.topk_routing_group != -1:
             require(self.n_routing_groups >= 1 and self.num_experts % self.n_routing_groups == 0
                      and 1 <= self.topk_routing_group <= self.n_routing_groups,
