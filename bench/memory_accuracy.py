@@ -14,7 +14,8 @@ in a JSON file keyed by the case, so that a second run after a change to perfmod
 (the compiler's figures depend on the step, not on perfmodel); delete the file to measure again; `--cached-only`
 reports the cached cases alone. `--error-json` writes the summary of every TPU case reported (median and worst
 absolute error, the 90th percentile of the signed underestimate) as maxperf/search/memory_error.json's entry for
-"tpu", TPU7x's for "tpu7x" and the GPU steps that fit for "gpu" (entries a run does not measure stay), from which
+"tpu", TPU7x's for "tpu7x" and the GPU mixture-of-experts steps that fit for "gpu moe" (entries a run does not
+measure stay), from which
 `maxperf plan` takes its memory margin and `maxperf estimate` its "too close to call" line (maxperf.search.margin).
 
 The design. A full factorial of tensor parallelism (1, 2, 4, 8, 16) x per-device batch (1 to 32) x sequence length
@@ -379,7 +380,7 @@ def main() -> int:
         doc = json.loads(args.error_json.read_text()) if args.error_json.exists() else {}
         doc |= {name: {**summary(mine), "command": command, "date": datetime.date.today().isoformat(),
                        "groups": sorted({r["group"] for r in mine})}
-                for name, mine in (("tpu", tpu), ("tpu7x", tpu7x), ("gpu", gpu)) if mine}
+                for name, mine in (("tpu", tpu), ("tpu7x", tpu7x), ("gpu moe", gpu)) if mine}
         outfile.write(args.error_json, doc)
     return 0
 

@@ -941,7 +941,7 @@ def test_prefill_flops_count_the_output_head_once_a_prompt_and_mla_attention_exp
     attention = m.num_heads * 4 * m.head_dim * 2048 * 2048 / 2
     assert one.flops == pytest.approx(layer + head + attention, rel=0.01)
 
-    d = resolve("cpu-1", "deepseek-v2-lite", ["num_layers=1", "vocab_size=256", "per_device_batch_size=1",
+    d = resolve("cpu-1", "deepseek-v2-lite", ["num_layers=2", "vocab_size=256", "per_device_batch_size=1",
                                               "max_prefill_predict_length=8192", "max_target_length=8704"])
     H, per_key = model._attention(d.model, dict(d.mesh.sizes), absorbed=False)
     assert per_key == 2 * (d.model.qk_nope_head_dim + d.model.qk_rope_head_dim) + 2 * d.model.v_head_dim

@@ -109,7 +109,8 @@ def sequences(n: float) -> str:
     return f"{shown} sequence" + ("" if n == 1 else "s")
 
 
-ENTRY_NAMES = {"tpu": "TPU", "tpu7x": "TPU7x", "gpu": "GPU"}  # memory_error.json's entries, as the line names them
+# memory_error.json's entries, as the line names them
+ENTRY_NAMES = {"tpu": "TPU", "tpu7x": "TPU7x", "gpu": "GPU", "gpu moe": "GPU mixture-of-experts"}
 
 
 def memory_error(p, est):
@@ -118,7 +119,7 @@ def memory_error(p, est):
     or beyond it where libtpu holds the logits' gradient late: MemoryBreakdown.may_not_fit)."""
     from maxperf.search.margin import measured_error
 
-    error = measured_error(p.topology.platform, p.topology.chip)
+    error = measured_error(p.topology.platform, p.topology.chip, moe=p.model.is_moe)
     return error, (error is not None and error.close_call(est.memory_per_device_bytes, est.memory.hbm_bytes)
                    or est.memory.may_not_fit)
 

@@ -44,12 +44,14 @@ def _need(row: dict) -> float:
     return max(float(row["worst_underestimate"]), 0.0)
 
 
-def _own(rows: dict[str, dict], platform: str, chip: str | None) -> str | None:
-    """The entry measured for `chip` (a generation whose compiler schedules apart: "tpu7x"), else for `platform`."""
-    return next((name for name in (chip, platform) if name in rows), None)
+def _own(rows: dict[str, dict], platform: str, chip: str | None, moe: bool = False) -> str | None:
+    """The entry measured for `chip` (a generation whose compiler schedules apart: "tpu7x"), else for `platform`;
+    for a mixture of experts the one measured on such steps apart ("gpu moe": the GPU grid is of MoE steps) first."""
+    names = (f"{chip} moe", f"{platform} moe") if moe else ()
+    return next((name for name in (*names, chip, platform) if name in rows), None)
 
 
-def load_margin(platform: str, path: Path = MEMORY_ERROR_PATH, chip: str | None = None) -> Margin:
+def load_margin(platform: str, path: Path = MEMORY_ERROR_PATH, chip: str | None = None, moe: bool = False) -> Margin:
     """The largest measured underestimate of memory (compiler / analytical - 1) for `chip` where memory_error.json
     measures that chip apart, else for `platform` (_own); a platform it does not name takes the largest of those it
     does; no file, the fallback figure. Each Margin says where its figure came from."""
@@ -59,11 +61,12 @@ def load_margin(platform: str, path: Path = MEMORY_ERROR_PATH, chip: str | None 
         return Margin(FALLBACK_MARGIN, f"{FALLBACK_SOURCE} ({path.name} not found)")
     except (OSError, ValueError) as e:
         return Margin(FALLBACK_MARGIN, f"{FALLBACK_SOURCE} ({path.name} unreadable: {type(e).__name__})")
-    if (name := _own(rows, platform, chip)) is not None:
+    if (name := _own(rows, platform, chip, moe)) is not None:
         row = rows[name]
         return Margin(_need(row), f"the largest measured {name} underestimate of memory (compiler over "
                       f"analytical) in {path.name} ({row.get('cases', '?')} cases, median |error| "
                       f"{abs(float(row.get('median', 0))):.1%})")
+    rows = {n: row for n, row in rows.items() if not n.endswith(" moe")}  # measured on MoE steps alone
     if rows:
         name = max(rows, key=lambda n: _need(rows[n]))
         return Margin(_need(rows[name]), f"the largest measured underestimate of memory in {path.name}, on {name} "
@@ -94,14 +97,15 @@ class MeasuredError:
                 "cases": self.cases, "date": self.date, "source": f"{MEMORY_ERROR_PATH.name}, bench/memory_accuracy.py"}
 
 
-def measured_error(platform: str, chip: str | None = None, path: Path = MEMORY_ERROR_PATH) -> MeasuredError | None:
+def measured_error(platform: str, chip: str | None = None, path: Path = MEMORY_ERROR_PATH,
+                   moe: bool = False) -> MeasuredError | None:
     """memory_error.json's entry for `chip` where it measures that chip apart, else for `platform` (_own); None where
     it has none (its figures are not carried over to a platform they were not measured on, as load_margin's are)."""
     try:
         rows = _entries(path)
     except (OSError, ValueError):
         return None
-    if (name := _own(rows, platform, chip)) is None:
+    if (name := _own(rows, platform, chip, moe)) is None:
         return None
     row = rows[name]
     return MeasuredError(name, _need(row), max(float(row.get("worst", 0.0)), 0.0), int(row.get("cases", 0)),

@@ -196,7 +196,7 @@ def _search(req: PlanRequest, progress: Callable[[str], None] | None, margin: Ma
                   per_device_batch=req.per_device_batch, pins=req.pins)
     topo, model, train0 = found.topology, found.model, found.train
     calibration = calibration_for(topo)
-    margin = margin or load_margin(topo.platform, chip=topo.chip)
+    margin = margin or load_margin(topo.platform, chip=topo.chip, moe=model.is_moe)
     say(f"{len(found.candidates):,} candidate{'s' if len(found.candidates) != 1 else ''} over {len(found.meshes)} "
         f"mesh{'es' if len(found.meshes) != 1 else ''} that divide the model and the batch")
 
