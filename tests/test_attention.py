@@ -389,3 +389,25 @@ def test_gpu_flash_in_interpret_mode_matches_dot_product_and_keeps_its_residuals
     keeps_context = jax.checkpoint_policies.save_only_these_names("context")
     assert kernels(keeps_context) == ["mha_forward", "mha_preprocess_backward", "mha_backward"]
     assert kernels(jax.checkpoint_policies.nothing_saveable).count("mha_forward") == 2  # full remat: once again
+
+
+def test_gpu_flash_keeps_a_narrower_values_context_at_its_own_width():
+    """Latent attention's value head (128) is narrower than its query and key's (192): the GPU kernel runs them
+    padded to 192, and the context it keeps for the backward is cut back to 128 (the padded columns are zeros, put
+    back for the backward kernel), the width perfmodel counts; values and gradients as the dot product's."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(keys[0], (1, 128, 2, 1, 192)) / 14
+    k, v = jax.random.normal(keys[1], (1, 128, 2, 192)), jax.random.normal(keys[2], (1, 128, 2, 128))
+    got = _value_and_grads(lambda q, k, v: ak.gpu_flash(q, k, v, 0, interpret=True), q, k, v)
+    ref = _value_and_grads(_dot(0, None), q, k, v)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(g, r, **TOLERANCE)
+    layer = jax.checkpoint(lambda q, k, v: jnp.sin(ak.gpu_flash(q, k, v, 0, interpret=True)),
+                           policy=jax.checkpoint_policies.save_only_these_names("context"))
+    kept = [aval.shape for aval, where in saved_residuals(lambda q, k, v: jnp.sum(layer(q, k, v)), q, k, v)
+            if "named 'context'" in where]
+    assert sorted(kept) == [(1, 2, 128), (1, 128, 2, 128)]  # the log-sum-exp and the context, at the value's width
+    grad = jax.grad(lambda q, k, v: jnp.sum(layer(q, k, v)), argnums=(0, 1, 2))
+    assert _pallas_calls(jax.make_jaxpr(grad)(q, k, v).jaxpr).count("mha_forward") == 1  # no second forward

@@ -77,6 +77,23 @@ def test_max_batch_searches_the_batches_a_pipelines_microbatches_split():
     above = memory_fit.compare("v5p-16", "llama2-7b", [*words, f"per_device_batch_size={b + 2}"],
                                analytical_only=True)
     assert at.fits and not above.fits
+    # nothing fits (llama2-70b): the search says so at the smallest batch the microbatches take, 2 (it stopped at 1)
+    none = memory_fit.max_batch("v5p-16", "llama2-70b", words, analytical_only=True)
+    assert (none.per_device_batch_size, none.smallest) == (0, 2)
+    # a limit that is no power of two times the unit: the answer is checked, never the limit taken unchecked
+    p = memory_fit.resolve("v5p-8", "tiny", [])
+    assert memory_fit.analytical_max_batch(p, [], 1, limit=100) == 100
+    assert memory_fit.analytical_max_batch(memory_fit.resolve("v5p-8", "llama2-7b", ["remat_policy=full"]),
+                                           ["remat_policy=full"], 1, limit=100) == b_7b(memory_fit)
+
+
+def b_7b(memory_fit) -> int:
+    """llama2-7b's largest batch on v5p-8 under full remat, by perfmodel, found by stepping up one at a time."""
+    b = 0
+    while memory_fit.compare("v5p-8", "llama2-7b", ["remat_policy=full", f"per_device_batch_size={b + 1}"],
+                             analytical_only=True).fits:
+        b += 1
+    return b
 
 
 def test_next_batch_aims_at_the_crossing_and_stays_inside_the_bracket():

@@ -134,9 +134,10 @@ def test_scaling_report(analytical_sweep, tmp_path):
 def test_mfu_and_comparison_report(compiled, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    predicted = json.loads((compiled[0] / "estimate.json").read_text())["step_time_s"]  # what the run was set against
     (run_dir / "run.json").write_text(json.dumps({
         "schema": "maxperf.run/1", "artifact": str(compiled[0]), "steps": 2, "devices": 8, "device_kind": "cpu",
-        "step_times_s": [0.02, 0.02], "step_time_s": 0.02, "predicted_step_time_s": 0.01,
+        "step_times_s": [2 * predicted] * 2, "step_time_s": 2 * predicted, "predicted_step_time_s": predicted,
         "measured_over_predicted": 2.0, "tflops_per_device": 0.001, "mfu": 0.2,
         "memory": {"measured_peak_bytes": None}}))
     result = render([compiled[0], compiled[1], run_dir], tmp_path / "mfu.html", command=["maxperf", "report"])

@@ -60,10 +60,11 @@ def _estimate(args, memory_fit, say, cluster) -> int:
         found = memory_fit.max_batch(args.topology, args.model, args.overrides, num_slices=args.num_slices,
                                      analytical_only=args.analytical_only, out=args.out, progress=say,
                                      force=args.force, cluster=cluster, keep_executables=args.keep_executables)
-        # nothing fits: the figures at B=1 say by how much (the compile cache answers a compile already made)
+        # nothing fits: the figures at the smallest batch the request takes (1, or what its microbatches need) say by
+        # how much (the compile cache answers a compile already made)
         smallest = None if found.fits else memory_fit.compare(
-            args.topology, args.model, [*args.overrides, "per_device_batch_size=1"], num_slices=args.num_slices,
-            analytical_only=args.analytical_only, cluster=cluster)
+            args.topology, args.model, [*args.overrides, f"per_device_batch_size={found.smallest}"],
+            num_slices=args.num_slices, analytical_only=args.analytical_only, cluster=cluster)
         # below one sequence per device (MaxText's fractional per_device_batch_size): the largest fraction that
         # fits by perfmodel, said beside the verdict
         fraction = None if found.fits else memory_fit.fractional_batch(
@@ -328,7 +329,8 @@ def _print_max_batch(found, analytical_only: bool, smallest=None) -> None:
         remedies = " or ".join(["more chips", "more fsdp sharding"]
                                + ([] if str(smallest.plan.configs.train.remat_policy) == "full"
                                   else ["remat_policy=full"]))
-        print(f"  nothing fits: per_device_batch_size=1 needs {need / GIB:.2f} GiB per device of {hbm / GIB:.2f} GiB "
+        print(f"  nothing fits: per_device_batch_size={smallest.plan.configs.train.per_device_batch_size:g} needs "
+              f"{need / GIB:.2f} GiB per device of {hbm / GIB:.2f} GiB "
               f"({(need - hbm) / GIB:.2f} GiB over, {need / hbm:.2f}x); {remedies} need less per device, host "
               "offload (optimizer_memory_host_offload=true) moves the state off it")
         _print_comparison(smallest)

@@ -500,22 +500,28 @@ def _reorder_layers(spec: AbstractStep, state: dict, *, to_stored: bool) -> dict
     return out
 
 
+def reorders_layers(spec: AbstractStep) -> bool:
+    """Whether the step stores its decoder's layers in another order than the model's (a pipeline's)."""
+    return _layer_order(spec) is not None
+
+
 def stored_layers(spec: AbstractStep, state: dict) -> dict:
     """A state whose pipelined stack is in the model's layer order (a checkpoint's) with it stored as the step
     stores it; the state itself where the step does not reorder its layers."""
     if _layer_order(spec) is None:
         return state
-    with jax.set_mesh(spec.mesh):
-        return jax.jit(lambda s: _reorder_layers(spec, s, to_stored=True), out_shardings=spec.state_shardings)(state)
+    with jax.set_mesh(spec.mesh):  # donated: no second copy of the state
+        return jax.jit(lambda s: _reorder_layers(spec, s, to_stored=True), out_shardings=spec.state_shardings,
+                       donate_argnums=0)(state)
 
 
 def model_order_layers(spec: AbstractStep, state: dict) -> dict:
     """The inverse of `stored_layers`: what a checkpoint keeps, so that it restores into any pipeline's layout."""
     if _layer_order(spec) is None:
         return state
-    with jax.set_mesh(spec.mesh):
-        return jax.jit(lambda s: _reorder_layers(spec, s, to_stored=False),
-                       out_shardings=spec.state_shardings)(state)
+    with jax.set_mesh(spec.mesh):  # donated: the state is not used after it is saved
+        return jax.jit(lambda s: _reorder_layers(spec, s, to_stored=False), out_shardings=spec.state_shardings,
+                       donate_argnums=0)(state)
 
 
 def synthetic_batch(spec: AbstractStep, seed: int) -> dict:

@@ -57,7 +57,8 @@ FLASH_EFFICIENCY = {"tpu": 0.78, "gpu": 0.47}
 # in NVIDIA's recipes) runs on Hopper's warpgroup matrix instructions and tensor memory accelerator, which those
 # kernels do not use: on an H100 SXM5 in bf16, head dim 128, 1k to 16k tokens, its forward ran at 1.58x to 1.70x
 # FlashAttention-2's rate (causal and not) and its backward at 1.57x to 1.63x (Shah et al. 2024, FlashAttention-3,
-# arXiv:2407.08608, Figs. 5 and 6). Assumed the same on Blackwell; on the A100 both run the same mma instructions (1).
+# arXiv:2407.08608, Figs. 5 and 6). Not measured on Blackwell, so the flash rate there; on the A100 both run the same
+# mma instructions (1).
 CUDNN_FLASH_SPEEDUP = 1.6
 CUDNN_FLASH_CHIPS = frozenset({"h100-sxm", "h200"})
 

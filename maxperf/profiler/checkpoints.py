@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -65,8 +66,31 @@ def save(directory: Path, state: dict) -> dict[str, Any]:
     finally:
         checkpointer.close()
     total = time.perf_counter() - start
+    _write_meta(directory)
     size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
     return {"path": str(directory), "blocking_seconds": blocking, "total_seconds": total, "bytes": size}
+
+
+# maxperf's word on a checkpoint beside orbax's files: a pipelined decoder's layers are kept in the model's order
+# (models/train_step.model_order_layers); checkpoints saved before kept them as the pipeline stored them
+META = "maxperf_checkpoint.json"
+META_SCHEMA = "maxperf.checkpoint/1"
+
+
+def _write_meta(directory: Path) -> None:
+    tmp = directory / f".{META}.tmp"
+    tmp.write_text(json.dumps({"schema": META_SCHEMA, "layer_order": "model"}) + "\n")
+    os.replace(tmp, directory / META)
+
+
+def layers_in_model_order(directory: Path) -> bool:
+    """Whether the checkpoint says it keeps a pipelined decoder's layers in the model's order (every checkpoint
+    maxperf writes now does; one without the word may hold them stage-major)."""
+    try:
+        meta = json.loads((Path(directory) / META).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("schema") == META_SCHEMA and meta.get("layer_order") == "model"
 
 
 # What orbax's StandardCheckpointer writes into every checkpoint it saves: the pytree's metadata, and the checkpoint's

@@ -290,6 +290,10 @@ def run(path: str | Path, *, steps: int = 10, warmup: int = 2, profile: bool = F
         spec, step = artifact.step(devices)
         if restore is not None:
             say(f"restoring the state from {restore}")
+            if train_step.reorders_layers(spec) and not checkpoints.layers_in_model_order(Path(restore)):
+                raise MaxperfError(f"--restore {restore} was saved before maxperf kept a pipelined decoder's layers "
+                                   "in the model's order: its layers may be in a pipeline's stored order, which this "
+                                   "step would take for the model's; restore it with the maxperf that saved it")
             state = train_step.stored_layers(spec, checkpoints.restore(Path(restore), spec))
         else:
             state = train_step.init_state(spec, seed=p.configs.train.seed)

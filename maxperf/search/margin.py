@@ -108,5 +108,7 @@ def measured_error(platform: str, chip: str | None = None, path: Path = MEMORY_E
     if (name := _own(rows, platform, chip, moe)) is None:
         return None
     row = rows[name]
-    return MeasuredError(name, _need(row), max(float(row.get("worst", 0.0)), 0.0), int(row.get("cases", 0)),
+    # the largest over-estimate where the entry gives it; else the largest error of either sign, which bounds it
+    over = row.get("worst_overestimate", row.get("worst", 0.0))
+    return MeasuredError(name, _need(row), max(float(over), 0.0), int(row.get("cases", 0)),
                          str(row.get("date", "")))

@@ -27,7 +27,7 @@ from maxperf.aot.artifacts import OutputRefused
 from maxperf.perfmodel import MemoryBreakdown, estimate_memory
 from maxperf.perfmodel.estimate import device_for
 from maxperf.perfmodel.flops import resolve_attention
-from maxperf.spec.errors import DoesNotFit, MaxperfError
+from maxperf.spec.errors import DoesNotFit, MaxperfError, Unserializable
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.request import Request, resolve
 from maxperf.spec.train import PipelineSchedule
@@ -151,7 +151,7 @@ def _compile_memory(p: Request, model: str, overrides: Sequence[str], num_slices
             result = aot.compile(p.topology.name, model, overrides, num_slices=num_slices, out=target,
                                  progress=say, force=force)
             return dict(result.memory), result.compile_seconds, result.cache_hit
-        except DoesNotFit:  # the verdict and XLA's figures were written before the error
+        except (DoesNotFit, Unserializable):  # the verdict and XLA's figures were written before the error
             manifest = json.loads((target / "manifest.json").read_text())
             return (json.loads((target / "memory.json").read_text()), float(manifest.get("compile_seconds", 0.0)),
                     bool(manifest.get("compile_cache_hit")))
@@ -175,6 +175,7 @@ class MaxBatch:
     trials: tuple[Trial, ...]
     best: MemoryComparison | None  # the comparison at the largest fitting batch
     hit_limit: bool  # the search stopped at MAX_BATCH_LIMIT
+    smallest: int = 1  # the smallest per_device_batch_size the request takes (batch_unit), its search's step
 
     @property
     def fits(self) -> bool:
@@ -184,6 +185,7 @@ class MaxBatch:
         return {
             "schema": MAX_BATCH_SCHEMA, "max_per_device_batch_size": self.per_device_batch_size,
             "analytical_guess": self.analytical_guess, "compiles": self.compiles, "hit_limit": self.hit_limit,
+            "smallest_per_device_batch_size": self.smallest,
             "trials": [t.__dict__ for t in self.trials], "fits": self.fits,
             **({"best": self.best.as_dict()} if self.best is not None else {}),
         }
@@ -217,8 +219,10 @@ def analytical_max_batch(p: Request, overrides: Sequence[str], num_slices: int, 
     lo, hi = 1, 2
     while hi <= top and fits(hi):
         lo, hi = hi, hi * 2
-    if hi > top:
-        return top * unit
+    if hi > top:  # past the last multiple within the limit: that one, or the boundary below it
+        if fits(top):
+            return top * unit
+        hi = top
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -258,13 +262,13 @@ def max_batch(topology: str, model: str, overrides: Sequence[str] = (), *, num_s
     if out is not None and os.path.lexists(out) and not Path(out).is_dir():
         raise OutputRefused(f"--out {out} is a file; with --max-batch it is a directory of one artifact per trial")
     guess = analytical_max_batch(p, overrides, num_slices, limit)
+    # in units of the smallest batch the request takes (batch_unit): k units are per_device_batch_size k x unit
+    unit = batch_unit(p, overrides, num_slices, limit)
     if analytical_only:
         best = compare(topology, model, [*overrides, f"per_device_batch_size={guess}"], num_slices=num_slices,
                        analytical_only=True) if guess else None
-        return MaxBatch(guess, guess, 0, (), best, guess >= limit)
+        return MaxBatch(guess, guess, 0, (), best, guess >= limit // unit * unit, unit)
     say = progress or (lambda _: None)
-    # in units of the smallest batch the request takes (batch_unit): k units are per_device_batch_size k x unit
-    unit = batch_unit(p, overrides, num_slices, limit)
     top = limit // unit
     slope = (analytical(_with_batch(p, overrides, num_slices, 2 * unit)).per_device_total_bytes
              - analytical(_with_batch(p, overrides, num_slices, unit)).per_device_total_bytes)
@@ -290,7 +294,7 @@ def max_batch(topology: str, model: str, overrides: Sequence[str] = (), *, num_s
         k = _next_batch(trials, lo, hi, slope, cmp.hbm_bytes, top)
     found = tuple(Trial(t.per_device_batch_size * unit, t.fits, t.per_device_total_bytes, t.compile_seconds)
                   for t in trials)
-    return MaxBatch(lo * unit, guess, len(trials), found, results.get(lo), lo >= top)
+    return MaxBatch(lo * unit, guess, len(trials), found, results.get(lo), lo >= top, unit)
 
 
 def _next_batch(trials: Sequence[Trial], lo: int, hi: int, slope: float, hbm: float,

@@ -438,12 +438,14 @@ def gpu_blocks(Dh: int, itemsize: int) -> dict[str, int]:
 
 
 @functools.cache
-def _gpu_mha(blocks, interpret: bool = False):
+def _gpu_mha(blocks, interpret: bool = False, dv: int | None = None):
     """jax's Pallas Triton flash attention (causal, unscaled, `blocks` its tiles) whose residuals beyond q, k and v,
     its output and log-sum-exp, carry the context's checkpoint name, as the CPU kernel's and splash's do: a remat
     policy that keeps the context keeps them, and the backward runs the backward kernel alone. jax's own rule leaves
     them unnamed, so such a policy recomputed the forward kernel in the backward (its residuals are reached through
-    its private backward rule, the same in jax 0.11.2 and 0.12; without it, jax's own rule)."""
+    its private backward rule, the same in jax 0.11.2 and 0.12; without it, jax's own rule). `dv`: the value's own
+    head dim where the kernel's is padded past it (gpu_flash): the output's padded columns are zeros, kept cut off
+    and put back for the backward, so the context kept is `dv` wide."""
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
     options = {"sm_scale": 1.0, "causal": True, "block_sizes": blocks, "interpret": interpret}
@@ -455,15 +457,23 @@ def _gpu_mha(blocks, interpret: bool = False):
     def attend(q, k, v, segment_ids):
         return gpu_attention.mha(q, k, v, segment_ids, **options)
 
+    def padded(kept, width):  # the kernel's output from the kept context: its padded columns are zeros
+        return kept if dv is None else jnp.pad(kept, [(0, 0)] * (kept.ndim - 1) + [(0, width - dv)])
+
     def forward(q, k, v, segment_ids):
         out, lse = gpu_attention.mha(q, k, v, segment_ids, return_residuals=True, **options)
-        out, lse = checkpoint_name(out, "context"), checkpoint_name(lse, "context")
-        return out, (q, k, v, segment_ids, out, lse)
+        kept = out if dv is None else out[..., :dv]
+        kept, lse = checkpoint_name(kept, "context"), checkpoint_name(lse, "context")
+        # the output made from the named context, so that what reads it after the kernel needs no second forward
+        return padded(kept, q.shape[-1]), (q, k, v, segment_ids, kept, lse)
 
     def backward_rule(residuals, do):
+        q, k, v, segment_ids, kept, lse = residuals
+        out = padded(kept, q.shape[-1])
         # jax's rule's arguments: sm_scale, causal, block_sizes, backward_pass_impl, num_warps, num_stages, grid,
         # interpret, debug, return_residuals (mha's defaults), then the residuals and the output's cotangent
-        return backward(1.0, True, blocks, "triton", None, 2, None, interpret, False, False, residuals, do)
+        return backward(1.0, True, blocks, "triton", None, 2, None, interpret, False, False,
+                        (q, k, v, segment_ids, out, lse), do)
 
     attend.defvjp(forward, backward_rule)
     return attend
@@ -499,7 +509,7 @@ def gpu_flash(q, k, v, window=0, interpret: bool = False) -> jax.Array:
     segments = () if segments_BxL is None else (segments_BxL,)
 
     def local(q_, k_, v_, *segments_):
-        return _gpu_mha(blocks, interpret)(q_, k_, v_, segments_[0] if segments_ else None)
+        return _gpu_mha(blocks, interpret, Dv if Dv < width else None)(q_, k_, v_, segments_[0] if segments_ else None)
 
     fn = local
     if not jax.sharding.get_abstract_mesh().empty:
