@@ -498,9 +498,20 @@ def _moe_collectives(table: Work, model: ModelConfig, train: TrainConfig, mesh: 
         _collective(table, "fsdp " + rs, rs, gathered * p, axes, nets, layers * micro, overlap.fsdp)
     kind = dispatch(train)
     if mesh.axes["expert"] > 1:
-        # what one device sends: the sorted dispatch's exchange buffers, whole (sized for the worst case, so however
-        # routing falls), or the einsum dispatch's [B, E, C, D] slots, from batch-split to expert-split
-        rows = routed_buffer_rows(moe, mesh.axes["expert"]) if kind == "sparse" else rows_per_token(moe, train)
+        # what one device sends: the sorted dispatch's routed rows, k a token, as MaxText's ragged_all_to_all sends
+        # them on TPUs and GPUs (maxperf's compiled step sends its exchange buffers whole, sized for the worst case,
+        # ep x min(k, E / ep) rows a token: XLA:CPU has no ragged all-to-all, and the step read from the HLO prices
+        # what it compiled), or the einsum dispatch's [B, E, C, D] slots, from batch-split to expert-split
+        if kind != "sparse":
+            rows = rows_per_token(moe, train)
+        elif table.chip.kind == "cpu":
+            rows = routed_buffer_rows(moe, mesh.axes["expert"])
+        else:
+            rows = float(moe.k)
+            table.assume("ragged all-to-all", f"expert all-to-all: the {moe.k} routed rows a token, as MaxText's "
+                                              "ragged_all_to_all sends them (maxperf's compiled step sends its "
+                                              f"worst-case buffer, {routed_buffer_rows(moe, mesh.axes['expert']):g} "
+                                              "rows a token)")
         sent = T * rows * model.d_model * c
         count = layers * micro * (4 + (recomputed(model, train) != frozenset()))
         _collective(table, "expert all-to-all", "all-to-all", sent, ("expert",), nets, count, overlap.expert,
