@@ -45,6 +45,7 @@ from maxperf.perfmodel.moe import (
 from maxperf.perfmodel.network import LATENCY_S, CollectiveTime, all_to_all_time, axis_networks, collective_time
 from maxperf.perfmodel.saved import offloaded_per_token, over_layers
 from maxperf.perfmodel.sharding import (
+    FSDP_AXES,
     activation_split,
     gather_axes,
     held,
@@ -342,6 +343,14 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
         # XLA reduces each gradient array by a collective of its own, as the train state holds them
         _collective(table, "data all-reduce", "all-reduce", local_params * p, ("data",), nets, 1, overlap.data,
                     reduced_arrays(model, train.scan_layers))
+    # an FSDP axis that splits none of the dense weights (it divides none of their dimensions: spec.request warns)
+    # leaves them replicated along it, as `data` does: their gradients all-reduced over it once a step
+    unsplit = tuple(a for a in FSDP_AXES if mesh.axes[a] > 1
+                    and a not in gather_axes([x for x in arrays if not x.expert_parallel], mesh))
+    if unsplit:
+        replicated = sum(held(x, mesh) * x.count for x in arrays if not x.expert_parallel)
+        _collective(table, f"data all-reduce (weights replicated over {' x '.join(unsplit)})", "all-reduce",
+                    replicated * p, unsplit, nets, 1, overlap.data, reduced_arrays(model, train.scan_layers))
     if view.pipelined:
         _stage_transfers(table, view.schedule, T * a.D * c, nets["stage"], steps)
     return _settle(table, overlap)
