@@ -135,8 +135,9 @@ def host_memory_notes(topology: Topology, host_bytes_per_device: float) -> tuple
     if per_chip is None or used <= per_chip:
         return ()
     return (f"pinned host memory {used / 2**30:.1f} GiB a chip passes the {per_chip / 2**30:.0f} GiB of host memory "
-            f"a {topology.chip} chip has ({used * topology.chips_per_host / 2**30:.0f} GiB a host): the offloaded "
-            "tensors would not fit on the hosts; offload less (remat_policy) or use more chips",)
+            f"a {topology.chip} chip has ({used * topology.chips_per_host / 2**30:.0f} GiB needed on each host): the "
+            "offloaded tensors would not fit on the hosts, whatever the verdict on device memory says; offload less "
+            "(remat_policy) or use more chips",)
 
 
 def fallback_notes(topology: Topology, chip: chips.Chip, calibration: StoredCalibration | None) -> tuple[str, ...]:
