@@ -255,6 +255,17 @@ def test_a_sweep_runs_on_both_nodes_resumes_and_a_second_run_is_all_cache_hits(t
         artifact = Path(row["artifact"])
         assert row["artifact_files"] == "all" and (artifact / "compiled.pkl").is_file()
         artifacts.verify_hashes(artifact, artifacts.read_manifest(artifact))
+    # a point computed again whose artifact holds what `maxperf run` wrote there: refused as a local sweep refuses it
+    # (the artifact came home over it, and the run's files were gone)
+    point = Path(rows[0]["artifact"]).parent
+    (point / "artifact" / "run").mkdir()
+    (point / "artifact" / "run" / "run.json").write_text("{}")
+    done = json.loads((point / "point.json").read_text())
+    (point / "point.json").write_text(json.dumps({**done, "key": "an earlier sweep's"}))  # to be computed again
+    third = sweep(c, tmp_path / "b", "cpu-1,cpu-2", cache_dir=home)
+    row = next(r for r in json.loads(third.stdout)["rows"] if r["point"] == point.name)
+    assert row["status"] == "error" and "does not replace it" in row["reason"]
+    assert (point / "artifact" / "run" / "run.json").read_text() == "{}"
 
 
 @pytest.mark.slow
