@@ -4,6 +4,7 @@ import argparse
 import csv
 import glob
 import json
+import shutil
 import os
 import re
 import signal
@@ -326,6 +327,14 @@ def test_a_sweep_is_not_resumed_by_another_request(tmp_path):
     with pytest.raises(MaxperfError, match="holds a sweep of llama2-7b; give a new directory for llama2-13b"):
         sweep("llama2-13b", ["v5p-8", "v5p-16"], analytical_only=True, out=out, workers=1)
     assert {name: (out / name).read_bytes() for name in tables} == tables
+    # so too where the sweep was killed before its tables were written: its points say whose it is
+    killed = tmp_path / "killed"
+    shutil.copytree(out, killed)
+    for table in killed.iterdir():  # a killed sweep left its points alone
+        if table.name != "points":
+            table.unlink()
+    with pytest.raises(MaxperfError, match="holds a sweep of llama2-7b; give a new directory for llama2-13b"):
+        sweep("llama2-13b", ["v5p-8", "v5p-16"], analytical_only=True, out=killed, workers=1)
     other = sweep("llama2-13b", ["v5p-8", "v5p-16"], analytical_only=True, out=tmp_path / "other", workers=1)
     assert other.computed == 2 and {r["model"] for r in other.rows} == {"llama2-13b"}
     # the same model grows its sweep: the points done are not run again

@@ -374,8 +374,17 @@ def _check_same_model(out_dir: Path, model: str) -> None:
     try:
         earlier = json.loads((out_dir / "sweep.json").read_text()).get("model")
     except (OSError, ValueError, AttributeError):
-        return
-    if earlier is not None and presets.canonical(earlier) != presets.canonical(model):
+        earlier = None
+    if earlier is None:  # a sweep killed before its tables were written: its finished points say whose it is
+        for path in sorted((out_dir / "points").glob("*/point.json")) if (out_dir / "points").is_dir() else ():
+            try:
+                earlier = json.loads(path.read_text()).get("model")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(earlier, str):
+                break
+            earlier = None
+    if isinstance(earlier, str) and presets.canonical(earlier) != presets.canonical(model):
         raise MaxperfError(f"--out {out_dir} holds a sweep of {earlier}; give a new directory for {model} (a sweep "
                            "directory resumes and grows the sweep of its own model only)")
 
