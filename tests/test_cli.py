@@ -1032,3 +1032,18 @@ def test_the_catalog_gives_a_cpu_device_its_share_of_host_memory(capsys):
     code, out, _ = run_main(capsys, "topologies", "--platform", "cpu", "--json")  # the JSON as the text
     shares = {t["name"]: t["hbm_bytes_per_device"] / 2**30 for t in json.loads(out)}
     assert shares["cpu-2"] == pytest.approx(float(rows["cpu-2"][4]), abs=0.01)
+
+
+def test_an_interruption_after_a_sigterm_is_told_as_sigterm_however_a_library_rethrew_it():
+    """Ray's waits turn the Terminated that SIGTERM raises into a plain KeyboardInterrupt: the command still says
+    SIGTERM and exits 143 (it said SIGINT, 130); a later Ctrl-C is SIGINT again."""
+    from maxperf.spec.errors import Terminated, was_terminated
+
+    try:
+        try:
+            raise Terminated()
+        except Terminated:
+            raise KeyboardInterrupt from None  # what the library let through
+    except KeyboardInterrupt as e:
+        assert was_terminated(e)
+    assert not was_terminated(KeyboardInterrupt())

@@ -17,7 +17,7 @@ import threading
 from maxperf.cli import supervisor
 from maxperf.cli.common import print_error_document
 from maxperf.cli.parser import build_parser, parse_args
-from maxperf.spec.errors import MaxperfError, Terminated
+from maxperf.spec.errors import MaxperfError, Terminated, was_terminated
 
 __all__ = ["main"]
 
@@ -47,7 +47,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
             print(e.details, file=sys.stderr, end="", flush=True)
         return fail(args, f"maxperf: error: {in_user_words(str(e), args)}", e.exit_code)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM as Terminated
-        signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+        signum = signal.SIGTERM if was_terminated(e) else signal.SIGINT
         return fail(args, f"maxperf: interrupted by {signum.name}", 128 + signum)
     except BrokenPipeError:  # `maxperf models | head`: the reader left; say nothing more on a closed pipe
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

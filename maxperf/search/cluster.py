@@ -41,7 +41,7 @@ from typing import Any
 
 from maxperf.aot import artifacts
 from maxperf.search import host_memory
-from maxperf.spec.errors import DoesNotFit, MaxperfError, Terminated
+from maxperf.spec.errors import DoesNotFit, MaxperfError, Terminated, was_terminated
 
 MAX_RETRIES = 3  # Ray resubmits a task this many times when its worker process or its node dies
 MAX_ATTEMPTS = MAX_RETRIES + 1  # a point started this often is recorded as failed (out-of-memory kills retry forever)
@@ -225,7 +225,7 @@ class Cluster:
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM as Terminated
             self._cancel(pending)
             sweep.remove_partials(out_dir, todo)
-            signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+            signum = signal.SIGTERM if was_terminated(e) else signal.SIGINT
             finished = done
             raise sweep.SweepInterrupted(f"interrupted by {signal.Signals(signum).name}: {finished} of {len(todo)} "
                                          f"points finished now and kept in {out_dir}; run the same command again to "

@@ -24,6 +24,23 @@ class Unserializable(MaxperfError):
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so that the same cleanup runs. Exit code 143."""
 
+    def __init__(self, *args):
+        super().__init__(*args)
+        _SIGTERM_SEEN.append(True)
+
+
+# Every Terminated raised in this process: a library between the handler and the catch (Ray's waits) may turn it
+# into a plain KeyboardInterrupt, which `was_terminated` still tells from Ctrl-C
+_SIGTERM_SEEN: list[bool] = []
+
+
+def was_terminated(e: BaseException) -> bool:
+    """Whether the interruption `e` came from SIGTERM (Terminated, or an interruption raised after one was); the
+    record is consumed, so that the next interruption is told apart afresh."""
+    seen = isinstance(e, Terminated) or bool(_SIGTERM_SEEN)
+    _SIGTERM_SEEN.clear()
+    return seen
+
 
 def require(ok: bool, message: str) -> None:
     """A MaxperfError with `message` unless `ok`: a config's checks, each one line naming what is valid."""
