@@ -128,6 +128,11 @@ def test_the_shared_cache_is_asked_after_a_miss_and_given_every_new_entry(tmp_pa
     (["plan", "--model", "tiny", "--topology", "cpu-2", "--verify", "0", "--cluster", "ray"], "compiles nothing"),
     (["estimate-memory", "--topology", "cpu-2", *SMALL, "--analytical-only", "--cluster", "ray"], "compiles nothing"),
     (["estimate-memory", "--topology", "cpu-2", *SMALL, "--keep-executables"], "--keep-executables is for"),
+    # the steps that compile here alone: a cluster given is refused, not ignored
+    (["estimate-memory", "--topology", "cpu-1", "--step", "examples/vision_step.py:make_step", "--cluster", "ray"],
+     "drop --cluster"),
+    (["plan", "--step", "decode", "--model", "tiny", "--topology", "v5e-4", "--verify", "1", "--cluster", "ray"],
+     "drop --cluster"),
 ])
 def test_cluster_options_that_cannot_apply_are_bad_input_and_write_nothing(capsys, tmp_path, argv, message):
     code, out, err = run_main(capsys, *argv, "--out", str(tmp_path / "o"))

@@ -33,6 +33,8 @@ def cmd_estimate_memory(args) -> int:
         if args.model is not None:
             raise MaxperfError(f"--model names one of maxperf's models; --step {step} builds its own step: drop "
                                "--model")
+        if args.cluster is not None:  # a user's step is built from their module, on this machine
+            raise MaxperfError(f"--step {step} compiles here, in one process: drop --cluster")
         from maxperf.cli import user_step
 
         return user_step.memory(args, step, progress())

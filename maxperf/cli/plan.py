@@ -115,6 +115,8 @@ def cmd_plan(args) -> int:
     if args.verify < 0:  # a serving plan's as well: it compiles up to that many layouts
         raise MaxperfError(f"--verify must be >= 0 (0: no compile), got {args.verify}")
     if args.step == "decode":
+        if args.cluster is not None:  # its verification compiles here, one layout at a time
+            raise MaxperfError("plan --step decode compiles its layouts here, in one process: drop --cluster")
         return cmd_serving_plan(args)
     if args.max_time_per_token is not None or args.max_ttft is not None:
         raise MaxperfError("--max-time-per-token and --max-ttft bound a serving plan: add --step decode")
