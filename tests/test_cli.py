@@ -4,9 +4,9 @@ import argparse
 import csv
 import glob
 import json
-import shutil
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
