@@ -1047,3 +1047,14 @@ def test_an_interruption_after_a_sigterm_is_told_as_sigterm_however_a_library_re
     except KeyboardInterrupt as e:
         assert was_terminated(e)
     assert not was_terminated(KeyboardInterrupt())
+
+
+def test_a_compiled_sweep_of_cpu_devices_in_several_processes_is_refused_before_work(capsys, tmp_path):
+    """cpu-1x2 compiles only in two processes joined by jax.distributed: a compiled sweep refuses it before any work
+    (each point failed in its worker), an analytical one estimates it."""
+    code, _, err = run_main(capsys, "sweep", "--model", "tiny", "--topologies", "cpu-1x2", "--out",
+                            str(tmp_path / "s"))
+    assert code == 2 and "2 processes joined by jax.distributed" in err and not (tmp_path / "s").exists()
+    code, _, _ = run_main(capsys, "sweep", "--model", "tiny", "--topologies", "cpu-1x2", "--analytical-only",
+                          "--out", str(tmp_path / "a"))
+    assert code == 0

@@ -334,8 +334,15 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
         chips = user_points.check(model, points, analytical_only)
     else:
         presets.get(model)
-        chips = {planning.resolve(point.topology, model, point.overrides, num_slices=point.num_slices).topology.chip
-                 for point in points}  # every mistake in the grid is found before any work starts
+        resolved = [planning.resolve(point.topology, model, point.overrides, num_slices=point.num_slices).topology
+                    for point in points]  # every mistake in the grid is found before any work starts
+        chips = {topo.chip for topo in resolved}
+        # a compile of CPU devices in several processes needs those processes joined: a sweep's worker is one
+        many = next((topo.name for topo in resolved if topo.platform == "cpu" and topo.hosts > 1), None)
+        if many is not None and not analytical_only:
+            raise MaxperfError(f"{many} compiles in {next(t.hosts for t in resolved if t.name == many)} processes "
+                               "joined by jax.distributed (maxperf compile --coordinator ...), not in a sweep's "
+                               "worker: sweep it with --analytical-only, or compile it with maxperf compile")
     calibration = load_calibration() if "cpu" in chips else None  # loaded once: every point uses the same
     out_dir = Path(out)
     # before any work: a directory that is not an earlier sweep's is refused, and one sweep writes there at a time
