@@ -55,6 +55,9 @@ def artifact(tmp_path_factory):
 def test_two_process_compile_and_run(artifact):
     manifest = json.loads((artifact / "art" / "manifest.json").read_text())
     assert manifest["devices"] == {"platform": "cpu", "kind": "cpu", "count": 8, "processes": 2}
+    # process 0 wrote the artifact, and only it says it did (process 1 named a directory it never wrote)
+    said = [(artifact / f"compile{i}.out").read_text() for i in range(2)]
+    assert "-> art\n" in said[0] and "written by process 0" in said[1] and "-> art\n" not in said[1]
     procs = launch(["run", "art", "--steps", "3", "--warmup", "1", "--out", "run", "--json"], artifact, "run")
     codes = [p.wait(timeout=300) for p in procs]
     assert codes == [0, 0], (artifact / "run1.err").read_text()[-2000:]

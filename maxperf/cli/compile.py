@@ -57,7 +57,7 @@ def cmd_compile(args) -> int:
     if step.builtin != "train":
         return _print_serving(result, step.builtin)
     print(f"compiled {p.model.name} for {p.topology.name}"
-          + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1 else "") + f" -> {result.out_dir}")
+          + (f" x {p.topology.num_slices} slices" if p.topology.num_slices > 1 else "") + f" -> {written(result)}")
     print(f"  parameters       {short_count(result.param_count)}; global batch "
           f"{batch_words(p.configs.train, result.global_batch)}")
     print("  mesh             " + " x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1))
@@ -103,7 +103,7 @@ def _print_serving(result, kind: str) -> int:
     """compile's summary of a serving step: the compiler's memory, the analytical latency and throughput."""
     p, mem, e = result.plan, result.memory, result.estimate
     t = p.configs.train
-    print(f"compiled {p.model.name} {kind} for {p.topology.name} -> {result.out_dir}")
+    print(f"compiled {p.model.name} {kind} for {p.topology.name} -> {written(result)}")
     print(f"  parameters       {short_count(result.param_count)}; {result.global_batch} sequences, prompt "
           f"{t.max_prefill_predict_length} tokens, cache {t.seq_len} positions" + serving_words(t))
     print("  mesh             " + (" x ".join(f"{a}={n}" for a, n in p.mesh.axes.items() if n > 1) or "1 device"))
@@ -130,10 +130,26 @@ def _print_serving(result, kind: str) -> int:
     return 0 if result.fits else 3
 
 
+def _writes() -> bool:
+    """Whether this process wrote the artifact: process 0 of a multi-process compile does, the others do not
+    (aot.compiler.finish)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def written(result) -> str:
+    """Where the artifact is, as this process says it: the others of a multi-process compile name process 0."""
+    if _writes():
+        return str(result.out_dir)
+    return f"(written by process 0, to its --out; not to this process's {result.out_dir})"
+
+
 def compile_summary(result, step: str = "train") -> dict:
     """What `maxperf compile` prints, as JSON: the plan (topology, mesh, batch) and the compile's figures."""
     p = result.plan
-    return {"schema": COMPILE_SCHEMA, "out_dir": str(result.out_dir), "step": step, "model": p.model.name,
+    return {"schema": COMPILE_SCHEMA, "out_dir": str(result.out_dir) if _writes() else None, "step": step,
+            "model": p.model.name,
             "topology": p.topology.name, "num_slices": p.topology.num_slices,
             "mesh": {"axes": p.mesh.axes, "ici": p.mesh.ici, "dcn": p.mesh.dcn},
             "per_device_batch_size": p.configs.train.per_device_batch_size, "global_batch": result.global_batch,
