@@ -458,10 +458,10 @@ def init_state(spec: AbstractStep, seed: int) -> dict:
     order and then stored stage-major (`stored_layers`), so that one seed gives the same model whatever the
     pipeline's layout."""
     init = init_fn(spec.model, spec.train)
-    if _layer_order(spec) is not None:
-        init = (lambda make: lambda key: _reorder_layers(spec, make(key), to_stored=True))(init)
+    found = _layer_order(spec)
     with jax.set_mesh(spec.mesh):
-        return jax.jit(init, out_shardings=spec.state_shardings)(jax.random.PRNGKey(seed))
+        return jax.jit(lambda key: _reorder_layers(spec, found, init(key), to_stored=True),
+                       out_shardings=spec.state_shardings)(jax.random.PRNGKey(seed))
 
 
 def _layer_order(spec: AbstractStep):
@@ -479,10 +479,13 @@ def _layer_order(spec: AbstractStep):
     return stacks(spec.model)[0].name, order
 
 
-def _reorder_layers(spec: AbstractStep, state: dict, *, to_stored: bool) -> dict:
+def _reorder_layers(spec: AbstractStep, found, state: dict, *, to_stored: bool) -> dict:
     """`state` (traced) with its pipelined stack's layer axis, in the parameters, their optimizer state and the FP8
-    state, moved from the model's order to the stored one (`to_stored`) or back."""
-    name, order = _layer_order(spec)
+    state, moved from the model's order to the stored one (`to_stored`) or back; `found`: `_layer_order(spec)`, the
+    state itself where that is None."""
+    if found is None:
+        return state
+    name, order = found
     index = jnp.asarray(order if to_stored else np.argsort(order))
     md = model_def(spec.model, spec.train)
     at = jax.tree.map(lambda axes: axes.index("stage_layers") if "stage_layers" in axes else -1, md.logical_axes,
@@ -505,23 +508,26 @@ def reorders_layers(spec: AbstractStep) -> bool:
     return _layer_order(spec) is not None
 
 
+def _moved_layers(spec: AbstractStep, state: dict, *, to_stored: bool) -> dict:
+    """A real state's pipelined stack moved as `_reorder_layers` moves it, the state donated (no second copy of it:
+    restored, it is replaced; saved, it is not used again); the state itself where the step does not reorder."""
+    found = _layer_order(spec)
+    if found is None:
+        return state
+    with jax.set_mesh(spec.mesh):
+        return jax.jit(lambda s: _reorder_layers(spec, found, s, to_stored=to_stored),
+                       out_shardings=spec.state_shardings, donate_argnums=0)(state)
+
+
 def stored_layers(spec: AbstractStep, state: dict) -> dict:
     """A state whose pipelined stack is in the model's layer order (a checkpoint's) with it stored as the step
-    stores it; the state itself where the step does not reorder its layers."""
-    if _layer_order(spec) is None:
-        return state
-    with jax.set_mesh(spec.mesh):  # donated: no second copy of the state
-        return jax.jit(lambda s: _reorder_layers(spec, s, to_stored=True), out_shardings=spec.state_shardings,
-                       donate_argnums=0)(state)
+    stores it."""
+    return _moved_layers(spec, state, to_stored=True)
 
 
 def model_order_layers(spec: AbstractStep, state: dict) -> dict:
     """The inverse of `stored_layers`: what a checkpoint keeps, so that it restores into any pipeline's layout."""
-    if _layer_order(spec) is None:
-        return state
-    with jax.set_mesh(spec.mesh):  # donated: the state is not used after it is saved
-        return jax.jit(lambda s: _reorder_layers(spec, s, to_stored=False), out_shardings=spec.state_shardings,
-                       donate_argnums=0)(state)
+    return _moved_layers(spec, state, to_stored=False)
 
 
 def synthetic_batch(spec: AbstractStep, seed: int) -> dict:

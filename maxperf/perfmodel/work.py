@@ -18,6 +18,7 @@ import numpy as np
 
 from maxperf.perfmodel import cpu
 from maxperf.perfmodel.chips import MATMUL_FRACTION, MATMUL_FRACTION_ORIGIN, Chip, matmul_ceiling
+from maxperf.spec import attention_rule
 from maxperf.spec.errors import require
 from maxperf.spec.fp8 import Fp8Recipe, Granularity, Scaling
 from maxperf.spec.fp8 import recipe as fp8_recipe
@@ -66,7 +67,7 @@ CUDNN_FLASH_CHIPS = frozenset({"h100-sxm", "h200"})
 def flash_speedup(chip: Chip, train) -> float:
     """How much faster than FLASH_EFFICIENCY's kernels `train`'s flash attention runs on `chip`: CUDNN_FLASH_SPEEDUP
     for cuDNN's kernels on the chips that have the instructions it uses, else 1."""
-    cudnn = str(getattr(train, "attention", "")) in ("cudnn_flash_te", "cudnn_flash_jax")
+    cudnn = str(train.attention) in attention_rule.CUDNN
     return CUDNN_FLASH_SPEEDUP if cudnn and chip.name in CUDNN_FLASH_CHIPS else 1.0
 # quantization=int8 (models/layers/quantization.py, AQT's config_v3): each quantized operand is read twice in the
 # compute dtype (its absmax, then scale and round) and written once as int8; a gradient's stochastic rounding adds

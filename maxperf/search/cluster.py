@@ -304,9 +304,10 @@ class Cluster:
             try:  # as a local sweep: an earlier artifact holding what `maxperf run` wrote there is not replaced
                 _write_artifact(directory / "artifact", files, force=False)
             except artifacts.OutputRefused as e:
+                from maxperf.search import sweep
+
                 row.update(status="error", artifact=str(directory / "artifact"),
-                           reason=f"{e}".split("; move them")[0] + "; the sweep does not replace it: move those "
-                                  "files out of the point's artifact, or sweep into another --out")
+                           reason=sweep.kept_artifact_reason(e))
                 return row
             row.update(artifact=str(directory / "artifact"), artifact_files="all" if keep else "json")
         elif row.get("artifact"):  # the task's path on its node means nothing here

@@ -205,10 +205,11 @@ def batch_unit(p: Request, overrides: Sequence[str], num_slices: int, limit: int
     raise refused
 
 
-def analytical_max_batch(p: Request, overrides: Sequence[str], num_slices: int, limit: int = MAX_BATCH_LIMIT) -> int:
+def analytical_max_batch(p: Request, overrides: Sequence[str], num_slices: int, limit: int = MAX_BATCH_LIMIT,
+                         unit: int | None = None) -> int:
     """The largest B that fits by perfmodel (0 when the smallest the request takes does not): bisection on the
-    analytical total, which grows with B, over the multiples of `batch_unit`."""
-    unit = batch_unit(p, overrides, num_slices, limit)
+    analytical total, which grows with B, over the multiples of `batch_unit` (`unit`, where the caller has it)."""
+    unit = unit or batch_unit(p, overrides, num_slices, limit)
 
     def fits(k: int) -> bool:
         return analytical(_with_batch(p, overrides, num_slices, k * unit)).fits
@@ -261,9 +262,9 @@ def max_batch(topology: str, model: str, overrides: Sequence[str] = (), *, num_s
     p = resolve(topology, model, overrides, num_slices=num_slices)
     if out is not None and os.path.lexists(out) and not Path(out).is_dir():
         raise OutputRefused(f"--out {out} is a file; with --max-batch it is a directory of one artifact per trial")
-    guess = analytical_max_batch(p, overrides, num_slices, limit)
     # in units of the smallest batch the request takes (batch_unit): k units are per_device_batch_size k x unit
     unit = batch_unit(p, overrides, num_slices, limit)
+    guess = analytical_max_batch(p, overrides, num_slices, limit, unit)
     if analytical_only:
         best = compare(topology, model, [*overrides, f"per_device_batch_size={guess}"], num_slices=num_slices,
                        analytical_only=True) if guess else None

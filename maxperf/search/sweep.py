@@ -179,8 +179,7 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
                 if not fits:
                     row.update(status="does not fit")
             except artifacts.OutputRefused as e:  # the point's earlier artifact holds what a run wrote there
-                row.update(status="error", reason=f"{e}".split("; move them")[0] + "; the sweep does not replace it: "
-                           "move those files out of the point's artifact, or sweep into another --out")
+                row.update(status="error", reason=kept_artifact_reason(e))
         else:
             row["fits"] = est.fits
             if not est.fits:
@@ -196,6 +195,12 @@ def run_point(model: str, point: Point, directory: str, analytical_only: bool,
                host=socket.gethostname())
     _save_point(Path(directory), row)  # here, not in the parent: a finished point outlives a killed sweep
     return row
+
+
+def kept_artifact_reason(e: artifacts.OutputRefused) -> str:
+    """A point's row reason where its earlier artifact holds what `maxperf run` wrote there: the sweep keeps it."""
+    return (f"{e}".split("; move them")[0] + "; the sweep does not replace it: move those files out of the point's "
+            "artifact, or sweep into another --out")
 
 
 def new_row(model: str, point: Point, analytical_only: bool,
@@ -338,11 +343,11 @@ def sweep(model: str, topologies: Sequence[str], *, num_slices: Sequence[int] = 
                     for point in points]  # every mistake in the grid is found before any work starts
         chips = {topo.chip for topo in resolved}
         # a compile of CPU devices in several processes needs those processes joined: a sweep's worker is one
-        many = next((topo.name for topo in resolved if topo.platform == "cpu" and topo.hosts > 1), None)
+        many = next((topo for topo in resolved if topo.platform == "cpu" and topo.hosts > 1), None)
         if many is not None and not analytical_only:
-            raise MaxperfError(f"{many} compiles in {next(t.hosts for t in resolved if t.name == many)} processes "
-                               "joined by jax.distributed (maxperf compile --coordinator ...), not in a sweep's "
-                               "worker: sweep it with --analytical-only, or compile it with maxperf compile")
+            raise MaxperfError(f"{many.name} compiles in {many.hosts} processes joined by jax.distributed (maxperf "
+                               "compile --coordinator ...), not in a sweep's worker: sweep it with --analytical-only, "
+                               "or compile it with maxperf compile")
     calibration = load_calibration() if "cpu" in chips else None  # loaded once: every point uses the same
     out_dir = Path(out)
     # before any work: a directory that is not an earlier sweep's is refused, and one sweep writes there at a time
