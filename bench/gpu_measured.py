@@ -29,6 +29,9 @@ CASES = {
                           "remat_policy=full"],
     "scaled-1 flash minimal": ["--model", "scaled-1", "per_device_batch_size=8", "attention=flash",
                                "remat_policy=minimal"],
+    # the kernel's output and log-sum-exp kept by name: the backward runs the backward kernel alone
+    "scaled-1 flash minimal_with_context": ["--model", "scaled-1", "per_device_batch_size=8", "attention=flash",
+                                            "remat_policy=minimal_with_context"],
     "scaled-1 flash none": ["--model", "scaled-1", "per_device_batch_size=4", "attention=flash", "remat_policy=none"],
     "qwen3-0.6b flash full": ["--model", "qwen3-0.6b", "per_device_batch_size=16", "attention=flash",
                               "remat_policy=full"],
@@ -57,6 +60,10 @@ CASES = {
                                    "max_prefill_predict_length=1024", "max_target_length=4096"],
     "llama3-8b decode B8 S4096": ["--step", "decode", "--model", "llama3-8b", "per_device_batch_size=8",
                                   "max_prefill_predict_length=1024", "max_target_length=4096"],
+    # unscanned layers, as MaxText's served checkpoints are: each layer's weights and cache read in place
+    "llama3-8b decode B8 S4096 unscanned": ["--step", "decode", "--model", "llama3-8b", "per_device_batch_size=8",
+                                            "max_prefill_predict_length=1024", "max_target_length=4096",
+                                            "scan_layers=false"],
 }
 
 GIB = 2**30

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-WRITERS = ("published", "recipes", "serving", "serving_memory", "memory_accuracy", "maxtext_configs", "gpu_measured")
+WRITERS = ("published", "recipes", "serving", "serving_memory", "memory_accuracy", "maxtext_configs", "gpu_measured",
+           "gpu_attention")
 
 
 @pytest.mark.parametrize("name", WRITERS)

@@ -90,12 +90,29 @@ def test_dot_product_of_zero_padded_heads_is_the_narrow_one():
     np.testing.assert_array_equal(wide[..., 16:], 0)
 
 
-@pytest.mark.parametrize("Dh, itemsize, block", [(128, 2, 128), (192, 2, 64), (256, 2, 64), (128, 4, 64), (192, 4, 32)])
-def test_gpu_tiles_fit_shared_memory(Dh, itemsize, block):
+@pytest.mark.parametrize("Dh, itemsize, block, backward, backward_small", [
+    (64, 2, 128, 128, 64), (128, 2, 128, 128, 64), (192, 2, 64, 64, 32), (256, 2, 64, 64, 32), (128, 4, 64, 32, 32),
+    (192, 4, 32, 32, 32)])
+def test_gpu_tiles_fit_shared_memory(Dh, itemsize, block, backward, backward_small):
     # latent attention's qk head dim 192 is padded to 256: the Triton kernel's default 128-row tile overran an
-    # H100's shared memory there (measured), 64 rows ran
-    blocks = ak.gpu_blocks(Dh, itemsize)
-    assert blocks["block_q"] == blocks["block_k"] == block and blocks["block_q_dkv"] == 32
+    # H100's shared memory there (measured), 64 rows ran; the backward's tiles as measured fastest on an H200 that
+    # fit (bf16: the forward's; float32: 32, where 64 ran slower and 128 overran), half of them on GPUs of less
+    # shared memory (the A100's)
+    for large, want in ((True, backward), (False, backward_small)):
+        blocks = ak.gpu_blocks(Dh, itemsize, large)
+        assert blocks["block_q"] == blocks["block_k"] == block
+        assert blocks["block_q_dkv"] == blocks["block_kv_dkv"] == blocks["block_q_dq"] == blocks["block_kv_dq"] == want
+
+
+def test_the_mesh_gpus_say_which_tiles_fit():
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    for kind, large in (("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", True), ("NVIDIA B200", True),
+                        ("NVIDIA A100-SXM4-80GB", False)):
+        mesh = AbstractMesh((1,), ("data",), abstract_device=AbstractDevice(device_kind=kind, num_cores=None,
+                                                                               platform="gpu"))
+        with jax.sharding.use_abstract_mesh(mesh):
+            assert ak._large_shared_memory() == large, kind
 
 
 def test_each_platform_takes_a_kernel_that_serves_mla():

@@ -58,8 +58,14 @@ FLASH_EFFICIENCY = {"tpu": 0.78, "gpu": 0.47}
 # in NVIDIA's recipes) runs on Hopper's warpgroup matrix instructions and tensor memory accelerator, which those
 # kernels do not use: on an H100 SXM5 in bf16, head dim 128, 1k to 16k tokens, its forward ran at 1.58x to 1.70x
 # FlashAttention-2's rate (causal and not) and its backward at 1.57x to 1.63x (Shah et al. 2024, FlashAttention-3,
-# arXiv:2407.08608, Figs. 5 and 6). Not measured on Blackwell, so the flash rate there; on the A100 both run the same
-# mma instructions (1).
+# arXiv:2407.08608, Figs. 5 and 6). Measured on an H200 (jax 0.11.2, causal, bf16, head dim 128, forward + backward,
+# bench/gpu_attention.py, rows in bench/measured/h200_attention.json): cuDNN's fused attention (jax.nn.
+# dot_product_attention, implementation "cudnn") ran 1.51x, 1.65x and 1.66x maxperf's Pallas Triton kernel at 2,048,
+# 8,192 and 32,768 tokens. Not measured on Blackwell, so the flash rate there; on the A100 both run the same mma
+# instructions (1). Both kernels' rates rise with the sequence (rate_inf x L / (L + half), half 1,160 tokens for cuDNN's
+# and 890 for Pallas Triton's, within 6%: bench/gpu_attention.py --fit); the model keeps them flat, their rates fitted
+# on published runs at 2,048 to 8,192 tokens: priced with those laws, the published runs held out by source came out
+# further off (bench/published.py, 4.9% / 24.9% to 6.4% / 26.3%).
 CUDNN_FLASH_SPEEDUP = 1.6
 CUDNN_FLASH_CHIPS = frozenset({"h100-sxm", "h200"})
 

@@ -78,7 +78,7 @@ def unserved(impl: str, *, L: int, Dh: int, windows: tuple[int, ...], softcap: f
             return f"has no logit soft-capping (attn_logit_softcap={softcap}); valid: attention=dot_product"
         if max(Dh, Dv or Dh) > 256:
             return f"takes head_dim up to 256, got {max(Dh, Dv or Dh)}; valid: attention=dot_product"
-        if L % min(L, 128) or L % 32:  # its tiles: 128 rows forward, 32 in the backward
+        if L % min(L, 128) or L % 32:  # its tiles: 128 rows (64 or 32 at wide heads), the whole sequence below 128
             return f"needs seq_len a multiple of 128 (or of 32 below 128), got {L}; valid: attention=dot_product"
     return None
 

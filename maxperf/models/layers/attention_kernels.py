@@ -426,15 +426,35 @@ def _splash_context(q, k, v, window, *, softcap, blocks, windows, interpret, sin
 # --- GPU: Pallas (Triton) flash attention -------------------------------------------------------------------
 
 
-def gpu_blocks(Dh: int, itemsize: int) -> dict[str, int]:
+# GPUs with 227 KiB of shared memory per thread block (Hopper, Blackwell), by the device kind jax reports; others (the
+# A100's 163 KiB) take the backward's smaller tiles
+LARGE_SHARED_MEMORY = ("H100", "H200", "H800", "B200", "B100", "B300", "GB200", "GB300")
+
+
+def gpu_blocks(Dh: int, itemsize: int, large_shared_memory: bool = False) -> dict[str, int]:
     """The Triton kernel's tiles: its forward tile of 128 (the kernel's default) while a [block, Dh] tile, Dh padded
-    to a power of two, holds at most 32 KiB, else 64 or 32; the backward's 32. Measured here on an H100 (jax 0.11.2,
-    B 2, L 2048, 16 heads): the default 128 overran the 227 KiB of shared memory per block at Dh 192 and 256 in
-    bfloat16 and at Dh 128 in float32, and 64 served them (float32 at Dh 192 and 256 needs 32)."""
+    to a power of two, holds at most 32 KiB, else 64 or 32. Measured on an H100 (jax 0.11.2, B 2, L 2048, 16 heads):
+    the default 128 overran the 227 KiB of shared memory per block at Dh 192 and 256 in bfloat16 and at Dh 128 in
+    float32, and 64 served them (float32 at Dh 192 and 256 needs 32). The backward's tiles, in 16-bit dtypes on GPUs
+    of 227 KiB (`large_shared_memory`), are the forward's; elsewhere half of them, at least 32; in float32 32 (the
+    kernel's default). Measured on an H200 (jax 0.11.2, causal, bench/gpu_attention.py and tile sweeps, 2026-11-30):
+    in bfloat16 B 8, L 2048, 32 heads of 128 ran forward + backward in 4.19 ms with the backward at 128 x 128, 4.55 at
+    64 x 64 and 8.47 at the default 32 x 32 (Dh 64: 3.09 and 3.28 ms; Dh 256: 4.06 at 64 x 64, 4.41 at 32 x 32); in
+    float32 at Dh 128 64 x 64 ran 9.64 ms against 6.29 at 32 x 32, and 128 x 128 overran shared memory at Dh 64."""
     padded = 1 << (Dh - 1).bit_length()
     block = next((b for b in (128, 64) if b * padded * itemsize <= 32 * 1024), 32)
-    return {"block_q": block, "block_k": block, "block_q_dkv": 32, "block_kv_dkv": 32, "block_q_dq": 32,
-            "block_kv_dq": 32}
+    backward = 32 if itemsize > 2 else block if large_shared_memory else max(block // 2, 32)
+    return {"block_q": block, "block_k": block, "block_q_dkv": backward, "block_kv_dkv": backward,
+            "block_q_dq": backward, "block_kv_dq": backward}
+
+
+def _large_shared_memory() -> bool:
+    """Whether the mesh's GPUs (jax.set_mesh's abstract device) have 227 KiB of shared memory per block."""
+    mesh = jax.sharding.get_abstract_mesh()
+    kind = "" if mesh.empty else str(getattr(mesh.abstract_device, "device_kind", "") or "")
+    if not kind and jax.default_backend() == "gpu":
+        kind = jax.devices()[0].device_kind
+    return any(name in kind.upper() for name in LARGE_SHARED_MEMORY)
 
 
 @functools.cache
@@ -498,7 +518,7 @@ def gpu_flash(q, k, v, window=0, interpret: bool = False) -> jax.Array:
     q_BxLxHxDh = q.reshape(B, L, K * G, Dh)
     k_BxLxHxDh, v_BxLxHxDh = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
 
-    blocks = gpu_attention.BlockSizes(**gpu_blocks(Dh, q.dtype.itemsize))
+    blocks = gpu_attention.BlockSizes(**gpu_blocks(Dh, q.dtype.itemsize, _large_shared_memory()))
     chunked = not isinstance(window, int) or window < 0
     segments_BxL = None
     if chunked:
