@@ -426,18 +426,19 @@ def _splash_context(q, k, v, window, *, softcap, blocks, windows, interpret, sin
 # --- GPU: Pallas (Triton) flash attention -------------------------------------------------------------------
 
 
-# GPUs with 227 KiB of shared memory per thread block (Hopper, Blackwell), by the device kind jax reports; others (the
-# A100's 163 KiB) take the backward's smaller tiles
-LARGE_SHARED_MEMORY = ("H100", "H200", "H800", "B200", "B100", "B300", "GB200", "GB300")
+# The GPUs whose 227 KiB of shared memory per thread block held the backward's tiles at the forward's (Hopper), by the
+# device kind jax reports; others take half of them: the A100's 163 KiB, and Blackwell, whose compile asked for 289 KiB
+# at 128 x 128 (llama3-8b on b200-8, head dim 128)
+LARGE_SHARED_MEMORY = ("H100", "H200", "H800")
 
 
 def gpu_blocks(Dh: int, itemsize: int, large_shared_memory: bool = False) -> dict[str, int]:
     """The Triton kernel's tiles: its forward tile of 128 (the kernel's default) while a [block, Dh] tile, Dh padded
     to a power of two, holds at most 32 KiB, else 64 or 32. Measured on an H100 (jax 0.11.2, B 2, L 2048, 16 heads):
     the default 128 overran the 227 KiB of shared memory per block at Dh 192 and 256 in bfloat16 and at Dh 128 in
-    float32, and 64 served them (float32 at Dh 192 and 256 needs 32). The backward's tiles, in 16-bit dtypes on GPUs
-    of 227 KiB (`large_shared_memory`), are the forward's; elsewhere half of them, at least 32; in float32 32 (the
-    kernel's default). Measured on an H200 (jax 0.11.2, causal, bench/gpu_attention.py and tile sweeps, 2026-11-30):
+    float32, and 64 served them (float32 at Dh 192 and 256 needs 32). The backward's tiles, in 16-bit dtypes on Hopper
+    (`large_shared_memory`, LARGE_SHARED_MEMORY), are the forward's; elsewhere half of them, at least 32; in float32
+    32 (the kernel's default). Measured on an H200 (jax 0.11.2, causal, bench/gpu_attention.py and tile sweeps, 2026-11-30):
     in bfloat16 B 8, L 2048, 32 heads of 128 ran forward + backward in 4.19 ms with the backward at 128 x 128, 4.55 at
     64 x 64 and 8.47 at the default 32 x 32 (Dh 64: 3.09 and 3.28 ms; Dh 256: 4.06 at 64 x 64, 4.41 at 32 x 32); in
     float32 at Dh 128 64 x 64 ran 9.64 ms against 6.29 at 32 x 32, and 128 x 128 overran shared memory at Dh 64."""
@@ -449,7 +450,7 @@ def gpu_blocks(Dh: int, itemsize: int, large_shared_memory: bool = False) -> dic
 
 
 def _large_shared_memory() -> bool:
-    """Whether the mesh's GPUs (jax.set_mesh's abstract device) have 227 KiB of shared memory per block."""
+    """Whether the mesh's GPUs (jax.set_mesh's abstract device) are of LARGE_SHARED_MEMORY."""
     mesh = jax.sharding.get_abstract_mesh()
     kind = "" if mesh.empty else str(getattr(mesh.abstract_device, "device_kind", "") or "")
     if not kind and jax.default_backend() == "gpu":
