@@ -63,21 +63,26 @@ def predicted_seconds(kernel: str, chip_name: str, B: int, L: int, H: int, D: in
     from maxperf.perfmodel import chips, flops, work
 
     chip = chips.get(chip_name)
-    forward = model_flops(B, L, H, D) * 2 / (2 + flops.FLASH_BACKWARD_MATMULS)
     train = SimpleNamespace(attention="cudnn_flash_jax" if kernel == "cudnn" else "flash")
     rate = (chip.peak_bf16_flops * chips.MATMUL_FRACTION[chip.name] * work.FLASH_EFFICIENCY[chip.kind]
             * work.flash_speedup(chip, train))
-    backward = forward * flops.FLASH_BACKWARD_MATMULS / 2
-    return forward / rate, backward / rate
+    forward = forward_flops(B, L, H, D)
+    return forward / rate, forward * flops.FLASH_BACKWARD_MATMULS / 2 / rate
+
+
+def forward_flops(B: int, L: int, H: int, D: int) -> float:
+    """The forward's FLOPs as perfmodel counts a flash kernel's: its two matmuls over the 128 x 128 blocks holding an
+    unmasked pair, whole (flops.executed_pairs)."""
+    from maxperf.perfmodel import flops
+
+    return 2 * B * flops.block_pairs(L, 0, flops.GPU_FLASH_BLOCK, flops.GPU_FLASH_BLOCK) * H * (D + D)
 
 
 def model_flops(B: int, L: int, H: int, D: int) -> float:
-    """Forward + backward FLOPs as perfmodel counts a flash kernel's: the 128 x 128 blocks holding an unmasked pair,
-    whole (flops.executed_pairs), two matmuls forward and FLASH_BACKWARD_MATMULS backward."""
+    """Forward + backward FLOPs as perfmodel counts them: FLASH_BACKWARD_MATMULS backward to the forward's two."""
     from maxperf.perfmodel import flops
 
-    pairs = flops.block_pairs(L, 0, flops.GPU_FLASH_BLOCK, flops.GPU_FLASH_BLOCK)
-    return 2 * B * pairs * H * (D + D) * (2 + flops.FLASH_BACKWARD_MATMULS) / 2
+    return forward_flops(B, L, H, D) * (2 + flops.FLASH_BACKWARD_MATMULS) / 2
 
 
 def fit_length_law(rows: list[dict]) -> dict[str, dict]:

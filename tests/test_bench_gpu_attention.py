@@ -2,27 +2,18 @@
 shape, each timed, checked against the float32 dot product (output and gradients) and set beside perfmodel's price;
 the length-law fit over saved rows; bad input a one-line usage error."""
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from bench_util import BENCH, bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_gpu_attention", BENCH / "gpu_attention.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    with bench_module("gpu_attention") as module:
         yield module
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def test_the_kernels_are_timed_checked_and_priced(bench):

@@ -2,25 +2,15 @@
 each case through the CLI and sets the analytical and HLO-derived predictions beside the measurement, for training
 and serving steps alike (on a GPU the same code runs the cases of its table)."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from bench_util import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_gpu_measured", BENCH / "gpu_measured.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    with bench_module("gpu_measured") as module:
         yield module
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 @pytest.mark.slow

@@ -2,11 +2,10 @@
 constant comes from, and the assumptions an estimate names; XLA:CPU keeps its own terms (perfmodel.cpu)."""
 
 import argparse
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from bench_util import BENCH, bench_module
 from perfmodel_util import Topo
 from test_perfmodel_chips import CAL
 
@@ -14,8 +13,6 @@ from maxperf.perfmodel import calibration, chips, estimate, work
 from maxperf.spec import presets
 from maxperf.spec.request import Request
 from maxperf.spec.train import TrainConfig
-
-ROOT = Path(__file__).resolve().parent.parent
 
 LLAMA = presets.get("llama2-7b")
 TRAIN = TrainConfig(per_device_batch_size=2, seq_len=2048)
@@ -188,16 +185,14 @@ def test_cudnn_speedup_is_what_an_h200_measured():
     CUDNN_FLASH_SPEEDUP times maxperf's Pallas Triton kernel (the FlashAttention-2 class) at every length both were
     timed at, forward + backward; and both kernels' rates follow rate_inf x L / (L + half) within 6%, the law the
     model's comment states (half 1,160 and 890 tokens), rising with the sequence."""
-    spec = importlib.util.spec_from_file_location("bench_gpu_attention", ROOT / "bench" / "gpu_attention.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    rows = json.loads((ROOT / "bench" / "measured" / "h200_attention.json").read_text())
-    assert all(bench.valid_row(r) and r["device"] == "NVIDIA H200" for r in rows)
+    with bench_module("gpu_attention") as bench:
+        rows = json.loads((BENCH / "measured" / "h200_attention.json").read_text())
+        fits = bench.fit_length_law(rows)
+        assert all(bench.valid_row(r) and r["device"] == "NVIDIA H200" for r in rows)
     time = {(r["kernel"], r["shape"]): r["forward_backward_s"] for r in rows if "forward_backward_s" in r}
     both = [shape for kernel, shape in time if kernel == "pallas" and ("cudnn", shape) in time]
     assert len(both) == 3
     ratios = [time["pallas", s] / time["cudnn", s] for s in both]
     assert all(abs(r / work.CUDNN_FLASH_SPEEDUP - 1) < 0.1 for r in ratios), ratios
-    fits = bench.fit_length_law(rows)
     assert (fits["cudnn"]["half_length"], fits["pallas"]["half_length"]) == (1160, 890)
     assert fits["cudnn"]["worst"] < 0.06 and fits["pallas"]["worst"] < 0.06 and fits["cudnn"]["rows"] == 8

@@ -438,10 +438,11 @@ def gpu_blocks(Dh: int, itemsize: int, large_shared_memory: bool = False) -> dic
     the default 128 overran the 227 KiB of shared memory per block at Dh 192 and 256 in bfloat16 and at Dh 128 in
     float32, and 64 served them (float32 at Dh 192 and 256 needs 32). The backward's tiles, in 16-bit dtypes on Hopper
     (`large_shared_memory`, LARGE_SHARED_MEMORY), are the forward's; elsewhere half of them, at least 32; in float32
-    32 (the kernel's default). Measured on an H200 (jax 0.11.2, causal, bench/gpu_attention.py and tile sweeps, 2026-11-30):
-    in bfloat16 B 8, L 2048, 32 heads of 128 ran forward + backward in 4.19 ms with the backward at 128 x 128, 4.55 at
-    64 x 64 and 8.47 at the default 32 x 32 (Dh 64: 3.09 and 3.28 ms; Dh 256: 4.06 at 64 x 64, 4.41 at 32 x 32); in
-    float32 at Dh 128 64 x 64 ran 9.64 ms against 6.29 at 32 x 32, and 128 x 128 overran shared memory at Dh 64."""
+    32 (the kernel's default). Measured on an H200 (jax 0.11.2, causal, bench/gpu_attention.py and tile sweeps,
+    2026-11-30): in bfloat16 B 8, L 2048, 32 heads of 128 ran forward + backward in 4.19 ms with the backward at
+    128 x 128, 4.55 at 64 x 64 and 8.47 at the default 32 x 32 (Dh 64: 3.09 and 3.28 ms; Dh 256: 4.06 at 64 x 64,
+    4.41 at 32 x 32); in float32 at Dh 128 64 x 64 ran 9.64 ms against 6.29 at 32 x 32, and 128 x 128 overran shared
+    memory at Dh 64."""
     padded = 1 << (Dh - 1).bit_length()
     block = next((b for b in (128, 64) if b * padded * itemsize <= 32 * 1024), 32)
     backward = 32 if itemsize > 2 else block if large_shared_memory else max(block // 2, 32)
