@@ -297,19 +297,26 @@ def test_a_point_of_many_words_gets_a_folder_name_the_file_system_takes(tmp_path
 def test_a_point_stopped_between_its_artifact_and_its_point_json_leaves_no_folder(tmp_path):
     """An interrupted sweep keeps the folders of the points with a point.json (done, or failed) and removes the
     others: one whose artifact was in place but whose point.json was not is not finished, and the tables do not
-    list it."""
+    list it. A folder holding what maxperf did not write there (a run's files in the artifact, a user's file) stays."""
+    from maxperf.aot.artifacts import MANIFEST_SCHEMA
     from maxperf.search.sweep import grid, remove_partials
 
-    points = grid(["v5p-8", "v5p-16", "v5p-32"], [1], {})
-    done, stopped, partial = (tmp_path / "points" / pt.name for pt in points)
+    points = grid(["v5p-8", "v5p-16", "v5p-32", "v5p-64", "v5p-128"], [1], {})
+    done, stopped, partial, ran, users = (tmp_path / "points" / pt.name for pt in points)
     (done / "artifact").mkdir(parents=True)
     (done / "point.json").write_text("{}")
-    (stopped / "artifact").mkdir(parents=True)
-    (stopped / "artifact" / "manifest.json").write_text("{}")
+    manifest = json.dumps({"schema": MANIFEST_SCHEMA, "files": {"executable.bin": "0"}})
+    for folder in (stopped, ran, users):
+        (folder / "artifact").mkdir(parents=True)
+        (folder / "artifact" / "manifest.json").write_text(manifest)
+        (folder / "artifact" / "executable.bin").write_bytes(b"x")
+    (ran / "artifact" / "run.json").write_text("{}")
+    (users / "notes.txt").write_text("mine")
     (partial / ".artifact.1.partial").mkdir(parents=True)
     remove_partials(tmp_path, points)
-    assert sorted(p.name for p in (tmp_path / "points").iterdir()) == [points[0].name]
+    assert sorted(p.name for p in (tmp_path / "points").iterdir()) == sorted(pt.name for pt in (points[0], *points[3:]))
     assert (done / "artifact").is_dir()
+    assert (ran / "artifact" / "run.json").read_text() == "{}" and (users / "notes.txt").read_text() == "mine"
 
 
 def test_a_sweep_is_not_resumed_by_another_request(tmp_path):

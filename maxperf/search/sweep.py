@@ -249,15 +249,30 @@ def remove_partials(out_dir: Path, points: Sequence[Point]) -> None:
     """What compiles killed with their sweep had begun to write beside the points' artifacts (temporary directories,
     lock files), and the folders of points without a point.json: a point stopped after its artifact was in place but
     before its point.json was is not finished (a re-run computes it again), and its folder would disagree with the
-    tables, which list the points with a point.json."""
+    tables, which list the points with a point.json. A folder that holds anything else (what `maxperf run` wrote
+    into the artifact, a user's files) stays, and its point says why when it is computed again."""
     for pt in points:
         directory = out_dir / "points" / pt.name
         for partial in directory.glob(".artifact.*.partial"):
             shutil.rmtree(partial, ignore_errors=True)
         artifacts.remove_stale_lock(directory / "artifact")
-        if directory.is_dir() and not (directory / "point.json").exists():
+        if directory.is_dir() and not (directory / "point.json").exists() and _compiled_only(directory):
             shutil.rmtree(directory, ignore_errors=True)
     _remove_if_empty(out_dir / "points")
+
+
+def _compiled_only(directory: Path) -> bool:
+    """Whether a point's folder holds its compile's artifact and nothing else: the files its manifest lists."""
+    if any(p.name != "artifact" for p in directory.iterdir()):
+        return False
+    artifact = directory / "artifact"
+    if not artifact.exists():
+        return True
+    try:
+        artifacts.claim_output(artifact, "compile")
+    except artifacts.OutputRefused:
+        return False
+    return True
 
 
 def _remove_if_empty(directory: Path) -> None:
