@@ -966,3 +966,24 @@ def test_a_serving_plan_writes_into_its_own_output_again(tmp_path):
     assert maxperf(*args).returncode == 0
     again = maxperf(*args)
     assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.parametrize("topology, speedup", [("h100-1", "cudnn"), ("a100-1", "none")])
+def test_a_prefills_attention_runs_at_cudnns_rate_where_training_prices_it_so(topology, speedup):
+    """attention=cudnn_flash_te prefills at cuDNN's rate on the chips the training step prices it faster on
+    (work.flash_speedup: Hopper), and at the flash kernels' elsewhere; the matmuls do not change."""
+    from maxperf.perfmodel import serving as model
+    from maxperf.perfmodel import work
+    from maxperf.perfmodel.estimate import device_for
+    from maxperf.spec.request import resolve
+
+    words = ["num_layers=2", "per_device_batch_size=1", "max_prefill_predict_length=8192", "max_target_length=8704"]
+    flash, cudnn = (resolve(topology, "llama3-8b", [*words, f"attention={a}"]) for a in ("flash", "cudnn_flash_te"))
+    chip = device_for(flash.topology)
+    a, b = (model.prefill_phase(p.model, p.train, p.mesh, chip, p.topology, 1, 8192) for p in (flash, cudnn))
+    assert a.flops == b.flops
+    m = flash.model
+    attention_flops = m.num_layers * m.num_heads * 4 * m.head_dim * 8192 * 8192 / 2
+    rate = chip.peak_flops("bfloat16") * work.SHIPPED.fraction(chip) * work.FLASH_EFFICIENCY["gpu"]
+    saved = attention_flops / rate * (1 - 1 / work.CUDNN_FLASH_SPEEDUP) if speedup == "cudnn" else 0.0
+    assert a.seconds - b.seconds == pytest.approx(saved, rel=1e-6, abs=1e-12)

@@ -15,8 +15,9 @@ sequences, every step:
   of experts reads the experts its tokens reach; under tensor parallelism two all-reduces of the activations per
   layer; the FSDP gathers of the weights; a fixed cost per layer (DECODE_LAYER_S).
 - prefill, B prompts of P tokens: the training forward's matmuls at the chip's sustained rate for their shapes
-  (perfmodel.work.matmul_efficiency), causal attention at the flash kernels' efficiency, the same all-reduces over
-  B x P tokens and the same gathers.
+  (perfmodel.work.matmul_efficiency), causal attention at the flash kernels' efficiency (cuDNN's faster where the
+  training step prices it so: perfmodel.work.flash_speedup), the same all-reduces over B x P tokens and the same
+  gathers.
 int8 and FP8 matmuls run at the chip's int8 / FP8 peak where it has one (MaxText's AQT int8 serving; TensorRT-LLM's
 FP8), else at the bf16 rate.
 """
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from maxperf.perfmodel.chips import Chip
 from maxperf.perfmodel.network import CollectiveTime, axis_networks, collective_time
 from maxperf.perfmodel.sharding import gather_axes, held_gathered, layer_weights
-from maxperf.perfmodel.work import FLASH_EFFICIENCY, SHIPPED, matmul_efficiency
+from maxperf.perfmodel.work import FLASH_EFFICIENCY, SHIPPED, flash_speedup, matmul_efficiency
 from maxperf.spec.logical_axes import local_size, split
 from maxperf.spec.memo import per_model
 from maxperf.spec.mesh import Mesh
@@ -499,7 +500,8 @@ def prefill_phase(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip
         kernels.add(2 * n * rows, peak * matmul_efficiency(chip, min(rows, model.d_model)), n * nb)
     H, per_key = _attention(model, sizes, absorbed=False)
     pairs = sum(_prefill_pairs(P, w) for w in attention_rule.layer_masks(model))
-    flash = chip.peak_flops(train.compute_dtype) * SHIPPED.fraction(chip) * FLASH_EFFICIENCY.get(chip.kind, 1.0)
+    flash = (chip.peak_flops(train.compute_dtype) * SHIPPED.fraction(chip) * FLASH_EFFICIENCY.get(chip.kind, 1.0)
+             * flash_speedup(chip, train))
     kernels.add(b * H * per_key * pairs, flash, b * P * cache_bytes_per_token(model, train, sizes))  # cache written
     return kernels.phase(_collectives(model, mesh, chip, topology, tokens, c)
                          + _gathers(model, mesh, chip, topology, train), k.layer(chip.kind) * model.num_layers)
