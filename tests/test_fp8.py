@@ -608,6 +608,29 @@ def test_nvidias_llama3_8b_fp8_layout_compiles_for_h100_8_and_fits():
     assert cmp.analytical.per_device_total_bytes == pytest.approx(total, rel=0.10)
 
 
+@pytest.mark.slow
+@NEEDS_CUDA_PLUGIN
+def test_nvidias_llama3_70b_fp8_layout_compiles_for_h100_8x8_and_fits_with_its_iterations_recomputed():
+    """NVIDIA's Megatron-Bridge Llama 3 70B FP8 run on 64 H100s, its layout as bench/published writes it (tensor 4,
+    data 2 with the optimizer split over it, 8 stages over the hosts of 5 virtual stages, 64 microbatches, current
+    scaling): the compiled step runs MaxText's schedule, which holds every iteration's activations, so it is compiled
+    with each iteration recomputed (remat_policy=full), as MaxText would run it; the compiler fits it, and the
+    analytical memory agrees within 15%."""
+    import csv
+
+    from maxperf.search import memory_fit
+
+    rows = csv.DictReader(open(Path(__file__).resolve().parents[1] / "bench" / "published" / "maxperf_mapping.csv",
+                               newline=""))
+    row = next(r for r in rows if r["id"] == "nemo-dgx-h100-llama3-70b-fp8-cs-64gpu")
+    assert (row["topology"], row["maxperf_model"]) == ("h100-8x8", "llama3-70b")
+    words = [w for w in row["overrides"].split() if not w.startswith(("remat_policy=", "pipeline_schedule="))]
+    cmp = memory_fit.compare("h100-8x8", "llama3-70b", [*words, "remat_policy=full"])
+    total, hbm = cmp.compiler["per_device_total_bytes"], cmp.compiler["hbm_bytes"]
+    assert total <= hbm, (total / 2**30, hbm / 2**30)
+    assert cmp.analytical.per_device_total_bytes == pytest.approx(total, rel=0.15)
+
+
 def test_transformer_engine_recipes_are_refused_on_tpus_naming_maxtexts_tpu_recipe():
     from maxperf.spec.errors import MaxperfError
     from maxperf.spec.request import resolve

@@ -756,3 +756,46 @@ def test_a_windowed_einsums_chunks_run_at_the_whole_matmuls_rate():
     assert chunk_seconds(WINDOWED) == pytest.approx(whole)
     assert chunk_seconds(WINDOWED.replace("windowed_dot_general_body_ag", "body")) == pytest.approx(alone)
     assert alone > 1.1 * whole
+
+
+GEMM_CONFIG = ('backend_config={"gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{'
+               '"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],'
+               '"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}}')
+BARE_GEMM = f"""HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[4096,3584], w: bf16[3584,4096]) -> bf16[4096,4096] {{
+  %x = bf16[4096,3584]{{1,0}} parameter(0)
+  %w = bf16[3584,4096]{{1,0}} parameter(1)
+  %gemm = (bf16[4096,4096]{{1,0}}, s8[33554432]{{0}}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul", {GEMM_CONFIG}
+  ROOT %out = bf16[4096,4096]{{1,0}} get-tuple-element(%gemm), index=0
+}}
+"""
+SLICED_GEMM = f"""HloModule m, is_scheduled=true
+
+%dynamic-slice-fusion (p0: bf16[1,2,3584,4096], p1: bf16[4096,3584]) -> (bf16[4096,4096], s8[33554432]) {{
+  %p1 = bf16[4096,3584]{{1,0}} parameter(1)
+  %p0 = bf16[1,2,3584,4096]{{3,2,1,0}} parameter(0)
+  %slice = bf16[1,1,3584,4096]{{3,2,1,0}} slice(%p0), slice={{[0:1], [1:2], [0:3584], [0:4096]}}
+  %w = bf16[3584,4096]{{1,0}} bitcast(%slice)
+  ROOT %gemm = (bf16[4096,4096]{{1,0}}, s8[33554432]{{0}}) custom-call(%p1, %w), custom_call_target="__cublas$lt$matmul", {GEMM_CONFIG}
+}}
+
+ENTRY %main (x: bf16[4096,3584], ws: bf16[1,2,3584,4096]) -> bf16[4096,4096] {{
+  %x = bf16[4096,3584]{{1,0}} parameter(0)
+  %ws = bf16[1,2,3584,4096]{{3,2,1,0}} parameter(1)
+  %fused = (bf16[4096,4096]{{1,0}}, s8[33554432]{{0}}) fusion(%ws, %x), kind=kCustom, calls=%dynamic-slice-fusion
+  ROOT %out = bf16[4096,4096]{{1,0}} get-tuple-element(%fused), index=0
+}}
+"""
+
+
+def test_a_gemm_that_a_dynamic_slice_fusion_feeds_is_priced_by_its_own_sides():
+    """XLA:GPU wraps a cuBLAS GEMM whose weight is a slice of a stacked operand (a pipeline stage's repeat) in a
+    dynamic-slice fusion: it runs at the rate of its own [M, K] x [K, N], as the bare GEMM does (read as a matmul
+    of one row, a 4096 x 3584 x 4096 GEMM took 590x as long)."""
+    bare, sliced = (predict(text, "h100-8") for text in (BARE_GEMM, SLICED_GEMM))
+    flops = 2 * 4096 * 3584 * 4096
+    assert bare.flops == sliced.flops == flops
+    assert sliced.top[0].kind == "matmul" and sliced.step_time_s == pytest.approx(bare.step_time_s, rel=0.01)
+    chip = chips.get("h100-sxm")
+    assert bare.step_time_s < 1.5 * flops / (chip.peak_bf16_flops * matmul_efficiency(chip, 3584))

@@ -468,3 +468,33 @@ def test_a_checkpoint_keeps_the_models_layer_order_whatever_the_pipelines_layout
                for a in ("plain", "piped") for c in ("plain", "piped")}
     for got in resumed.values():
         np.testing.assert_allclose(got, resumed["plain", "plain"], rtol=2e-4)
+
+
+def _permuted_per_iteration(tmp_path, *words: str) -> float:
+    """Bytes a compiled pipelined step's collective-permutes move inside its loops (instructions run more than once a
+    step), per step, on cpu-8."""
+    from maxperf import aot
+    from maxperf.aot import hlo_time
+    from maxperf.perfmodel.estimate import device_for
+
+    out = tmp_path / str(len(list(tmp_path.iterdir())))
+    result = aot.compile("cpu-8", "tiny", ["num_layers=8", "per_device_batch_size=2", "ici_tensor=2", "ici_data=2",
+                                          "ici_stage=2", "num_pipeline_microbatches=4",
+                                          "num_layers_per_pipeline_stage=2", "num_pipeline_repeats=2",
+                                          "remat_policy=full", *words], out=out)
+    text = (out / "hlo" / "optimized.hlo.txt").read_text()
+    read = hlo_time.hlo_time(text, device_for(result.plan.topology), result.plan.topology, result.plan.mesh,
+                             top=1 << 20)
+    return sum(op.bytes * op.executions for op in read.top
+               if op.kind == "collective" and "permute" in op.name and op.executions > 1)
+
+
+@pytest.mark.slow
+def test_zero1_moves_no_weights_inside_the_pipelines_loop(tmp_path):
+    """ZeRO-1 (shard_optimizer_over_data) gathers a pipelined stack's parameters over `data` once before the loop and
+    reduces their gradients once after it: the loop's collective-permutes move the stages' activations alone, as
+    without ZeRO-1 (unpinned, the loop kept its gradient accumulator split over `data` and moved each iteration's
+    weight gradients to it)."""
+    plain = _permuted_per_iteration(tmp_path)
+    zero1 = _permuted_per_iteration(tmp_path, "shard_optimizer_over_data=true")
+    assert plain > 0 and zero1 == pytest.approx(plain, rel=0.01)

@@ -414,19 +414,19 @@ class _Walker:
         if comp_name is not None and comp_name in self.comps:
             inner = self.comps[comp_name].instrs
             for s, op, r in inner.values():
-                if op in ("dot", "convolution"):
+                if op in ("dot", "convolution") or _is_gemm(op, r):
                     candidates.append((inner, s, op, r))
                 elif op == "fusion":
                     for key, names in hlo_cost.callees(r):
                         if key == "calls" and names and names[0] in self.comps:
                             sub = self.comps[names[0]].instrs
                             candidates += [(sub, s2, op2, r2) for s2, op2, r2 in sub.values()
-                                           if op2 in ("dot", "convolution")]
+                                           if op2 in ("dot", "convolution") or _is_gemm(op2, r2)]
         else:
             candidates.append((instrs, shape, opcode, rest))
         best = None
         for inner, s, op, r in candidates:
-            dims = self.dot_dims(inner, s, op, r)
+            dims = self.gemm_dims(inner, s, r) if op == "custom-call" else self.dot_dims(inner, s, op, r)
             if dims and (best is None or math.prod(dims[:3]) > math.prod(best[:3])):
                 best = dims
         return best or (1.0, 1.0, 1.0, "bf16")
@@ -453,6 +453,19 @@ class _Walker:
         # a convolution (TPUs write batched and plain matmuls so): sides from its operands' and result's sizes
         flops = hlo_cost.convolution_flops(shape, rest, instrs) or 0.0
         return (*matmul_sides(math.prod(lhs_dims), math.prod(rhs_dims), out, flops), dtype)
+
+    def gemm_dims(self, instrs, shape: str, rest: str, flops: float | None = None) -> tuple[float, float, float, str]:
+        """(M, K, N, operand element type) of a GEMM or convolution custom call, from its operands' and result's
+        sizes and its FLOPs (matmul_sides)."""
+        if flops is None:
+            flops = hlo_cost.custom_call_flops(shape, rest, instrs) or 0.0
+        ops = hlo_cost.operands(rest)
+        sizes = [math.prod(hlo_cost.dims(instrs[o][0])) for o in ops[:2] if o in instrs]
+        if len(sizes) < 2:
+            sizes = [1, 1]
+        M, K, N = matmul_sides(sizes[0], sizes[1], math.prod(hlo_cost.dims(shape)) or 1, flops)
+        dtype = _arrays(instrs[ops[0]][0])[0][0] if ops and ops[0] in instrs else "bf16"
+        return M, K, N, dtype
 
     def matmul_seconds(self, flops: float, nbytes: float, M: float, K: float, N: float, dtype: str) -> tuple[float,
                                                                                                                str]:
@@ -586,13 +599,7 @@ class _Walker:
             self.note(f"custom call {target}: costed by the bytes of its operands and results only")
             return self.memory_cost(nbytes, "kernel")
         if target.startswith((*hlo_cost.GEMM_TARGETS, hlo_cost.CUDNN_CONVOLUTION)):  # cuBLAS GEMMs, cuDNN convs
-            sizes = [math.prod(hlo_cost.dims(instrs[o][0])) for o in hlo_cost.operands(rest)[:2] if o in instrs]
-            if len(sizes) < 2:
-                sizes = [1, 1]
-            M, K, N = matmul_sides(sizes[0], sizes[1], math.prod(hlo_cost.dims(shape)) or 1, flops)
-            operand = hlo_cost.operands(rest)[0] if hlo_cost.operands(rest) else None
-            dtype = _arrays(instrs[operand][0])[0][0] if operand in instrs else "bf16"
-            seconds, bound = self.matmul_seconds(flops, nbytes, M, K, N, dtype)
+            seconds, bound = self.matmul_seconds(flops, nbytes, *self.gemm_dims(instrs, shape, rest, flops))
             return _Cost(seconds, "matmul", bound, flops, nbytes)
         estimated = _BYTES_ESTIMATE.search(rest)  # a Pallas kernel's own cost estimate
         nbytes = float(estimated.group(1)) if estimated else nbytes
@@ -878,6 +885,13 @@ class _Walker:
 
     def run(self) -> float:
         return self.simulate(self.entry, 1.0)
+
+
+def _is_gemm(opcode: str, rest: str) -> bool:
+    """Whether an instruction is a cuBLAS GEMM custom call (one XLA:GPU may wrap in a fusion: a dynamic-slice fusion
+    feeds it a slice of a stacked weight)."""
+    target = m.group(1) if opcode == "custom-call" and (m := hlo_cost.CUSTOM_CALL_TARGET.search(rest)) else ""
+    return target.startswith(hlo_cost.GEMM_TARGETS)
 
 
 def matmul_sides(lhs: float, rhs: float, out: float, flops: float) -> tuple[float, float, float]:
