@@ -799,3 +799,39 @@ def test_a_gemm_that_a_dynamic_slice_fusion_feeds_is_priced_by_its_own_sides():
     assert sliced.top[0].kind == "matmul" and sliced.step_time_s == pytest.approx(bare.step_time_s, rel=0.01)
     chip = chips.get("h100-sxm")
     assert bare.step_time_s < 1.5 * flops / (chip.peak_bf16_flops * matmul_efficiency(chip, 3584))
+
+
+MEGASCALE = ('is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",'
+             '_xla_host_transfer_rendezvous="ppermute.1_0"}')
+ACROSS_SLICES = f"""HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[2048,2048], w: bf16[2048,2048], a: bf16[4096,8192]) -> bf16[2048,2048] {{
+  %x = bf16[2048,2048]{{1,0}} parameter(0)
+  %w = bf16[2048,2048]{{1,0}} parameter(1)
+  %a = bf16[4096,8192]{{1,0}} parameter(2)
+  %tok = token[] after-all()
+  %send = (bf16[4096,8192]{{1,0}}, u32[], token[]) send(%a, %tok), channel_id=2, {MEGASCALE}
+  %d1 = bf16[2048,2048]{{1,0}} dot(%x, %w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  %recv = (bf16[4096,8192]{{1,0}}, u32[], token[]) recv(%tok), channel_id=1, {MEGASCALE}
+  %sd = token[] send-done(%send), channel_id=2, {MEGASCALE}
+  %rd = (bf16[4096,8192]{{1,0}}, token[]) recv-done(%recv), channel_id=1, {MEGASCALE}
+  %got = bf16[4096,8192]{{1,0}} get-tuple-element(%rd), index=0
+  %b = bf16[2048,2048]{{1,0}} slice(%got), slice={{[0:2048], [0:2048]}}
+  ROOT %d2 = bf16[2048,2048]{{1,0}} dot(%d1, %b), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+"""
+
+
+def test_a_transfer_between_slices_pays_the_dcn_and_overlaps_the_work_before_its_done():
+    """A ppermute across TPU slices (a pipeline's stages over DCN) compiles to a send and a recv handed to the
+    Megascale runtime: the send's buffer over the chip's share of its hosts' network plus a ring step's latency,
+    overlapping the work the schedule puts before the recv's done, which waits for it."""
+    topo = topologies.get("v5p-8", num_slices=2)
+    mesh = mesh_mod.resolve(ParallelismConfig(), topo)
+    chip = chips.get("tpu-v5p")
+    result = hlo_time.hlo_time(ACROSS_SLICES, chip, topo, mesh)
+    send = next(o for o in result.top if o.name == "send")
+    transfer = 2 * 4096 * 8192 / chip.host_network_per_chip + SHIPPED.dcn_step_latency["tpu"]
+    assert send.bound == "dcn" and send.seconds == pytest.approx(transfer) and result.dcn_s == pytest.approx(transfer)
+    d1, d2 = seconds_of(result, "d1"), seconds_of(result, "d2")
+    assert transfer > d1 and result.step_time_s == pytest.approx(transfer + seconds_of(result, "b") + d2)

@@ -18,7 +18,9 @@ How an instruction is costed, per execution (`OpTime`):
 - collectives (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute, and fusions wrapping them):
   the bytes of the whole buffer over the devices of one replica group, priced by perfmodel.network over the
   topology's links (ICI torus or NVLink inside a slice or host, DCN or InfiniBand across), the group's devices
-  mapped to mesh axes through the device assignment (partition i is the i-th device of the mesh);
+  mapped to mesh axes through the device assignment (partition i is the i-th device of the mesh); a TPU's transfer
+  between slices (a ppermute over DCN, written as a send and a recv for the Megascale runtime) as a permute across
+  slices, issued at the send and waited for at the recv's done;
 - asynchronous copies (copy-start / copy-done, and TPU's slice-start, dynamic-slice-start, ...): their bytes at
   HBM bandwidth, or over the host link where one side is pinned host memory (S(5));
 - work a TPU hands to its SparseCores (`custom-call-start` / `-update` / `-done` with
@@ -85,6 +87,9 @@ _BYTES_ESTIMATE = re.compile(r'"cost_estimate":\{[^}]*?"bytes_accessed":"?(\d+)'
 _REPLICA_GROUPS = re.compile(r"replica_groups=(\{\{[^=]*?\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|"
                              r"mesh\[[^\]]*\]\s*\{[^}]*\})")
 _CHANNEL = re.compile(r"channel_id=(\d+)")
+# A send or recv that the Megascale runtime carries between TPU slices, and the rendezvous that pairs them
+_MEGASCALE = re.compile(r'_xla_host_transfer_handler_name="xla_megascale_runtime"')
+_RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]*)"')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _LHS_BATCH = re.compile(r"lhs_batch_dims=\{([\d,]*)\}")
 _LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
@@ -257,6 +262,7 @@ class _Walker:
         self.tpu_async = chip.kind == "tpu"
         self.users: dict[int, dict[str, list[tuple[str, int]]]] = {}
         self.issued: dict[str, tuple[int, str]] = {}  # an async collective fusion's channel: its start
+        self.sends: dict[str, str] = {}  # a transfer across slices' rendezvous: its send
         self.current = ""  # the computation being simulated
         self.window_cache: dict[str, int] = {}
 
@@ -532,6 +538,8 @@ class _Walker:
             return self.kernel(instrs, shape, rest, None, opcode)
         if opcode == "custom-call":
             return self.custom_call(instrs, name, shape, rest)
+        if opcode in ("send", "recv") and _MEGASCALE.search(rest):
+            return self.across_slices(instrs, name, rest, opcode)
         read, spaces = self.operand_bytes(instrs, rest)
         out = _bytes(shape)
         if opcode in ("dynamic-slice", "slice", "gather"):
@@ -740,6 +748,20 @@ class _Walker:
         return _Cost(seconds, "collective", "dcn" if across else "ici", nbytes=operand,
                      resource="dcn" if across else "ici:" + "+".join(axes),
                      mode="issue" if asynchronous else "block")
+
+    def across_slices(self, instrs, name: str, rest: str, opcode: str) -> _Cost:
+        """A TPU's transfer between slices, which XLA writes as a send and a recv handed to the Megascale runtime
+        over the data-center network (a ppermute across slices: a pipeline's stage-to-stage moves over DCN): the
+        send's buffer over the chip's share of its hosts' network, as a permute across slices (`permute`), issued at
+        the send; the recv of the same rendezvous takes no time of its own and is ready when the send is, its done
+        waiting for it."""
+        key = m.group(1) if (m := _RENDEZVOUS.search(rest)) else ""
+        if opcode == "recv":
+            return _Cost(0.0, "collective", "dcn", resource="dcn", mode="issue", waits_for=self.sends.get(key, ""))
+        self.sends[key] = name
+        nbytes = self.operand_bytes(instrs, rest, skip_on_chip=False)[0]
+        seconds = nbytes / self.chip.host_network_per_chip + self.constants.dcn_step_latency.get(self.kind, 0.0)
+        return _Cost(seconds, "collective", "dcn", nbytes=nbytes, resource="dcn", mode="issue")
 
     def permute(self, rest: str, nbytes: float, asynchronous: bool) -> _Cost:
         pairs = _pairs(rest)
