@@ -8,7 +8,9 @@ within one node) and vLLM on TPU v6e and TPU7x (Google's tpu-recipes: the Trilli
 Ironwood recipes for Qwen3-32B and Qwen3-Coder-480B-A35B in FP8; random requests under continuous batching at a fixed
 concurrency). Each row's words are what the run ran as maxperf's keys; TensorRT-LLM's grouped-query runs without its
 XQA kernel for their group (the H200 launch post's and the 0.6.1 table's Llama 2 70B, the 0.9.0 table's Mistral 7B
-and Mixtral 8x7B: docs/serving.md) carry decode_cache_reads=per_query_head. Four kinds of figure:
+and Mixtral 8x7B: docs/serving.md) carry decode_cache_reads=per_query_head, and the 0.9.0 table's Mixtral 8x7B rows,
+listed under FP8, run in 16 bits, as that release's mixture-of-experts layer did (it had no FP8 path: docs/serving.md).
+Four kinds of figure:
 
 - output tokens/s per GPU of a static batch (TensorRT-LLM's gptSessionBenchmark: batch x output length / the whole
   batch's latency / GPUs), predicted as perfmodel.serving.static_batch_seconds: the prefill of the prompts, then a
