@@ -470,14 +470,13 @@ def test_a_checkpoint_keeps_the_models_layer_order_whatever_the_pipelines_layout
         np.testing.assert_allclose(got, resumed["plain", "plain"], rtol=2e-4)
 
 
-def _permuted_per_iteration(tmp_path, *words: str) -> float:
+def _permuted_per_iteration(out, *words: str) -> float:
     """Bytes a compiled pipelined step's collective-permutes move inside its loops (instructions run more than once a
-    step), per step, on cpu-8."""
+    step), per step, on cpu-8; the artifact written to `out`."""
     from maxperf import aot
     from maxperf.aot import hlo_time
     from maxperf.perfmodel.estimate import device_for
 
-    out = tmp_path / str(len(list(tmp_path.iterdir())))
     result = aot.compile("cpu-8", "tiny", ["num_layers=8", "per_device_batch_size=2", "ici_tensor=2", "ici_data=2",
                                           "ici_stage=2", "num_pipeline_microbatches=4",
                                           "num_layers_per_pipeline_stage=2", "num_pipeline_repeats=2",
@@ -495,6 +494,6 @@ def test_zero1_moves_no_weights_inside_the_pipelines_loop(tmp_path):
     reduces their gradients once after it: the loop's collective-permutes move the stages' activations alone, as
     without ZeRO-1 (unpinned, the loop kept its gradient accumulator split over `data` and moved each iteration's
     weight gradients to it)."""
-    plain = _permuted_per_iteration(tmp_path)
-    zero1 = _permuted_per_iteration(tmp_path, "shard_optimizer_over_data=true")
+    plain = _permuted_per_iteration(tmp_path / "plain")
+    zero1 = _permuted_per_iteration(tmp_path / "zero1", "shard_optimizer_over_data=true")
     assert plain > 0 and zero1 == pytest.approx(plain, rel=0.01)
