@@ -3,6 +3,7 @@ constant comes from, and the assumptions an estimate names; XLA:CPU keeps its ow
 
 import argparse
 import json
+import math
 
 import pytest
 from bench_util import BENCH, bench_module
@@ -120,15 +121,23 @@ def test_maxperf_estimate_prints_its_assumptions(capsys):
 
 def test_no_matmul_runs_faster_than_the_chips_best_measured_one():
     """Ironwood's published GEMM sweep levels off at 0.829 of a TensorCore's peak (956.4 TFLOP/s at 32768 cubed),
-    where the law fitted on steps would keep rising; v6e's 8192-cubed GEMM ran at 0.901. Thinner matmuls stay on the
-    law below it, and a chip without a published measurement has no cap."""
+    where the law fitted on steps would keep rising; v6e's 8192-cubed GEMM ran at 0.901, and no faster than its
+    4096-cubed one. Thinner matmuls stay on the law below it, and a chip without a published measurement has no cap."""
     ironwood, v6e, v5p_chip = chips.get("tpu7x"), chips.get("tpu-v6e"), chips.get("tpu-v5p")
     assert chips.MEASURED_MATMUL["tpu7x"] == pytest.approx(956.4 / (2307 / 2), abs=5e-4)
     assert work.matmul_efficiency(ironwood, 32768) == chips.MEASURED_MATMUL["tpu7x"]
     half = work.MATMUL_HALF["tpu"] * work.half_scale(ironwood)
     law = work.SHIPPED.fraction(ironwood) * 2048 / (2048 + half)
     assert law < chips.MEASURED_MATMUL["tpu7x"] and work.matmul_efficiency(ironwood, 2048, half) == pytest.approx(law)
-    assert work.matmul_efficiency(v6e, 16384) == chips.MEASURED_MATMUL["tpu-v6e"]
+    # v6e's GEMM gains nothing from 4096 to 8192 (chips.GEMM_SWEEPS): wider matmuls run at the 4096-wide one's rate,
+    # below its ceiling, where the law would give a 16384-wide one 22% more
+    assert chips.matmul_plateau(v6e) == 4096
+    at_4096 = work.matmul_efficiency(v6e, 4096)
+    assert work.matmul_efficiency(v6e, 16384) == work.matmul_efficiency(v6e, 8192) == at_4096
+    assert at_4096 < chips.MEASURED_MATMUL["tpu-v6e"]
+    assert work.matmul_efficiency(v6e, 2048) < at_4096
+    # Ironwood's gains up to 16384, past the width where its ceiling stops the law; a chip without a sweep has none
+    assert chips.matmul_plateau(ironwood) == 16384 and chips.matmul_plateau(v5p_chip) == math.inf
     v5p_law = work.SHIPPED.fraction(v5p_chip) * 32768 / (32768 + work.MATMUL_HALF["tpu"])
     assert work.matmul_efficiency(v5p_chip, 32768) == pytest.approx(v5p_law)
     # the step prices its matmuls so: Llama 3.1 405B's MLP (smallest side 16384) on a TPU7x slice runs at the cap
@@ -142,7 +151,7 @@ def test_no_matmul_runs_faster_than_the_chips_best_measured_one():
 
 # Google's Ironwood GEMM sweep, bf16 m = n = k, TFLOP/s per device (one TensorCore: 1153.5 peak): tpu-recipes
 # microbenchmarks/ironwood/README.md, "Results: GEMM"
-IRONWOOD_GEMM = {1024: 349.7270639, 2048: 679.284728, 4096: 892.9445127, 16384: 950.1286983, 32768: 956.3824592}
+IRONWOOD_GEMM = chips.GEMM_SWEEPS["tpu7x"]
 
 
 def test_the_thin_matmul_law_follows_ironwoods_measured_gemms():

@@ -45,10 +45,32 @@ SAME_COMPUTE = {"h200": "h100-sxm"}
 # 950.1 at 16384, 956.4 at 32768 ([iw-gemm] tpu-recipes microbenchmarks/ironwood/README.md, "Results: GEMM"), where
 # the law fitted on steps would go on rising (0.91 of peak at 16384). TPU v6e: 827.5 TFLOP/s at 8192 cubed with a
 # 64 MiB scoped VMEM limit ([v6e-gemm] tpu-recipes microbenchmarks/README.md; no larger size published), and 840.2 at
-# 4096 cubed (the same README at af2a7cd, 2025-04-03): v6e's GEMM gains nothing from 4096 to 8192, where the law
-# (HALF at a 256-wide array) gives 8192-wide matmuls 13% more than 4096-wide ones.
+# 4096 cubed (the same README at af2a7cd, 2025-04-03): v6e's GEMM gains nothing from 4096 to 8192 (matmul_plateau).
 MEASURED_MATMUL = {"a100-40gb": 0.869, "a100-80gb": 0.869, "h100-sxm": 0.803, "h200": 0.803, "b200": 0.776,
                    "gb200": 0.729, "tpu7x": 0.829, "tpu-v6e": 0.901}
+
+
+# Published bf16 GEMM sweeps, m = n = k -> TFLOP/s per device (a TPU7x device is one of its chip's two TensorCores):
+# TPU7x [iw-gemm], v6e [v6e-gemm] (the sources above).
+GEMM_SWEEPS = {
+    "tpu7x": {1024: 349.7270639, 2048: 679.284728, 4096: 892.9445127, 16384: 950.1286983, 32768: 956.3824592},
+    "tpu-v6e": {4096: 840.2, 8192: 827.5},
+}
+# A swept size within this share of the sweep's best has stopped gaining with width
+PLATEAU_TOLERANCE = 0.01
+
+
+def matmul_plateau(chip: Chip) -> float:
+    """The width past which a matmul on `chip` runs no faster for being wider: the smallest size of its published GEMM
+    sweep (GEMM_SWEEPS) within PLATEAU_TOLERANCE of the sweep's best; unbounded (inf) where none is published. The
+    thin-matmul law (perfmodel.work.matmul_efficiency) keeps rising with its smallest side m; on v6e, whose GEMM gains
+    nothing from 4096 to 8192, it stops at 4096, where the law at a 256-wide array would give 8192- and 16384-wide
+    matmuls 13% and 22% more (TPU7x's sweep gains up to 16384, past where its ceiling already stops the law)."""
+    sweep = GEMM_SWEEPS.get(chip.name)
+    if not sweep:
+        return math.inf
+    best = max(sweep.values())
+    return min(m for m, rate in sweep.items() if rate >= (1 - PLATEAU_TOLERANCE) * best)
 
 
 def matmul_ceiling(chip: Chip) -> float:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from maxperf.perfmodel import cpu
-from maxperf.perfmodel.chips import MATMUL_FRACTION, MATMUL_FRACTION_ORIGIN, Chip, matmul_ceiling
+from maxperf.perfmodel.chips import MATMUL_FRACTION, MATMUL_FRACTION_ORIGIN, Chip, matmul_ceiling, matmul_plateau
 from maxperf.spec import attention_rule
 from maxperf.spec.errors import require
 from maxperf.spec.fp8 import Fp8Recipe, Granularity, Scaling
@@ -29,8 +29,9 @@ from maxperf.spec.train import TrainConfig
 # arrays and tensor-core tiles less well and has less work to hide each kernel's start and end behind (a matmul whose
 # smallest side is HALF reaches half of it; on a TPU HALF grows with its matrix units' width, half_scale), never above
 # the chip's best measured matmul (chips.MEASURED_MATMUL: the law keeps rising with m where Ironwood's measured GEMMs
-# level off at 0.83 of its peak), and less where its contraction and output dims fill a TPU's matrix units in part
-# (mxu_fill). Fitted: bench/published.py (FITTED), 86 rows, 51 TPU and 35 GPU, HALF at a 128-wide array. The rows'
+# level off at 0.83 of its peak), m no wider than where the chip's published GEMM sweep stops gaining
+# (chips.matmul_plateau: v6e's at 4096), and less where its contraction and output dims fill a TPU's matrix units in
+# part (mxu_fill). Fitted: bench/published.py (FITTED), 86 rows, 51 TPU and 35 GPU, HALF at a 128-wide array. The rows'
 # matmuls have smallest sides of 1024 to 16384 (half their FLOPs at 6144 or more; every row runs flash attention):
 # below 1024, as for the dot product's head-dim-wide einsums, the figure is an extrapolation.
 FITTED = "2026-11-27, the constants of bench/published.py's default --free, from its PRIOR"
@@ -140,16 +141,17 @@ HELD_OUT_BASIS = "bench/published.py, 2026-11-30, 90 rows"
 # median signed error of throughput per chip over those runs, and what they are. An estimate on such a chip quotes
 # these, the nearer measure of its error than the generation held out.
 UNFITTED_RUNS_ERROR = {
-    "tpu-v6e": (0.102, 0.258, 0.102, "19 published tpu-recipes Trillium runs, none of them fitted (bench/recipes.py, "
-                                     "2026-11-28): the larger models (70B and up) predicted faster than they ran"),
+    "tpu-v6e": (0.031, 0.180, 0.013, "19 published tpu-recipes Trillium runs, none of them fitted (bench/recipes.py, "
+                                     "2026-11-30): GPT-3 175B, Gemma 3 12B, Llama 2 70B and Llama 3.1 405B predicted "
+                                     "10% to 18% faster than they ran"),
 }
 
 # Mixtures of experts: no published run of one is among the fitted rows. On TPUs MaxText's MoE recipes measure them
 # (Mixtral on v6e, DeepSeek-V3 and Llama 4 on v5p, DeepSeek-V3, gpt-oss and Qwen3 on TPU7x): median and worst |error|,
 # median signed error and what they are. An estimate of a mixture of experts on a TPU quotes these.
 UNFITTED_MOE_ERROR = {
-    "tpu": (0.143, 0.419, 0.007, "12 published tpu-recipes mixture-of-experts runs on TPU v6e, v5p and TPU7x, none of "
-                                 "them fitted (bench/recipes.py, 2026-11-28): gpt-oss-120b on TPU7x predicted 42% "
+    "tpu": (0.143, 0.419, -0.014, "12 published tpu-recipes mixture-of-experts runs on TPU v6e, v5p and TPU7x, none "
+                                  "of them fitted (bench/recipes.py, 2026-11-30): gpt-oss-120b on TPU7x predicted 42% "
                                  "faster than it ran, DeepSeek-V3 on TPU7x 13% to 21% slower"),
 }
 
@@ -361,8 +363,10 @@ def quantize_bytes(recipe: Fp8Recipe, c: int) -> float:
 
 
 def matmul_efficiency(chip: Chip, m: float, half: float | None = None, constants: Constants = SHIPPED) -> float:
-    """The fraction of peak a matmul whose smallest side is m sustains: fraction x m / (m + HALF), at most the chip's
-    best measured matmul rate (chips.MEASURED_MATMUL); `half` (a calibrated HALF) replaces the kind's."""
+    """The fraction of peak a matmul whose smallest side is m sustains: fraction x m / (m + HALF), m no wider than the
+    chip's GEMM plateau (chips.matmul_plateau), at most the chip's best measured matmul rate (chips.MEASURED_MATMUL);
+    `half` (a calibrated HALF) replaces the kind's."""
+    m = min(m, matmul_plateau(chip))
     return min(constants.fraction(chip) * m / (m + (constants.matmul_half[chip.kind] if half is None else half)),
                matmul_ceiling(chip))
 
@@ -453,7 +457,7 @@ class Work:
             self.assume("matmul", f"matmul HALF {self.constants.matmul_half['cpu']:g} (assumed: maxperf calibrate "
                                   "measures it)")
         self._term(name, "compute", MATMUL, peak_s=flops / self.peak, hbm_s=nbytes / self.chip.hbm_bandwidth,
-                   side=min(M, K, N) if side is None else side,
+                   side=min(min(M, K, N) if side is None else side, matmul_plateau(self.chip)),
                    rate=rate * (mxu_fill(self.chip, *(d for d in (K, N) if d >= MIN_MXU_WIDTH)) if fill is None
                                 else fill),
                    half=math.nan if self.half is None else self.half, half_scale=half_scale(self.chip),
