@@ -56,6 +56,19 @@ def test_a_thin_matmul_runs_at_perfmodels_thin_matmul_rate():
     assert result.step_time_s == pytest.approx(2 * 8 * 2048 * 8192 / (chip.peak_bf16_flops * efficiency))
 
 
+def test_a_wide_matmul_on_v6e_runs_no_faster_than_its_gemm_plateau():
+    # v6e's published GEMM gains nothing past 4096 (chips.matmul_plateau): an 8192-cubed dot reads at the rate of a
+    # 4096-wide one, where the law alone would give it 13% more
+    text = DOT.replace("4096,2048", "8192,8192").replace("2048,8192", "8192,8192").replace("4096,8192", "8192,8192")
+    result = predict(text, "v6e-8")
+    chip = chips.get("tpu-v6e")
+    half = SHIPPED.matmul_half["tpu"] * half_scale(chip)
+    plateau = SHIPPED.fraction(chip) * 4096 / (4096 + half)
+    assert result.step_time_s == pytest.approx(2 * 8192**3 / (chip.peak_bf16_flops * plateau))
+    law = SHIPPED.fraction(chip) * 8192 / (8192 + half)
+    assert law > 1.1 * plateau
+
+
 ADD = """HloModule m, is_scheduled=true
 
 ENTRY %main (a: f32[4096,4096], b: f32[4096,4096]) -> f32[4096,4096] {

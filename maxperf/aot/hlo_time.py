@@ -6,8 +6,9 @@ Pure text processing (no jax): the module is parsed by maxperf.aot.hlo_cost, whi
 How an instruction is costed, per execution (`OpTime`):
 - matmuls (a dot, a convolution, or a fusion or GEMM custom call holding them): a roofline, max(FLOPs / (peak x
   efficiency), bytes / HBM bandwidth), with perfmodel's matmul efficiency (perfmodel.work: the chip's sustained
-  fraction of its peak x m / (m + HALF), m the matmul's smallest side, x the share of a TPU's matrix units its
-  contraction and output dims fill), at the peak of its operands' element type;
+  fraction of its peak x m / (m + HALF), m the matmul's smallest side, no wider than where the chip's published GEMM
+  sweep stops gaining, x the share of a TPU's matrix units its contraction and output dims fill), at the peak of its
+  operands' element type;
 - flash attention kernels (splash on TPU, Pallas Triton on GPU): their FLOPs (hlo_cost.attention_kernel) at the
   chip's sustained rate x perfmodel's fitted flash efficiency x the share of the matrix units the head dim fills;
   other Pallas kernels by the cost estimate they carry (FLOPs and bytes, a roofline);
