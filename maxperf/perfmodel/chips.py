@@ -58,19 +58,18 @@ GEMM_SWEEPS = {
 }
 # A swept size within this share of the sweep's best has stopped gaining with width
 PLATEAU_TOLERANCE = 0.01
+# Per chip with a sweep, the smallest swept size within PLATEAU_TOLERANCE of the sweep's best (matmul_plateau)
+GEMM_PLATEAU = {name: min(m for m, rate in sweep.items() if rate >= (1 - PLATEAU_TOLERANCE) * max(sweep.values()))
+                for name, sweep in GEMM_SWEEPS.items()}
 
 
 def matmul_plateau(chip: Chip) -> float:
-    """The width past which a matmul on `chip` runs no faster for being wider: the smallest size of its published GEMM
-    sweep (GEMM_SWEEPS) within PLATEAU_TOLERANCE of the sweep's best; unbounded (inf) where none is published. The
-    thin-matmul law (perfmodel.work.matmul_efficiency) keeps rising with its smallest side m; on v6e, whose GEMM gains
-    nothing from 4096 to 8192, it stops at 4096, where the law at a 256-wide array would give 8192- and 16384-wide
-    matmuls 13% and 22% more (TPU7x's sweep gains up to 16384, past where its ceiling already stops the law)."""
-    sweep = GEMM_SWEEPS.get(chip.name)
-    if not sweep:
-        return math.inf
-    best = max(sweep.values())
-    return min(m for m, rate in sweep.items() if rate >= (1 - PLATEAU_TOLERANCE) * best)
+    """The width past which a matmul on `chip` runs no faster for being wider (GEMM_PLATEAU); unbounded (inf) where no
+    sweep is published. The thin-matmul law (perfmodel.work.matmul_efficiency) keeps rising with its smallest side m;
+    on v6e, whose GEMM gains nothing from 4096 to 8192, it stops at 4096, where the law at a 256-wide array would give
+    8192- and 16384-wide matmuls 13% and 22% more (TPU7x's sweep gains up to 16384, past where its ceiling already
+    stops the law)."""
+    return GEMM_PLATEAU.get(chip.name, math.inf)
 
 
 def matmul_ceiling(chip: Chip) -> float:
