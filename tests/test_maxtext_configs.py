@@ -201,7 +201,7 @@ def test_a_maxtext_config_file_is_read_with_its_base_and_the_line_overrides_it(t
                      'max_target_length: 8192\nuse_iota_embed: True\nsteps: 30\n')
     line = maxtext_line.read([str(child), "per_device_batch_size=2", "compile_topology=a3",
                               "compile_topology_num_slices=2"])
-    assert line.model == "llama3-70b" and line.topology == "h100-8" and line.num_slices == 2
+    assert line.model == "llama3-70b" and line.topology == "a3-high-8" and line.num_slices == 2
     words = list(line.overrides)
     assert "max_target_length=8192" in words and "max_target_length=4096" not in words  # the child's value
     assert words[-1] == "per_device_batch_size=2" and "remat_policy=full" in words and "use_iota_embed=true" in words

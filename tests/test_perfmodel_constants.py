@@ -4,6 +4,7 @@ constant comes from, and the assumptions an estimate names; XLA:CPU keeps its ow
 import argparse
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from bench_util import BENCH, bench_module
@@ -54,6 +55,23 @@ def test_flash_attention_runs_at_its_fraction_of_the_sustained_matmul_rate():
     row = next(r for r in wide.breakdown if r.name == "attention (flash kernel)")
     rate = 918e12 * chips.MATMUL_FRACTION["tpu-v6e"] * work.FLASH_EFFICIENCY["tpu"] / 2
     assert row.seconds == pytest.approx(row.flops / rate, rel=1e-12)
+
+
+def test_splash_backward_computes_the_pairs_of_its_own_tiles():
+    # causal over 2,048 tokens: the forward's 512 x 512 tiles compute 10 of their 16; the split backward's dK/dV
+    # kernel (4 matmuls a pair) 3 of 4 tiles of 1024 x 1024, its dQ kernel (3 matmuls) 36 of 64 tiles of 256 x 256
+    fwd, dkv, dq = 10 * 512**2, 3 * 1024**2, 36 * 256**2
+    train = TrainConfig(per_device_batch_size=2, seq_len=2048, remat_policy="none", attention="flash",
+                        sa_block_q_dkv=1024, sa_block_kv_dkv=1024, sa_block_q_dq=256, sa_block_kv_dq=256)
+    per_pair = 2 * 32 * 32 * (128 + 128)  # B x H x layers x (Dq + Dv): 2 Dh FLOPs a pair in each matmul
+
+    def flash_flops(t):
+        e = estimate(Request.of(v5p(64), LLAMA, t, {"fsdp": 64}, {}))
+        return next(r for r in e.breakdown if r.name == "attention (flash kernel)").flops
+
+    assert flash_flops(train) == per_pair * (2 * fwd + 4 * dkv + 3 * dq)
+    # the fused backward is one kernel of 5 matmuls over the dK/dV tiles
+    assert flash_flops(replace(train, sa_use_fused_bwd_kernel=True)) == per_pair * (2 * fwd + 5 * dkv)
 
 
 def test_accelerators_fuse_elementwise_passes_that_xla_cpu_runs_on_their_own():

@@ -194,6 +194,41 @@ def test_a_gpu_meshs_dcn_axes_cross_hosts_whatever_their_order():
     assert [(nemo[a].inner, nemo[a].outer) for a in ("tensor", "data", "stage")] == [(4, 1), (2, 1), (1, 8)]
 
 
+def test_an_a3_vms_gradients_cross_its_slower_network():
+    """The same step on 16 A3 High VMs and on 16 HGX H100 hosts: its gradient all-reduce across them takes 4 times as
+    long over A3 High's 800 Gbps a VM as over HGX's 3,200, and nothing inside a VM changes."""
+    train = TrainConfig(per_device_batch_size=4, seq_len=4096)
+
+    bandwidth_only = replace(SHIPPED, dcn_step_latency={**SHIPPED.dcn_step_latency, "gpu": 0.0})
+
+    def rows(name):
+        e = estimate(Request.of(topology.get(name), LLAMA, train, {"fsdp": 8, "data": 16}, {"data": 16}),
+                     constants=bandwidth_only)
+        return {r.name: r.seconds for r in e.breakdown}
+
+    a3, hgx = rows("a3-high-8x16"), rows("h100-8x16")
+    assert a3["data all-reduce (dcn)"] == pytest.approx(4 * hgx["data all-reduce (dcn)"], rel=1e-9)
+    assert a3["fsdp all-gather (ici)"] == hgx["fsdp all-gather (ici)"] and a3["mlp down"] == hgx["mlp down"]
+
+
+def test_an_unscanned_steps_gradient_reductions_hide_as_fsdps_collectives():
+    """Scanned, the stacked gradients are reduced over `data` once after the backward, exposed (Overlap.data);
+    unscanned, each layer's as its backward ends, behind the layers still to compute, hidden as FSDP's per-layer
+    collectives are (Overlap.fsdp)."""
+    def reduction(scan):
+        e = estimate(Request.of(topology.get("h100-8x4"), LLAMA,
+                                TrainConfig(per_device_batch_size=4, seq_len=4096, scan_layers=scan),
+                                {"fsdp": 8, "data": 4}, {"data": 4}))
+        row = next(r for r in e.breakdown if r.name == "data all-reduce (dcn)")
+        return row, e
+
+    (scanned, _), (unscanned, e) = reduction(True), reduction(False)
+    assert scanned.exposed_seconds == scanned.seconds
+    assert unscanned.exposed_seconds == pytest.approx(unscanned.seconds * (1 - Overlap().fsdp), rel=1e-9)
+    assert any("gradient reductions of unscanned layers" in a and f"{Overlap().fsdp:.0%} hidden" in a
+               for a in e.assumptions)
+
+
 @pytest.mark.parametrize("name, wrapped, closed", [
     ("v6e-256", (16, 16), (True, True)),  # the pod's 16 x 16: both dimensions close into rings
     ("v6e-128", (8, 16), (False, True)),  # only the 16-chip dimension wraps

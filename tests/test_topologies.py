@@ -405,3 +405,16 @@ def test_a_gpu_system_takes_any_host_count():
     assert T.get("gb200-72x6").chips == 432 and T.get("b200-8x3").hosts == 3
     with pytest.raises(MaxperfError, match="unknown topology"):
         T.get(f"h100-8x{T.MAX_GPU_UNITS + 1}")
+
+
+def test_google_clouds_a3_vms_are_h100_hosts_with_their_own_network():
+    """A3 High and A3 Mega: 8 H100s a VM, whose GPUs reach other VMs over 4 and 8 NICs of 200 Gbps
+    (cloud.google.com/compute/docs/gpus/gpu-network-bandwidth), where an HGX H100 host has a 400 Gbps NIC per GPU; a
+    VM is whole (no `a3-high-4`), and any VM count is a topology as for HGX hosts."""
+    high, mega, hgx = T.get("a3-high-8x16"), T.get("a3-mega-8x3"), T.get("h100-8x16")
+    assert (high.chip, high.chips, high.hosts, high.ici_domains) == ("h100-sxm", 128, 16, 16)
+    assert (high.host_network_bandwidth, mega.host_network_bandwidth) == (800e9 / 8, 1600e9 / 8)
+    assert hgx.host_network_bandwidth is None and mega.chips == 24
+    assert T.get("a3-high-8").gpu_target == hgx.gpu_target
+    with pytest.raises(MaxperfError, match="did you mean a3-high-8"):
+        T.get("a3-high-4")

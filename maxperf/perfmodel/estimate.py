@@ -110,6 +110,8 @@ def _device(topology: Topology, cal: StoredCalibration | None, hbm: float | None
     chip = chips.get(topology.chip, cal.calibration if cal else None)
     if hbm is not None:
         chip = replace(chip, hbm_bytes=hbm)
+    if topology.host_network_bandwidth is not None:  # a system whose hosts' network is not the chip's reference's
+        chip = replace(chip, host_network_bandwidth=topology.host_network_bandwidth, host_chips=topology.chips_per_host)
     n = topology.devices_per_chip * (topology.chips_per_host if chip.kind == "cpu" else 1)
     if n <= 1:
         return chip

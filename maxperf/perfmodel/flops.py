@@ -45,7 +45,8 @@ ATTENTION_SKIPS_MASKED = {"dot_product": False, "flash": True}
 # scores and dP again: dK and dV over the key tiles (4 matmuls), dQ over the query tiles (3): seven
 # (jax.experimental.pallas.ops.tpu.splash_attention: _splash_attention_bwd_dkv and _bwd_dq).
 FLASH_BACKWARD_MATMULS = 5
-SPLASH_SPLIT_BACKWARD_MATMULS = 7
+SPLASH_SPLIT_KERNEL_MATMULS = {"dkv": 4, "dq": 3}
+SPLASH_SPLIT_BACKWARD_MATMULS = sum(SPLASH_SPLIT_KERNEL_MATMULS.values())
 
 
 def flash_backward_matmuls(train: TrainConfig, kind: str) -> int:
@@ -331,15 +332,21 @@ def busiest_context_shard(model: ModelConfig, L: int, cp: int) -> tuple[float, .
     return hit
 
 
-# The tiles a flash kernel computes whole: splash attention's forward blocks on TPU (sa_block_q x sa_block_kv, MaxText's
-# keys), the Pallas GPU kernel's 128 x 128 (maxperf's models/layers/attention_kernels.py).
+# The tiles a flash kernel computes whole: splash attention's on TPU, each of its kernels its own (MaxText's keys: the
+# forward sa_block_q x sa_block_kv, the dK/dV kernel sa_block_q_dkv x sa_block_kv_dkv, which the fused backward
+# runs alone, the dQ kernel sa_block_q_dq x sa_block_kv_dq); the Pallas GPU kernel's 128 x 128 in all three (maxperf's
+# models/layers/attention_kernels.py).
 GPU_FLASH_BLOCK = 128
+SPLASH_KERNEL_BLOCKS = {"forward": ("sa_block_q", "sa_block_kv"), "dkv": ("sa_block_q_dkv", "sa_block_kv_dkv"),
+                        "dq": ("sa_block_q_dq", "sa_block_kv_dq")}
 
 
-def flash_blocks(train: TrainConfig, platform: str, L: int) -> tuple[int, int]:
-    """The (query, key) block a flash kernel computes whole on a platform kind."""
+def flash_blocks(train: TrainConfig, platform: str, L: int, kernel: str = "forward") -> tuple[int, int]:
+    """The (query, key) block a flash kernel ("forward", "dkv" or "dq": SPLASH_KERNEL_BLOCKS) computes whole on a
+    platform kind."""
     if platform == "tpu":
-        return min(train.sa_block_q, L), min(train.sa_block_kv, L)
+        q, kv = SPLASH_KERNEL_BLOCKS[kernel]
+        return min(getattr(train, q), L), min(getattr(train, kv), L)
     return min(GPU_FLASH_BLOCK, L), min(GPU_FLASH_BLOCK, L)
 
 
@@ -369,14 +376,28 @@ def block_pairs(L: int, mask: int, bq: int, bkv: int) -> float:
 _BLOCK_PAIRS: dict[tuple[int, int, int, int], float] = {}
 
 
-def executed_pairs(model: ModelConfig, train: TrainConfig, L: int, platform: str) -> tuple[float, ...]:
-    """The pairs a flash kernel computes for each layer on a platform kind (block_pairs)."""
-    bq, bkv = flash_blocks(train, platform, L)
+def executed_pairs(model: ModelConfig, train: TrainConfig, L: int, platform: str, kernel: str = "forward"
+                   ) -> tuple[float, ...]:
+    """The pairs a flash kernel (flash_blocks) computes for each layer on a platform kind (block_pairs)."""
+    bq, bkv = flash_blocks(train, platform, L, kernel)
     memo = model_memo(model)
     if (hit := memo.get(("executed_pairs", L, bq, bkv))) is None:
         hit = memo["executed_pairs", L, bq, bkv] = tuple(block_pairs(L, mask, bq, bkv)
                                                          for mask in attention_rule.layer_masks(model))
     return hit
+
+
+def backward_block_matmuls(model: ModelConfig, train: TrainConfig, L: int, platform: str) -> tuple[float, ...]:
+    """Per layer, the flash backward's matmuls times the pairs each computes (matmul-pairs): on TPU splash's dK/dV
+    kernel over its own tiles, and unless sa_use_fused_bwd_kernel its dQ kernel over its own (a window narrower than
+    a tile computes whole tiles, so gpt-oss's 128-token windows in the 2,048-wide backward tiles of its tpu-recipes
+    run twice the forward's 1,024-wide pairs per query); on GPU one kernel over the forward's tiles."""
+    if platform != "tpu" or train.sa_use_fused_bwd_kernel:
+        dkv = executed_pairs(model, train, L, platform, "dkv")
+        return tuple(FLASH_BACKWARD_MATMULS * p for p in dkv)
+    dkv, dq = (executed_pairs(model, train, L, platform, k) for k in ("dkv", "dq"))
+    m = SPLASH_SPLIT_KERNEL_MATMULS
+    return tuple(m["dkv"] * a + m["dq"] * b for a, b in zip(dkv, dq))
 
 
 @dataclass(frozen=True)

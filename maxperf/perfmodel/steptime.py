@@ -20,6 +20,7 @@ from maxperf.perfmodel.flops import (
     COMBINE_BACKWARD_EINSUMS,
     DISPATCH_BACKWARD_EINSUMS,
     attention_kernel,
+    backward_block_matmuls,
     busiest_context_shard,
     executed_pairs,
     flash_backward_matmuls,
@@ -209,16 +210,24 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     skips = ATTENTION_SKIPS_MASKED[kernel] and (chip.kind != "cpu" or cpu.SKIPS_MASKED_BLOCKS)
     attention_rate = chip.attention_rate(train.compute_dtype, Dq)
     per_layer = executed_pairs(model, train, L, chip.kind) if skips else layer_pairs(model, L)
+    # the flash backward's matmuls times the pairs each computes, per layer: over its own kernels' tiles
+    backward = (backward_block_matmuls(model, train, L, chip.kind) if skips
+                else (flash_backward_matmuls(train, chip.kind) * L * L,) * len(per_layer))
     if skips and mesh.axes["sequence"] > 1 and not train.context_parallel_load_balance:
         # kernels that skip masked blocks leave the busiest context shard the most to do (busiest_context_shard)
-        per_layer = tuple(p * f for p, f in zip(per_layer, busiest_context_shard(model, L, mesh.axes["sequence"])))
-    for pairs, run in itertools.groupby(per_layer):
+        busiest = busiest_context_shard(model, L, mesh.axes["sequence"])
+        per_layer = tuple(p * f for p, f in zip(per_layer, busiest))
+        backward = tuple(p * f for p, f in zip(backward, busiest))
+    for (pairs, backward_pairs), run in itertools.groupby(zip(per_layer, backward)):
         share = pairs / (L * L) if skips else 1.0
-        count = Bm * a.H * micro * share * sum(1 for _ in run)  # a run of alike layers at once
+        layers = sum(1 for _ in run)  # a run of alike layers at once
+        count = Bm * a.H * micro * share * layers
         scores_fwd, context_fwd = 1 + ("scores" in again), 1 + ("context" in again)
         if flash_rate:
-            # the forward kernel (2 matmuls), again where remat recomputes it, and the backward kernel's
-            flops = 2 * a.L * L * (Dq + Dv) / 2 * (2 * context_fwd + flash_backward_matmuls(train, chip.kind)) * count
+            # the forward kernel (2 matmuls), again where remat recomputes it, and the backward kernels' over their
+            # own tiles
+            forward_pairs = pairs if skips else L * L
+            flops = a.L / L * (Dq + Dv) * (2 * context_fwd * forward_pairs + backward_pairs) * Bm * a.H * micro * layers
             speedup = flash_speedup(chip, train)
             if "flash" not in table.assumed:  # once, not per layer
                 table.assume("flash", f"flash attention at {flash_rate:.2f} of the matmul rate (fitted)"
@@ -330,6 +339,13 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
         _collective(table, "sequence all-gather", "all-gather", kv, ("sequence",), nets, count, overlap.sequence)
         _collective(table, "sequence reduce-scatter", "reduce-scatter", kv, ("sequence",), nets, N * micro,
                     overlap.sequence)
+    # the gradients' reductions over `data`: after a scanned backward, once, with nothing left to hide behind
+    # (Overlap.data); unscanned, each layer's as its backward ends, while the layers below it compute theirs, scheduled
+    # as FSDP's per-layer collectives are and hidden as they are (Overlap.fsdp)
+    reduce_family, reduce_overlap = (None, overlap.data) if train.scan_layers else ("fsdp", overlap.fsdp)
+    if not train.scan_layers and mesh.axes["data"] > 1:
+        table.assume("overlap unscanned data", "data-parallel gradient reductions of unscanned layers, layer by layer "
+                                               f"in the backward, {overlap.fsdp:.0%} hidden as fsdp collectives are")
     if mesh.axes["data"] > 1 and train.shard_optimizer_over_data:
         # ZeRO-1: the gradients reduce-scattered over `data` to the state's split, the updated parameters gathered
         # back for the next step's forward (in bfloat16 under accumulation, whose gradients are bfloat16 too, and on
@@ -337,12 +353,13 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
         pieces = reduced_arrays(model, train.scan_layers)
         reduced = zero1_loop_bytes(train) or p
         for kind, nbytes in (("reduce-scatter", reduced), ("all-gather", zero1_gathered_bytes(train, table.chip.kind))):
-            _collective(table, "data " + kind, kind, local_params * nbytes, ("data",), nets, 1, overlap.data, pieces)
+            _collective(table, "data " + kind, kind, local_params * nbytes, ("data",), nets, 1, reduce_overlap, pieces,
+                        family=reduce_family)
     elif mesh.axes["data"] > 1:
         # gradients are replicated across `data`: one all-reduce of this device's gradient shard per step
         # XLA reduces each gradient array by a collective of its own, as the train state holds them
-        _collective(table, "data all-reduce", "all-reduce", local_params * p, ("data",), nets, 1, overlap.data,
-                    reduced_arrays(model, train.scan_layers))
+        _collective(table, "data all-reduce", "all-reduce", local_params * p, ("data",), nets, 1, reduce_overlap,
+                    reduced_arrays(model, train.scan_layers), family=reduce_family)
     # an FSDP axis that splits none of the dense weights (it divides none of their dimensions: spec.request warns)
     # leaves them replicated along it, as `data` does: their gradients all-reduced over it once a step
     unsplit = tuple(a for a in FSDP_AXES if mesh.axes[a] > 1
@@ -350,7 +367,8 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     if unsplit:
         replicated = sum(held(x, mesh) * x.count for x in arrays if not x.expert_parallel)
         _collective(table, f"data all-reduce (weights replicated over {' x '.join(unsplit)})", "all-reduce",
-                    replicated * p, unsplit, nets, 1, overlap.data, reduced_arrays(model, train.scan_layers))
+                    replicated * p, unsplit, nets, 1, reduce_overlap, reduced_arrays(model, train.scan_layers),
+                    family=reduce_family)
     if view.pipelined:
         _stage_transfers(table, view.schedule, T * a.D * c, nets["stage"], steps)
     return _settle(table, overlap)
@@ -528,10 +546,12 @@ def _moe_collectives(table: Work, model: ModelConfig, train: TrainConfig, mesh: 
 
 
 def _collective(table: Work, name: str, kind: str, nbytes: float, axes: tuple[str, ...], nets, count: float,
-                overlap: float, pieces: int = 1, time: CollectiveTime | None = None) -> None:
-    """`time`: one collective's time where `collective_time` does not model its kind (the all-to-all)."""
+                overlap: float, pieces: int = 1, time: CollectiveTime | None = None, family: str | None = None
+                ) -> None:
+    """`time`: one collective's time where `collective_time` does not model its kind (the all-to-all); `family`: the
+    overlap family it hides as, where not its name's first word."""
     t = collective_time(kind, nbytes, axes, nets, pieces) if time is None else time
-    family = name.split()[0]
+    family = family or name.split()[0]
     # CPU collectives: measured rates, latency and overlap; the first line of each key stands (Work.assume)
     if table.chip.kind != "cpu" and (t.ici_s or t.dcn_s) and "overlap " + family not in table.assumed:
         origin = OVERLAP_ORIGIN[family] if not table.overlap_given else "as given"

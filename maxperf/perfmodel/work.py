@@ -135,24 +135,24 @@ DCN_STEP_LATENCY = {"tpu": 1.71e-3, "gpu": 30e-6, "cpu": 30e-6}
 # the first for chips whose rate was fitted, the second for the others.
 # "fp8": the rows that train in FP8 alone, each source held out (8 rows: NVIDIA's Transformer Engine runs on H100,
 # B200 and GB200 and the TPU7x recipes); an FP8 step quotes it where its chip's figure is the smaller.
-HELD_OUT_ERROR = {"source": (0.049, 0.249), "generation": (0.053, 0.309), "fp8": (0.073, 0.180)}
-HELD_OUT_BASIS = "bench/published.py, 2026-11-30, 90 rows"
+HELD_OUT_ERROR = {"source": (0.056, 0.209), "generation": (0.059, 0.280), "fp8": (0.077, 0.158)}
+HELD_OUT_BASIS = "bench/published.py, 2026-12-01, 90 rows"
 # Chips measured directly on published runs that no constant was fitted on: the median and worst |error| and the
 # median signed error of throughput per chip over those runs, and what they are. An estimate on such a chip quotes
 # these, the nearer measure of its error than the generation held out.
 UNFITTED_RUNS_ERROR = {
-    "tpu-v6e": (0.031, 0.180, 0.013, "19 published tpu-recipes Trillium runs, none of them fitted (bench/recipes.py, "
-                                     "2026-11-30): GPT-3 175B, Gemma 3 12B, Llama 2 70B and Llama 3.1 405B predicted "
-                                     "10% to 18% faster than they ran"),
+    "tpu-v6e": (0.031, 0.168, 0.013, "19 published tpu-recipes Trillium runs, none of them fitted (bench/recipes.py, "
+                                     "2026-12-01): GPT-3 175B, Gemma 3 12B and Llama 3.1 405B predicted 11% to 17% "
+                                     "faster than they ran"),
 }
 
 # Mixtures of experts: no published run of one is among the fitted rows. On TPUs MaxText's MoE recipes measure them
 # (Mixtral on v6e, DeepSeek-V3 and Llama 4 on v5p, DeepSeek-V3, gpt-oss and Qwen3 on TPU7x): median and worst |error|,
 # median signed error and what they are. An estimate of a mixture of experts on a TPU quotes these.
 UNFITTED_MOE_ERROR = {
-    "tpu": (0.143, 0.419, -0.014, "12 published tpu-recipes mixture-of-experts runs on TPU v6e, v5p and TPU7x, none "
-                                  "of them fitted (bench/recipes.py, 2026-11-30): gpt-oss-120b on TPU7x predicted 42% "
-                                 "faster than it ran, DeepSeek-V3 on TPU7x 13% to 21% slower"),
+    "tpu": (0.143, 0.352, -0.014, "12 published tpu-recipes mixture-of-experts runs on TPU v6e, v5p and TPU7x, none "
+                                  "of them fitted (bench/recipes.py, 2026-12-01): gpt-oss-120b on TPU7x predicted 35% "
+                                  "faster than it ran, DeepSeek-V3 on TPU7x 13% to 21% slower"),
 }
 
 

@@ -173,8 +173,9 @@ MODEL_KEY, SCALE_KEY = "model_name", "global_parameter_scale"
 QUANTIZED_CHECKPOINT = "checkpoint_is_quantized"
 TOPOLOGY_KEY, SLICES_KEY = "compile_topology", "compile_topology_num_slices"
 # MaxText's GPU machines for train_compile (accelerator_to_spec_map: 8 GPUs a host, compile_topology_num_slices hosts;
-# `maxperf plan` writes them so): maxperf's topology of one host, --num-slices hosts (h100-8 x N is h100-8xN)
-GPU_HOSTS = {"a3": "h100-8", "a4": "b200-8"}
+# `maxperf plan` writes them so): maxperf's topology of one host, --num-slices hosts (a3-high-8 x N is a3-high-8xN:
+# Google Cloud's A3, an A3 High VM of 8 H100s)
+GPU_HOSTS = {"a3": "a3-high-8", "a4": "b200-8"}
 
 
 @dataclass(frozen=True)

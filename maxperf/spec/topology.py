@@ -13,8 +13,10 @@ Sources, one per family (the table `_TPU_FAMILIES` and `_GPU_SYSTEMS` below carr
   device per chip; v5e/v6e single hosts of 8 chips need chips_per_host_bounds (2, 4, 1); tpu7x gives two devices
   per chip, its two chiplets, as on Cloud).
 - GPU: HGX systems of 8 GPUs per host joined by NVLink, hosts joined by InfiniBand/RoCE; GB200 NVL72 racks of
-  18 compute trays (hosts) of 4 GPUs in one NVLink domain. Devices come from the CUDA plugin's topology
-  "PARTITIONSxHOSTSxGPUS" with an embedded target spec (see `gpu_targets`), one partition per NVLink domain.
+  18 compute trays (hosts) of 4 GPUs in one NVLink domain; Google Cloud's A3 High and A3 Mega VMs (8 H100s, hosts
+  joined by fewer NICs: cloud.google.com/compute/docs/gpus/gpu-network-bandwidth). Devices come from the CUDA
+  plugin's topology "PARTITIONSxHOSTSxGPUS" with an embedded target spec (see `gpu_targets`), one partition per
+  NVLink domain.
 - CPU: `cpu-N` is N host-platform devices of this very process (XLA_FLAGS=--xla_force_host_platform_device_count).
 
 Meshes: ICI axes span one fast-interconnect domain, DCN axes span domains. The domain is a TPU slice, an HGX host
@@ -61,6 +63,9 @@ class Topology:
     chip_config: str | None = None  # libtpu chip_config_name
     chips_per_host_bounds: tuple[int, int, int] | None = None  # passed to libtpu where its default differs
     hosts_per_nvlink_domain: int = 1  # GPU: 1 for HGX, 18 for a whole GB200 NVL72 rack (fewer for part of one)
+    # GPU: each host's GPU-to-GPU network, bytes/s, where the system's is not its chip's reference host's
+    # (Chip.host_network_bandwidth): Google Cloud's A3 High and A3 Mega VMs
+    host_network_bandwidth: float | None = None
     target_config_path: str | None = None  # GPU: a user's GpuTargetConfigProto file instead of the embedded spec
 
     @property
@@ -182,16 +187,27 @@ _TPU_FAMILIES = (
                "one chip (1x1x1), GKE's single-chip node as tpu-recipes' Ironwood vLLM recipes serve on it"),
 )
 
-# GPU systems: (name prefix, chip key, GPUs per host, hosts per NVLink domain, unit counts offered, source)
+# GPU systems: (name prefix, chip key, GPUs per host, hosts per NVLink domain, unit counts offered, each host's
+# GPU-to-GPU network in bytes/s where it is not the chip's reference host's (None), source)
 
-
+_GBIT = 1e9 / 8
+_UNITS = (1, 2, 4, 8, 16, 32, 64, 128)
 _GPU_SYSTEMS = (
-    ("a100", "a100-80gb", 8, 1, (1, 2, 4, 8, 16, 32, 64, 128), "HGX A100 80GB (SXM4), 8 GPUs per host"),
-    ("a100-40gb", "a100-40gb", 8, 1, (1, 2, 4, 8, 16, 32, 64, 128), "HGX A100 40GB (SXM4), 8 GPUs per host"),
-    ("h100", "h100-sxm", 8, 1, (1, 2, 4, 8, 16, 32, 64, 128), "HGX H100 80GB (SXM5), 8 GPUs per host"),
-    ("h200", "h200", 8, 1, (1, 2, 4, 8, 16, 32, 64, 128), "HGX H200 141GB, 8 GPUs per host"),
-    ("b200", "b200", 8, 1, (1, 2, 4, 8, 16, 32, 64, 128), "HGX B200, 8 GPUs per host"),
-    ("gb200", "gb200", 4, 18, (1, 2, 4, 8, 16), "GB200 NVL72: 18 trays of 4 GPUs in one NVLink domain per rack"),
+    ("a100", "a100-80gb", 8, 1, _UNITS, None, "HGX A100 80GB (SXM4), 8 GPUs per host"),
+    ("a100-40gb", "a100-40gb", 8, 1, _UNITS, None, "HGX A100 40GB (SXM4), 8 GPUs per host"),
+    ("h100", "h100-sxm", 8, 1, _UNITS, None, "HGX H100 80GB (SXM5), 8 GPUs per host"),
+    ("h200", "h200", 8, 1, _UNITS, None, "HGX H200 141GB, 8 GPUs per host"),
+    ("b200", "b200", 8, 1, _UNITS, None, "HGX B200, 8 GPUs per host"),
+    ("gb200", "gb200", 4, 18, (1, 2, 4, 8, 16), None, "GB200 NVL72: 18 trays of 4 GPUs in one NVLink domain per rack"),
+    # Google Cloud's H100 VMs, whose GPUs share fewer NICs than an HGX host's one 400 Gb/s NIC per GPU
+    # (cloud.google.com/compute/docs/gpus/gpu-network-bandwidth): A3 High (a3-highgpu-8g, xpk's h100-80gb-8) 4 NICs
+    # of 200 Gbps for GPU-to-GPU traffic (GPUDirect-TCPX), 800 Gbps of its 1,000; A3 Mega (a3-megagpu-8g, xpk's
+    # h100-mega-80gb-8) 8 of 200 Gbps (GPUDirect-TCPXO), 1,600 of its 1,800. A3 Ultra (H200) and A4 (B200) give each
+    # GPU its own 400 Gbps ConnectX-7, as `h200-8xM` and `b200-8xM` do.
+    ("a3-high", "h100-sxm", 8, 1, _UNITS, 4 * 200 * _GBIT,
+     "Google Cloud A3 High (a3-highgpu-8g): 8 H100 80GB, GPU-to-GPU over 4 x 200 Gbps NICs"),
+    ("a3-mega", "h100-sxm", 8, 1, _UNITS, 8 * 200 * _GBIT,
+     "Google Cloud A3 Mega (a3-megagpu-8g): 8 H100 80GB, GPU-to-GPU over 8 x 200 Gbps NICs"),
 )
 
 
@@ -243,7 +259,8 @@ def _tpu_topology(family: _TpuFamily, shape: tuple[int, ...]) -> Topology:
     )
 
 
-def _gpu_topology(prefix: str, chip: str, per_host: int, nvlink_hosts: int, units: int) -> Topology:
+def _gpu_topology(prefix: str, chip: str, per_host: int, nvlink_hosts: int, units: int,
+                  network: float | None = None) -> Topology:
     domain = per_host * nvlink_hosts  # GPUs in one NVLink domain
     hosts = units * nvlink_hosts
     return Topology(
@@ -256,6 +273,7 @@ def _gpu_topology(prefix: str, chip: str, per_host: int, nvlink_hosts: int, unit
         torus=(hosts, per_host),
         gpu_target=gpu_targets.CHIP_TO_DEVICE[chip],
         hosts_per_nvlink_domain=nvlink_hosts,
+        host_network_bandwidth=network,
     )
 
 
@@ -273,14 +291,14 @@ def _catalog() -> dict[str, Topology]:
         cube_counts = [*range(1, family.max_cubes + 1), *family.extra_cubes]
         shapes += [s for k in cube_counts if (s := _cube_shape(k)) is not None]
         entries += [_tpu_topology(family, shape) for shape in shapes]
-    for prefix, chip, per_host, nvlink_hosts, units, _source in _GPU_SYSTEMS:
-        if nvlink_hosts == 1:  # part of one host: `h100-1`, `h100-2`, `h100-4`
+    for prefix, chip, per_host, nvlink_hosts, units, network, _source in _GPU_SYSTEMS:
+        if nvlink_hosts == 1 and network is None:  # part of one host: `h100-1`, `h100-2`, `h100-4` (a VM is whole)
             entries += [_gpu_topology(prefix, chip, k, 1, 1) for k in _GPU_PARTIAL_HOST if k < per_host]
         if prefix == "gb200":
             entries += [_gpu_topology(prefix, chip, per_host, trays, 1) for trays in _GB200_PARTIAL_TRAYS]
             entries += [_gpu_topology(prefix, chip, per_host, _GB200_PARTIAL_TRAYS[-1], racks)
                         for racks in _GB200_PARTIAL_RACKS]
-        entries += [_gpu_topology(prefix, chip, per_host, nvlink_hosts, m) for m in units]
+        entries += [_gpu_topology(prefix, chip, per_host, nvlink_hosts, m, network) for m in units]
     entries += [_cpu_topology(n) for n in _CPU_SIZES]
     return {t.name: t for t in entries}
 
@@ -299,9 +317,9 @@ def _any_host_count(key: str) -> Topology | None:
     m = re.fullmatch(r"([a-z0-9-]+?)-(\d+)x(\d+)", key)
     if m is None or not 1 <= int(m.group(3)) <= MAX_GPU_UNITS:
         return None
-    for prefix, chip, per_host, nvlink_hosts, _, _ in _GPU_SYSTEMS:
+    for prefix, chip, per_host, nvlink_hosts, _, network, _ in _GPU_SYSTEMS:
         if prefix == m.group(1) and int(m.group(2)) == per_host * nvlink_hosts:
-            return _gpu_topology(prefix, chip, per_host, nvlink_hosts, int(m.group(3)))
+            return _gpu_topology(prefix, chip, per_host, nvlink_hosts, int(m.group(3)), network)
     return None
 
 
