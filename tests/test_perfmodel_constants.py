@@ -109,6 +109,19 @@ def test_an_estimate_names_the_fitted_and_assumed_constants_it_rests_on():
     assert "data collectives 0% hidden (fitted)" in h200
 
 
+def test_a_chip_without_rows_takes_the_rate_of_a_chip_of_its_compute_before_the_rule():
+    """H200 takes H100 SXM's fitted fraction, and either A100 SXM4 part the other's (one GA100 at the same clocks and
+    power, chips.SAME_COMPUTE); a GPU with no such chip fitted takes its measured GEMM rate times the fitted GPUs'
+    mean of fitted over measured; a TPU the mean of the fitted TPUs driving as many TensorCores a device."""
+    fitted = {"a100-40gb": 0.79, "h100-sxm": 0.64, "tpu-v5e": 0.99, "tpu7x": 0.97, "tpu-v5p": 0.88}
+    assert chips.fraction_without_rows("a100-80gb", fitted) == 0.79
+    assert chips.fraction_without_rows("h200", fitted) == 0.64
+    assert chips.fraction_without_rows("a100-40gb", {"a100-80gb": 0.86}) == 0.86
+    ratio = (0.79 / chips.MEASURED_MATMUL["a100-40gb"] + 0.64 / chips.MEASURED_MATMUL["h100-sxm"]) / 2
+    assert chips.fraction_without_rows("b200", fitted) == pytest.approx(chips.MEASURED_MATMUL["b200"] * ratio)
+    assert chips.fraction_without_rows("tpu-v6e", fitted) == pytest.approx((0.99 + 0.97) / 2)
+
+
 def test_cpu_estimates_name_only_what_calibrate_did_not_measure():
     model, train = presets.get("tiny"), TrainConfig(per_device_batch_size=2, seq_len=128)
     bare = estimate(Request.of(Topo("cpu", 2, 2), model, train, {"fsdp": 2}, {}))

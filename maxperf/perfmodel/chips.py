@@ -37,8 +37,9 @@ MATMUL_FRACTION = {
 }
 FITTED_ON = "bench/published.py, 2026-11-27, 86 rows"
 # Chips whose tensor cores, clocks and power limit are another's: H200 is H100 SXM's compute at the same 700 W with
-# more and faster HBM ([h200]; [mamf] "H200 is the same")
-SAME_COMPUTE = {"h200": "h100-sxm"}
+# more and faster HBM ([h200]; [mamf] "H200 is the same"); the A100 SXM4's 40 GB and 80 GB parts are one GA100 at the
+# same 312 TFLOP/s, clocks and 400 W, with HBM2 or faster HBM2e ([a100])
+SAME_COMPUTE = {"h200": "h100-sxm", "a100-80gb": "a100-40gb", "a100-40gb": "a100-80gb"}
 # The best bf16 matmul rate measured on each chip, over its datasheet peak: no matmul of a step runs faster
 # (perfmodel.work.price caps the law there). GPUs: [mamf] ("H200 is the same" as H100 SXM). TPU7x: Google's Ironwood
 # GEMM sweep, bf16, TFLOP/s per device (one of a chip's two TensorCores, 1153.5 of its peak): 892.9 at m = n = k = 4096,
