@@ -45,6 +45,20 @@ def test_an_h100_matmul_runs_at_the_chips_sustained_fraction_of_peak():
                                         rel=1e-12)
 
 
+def test_a_gpus_half_scales_with_its_flops_per_hbm_byte():
+    """The same matmul on an A100 80GB: H100 SXM's HALF scaled by the A100's FLOPs per HBM byte over the H100's
+    (312 / 2.039 against 989 / 3.35: about half), at the A100's own fraction."""
+    e = estimate(Request.of(Topo("a100-80gb", 8, 8), LLAMA, TRAIN, {"fsdp": 8}, {}))
+    row = next(r for r in e.breakdown if r.name == "mlp down")
+    half = work.MATMUL_HALF["gpu"] * (312e12 / 2039e9) / (989e12 / 3.35e12)
+    assert work.half_scale(chips.get("a100-80gb")) == pytest.approx(0.518, abs=0.001)
+    rate = 312e12 * chips.MATMUL_FRACTION["a100-80gb"] * 4096 / (4096 + half)
+    assert row.seconds == pytest.approx(row.flops / rate, rel=1e-12)
+    # and what serving and the HLO reading ask of the law is the same
+    assert work.matmul_efficiency(chips.get("a100-80gb"), 4096) == pytest.approx(
+        chips.MATMUL_FRACTION["a100-80gb"] * 4096 / (4096 + half), rel=1e-12)
+
+
 def test_flash_attention_runs_at_its_fraction_of_the_sustained_matmul_rate():
     e = estimate(Request.of(v5p(64), LLAMA, TRAIN, {"fsdp": 64}, {}))
     row = next(r for r in e.breakdown if r.name == "attention (flash kernel)")
@@ -104,8 +118,10 @@ def test_an_estimate_names_the_fitted_and_assumed_constants_it_rests_on():
     h200 = estimate(Request.of(Topo("h200", 16, 8, hosts=2), LLAMA, TRAIN, {"data": 2, "fsdp": 8},
                                {"data": 2})).assumptions
     # H200 is H100 SXM's compute (chips.SAME_COMPUTE): its fraction, not fitted on a row of its own
+    # and its HALF is H100's scaled by its FLOPs per HBM byte (989 / 4.8 against 989 / 3.35)
     assert h200[0].startswith(f"matmuls at {chips.MATMUL_FRACTION['h100-sxm']:.2f} of peak (assumed) x m / "
-                              f"(m + {work.MATMUL_HALF['gpu']})")
+                              f"(m + {work.MATMUL_HALF['gpu'] * 3.35 / 4.8:.0f}), m a matmul's smallest side (HALF "
+                              "fitted on H100 SXM, x 0.70 for this chip's FLOPs per HBM byte)")
     assert "data collectives 0% hidden (fitted)" in h200
 
 

@@ -965,7 +965,7 @@ def _first_group(text: str) -> tuple[int, ...]:
 def assumptions(chip: Chip, constants: Constants) -> tuple[str, ...]:
     lines = [f"each instruction costed on one {chip.name} device at perfmodel's rates: matmuls at "
              f"{constants.fraction(chip):.2f} of peak x m / (m + HALF) (HALF {constants.matmul_half[chip.kind]:g}"
-             f"{f' x {half_scale(chip):g}' if half_scale(chip) != 1 else ''}), memory-bound work at "
+             f"{f' x {half_scale(chip):.3g}' if half_scale(chip) != 1 else ''}), memory-bound work at "
              f"{(chip.elementwise_bandwidth or chip.hbm_bandwidth) / 1e9:.0f} GB/s"]
     if chip.kind in ("tpu", "gpu"):
         lines.append(f"flash attention kernels at {constants.flash_efficiency.get(chip.kind, 1.0):.2f} of the matmul "

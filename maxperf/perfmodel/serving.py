@@ -58,8 +58,8 @@ DECODE_LAYER_S = {"gpu": 20e-6, "tpu": 10e-6, "cpu": 0.0}
 FITTED_ON = "bench/serving.py, 2026-11-30"
 # How far this model falls from published serving measurements it was not fitted on, per chip kind (an estimate
 # quotes its own kind's; "all" where no rows are of its kind): the median and worst |predicted / published - 1| of
-# throughput, each source's rows predicted with the constants fitted without them (bench/serving.py, 2026-11-30)
-HELD_OUT_ERROR = {"gpu": (0.150, 0.792), "tpu": (0.074, 0.277), "all": (0.140, 0.792)}
+# throughput, each source's rows predicted with the constants fitted without them (bench/serving.py, 2026-12-01)
+HELD_OUT_ERROR = {"gpu": (0.148, 0.770), "tpu": (0.073, 0.276), "all": (0.138, 0.770)}
 HELD_OUT_BASIS = {
     "gpu": "62 published serving runs on GPUs (TensorRT-LLM on H100 and H200)",
     "tpu": "8 published serving runs on TPUs (vLLM on v6e and TPU7x)",
@@ -71,7 +71,7 @@ def uncertainty(kind: str) -> tuple[float, float, str]:
     """(median, worst, basis) of the held-out error an estimate on a chip of `kind` quotes."""
     key = kind if kind in HELD_OUT_ERROR else "all"
     return (*HELD_OUT_ERROR[key], f"the median and worst error on {HELD_OUT_BASIS[key]}, each source held out of the "
-                                  "fit (bench/serving.py, 2026-11-30)")
+                                  "fit (bench/serving.py, 2026-12-01)")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from maxperf.perfmodel import cpu
-from maxperf.perfmodel.chips import MATMUL_FRACTION, MATMUL_FRACTION_ORIGIN, Chip, matmul_ceiling, matmul_plateau
+from maxperf.perfmodel.chips import (
+    CHIPS,
+    MATMUL_FRACTION,
+    MATMUL_FRACTION_ORIGIN,
+    Chip,
+    matmul_ceiling,
+    matmul_plateau,
+)
 from maxperf.spec import attention_rule
 from maxperf.spec.errors import require
 from maxperf.spec.fp8 import Fp8Recipe, Granularity, Scaling
@@ -27,7 +34,8 @@ from maxperf.spec.train import TrainConfig
 # Matmul efficiency = min(fraction x m / (m + HALF), ceiling) x fill, m the smallest of the matmul's dimensions: the
 # rate a large matmul sustains on the chip (chips.MATMUL_FRACTION), less for a thinner one, which fills the systolic
 # arrays and tensor-core tiles less well and has less work to hide each kernel's start and end behind (a matmul whose
-# smallest side is HALF reaches half of it; on a TPU HALF grows with its matrix units' width, half_scale), never above
+# smallest side is HALF reaches half of it; on a TPU HALF grows with its matrix units' width, on a GPU with its FLOPs
+# per HBM byte: half_scale), never above
 # the chip's best measured matmul (chips.MEASURED_MATMUL: the law keeps rising with m where Ironwood's measured GEMMs
 # level off at 0.83 of its peak), m no wider than where the chip's published GEMM sweep stops gaining
 # (chips.matmul_plateau: v6e's at 4096), and less where its contraction and output dims fill a TPU's matrix units in
@@ -37,8 +45,9 @@ from maxperf.spec.train import TrainConfig
 FITTED = "2026-11-27, the constants of bench/published.py's default --free, from its PRIOR"
 MATMUL_HALF = {
     "tpu": 640,  # fitted (51 TPU rows)
-    # fitted on 2026-11-25 (32 GPU rows) and held since: refitted it moves to 790-900, trading off against the GPUs'
-    # rates, where the single-H100 steps measured on real hardware (bench/gpu_measured.py) put it no higher
+    # H100 SXM's (other GPUs scale it: half_scale); fitted on 2026-11-25 (32 GPU rows) and held since: refitted it
+    # moves to 790-900, trading off against the GPUs' rates, where the single-H100 steps measured on real hardware
+    # (bench/gpu_measured.py) put it no higher
     "gpu": 713,
     "cpu": cpu.MATMUL_HALF,
 }
@@ -135,7 +144,7 @@ DCN_STEP_LATENCY = {"tpu": 1.71e-3, "gpu": 30e-6, "cpu": 30e-6}
 # the first for chips whose rate was fitted, the second for the others.
 # "fp8": the rows that train in FP8 alone, each source held out (8 rows: NVIDIA's Transformer Engine runs on H100,
 # B200 and GB200 and the TPU7x recipes); an FP8 step quotes it where its chip's figure is the smaller.
-HELD_OUT_ERROR = {"source": (0.056, 0.209), "generation": (0.061, 0.280), "fp8": (0.077, 0.158)}
+HELD_OUT_ERROR = {"source": (0.063, 0.208), "generation": (0.062, 0.246), "fp8": (0.099, 0.177)}
 HELD_OUT_BASIS = "bench/published.py, 2026-12-01, 90 rows"
 # Chips measured directly on published runs that no constant was fitted on: the median and worst |error| and the
 # median signed error of throughput per chip over those runs, and what they are. An estimate on such a chip quotes
@@ -363,12 +372,13 @@ def quantize_bytes(recipe: Fp8Recipe, c: int) -> float:
 
 
 def matmul_efficiency(chip: Chip, m: float, half: float | None = None, constants: Constants = SHIPPED) -> float:
-    """The fraction of peak a matmul whose smallest side is m sustains: fraction x m / (m + HALF), m no wider than the
-    chip's GEMM plateau (chips.matmul_plateau), at most the chip's best measured matmul rate (chips.MEASURED_MATMUL);
-    `half` (a calibrated HALF) replaces the kind's."""
+    """The fraction of peak a matmul whose smallest side is m sustains: fraction x m / (m + HALF), HALF the kind's
+    scaled to this chip (half_scale), m no wider than the chip's GEMM plateau (chips.matmul_plateau), at most the
+    chip's best measured matmul rate (chips.MEASURED_MATMUL); `half` (a calibrated HALF) replaces it."""
     m = min(m, matmul_plateau(chip))
-    return min(constants.fraction(chip) * m / (m + (constants.matmul_half[chip.kind] if half is None else half)),
-               matmul_ceiling(chip))
+    if half is None:
+        half = constants.matmul_half[chip.kind] * half_scale(chip)
+    return min(constants.fraction(chip) * m / (m + half), matmul_ceiling(chip))
 
 
 def mxu_fill(chip: Chip, *dims: float) -> float:
@@ -389,10 +399,28 @@ def mxu_fill(chip: Chip, *dims: float) -> float:
 MIN_MXU_WIDTH = 128
 
 
+# The GPU whose HALF Constants.matmul_half["gpu"] is; other GPUs scale it by their FLOPs per HBM byte (half_scale)
+GPU_HALF_REFERENCE = "h100-sxm"
+
+
+def flops_per_hbm_byte(chip: Chip) -> float:
+    """The chip's bf16 peak over its HBM bandwidth: how many FLOPs a matmul must do per byte it moves to keep the
+    matrix units busy (the roofline's ridge point)."""
+    return chip.peak_bf16_flops / chip.hbm_bandwidth
+
+
 def half_scale(chip: Chip) -> float:
-    """How much wider a matmul must be on this chip to reach the share of its peak that a 128-wide one reaches: a
-    TPU's matrix-unit width over 128 (Constants.matmul_half is HALF for 128-wide arrays); 1 elsewhere."""
-    return chip.mxu_width / 128 if chip.mxu_width else 1.0
+    """How much wider a matmul must be on this chip to reach the share of its peak that a matmul of the reference
+    width reaches: a TPU's matrix-unit width over 128 (Constants.matmul_half["tpu"] is HALF for 128-wide arrays); a
+    GPU's FLOPs per HBM byte over H100 SXM's (matmul_half["gpu"] is H100 SXM's HALF): a matmul's operand traffic per
+    FLOP falls as its sides grow, so a chip with more FLOPs per byte of bandwidth needs wider matmuls to keep its
+    tensor cores busy (A100 80GB 153 FLOPs a byte, A100 40GB 201, H200 206, B200 292, H100 SXM 295, GB200 312); 1
+    elsewhere (CPU devices measure their own)."""
+    if chip.mxu_width:
+        return chip.mxu_width / 128
+    if chip.kind == "gpu":
+        return flops_per_hbm_byte(chip) / flops_per_hbm_byte(CHIPS[GPU_HALF_REFERENCE])
+    return 1.0
 
 
 # A term's fields in the order Work records them: its words, then its numbers (Terms' arrays)
@@ -447,9 +475,12 @@ class Work:
         elif self.chip.kind != "cpu":
             origin = MATMUL_FRACTION_ORIGIN[self.chip.name] if self.constants.matmul_fraction.get(
                 self.chip.name) == MATMUL_FRACTION.get(self.chip.name) else "as given"
-            half = self.constants.matmul_half[self.chip.kind] * half_scale(self.chip)
+            scale = half_scale(self.chip)
+            half = self.constants.matmul_half[self.chip.kind] * scale
+            fitted = (f"HALF fitted on H100 SXM, x {scale:.2f} for this chip's FLOPs per HBM byte"
+                      if self.chip.kind == "gpu" and scale != 1 else "HALF fitted")
             self.assume("matmul", f"matmuls at {self.constants.fraction(self.chip):.2f} of peak ({origin}) x m / (m + "
-                                  f"{half:g}), m a matmul's smallest side (HALF fitted)"
+                                  f"{half:.0f}), m a matmul's smallest side ({fitted})"
                         + (f", at most {ceiling:.2f} (the best measured)" if math.isfinite(ceiling) else "")
                         + (f", x the share of its {self.chip.mxu_width}-wide matrix units a matmul fills"
                            if self.chip.mxu_width else ""))
