@@ -486,8 +486,7 @@ class _Walker:
         # whole matmul's time, where the thin-matmul law on a chunk's side would double it
         windows = self.windows(self.current) if self.current else 1
         m = max(min(sides[1], sides[0] * windows) if windows > 1 else sides[0], 1.0)
-        efficiency = matmul_efficiency(chip, m, half * 1.0 if half is not None else
-                                       c.matmul_half[chip.kind] * half_scale(chip), c)
+        efficiency = matmul_efficiency(chip, m, half, c)  # half: a CPU's measured one, else the chip's scaled
         efficiency *= mxu_fill(chip, *(d for d in (K, N) if d >= 128))
         at_rate = flops / (self.peak(dtype) * max(efficiency, 1e-6))
         at_bandwidth = nbytes / chip.hbm_bandwidth
