@@ -692,20 +692,23 @@ def test_a_maxtext_command_line_names_the_request_its_options_would(capsys):
 def test_a_tpu_recipes_keys_paste_as_they_are(capsys):
     """An Ironwood recipe's MaxText keys: those that tune MaxText's own kernels are named once as not reproduced, the
     experts' sharding switch at its default changes nothing, and the rest are the step's (the optimizer's first
-    moment in bfloat16, tokamax's splash as jax's with the fused backward and the recipe's layouts)."""
+    moment in bfloat16, tokamax's splash as jax's with the fused backward and the recipe's layouts, the grouped
+    matmul's tiles)."""
     recipe = ["compile_topology=tpu7x-8", "model_name=llama3.1-8b", "per_device_batch_size=1", "use_iota_embed=True",
               "opt_type=adamw", "mu_dtype=bfloat16", "sa_q_layout=SEQ_MINOR", "sa_k_layout=SEQ_MINOR",
               "use_tokamax_splash=True", "use_splash_scheduler=True", "cost_estimate_flops_fwd=5000000000000",
-              "wi_tile_fwd_batch_seq=256", "shard_exp_on_fsdp=False", "attention=flash", "steps=30"]
+              "wi_tile_fwd_batch_seq=256", "wi_tile_fwd_buffer_count=2", "shard_exp_on_fsdp=False", "attention=flash",
+              "steps=30"]
     code, out, err = run_main(capsys, "estimate", "--json", *recipe)
     assert code == 0, err
     assert err.splitlines() == [
         "maxperf: note: MaxText's steps change nothing of the step: ignored",
-        "maxperf: note: MaxText's use_splash_scheduler, cost_estimate_flops_fwd, wi_tile_fwd_batch_seq tune its own "
+        "maxperf: note: MaxText's use_splash_scheduler, cost_estimate_flops_fwd, wi_tile_fwd_buffer_count tune its own "
         "kernels and collectives; maxperf compiles jax's kernels and XLA's collectives as they come: not reproduced"]
     args = parse_args(build_parser(), ["estimate", *recipe])
     train = resolve(args.topology, args.model, args.overrides).configs.train
     assert (train.mu_dtype, train.sa_q_layout, train.sa_v_layout) == ("bfloat16", "SEQ_MINOR", "HEAD_DIM_MINOR")
+    assert (train.wi_tile_fwd_batch_seq, train.wo_tile_fwd_batch_seq) == (256, 512)  # the grouped matmul's tiles
     assert train.use_tokamax_splash and train.sa_use_fused_bwd_kernel  # tokamax's splash has only the fused backward
     plain = run_main(capsys, "estimate", "--json", *(w for w in recipe if not w.startswith("mu_dtype")))[1]
     # AdamW's first moment in 2 bytes instead of 4: the optimizer's 8 bytes per float32 parameter become 6

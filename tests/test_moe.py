@@ -23,6 +23,7 @@ from maxperf.spec.errors import MaxperfError
 from maxperf.spec.mesh import resolve as resolve_mesh
 from maxperf.spec.model import Activation, ModelConfig, RoutedScoreFunc
 from maxperf.spec.request import resolve
+from maxperf.spec.train import TrainConfig
 
 BASE = ["seq_len=16", "compute_dtype=float32", "warmup_steps=0"]
 
@@ -493,6 +494,27 @@ def test_megablox_tiles_follow_maxtext_clipped_to_the_matmul():
     assert _megablox_tiling(1024 + 256, 4096, 384) == (256, 1024, 384)
     assert _megablox_tiling(1000, 4096, 4096) is None  # no row tile divides the rows: ragged_dot
     assert _megablox_tiling(1024, 64, 4096) is None  # narrower than the TPU's 128 lanes
+    # a recipe's own tiles (MaxText's wi_tile_fwd_*): the row tile as set where it divides the rows, else halved
+    assert _megablox_tiling(65536, 7168, 2048, (128, 7168, 2048)) == (128, 7168, 2048)
+    assert _megablox_tiling(1024 + 256, 7168, 2048, (1024, 2048, 2048)) == (256, 2048, 2048)
+
+
+def test_the_train_keys_give_each_weight_and_product_its_tiles():
+    """MaxText's wi_tile_* / wo_tile_* keys reach the model's kernel (the forward's) and perfmodel (each product's),
+    as (rows, K, N) of the forward: wi's K is the model width, wo's the experts' width."""
+    from maxperf.models.layers.moe import MoEOptions
+    from maxperf.spec.grouped_matmul import MegabloxTiles, pass_tiles
+
+    train = TrainConfig(wi_tile_fwd_batch_seq=128, wi_tile_fwd_embed_dim=7168, wi_tile_fwd_mlp_dim=2048,
+                        wo_tile_fwd_batch_seq=256, wo_tile_fwd_embed_dim=2048, wo_tile_fwd_mlp_dim=3584,
+                        wo_tile_drhs_embed_dim=512)
+    assert pass_tiles(train, "wi", "fwd") == (128, 7168, 2048)
+    assert pass_tiles(train, "wo", "fwd") == (256, 3584, 2048)
+    assert pass_tiles(train, "wo", "drhs") == (512, 1024, 512)  # the rest at MaxText's defaults
+    assert MoEOptions.from_train(train).megablox == MegabloxTiles((128, 7168, 2048), (256, 3584, 2048))
+    assert MoEOptions.from_train(TrainConfig(megablox=False)).megablox is None
+    with pytest.raises(MaxperfError, match="wi_tile_dlhs_mlp_dim must be a positive multiple of 128, got 100"):
+        TrainConfig(wi_tile_dlhs_mlp_dim=100)
 
 
 def test_on_tpu_the_megablox_kernel_gives_ragged_dots_values_and_gradients(monkeypatch):
@@ -518,13 +540,22 @@ def test_on_tpu_the_megablox_kernel_gives_ragged_dots_values_and_gradients(monke
     def loss(fn, x, w):
         return jnp.sum(fn(x, w) ** 2)
 
-    mega = functools.partial(lambda x, w: moe.grouped_matmul(x, w, sizes, megablox=True))
+    mega = functools.partial(lambda x, w: moe.grouped_matmul(x, w, sizes, (512, 1024, 1024)))
     ragged = functools.partial(lambda x, w: jax.lax.ragged_dot(x, w, sizes))
     np.testing.assert_allclose(mega(x, w), ragged(x, w), rtol=1e-5, atol=1e-3)
     for a, b in zip(jax.grad(functools.partial(loss, mega), (0, 1))(x, w),
                     jax.grad(functools.partial(loss, ragged), (0, 1))(x, w)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-2)
     assert calls and set(calls) == {(512, 256, 384)}
+    # an expert MLP takes the up and gate projections' forward tiles and the down projection's, each clipped to
+    # its matmul (wi: 1024 rows by D 256 into F 384; wo: F 384 into D 256)
+    calls.clear()
+    from maxperf.spec.grouped_matmul import MegabloxTiles
+
+    wi = jax.random.normal(jax.random.PRNGKey(2), (4, 256, 384), jnp.float32)
+    wo = jax.random.normal(jax.random.PRNGKey(3), (4, 384, 256), jnp.float32)
+    moe._expert_mlp(x, sizes, (wi, wi, wo), Activation.SWIGLU, MegabloxTiles((256, 1024, 1024), (128, 1024, 1024)))
+    assert calls == [(256, 256, 384), (256, 256, 384), (128, 384, 256)]
 
 
 def test_an_axis_that_does_not_divide_what_the_axes_before_it_leave_says_so():

@@ -39,10 +39,10 @@ def test_quoted_aggregates_round_trip():
     assert chips.CHIPS["tpu-v5p"].ici_bandwidth_per_chip == pytest.approx(1200e9)  # 1200 GBps bidirectional
     assert chips.CHIPS["h100-sxm"].ici_bandwidth_per_chip == pytest.approx(900e9)  # NVLink 900 GB/s
     assert chips.CHIPS["h100-sxm"].host_network_bandwidth == pytest.approx(8 * 400e9 / 8)  # 8 x 400 Gb/s
-    # v5p's "50 Gbps per chip" of DCN is a host's ingress and egress together (the scaling book's 2.5e10 B/s per
-    # 4-chip host): one direction, what a ring's sends use, carries half; v5e's NICs (2 x 100 Gbps a host of 8)
-    # are rated per direction
-    assert chips.CHIPS["tpu-v5p"].host_network_per_chip == pytest.approx(25e9 / 8)
+    # Google's "DCN bandwidth per chip" is its NICs' line rate, each way: v5p's 50 Gbps a chip as v5e's 25 (its
+    # 2 x 100 Gbps NICs a host of 8, 6.4 Tbps a pod of 256) and TPU7x's 100 (two NICs a VM of 4)
+    assert chips.CHIPS["tpu-v5p"].host_network_per_chip == pytest.approx(50e9 / 8)
+    assert chips.CHIPS["tpu7x"].host_network_per_chip == pytest.approx(100e9 / 8)
     assert chips.CHIPS["tpu-v4"].host_network_per_chip == chips.CHIPS["tpu-v5p"].host_network_per_chip
     assert chips.CHIPS["tpu-v5e"].host_network_per_chip == pytest.approx(25e9 / 8)
     assert chips.CHIPS["gb200"].nvlink_domain == 72

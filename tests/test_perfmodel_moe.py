@@ -282,7 +282,29 @@ def test_megablox_computes_a_row_tile_for_every_expert_boundary():
     useful = 4096 / (4096 + 127 * 512)
     assert down.seconds == pytest.approx(down.flops / (chip.peak_flops("bfloat16") * matmul_efficiency(chip, 4096)
                                                        * useful), rel=1e-12)
-    assert any("megablox's 512 x 1024 x 1024 tiles" in line for line in e.assumptions)
+    assert any("megablox's 512 x 1024 x 1024 tiles (forward, input and weight gradients alike)" in line
+               for line in e.assumptions)
+
+
+def test_megablox_prices_each_product_in_its_own_tiles():
+    """MaxText's wo_tile_{fwd,dlhs,drhs}_batch_seq at 128, 256 and (its default) 512: the forward, the input gradient
+    and the weight gradient of the down projection each pay a row tile per expert boundary of its own size."""
+    m = ModelConfig(name="wide-moe", vocab_size=1024, d_model=4096, num_layers=2, num_heads=32, num_kv_heads=8,
+                    head_dim=128, d_ff=8192, num_experts=128, num_experts_per_tok=2, base_moe_mlp_dim=4096,
+                    first_num_dense_layers=1)
+    topo = Topo("tpu-v5p", 1, chips_per_host=1, torus=(1, 1, 1))
+    train = TrainConfig(per_device_batch_size=1, seq_len=2048, remat_policy="none", wo_tile_fwd_batch_seq=128,
+                        wo_tile_dlhs_batch_seq=256)
+    e = estimate(Request.of(topo, m, train, {"fsdp": 1}, {}))
+    chip = get_chip("tpu-v5p")
+    down, up = _row(e, "experts down"), _row(e, "experts up and gate")
+    rate = chip.peak_flops("bfloat16") * matmul_efficiency(chip, 4096)
+    # the three products do equal FLOPs (no recomputation: remat none)
+    assert down.seconds == pytest.approx(sum(down.flops / 3 / (rate * 4096 / (4096 + 127 * tm))
+                                             for tm in (128, 256, 512)), rel=1e-12)
+    assert up.seconds == pytest.approx(up.flops / (rate * 4096 / (4096 + 127 * 512)), rel=1e-12)  # wi's untouched
+    assert any("down projections in megablox's 128 x 1024 x 1024 / 256 x 1024 x 1024 / 512 x 1024 x 1024 tiles"
+               in line for line in e.assumptions)
 
 
 def test_estimate_memory_breaks_down_experts_attention_and_the_rest():

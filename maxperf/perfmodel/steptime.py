@@ -70,7 +70,7 @@ from maxperf.perfmodel.work import (
     price,
     settle,
 )
-from maxperf.spec.grouped_matmul import megablox_tiling
+from maxperf.spec.grouped_matmul import GMM_PASSES, megablox_tiling, pass_tiles
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.model import ModelConfig
 from maxperf.spec.params import logits_table, reduced_arrays
@@ -448,24 +448,33 @@ def _moe_matmuls(table: Work, model: ModelConfig, train: TrainConfig, mesh: Mesh
     routed_wi = ("mlpwi_0", "moe_mlpwi_1") if kind == "sparse" and gated(model) else wi
     up, down = "experts up and gate" if gated(model) else "experts up", "experts down"
     megablox = kind == "sparse" and table.chip.kind == "tpu" and train.megablox
-    for name, K, N, forward, backward in ((up, D, a.Fe, moe_fwd(*routed_wi), len(routed_wi) * bwd), (down, a.Fe, D,
-                                                                                       moe_fwd("mlpwo"), bwd)):
+    for name, weight, K, N, forward, backward in ((up, "wi", D, a.Fe, moe_fwd(*routed_wi), len(routed_wi) * bwd),
+                                                  (down, "wo", a.Fe, D, moe_fwd("mlpwo"), bwd)):
         total = group * local  # the device's routed rows, sorted by expert
-        tiles = megablox_tiling(int(total), int(K), int(N)) if megablox else None
+        tiles = megablox_tiling(int(total), int(K), int(N), pass_tiles(train, weight, "fwd")) if megablox else None
         if tiles is None:
             table.train_matmul(name, group, K, N, local * forward, local * backward, c, rate=rate)
             continue
-        # one Pallas kernel over all the sorted rows in tiles of tm x tk x tn: a row tile that straddles two experts'
-        # rows is computed for each (jax's megablox make_group_metadata: tiles <= m / tm + groups - 1, so every
-        # boundary costs a tile where routing leaves it unaligned), and K and N are computed in whole tiles
-        tm, tk, tn = tiles
-        straddled = total / (total + (local - 1) * tm)
-        fill = K / (tk * math.ceil(K / tk)) * N / (tn * math.ceil(N / tn))
-        table.assume("megablox", f"routed experts in megablox's {tm} x {tk} x {tn} tiles: a row tile for each "
-                                 f"expert boundary and whole tiles of K and N ({straddled * fill:.2f} of the work "
-                                 f"useful here)")
+        # one Pallas kernel over all the sorted rows in tiles of tm x tk x tn, each of its three products (forward,
+        # input gradient, weight gradient) in its own (MaxText's wi_tile_* / wo_tile_* keys): a row tile that
+        # straddles two experts' rows is computed for each (jax's megablox make_group_metadata: tiles <= m / tm +
+        # groups - 1, so every boundary costs a tile where routing leaves it unaligned), and K and N are computed in
+        # whole tiles
+        useful = []
+        for pass_ in GMM_PASSES:
+            tm, tk, tn = megablox_tiling(int(total), int(K), int(N), pass_tiles(train, weight, pass_)) or tiles
+            straddled = total / (total + (local - 1) * tm)
+            fill = K / (tk * math.ceil(K / tk)) * N / (tn * math.ceil(N / tn))
+            useful.append((straddled, fill, f"{tm} x {tk} x {tn}"))
+        shapes = sorted({u[2] for u in useful}, key=[u[2] for u in useful].index)
+        table.assume(f"megablox {weight}", f"routed experts' {'up' if weight == 'wi' else 'down'} projections in "
+                                           f"megablox's {' / '.join(shapes)} tiles (forward, input and weight "
+                                           f"gradients{'' if len(shapes) > 1 else ' alike'}): a row tile for each "
+                                           f"expert boundary and whole tiles of K and N ("
+                                           f"{' / '.join(f'{s * f:.2f}' for s, f, _ in useful)} of the work useful "
+                                           f"here)")
         table.train_matmul(name, group, K, N, local * forward, local * backward, c, side=min(total, K, N),
-                           rate=rate * straddled, fill=fill)
+                           rate=tuple(rate * s for s, _, _ in useful), fill=tuple(f for _, f, _ in useful))
     table.train_matmul("router", T, D, moe.E, moe_fwd("router"), bwd, c)
     if moe.S:
         table.train_matmul("shared experts up" + (" and gate" if gated(model) else ""), T, D, moe.S * a.Fe,

@@ -144,7 +144,7 @@ DCN_STEP_LATENCY = {"tpu": 1.71e-3, "gpu": 30e-6, "cpu": 30e-6}
 # the first for chips whose rate was fitted, the second for the others.
 # "fp8": the rows that train in FP8 alone, each source held out (8 rows: NVIDIA's Transformer Engine runs on H100,
 # B200 and GB200 and the TPU7x recipes); an FP8 step quotes it where its chip's figure is the smaller.
-HELD_OUT_ERROR = {"source": (0.063, 0.208), "generation": (0.062, 0.246), "fp8": (0.099, 0.177)}
+HELD_OUT_ERROR = {"source": (0.064, 0.176), "generation": (0.060, 0.211), "fp8": (0.086, 0.176)}
 HELD_OUT_BASIS = "bench/published.py, 2026-12-01, 90 rows"
 # Chips measured directly on published runs that no constant was fitted on: the median and worst |error| and the
 # median signed error of throughput per chip over those runs, and what they are. An estimate on such a chip quotes
@@ -159,9 +159,9 @@ UNFITTED_RUNS_ERROR = {
 # (Mixtral on v6e, DeepSeek-V3 and Llama 4 on v5p, DeepSeek-V3, gpt-oss and Qwen3 on TPU7x): median and worst |error|,
 # median signed error and what they are. An estimate of a mixture of experts on a TPU quotes these.
 UNFITTED_MOE_ERROR = {
-    "tpu": (0.143, 0.352, -0.014, "12 published tpu-recipes mixture-of-experts runs on TPU v6e, v5p and TPU7x, none "
+    "tpu": (0.135, 0.352, -0.014, "12 published tpu-recipes mixture-of-experts runs on TPU v6e, v5p and TPU7x, none "
                                   "of them fitted (bench/recipes.py, 2026-12-01): gpt-oss-120b on TPU7x predicted 35% "
-                                  "faster than it ran, DeepSeek-V3 on TPU7x 13% to 21% slower"),
+                                  "faster than it ran, DeepSeek-V3 on TPU7x 13% to 20% slower"),
 }
 
 
@@ -428,6 +428,16 @@ COLUMNS = ("name", "kind", "family", "law", "fixed_s", "peak_s", "hbm_s", "side"
            "ceiling", "dcn_steps", "flops", "bytes", "overlap", "fp8")
 
 
+# A value for each of a training matmul's three products (the forward x @ W, the input gradient dy @ W^T, the weight
+# gradient x^T @ dy), or one for all three
+PerPass = float | tuple[float, float, float]
+
+
+def per_pass(value):
+    """`value` as a (forward, input gradient, weight gradient) triple: a triple as it is, one value three times."""
+    return tuple(value) if isinstance(value, tuple) else (value,) * 3
+
+
 class Work:
     """Records a step's work as Terms: matmuls with their FLOPs, bytes and shape; memory-bound work; collectives."""
 
@@ -512,13 +522,15 @@ class Work:
                    nbytes=fixed_bytes + bytes_per_pass * self.constants.elementwise_d_passes)
 
     def train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
-                     side: float | None = None, rate: float = 1.0, quantized: bool = True,
-                     fill: float | None = None) -> None:
+                     side: float | None = None, rate: PerPass = 1.0, quantized: bool = True,
+                     fill: PerPass | None = None) -> None:
         """A matmul run `forward` times as x @ W (the forward and its recomputation) and `backward` times as each of
         the backward's two: the input gradient dy @ W^T (M x N by N x K) and the weight gradient x^T @ dy (K x M by
         M x N). All run at the plain rate: compilers give the transposed operand the layout the matmul wants
         (XLA:CPU copies x to x^T, a T x D transpose, and runs the weight gradient as a plain matmul, as a cpu-2
         step's optimized HLO shows), so a library's slower rate for a transposed operand does not apply.
+        `rate` and `fill` are one value for the three products or a value each (`per_pass`: forward, input gradient,
+        weight gradient), as a kernel that tiles each its own way has them.
         Under quantization=int8 (`self.int8`) a `quantized` one runs as `int8_train_matmul`, under an FP8 recipe
         (`self.fp8`) as `fp8_train_matmul`."""
         if quantized and self.int8 is not None:
@@ -527,12 +539,13 @@ class Work:
         if quantized and self.fp8 is not None:
             self.fp8_train_matmul(name, M, K, N, forward, backward, c, side, rate, fill)
             return
-        self.matmul(name, M, K, N, forward, c, side, rate, fill=fill)
-        self.matmul(name, M, N, K, backward, c, side, rate, fill=fill)
-        self.matmul(name, K, M, N, backward, c, side, rate, fill=fill)
+        (r_fwd, r_dx, r_dw), (f_fwd, f_dx, f_dw) = per_pass(rate), per_pass(fill)
+        self.matmul(name, M, K, N, forward, c, side, r_fwd, fill=f_fwd)
+        self.matmul(name, M, N, K, backward, c, side, r_dx, fill=f_dx)
+        self.matmul(name, K, M, N, backward, c, side, r_dw, fill=f_dw)
 
     def int8_train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
-                          side: float | None, rate: float) -> None:
+                          side: float | None, rate: PerPass) -> None:
         """train_matmul under quantization=int8: the forward and the input gradient as int8 dots at the chip's int8
         peak (its bf16 one where it has none), the weight gradient too unless local_shard_count is 0; and the
         quantize passes over every quantized operand (INT8_NOISE_BYTES)."""
@@ -540,22 +553,22 @@ class Work:
         self.assume("int8", f"int8 matmuls at {speedup:g}x the {self.chip.name} bf16 rate (datasheet peaks); "
                             f"each quantized operand read twice and written once as int8, gradients' noise "
                             f"{INT8_NOISE_BYTES} bytes per element (assumed)")
-        int8_rate = rate * speedup
-        self.matmul(name, M, K, N, forward, c, side, int8_rate, operand_bytes=1)
-        self.matmul(name, M, N, K, backward, c, side, int8_rate, operand_bytes=1)
+        r_fwd, r_dx, r_dw = per_pass(rate)
+        self.matmul(name, M, K, N, forward, c, side, r_fwd * speedup, operand_bytes=1)
+        self.matmul(name, M, N, K, backward, c, side, r_dx * speedup, operand_bytes=1)
         quantize = c + c + 1  # absmax read, scale-and-round read, int8 write
         # forward: x [M, K] and W [K, N]; input gradient: dy [M, N] with noise, W again
         elements = forward * quantize * (M * K + K * N) + backward * ((quantize + INT8_NOISE_BYTES) * M * N
                                                                       + quantize * K * N)
         if self.int8.weight_gradient:
-            self.matmul(name, K, M, N, backward, c, side, int8_rate, operand_bytes=1)
+            self.matmul(name, K, M, N, backward, c, side, r_dw * speedup, operand_bytes=1)
             elements += backward * ((quantize + INT8_NOISE_BYTES) * M * N + quantize * M * K)
         else:
-            self.matmul(name, K, M, N, backward, c, side, rate)
+            self.matmul(name, K, M, N, backward, c, side, r_dw)
         self.memory("int8 quantize", elements)
 
     def fp8_train_matmul(self, name: str, M: float, K: float, N: float, forward: float, backward: float, c: int,
-                         side: float | None, rate: float, fill: float | None) -> None:
+                         side: float | None, rate: PerPass, fill: PerPass | None) -> None:
         """train_matmul under an FP8 recipe (maxperf.spec.fp8): the forward, and the backward's two products where the
         recipe quantizes the gradient, at the chip's FP8 peak (datasheet) with one-byte operands, priced at
         Constants.fp8_efficiency too; the quantize passes over x, W and dy (`quantize_bytes`), and the backward's
@@ -572,19 +585,19 @@ class Work:
             self.assume("fp8", f"{recipe.name}: FP8 matmuls at {speedup:g}x the {chip.name} bf16 peak (datasheet) x "
                                f"{efficiency:.2f} ({origin}); quantize passes of {q:g} bytes per element "
                                "(counted); attention, logits and norms in the compute dtype")
-        fp8_rate = rate * speedup
-        self.matmul(name, M, K, N, forward, c, side, fp8_rate, operand_bytes=1, fill=fill, fp8=True)
+        (r_fwd, r_dx, r_dw), (f_fwd, f_dx, f_dw) = per_pass(rate), per_pass(fill)
+        self.matmul(name, M, K, N, forward, c, side, r_fwd * speedup, operand_bytes=1, fill=f_fwd, fp8=True)
         elements = forward * q * (M * K + K * N)  # x and W, each forward and recomputation
         if recipe.quantizes_backward:
-            self.matmul(name, M, N, K, backward, c, side, fp8_rate, operand_bytes=1, fill=fill, fp8=True)
-            self.matmul(name, K, M, N, backward, c, side, fp8_rate, operand_bytes=1, fill=fill, fp8=True)
+            self.matmul(name, M, N, K, backward, c, side, r_dx * speedup, operand_bytes=1, fill=f_dx, fp8=True)
+            self.matmul(name, K, M, N, backward, c, side, r_dw * speedup, operand_bytes=1, fill=f_dw, fp8=True)
             # dy, once for both products (per channel twice: each product shifts another operand's scales onto it)
             dy = 2 if recipe.granularity is Granularity.CHANNEL else 1
             again = FP8_TRANSPOSE_BYTES.get(chip.kind, 0.0) if recipe.reuses_forward else q
             elements += backward * (dy * q * M * N + again * (K * N + M * K))
         else:
-            self.matmul(name, M, N, K, backward, c, side, rate, fill=fill)
-            self.matmul(name, K, M, N, backward, c, side, rate, fill=fill)
+            self.matmul(name, M, N, K, backward, c, side, r_dx, fill=f_dx)
+            self.matmul(name, K, M, N, backward, c, side, r_dw, fill=f_dw)
         self.memory("fp8 quantize", elements)
 
     def memory(self, name: str, nbytes: float) -> None:

@@ -11,6 +11,8 @@ Sources, cited by short name below:
   [v5p]   cloud.google.com/tpu/docs/v5p (key specifications table)
   [v6e]   cloud.google.com/tpu/docs/v6e (key specifications table)
   [7x]    cloud.google.com/tpu/docs/tpu7x (specification table comparing v5p, v6e, TPU7x)
+  [gke-7x] cloud.google.com/kubernetes-engine/docs/concepts/tpu-ironwood ("each Ironwood (TPU7x) VM contains 4 chips
+          and 2 NICs")
   [book]  Austin et al., "How to Scale Your Model" (jax-ml.github.io/scaling-book), part 2, TPU spec tables
   [libtpu] the "available HBM" of libtpu 0.0.52's out-of-memory compile errors (CompileTimeHbmOom: "the total memory
           required for HLO temporaries (...) exceeds available HBM (95.73G)"), compiled here on the named slices
@@ -138,7 +140,7 @@ _TPUS = [
         mxu_width=128,  # [book] "all previous generations use 128x128"
         cores_per_device=2,  # [v4] "Each TPU v4 chip contains two TensorCores", one megacore device
         # the v4 page gives no DCN figure; assumed equal to v5p's (below), 4 chips per host [v4 VMs]
-        host_network_bandwidth=4 * 25 * GBIT, host_chips=4,
+        host_network_bandwidth=4 * 50 * GBIT, host_chips=4,
     ),
     Chip(
         name="tpu-v5e", vendor="google", kind="tpu",
@@ -163,9 +165,10 @@ _TPUS = [
         torus_dims=3,  # [v5p] 3D torus
         mxu_width=128,  # [book] 128x128 MXUs
         cores_per_device=2,  # [v5p] two TensorCores a chip, one megacore device
-        # [v5p] "DCN bandwidth per chip 50 Gbps", 4-chip VMs: [book] counts a host's 2.5e10 B/s as its "ingress+egress"
-        # (training.md), so each direction, which a ring's sends and receives each use, carries half: 25 Gbps per chip
-        host_network_bandwidth=4 * 25 * GBIT, host_chips=4,
+        # [v5p] "Data center network (DCN) bandwidth per chip (Gbps) 50", 4-chip VMs: a NIC's line rate, each way, as
+        # Google's tables give it for v5e (25 Gbps a chip: "2 x 100 Gbps NIC" per 8-chip host, "6.4 Tbps" per
+        # 256-chip pod), v6e and TPU7x (100 Gbps a chip, two NICs per 4-chip VM [gke-7x])
+        host_network_bandwidth=4 * 50 * GBIT, host_chips=4,
     ),
     Chip(
         name="tpu-v6e", vendor="google", kind="tpu",

@@ -122,6 +122,10 @@ MEANINGS = {
     "scan_layers": "the layers as one scanned stack", "param_scan_axis": "where a scanned weight's layer axis sits",
     "capacity_factor": "MoE: each expert's capacity (-1: dropless)", "sparse_matmul": "MoE: dropless sorted dispatch "
     "(false: dense einsums)", "megablox": "MoE on TPU: the megablox grouped-matmul kernel",
+    **{f"{w}_tile_{p}_{d}": f"MoE grouped matmul: the {what} tile of the {product} of the {which}"
+       for w, which in (("wi", "up and gate projections"), ("wo", "down projection"))
+       for p, product in (("fwd", "forward"), ("dlhs", "input gradient"), ("drhs", "weight gradient"))
+       for d, what in (("batch_seq", "rows'"), ("embed_dim", "model width's"), ("mlp_dim", "experts' width's"))},
     "load_balance_loss_weight": "MoE: the router's auxiliary loss weight", "routed_bias_update_rate": "MoE: the "
     "selection bias's update rate (DeepSeek-V3)", "mtp_loss_scaling_factor": "the multi-token-prediction loss weight",
     "moe_load_imbalance": "perfmodel only: the busiest expert shard's rows over the mean", "quantization": "the "

@@ -98,7 +98,8 @@ DECODER_BLOCKS = {
 DECODER_BLOCK_KEY = "decoder_block"
 # MaxText's keys that tune how its own kernels and collectives run without changing the step's shapes, shardings or
 # (beyond rounding) its arithmetic: tokamax's splash scheduler, its cost hints and dq reduction, a max-logit estimate,
-# the tiles of local (sliding-window) layers, tokamax's grouped matmul and megablox's tiles, its sort's custom VJP,
+# the tiles of local (sliding-window) layers, tokamax's grouped matmul and how many tiles its kernels keep in
+# flight (the *_buffer_count keys; the tiles themselves are train keys), its sort's custom VJP,
 # two-stage FSDP all-gathers, how the device mesh is laid over the chips, random routing for benchmarks, the packed
 # segments cuDNN's attention is built for (max_segments_per_seq; maxperf's batches are unpacked), the MoE
 # combine's float32 sum (maxperf's sums in float32) and FP8 scale calibration; splash's exponent and reciprocal
@@ -106,8 +107,7 @@ DECODER_BLOCK_KEY = "decoder_block"
 # second version, merged gating and ragged sort, the partitioner (Shardy) and how mesh axes are ordered and typed,
 # how many computations are in flight, and loop unrolling. maxperf compiles jax's splash and
 # megablox kernels and XLA's collectives as they come: these are accepted and named once as not reproduced.
-_TILES = [f"{w}_tile_{p}_{d}" for w in ("wi", "wo") for p in ("fwd", "dlhs", "drhs")
-          for d in ("batch_seq", "embed_dim", "mlp_dim", "buffer_count")]
+_TILES = [f"{w}_tile_{p}_buffer_count" for w in ("wi", "wo") for p in ("fwd", "dlhs", "drhs")]
 # and their names before MaxText split them per kernel (one set for every grouped matmul; the v5p configs of its
 # benchmarks/maxtext_v5p_model_configs.py still set them)
 _TILES += ["tile_batch_seq", "tile_embed_dim", "tile_mlp_dim"]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from maxperf.spec.attention_rule import SPLASH_BLOCKS
 from maxperf.spec.errors import MaxperfError, require
+from maxperf.spec.grouped_matmul import GMM_TILE_KEYS
 from maxperf.spec.remat import RematLocation, RematPolicy
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -150,6 +151,25 @@ class TrainConfig:
     capacity_factor: float = -1.0
     sparse_matmul: bool = True
     megablox: bool = True
+    # MaxText's keys and defaults: the grouped matmul's tiles, per weight and product (spec.grouped_matmul)
+    wi_tile_fwd_batch_seq: int = 512
+    wi_tile_fwd_embed_dim: int = 1024
+    wi_tile_fwd_mlp_dim: int = 1024
+    wi_tile_dlhs_batch_seq: int = 512
+    wi_tile_dlhs_embed_dim: int = 1024
+    wi_tile_dlhs_mlp_dim: int = 1024
+    wi_tile_drhs_batch_seq: int = 512
+    wi_tile_drhs_embed_dim: int = 1024
+    wi_tile_drhs_mlp_dim: int = 1024
+    wo_tile_fwd_batch_seq: int = 512
+    wo_tile_fwd_embed_dim: int = 1024
+    wo_tile_fwd_mlp_dim: int = 1024
+    wo_tile_dlhs_batch_seq: int = 512
+    wo_tile_dlhs_embed_dim: int = 1024
+    wo_tile_dlhs_mlp_dim: int = 1024
+    wo_tile_drhs_batch_seq: int = 512
+    wo_tile_drhs_embed_dim: int = 1024
+    wo_tile_drhs_mlp_dim: int = 1024
     load_balance_loss_weight: float = 0.01  # the router's auxiliary loss (Switch Transformer's form)
     # DeepSeek-V3's auxiliary-loss-free balancing (MaxText's key; 0: off): with routed_bias, after each step every MoE
     # layer's selection bias moves by this rate times sign(mean load - expert's load) over the step's tokens
@@ -238,7 +258,7 @@ class TrainConfig:
             self.grad_clip_norm is None or self.grad_clip_norm > 0,
             f"grad_clip_norm must be > 0 or none, got {self.grad_clip_norm}",
         )
-        for name in SPLASH_BLOCKS:
+        for name in (*SPLASH_BLOCKS, *GMM_TILE_KEYS):
             value = getattr(self, name)
             require(value >= 128 and value % 128 == 0, f"{name} must be a positive multiple of 128, got {value}")
         require(self.grad_accum_steps >= 1, f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")

@@ -37,7 +37,7 @@ from maxperf.models.layers.mlp import _ACT, MLP, gate
 from maxperf.models.layers.params import param
 from maxperf.models.sharding import constrain, mesh_axes_for
 from maxperf.spec.errors import MaxperfError
-from maxperf.spec.grouped_matmul import capacity, megablox_tiling
+from maxperf.spec.grouped_matmul import MegabloxTiles, capacity, megablox_tiling
 from maxperf.spec.model import Activation, ModelConfig, RoutedScoreFunc
 from maxperf.spec.params import expert_axes
 from maxperf.spec.train import TrainConfig
@@ -51,14 +51,16 @@ class MoEOptions:
 
     capacity_factor: float = -1.0  # -1: dropless
     sparse_matmul: bool = True
-    megablox: bool = True  # on TPU, the Pallas megablox grouped matmul (as MaxText); elsewhere ragged_dot
+    # on TPU, the Pallas megablox grouped matmul in these tiles (as MaxText); None, and elsewhere: ragged_dot
+    megablox: MegabloxTiles | None = MegabloxTiles()
     # a layer with a selection bias records its experts' loads (`EXPERT_COUNTS`) for the step's bias update
     count_experts: bool = False
 
     @classmethod
     def from_train(cls, train: TrainConfig) -> MoEOptions:
         return cls(capacity_factor=train.capacity_factor, sparse_matmul=train.sparse_matmul,
-                   megablox=train.megablox, count_experts=train.routed_bias_update_rate > 0)
+                   megablox=MegabloxTiles.from_train(train) if train.megablox else None,
+                   count_experts=train.routed_bias_update_rate > 0)
 
 
 @dataclass(frozen=True)
@@ -202,13 +204,14 @@ class MoE(nnx.Module):
         return out_BxLxD, aux
 
 
-def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, megablox: bool) -> jax.Array:
-    """Rows of `x_MxK` sorted by group times their group's weight. On TPU with `megablox`, jax's Pallas megablox
-    kernel (MaxText's default there: `megablox=true`) where the shapes tile; else jax.lax.ragged_dot."""
+def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, tiles: tuple[int, int, int] | None) -> jax.Array:
+    """Rows of `x_MxK` sorted by group times their group's weight. On TPU with megablox `tiles` (rows, K, N), jax's
+    Pallas megablox kernel (MaxText's default there: `megablox=true`) where the shapes tile; else
+    jax.lax.ragged_dot."""
     from maxperf.models.layers.attention_kernels import platform_of_mesh
 
-    tiling = megablox_tiling(x_MxK.shape[0], x_MxK.shape[1], w_GxKxN.shape[2])
-    if megablox and tiling is not None and platform_of_mesh() == "tpu":
+    tiling = None if tiles is None else megablox_tiling(x_MxK.shape[0], x_MxK.shape[1], w_GxKxN.shape[2], tiles)
+    if tiling is not None and platform_of_mesh() == "tpu":
         from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
 
         return megablox_ops.gmm(x_MxK, w_GxKxN, group_sizes_G.astype(jnp.int32), x_MxK.dtype, tiling)
@@ -230,24 +233,24 @@ class ExpertBias:
         return b_ExN[jnp.clip(self.ids_T, 0, b_ExN.shape[0] - 1)]
 
 
-def _expert_mlp(x_TxD, group_sizes_E, weights, activation: Activation, megablox: bool = False,
+def _expert_mlp(x_TxD, group_sizes_E, weights, activation: Activation, megablox: MegabloxTiles | None = None,
                 bias: ExpertBias | None = None, limit: float = 7.0):
     """The experts' gated MLP over tokens sorted by expert, `group_sizes_E` rows each (rows past them give 0, or
     with biases what the bias makes of them; no combine weight reads them)."""
     wi_0, wi_1, wo = weights
-    h_TxF = grouped_matmul(x_TxD, wi_1, group_sizes_E, megablox)
+    h_TxF = grouped_matmul(x_TxD, wi_1, group_sizes_E, megablox and megablox.wi)
     if bias is not None:
         h_TxF = h_TxF + bias.rows(bias.wi_1)
     h_TxF = checkpoint_name(h_TxF, "moe_mlpwi_1")  # and not mlpwi_1, as MaxText's sparse_matmul path names it
     if wi_0 is not None:
-        g_TxF = grouped_matmul(x_TxD, wi_0, group_sizes_E, megablox)
+        g_TxF = grouped_matmul(x_TxD, wi_0, group_sizes_E, megablox and megablox.wi)
         if bias is not None:
             g_TxF = g_TxF + bias.rows(bias.wi_0)
         g_TxF = checkpoint_name(checkpoint_name(g_TxF, "mlpwi_0"), "moe_mlpwi_0")
         h_TxF = gate(activation, g_TxF, h_TxF, limit)
     else:
         h_TxF = _ACT[activation](checkpoint_name(h_TxF, "mlpwi"))
-    out_TxD = grouped_matmul(h_TxF, wo, group_sizes_E, megablox)
+    out_TxD = grouped_matmul(h_TxF, wo, group_sizes_E, megablox and megablox.wo)
     if bias is not None:
         out_TxD = out_TxD + bias.rows(bias.wo) * jnp.asarray(bias.add_wo, out_TxD.dtype)
     return checkpoint_name(offload.residual(out_TxD, "mlpwo"), "moe_mlpwo")
@@ -278,9 +281,9 @@ def _counts(ids, n: int) -> jax.Array:
     return jnp.sum(ids[:, None] == jnp.arange(n, dtype=ids.dtype)[None, :], axis=0, dtype=jnp.int32)
 
 
-def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activation: Activation, megablox: bool,
-                   ep_axis: str | None, ep: int, tensor_axis: str | None, biases=None, scale_input: bool = False,
-                   limit: float = 7.0):
+def _local_experts(x_TxD, experts_TxK, weights_TxK, weights, *, E: int, activation: Activation,
+                   megablox: MegabloxTiles | None, ep_axis: str | None, ep: int, tensor_axis: str | None,
+                   biases=None, scale_input: bool = False, limit: float = 7.0):
     """One device's routed experts over its own T tokens: sort the T x K assignments by expert and, with experts
     split over `ep` devices along `ep_axis`, exchange them with all_to_all so that each device multiplies the tokens
     of its E / ep experts. `biases`: the experts' (wi_0 or None, wi_1, wo) biases, local like the weights;
@@ -354,7 +357,7 @@ def _gather(w, gathered: tuple[tuple[int, tuple[str, ...]], ...]):
 
 
 def sparse_dispatch(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cfg: ModelConfig,
-                    megablox: bool = False, biases=None) -> jax.Array:
+                    megablox: MegabloxTiles | None = None, biases=None) -> jax.Array:
     """Dropless routed experts: ragged_dot over each device's tokens sorted by expert, all_to_all between expert
     shards. Without a mesh (one device), the same computation on all tokens. The expert weights (wi_0 or None,
     wi_1, wo) come in their parameter dtype, are cast to the tokens' dtype on their FSDP shards and all-gathered
