@@ -451,8 +451,9 @@ def _moe_matmuls(table: Work, model: ModelConfig, train: TrainConfig, mesh: Mesh
     for name, weight, K, N, forward, backward in ((up, "wi", D, a.Fe, moe_fwd(*routed_wi), len(routed_wi) * bwd),
                                                   (down, "wo", a.Fe, D, moe_fwd("mlpwo"), bwd)):
         total = group * local  # the device's routed rows, sorted by expert
-        tiles = megablox_tiling(int(total), int(K), int(N), pass_tiles(train, weight, "fwd")) if megablox else None
-        if tiles is None:
+        tilings = [megablox_tiling(int(total), int(K), int(N), pass_tiles(train, weight, pass_))
+                   for pass_ in GMM_PASSES] if megablox else [None]
+        if tilings[0] is None:  # the forward's shapes tile (the kernel runs) or not (ragged_dot)
             table.train_matmul(name, group, K, N, local * forward, local * backward, c, rate=rate)
             continue
         # one Pallas kernel over all the sorted rows in tiles of tm x tk x tn, each of its three products (forward,
@@ -461,12 +462,12 @@ def _moe_matmuls(table: Work, model: ModelConfig, train: TrainConfig, mesh: Mesh
         # groups - 1, so every boundary costs a tile where routing leaves it unaligned), and K and N are computed in
         # whole tiles
         useful = []
-        for pass_ in GMM_PASSES:
-            tm, tk, tn = megablox_tiling(int(total), int(K), int(N), pass_tiles(train, weight, pass_)) or tiles
+        # a product whose own tiles do not fit the shapes runs in the forward's
+        for tm, tk, tn in (tiling or tilings[0] for tiling in tilings):
             straddled = total / (total + (local - 1) * tm)
             fill = K / (tk * math.ceil(K / tk)) * N / (tn * math.ceil(N / tn))
             useful.append((straddled, fill, f"{tm} x {tk} x {tn}"))
-        shapes = sorted({u[2] for u in useful}, key=[u[2] for u in useful].index)
+        shapes = list(dict.fromkeys(shape for _, _, shape in useful))
         table.assume(f"megablox {weight}", f"routed experts' {'up' if weight == 'wi' else 'down'} projections in "
                                            f"megablox's {' / '.join(shapes)} tiles (forward, input and weight "
                                            f"gradients{'' if len(shapes) > 1 else ' alike'}): a row tile for each "

@@ -17,7 +17,6 @@ GMM_WEIGHTS = ("wi", "wo")
 GMM_PASSES = ("fwd", "dlhs", "drhs")
 GMM_TILE_DIMS = ("batch_seq", "embed_dim", "mlp_dim")
 GMM_TILE_KEYS = tuple(f"{w}_tile_{p}_{d}" for w in GMM_WEIGHTS for p in GMM_PASSES for d in GMM_TILE_DIMS)
-GMM_TILE_DEFAULT = dict(zip(GMM_TILE_DIMS, MEGABLOX_TILES))
 
 
 def pass_tiles(train, weight: str, pass_: str) -> tuple[int, int, int]:
