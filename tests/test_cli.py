@@ -514,6 +514,28 @@ def test_a_killed_compile_ends_in_one_line_and_leaves_no_partial_output(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_the_childs_error_after_another_threads_unended_line_is_still_its_error(capsys):
+    """asyncio's tracebacks at exit (orbax's threads after a failed restore) come a piece at a time, and the child's
+    error line can land after one without its newline: the relay still takes it as the child's, and hides the rest."""
+    import io
+
+    from maxperf.cli import supervisor
+
+    args = argparse.Namespace(command="run", num_processes=1)
+    stream = (b"Traceback (most recent call last):\n"
+              b"    self._check_closed()maxperf: error: --restore ck: it is damaged\n"
+              b"RuntimeError: Event loop is closed\n")
+    relay = supervisor._Relay(io.BytesIO(stream), verbose=False)
+    relay.thread.join()
+    assert relay.error == "maxperf: error: --restore ck: it is damaged" and relay.hidden == 3
+    assert supervisor.ending(2, None, relay, args) == (None, 2)  # it said why
+    assert capsys.readouterr().err == "maxperf: error: --restore ck: it is damaged\n"
+    verbose = supervisor._Relay(io.BytesIO(stream), verbose=True)
+    verbose.thread.join()
+    assert capsys.readouterr().err.splitlines()[1:3] == ["    self._check_closed()",
+                                                          "maxperf: error: --restore ck: it is damaged"]
+
+
 def test_a_supervised_compile_that_does_not_fit_or_is_killed_ends_as_it_should():
     import io
 

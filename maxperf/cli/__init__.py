@@ -91,7 +91,8 @@ def in_user_words(message: str, args: argparse.Namespace) -> str:
 def fail(args: argparse.Namespace, line: str, code: int) -> int:
     """Says why the command failed: `line` on stderr, and with --json an error document on stdout (a supervised
     child leaves the document to its supervisor, which also sees the failures the child cannot report)."""
-    print(line, file=sys.stderr, flush=True)
+    sys.stderr.write(line + "\n")  # in one write: no other thread's output lands between the line and its end
+    sys.stderr.flush()
     if getattr(args, "json", False) and not getattr(args, "child", False):
         print_error_document(line, code)
     return code

@@ -40,6 +40,9 @@ _PARTIAL = re.compile(r"\..+\.[a-z0-9_]+\.partial")  # ArtifactWriter's temporar
 RESULT_CODES = (0, 3)  # exit codes of a command that printed its result: done, and 3 (the step does not fit)
 GRACE_SECONDS = 10  # after Ctrl-C, the child's time to clean up before it is killed
 _OURS = re.compile(r"^(maxperf: |\[\s*\d+\.\ds\] )")  # lines maxperf writes on stderr: messages and progress
+# One of maxperf's messages after another thread's output that had not ended its line (asyncio's tracebacks at exit
+# are written a piece at a time, and a line of ours can land after "    self._check_closed()")
+_OURS_AFTER = re.compile(r"maxperf: (?:error|interrupted|warning|note)\b")
 _FATAL = re.compile(r"^F\d{4} [\d:.]+\s+\d+ \S+\] (.*)")  # an absl/glog fatal line: Fyyyy hh:mm:ss.us tid file:l] msg
 # XLA:CPU's note on a device waiting at a collective: "... waiting for `all gather RendezvousKey{..., op_id=7}` ..."
 _WAITING = re.compile(r"waiting for `([a-z\- ]+) RendezvousKey\{.*?op_id=(\d+)\}`")
@@ -155,6 +158,12 @@ class _Relay:
         for raw in iter(self.stream.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
             ours = bool(_OURS.match(line))
+            if not ours and (late := _OURS_AFTER.search(line)):
+                foreign, line, ours = line[:late.start()], line[late.start():], True
+                if self.verbose:
+                    print(foreign, file=sys.stderr, flush=True)
+                else:
+                    self.hidden += 1
             if ours:
                 self.joined |= JOINED in line
                 if line.startswith(("maxperf: error", "maxperf: interrupted")):
