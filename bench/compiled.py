@@ -14,6 +14,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# Flags of the runs' launch scripts (MaxText's configs/tpu/*/*.sh, tpu-recipes' run_recipe.sh) that this libtpu
+# (0.0.52) compiles on one chip alone: flag -> that chip. MaxText's CF_FOR_ALL_GATHER (continuation fusion of
+# all-gathers into the matmuls they feed) is refused elsewhere ("continuation fusion for AllGather ... not supported
+# ... on platforms other than TPU v5e"); the scripts' other flags stay
+REFUSED = {"--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true": "tpu-v5e"}
+
+
+def launch_flags(flags: tuple[str, ...] | list[str], chip: str, whose: str) -> tuple[str, list[str], str]:
+    """(LIBTPU_INIT_ARGS for a run's compile on `chip`, the flags left out, where they came from): the run's launch
+    flags (`whose`) less REFUSED, or the environment's LIBTPU_INIT_ARGS where it is set, even empty."""
+    if "LIBTPU_INIT_ARGS" in os.environ:
+        return os.environ["LIBTPU_INIT_ARGS"], [], "LIBTPU_INIT_ARGS of the environment"
+    dropped = [f for f in flags if REFUSED.get(f, chip) != chip]
+    kept = [f for f in flags if f not in dropped]
+    return " ".join(kept), [f"{f} (compiles on {REFUSED[f]} alone)" for f in dropped], whose
 
 
 def seconds(text: str) -> float:

@@ -50,7 +50,9 @@ recipe) are summarized again as their own group. Rows on a chip with no fitted f
 without rows (chips.fraction_without_rows) over the fitted fractions, as the perfmodel does.
 
 `--hlo` adds the step time read from the compiled program (maxperf.aot.hlo_time) on the rows of HLO_ROWS (or
-`--hlo-rows`): each row is compiled by `maxperf compile` (one process at a time, HLO_TIMEOUT_S each; the compile
+`--hlo-rows`): each row is compiled by `maxperf compile` (one process at a time, HLO_TIMEOUT_S each) under the libtpu
+flags its launch script set (the mapping's xla_flags, less those this libtpu compiles on another chip alone, each
+named; a LIBTPU_INIT_ARGS in the environment, even empty, replaces them; the compile
 cache keeps the programs, so a second run re-reads them in seconds), and its HLO-derived error is printed beside the
 analytical one, with the HLO prediction over the analytical one. HLO_ROWS are rows whose step compiles in minutes on
 a 2-core machine: every chip generation with rows, single slices and several, FSDP and tensor parallelism; left out
@@ -79,7 +81,7 @@ from maxperf.spec.fp8 import recipe as fp8_recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
 import outfile  # noqa: E402
-from compiled import compile_and_read, run_cpu, seconds, step_reading  # noqa: E402
+from compiled import compile_and_read, launch_flags, run_cpu, seconds, step_reading  # noqa: E402
 
 HERE = Path(__file__).resolve().parent / "published"
 ROOT = HERE.parent.parent
@@ -463,6 +465,14 @@ def row_args(row: Row) -> list[str]:
             *_overrides(row)]
 
 
+def row_flags(row: Row) -> tuple[str, list[str], str]:
+    """(LIBTPU_INIT_ARGS for the row's compile, its launch flags left out, where they came from): the flags its run
+    was launched with (the mapping's xla_flags) less those this libtpu compiles on another chip alone
+    (compiled.launch_flags)."""
+    chip = spec.topology.get(row.mapping["topology"], int(row.mapping["num_slices"])).chip
+    return launch_flags(row.mapping.get("xla_flags", "").split(), chip, "its launch script's")
+
+
 def row_command(row: Row, command: str, *extra: str) -> list[str]:
     """`maxperf COMMAND` of the row's request, as a process of its own runs it."""
     return [sys.executable, "-m", "maxperf.cli", command, *row_args(row), *extra]
@@ -478,8 +488,10 @@ def hlo_steps(rows: list[Row], ids: list[str], timeout: float) -> dict[str, dict
         if row is None or row.reason:
             out[rid] = {"error": row.reason if row is not None else "no such row"}
             continue
-        print(f"compiling {rid} ...", file=sys.stderr, flush=True)
-        read = compile_and_read(row_args(row), timeout)
+        flags, dropped, origin = row_flags(row)
+        print(f"compiling {rid} under {origin} XLA flags ({len(flags.split())})"
+              + (f"; left out: {', '.join(dropped)}" if dropped else "") + " ...", file=sys.stderr, flush=True)
+        read = compile_and_read(row_args(row), timeout, {"LIBTPU_INIT_ARGS": flags})
         if "error" in read:
             out[rid] = read
             continue
@@ -500,7 +512,8 @@ def compiler_verdicts(rows: list[Row], timeout: float) -> dict[str, dict]:
     for row in rows:
         print(f"compiling {row.id} for its memory ...", file=sys.stderr, flush=True)
         try:
-            done = run_cpu(row_command(row, "estimate-memory", "--json"), timeout)
+            done = run_cpu(row_command(row, "estimate-memory", "--json"), timeout,
+                           {"LIBTPU_INIT_ARGS": row_flags(row)[0]})
             doc = json.loads(done.stdout)
         except subprocess.TimeoutExpired:
             out[row.id] = {"error": f"compile over {timeout:.0f} s"}

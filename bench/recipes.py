@@ -14,7 +14,7 @@ predicted / published - 1 of tokens/s per device; every row ran in production, s
 
 `--hlo ROWS` compiles rows too, each under its recipe's XLA flags as it ran (the `xla_flags` column: the config's
 `xla_flags`, MaxText's benchmarks/xla_flags_library.py spelled out, or the Ironwood script's XLA_FLAGS, passed to
-libtpu as LIBTPU_INIT_ARGS), less those this libtpu compiles on another chip alone (REFUSED, each named in the
+libtpu as LIBTPU_INIT_ARGS), less those this libtpu compiles on another chip alone (compiled.REFUSED, each named in the
 output); a LIBTPU_INIT_ARGS in the environment, even empty, replaces them.
 """
 
@@ -26,7 +26,6 @@ import csv
 import io
 import json
 import math
-import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -36,16 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
 import outfile  # noqa: E402
-from compiled import compile_and_read, seconds, step_reading  # noqa: E402
+from compiled import compile_and_read, launch_flags, seconds, step_reading  # noqa: E402
 
 from maxperf import cli  # noqa: E402
 from maxperf.spec import presets, topology  # noqa: E402
 
 ROWS = ROOT / "bench" / "published" / "recipes.csv"
-# Flags of the recipes that this libtpu (0.0.52) compiles on one chip alone: flag -> that chip. MaxText's
-# CF_FOR_ALL_GATHER (continuation fusion of all-gathers into the matmuls they feed) is refused elsewhere ("continuation
-# fusion for AllGather ... not supported ... on platforms other than TPU v5e"); its other flags stay
-REFUSED = {"--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true": "tpu-v5e"}
 
 
 @dataclass(frozen=True)
@@ -68,13 +63,8 @@ def load_rows(path: Path = ROWS) -> list[Row]:
 
 def compile_flags(row: Row) -> tuple[str, list[str], str]:
     """(LIBTPU_INIT_ARGS for the row's compile, the recipe's flags left out, where the flags came from): the recipe's
-    less REFUSED, or the environment's LIBTPU_INIT_ARGS where it is set."""
-    if "LIBTPU_INIT_ARGS" in os.environ:
-        return os.environ["LIBTPU_INIT_ARGS"], [], "LIBTPU_INIT_ARGS of the environment"
-    chip = topology.get(row.topology, row.num_slices).chip
-    dropped = [f for f in row.xla_flags if REFUSED.get(f, chip) != chip]
-    kept = [f for f in row.xla_flags if f not in dropped]
-    return " ".join(kept), [f"{f} (compiles on {REFUSED[f]} alone)" for f in dropped], "the recipe's"
+    less compiled.REFUSED, or the environment's LIBTPU_INIT_ARGS where it is set."""
+    return launch_flags(row.xla_flags, topology.get(row.topology, row.num_slices).chip, "the recipe's")
 
 
 def estimate(row: Row) -> tuple[int, dict, str]:

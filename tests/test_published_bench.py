@@ -151,3 +151,23 @@ def test_the_step_time_read_from_the_compiled_program_stands_beside_the_publishe
     result = json.loads(out.read_text())["rows"][row]
     assert result["compiled_fits"] is True
     assert abs(result["hlo"]) < 0.10 and 0.90 < result["hlo_over_analytical"] < 1.10, result
+
+
+def test_a_row_compiles_under_the_flags_its_launch_script_set(bench, monkeypatch):
+    """`--hlo` and `--compile-misfits` compile a row under its launch script's libtpu flags (the mapping's xla_flags):
+    MaxText's v5p 32B script hands the all-gathers to the SparseCore, and the continuation fusion of all-gathers it
+    also names, which this libtpu compiles on v5e alone, is left out and said so; a row whose run states no flags
+    compiles under none; a LIBTPU_INIT_ARGS in the environment replaces them."""
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    rows = {r.id: r for r in bench.load_rows()}
+    flags, dropped, origin = bench.row_flags(rows["maxtext-v5p-32b-v5p-128-x1"])
+    assert "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true" in flags.split()
+    assert "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false" in flags.split()
+    assert "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true" not in flags.split()
+    assert dropped == ["--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true (compiles on tpu-v5e alone)"]
+    assert origin == "its launch script's"
+    v5e, dropped, _ = bench.row_flags(rows["maxtext-v5e-16b-x1"])
+    assert "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true" in v5e.split() and dropped == []
+    assert bench.row_flags(rows["mpt-h100-1b-L2048-8gpu"])[:2] == ("", [])
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "")
+    assert bench.row_flags(rows["maxtext-v5p-32b-v5p-128-x1"]) == ("", [], "LIBTPU_INIT_ARGS of the environment")
