@@ -570,6 +570,12 @@ def test_plan_ties_use_the_chips_held_out_error_and_verification_proves_distinct
     b.remat_policy = "minimal"
     assert verify.distinct_layouts([a, b, c], [], 2) == [a, c]  # not two of the same mesh
     assert verify.distinct_layouts([a, b, c], [], 3) == [a, c, b]
+    # fsdp and fsdp_transpose shard alike: their splits of one product are near-twins, proved after other layouts
+    d, e, f = (_candidate(2.7, fsdp=2, fsdp_transpose=16), _candidate(2.7, fsdp=8, fsdp_transpose=4),
+               _candidate(2.6, fsdp=8, sequence=4))
+    assert verify.distinct_layouts([a, d, e, f], [], 3) == [a, f, d]
+    assert verify.distinct_layouts([d, e, f], [a], 2) == [f, d]
+    assert verify.layout_family(d) == verify.layout_family(a) != verify.layout_family(c)
 
 
 def test_the_measured_error_says_when_a_verdict_is_too_close_to_call(tmp_path):

@@ -9,6 +9,7 @@ candidate.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -19,9 +20,11 @@ from maxperf.search import sweep
 from maxperf.search.candidates import Candidate
 from maxperf.search.margin import Margin
 from maxperf.search.plan import GIB, SearchResult, rank, search
+from maxperf.spec.logical_axes import MESH_AXES
 from maxperf.user_cache import load_calibration
 
 MAX_COMPILES_PER_FIT = 4  # verification gives up after K x this many compiles
+FSDP_FAMILY = ("fsdp", "fsdp_transpose")  # mesh axes of one role: layout_family
 
 
 def verify(result: SearchResult, k: int, out: str | os.PathLike, workers: int | None = None,
@@ -81,16 +84,31 @@ def verify(result: SearchResult, k: int, out: str | os.PathLike, workers: int | 
     return result
 
 
+def layout_family(c: Candidate) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A candidate's mesh with the axes that play one role taken together: fsdp and fsdp_transpose both shard the
+    weights and the batch over their product (they differ only in which weight dim each splits, and perfmodel and
+    the compiler move the same bytes for either), so fsdp=2 x fsdp_transpose=16, fsdp=8 x fsdp_transpose=4 and
+    fsdp=32 are one family; its ICI and DCN sizes per role."""
+    def roles(sizes: dict[str, int]) -> tuple[int, ...]:
+        return (*(sizes.get(a, 1) for a in MESH_AXES if a not in FSDP_FAMILY),
+                math.prod(sizes.get(a, 1) for a in FSDP_FAMILY))
+
+    return roles(c.ici), roles(c.dcn)
+
+
 def distinct_layouts(ranked: list[Candidate], done, want: int) -> list[Candidate]:
-    """The first `want` of `ranked`, taking at most one candidate per mesh among those not yet compiled (`done`):
-    compiles that prove different layouts, not near-twins of one; candidates of a mesh already taken follow where
-    too few meshes are left."""
+    """The first `want` of `ranked` that prove different layouts, not near-twins of one: first one candidate per
+    layout family (layout_family) not yet compiled (`done`), then one per mesh not yet compiled within a family
+    already taken, then the rest, each tier in ranked order."""
+    families = {layout_family(c) for c in done}
     meshes = {c.mesh_shown() for c in done}
-    first, again = [], []
+    first, second, again = [], [], []
     for c in ranked:
-        (again if c.mesh_shown() in meshes else first).append(c)
-        meshes.add(c.mesh_shown())
-    return (first + again)[:want]
+        family, mesh = layout_family(c), c.mesh_shown()
+        (first if family not in families else second if mesh not in meshes else again).append(c)
+        families.add(family)
+        meshes.add(mesh)
+    return (first + second + again)[:want]
 
 
 def search_again(result: SearchResult, compiled: dict[tuple[str, ...], Candidate], progress) -> None:
