@@ -265,6 +265,21 @@ def test_a_kernel_out_of_vmem_is_not_called_out_of_device_memory(message):
     assert not compiler.scoped_vmem_exhausted(hbm) and compiler.out_of_memory_figures(hbm)
 
 
+def test_a_flag_libtpu_refuses_on_the_chip_is_named_with_what_to_set():
+    """MaxText's v5p 64b.sh sets continuation fusion of all-gathers, which this libtpu refuses on v5p: the error names
+    the flag and what to set instead, and is neither an out-of-memory verdict nor a VMEM one."""
+    from maxperf.aot import compiler
+
+    message = ("FAILED_PRECONDITION: Continuation fusion for AllGather is enabled on platform viperfish (variant: ), "
+               "but it is not supported/recommended on platforms other than TPU v5e, and this might lead to many "
+               "errors including but not limited to: incorrect results, hang, SDC, etc. Please disable it.")
+    line = compiler.refused_flag_error(message)
+    assert "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true" in line and "=false" in line
+    assert "TPU v5e alone" in line and "\n" not in line
+    assert compiler.out_of_memory_figures(message) is None and not compiler.scoped_vmem_exhausted(message)
+    assert compiler.refused_flag_error(VMEM_FORMS[0]) is None
+
+
 def test_an_out_of_memory_compile_counts_the_arguments_once():
     """libtpu's "HLO temporaries" figure at least as large as the arguments holds them (a decode step one sequence
     past fitting: 15.94 GiB beside 15.77 of arguments needs about 16, not 31.7); a smaller one cannot, and they add."""

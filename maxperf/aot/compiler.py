@@ -141,6 +141,22 @@ def oom_total(temporaries: int, arguments: int) -> dict[str, int]:
     return {"argument_bytes": arguments, "temp_bytes": total - arguments, "per_device_total_bytes": total}
 
 
+CONTINUATION_FUSION_FLAG = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather"
+
+
+def refused_flag_error(message: str) -> str | None:
+    """The one-line error for a compile libtpu refused for a flag in LIBTPU_INIT_ARGS: continuation fusion of
+    all-gathers into the matmuls they feed (MaxText's CF_FOR_ALL_GATHER, which its v5e, v5p and Trillium scripts
+    set), which this libtpu compiles on TPU v5e alone ("Continuation fusion for AllGather is enabled on platform
+    ... not supported/recommended on platforms other than TPU v5e"); None for any other failure."""
+    if "continuation fusion for allgather" not in message.lower():
+        return None
+    return (f"libtpu compiles continuation fusion of all-gathers ({CONTINUATION_FUSION_FLAG}=true in "
+            "LIBTPU_INIT_ARGS) on TPU v5e alone, and refused it for this topology's chip: drop the flag or set it "
+            f"false ({CONTINUATION_FUSION_FLAG}=false after it, as MaxText's v5p 32b.sh does, which hands the "
+            "all-gathers to the SparseCore with --xla_tpu_enable_sparse_core_collective_offload_all_gather=true)")
+
+
 def scoped_vmem_exhausted(message: str) -> bool:
     """XLA's TPU compile error for a kernel whose blocks need more of a TensorCore's vector memory (VMEM, on chip)
     than the compiler allows it: libtpu's 'CompileTimeScopedVmemOom', or 'Ran out of memory in memory space vmem.
@@ -361,6 +377,8 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
         except Exception as e:  # XLA reports out-of-memory as a compile error on TPU
             if scoped_vmem_exhausted(str(e)):
                 raise MaxperfError(vmem_error(str(e))) from None
+            if refused := refused_flag_error(str(e)):
+                raise MaxperfError(refused) from None
             figures = out_of_memory_figures(str(e))
             if figures is None:
                 raise MaxperfError(f"XLA could not compile the step: {str(e).splitlines()[0][:300]}") from e
