@@ -13,12 +13,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from maxperf.aot.compiler import CONTINUATION_FUSION_FLAG
+
 ROOT = Path(__file__).resolve().parents[1]
 # Flags of the runs' launch scripts (MaxText's configs/tpu/*/*.sh, tpu-recipes' run_recipe.sh) that this libtpu
 # (0.0.52) compiles on one chip alone: flag -> that chip. MaxText's CF_FOR_ALL_GATHER (continuation fusion of
 # all-gathers into the matmuls they feed) is refused elsewhere ("continuation fusion for AllGather ... not supported
 # ... on platforms other than TPU v5e"); the scripts' other flags stay
-REFUSED = {"--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true": "tpu-v5e"}
+REFUSED = {f"{CONTINUATION_FUSION_FLAG}=true": "tpu-v5e"}
 
 
 def launch_flags(flags: tuple[str, ...] | list[str], chip: str, whose: str) -> tuple[str, list[str], str]:

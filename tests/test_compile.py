@@ -278,6 +278,8 @@ def test_a_flag_libtpu_refuses_on_the_chip_is_named_with_what_to_set():
     assert "TPU v5e alone" in line and "\n" not in line
     assert compiler.out_of_memory_figures(message) is None and not compiler.scoped_vmem_exhausted(message)
     assert compiler.refused_flag_error(VMEM_FORMS[0]) is None
+    assert compiler.known_failure_line(message) == line
+    assert compiler.known_failure_line(VMEM_FORMS[0]) == compiler.vmem_error(VMEM_FORMS[0])
 
 
 def test_an_out_of_memory_compile_counts_the_arguments_once():

@@ -157,6 +157,13 @@ def refused_flag_error(message: str) -> str | None:
             "all-gathers to the SparseCore with --xla_tpu_enable_sparse_core_collective_offload_all_gather=true)")
 
 
+def known_failure_line(message: str) -> str | None:
+    """The one-line error, with what to change, for a compile failure maxperf recognizes that is not the device's
+    memory running out: a kernel out of scoped VMEM (vmem_error), a flag libtpu refuses for the chip
+    (refused_flag_error); None for any other."""
+    return vmem_error(message) if scoped_vmem_exhausted(message) else refused_flag_error(message)
+
+
 def scoped_vmem_exhausted(message: str) -> bool:
     """XLA's TPU compile error for a kernel whose blocks need more of a TensorCore's vector memory (VMEM, on chip)
     than the compiler allows it: libtpu's 'CompileTimeScopedVmemOom', or 'Ran out of memory in memory space vmem.
@@ -375,10 +382,8 @@ def _compile_into(writer: artifacts.ArtifactWriter, p: Request, say: Progress, s
         try:
             compiled, found = peak.compile_with_peak(lowered, options)
         except Exception as e:  # XLA reports out-of-memory as a compile error on TPU
-            if scoped_vmem_exhausted(str(e)):
-                raise MaxperfError(vmem_error(str(e))) from None
-            if refused := refused_flag_error(str(e)):
-                raise MaxperfError(refused) from None
+            if known := known_failure_line(str(e)):
+                raise MaxperfError(known) from None
             figures = out_of_memory_figures(str(e))
             if figures is None:
                 raise MaxperfError(f"XLA could not compile the step: {str(e).splitlines()[0][:300]}") from e

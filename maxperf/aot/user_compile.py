@@ -134,10 +134,8 @@ def _compile_into(writer, request: UserRequest, user: Step, mesh, lowered, say, 
         try:
             compiled, found = peak.compile_with_peak(lowered, options)
         except Exception as e:
-            if compiler.scoped_vmem_exhausted(str(e)):
-                raise UserStepError(compiler.vmem_error(str(e)), user_step.traceback_text(e)) from None
-            if refused := compiler.refused_flag_error(str(e)):
-                raise UserStepError(refused, user_step.traceback_text(e)) from None
+            if known := compiler.known_failure_line(str(e)):
+                raise UserStepError(known, user_step.traceback_text(e)) from None
             figures = compiler.out_of_memory_figures(str(e))
             if figures is None:
                 raise UserStepError(f"XLA could not compile the step of --step {user.name}: "
