@@ -90,9 +90,13 @@ def measure(chip: str, dtype: str, M: int, K: int, N: int, reps: int) -> dict:
                  "date": time.strftime("%Y-%m-%d", time.gmtime()), **priced(chip, dtype, M, K, N)}
     stored = jnp.float8_e4m3fn if dtype == "fp8" else jnp.bfloat16
 
+    # the weights stored [N, K], as a serving stack keeps a linear layer's (out, in), which is the operand layout
+    # cuBLASLt's FP8 GEMM takes without a transpose (contracting the second dim of both operands)
+    contract = (((1,), (1,)), ((), ()))
+
     @jax.jit
     def matmuls(xs, ws):  # one matmul per weight matrix, each its own buffer; a scalar of each result kept
-        return sum(jnp.dot(x, w, preferred_element_type=jnp.bfloat16)[0, 0].astype(jnp.float32)
+        return sum(jax.lax.dot_general(x, w, contract, preferred_element_type=jnp.bfloat16)[0, 0].astype(jnp.float32)
                    for x, w in zip(xs, ws))
 
     try:
@@ -100,7 +104,7 @@ def measure(chip: str, dtype: str, M: int, K: int, N: int, reps: int) -> dict:
         keys = jax.random.split(key, 2 * copies)
         # values of a few units: in range for float8_e4m3fn, and no different to the hardware's speed
         xs = [jax.random.normal(keys[i], (M, K), jnp.float32).astype(stored) for i in range(copies)]
-        ws = [jax.random.normal(keys[copies + i], (K, N), jnp.float32).astype(stored) for i in range(copies)]
+        ws = [jax.random.normal(keys[copies + i], (N, K), jnp.float32).astype(stored) for i in range(copies)]
         jax.block_until_ready(matmuls(xs, ws))  # compile
         jax.block_until_ready(matmuls(xs, ws))
         times = []
