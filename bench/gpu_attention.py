@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import outfile  # noqa: E402
+from kernel_timing import check_reps_and_gpu, choices, median_seconds  # noqa: E402
 
 # llama3-8b's heads (32 query, 8 kv, 128 wide) at the sequence lengths of training steps; qwen3-0.6b's 16/8 at 128
 DEFAULT_SHAPES = "8x2048x32x8x128,2x8192x32x8x128,1x16384x32x8x128,16x2048x16x8x128"
@@ -145,19 +145,6 @@ def attention_fn(kernel: str, interpret: bool):
     return fused
 
 
-def median_seconds(fn, args, reps: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))  # compile
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure(kernel: str, shape: tuple[int, ...], chip: str, reps: int, interpret: bool, check: bool) -> dict:
     import jax
     import jax.numpy as jnp
@@ -244,18 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [parse_shape(s) for s in args.shapes.split(",") if s.strip()]
     except ValueError as e:
         parser.error(str(e))
-    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
-    if unknown := [k for k in kernels if k not in KERNELS]:
-        parser.error(f"unknown kernel(s) {unknown}; choose from {', '.join(KERNELS)}")
+    kernels = choices(parser, args.kernels, KERNELS, "kernel")
     if not shapes or not kernels:
         parser.error("give at least one shape (--shapes) and one kernel (--kernels)")
-    if args.reps < 1:
-        parser.error("--reps must be at least 1")
-    from maxperf.perfmodel import chips
-
-    gpus = sorted(name for name, chip in chips.CHIPS.items() if chip.kind == "gpu")
-    if args.chip not in gpus:
-        parser.error(f"unknown GPU chip {args.chip!r}; choose from {', '.join(gpus)}")
+    check_reps_and_gpu(parser, args.reps, args.chip)
     import jax
 
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)

@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import outfile  # noqa: E402
+from kernel_timing import check_reps_and_gpu, choices, median_seconds  # noqa: E402
 
 # The decode steps' weight shapes (K x N, one device, no tensor parallelism): Llama 2 70B's fused q/k/v, output
 # projection, fused gate and up, and down projections, and Llama 2 7B's
@@ -105,17 +106,11 @@ def measure(chip: str, dtype: str, M: int, K: int, N: int, reps: int) -> dict:
         # values of a few units: in range for float8_e4m3fn, and no different to the hardware's speed
         xs = [jax.random.normal(keys[i], (M, K), jnp.float32).astype(stored) for i in range(copies)]
         ws = [jax.random.normal(keys[copies + i], (N, K), jnp.float32).astype(stored) for i in range(copies)]
-        jax.block_until_ready(matmuls(xs, ws))  # compile
-        jax.block_until_ready(matmuls(xs, ws))
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            jax.block_until_ready(matmuls(xs, ws))
-            times.append(time.perf_counter() - start)
+        call_s = median_seconds(matmuls, (xs, ws), reps)
         del xs, ws
     except Exception as e:  # one shape's failure is its row's reason; the others still run
         return {**row, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
-    row["measured_s"] = statistics.median(times) / copies
+    row["measured_s"] = call_s / copies
     row["tflops"] = 2 * M * K * N / row["measured_s"] / 1e12
     row["roofline_ratio"] = row["measured_s"] / row["roofline_s"]
     row["sum_ratio"] = row["measured_s"] / row["sum_s"]
@@ -167,18 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [parse_shape(s) for s in args.shapes.split(",") if s.strip()]
     except ValueError as e:
         parser.error(str(e))
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    if unknown := [d for d in dtypes if d not in DTYPES]:
-        parser.error(f"unknown dtype(s) {unknown}; choose from {', '.join(DTYPES)}")
+    dtypes = choices(parser, args.dtypes, DTYPES, "dtype")
     if not shapes or not dtypes:
         parser.error("give at least one shape (--shapes) and one dtype (--dtypes)")
-    if args.reps < 1:
-        parser.error("--reps must be at least 1")
-    from maxperf.perfmodel import chips
-
-    gpus = sorted(name for name, chip in chips.CHIPS.items() if chip.kind == "gpu")
-    if args.chip not in gpus:
-        parser.error(f"unknown GPU chip {args.chip!r}; choose from {', '.join(gpus)}")
+    check_reps_and_gpu(parser, args.reps, args.chip)
     import jax
 
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, priced as {args.chip}", flush=True)
