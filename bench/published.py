@@ -49,16 +49,14 @@ beside it; `--mapping` reads another writing of the rows). The rows that train i
 recipe) are summarized again as their own group. Rows on a chip with no fitted fraction (B200) take the rule for chips
 without rows (chips.fraction_without_rows) over the fitted fractions, as the perfmodel does.
 
-`--hlo` adds the step time read from the compiled program (maxperf.aot.hlo_time) on the rows of HLO_ROWS (or
-`--hlo-rows`): each row is compiled by `maxperf compile` (one process at a time, HLO_TIMEOUT_S each) under the libtpu
+`--hlo` adds the step time read from the compiled program (maxperf.aot.hlo_time) on every expressible row (or those
+of `--hlo-rows`): each row is compiled by `maxperf compile` (one process at a time, HLO_TIMEOUT_S each) under the libtpu
 flags its launch script set (the mapping's xla_flags, less those this libtpu compiles on another chip alone, each
 named; a LIBTPU_INIT_ARGS in the environment, even empty, replaces them; the compile
 cache keeps the programs, so a second run re-reads them in seconds), and its HLO-derived error is printed beside the
-analytical one, with the HLO prediction over the analytical one. HLO_ROWS are rows whose step compiles in minutes on
-a 2-core machine: every chip generation with rows, single slices and several, FSDP and tensor parallelism; left out
-are the rows of 405B-parameter and 1T models and MaxText's unscanned A3 steps (`scan_layers=false`), whose compiles
-take far longer here, and rows that differ from a listed one only in their slice count or size: on this shared
-machine one compile took 10 to 40 minutes, so the list stops at ten.
+analytical one, with the HLO prediction over the analytical one, and summarized per chip. All 90 rows compiled in 65
+minutes on a 2-core machine (2026-12-01), each in under 5; QUICK_HLO_ROWS (`--hlo-rows quick`) are ten of them, every
+chip generation with rows, single slices and several, FSDP and tensor parallelism, in about 7 minutes.
 """
 
 from __future__ import annotations
@@ -85,11 +83,11 @@ from compiled import compile_and_read, launch_flags, run_cpu, seconds, step_read
 
 HERE = Path(__file__).resolve().parent / "published"
 ROOT = HERE.parent.parent
-# The rows `--hlo` compiles (see the docstring), and how long one compile may take here.
-HLO_ROWS = ("maxtext-v4-22b-x1", "maxtext-v4-22b-x4", "maxtext-v5e-16b-x1", "maxtext-v5p-32b-v5p-128-x1",
-            "mpt-h100-7b-L2048-8gpu", "maxtext-v5e-32b-x1", "maxtext-v5p-64b-v5p-128-x1", "mpt-a100-7b-L2048-8gpu",
-            "mpt-h100-1b-L2048-8gpu", "ironwood-llama3.1-70b-L8192-bf16-64chips")
-HLO_TIMEOUT_S = 1800
+# `--hlo-rows quick` (see the docstring), and how long one compile may take here.
+QUICK_HLO_ROWS = ("maxtext-v4-22b-x1", "maxtext-v4-22b-x4", "maxtext-v5e-16b-x1", "maxtext-v5p-32b-v5p-128-x1",
+                  "mpt-h100-7b-L2048-8gpu", "maxtext-v5e-32b-x1", "maxtext-v5p-64b-v5p-128-x1",
+                  "mpt-a100-7b-L2048-8gpu", "mpt-h100-1b-L2048-8gpu", "ironwood-llama3.1-70b-L8192-bf16-64chips")
+HLO_TIMEOUT_S = 900
 # the collectives' Overlap fields; the first three fitted
 FAMILY_ORDER = ("fsdp", "tensor", "data", "sequence", "expert")
 
@@ -535,7 +533,7 @@ def print_hlo(ok: list[Row], pub: np.ndarray, err0: np.ndarray, hlo: dict[str, d
     """The HLO-derived column: per compiled row, and the summary against the targets."""
     print("\nstep time read from the compiled program (maxperf.aot.hlo_time), rows compiled:")
     print(f"  {'row':<44} {'analytical':>10} {'HLO':>8} {'HLO / analytical':>17}  bound by")
-    errors, ratios, fitting = [], [], []
+    errors, ratios, fitting, groups = [], [], [], []
     for i, r in enumerate(ok):
         h = hlo.get(r.id)
         if h is None or "hlo_step_time_s" not in h:
@@ -546,6 +544,7 @@ def print_hlo(ok: list[Row], pub: np.ndarray, err0: np.ndarray, hlo: dict[str, d
         errors.append(err)
         ratios.append(ratio)
         fitting.append(h.get("compiled_fits", True))
+        groups.append(r.group)
         results[r.id]["hlo"] = float(err)
         results[r.id]["hlo_over_analytical"] = float(ratio)
         results[r.id]["compiled_fits"] = bool(fitting[-1])
@@ -559,6 +558,12 @@ def print_hlo(ok: list[Row], pub: np.ndarray, err0: np.ndarray, hlo: dict[str, d
         print(f"  HLO-derived, {len(errors)} rows: median {100 * np.median(a):.1f}%, worst {100 * a.max():.1f}% "
               f"(targets 8% / 20%); within 10% of the analytical on {int(close.sum())} of {len(errors)} "
               f"({100 * close.mean():.0f}%, target 80%)")
+        if len(set(groups)) > 1:
+            for group in sorted(set(groups)):
+                sel = np.array([g == group for g in groups])
+                n = int(sel.sum())
+                print(f"    {group:<20} {n:>3} row{'s' if n > 1 else ' '}: median {100 * np.median(a[sel]):5.1f}%, "
+                      f"worst {100 * a[sel].max():5.1f}%; within 10% of the analytical on {int(close[sel].sum())}")
         fit = np.array(fitting, dtype=bool)
         if 0 < fit.sum() < len(fit):
             print(f"  on the {int(fit.sum())} rows whose compiled step fits its device memory (the others' programs "
@@ -583,9 +588,11 @@ def main() -> int:
                          "hardware (one chip generation at a time); a chip left without rows takes the rule chips.py "
                          "applies to chips without rows")
     ap.add_argument("--hlo", action="store_true",
-                    help="also compile the rows of HLO_ROWS (or --hlo-rows) and print the step time read from the "
-                         "compiled program beside the analytical one (minutes per row; the compile cache keeps them)")
-    ap.add_argument("--hlo-rows", default=",".join(HLO_ROWS), help="comma-separated row ids for --hlo")
+                    help="also compile every expressible row (or those of --hlo-rows) and print the step time read "
+                         "from the compiled program beside the analytical one (minutes per row; the compile cache "
+                         "keeps them)")
+    ap.add_argument("--hlo-rows", default="all",
+                    help="comma-separated row ids for --hlo; all (every expressible row) or quick (QUICK_HLO_ROWS)")
     ap.add_argument("--hlo-timeout", type=seconds, default=HLO_TIMEOUT_S, help="seconds one row's compile may take")
     ap.add_argument("--mapping", type=Path, default=MAPPING,
                     help="how the rows are written for maxperf (default bench/published/maxperf_mapping.csv): another "
@@ -708,8 +715,9 @@ def main() -> int:
             print(f"  the compiler agrees on {agree} of {len(verdicts)}")
 
     if args.hlo:
-        print_hlo(ok, pub, err0, hlo_steps(rows, [i for i in args.hlo_rows.split(",") if i], args.hlo_timeout),
-                  results)
+        chosen = {"all": [r.id for r in ok], "quick": list(QUICK_HLO_ROWS)}.get(
+            args.hlo_rows, [i for i in args.hlo_rows.split(",") if i])
+        print_hlo(ok, pub, err0, hlo_steps(rows, chosen, args.hlo_timeout), results)
 
     skipped = [r for r in rows if r.reason]
     if skipped:

@@ -482,6 +482,30 @@ def test_splash_forward_with_a_shrunk_block_mask_counts_the_grid_it_walks():
     assert hlo_flops(full).attention_kernel_flops == 32 * 4 * 32 * 2 * SPLASH_PAIRS
 
 
+def test_splash_queries_of_a_longer_sequence_count_the_keys_before_their_place():
+    # context parallelism: each device's 8 queries against the whole 16-token sequence's keys; the two slices of 8
+    # see 3 and 7 of the causal 4x4 blocks (the second's queries see the first slice's keys whole): 5 on average
+    kernel = (SPLASH.replace("NAME", "splash_mha_fwd_residuals")
+              .replace("RESULT", "(f32[2,8,32]{2,1,0}, f32[2,8,128]{2,1,0})")
+              .replace("BLOCK_Q", "block_q").replace("BLOCK_KV", "block_kv")
+              .replace("custom-call(%i, %q, %q)", "custom-call(%i, %q, %k)"))
+    kernel = "  %k = f32[2,16,32]{2,1,0} bitcast(%h)\n" + kernel
+    text = WHILE_KNOWN.replace(KNOWN_TRIP_COUNT, "").replace("  %t = ", kernel + "  %t = ")
+    assert hlo_flops(text).attention_kernel_flops == 32 * 4 * 32 * 2 * (5 * 16)  # trips x 4 x Dh x heads x pairs
+
+
+def test_splash_operands_laid_out_sequence_minor_count_as_the_same_attention():
+    # MaxText's sa_q_layout=SEQ_MINOR (and k's): the kernel takes q and k as [heads, Dh, L], its metadata says so
+    kernel = (SPLASH.replace("NAME", "splash_mha_fwd_residuals")
+              .replace("RESULT", "(f32[2,8,32]{2,1,0}, f32[2,8,128]{2,1,0})")
+              .replace("BLOCK_Q", "block_q").replace("BLOCK_KV", "block_kv")
+              .replace("%q = f32[2,8,32]", "%q = f32[2,32,8]")
+              .replace('false}"', 'false, \\"q_layout\\": 2, \\"k_layout\\": 2}"'))
+    assert '\\"q_layout\\": 2' in kernel
+    text = WHILE_KNOWN.replace(KNOWN_TRIP_COUNT, "").replace("  %t = ", kernel + "  %t = ")
+    assert hlo_flops(text).attention_kernel_flops == 32 * 4 * 32 * 2 * SPLASH_PAIRS
+
+
 TRITON = """  %q = f32[1,8,2,32]{3,2,1,0} bitcast(%h)
   %pallas_call.36 = RESULT custom-call(%q, %q, %q), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/shard_map/jit(mha)/NAME/pallas_call"}, backend_config={debug = false, grid_x = 2 : i32, grid_y = 1 : i32, grid_z = 2 : i32, ir = "ML\\EFR{\\00\\22}}{"}
 """

@@ -61,6 +61,10 @@ _CONSTANT = re.compile(r"\s*(-?\d+)\s*$")
 # splash attention on TPU (splash_{mha,mqa}_{fwd,dq,dkv}...), jax's Pallas Triton flash attention on GPU.
 _ATTENTION_KERNEL = re.compile(r"\b(splash_m[hq]a_(fwd|dq|dkv)\w*|mha_(forward|backward|preprocess_backward))\b")
 _BLOCK = re.compile(r'\\?"(block_(?:q|kv|q_dq|kv_dq|q_dkv|kv_dkv))\\?": (\d+)')
+# splash's operand layouts in its kernel metadata (jax's QKVLayout: 1 HEAD_DIM_MINOR [..., L, Dh], 2 SEQ_MINOR
+# [..., Dh, L])
+_LAYOUT = re.compile(r'\\?"(q|k)_layout\\?": (\d+)')
+SEQ_MINOR = 2
 _GRID_X = re.compile(r"grid_x = (\d+)")
 _FLOAT_ARRAY = re.compile(r"^(?:bf16|f16|f32|f64|f8\w*)\[")
 # A splash kernel's block mask, the first integer array among its operands' layout constraints: [heads, q blocks,
@@ -501,7 +505,8 @@ def attention_kernel(name: str, shape: str, rest: str, instrs: dict[str, tuple[s
     metadata, the Triton kernel's from its grid (forward) and jax's defaults (backward, 32). A sliding-window mask
     skips more blocks than this count, as far as the grid of splash's block mask shows (jax shrinks the forward's
     key blocks to the most any query block meets: two for a window shorter than a block); the blocks it skips inside
-    that grid are not seen.
+    that grid are not seen. Keys a whole multiple of the queries' length are a whole sequence whose queries are split
+    over devices (context parallelism): each slice sees the keys before its place, and the count is the slices' mean.
     """
     kernel = _ATTENTION_KERNEL.search(rest) or _ATTENTION_KERNEL.search(name)
     if kernel is None:
@@ -514,7 +519,8 @@ def attention_kernel(name: str, shape: str, rest: str, instrs: dict[str, tuple[s
         return None
     blocks = dict(_BLOCK.findall(rest))
     phase = kernel.group(2) or kernel.group(3)
-    if kernel.group(2):  # splash: [..., heads, L, Dh]
+    if kernel.group(2):  # splash: [..., heads, L, Dh], or [..., heads, Dh, L] in its SEQ_MINOR layout
+        q, k = splash_operand_dims(rest, q, k)
         heads, Lq, Lk, Dh = math.prod(q[:-2]), q[-2], k[-2], q[-1]
         suffix = {"fwd": "", "dq": "_dq", "dkv": "_dkv"}[phase]
         bq, bk = int(blocks.get("block_q" + suffix, 1)), int(blocks.get("block_kv" + suffix, 1))
@@ -527,16 +533,33 @@ def attention_kernel(name: str, shape: str, rest: str, instrs: dict[str, tuple[s
         else:
             bq, bk, per_pair = 32, 32, 14
     pairs = _causal_block_pairs(Lq, Lk, min(bq, Lq), min(bk, Lk))
+    if Lk > Lq and Lk % Lq == 0:
+        # the queries are one of Lk / Lq slices of a sequence whose keys are all here (context parallelism: the
+        # sequence split over devices, keys and values gathered), each slice at its own place in the sequence; a
+        # load-balanced layout (MaxText's default) gives every device the mean of the slices' pairs
+        slices = Lk // Lq
+        pairs = sum(_causal_block_pairs(Lq, Lk, min(bq, Lq), min(bk, Lk), s * Lq) for s in range(slices)) / slices
     if kernel.group(2) and (grid := _MASK_GRID.search(rest)):
         pairs = min(pairs, int(grid.group(1)) * int(grid.group(2)) * min(bq, Lq) * min(bk, Lk))
     return kernel.group(1), float(per_pair * Dh * heads * pairs)
 
 
-def _causal_block_pairs(Lq: int, Lk: int, bq: int, bk: int) -> int:
-    """(query, key) pairs in the [bq, bk] blocks that hold at least one causally visible pair (query i sees key j
-    when j <= i), each block counted whole."""
+def splash_operand_dims(rest: str, q: list[int], k: list[int]) -> tuple[list[int], list[int]]:
+    """A splash kernel's query and key operand dims as [..., L, Dh]: those its kernel metadata says are laid out
+    sequence-minor ([..., Dh, L]) with their last two dims swapped."""
+    layouts = dict(_LAYOUT.findall(rest))
+
+    def minor_dh(name: str, d: list[int]) -> list[int]:
+        return [*d[:-2], d[-1], d[-2]] if int(layouts.get(name, 1)) == SEQ_MINOR else d
+
+    return minor_dh("q", q), minor_dh("k", k)
+
+
+def _causal_block_pairs(Lq: int, Lk: int, bq: int, bk: int, offset: int = 0) -> int:
+    """(query, key) pairs in the [bq, bk] blocks that hold at least one causally visible pair (query i, at place
+    offset + i in the sequence, sees key j when j <= offset + i), each block counted whole."""
     nk = -(-Lk // bk)
-    return sum(bq * bk * min(nk, -(-(i + 1) * bq // bk)) for i in range(-(-Lq // bq)))
+    return sum(bq * bk * min(nk, -(-(offset + (i + 1) * bq) // bk)) for i in range(-(-Lq // bq)))
 
 
 def _applications(opcode: str, key: str, shape: str, rest: str, instrs: dict[str, tuple[str, str, str]]) -> float:

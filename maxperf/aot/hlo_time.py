@@ -600,7 +600,10 @@ class _Walker:
         if attention is not None:
             floats = [instrs[o][0] for o in hlo_cost.operands(rest)
                       if o in instrs and hlo_cost.FLOAT_ARRAY.match(instrs[o][0])]
-            head_dim = (hlo_cost.dims(floats[0]) or [128])[-1] if floats else 128
+            q = hlo_cost.dims(floats[0]) if floats else []
+            if len(q) >= 2 and "splash" in attention[0]:
+                q, _ = hlo_cost.splash_operand_dims(rest, q, q)
+            head_dim = q[-1] if q else 128
             return self.attention_cost(attention[1], nbytes, head_dim)
         flops = hlo_cost.custom_call_flops(shape, rest, instrs)
         if flops is None:
