@@ -65,6 +65,8 @@ _BLOCK = re.compile(r'\\?"(block_(?:q|kv|q_dq|kv_dq|q_dkv|kv_dkv))\\?": (\d+)')
 # [..., Dh, L])
 _LAYOUT = re.compile(r'\\?"(q|k)_layout\\?": (\d+)')
 SEQ_MINOR = 2
+# The head dim an attention kernel is priced at where its operands do not say
+DEFAULT_HEAD_DIM = 128
 _GRID_X = re.compile(r"grid_x = (\d+)")
 _FLOAT_ARRAY = re.compile(r"^(?:bf16|f16|f32|f64|f8\w*)\[")
 # A splash kernel's block mask, the first integer array among its operands' layout constraints: [heads, q blocks,
@@ -493,9 +495,9 @@ def _cudnn_convolution_flops(target: str, shape: str, rest: str, instrs: dict[st
 
 
 def attention_kernel(name: str, shape: str, rest: str, instrs: dict[str, tuple[str, str, str]]
-                     ) -> tuple[str, float] | None:
-    """(kernel, matmul FLOPs) of a Pallas flash attention custom call, counted from its operand shapes; None for
-    other custom calls.
+                     ) -> tuple[str, float, int] | None:
+    """(kernel, matmul FLOPs, head dim) of a Pallas flash attention custom call, counted from its operand shapes; None
+    for other custom calls.
 
     Per (query, key) pair computed, per query head: the forward does Q K^T and P V (4 x Dh flops); splash's dq
     kernel recomputes the scores, dP = dO V^T and dQ (6 x Dh); its dkv kernel the scores, dV, dP and dK (8 x Dh; 10
@@ -512,7 +514,7 @@ def attention_kernel(name: str, shape: str, rest: str, instrs: dict[str, tuple[s
     if kernel is None:
         return None
     if kernel.group(3) == "preprocess_backward":  # the Triton backward's row sums of dO x O: no matmul
-        return kernel.group(1), 0.0
+        return kernel.group(1), 0.0, DEFAULT_HEAD_DIM
     floats = [instrs[o][0] for o in _operands(rest) if o in instrs and _FLOAT_ARRAY.match(instrs[o][0])]
     q, k = (_dims(s) for s in floats[:2]) if len(floats) >= 2 else ([], [])
     if len(q) < 3 or len(k) < 3:
@@ -520,7 +522,7 @@ def attention_kernel(name: str, shape: str, rest: str, instrs: dict[str, tuple[s
     blocks = dict(_BLOCK.findall(rest))
     phase = kernel.group(2) or kernel.group(3)
     if kernel.group(2):  # splash: [..., heads, L, Dh], or [..., heads, Dh, L] in its SEQ_MINOR layout
-        q, k = splash_operand_dims(rest, q, k)
+        q, k = _splash_operand_dims(rest, q, k)
         heads, Lq, Lk, Dh = math.prod(q[:-2]), q[-2], k[-2], q[-1]
         suffix = {"fwd": "", "dq": "_dq", "dkv": "_dkv"}[phase]
         bq, bk = int(blocks.get("block_q" + suffix, 1)), int(blocks.get("block_kv" + suffix, 1))
@@ -541,10 +543,10 @@ def attention_kernel(name: str, shape: str, rest: str, instrs: dict[str, tuple[s
         pairs = sum(_causal_block_pairs(Lq, Lk, min(bq, Lq), min(bk, Lk), s * Lq) for s in range(slices)) / slices
     if kernel.group(2) and (grid := _MASK_GRID.search(rest)):
         pairs = min(pairs, int(grid.group(1)) * int(grid.group(2)) * min(bq, Lq) * min(bk, Lk))
-    return kernel.group(1), float(per_pair * Dh * heads * pairs)
+    return kernel.group(1), float(per_pair * Dh * heads * pairs), Dh
 
 
-def splash_operand_dims(rest: str, q: list[int], k: list[int]) -> tuple[list[int], list[int]]:
+def _splash_operand_dims(rest: str, q: list[int], k: list[int]) -> tuple[list[int], list[int]]:
     """A splash kernel's query and key operand dims as [..., L, Dh]: those its kernel metadata says are laid out
     sequence-minor ([..., Dh, L]) with their last two dims swapped."""
     layouts = dict(_LAYOUT.findall(rest))
@@ -815,7 +817,6 @@ convolution_flops = _convolution_flops
 custom_call_flops = _custom_call_flops
 CUSTOM_CALL_TARGET = _TARGET
 NO_FLOP_TARGETS = _NO_FLOP_TARGETS
-FLOAT_ARRAY = _FLOAT_ARRAY
 GEMM_TARGETS = _GEMM_TARGETS
 CUDNN_CONVOLUTION = _CUDNN_CONVOLUTION
 ATTENTION_KEY = _ATTENTION_KEY

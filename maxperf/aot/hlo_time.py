@@ -568,7 +568,7 @@ class _Walker:
             flops, attention = local_flops or 0.0, 0.0
             nbytes = self.operand_bytes(instrs, rest)[0] + _bytes(shape)
         if attention:
-            return self.attention_cost(attention, nbytes, 128)
+            return self.attention_cost(attention, nbytes, hlo_cost.DEFAULT_HEAD_DIM)
         if flops <= 0:
             return self.memory_cost(nbytes)
         M, K, N, dtype = self.matmul_shape(called, instrs, rest, opcode, shape)
@@ -598,13 +598,8 @@ class _Walker:
         nbytes = self.operand_bytes(instrs, rest)[0] + _bytes(shape)
         attention = hlo_cost.attention_kernel(name, shape, rest, instrs)
         if attention is not None:
-            floats = [instrs[o][0] for o in hlo_cost.operands(rest)
-                      if o in instrs and hlo_cost.FLOAT_ARRAY.match(instrs[o][0])]
-            q = hlo_cost.dims(floats[0]) if floats else []
-            if len(q) >= 2 and "splash" in attention[0]:
-                q, _ = hlo_cost.splash_operand_dims(rest, q, q)
-            head_dim = q[-1] if q else 128
-            return self.attention_cost(attention[1], nbytes, head_dim)
+            _, flops, head_dim = attention
+            return self.attention_cost(flops, nbytes, head_dim)
         flops = hlo_cost.custom_call_flops(shape, rest, instrs)
         if flops is None:
             self.note(f"custom call {target}: costed by the bytes of its operands and results only")
