@@ -74,7 +74,7 @@ import numpy as np
 
 from maxperf import perfmodel, spec
 from maxperf.perfmodel import chips, work
-from maxperf.spec.errors import MaxperfError
+from maxperf.spec.errors import MaxperfError, unknown
 from maxperf.spec.fp8 import recipe as fp8_recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own helpers
@@ -613,6 +613,11 @@ def main() -> int:
     if not args.mapping.is_file():
         ap.error(f"--mapping {args.mapping}: no such file")
     rows = load_rows(args.only, args.mapping)
+    # --hlo-rows: all and quick are the rows of those that --only keeps; named rows must be among them
+    hlo_ids = [i for i in args.hlo_rows.split(",") if i] if args.hlo_rows not in ("all", "quick") else []
+    for rid in hlo_ids if args.hlo else ():
+        if rid not in {r.id for r in rows}:
+            ap.error(str(unknown("row for --hlo-rows (or all, quick)", rid, [r.id for r in rows])))
     for row in rows:
         resolve(row)
     ok = [r for r in rows if not r.reason]
@@ -715,9 +720,9 @@ def main() -> int:
             print(f"  the compiler agrees on {agree} of {len(verdicts)}")
 
     if args.hlo:
-        chosen = {"all": [r.id for r in ok], "quick": list(QUICK_HLO_ROWS)}.get(
-            args.hlo_rows, [i for i in args.hlo_rows.split(",") if i])
-        print_hlo(ok, pub, err0, hlo_steps(rows, chosen, args.hlo_timeout), results)
+        if args.hlo_rows in ("all", "quick"):
+            hlo_ids = [r.id for r in ok if args.hlo_rows == "all" or r.id in QUICK_HLO_ROWS]
+        print_hlo(ok, pub, err0, hlo_steps(rows, hlo_ids, args.hlo_timeout), results)
 
     skipped = [r for r in rows if r.reason]
     if skipped:

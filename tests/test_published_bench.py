@@ -153,6 +153,15 @@ def test_the_step_time_read_from_the_compiled_program_stands_beside_the_publishe
     assert abs(result["hlo"]) < 0.10 and 0.90 < result["hlo_over_analytical"] < 1.10, result
 
 
+def test_a_misspelled_hlo_row_is_one_line_naming_the_closest_before_any_work():
+    proc = subprocess.run([sys.executable, str(BENCH), "--hlo", "--hlo-rows", "maxtext-v4-22b-x3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
+    assert proc.stderr.splitlines()[-1] == ("published.py: error: unknown row for --hlo-rows (or all, quick) "
+                                            "'maxtext-v4-22b-x3'; did you mean maxtext-v4-22b-x8, maxtext-v4-22b-x4, "
+                                            "maxtext-v4-22b-x2?")
+
+
 def test_a_row_compiles_under_the_flags_its_launch_script_set(bench, monkeypatch):
     """`--hlo` and `--compile-misfits` compile a row under its launch script's libtpu flags (the mapping's xla_flags):
     MaxText's v5p 32B script hands the all-gathers to the SparseCore, and the continuation fusion of all-gathers it
