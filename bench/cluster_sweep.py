@@ -45,7 +45,7 @@ def sweep(out: Path, points: int, env: dict[str, str], cluster: LocalCluster | N
         args += ["--cluster", cluster.address]
         for node in cluster.nodes:
             shutil.rmtree(node.cache_dir, ignore_errors=True)
-    cache = tempfile.mkdtemp(prefix="mp-bench-cache-")
+    cache = tempfile.mkdtemp(prefix="cache-", dir=out.parent)
     start = time.perf_counter()
     proc = subprocess.run(args, capture_output=True, text=True, env={**env, "MAXPERF_CACHE_DIR": cache},
                           timeout=3600)
@@ -68,9 +68,9 @@ def main() -> int:
                         help="how many of the 16 points to sweep (4 batch sizes per topology)")
     args = parser.parse_args()
     points = max(1, min(args.points, len(TOPOLOGIES) * len(BATCHES)))
-    root = Path(tempfile.mkdtemp(prefix="mp-bench-"))
     results = {}
-    with LocalCluster(workers=0, cpus=2) as one:
+    with tempfile.TemporaryDirectory(prefix="mp-bench-") as tmp, LocalCluster(workers=0, cpus=2) as one:
+        root = Path(tmp)
         results["local pool"] = sweep(root / "local", points, one.env(), None)
         results["Ray, 1 node"] = sweep(root / "one", points, one.env(), one)
         one.add_node("worker1")

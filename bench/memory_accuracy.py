@@ -45,11 +45,13 @@ it as the "gpu moe" entry, which GPU mixtures of experts alone take.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import itertools
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -62,7 +64,10 @@ import outfile  # noqa: E402
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices; nothing runs here
 # libtpu logs, for each program it compiles, its HBM temporaries: the bytes live at the heap's peak ("Unpadded") and
 # the heap's fragmentation beside them; memory_analysis's temp counts both. Set before libtpu loads.
-TPU_LOG = Path(os.environ.setdefault("TPU_LOG_DIR", tempfile.mkdtemp(prefix="maxperf-memacc-tpulog-")))
+if "TPU_LOG_DIR" not in os.environ:  # a folder of this run's own, removed when it ends
+    os.environ["TPU_LOG_DIR"] = tempfile.mkdtemp(prefix="maxperf-memacc-tpulog-")
+    atexit.register(shutil.rmtree, os.environ["TPU_LOG_DIR"], ignore_errors=True)
+TPU_LOG = Path(os.environ["TPU_LOG_DIR"])
 # unbuffered (glog writes a buffered message out only when a later one comes), so that a compile's block is in the
 # log when it returns; a compile served from maxperf's compile cache logs nothing: every case not in --cache compiles
 os.environ["LIBTPU_INIT_ARGS"] = " ".join((os.environ.get("LIBTPU_INIT_ARGS", ""), "--logbuflevel=-1")).strip()

@@ -631,3 +631,33 @@ def test_pinned_host_memory_past_the_hosts_is_said():
                                                          "remat_policy=custom", "decoder_layer_input=offload",
                                                          "query_proj=offload"]))
     assert within.memory.host_bytes > 0 and not any("host memory" in n for n in within.notes)
+
+
+def test_loading_a_step_compiled_for_its_peak_leaves_no_dump_behind():
+    """A step compiled with its peak read keeps XLA's dump folder in its debug options, and XLA dumps the module there
+    again each time the executable is loaded (every `maxperf run`, long after the compile removed the folder):
+    loading through peak.load_executable removes what the load wrote, where jax's own loader leaves it."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import serialize_executable
+
+    from maxperf.aot import peak
+
+    lowered = jax.jit(lambda x: x @ x + 1).lower(jax.ShapeDtypeStruct((64, 64), jnp.float32))
+    compiled, found = peak.compile_with_peak(lowered, {})
+    assert found is not None and found.live_bytes > 0
+    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+    [folder] = {Path(m.decode()) for m in peak._DUMP_DIR.findall(payload)}
+    assert folder.name.startswith(peak.DUMP_PREFIX) and not folder.exists()
+    backend = jax.devices()[0].client
+    loaded = peak.load_executable(payload, in_tree, out_tree, backend=backend, execution_devices=jax.devices()[:1])
+    assert not folder.exists()
+    assert float(loaded(jnp.ones((64, 64), jnp.float32))[0, 0]) == 65.0
+    try:  # what the loader guards against: jax's load writes the dump again
+        serialize_executable.deserialize_and_load(payload, in_tree, out_tree, backend=backend,
+                                                  execution_devices=jax.devices()[:1])
+        assert folder.exists()
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)

@@ -49,9 +49,8 @@ class Artifact:
     def step(self, device_list=None):
         """(AbstractStep over `device_list`, the loaded executable) on this process's devices."""
         import jax
-        from jax.experimental import serialize_executable
 
-        from maxperf.aot import targets
+        from maxperf.aot import peak, targets
         from maxperf.models import train_step
 
         device_list = list(device_list) if device_list is not None else jax.devices()
@@ -66,17 +65,15 @@ class Artifact:
                 f"{self.directory}: the train state's structure differs from the one compiled (flax or optax "
                 "changed?); compile again with this installation"
             )
-        compiled = serialize_executable.deserialize_and_load(
-            self.payload, in_tree, out_tree, backend=device_list[0].client, execution_devices=device_list
-        )
+        compiled = peak.load_executable(self.payload, in_tree, out_tree, backend=device_list[0].client,
+                                        execution_devices=device_list)
         return spec, compiled
 
     def user_step(self, device_list=None):
         """(the user's Step, made again by its factory over `device_list`, the loaded executable, the jax Mesh)."""
         import jax
-        from jax.experimental import serialize_executable
 
-        from maxperf.aot import targets, user_step
+        from maxperf.aot import peak, targets, user_step
 
         device_list = list(device_list) if device_list is not None else jax.devices()
         mesh = targets.jax_mesh(self.user.topology, self.user.mesh, device_list)
@@ -90,9 +87,8 @@ class Artifact:
         if str(in_tree) != self.in_tree or str(out_tree) != self.out_tree:
             raise ArtifactError(f"{self.directory}: --step {self.user.step} now makes arguments or results of another "
                                 "structure than the ones compiled (its code or its libraries changed?); compile again")
-        compiled = serialize_executable.deserialize_and_load(
-            self.payload, in_tree, out_tree, backend=device_list[0].client, execution_devices=device_list
-        )
+        compiled = peak.load_executable(self.payload, in_tree, out_tree, backend=device_list[0].client,
+                                        execution_devices=device_list)
         return step, compiled, mesh
 
 

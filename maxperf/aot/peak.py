@@ -15,6 +15,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 LIVE_RANGE_GLOB = "*after_optimizations-live-range.txt"
+DUMP_PREFIX = "maxperf-peak-"
+# The dump folder a compile named, as its executable's debug options keep it: tempfile's names are 8 characters of
+# [a-z0-9_]
+_DUMP_DIR = re.compile(rb"(/[^\x00-\x20\"']*/" + re.escape(DUMP_PREFIX.encode()) + rb"[a-z0-9_]{8})(?![a-z0-9_])")
 _PEAK = re.compile(r"Live ranges at (\d+) \(peak\):")
 _LIVE = re.compile(r"\s+([^\s{]+)(\{[\d,]*\})?: (\d+) bytes")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([^\s=]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
@@ -54,13 +58,31 @@ def compile_with_peak(lowered, options: dict):
     (the compiled executable, the Peak read from it or None where XLA wrote none)."""
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="maxperf-peak-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=DUMP_PREFIX) as tmp:
         compiled = lowered.compile({**options, "xla_dump_to": tmp})
         try:
             found = read(tmp, compiled.as_text())
         except (OSError, ValueError):  # a report in a form this reader does not know: the compile stands without it
             found = None
     return compiled, found
+
+
+def load_executable(payload: bytes, in_tree, out_tree, *, backend, execution_devices):
+    """jax's `deserialize_and_load` of a serialized executable, leaving no files behind: an executable compiled by
+    `compile_with_peak` keeps the dump folder in its debug options, and XLA dumps the module there again each time it
+    is loaded, long after the compile removed the folder. A folder of that name that the load made is removed."""
+    import shutil
+
+    from jax.experimental import serialize_executable
+
+    named = {Path(m.decode()) for m in _DUMP_DIR.findall(payload)}
+    absent = {d for d in named if not d.exists()}
+    try:
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree, backend=backend,
+                                                         execution_devices=execution_devices)
+    finally:
+        for folder in absent:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def read(dump_dir: str | Path, optimized_hlo: str) -> Peak | None:

@@ -29,9 +29,8 @@ SCHEMA = "maxperf.serving-run/1"
 def loaded(artifact: Artifact, devices):
     """(the AbstractServe over `devices`, the loaded executable)."""
     import jax
-    from jax.experimental import serialize_executable
 
-    from maxperf.aot import targets
+    from maxperf.aot import peak, targets
     from maxperf.models import serving
 
     p = artifact.plan
@@ -43,8 +42,8 @@ def loaded(artifact: Artifact, devices):
     if str(in_tree) != artifact.in_tree or str(out_tree) != artifact.out_tree:
         raise MaxperfError(f"{artifact.directory}: the serving step's structure differs from the one compiled (flax "
                            "changed?); compile again with this installation")
-    compiled = serialize_executable.deserialize_and_load(artifact.payload, in_tree, out_tree,
-                                                         backend=devices[0].client, execution_devices=devices)
+    compiled = peak.load_executable(artifact.payload, in_tree, out_tree, backend=devices[0].client,
+                                    execution_devices=devices)
     return spec, compiled
 
 
