@@ -648,7 +648,7 @@ def test_loading_a_step_compiled_for_its_peak_leaves_no_dump_behind():
     assert found is not None and found.live_bytes > 0
     payload, in_tree, out_tree = serialize_executable.serialize(compiled)
     [folder] = {Path(m.decode()) for m in peak._DUMP_DIR.findall(payload)}
-    assert folder.name.startswith(peak.DUMP_PREFIX) and not folder.exists()
+    assert folder.name.startswith(f"{peak.DUMP_PREFIX}{os.getpid()}-") and not folder.exists()
     backend = jax.devices()[0].client
     loaded = peak.load_executable(payload, in_tree, out_tree, backend=backend, execution_devices=jax.devices()[:1])
     assert not folder.exists()
@@ -661,3 +661,19 @@ def test_loading_a_step_compiled_for_its_peak_leaves_no_dump_behind():
         import shutil
 
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_compile_removes_the_dumps_that_killed_compiles_left(tmp_path):
+    """A compile killed before it could remove its dump folder (a timeout's SIGKILL) leaves it; the next compile
+    removes the folders of processes that have ended, and keeps those of running ones and anything else."""
+    from maxperf.aot import peak
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"{peak.DUMP_PREFIX}{int(ended.stdout)}-abcd_123"
+    alive = tmp_path / f"{peak.DUMP_PREFIX}{os.getpid()}-abcd_123"
+    other = tmp_path / f"{peak.DUMP_PREFIX}not-a-pid"
+    for d in (dead, alive, other):
+        d.mkdir()
+        (d / "module_0001.jit_step.before_optimizations.txt").write_text("HloModule step")
+    assert peak.remove_stale_dumps(tmp_path) == [dead]
+    assert not dead.exists() and alive.is_dir() and other.is_dir()
