@@ -666,7 +666,7 @@ def test_loading_a_step_compiled_for_its_peak_leaves_no_dump_behind():
 def test_a_compile_removes_the_dumps_that_killed_compiles_left(tmp_path):
     """A compile killed before it could remove its dump folder (a timeout's SIGKILL) leaves it; the next compile
     removes the folders of processes that have ended, and keeps those of running ones and anything else."""
-    from maxperf.aot import peak
+    from maxperf.aot import artifacts, peak
 
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = tmp_path / f"{peak.DUMP_PREFIX}{int(ended.stdout)}-abcd_123"
@@ -675,5 +675,5 @@ def test_a_compile_removes_the_dumps_that_killed_compiles_left(tmp_path):
     for d in (dead, alive, other):
         d.mkdir()
         (d / "module_0001.jit_step.before_optimizations.txt").write_text("HloModule step")
-    assert peak.remove_stale_dumps(tmp_path) == [dead]
+    assert artifacts.remove_orphaned_temp_dirs(peak.DUMP_PREFIX, tmp_path) == [dead]
     assert not dead.exists() and alive.is_dir() and other.is_dir()

@@ -258,6 +258,29 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
 
 
+def remove_orphaned_temp_dirs(prefix: str, folder: str | Path | None = None) -> list[Path]:
+    """Removes the temporary folders in `folder` (the temp folder by default) named `prefix`, a process id, "-" and
+    tempfile's suffix, whose process has ended: one killed by a signal could not remove its own. The folders removed."""
+    name = re.compile(re.escape(prefix) + r"(\d+)-[a-z0-9_]+")
+    removed = []
+    for path in Path(folder or tempfile.gettempdir()).glob(prefix + "*"):
+        m = name.fullmatch(path.name)
+        if m and path.is_dir() and not path.is_symlink() and not process_running(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def process_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def remove_stale_lock(out: Path) -> None:
     """The lock file of a writer that was killed (its lock freed by the kernel); a lock still held stays."""
     if not lock_path(out).exists():

@@ -15,10 +15,11 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from maxperf.aot import artifacts
+
 LIVE_RANGE_GLOB = "*after_optimizations-live-range.txt"
 # A compile's dump folder: DUMP_PREFIX, the compiling process's id, "-" and tempfile's 8 characters of [a-z0-9_]
 DUMP_PREFIX = "maxperf-peak-"
-_DUMP_NAME = re.compile(re.escape(DUMP_PREFIX) + r"(\d+)-[a-z0-9_]{8}")
 # The dump folder as an executable's debug options keep it (executables compiled before the process id was part of
 # the name have none)
 _DUMP_DIR = re.compile(rb"(/[^\x00-\x20\"']*/" + re.escape(DUMP_PREFIX.encode())
@@ -63,7 +64,7 @@ def compile_with_peak(lowered, options: dict):
     process's id, is removed when the compile returns; those of compiles killed before theirs returned go first."""
     import tempfile
 
-    remove_stale_dumps(tempfile.gettempdir())
+    artifacts.remove_orphaned_temp_dirs(DUMP_PREFIX)
     with tempfile.TemporaryDirectory(prefix=f"{DUMP_PREFIX}{os.getpid()}-") as tmp:
         compiled = lowered.compile({**options, "xla_dump_to": tmp})
         try:
@@ -71,30 +72,6 @@ def compile_with_peak(lowered, options: dict):
         except (OSError, ValueError):  # a report in a form this reader does not know: the compile stands without it
             found = None
     return compiled, found
-
-
-def remove_stale_dumps(folder: str | Path) -> list[Path]:
-    """Removes the dump folders in `folder` whose compiling process has ended: one killed during its compile (a
-    timeout's SIGKILL) could not remove its own. The folders removed."""
-    import shutil
-
-    removed = []
-    for path in Path(folder).glob(DUMP_PREFIX + "*"):
-        m = _DUMP_NAME.fullmatch(path.name)
-        if m and path.is_dir() and not path.is_symlink() and not _running(int(m.group(1))):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def load_executable(payload: bytes, in_tree, out_tree, *, backend, execution_devices):

@@ -26,8 +26,6 @@ import importlib.metadata
 import json
 import logging
 import os
-import re
-import shutil
 import signal
 import socket
 import tempfile
@@ -619,27 +617,9 @@ def _task_start(name: str, versions: dict[str, str | None], home) -> dict[str, A
         attempt = ray.get(home.started.remote(name, node_id, host), timeout=CACHE_TIMEOUT_S)
     except Exception:
         attempt = 0
-    _remove_stale_workdirs()
+    artifacts.remove_orphaned_temp_dirs(_WORKDIR_PREFIX)  # of tasks whose process is gone (a killed compile)
     cache.share(HomeCache(home) if cache.enabled() else None)
     return {**where, "attempts": attempt}
-
-
-def _remove_stale_workdirs() -> None:
-    """Temporary directories of tasks whose process is gone (a cancelled or killed compile)."""
-    for path in Path(tempfile.gettempdir()).glob(f"{_WORKDIR_PREFIX}*"):
-        m = re.match(rf"{_WORKDIR_PREFIX}(\d+)-", path.name)
-        if m and not _alive(int(m.group(1))):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _collect(directory: Path, keep: bool) -> dict[str, bytes]:
