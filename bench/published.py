@@ -29,10 +29,12 @@ The fit. These constants of the perfmodel (work.Constants and Overlap) are fitte
     dcn_step_latency["tpu"]                seconds per step of a collective's ring across slices
     fp8_efficiency["tpu"], ["gpu"]         FP8 matmuls' share of the FP8 peak relative to bf16 matmuls' (FP8 rows)
 
-By default all but elementwise_d_passes, Overlap.tensor, Overlap.data, matmul_half["gpu"] and TPU7x's fraction are
-fitted (FREE: those trade off against the others and stay as the perfmodel ships them; the GPU's HALF because refitted
-it rose where the single-H100 steps measured on hardware do not bear it; TPU7x's fraction because its rows' large
-matmuls run at Ironwood's measured ceiling, chips.MEASURED_MATMUL, which leaves it undetermined), each fit starting from
+By default all but elementwise_d_passes, Overlap.tensor, Overlap.data, both HALFs and TPU7x's fraction are fitted
+(FREE: those trade off against the others and stay as the perfmodel ships them; the TPU's HALF because it is read from
+Ironwood's published GEMM sweep, work.half_from_sweep, and fitted on the rows it wandered with whichever source was
+left out, to 946 without MaxText's v5e table; the GPU's HALF because refitted it rose where the single-H100 steps
+measured on hardware do not bear it; TPU7x's fraction because its rows' large matmuls run at Ironwood's measured
+ceiling, chips.MEASURED_MATMUL, which leaves it undetermined), each fit starting from
 PRIOR (the assumptions before any fit, with the GPUs' measured GEMM rates, which chips.py cites); `--free` names the
 ones to fit. Each step is recorded once by perfmodel.estimate as its Terms (every matmul's FLOPs, smallest side and HBM
 time; the flash kernels' FLOPs; the elementwise traffic per pass; every collective's and host copy's seconds and
@@ -266,9 +268,10 @@ BOUNDS = {**{_fraction_field(c): (0.3, 1.0) for c in FRACTION_CHIPS}, "tpu_half"
 PRIOR = Constants(0.9, 0.9, 0.9, 0.9, 0.869, 0.869, 0.803, 128.0, 128.0, 18.0, 0.8, 0.0, 0.5, 0.6, 0.5, 30e-6, 1.0,
                   1.0)
 # The constants fitted by default: the others trade off against them (or, TPU7x's fraction, sit under the measured
-# matmul ceiling on its rows) and are held at their earlier fit
+# matmul ceiling on its rows) and are held at their earlier fit, or (the TPU's HALF) are measured
 FREE = tuple(f.name for f in fields(Constants)
-             if f.name not in ("elementwise_d_passes", "overlap_tensor", "overlap_data", "gpu_half", "fraction_tpu7x"))
+             if f.name not in ("elementwise_d_passes", "overlap_tensor", "overlap_data", "tpu_half", "gpu_half",
+                               "fraction_tpu7x"))
 LO = np.array([BOUNDS[f.name][0] for f in fields(Constants)])
 HI = np.array([BOUNDS[f.name][1] for f in fields(Constants)])
 

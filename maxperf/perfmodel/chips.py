@@ -59,6 +59,8 @@ GEMM_SWEEPS = {
     "tpu7x": {1024: 349.7270639, 2048: 679.284728, 4096: 892.9445127, 16384: 950.1286983, 32768: 956.3824592},
     "tpu-v6e": {4096: 840.2, 8192: 827.5},
 }
+# The JAX devices among which each swept chip's peak is shared (a TPU7x chip's two TensorCores)
+SWEEP_DEVICES_PER_CHIP = {"tpu7x": 2, "tpu-v6e": 1}
 # A swept size within this share of the sweep's best has stopped gaining with width
 PLATEAU_TOLERANCE = 0.01
 # Per chip with a sweep, the smallest swept size within PLATEAU_TOLERANCE of the sweep's best (matmul_plateau)

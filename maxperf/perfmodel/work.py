@@ -19,8 +19,10 @@ import numpy as np
 from maxperf.perfmodel import cpu
 from maxperf.perfmodel.chips import (
     CHIPS,
+    GEMM_SWEEPS,
     MATMUL_FRACTION,
     MATMUL_FRACTION_ORIGIN,
+    SWEEP_DEVICES_PER_CHIP,
     Chip,
     matmul_ceiling,
     matmul_plateau,
@@ -39,12 +41,64 @@ from maxperf.spec.train import TrainConfig
 # the chip's best measured matmul (chips.MEASURED_MATMUL: the law keeps rising with m where Ironwood's measured GEMMs
 # level off at 0.83 of its peak), m no wider than where the chip's published GEMM sweep stops gaining
 # (chips.matmul_plateau: v6e's at 4096), and less where its contraction and output dims fill a TPU's matrix units in
-# part (mxu_fill). Fitted: bench/published.py (FITTED), 86 rows, 51 TPU and 35 GPU, HALF at a 128-wide array. The rows'
+# part (mxu_fill). Fitted: bench/published.py (FITTED), 86 rows, 51 TPU and 35 GPU; the TPU's HALF (at a 128-wide
+# array) read from Ironwood's GEMM sweep (half_from_sweep), the GPU's fitted. The rows'
 # matmuls have smallest sides of 1024 to 16384 (half their FLOPs at 6144 or more; every row runs flash attention):
 # below 1024, as for the dot product's head-dim-wide einsums, the figure is an extrapolation.
 FITTED = "2026-11-27, the constants of bench/published.py's default --free, from its PRIOR"
+# The GPU whose HALF Constants.matmul_half["gpu"] is; other GPUs scale it by their FLOPs per HBM byte (half_scale)
+GPU_HALF_REFERENCE = "h100-sxm"
+
+
+def flops_per_hbm_byte(chip: Chip) -> float:
+    """The chip's bf16 peak over its HBM bandwidth: how many FLOPs a matmul must do per byte it moves to keep the
+    matrix units busy (the roofline's ridge point)."""
+    return chip.peak_bf16_flops / chip.hbm_bandwidth
+
+
+def half_scale(chip: Chip) -> float:
+    """How much wider a matmul must be on this chip to reach the share of its peak that a matmul of the reference
+    width reaches: a TPU's matrix-unit width over 128 (Constants.matmul_half["tpu"] is HALF for 128-wide arrays); a
+    GPU's FLOPs per HBM byte over H100 SXM's (matmul_half["gpu"] is H100 SXM's HALF): a matmul's operand traffic per
+    FLOP falls as its sides grow, so a chip with more FLOPs per byte of bandwidth needs wider matmuls to keep its
+    tensor cores busy (A100 80GB 153 FLOPs a byte, A100 40GB 201, H200 206, B200 292, H100 SXM 295, GB200 312); 1
+    elsewhere (CPU devices measure their own)."""
+    if chip.mxu_width:
+        return chip.mxu_width / 128
+    if chip.kind == "gpu":
+        return flops_per_hbm_byte(chip) / flops_per_hbm_byte(CHIPS[GPU_HALF_REFERENCE])
+    return 1.0
+
+
+# A swept GEMM shorter than this is mostly its kernel's start and end (TPU7x's 1024-cubed one: 6 us), which a step's
+# long matmuls do not pay: the HALF a sweep gives is read from its longer ones
+SWEEP_MIN_SECONDS = 20e-6
+
+
+def half_from_sweep(name: str) -> float:
+    """The TPU HALF (at a 128-wide array) that puts the thin-matmul law nearest, in log, to chip `name`'s published
+    GEMM sweep (chips.GEMM_SWEEPS), the law at the chip's fraction (chips.MATMUL_FRACTION) and its HALF scaled to its
+    matrix units (half_scale). Read from the sizes below where the sweep stops gaining (chips.matmul_plateau; past it
+    the ceiling, not HALF, sets the rate) and at least SWEEP_MIN_SECONDS long. Ironwood's 2048- and 4096-cubed
+    GEMMs give 638 (the law then 1.02 and 0.96 of their measured rates)."""
+    chip = CHIPS[name]
+    per_device = chip.peak_bf16_flops / SWEEP_DEVICES_PER_CHIP[name]
+    rates = {m: tflops * 1e12 / per_device for m, tflops in GEMM_SWEEPS[name].items()
+             if m < matmul_plateau(chip) and 2 * m**3 / (tflops * 1e12) >= SWEEP_MIN_SECONDS}
+    require(len(rates) >= 1, f"{name}'s GEMM sweep has no size between its kernels' start-up and its plateau")
+    fraction, scale = MATMUL_FRACTION[name], half_scale(chip)
+
+    def misfit(half: float) -> float:
+        return sum(math.log(fraction * m / (m + half * scale) / rate) ** 2 for m, rate in rates.items())
+
+    return float(min(range(1, 4097), key=misfit))
+
+
 MATMUL_HALF = {
-    "tpu": 640,  # fitted (51 TPU rows)
+    # measured, not fitted: from Google's Ironwood GEMM sweep (half_from_sweep; chips.GEMM_SWEEPS), so that the
+    # training rows fit the chips' rates and not this too. Fitted on the rows it came out at 640 (51 TPU rows,
+    # 2026-11-27) and 701 (all 90, 2026-12-01); without MaxText's v5e table's 24 rows, 946
+    "tpu": half_from_sweep("tpu7x"),
     # H100 SXM's (other GPUs scale it: half_scale); fitted on 2026-11-25 (32 GPU rows) and held since: refitted it
     # moves to 790-900, trading off against the GPUs' rates, where the single-H100 steps measured on real hardware
     # (bench/gpu_measured.py) put it no higher
@@ -144,13 +198,13 @@ DCN_STEP_LATENCY = {"tpu": 1.71e-3, "gpu": 30e-6, "cpu": 30e-6}
 # the first for chips whose rate was fitted, the second for the others.
 # "fp8": the rows that train in FP8 alone, each source held out (8 rows: NVIDIA's Transformer Engine runs on H100,
 # B200 and GB200 and the TPU7x recipes); an FP8 step quotes it where its chip's figure is the smaller.
-HELD_OUT_ERROR = {"source": (0.064, 0.176), "generation": (0.060, 0.211), "fp8": (0.086, 0.176)}
+HELD_OUT_ERROR = {"source": (0.061, 0.242), "generation": (0.058, 0.245), "fp8": (0.069, 0.169)}
 HELD_OUT_BASIS = "bench/published.py, 2026-12-01, 90 rows"
 # Chips measured directly on published runs that no constant was fitted on: the median and worst |error| and the
 # median signed error of throughput per chip over those runs, and what they are. An estimate on such a chip quotes
 # these, the nearer measure of its error than the generation held out.
 UNFITTED_RUNS_ERROR = {
-    "tpu-v6e": (0.031, 0.168, 0.013, "19 published tpu-recipes Trillium runs, none of them fitted (bench/recipes.py, "
+    "tpu-v6e": (0.030, 0.169, 0.014, "19 published tpu-recipes Trillium runs, none of them fitted (bench/recipes.py, "
                                      "2026-12-01): GPT-3 175B, Gemma 3 12B and Llama 3.1 405B predicted 11% to 17% "
                                      "faster than they ran"),
 }
@@ -159,7 +213,7 @@ UNFITTED_RUNS_ERROR = {
 # (Mixtral on v6e, DeepSeek-V3 and Llama 4 on v5p, DeepSeek-V3, gpt-oss and Qwen3 on TPU7x): median and worst |error|,
 # median signed error and what they are. An estimate of a mixture of experts on a TPU quotes these.
 UNFITTED_MOE_ERROR = {
-    "tpu": (0.135, 0.352, -0.014, "12 published tpu-recipes mixture-of-experts runs on TPU v6e, v5p and TPU7x, none "
+    "tpu": (0.135, 0.353, -0.014, "12 published tpu-recipes mixture-of-experts runs on TPU v6e, v5p and TPU7x, none "
                                   "of them fitted (bench/recipes.py, 2026-12-01): gpt-oss-120b on TPU7x predicted 35% "
                                   "faster than it ran, DeepSeek-V3 on TPU7x 13% to 20% slower"),
 }
@@ -399,30 +453,6 @@ def mxu_fill(chip: Chip, *dims: float) -> float:
 MIN_MXU_WIDTH = 128
 
 
-# The GPU whose HALF Constants.matmul_half["gpu"] is; other GPUs scale it by their FLOPs per HBM byte (half_scale)
-GPU_HALF_REFERENCE = "h100-sxm"
-
-
-def flops_per_hbm_byte(chip: Chip) -> float:
-    """The chip's bf16 peak over its HBM bandwidth: how many FLOPs a matmul must do per byte it moves to keep the
-    matrix units busy (the roofline's ridge point)."""
-    return chip.peak_bf16_flops / chip.hbm_bandwidth
-
-
-def half_scale(chip: Chip) -> float:
-    """How much wider a matmul must be on this chip to reach the share of its peak that a matmul of the reference
-    width reaches: a TPU's matrix-unit width over 128 (Constants.matmul_half["tpu"] is HALF for 128-wide arrays); a
-    GPU's FLOPs per HBM byte over H100 SXM's (matmul_half["gpu"] is H100 SXM's HALF): a matmul's operand traffic per
-    FLOP falls as its sides grow, so a chip with more FLOPs per byte of bandwidth needs wider matmuls to keep its
-    tensor cores busy (A100 80GB 153 FLOPs a byte, A100 40GB 201, H200 206, B200 292, H100 SXM 295, GB200 312); 1
-    elsewhere (CPU devices measure their own)."""
-    if chip.mxu_width:
-        return chip.mxu_width / 128
-    if chip.kind == "gpu":
-        return flops_per_hbm_byte(chip) / flops_per_hbm_byte(CHIPS[GPU_HALF_REFERENCE])
-    return 1.0
-
-
 # A term's fields in the order Work records them: its words, then its numbers (Terms' arrays)
 COLUMNS = ("name", "kind", "family", "law", "fixed_s", "peak_s", "hbm_s", "side", "rate", "half", "half_scale",
            "ceiling", "dcn_steps", "flops", "bytes", "overlap", "fp8")
@@ -487,8 +517,12 @@ class Work:
                 self.chip.name) == MATMUL_FRACTION.get(self.chip.name) else "as given"
             scale = half_scale(self.chip)
             half = self.constants.matmul_half[self.chip.kind] * scale
-            fitted = (f"HALF fitted on H100 SXM, x {scale:.2f} for this chip's FLOPs per HBM byte"
-                      if self.chip.kind == "gpu" and scale != 1 else "HALF fitted")
+            if self.chip.kind == "gpu":
+                fitted = (f"HALF fitted on H100 SXM, x {scale:.2f} for this chip's FLOPs per HBM byte"
+                          if scale != 1 else "HALF fitted")
+            else:
+                fitted = "HALF read from Ironwood's GEMM sweep" + (
+                    f", x {scale:g} for {self.chip.mxu_width}-wide matrix units" if scale != 1 else "")
             self.assume("matmul", f"matmuls at {self.constants.fraction(self.chip):.2f} of peak ({origin}) x m / (m + "
                                   f"{half:.0f}), m a matmul's smallest side ({fitted})"
                         + (f", at most {ceiling:.2f} (the best measured)" if math.isfinite(ceiling) else "")
