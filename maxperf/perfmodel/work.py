@@ -186,8 +186,9 @@ FP8_TRANSPOSE_BYTES = {"gpu": 2.0}
 # per collective across hosts (GPU and CPU, NCCL and gloo pipelining their steps). TPU: fitted on the MaxText v4 and
 # v5e tables' rows over 1 to 32 slices, whose throughput falls with the slices as this latency grows (v5e 128B from 1
 # to 32 slices: 110 to 91 TFLOP/s per chip, where the DCN's bandwidth alone gave 109 to 101), their gradients
-# all-reduced one array of the train state at a time (spec.params.reduced_arrays: 12 for their decoders; a stand-in,
-# per array, for the transfers the compiled steps send once a layer: docs/accuracy.md, "Across slices");
+# all-reduced one array of the train state at a time (spec.params.reduced_arrays: 12 for their decoders, the last
+# scanned block's and those outside the layers, which the compiled steps send after the backward's loop with nothing
+# beside them: docs/accuracy.md, "Across slices");
 # bench/published.py --free dcn_latency_tpu, 2026-11-27, 88 rows. GPU and CPU: assumed, tens of microseconds.
 DCN_STEP_LATENCY = {"tpu": 1.71e-3, "gpu": 30e-6, "cpu": 30e-6}
 

@@ -201,9 +201,10 @@ def reduced_arrays(model: ModelConfig, scan_layers: bool = True) -> int:
     blocks of six layers hold six of each); unscanned, every layer holds its own. Compiled for 2 x v6e-8, MaxText's
     gemma3-12b and llama2-7b steps hold 112 and 20 cross-slice all-reduce instructions (80 and 12 arrays here: the
     largest go in two parts), maxperf's own llama2-7b with scan_layers=false 230 (291 here: XLA sends the norm scales
-    together). Run, those inside the backward's loop run once a layer (MaxText's llama2-7b on 2 x v5e-256: 7 of 18,
-    235 a step): the DCN latency fitted per array (perfmodel.work.DCN_STEP_LATENCY) stands in for them
-    (docs/accuracy.md, "Across slices")."""
+    together). These are the all-reduces nothing hides: the compiled steps send each scanned block's inside the
+    backward's loop, beside the next block's backward, and the last block's after it, with the arrays outside the
+    layers (MaxText's llama2-7b on 2 x v5e-256: 7 in the loop, 11 after it; gemma3-12b on 2 x v6e-256: 36 and 52;
+    docs/accuracy.md, "Across slices")."""
     layers = {"attention": model.num_layers, "norm": model.num_layers, "mlp": model.num_layers - sum(
         model.moe_layers()), "moe": sum(model.moe_layers())}
     arrays = param_arrays(model)
