@@ -80,18 +80,17 @@ def half_from_sweep(name: str) -> float:
     GEMM sweep (chips.GEMM_SWEEPS), the law at the chip's fraction (chips.MATMUL_FRACTION) and its HALF scaled to its
     matrix units (half_scale). Read from the sizes below where the sweep stops gaining (chips.matmul_plateau; past it
     the ceiling, not HALF, sets the rate) and at least SWEEP_MIN_SECONDS long. Ironwood's 2048- and 4096-cubed
-    GEMMs give 638 (the law then 1.02 and 0.96 of their measured rates)."""
+    GEMMs give 638 (the law then 1.02 and 0.96 of their measured rates). Every whole HALF up to 4096 is tried at
+    once, as arrays (every maxperf command imports this)."""
     chip = CHIPS[name]
     per_device = chip.peak_bf16_flops / SWEEP_DEVICES_PER_CHIP[name]
     rates = {m: tflops * 1e12 / per_device for m, tflops in GEMM_SWEEPS[name].items()
              if m < matmul_plateau(chip) and 2 * m**3 / (tflops * 1e12) >= SWEEP_MIN_SECONDS}
     require(len(rates) >= 1, f"{name}'s GEMM sweep has no size between its kernels' start-up and its plateau")
     fraction, scale = MATMUL_FRACTION[name], half_scale(chip)
-
-    def misfit(half: float) -> float:
-        return sum(math.log(fraction * m / (m + half * scale) / rate) ** 2 for m, rate in rates.items())
-
-    return float(min(range(1, 4097), key=misfit))
+    halves = np.arange(1, 4097)
+    misfit = sum(np.log(fraction * m / (m + halves * scale) / rate) ** 2 for m, rate in rates.items())
+    return float(halves[np.argmin(misfit)])
 
 
 MATMUL_HALF = {
