@@ -416,3 +416,27 @@ def test_zero1_reduce_scatters_the_gradients_and_gathers_the_parameters_over_dat
                                      plain["data all-reduce (dcn)"])
     assert reduced.bytes == pytest.approx(all_reduce.bytes) and gathered.bytes == pytest.approx(all_reduce.bytes / 2)
     assert reduced.seconds + gathered.seconds == pytest.approx(0.75 * all_reduce.seconds, rel=0.05)
+
+
+def test_a_tpus_vocabulary_chunks_gather_the_table_and_all_reduce_its_gradient_once_a_chunk():
+    """Gemma 3 12B on v6e-256 at 32,768 tokens in 16 chunks (its Trillium recipe): MaxText's and maxperf's compiled
+    steps gather the table's FSDP shard for each chunk and again for its recomputation, and all-reduce each chunk's
+    gradient of the whole table in bfloat16, 16 x bf16[3840, 262144] (32.2 GB) a step, as their optimized HLO reads;
+    in one chunk the table is gathered twice and its gradient reduce-scattered once."""
+    from maxperf import spec
+
+    words = ["per_device_batch_size=1", "ici_fsdp_parallelism=-1", "remat_policy=full", "max_target_length=32768",
+             "attention=flash"]
+
+    def fsdp_bytes(tiles):
+        e = estimate(spec.resolve("v6e-256", "gemma3-12b", [*words, f"num_vocab_tiling={tiles}"]))
+        return {b.name: b.bytes for b in e.breakdown if b.name.startswith("fsdp")}
+
+    table = 262144 * 3840 * 2
+    one, tiled = fsdp_bytes(1), fsdp_bytes(16)
+    assert "fsdp all-reduce (ici)" not in one
+    assert tiled["fsdp all-reduce (ici)"] == pytest.approx(16 * table)
+    # the gathers: 2 x 16 of the table where there were 2, the layers' alike
+    assert tiled["fsdp all-gather (ici)"] - one["fsdp all-gather (ici)"] == pytest.approx(30 * table)
+    # the layers' gradient reduce-scatters stay; the table's (float32) leaves them
+    assert one["fsdp reduce-scatter (ici)"] - tiled["fsdp reduce-scatter (ici)"] == pytest.approx(2 * table)
