@@ -466,7 +466,8 @@ def _fit_without(out: np.ndarray) -> Constants:
 def fits_without(replay: Replay, rows: list[Row], start: Constants, free: tuple[str, ...],
                  sets: list[np.ndarray]) -> list[Constants]:
     """For each held-out set, the constants fitted on the other rows: the fits run apart from each other, one
-    process per CPU (forked: this process has no jax and no threads of its own to copy)."""
+    process per CPU (forked: the fits run numpy alone, so a worker needs nothing of its parent's threads; the
+    bench's own process imports no jax)."""
     global _SHARED
     _SHARED = (replay, rows, start, free)
     workers = min(len(sets), os.cpu_count() or 1)
