@@ -520,6 +520,25 @@ def test_perfmodel_delayed_scaling_reads_each_operand_once():
     assert delayed < current < 2 * delayed
 
 
+def test_transformer_engine_casts_each_weight_once_a_step_and_xlas_recipes_every_microbatch():
+    """Transformer Engine keeps a weight's FP8 cast and transpose from the first microbatch of a step for the others
+    (Megatron's is_first_microbatch): with 4 microbatches of accumulation its quantize passes move 4 x the
+    activations' bytes and the weights' once, the weights' being every quantized projection's K x N of the 32 layers
+    at a current-scaling cast (2 x 2 + 1 bytes) and a transpose (FP8_TRANSPOSE_BYTES); flax's recipe, which XLA
+    builds inside each microbatch, moves 4 x all of it."""
+    from maxperf.perfmodel import work
+
+    def moved(value: str, accumulation: int) -> float:
+        return _rows("h100-8", f"quantization={value}", f"grad_accum_steps={accumulation}")["fp8 quantize"].bytes
+
+    D, H, K, Dh, F, N = 4096, 32, 8, 128, 14336, 32  # llama3-8b
+    weights = N * (D * (2 * H * Dh + 2 * K * Dh) + 3 * D * F)
+    once, four = moved("te_fp8_currentscaling", 1), moved("te_fp8_currentscaling", 4)
+    activations = (four - once) / 3
+    assert once - activations == pytest.approx(weights * (2 * 2 + 1 + work.FP8_TRANSPOSE_BYTES["gpu"]), rel=1e-9)
+    assert moved("fp8", 4) == pytest.approx(4 * moved("fp8", 1), rel=1e-9)
+
+
 @pytest.mark.parametrize("preset, words", [("tiny", ()), ("tiny-moe", ("sparse_matmul=false", "capacity_factor=1.25")),
                                            ("tiny", ("mtp_num_layers=1",)), ("tiny-mla", ())])
 def test_perfmodel_counts_the_state_the_model_keeps(preset, words):

@@ -95,7 +95,7 @@ def test_the_bench_runs_and_reports_its_held_out_errors(tmp_path):
     loso = np.abs([r["leave_one_source_out"] for r in rows.values()])
     assert summary["leave-one-source-out"]["median"] == pytest.approx(float(np.median(loso)))
     # the figures the README quotes (docs/accuracy.md, perfmodel.work.HELD_OUT_ERROR), within bounds: leave-one-out
-    # under 3.5% median (2.4% on 2026-12-02), leave-one-source-out at most 25% worst (24.2%) and 6.5% median (6.3%:
+    # under 3.5% median (2.4% on 2026-12-02), leave-one-source-out at most 25% worst (23.8%) and 6.5% median (6.2%:
     # above the 6% aimed at, each held-out fit run until it converges, bench/published.py CONVERGED)
     # every row ran as published: none is said not to fit (NVIDIA's pipelined rows in Megatron's 1F1B)
     assert [i for i, r in rows.items() if not r["fits"]] == []
@@ -185,7 +185,9 @@ def test_a_row_compiles_under_the_flags_its_launch_script_set(bench, monkeypatch
 
 def test_a_held_out_fit_runs_until_another_run_gains_nothing_and_the_workers_fit_as_one_process_does(bench, rows):
     """A fit that stopped short would make the held-out figures depend on how many runs it was given (they moved by
-    a point between 2 and 6): after `fit`, one more Nelder-Mead run from its result gains less than CONVERGED.
+    a point between 2 and 6): after `fit`, one more Nelder-Mead run from its result gains less than CONVERGED (the
+    fit stops after PATIENCE quiet runs in a row: with one, the MosaicML-held-out fit stopped where the next run
+    gained 3.4e-5).
     And the held-out fits, run in worker processes, give what the same fits give here."""
     replay = bench.Replay(rows)
     base = bench.Constants.current()

@@ -161,7 +161,10 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
     T, Bm = a.T * view.token_scale, a.B * view.token_scale  # tokens and examples of one layer call on this device
     Tu = a.T * view.logits_scale
     steps = train.grad_accum_steps  # what runs once per microbatch outside the layers
-    table = Work(chip, train.compute_dtype, constants, int8_matmuls(train), fp8_matmuls(train))
+    # the forward passes one layer's weights serve on this device in a step: every microbatch of the accumulation,
+    # and of the pipeline, whose stage holds 1 / stages of the layers (`micro` counts the layer calls per model layer)
+    weight_uses = micro * (view.schedule.stages if view.pipelined else 1)
+    table = Work(chip, train.compute_dtype, constants, int8_matmuls(train), fp8_matmuls(train), weight_uses)
     table.overlap_given = overlap != DEFAULT_OVERLAP
 
     # matmuls: forward, backward (2 x forward), and the forward again where remat recomputes it

@@ -159,9 +159,9 @@ INT8_NOISE_BYTES = 8
 #   flash, full remat) on an H200, compiled there (autotuned) by jax 0.11.2, took 290.7 ms in bf16 and 230.3 ms with
 #   quantization=fp8: 0.79 of the bf16 step, where "gpu"'s value predicts 0.58. The value puts the predicted ratio
 #   at the measured one (so it carries none of the bf16 prediction's own error, 0.86 of measured there).
-FP8_EFFICIENCY = {"tpu": 1.00, "gpu": 1.27, "gpu xla": 0.73, "cpu": 1.0}
+FP8_EFFICIENCY = {"tpu": 1.00, "gpu": 1.19, "gpu xla": 0.73, "cpu": 1.0}
 FITTED_FP8 = {"tpu": "bench/published.py, 2026-11-27, 2 TPU7x FP8 rows",
-              "gpu": "bench/published.py, 2026-11-30, 6 NVIDIA FP8 rows (Transformer Engine)"}
+              "gpu": "bench/published.py, 2026-12-02, 6 NVIDIA FP8 rows (Transformer Engine)"}
 MEASURED_FP8 = {"gpu xla": "XLA's FP8 step against its bf16 step on an H200, bench/gpu_measured.py, 2026-11-28"}
 
 
@@ -199,7 +199,7 @@ DCN_STEP_LATENCY = {"tpu": 1.71e-3, "gpu": 30e-6, "cpu": 30e-6}
 # the first for chips whose rate was fitted, the second for the others.
 # "fp8": the rows that train in FP8 alone, each source held out (8 rows: NVIDIA's Transformer Engine runs on H100,
 # B200 and GB200 and the TPU7x recipes); an FP8 step quotes it where its chip's figure is the smaller.
-HELD_OUT_ERROR = {"source": (0.063, 0.242), "generation": (0.056, 0.242), "fp8": (0.123, 0.191)}
+HELD_OUT_ERROR = {"source": (0.062, 0.238), "generation": (0.056, 0.238), "fp8": (0.097, 0.175)}
 HELD_OUT_BASIS = "bench/published.py, 2026-12-02, 90 rows"
 # Chips measured directly on published runs that no constant was fitted on: the median and worst |error| and the
 # median signed error of throughput per chip over those runs, and what they are. An estimate on such a chip quotes
@@ -473,9 +473,13 @@ class Work:
     """Records a step's work as Terms: matmuls with their FLOPs, bytes and shape; memory-bound work; collectives."""
 
     def __init__(self, chip: Chip, dtype: str, constants: Constants, int8: Int8Matmuls | None = None,
-                 fp8: Fp8Recipe | None = None):
+                 fp8: Fp8Recipe | None = None, weight_uses: float = 1.0):
+        """`weight_uses`: the forward passes a layer's weights serve in one step on this device (the microbatches,
+        of gradient accumulation and of a pipeline), which a recipe that caches its FP8 weights casts them once for
+        (FP8_WEIGHT_CACHE)."""
         self.chip, self.peak, self.constants = chip, chip.peak_flops(dtype), constants
         self.int8, self.fp8 = int8, fp8
+        self.weight_uses = max(weight_uses, 1.0)
         self.half = chip.measured_matmul_half(dtype)
         self.rows: list[tuple] = []  # one per term, in COLUMNS' order
         self.assumed: dict[str, str] = {}
@@ -622,14 +626,18 @@ class Work:
                                "(counted); attention, logits and norms in the compute dtype")
         (r_fwd, r_dx, r_dw), (f_fwd, f_dx, f_dw) = per_pass(rate), per_pass(fill)
         self.matmul(name, M, K, N, forward, c, side, r_fwd * speedup, operand_bytes=1, fill=f_fwd, fp8=True)
-        elements = forward * q * (M * K + K * N)  # x and W, each forward and recomputation
+        # W's casts: each forward and recomputation, or once a step for the weights a recipe caches (each weight's
+        # backward runs once per forward pass it serves)
+        casts = backward / self.weight_uses if recipe.caches_weights and backward else forward
+        elements = q * (forward * M * K + casts * K * N)  # x and W
         if recipe.quantizes_backward:
             self.matmul(name, M, N, K, backward, c, side, r_dx * speedup, operand_bytes=1, fill=f_dx, fp8=True)
             self.matmul(name, K, M, N, backward, c, side, r_dw * speedup, operand_bytes=1, fill=f_dw, fp8=True)
             # dy, once for both products (per channel twice: each product shifts another operand's scales onto it)
             dy = 2 if recipe.granularity is Granularity.CHANNEL else 1
             again = FP8_TRANSPOSE_BYTES.get(chip.kind, 0.0) if recipe.reuses_forward else q
-            elements += backward * (dy * q * M * N + again * (K * N + M * K))
+            w_again = backward / self.weight_uses if recipe.caches_weights else backward
+            elements += backward * (dy * q * M * N + again * M * K) + w_again * again * K * N
         else:
             self.matmul(name, M, N, K, backward, c, side, r_dx, fill=f_dx)
             self.matmul(name, K, M, N, backward, c, side, r_dw, fill=f_dw)

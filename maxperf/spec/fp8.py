@@ -93,6 +93,14 @@ class Fp8Recipe:
         return self.gradient is not None
 
     @property
+    def caches_weights(self) -> bool:
+        """Its FP8 weights (each cast, and its transpose) are made once a step and reused by every microbatch of
+        gradient accumulation and of a pipeline: Transformer Engine's `is_first_microbatch`, which Megatron sets
+        (transformer_engine.pytorch.Linear.forward: "caching of weights in FP8 (i.e. cast and transpose) between
+        microbatches"). The others cast the weights in every microbatch's forward."""
+        return self.transformer_engine
+
+    @property
     def transformer_engine(self) -> bool:
         """MaxText runs it through Transformer Engine's kernels (the te_* values); the others' FP8 matmuls are XLA's
         (on GPU, its GEMM rewriter's cuBLASLt FP8 GEMMs, with the quantize passes as fusions of their own)."""
