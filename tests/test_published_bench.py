@@ -79,7 +79,7 @@ def test_held_out_sets_partition_the_rows(bench, rows):
 
 
 def test_the_bench_runs_and_reports_its_held_out_errors(tmp_path):
-    """The whole bench, as the README quotes it, in the fast path (54 s on 2 cores, its held-out fits one process per
+    """The whole bench, as the README quotes it, in the fast path (56 s on 2 cores, its held-out fits one process per
     CPU)."""
     out = tmp_path / "published.json"
     proc = subprocess.run([sys.executable, str(BENCH), "--json", str(out)], capture_output=True, text=True,
