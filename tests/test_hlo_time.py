@@ -835,6 +835,27 @@ ENTRY %main (x: bf16[2048,2048], w: bf16[2048,2048], a: bf16[4096,8192]) -> bf16
 """
 
 
+def test_a_megascale_all_reduce_moves_what_its_ring_over_the_slices_moves():
+    """XLA splits a data-parallel all-reduce across slices into one Megascale send per gradient, marked as an
+    ALL_REDUCE over the slices its target lists: over 4 slices a ring moves 2 x 3 / 4 of the buffer (a ppermute's
+    send moves it once); an ALL_GATHER's send, its piece, moves the 3 other slices' pieces."""
+    topo = topologies.get("v5p-8", num_slices=4)
+    mesh = mesh_mod.resolve(ParallelismConfig(), topo)
+    chip = chips.get("tpu-v5p")
+    latency = SHIPPED.dcn_step_latency["tpu"]
+    buffer = 2 * 4096 * 8192
+
+    def send_seconds(kind: str) -> float:
+        attrs = (f'_xla_megascale_target="{{1,2,3,4}}x{{0:3}}",_xla_megascale_transfer_type="{kind}",'
+                 '_xla_host_transfer_rendezvous=')
+        text = ACROSS_SLICES.replace("_xla_host_transfer_rendezvous=", attrs)
+        return next(o for o in hlo_time.hlo_time(text, chip, topo, mesh).top if o.name == "send").seconds
+
+    assert send_seconds("ALL_REDUCE") == pytest.approx(2 * 3 / 4 * buffer / chip.host_network_per_chip + latency)
+    assert send_seconds("ALL_GATHER") == pytest.approx(3 * buffer / chip.host_network_per_chip + latency)
+    assert send_seconds("ONE_TO_ONE") == pytest.approx(buffer / chip.host_network_per_chip + latency)
+
+
 def test_a_transfer_between_slices_pays_the_dcn_and_overlaps_the_work_before_its_done():
     """A ppermute across TPU slices (a pipeline's stages over DCN) compiles to a send and a recv handed to the
     Megascale runtime: the send's buffer over the chip's share of its hosts' network plus a ring step's latency,

@@ -20,8 +20,9 @@ How an instruction is costed, per execution (`OpTime`):
   the bytes of the whole buffer over the devices of one replica group, priced by perfmodel.network over the
   topology's links (ICI torus or NVLink inside a slice or host, DCN or InfiniBand across), the group's devices
   mapped to mesh axes through the device assignment (partition i is the i-th device of the mesh); a TPU's transfer
-  between slices (a ppermute over DCN, written as a send and a recv for the Megascale runtime) as a permute across
-  slices, issued at the send and waited for at the recv's done;
+  between slices (written as a send and a recv for the Megascale runtime) as a permute across slices where it is a
+  ppermute, as the ring's traffic over its slices where the runtime runs it as a collective (a data-parallel
+  all-reduce across slices), issued at the send and waited for at the recv's done;
 - asynchronous copies (copy-start / copy-done, and TPU's slice-start, dynamic-slice-start, ...): their bytes at
   HBM bandwidth, or over the host link where one side is pinned host memory (S(5));
 - work a TPU hands to its SparseCores (`custom-call-start` / `-update` / `-done` with
@@ -91,6 +92,11 @@ _CHANNEL = re.compile(r"channel_id=(\d+)")
 # A send or recv that the Megascale runtime carries between TPU slices, and the rendezvous that pairs them
 _MEGASCALE = re.compile(r'_xla_host_transfer_handler_name="xla_megascale_runtime"')
 _RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]*)"')
+# A Megascale transfer that is a collective over slices (a data-parallel all-reduce across slices, split by XLA into
+# one send per gradient): its kind, and its members as slice ids by device ranges ("{1,...,32}x{0:255}": 32 slices)
+_MEGASCALE_KIND = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
+_MEGASCALE_SLICES = re.compile(r'_xla_megascale_target="\{([\d,]+)\}x')
+_MEGASCALE_COLLECTIVES = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter"}
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _LHS_BATCH = re.compile(r"lhs_batch_dims=\{([\d,]*)\}")
 _LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
@@ -749,16 +755,24 @@ class _Walker:
 
     def across_slices(self, instrs, name: str, rest: str, opcode: str) -> _Cost:
         """A TPU's transfer between slices, which XLA writes as a send and a recv handed to the Megascale runtime
-        over the data-center network (a ppermute across slices: a pipeline's stage-to-stage moves over DCN): the
-        send's buffer over the chip's share of its hosts' network, as a permute across slices (`permute`), issued at
-        the send; the recv of the same rendezvous takes no time of its own and is ready when the send is, its done
-        waiting for it."""
+        over the data-center network: the send's buffer over the chip's share of its hosts' network, issued at the
+        send, with one ring step's latency; the recv of the same rendezvous takes no time of its own and is ready
+        when the send is, its done waiting for it. A ppermute across slices (a pipeline's stage-to-stage moves) sends
+        its buffer once, as a permute across slices (`permute`); a send the runtime runs as a collective over n
+        slices (`_xla_megascale_transfer_type` ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER: XLA's data-parallel
+        all-reduce across slices, one send per gradient) moves what that collective's ring moves of it
+        (network.FACTOR: 2 (n - 1) / n of an all-reduced buffer, (n - 1) pieces of a gathered one)."""
         key = m.group(1) if (m := _RENDEZVOUS.search(rest)) else ""
         if opcode == "recv":
             return _Cost(0.0, "collective", "dcn", resource="dcn", mode="issue", waits_for=self.sends.get(key, ""))
         self.sends[key] = name
         nbytes = self.operand_bytes(instrs, rest, skip_on_chip=False)[0]
-        seconds = nbytes / self.chip.host_network_per_chip + self.constants.dcn_step_latency.get(self.kind, 0.0)
+        moved = nbytes
+        kind = _MEGASCALE_COLLECTIVES.get(m.group(1)) if (m := _MEGASCALE_KIND.search(rest)) else None
+        if kind and (members := _MEGASCALE_SLICES.search(rest)):
+            n = len(members.group(1).split(","))
+            moved = network.FACTOR[kind](n) * nbytes * (n if kind == "all-gather" else 1)
+        seconds = moved / self.chip.host_network_per_chip + self.constants.dcn_step_latency.get(self.kind, 0.0)
         return _Cost(seconds, "collective", "dcn", nbytes=nbytes, resource="dcn", mode="issue")
 
     def permute(self, rest: str, nbytes: float, asynchronous: bool) -> _Cost:
