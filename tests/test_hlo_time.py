@@ -719,6 +719,29 @@ def test_an_async_collective_fusion_is_issued_once_and_runs_beside_the_matmul_th
     assert result.step_time_s == pytest.approx(max(ag, mm) + d2)
 
 
+# The same, its carrying fusion in a computation of its own (as in a windowed einsum's loop body, which continues a
+# gather issued before the loop under the same channel)
+INFLIGHT_CALLED = INFLIGHT.replace("ENTRY %main", """%body_comp (b0: bf16[256,2048], b1: bf16[2048,2048], bx: bf16[2048,2048], bw: bf16[2048,2048]) -> (bf16[2048,2048], bf16[256,2048], bf16[2048,2048]) {
+  %b0 = bf16[256,2048]{1,0} parameter(0)
+  %b1 = bf16[2048,2048]{1,0} parameter(1)
+  %bx = bf16[2048,2048]{1,0} parameter(2)
+  %bw = bf16[2048,2048]{1,0} parameter(3)
+  ROOT %cc = (bf16[2048,2048]{1,0}, bf16[256,2048]{1,0}, bf16[2048,2048]{1,0}) fusion(%b0, %b1, %bx, %bw), kind=kCustom, calls=%carry_comp
+}
+
+ENTRY %main""").replace("fusion(%s0, %s1, %x, %w), kind=kCustom, calls=%carry_comp", "call(%s0, %s1, %x, %w), to_apply=%body_comp")
+
+
+def test_a_matmul_that_carries_a_collective_issued_in_another_computation_is_costed_where_it_runs():
+    """The carrying fusion's matmul runs (and its FLOPs count) in whichever computation it sits; the gather it
+    carries is still issued once, at its start."""
+    inline, called = predict(INFLIGHT), predict(INFLIGHT_CALLED)
+    assert called.flops == inline.flops == 2 * (2 * 2048**3)
+    assert seconds_of(inline, "c") > 0 and seconds_of(called, "cc") == pytest.approx(seconds_of(inline, "c"))
+    assert called.ici_s == pytest.approx(inline.ici_s)
+    assert inline.ici_s == pytest.approx(seconds_of(inline, "s"))
+
+
 # A windowed einsum's loop (XLA's collective matmul): each iteration multiplies the piece of the weight that has
 # arrived, a quarter of its 8192 columns, and passes the piece on round a ring of 4 devices
 WINDOWED = """HloModule m, is_scheduled=true

@@ -526,9 +526,11 @@ class _Walker:
                     channel = m.group(1) if (m := _CHANNEL.search(inner_rest)) else None
                     start = self.issued.setdefault(channel, (id(comp), name)) if channel else (id(comp), name)
                     if start != (id(comp), name):
-                        if start[0] == id(comp) and any(op in ("dot", "convolution")
-                                                        for _, op, _ in inner_instrs.values()):
-                            return dataclasses.replace(self.kernel(instrs, shape, rest, called), carried=start[1])
+                        # its matmuls run here, wherever the collective was issued (a windowed einsum's loop body
+                        # continues a gather issued before the loop: XLA gives them one channel)
+                        if any(op in ("dot", "convolution") for _, op, _ in inner_instrs.values()):
+                            work = self.kernel(instrs, shape, rest, called)
+                            return dataclasses.replace(work, carried=start[1]) if start[0] == id(comp) else work
                         return _Cost(0.0, "collective", "ici", resource="wait", mode="issue",
                                      waits_for=start[1] if start[0] == id(comp) else "")
                     comm = self.collective(inner_instrs, kind, inner_shape, inner_rest,
