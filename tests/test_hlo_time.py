@@ -719,6 +719,44 @@ def test_an_async_collective_fusion_is_issued_once_and_runs_beside_the_matmul_th
     assert result.step_time_s == pytest.approx(max(ag, mm) + d2)
 
 
+def test_a_fusion_that_carries_a_collective_moves_only_its_matmuls_bytes():
+    """The carrying fusion hands the gather's buffers back unread (the gather's traffic is the collective's): its
+    bytes are its matmul's, x and w read and the product written, 3 x 8 MiB."""
+    carry = next(o for o in predict(INFLIGHT).top if o.name == "c")
+    assert carry.bytes == 3 * 2048 * 2048 * 2
+
+
+# A windowed einsum's chunk: two interleaved pieces padded together, a chunk of 512 of their 2048 columns sliced out
+# and multiplied; the fusion reads the chunk, not the whole operand
+PADDED_CHUNK = """HloModule m, is_scheduled=true
+
+%chunk_comp (p0: bf16[4096,1,2048], p1: s32[], p2: bf16[1024,2048]) -> bf16[4096,2048] {
+  %p0 = bf16[4096,1,2048]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = bf16[1024,2048]{1,0} parameter(2)
+  %inf = bf16[] constant(-inf)
+  %padded = bf16[4096,2,2048]{2,1,0} pad(%p0, %inf), padding=0_0x0_1x0_0
+  %zero = s32[] constant(0)
+  %chunk = bf16[4096,2,512]{2,1,0} dynamic-slice(%padded, %zero, %zero, %p1), dynamic_slice_sizes={4096,2,512}
+  %flat = bf16[4096,1024]{1,0} bitcast(%chunk)
+  ROOT %mm = bf16[4096,2048]{1,0} dot(%flat, %p2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: bf16[4096,1,2048], i: s32[], w: bf16[1024,2048]) -> bf16[4096,2048] {
+  %x = bf16[4096,1,2048]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %w = bf16[1024,2048]{1,0} parameter(2)
+  ROOT %f = bf16[4096,2048]{1,0} fusion(%x, %i, %w), kind=kOutput, calls=%chunk_comp
+}
+"""
+
+
+def test_a_padded_operand_that_is_only_sliced_is_read_as_far_as_its_slices():
+    fused = next(o for o in predict(PADDED_CHUNK).top if o.name == "f")
+    chunk, weight, product = 4096 * 2 * 512 * 2, 1024 * 2048 * 2, 4096 * 2048 * 2
+    assert fused.bytes == chunk + 4 + weight + product  # not the whole 16 MiB operand
+
+
 # The same, its carrying fusion in a computation of its own (as in a windowed einsum's loop body, which continues a
 # gather issued before the loop under the same channel)
 INFLIGHT_CALLED = INFLIGHT.replace("ENTRY %main", """%body_comp (b0: bf16[256,2048], b1: bf16[2048,2048], bx: bf16[2048,2048], bw: bf16[2048,2048]) -> (bf16[2048,2048], bf16[256,2048], bf16[2048,2048]) {

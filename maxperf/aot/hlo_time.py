@@ -337,13 +337,22 @@ class _Walker:
             ops = hlo_cost.operands(comp.instrs[r][2])
             return comp.instrs[r][1] != "scatter" or bool(ops) and source(ops[0]) in params
 
+        # a TPU async collective fusion's own buffers: the collective in flight and the parameters it passes on (its
+        # operands and results, which the fusion hands back unread); the collective's traffic is priced apart
+        collectives = {n for n, (_, op, _) in comp.instrs.items() if op in COLLECTIVES}
+
+        def passed_on(r: str) -> bool:
+            return bool(collectives) and (source(r) in params or source(r) in collectives)
+
         updates = [r for r in roots if r in comp.instrs and comp.instrs[r][1] in update_operand and into_parameter(r)]
         in_place_via: set[str] = set()
+        if collectives and not updates:
+            written = sum(_bytes(comp.instrs[r][0]) for r in roots if r in comp.instrs and not passed_on(r))
         if updates:  # each in-place root writes its update, any other root (a multi-output fusion's) itself whole
             written = 0.0
             for r in roots:
                 if r not in updates:
-                    written += _bytes(comp.instrs[r][0]) if r in comp.instrs else 0.0
+                    written += _bytes(comp.instrs[r][0]) if r in comp.instrs and not passed_on(r) else 0.0
                     continue
                 ops = hlo_cost.operands(comp.instrs[r][2])
                 k = update_operand[comp.instrs[r][1]]
@@ -354,6 +363,9 @@ class _Walker:
         for name, number in params.items():
             uses = users.get(name, [])
             sliced = self.through_bitcasts(comp, name)
+            if collectives and uses and all(u in collectives or u == comp.root for u, _ in uses):
+                read[number] = 0.0  # handed to the collective or back out: not read by the fusion's own work
+                continue
             if name in in_place and all((u in updates or u in in_place_via) and i == 0 for u, i in uses) and all(
                     u in updates and i == 0 for u, i in sliced):
                 read[number] = 0.0
@@ -373,10 +385,13 @@ class _Walker:
         return users
 
     def through_bitcasts(self, comp, name: str) -> list[tuple[str, int]]:
-        """The uses of `name` in `comp`, a bitcast's taken as its own users' (a bitcast moves no bytes)."""
+        """The uses of `name` in `comp`, a bitcast's taken as its own users' (a bitcast moves no bytes), and a pad's
+        (a padded operand that is then only sliced, as a windowed einsum takes its chunk of two interleaved pieces,
+        is read no further than the slices reach into it)."""
         out = []
         for u, i in self.users_of(comp).get(name, []):
-            out.extend(self.through_bitcasts(comp, u) if comp.instrs[u][1] == "bitcast" else [(u, i)])
+            through = comp.instrs[u][1] == "bitcast" or comp.instrs[u][1] == "pad" and i == 0
+            out.extend(self.through_bitcasts(comp, u) if through else [(u, i)])
         return out
 
     def slice_read(self, comp, comp_name: str, u: str, i: int) -> float | None:
