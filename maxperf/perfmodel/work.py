@@ -476,7 +476,7 @@ class Work:
                  fp8: Fp8Recipe | None = None, weight_uses: float = 1.0):
         """`weight_uses`: the forward passes a layer's weights serve in one step on this device (the microbatches,
         of gradient accumulation and of a pipeline), which a recipe that caches its FP8 weights casts them once for
-        (FP8_WEIGHT_CACHE)."""
+        (Fp8Recipe.caches_weights)."""
         self.chip, self.peak, self.constants = chip, chip.peak_flops(dtype), constants
         self.int8, self.fp8 = int8, fp8
         self.weight_uses = max(weight_uses, 1.0)
@@ -626,18 +626,18 @@ class Work:
                                "(counted); attention, logits and norms in the compute dtype")
         (r_fwd, r_dx, r_dw), (f_fwd, f_dx, f_dw) = per_pass(rate), per_pass(fill)
         self.matmul(name, M, K, N, forward, c, side, r_fwd * speedup, operand_bytes=1, fill=f_fwd, fp8=True)
-        # W's casts: each forward and recomputation, or once a step for the weights a recipe caches (each weight's
-        # backward runs once per forward pass it serves)
-        casts = backward / self.weight_uses if recipe.caches_weights and backward else forward
-        elements = q * (forward * M * K + casts * K * N)  # x and W
+        # W's casts (forward and recomputation) and transposes or requantizations (backward): as often as x's, or
+        # once a step for the weights a recipe caches (a weight's backward runs once per forward pass it serves)
+        w_forward, w_backward = ((backward / self.weight_uses,) * 2 if recipe.caches_weights and backward
+                                 else (forward, backward))
+        elements = q * (forward * M * K + w_forward * K * N)  # x and W
         if recipe.quantizes_backward:
             self.matmul(name, M, N, K, backward, c, side, r_dx * speedup, operand_bytes=1, fill=f_dx, fp8=True)
             self.matmul(name, K, M, N, backward, c, side, r_dw * speedup, operand_bytes=1, fill=f_dw, fp8=True)
             # dy, once for both products (per channel twice: each product shifts another operand's scales onto it)
             dy = 2 if recipe.granularity is Granularity.CHANNEL else 1
             again = FP8_TRANSPOSE_BYTES.get(chip.kind, 0.0) if recipe.reuses_forward else q
-            w_again = backward / self.weight_uses if recipe.caches_weights else backward
-            elements += backward * (dy * q * M * N + again * M * K) + w_again * again * K * N
+            elements += backward * (dy * q * M * N + again * M * K) + w_backward * again * K * N
         else:
             self.matmul(name, M, N, K, backward, c, side, r_dx, fill=f_dx)
             self.matmul(name, K, M, N, backward, c, side, r_dw, fill=f_dw)

@@ -95,9 +95,10 @@ class Fp8Recipe:
     @property
     def caches_weights(self) -> bool:
         """Its FP8 weights (each cast, and its transpose) are made once a step and reused by every microbatch of
-        gradient accumulation and of a pipeline: Transformer Engine's `is_first_microbatch`, which Megatron sets
-        (transformer_engine.pytorch.Linear.forward: "caching of weights in FP8 (i.e. cast and transpose) between
-        microbatches"). The others cast the weights in every microbatch's forward."""
+        gradient accumulation and of a pipeline: Transformer Engine's FP8 weight caching, driven by the
+        `is_first_microbatch` flag Megatron sets on each step's first microbatch (NVIDIA/Megatron-LM#5642 describes
+        the refresh of TE's FP8 weight and transpose cache there). The others cast the weights in every microbatch's
+        forward."""
         return self.transformer_engine
 
     @property
