@@ -3,27 +3,38 @@ x [M, K] @ W [K, N] with few rows M (a decode step's sequences on one device) ag
 bf16 and in FP8 (float8_e4m3fn operands, a bf16 result: XLA's cuBLASLt FP8 GEMM on Hopper), each row's median time
 beside
 
-- the roofline, as perfmodel.serving prices a decode matmul: the longer of its FLOPs at the chip's sustained rate
-  (its bf16 or FP8 peak x chips.MATMUL_FRACTION) and its bytes (the weights, the rows in and out) at the share of HBM
-  bandwidth fitted on published serving runs (serving.DECODE_HBM_EFFICIENCY);
-- the sum of the two: the weights streamed, then the math, neither hiding the other.
+- the roofline, as perfmodel.serving prices a TPU's decode matmul: the longer of its FLOPs at the chip's sustained
+  rate (its bf16 or FP8 peak x chips.MATMUL_FRACTION) and its bytes (the weights, the rows in and out) at the share
+  of HBM bandwidth fitted on published serving runs (serving.DECODE_HBM_EFFICIENCY);
+- the sum of the two: the weights streamed, then the math, neither hiding the other, as it prices a GPU's
+  (serving.DECODE_KERNEL_LAW).
 
     .venv/bin/python bench/gpu_gemm.py [--chip h200] [--rows 16,64,...] [--shapes KxN,...] [--dtypes bf16,fp8]
                                        [--reps 10] [--json FILE]
 
-Published serving runs alone cannot tell the two apart from a lower FP8 rate at these shapes (docs/serving.md): this
-sweep can. Each call runs as many distinct weight matrices of the shape as make up at least L2_SPAN bytes, one after
-another in one program, so that no matrix is read from the L2 cache a step's other weights would have evicted; a
-row's time is the call's median over --reps over that count. The summary gives, per dtype, the median and worst
-|measured / predicted - 1| of each price, over all rows and over the rows near the ridge (where the smaller of the
-two terms is at least a quarter of the larger), which tell the prices apart. A shape that fails prints its one-line
+Published serving runs alone cannot tell the two apart from a lower FP8 rate at these shapes (docs/serving.md): a
+sweep of GEMMs can. Each call runs as many distinct weight matrices of the shape as make up at least L2_SPAN bytes,
+one after another in one program, so that no matrix is read from the L2 cache a step's other weights would have
+evicted; a row's time is the call's median over --reps over that count. The summary gives, per dtype, the median and
+worst |measured / predicted - 1| of each price, over all rows and over the rows near the ridge (where the smaller of
+the two terms is at least a quarter of the larger), which tell the prices apart. A shape that fails prints its one-line
 reason and the bench goes on. On a machine without a GPU it runs as well (the test: tiny shapes on the CPU, priced as
 the chosen GPU's).
+
+`--published` sets the same two prices beside published GEMM timings instead (bench/published/gemm.csv; no GPU
+needed): DeepSeek's DeepGEMM table, FP8 on an H800 SXM5 (an H100 SXM's SMs, clock and HBM3, priced as h100-sxm), M =
+64 to 8,192 rows against DeepSeek-V3's weight shapes, dense and grouped (each group its own weight), for two kernels:
+DeepGEMM's own (its stated TFLOP/s) and the CUTLASS 3.6 implementation it states its speedup over (DeepGEMM's time
+x that speedup, stated to a tenth: a few percent of rounding). Each row's stated memory bandwidth is checked against
+the bytes the prices count (the weights, the rows in, the bf16 rows out).
+
+    .venv/bin/python bench/gpu_gemm.py --published [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import statistics
 import sys
@@ -44,6 +55,9 @@ DTYPES = ("bf16", "fp8")
 L2_SPAN = 256 * 2**20  # bytes of distinct weights per call: five times an H100's or H200's 50 MB L2
 MAX_COPIES = 32
 NEAR_RIDGE = 0.25  # a row is near the ridge where its smaller term is at least this share of its larger
+PUBLISHED = Path(__file__).resolve().parent / "published" / "gemm.csv"
+# The kernels a published row times: DeepGEMM's own, and the CUTLASS 3.6 implementation it states its speedup over
+PUBLISHED_KERNELS = ("DeepGEMM", "CUTLASS 3.6")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -117,6 +131,34 @@ def measure(chip: str, dtype: str, M: int, K: int, N: int, reps: int) -> dict:
     return row
 
 
+def published_rows(path: Path = PUBLISHED) -> list[dict]:
+    """The published GEMM timings, one row per kernel of each table line, each with its prices (perfmodel's for the
+    chip it is priced as, times its groups) and its measured / priced ratios, as `measure` gives them."""
+    rows = []
+    with open(path, newline="") as f:
+        for line in csv.DictReader(f):
+            groups, M, N, K = (int(line[k]) for k in ("groups", "m", "n", "k"))
+            flops = groups * 2 * M * N * K
+            deepgemm_s = flops / (float(line["tflops"]) * 1e12)
+            prices = {key: groups * value for key, value in priced(line["priced_as"], line["dtype"], M, K, N).items()}
+            stated_bytes = float(line["gb_per_s"]) * 1e9 * deepgemm_s
+            cutlass_s = deepgemm_s * float(line["speedup_over_cutlass"])
+            for kernel, seconds in zip(PUBLISHED_KERNELS, (deepgemm_s, cutlass_s)):
+                rows.append({"dtype": line["dtype"], "kernel": kernel, "groups": groups, "M": M, "K": K, "N": N,
+                             "chip": line["priced_as"], "device": line["device"], "source": line["source"],
+                             "stated_bytes": stated_bytes, **prices, "measured_s": seconds,
+                             "tflops": flops / seconds / 1e12, "roofline_ratio": seconds / prices["roofline_s"],
+                             "sum_ratio": seconds / prices["sum_s"]})
+    return rows
+
+
+def counted_bytes(row: dict) -> float:
+    """The bytes the prices count for a row: its groups' weights, rows in and bf16 rows out (`priced`'s)."""
+    operand = 1 if row["dtype"] == "fp8" else 2
+    M, K, N = row["M"], row["K"], row["N"]
+    return row.get("groups", 1) * (K * N * operand + M * K * operand + M * N * 2)
+
+
 def near_ridge(row: dict) -> bool:
     small, large = sorted((row["compute_s"], row["memory_s"]))
     return small >= NEAR_RIDGE * large
@@ -125,8 +167,9 @@ def near_ridge(row: dict) -> bool:
 def summary(rows: list[dict]) -> list[str]:
     """Per dtype, each price's median and worst |measured / predicted - 1|, over all rows and those near the ridge."""
     lines = []
-    for dtype in sorted({r["dtype"] for r in rows}):
-        timed = [r for r in rows if r["dtype"] == dtype and "measured_s" in r]
+    kinds = sorted({(r["dtype"], r.get("kernel", "")) for r in rows})
+    for dtype, kernel in kinds:
+        timed = [r for r in rows if r["dtype"] == dtype and r.get("kernel", "") == kernel and "measured_s" in r]
         for label, subset in (("all rows", timed), ("near the ridge", [r for r in timed if near_ridge(r)])):
             if not subset:
                 continue
@@ -134,12 +177,16 @@ def summary(rows: list[dict]) -> list[str]:
             for price in ("roofline", "sum"):
                 errors = [abs(r[f"{price}_ratio"] - 1) for r in subset]
                 parts.append(f"{price} median {statistics.median(errors):.1%} worst {max(errors):.1%}")
-            lines.append(f"{dtype:<4} {label:<15} n={len(subset):<3} " + ", ".join(parts))
+            head = f"{dtype:<4} {kernel:<11} {label:<15}" if kernel else f"{dtype:<4} {label:<15}"
+            lines.append(f"{head} n={len(subset):<3} " + ", ".join(parts))
     return lines
 
 
 def line(row: dict) -> str:
-    head = f"{row['dtype']:<4} M {row['M']:>5}  K {row['K']:>6}  N {row['N']:>6}"
+    shape = f"M {row['M']:>5}  K {row['K']:>6}  N {row['N']:>6}"
+    head = f"{row['dtype']:<4} {shape}"
+    if "kernel" in row:
+        head = f"{row['dtype']:<4} {row['kernel']:<11} {row['groups']} x {shape}"
     if "error" in row:
         return f"{head}  {row['error']}"
     return (f"{head}  {row['measured_s'] * 1e6:9.1f} us {row['tflops']:7.1f} TFLOP/s   roofline "
@@ -155,8 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {', '.join(DTYPES)}")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", default="", help="also write the rows to this file")
+    parser.add_argument("--published", action="store_true",
+                        help=f"price the published GEMM timings of {PUBLISHED.relative_to(PUBLISHED.parents[2])} "
+                             "instead of timing this machine's GPU")
     args = parser.parse_args(argv)
     args.json = outfile.checked(parser, args.json)
+    if args.published:
+        return published_main(args.json)
     try:
         rows_m = parse_rows(args.rows)
         shapes = [parse_shape(s) for s in args.shapes.split(",") if s.strip()]
@@ -180,6 +232,22 @@ def main(argv: list[str] | None = None) -> int:
                     outfile.write(args.json, rows)
     for text in summary(rows):
         print(text)
+    return 0
+
+
+def published_main(json_path: str) -> int:
+    rows = published_rows()
+    gemms = len(rows) // len(PUBLISHED_KERNELS)
+    print(f"# {PUBLISHED.name}: {gemms} published GEMMs x {len(PUBLISHED_KERNELS)} kernels, "
+          f"priced as {rows[0]['chip']} at perfmodel's constants")
+    for row in rows:
+        print(line(row))
+    for text in summary(rows):
+        print(text)
+    off = max(abs(counted_bytes(r) / r["stated_bytes"] - 1) for r in rows)
+    print(f"bytes counted against each row's stated bandwidth x time: within {off:.1%} on every row")
+    if json_path:
+        outfile.write(json_path, rows)
     return 0
 
 

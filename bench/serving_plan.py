@@ -57,7 +57,8 @@ def main(argv=None) -> list[dict]:
         print(f"{name:<26} {res['candidates']:>6} candidates, {res['fitting']:>6} fit, {res['meeting']:>6} meet; "
               f"{r['cpu_s']:.2f} s CPU ({r['wall_s']:.2f} s wall, search {res['search_seconds']:.2f} s)")
         if w:
-            print(f"  best: {w['mesh']}, {w['batch']} sequences, {w['quantization']} weights: "
+            weights = "unquantized" if w["quantization"] == "none" else w["quantization"]
+            print(f"  best: {w['mesh']}, {w['batch']} sequences, {weights} weights: "
                   f"{w['tpot_s'] * 1e3:.3g} ms/token, {w['tokens_per_s_per_chip']:.4g} tokens/s per chip")
         rows.append({"name": name, **r})
     return rows

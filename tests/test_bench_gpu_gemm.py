@@ -3,6 +3,7 @@ decode matmul (the roofline perfmodel.serving uses, and the sum of compute and m
 chip's figures; the summary over rows; bad input a one-line usage error."""
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -63,6 +64,37 @@ def test_the_summary_tells_the_prices_apart(bench):
     assert lines[0].startswith("fp8  all rows        n=3 ")
     # near the ridge: the 512- and 1024-row matmuls; measured at the sum there, twice and 1.2x the roofline
     assert lines[1] == ("fp8  near the ridge  n=2   roofline median 60.0% worst 100.0%, sum median 2.0% worst 4.0%")
+
+
+def test_the_published_gemms_are_priced_and_tell_which_kernels_each_law_fits(bench, tmp_path):
+    """--published (bench/published/gemm.csv, DeepGEMM's H800 table): every table line for both kernels, the bytes
+    the prices count equal to each line's stated bandwidth x time, and the figures perfmodel.serving cites for
+    DECODE_KERNEL_LAW: the CUTLASS kernels' times are the sum of the two terms, DeepGEMM's the roofline."""
+    out = tmp_path / "published.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_gemm.py"), "--published", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 * 28 and {r["kernel"] for r in rows} == {"DeepGEMM", "CUTLASS 3.6"}
+    assert all(r["chip"] == "h100-sxm" and r["dtype"] == "fp8" for r in rows)
+    for r in rows:
+        assert abs(bench.counted_bytes(r) / r["stated_bytes"] - 1) < 0.005, r
+    # M = 64 x N 7168 x K 16384: 336 TFLOP/s stated, CUTLASS 1.4x slower
+    row = next(r for r in rows if (r["M"], r["N"], r["K"], r["kernel"]) == (64, 7168, 16384, "DeepGEMM"))
+    assert row["measured_s"] == pytest.approx(2 * 64 * 7168 * 16384 / 336e12)
+    twin = next(r for r in rows if (r["M"], r["N"], r["K"], r["kernel"]) == (64, 7168, 16384, "CUTLASS 3.6"))
+    assert twin["measured_s"] == pytest.approx(1.4 * row["measured_s"])
+    grouped = next(r for r in rows if (r["groups"], r["M"], r["N"]) == (4, 256, 4096))
+    assert grouped["sum_s"] == pytest.approx(4 * bench.priced("h100-sxm", "fp8", 256, 7168, 4096)["sum_s"])
+
+    def median_error(kernel, price):
+        return statistics.median(abs(r[f"{price}_ratio"] - 1) for r in rows if r["kernel"] == kernel)
+
+    assert median_error("CUTLASS 3.6", "sum") == pytest.approx(0.111, abs=0.0005)
+    assert median_error("CUTLASS 3.6", "roofline") == pytest.approx(0.487, abs=0.0005)
+    assert median_error("DeepGEMM", "roofline") == pytest.approx(0.144, abs=0.0005)
+    assert "fp8  CUTLASS 3.6 all rows        n=28  roofline median 48.7%" in proc.stdout
+    assert "within 0.1% on every row" in proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [(["--rows", "0,16"], "positive integers"),

@@ -7,13 +7,14 @@ sequences, every step:
 - memory: the weights (the compute dtype, or 1 byte a number under quantization=int8 / fp8, the embedding table and
   head in the compute dtype), the cache of S positions (models/serving.cache_layout), and the largest temporaries
   (a layer's activations, the last position's logits).
-- decode, one token for each of B sequences at a cache filled to `context` positions: a roofline per kernel, summed
-  (the kernels run one after another): each matmul the larger of its FLOPs at the chip's sustained rate and its
-  weights' bytes at HBM bandwidth x DECODE_HBM_EFFICIENCY, attention the larger of its FLOPs and the filled part of
-  the cache (within a layer's window), as the paged and ragged kernels of serving stacks read it (once per query
-  head under decode_cache_reads=per_query_head, as TensorRT-LLM's masked multi-head attention kernel does); a mixture
-  of experts reads the experts its tokens reach; under tensor parallelism two all-reduces of the activations per
-  layer; the FSDP gathers of the weights; a fixed cost per layer (DECODE_LAYER_S).
+- decode, one token for each of B sequences at a cache filled to `context` positions: a price per kernel, summed
+  (the kernels run one after another): each matmul its FLOPs at the chip's sustained rate and its weights' bytes at
+  HBM bandwidth x DECODE_HBM_EFFICIENCY, attention its FLOPs and the filled part of the cache (within a layer's
+  window), as the paged and ragged kernels of serving stacks read it (once per query head under
+  decode_cache_reads=per_query_head, as TensorRT-LLM's masked multi-head attention kernel does), the two terms of a
+  kernel added on a GPU and the larger taken on a TPU (DECODE_KERNEL_LAW); a mixture of experts reads the experts
+  its tokens reach; under tensor parallelism two all-reduces of the activations per layer; the FSDP gathers of the
+  weights; a fixed cost per layer (DECODE_LAYER_S).
 - prefill, B prompts of P tokens: the training forward's matmuls at the chip's sustained rate for their shapes
   (perfmodel.work.matmul_efficiency), causal attention at the flash kernels' efficiency (cuDNN's faster where the
   training step prices it so: perfmodel.work.flash_speedup), the same all-reduces over B x P tokens and the same
@@ -41,25 +42,37 @@ from maxperf.spec.topology import Topology
 from maxperf.spec.train import DTYPE_BYTES, Quantization, TrainConfig
 
 # The share of HBM bandwidth a decode step's weight and cache reads sustain, per chip kind, each fitted on its own
-# kind's rows (bench/serving.py, FITTED_ON). GPU: 62 rows of NVIDIA's TensorRT-LLM tables on H100 and H200 (each
-# source's rows held out in turn it moves between 0.73 and 0.86; the tables' grouped-query runs whose decode kernel
-# read the cache once per query head are priced so, decode_cache_reads=per_query_head; the 0.9.0 table's Mixtral
-# 8x7B rows in 16 bits, as its experts ran). TPU: 8 rows of vLLM on
-# Google's tpu-recipes, the Trillium recipe's decode steps of Llama 3.3 70B on v6e-8 (median ITL 23.11 and 30.73 ms at
-# 64 and 128 sequences) and the Ironwood recipes' served benchmarks of Qwen3-32B and Qwen3-Coder-480B-A35B in FP8 on
-# TPU7x (0.59 without the Trillium rows, 0.64 without the Ironwood ones). MaxText's one published decode figure (Llama
-# 2 70B on v5e-16) runs its `autoregressive` mesh axis, which maxperf does not build, and JetStream's are ShareGPT
-# runs of unstated lengths.
-DECODE_HBM_EFFICIENCY = {"gpu": 0.73, "tpu": 0.62, "cpu": 1.0}
+# kind's rows (bench/serving.py, FITTED_ON). GPU: 62 rows of NVIDIA's TensorRT-LLM tables on H100 and H200, their
+# kernels' FLOPs and bytes summed (DECODE_KERNEL_LAW; each source's rows held out in turn it moves between 0.79 and
+# 0.92; the tables' grouped-query runs whose decode kernel read the cache once per query head are priced so,
+# decode_cache_reads=per_query_head; the 0.9.0 table's Mixtral 8x7B rows in 16 bits, as its experts ran). TPU: 8 rows
+# of vLLM on Google's tpu-recipes, the Trillium recipe's decode steps of Llama 3.3 70B on v6e-8 (median ITL 23.11 and
+# 30.73 ms at 64 and 128 sequences) and the Ironwood recipes' served benchmarks of Qwen3-32B and
+# Qwen3-Coder-480B-A35B in FP8 on TPU7x (0.59 without the Trillium rows, 0.64 without the Ironwood ones). MaxText's
+# one published decode figure (Llama 2 70B on v5e-16) runs its `autoregressive` mesh axis, which maxperf does not
+# build, and JetStream's are ShareGPT runs of unstated lengths.
+DECODE_HBM_EFFICIENCY = {"gpu": 0.79, "tpu": 0.62, "cpu": 1.0}
 # Seconds per decoder layer per decode step that neither FLOPs nor bytes explain: kernel launches and the
 # synchronization between a layer's kernels (assumed: ten kernels a layer at a few microseconds each on GPU, XLA's
 # fused TPU programs fewer)
 DECODE_LAYER_S = {"gpu": 20e-6, "tpu": 10e-6, "cpu": 0.0}
-FITTED_ON = "bench/serving.py, 2026-11-30"
+# How a decode kernel's FLOPs time and bytes time combine, per chip kind: "max", the longer of the two (a roofline:
+# the weights' stream hides the math), or "sum", one after the other. GPU: "sum", as the GEMM libraries' kernels of
+# the published GPU runs behave at decode shapes. DeepSeek's DeepGEMM table (FP8 on an H800 SXM5, an H100 SXM's SMs,
+# clock and HBM3; 64 to 8,192 rows against DeepSeek-V3's weight shapes, dense and grouped: bench/published/gemm.csv)
+# states its own kernels' rates and their speedup over a CUTLASS 3.6 implementation. At the GPU's fraction and HBM
+# efficiency here, the CUTLASS kernels' times are the sum of the two terms within 11.1% (median of 28 shapes) and
+# 1.5x the roofline's (48.7% off); DeepGEMM's own are the roofline's within 14.4% (the sum's 21.7%):
+# `.venv/bin/python bench/gpu_gemm.py --published`. TensorRT-LLM's releases of 2023-2024 ran CUTLASS and cuBLASLt
+# GEMMs; on their rows the sum's held-out error is 12.8% to the roofline's 14.8% (bench/serving.py, 2026-12-02). A
+# stack on DeepGEMM-class kernels runs faster than this prices. TPU: "max" (vLLM's rows: decode steps 4.1% held out,
+# 7.4% with the sum).
+DECODE_KERNEL_LAW = {"gpu": "sum", "tpu": "max", "cpu": "max"}
+FITTED_ON = "bench/serving.py, 2026-12-02"
 # How far this model falls from published serving measurements it was not fitted on, per chip kind (an estimate
 # quotes its own kind's; "all" where no rows are of its kind): the median and worst |predicted / published - 1| of
-# throughput, each source's rows predicted with the constants fitted without them (bench/serving.py, 2026-12-01)
-HELD_OUT_ERROR = {"gpu": (0.148, 0.770), "tpu": (0.073, 0.276), "all": (0.138, 0.770)}
+# throughput, each source's rows predicted with the constants fitted without them (bench/serving.py, 2026-12-02)
+HELD_OUT_ERROR = {"gpu": (0.128, 0.770), "tpu": (0.073, 0.276), "all": (0.121, 0.770)}
 HELD_OUT_BASIS = {
     "gpu": "62 published serving runs on GPUs (TensorRT-LLM on H100 and H200)",
     "tpu": "8 published serving runs on TPUs (vLLM on v6e and TPU7x)",
@@ -71,7 +84,7 @@ def uncertainty(kind: str) -> tuple[float, float, str]:
     """(median, worst, basis) of the held-out error an estimate on a chip of `kind` quotes."""
     key = kind if kind in HELD_OUT_ERROR else "all"
     return (*HELD_OUT_ERROR[key], f"the median and worst error on {HELD_OUT_BASIS[key]}, each source held out of the "
-                                  "fit (bench/serving.py, 2026-12-01)")
+                                  "fit (bench/serving.py, 2026-12-02)")
 
 
 @dataclass(frozen=True)
@@ -426,15 +439,20 @@ def _experts_reached(model: ModelConfig, tokens: float) -> float:
 class _Kernels:
     """Kernels that run one after another, each taking the longer of its FLOPs at its rate and its bytes at HBM
     bandwidth (a roofline per kernel: a decode step's matmuls stream their weights, its attention the cache, and
-    neither hides under the other); their seconds summed by what bounds each."""
+    neither hides under the other), or with `summed` the two added (the stream, then the math: DECODE_KERNEL_LAW);
+    their seconds summed by what bounds each."""
 
-    def __init__(self, bandwidth: float):
+    def __init__(self, bandwidth: float, summed: bool = False):
         self.bandwidth = bandwidth
+        self.summed = summed
         self.compute_s = self.memory_s = self.flops = self.bytes = 0.0
 
     def add(self, flops: float, rate: float, nbytes: float) -> None:
         tc, tm = flops / rate if flops else 0.0, nbytes / self.bandwidth
-        if tc >= tm:
+        if self.summed:
+            self.compute_s += tc
+            self.memory_s += tm
+        elif tc >= tm:
             self.compute_s += tc
         else:
             self.memory_s += tm
@@ -455,7 +473,7 @@ def decode_phase(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip,
     sizes = dict(mesh.sizes)
     c = DTYPE_BYTES[train.compute_dtype]
     peak = _peak(chip, train) * SHIPPED.fraction(chip)
-    kernels = _Kernels(chip.hbm_bandwidth * k.efficiency(chip.kind))
+    kernels = _Kernels(chip.hbm_bandwidth * k.efficiency(chip.kind), DECODE_KERNEL_LAW.get(chip.kind) == "sum")
     routed_tokens = b * sizes.get("expert", 1)
     for x, n, nb in _computed(model, mesh, train):
         if x.name in ("embedding", "positions"):  # a lookup of b rows
