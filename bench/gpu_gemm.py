@@ -87,7 +87,8 @@ def priced(chip_name: str, dtype: str, M: int, K: int, N: int) -> dict:
     compute = 2 * M * K * N / (peak * work.SHIPPED.fraction(chip))
     nbytes = K * N * operand + M * K * operand + M * N * 2  # the weights, the rows in, the bf16 rows out
     memory = nbytes / (chip.hbm_bandwidth * serving.DECODE_HBM_EFFICIENCY[chip.kind])
-    return {"compute_s": compute, "memory_s": memory, "roofline_s": max(compute, memory), "sum_s": compute + memory}
+    return {"compute_s": compute, "memory_s": memory, "roofline_s": max(compute, memory), "sum_s": compute + memory,
+            "bytes": nbytes}
 
 
 def copies_for(K: int, N: int, dtype: str) -> int:
@@ -132,8 +133,9 @@ def measure(chip: str, dtype: str, M: int, K: int, N: int, reps: int) -> dict:
 
 
 def published_rows(path: Path = PUBLISHED) -> list[dict]:
-    """The published GEMM timings, one row per kernel of each table line, each with its prices (perfmodel's for the
-    chip it is priced as, times its groups) and its measured / priced ratios, as `measure` gives them."""
+    """The published GEMM timings, one row per kernel of each table line, each with its prices and the bytes they
+    count (perfmodel's for the chip it is priced as, times its groups), the bytes its stated bandwidth moves in
+    DeepGEMM's time, and its measured / priced ratios, as `measure` gives them."""
     rows = []
     with open(path, newline="") as f:
         for line in csv.DictReader(f):
@@ -150,13 +152,6 @@ def published_rows(path: Path = PUBLISHED) -> list[dict]:
                              "tflops": flops / seconds / 1e12, "roofline_ratio": seconds / prices["roofline_s"],
                              "sum_ratio": seconds / prices["sum_s"]})
     return rows
-
-
-def counted_bytes(row: dict) -> float:
-    """The bytes the prices count for a row: its groups' weights, rows in and bf16 rows out (`priced`'s)."""
-    operand = 1 if row["dtype"] == "fp8" else 2
-    M, K, N = row["M"], row["K"], row["N"]
-    return row.get("groups", 1) * (K * N * operand + M * K * operand + M * N * 2)
 
 
 def near_ridge(row: dict) -> bool:
@@ -184,9 +179,8 @@ def summary(rows: list[dict]) -> list[str]:
 
 def line(row: dict) -> str:
     shape = f"M {row['M']:>5}  K {row['K']:>6}  N {row['N']:>6}"
-    head = f"{row['dtype']:<4} {shape}"
-    if "kernel" in row:
-        head = f"{row['dtype']:<4} {row['kernel']:<11} {row['groups']} x {shape}"
+    kernel = f"{row['kernel']:<11} {row['groups']} x " if "kernel" in row else ""
+    head = f"{row['dtype']:<4} {kernel}{shape}"
     if "error" in row:
         return f"{head}  {row['error']}"
     return (f"{head}  {row['measured_s'] * 1e6:9.1f} us {row['tflops']:7.1f} TFLOP/s   roofline "
@@ -244,7 +238,7 @@ def published_main(json_path: str) -> int:
         print(line(row))
     for text in summary(rows):
         print(text)
-    off = max(abs(counted_bytes(r) / r["stated_bytes"] - 1) for r in rows)
+    off = max(abs(r["bytes"] / r["stated_bytes"] - 1) for r in rows)
     print(f"bytes counted against each row's stated bandwidth x time: within {off:.1%} on every row")
     if json_path:
         outfile.write(json_path, rows)
