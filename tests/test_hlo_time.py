@@ -930,3 +930,21 @@ def test_a_transfer_between_slices_pays_the_dcn_and_overlaps_the_work_before_its
     assert send.bound == "dcn" and send.seconds == pytest.approx(transfer) and result.dcn_s == pytest.approx(transfer)
     d1, d2 = seconds_of(result, "d1"), seconds_of(result, "d2")
     assert transfer > d1 and result.step_time_s == pytest.approx(transfer + seconds_of(result, "b") + d2)
+
+
+def test_a_flash_kernel_read_from_the_hlo_runs_at_the_analytical_models_flash_rate_on_an_a100_and_an_h100():
+    """The reader prices an attention kernel's FLOPs as perfmodel prices the flash kernels: the fitted flash share of
+    the sustained matmul rate, times chips.flash_architecture (FlashAttention-2's published A100 rate over its H100
+    rate, each of the chip's best matmul) on an A100, where the compiled kernel (Pallas Triton) issues the instructions
+    it was written for."""
+    from maxperf.perfmodel import work
+
+    rates = {}
+    for topology in ("a100-8", "h100-8"):
+        topo = topologies.get(topology)
+        chip = chips.get(topo.chip)
+        walker = hlo_time._Walker(ADD, chip, topo, mesh_mod.resolve(ParallelismConfig(), topo), work.SHIPPED)
+        cost = walker.attention_cost(1e15, 1.0, 128)
+        rates[topology] = 1e15 / cost.seconds / (chip.peak_bf16_flops * work.SHIPPED.fraction(chip))
+    assert rates["h100-8"] == pytest.approx(work.FLASH_EFFICIENCY["gpu"], rel=1e-9)
+    assert rates["a100-8"] / rates["h100-8"] == pytest.approx(chips.flash_architecture(chips.get("a100-80gb")), rel=1e-9)

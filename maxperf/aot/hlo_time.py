@@ -55,8 +55,8 @@ import numpy as np
 
 from maxperf.aot import hlo_cost
 from maxperf.perfmodel import network
-from maxperf.perfmodel.chips import Chip
-from maxperf.perfmodel.work import SHIPPED, Constants, half_scale, matmul_efficiency, mxu_fill
+from maxperf.perfmodel.chips import Chip, flash_architecture
+from maxperf.perfmodel.work import SHIPPED, Constants, flash_speedup_note, half_scale, matmul_efficiency, mxu_fill
 from maxperf.spec.logical_axes import MESH_AXES
 from maxperf.spec.mesh import Mesh
 from maxperf.spec.topology import Topology
@@ -609,7 +609,7 @@ class _Walker:
     def attention_cost(self, flops: float, nbytes: float, head_dim: float) -> _Cost:
         chip, c = self.chip, self.constants
         rate = (self.peak("bf16") * c.fraction(chip) * c.flash_efficiency.get(chip.kind, 1.0)
-                * mxu_fill(chip, head_dim))
+                * flash_architecture(chip) * mxu_fill(chip, head_dim))
         seconds = max(flops / rate, nbytes / chip.hbm_bandwidth)
         return _Cost(seconds, _ATTENTION, "compute" if flops / rate >= nbytes / chip.hbm_bandwidth else "hbm", flops,
                      nbytes)
@@ -997,7 +997,7 @@ def assumptions(chip: Chip, constants: Constants) -> tuple[str, ...]:
              f"{(chip.elementwise_bandwidth or chip.hbm_bandwidth) / 1e9:.0f} GB/s"]
     if chip.kind in ("tpu", "gpu"):
         lines.append(f"flash attention kernels at {constants.flash_efficiency.get(chip.kind, 1.0):.2f} of the matmul "
-                     "rate (perfmodel's fit)")
+                     "rate (perfmodel's fit)" + flash_speedup_note(chip, flash_architecture(chip)))
     lines.append({"tpu": "collectives overlap compute from where the schedule issues them to their first use (the TPU "
                          "backend runs them asynchronously)",
                   "gpu": "asynchronous collectives overlap what the schedule puts between their start and done; "

@@ -32,9 +32,11 @@ MATMUL_FRACTION = {
     # cannot determine it: held at its fit before that cap, and held in bench/published.py's fits
     "tpu7x": 0.978,
     # [fit] 4 and 9 rows (MPT), refitted on 2026-12-01 (90 rows) when a GPU's HALF came to scale with its FLOPs per
-    # HBM byte (perfmodel.work.half_scale): 0.775 and 0.824 with H100's HALF
-    "a100-40gb": 0.756,
-    "a100-80gb": 0.779,
+    # HBM byte (perfmodel.work.half_scale): 0.775 and 0.824 with H100's HALF; and on 2026-12-02 when their flash
+    # kernels came to run at FlashAttention-2's A100 rate (flash_architecture): 0.756 and 0.779 before, one GA100's
+    # compute fitted 3% apart, 0.2% now
+    "a100-40gb": 0.728,
+    "a100-80gb": 0.727,
     "h100-sxm": 0.616,  # [fit] 21 rows (MPT, MaxText A3, NVIDIA Megatron-Bridge)
 }
 FITTED_ON = "bench/published.py, 2026-11-27, 86 rows"
@@ -66,6 +68,40 @@ PLATEAU_TOLERANCE = 0.01
 # Per chip with a sweep, the smallest swept size within PLATEAU_TOLERANCE of the sweep's best (matmul_plateau)
 GEMM_PLATEAU = {name: min(m for m, rate in sweep.items() if rate >= (1 - PLATEAU_TOLERANCE) * max(sweep.values()))
                 for name, sweep in GEMM_SWEEPS.items()}
+
+
+# FlashAttention-2's forward + backward rate, TFLOP/s, at 2,048, 4,096 and 8,192 tokens (16k tokens a batch, hidden
+# 2048, head dim 128, causal, bf16), as [fa2] prints it over its bars: Fig. 4(d) on an A100 80GB SXM4, Fig. 7(d) on an
+# H100 80GB SXM5 (the figures in the paper's repository, Dao-AILab/flash-attention assets/flash2_a100_fwd_bwd_benchmark
+# .png and flash2_h100_fwd_bwd_benchmark.png). Over each chip's best measured matmul (MEASURED_MATMUL) that is 0.57 to
+# 0.67 on the A100 and 0.33 to 0.39 on the H100: the kernel issues the warp-level mma instructions native to Ampere,
+# while Hopper's GEMMs reach its peak through warpgroup instructions that FlashAttention-2 does not use ([fa3]
+# abstract: "FlashAttention-2 achieving only 35% utilization on the H100 GPU"). The ratio is 1.71x to 1.73x at each
+# length, and 1.71x to 1.78x over the figures' other panels (head dim 64, no causal mask).
+# [fa2]: T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning", arXiv:2307.08691;
+# [fa3]: J. Shah et al., "FlashAttention-3", arXiv:2407.08608.
+FA2_MEASURED_TFLOPS = {"a100-80gb": (155.0, 173.0, 182.0), "h100-sxm": (265.0, 294.0, 308.0)}
+FA2_REFERENCE = "h100-sxm"  # the chip perfmodel.work.FLASH_EFFICIENCY's GPU value is of
+
+
+def flash_architecture(chip: Chip) -> float:
+    """How much more of its best matmul a FlashAttention-2-class kernel (FlashAttention-2, Triton's and Pallas
+    Triton's flash kernels, and cuDNN's on chips without Hopper's instructions) sustains on `chip` than on an H100:
+    the mean over FA2_MEASURED_TFLOPS's lengths of each chip's rate over its best matmul, `chip`'s over the H100's.
+    A chip of another's compute (SAME_COMPUTE) takes that one's; 1 where no figure is published (H200 is H100's
+    compute; Blackwell and the TPUs are not measured so)."""
+    name = chip.name if chip.name in FA2_MEASURED_TFLOPS else SAME_COMPUTE.get(chip.name, chip.name)
+    if name not in FA2_MEASURED_TFLOPS or name == FA2_REFERENCE:
+        return 1.0
+    ref = CHIPS[FA2_REFERENCE]
+    own = CHIPS[name]
+
+    def share(rate: float, c: Chip) -> float:
+        return rate * 1e12 / (MEASURED_MATMUL[c.name] * c.peak_bf16_flops)
+
+    ratios = [share(a, own) / share(h, ref)
+              for a, h in zip(FA2_MEASURED_TFLOPS[name], FA2_MEASURED_TFLOPS[FA2_REFERENCE])]
+    return sum(ratios) / len(ratios)
 
 
 def matmul_plateau(chip: Chip) -> float:

@@ -64,6 +64,7 @@ from maxperf.perfmodel.work import (
     Terms,
     Work,
     flash_speedup,
+    flash_speedup_note,
     fp8_key,
     fp8_matmuls,
     int8_matmuls,
@@ -237,8 +238,7 @@ def step_time(model: ModelConfig, train: TrainConfig, mesh: Mesh, chip: Chip, to
             speedup = flash_speedup(chip, train)
             if "flash" not in table.assumed:  # once, not per layer
                 table.assume("flash", f"flash attention at {flash_rate:.2f} of the matmul rate (fitted)"
-                             + (f" x {speedup:g} for cuDNN's kernel on {chip.name} (FlashAttention-3 paper)"
-                                if speedup != 1 else ""))
+                             + flash_speedup_note(chip, speedup))
             table.flash("attention (flash kernel)", flops, Dq, Dv, speedup)
         elif attention_rate:  # measured whole (CPU devices): scores, softmax and context, forward and backward
             cpu.measured_attention(table.add, attention_rate,
