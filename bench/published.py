@@ -38,9 +38,11 @@ ceiling, chips.MEASURED_MATMUL, which leaves it undetermined), each fit starting
 PRIOR (the assumptions before any fit, with the GPUs' measured GEMM rates, which chips.py cites); `--free` names the
 ones to fit. Each step is recorded once by perfmodel.estimate as its Terms (every matmul's FLOPs, smallest side and HBM
 time; the flash kernels' FLOPs; the elementwise traffic per pass; every collective's and host copy's seconds and
-overlap), and all rows' terms are priced at once by the perfmodel's own work.price and work.settle, so that one
-evaluation of all rows is a few numpy operations; the result is checked against perfmodel.estimate at the shipped and at
-the fitted constants (the "replay" line). "unfitted" is maxperf as shipped. In-sample: constants fitted on all rows.
+overlap), and all rows' terms are priced at once by the perfmodel's own work.price and work.settle (the terms that
+price alike summed first, work.Terms.merged), so that one evaluation of all rows is a few numpy operations, and the
+held-out fits run side by side, each round pricing every fit's next points in one evaluation; the result is
+checked against perfmodel.estimate at the shipped and at the fitted constants (the "replay" line). "unfitted" is
+maxperf as shipped. In-sample: constants fitted on all rows.
 Held out (`--hold-out`, default row,source): each row (leave-one-out), each source (leave-one-source-out: its rows
 predicted by constants fitted on every other source's), or each hardware generation, predicted by constants fitted, from
 PRIOR, on the rest; a chip left with no rows in a fit takes the rule chips.py applies to chips without rows
@@ -71,6 +73,7 @@ import os
 import sys
 import textwrap
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -274,7 +277,11 @@ PRIOR = Constants(0.9, 0.9, 0.9, 0.9, 0.869, 0.869, 0.803, 128.0, 128.0, 18.0, 0
 FREE = tuple(f.name for f in fields(Constants)
              if f.name not in ("elementwise_d_passes", "overlap_tensor", "overlap_data", "tpu_half", "gpu_half",
                                "fraction_tpu7x"))
+_NAMES = tuple(f.name for f in fields(Constants))
+_FRACTION_AT = tuple(_NAMES.index(_fraction_field(c)) for c in FRACTION_CHIPS)
 LO = np.array([BOUNDS[f.name][0] for f in fields(Constants)])
+# a search (nelder_mead, fitting): yields arrays of points, is sent what they evaluate to, returns its result
+Search = Generator[np.ndarray, np.ndarray, object]
 HI = np.array([BOUNDS[f.name][1] for f in fields(Constants)])
 
 
@@ -285,12 +292,23 @@ class Replay:
     def __init__(self, rows: list[Row]):
         terms = [r.estimate.time.terms for r in rows]
         self.n = len(rows)
-        self.terms = work.Terms.concat(terms)
-        self.step = np.concatenate([np.full(len(t.law), i) for i, t in enumerate(terms)]).astype(int)
+        # the terms that price alike summed (work.Terms.merged): a fit prices them some thousands of times
+        self.terms, self.step = work.Terms.concat(terms).merged(
+            np.concatenate([np.full(len(t.law), i) for i, t in enumerate(terms)]).astype(int))
         self.chip = [r.estimate.chip for r in rows]
         # chips with no fitted fraction take the rule for chips without rows, after the fitted ones
         self.chips = (*FRACTION_CHIPS, *sorted(set(self.chip) - set(FRACTION_CHIPS)))
         self.chip_index = np.array([self.chips.index(self.chip[i]) for i in self.step], dtype=int)
+        # the rule for chips without rows is a weighted mean of the fitted fractions: its weights, read off the rule
+        # at each fitted chip alone (and checked at the shipped fractions) price it for many points at once
+        without = self.chips[len(FRACTION_CHIPS):]
+        self.rule = np.array([[chips.fraction_without_rows(name, dict(zip(FRACTION_CHIPS, unit))) for name in without]
+                              for unit in np.eye(len(FRACTION_CHIPS)).tolist()]).reshape(len(FRACTION_CHIPS), -1)
+        shipped = Constants.current().fractions()
+        if not np.allclose(np.array(list(shipped.values())) @ self.rule,
+                           [chips.fraction_without_rows(name, shipped) for name in without], rtol=1e-12):
+            raise SystemExit("chips.fraction_without_rows is no longer a weighted mean of the fitted fractions: "
+                             "Replay.times prices it as one")
         self.gpu = np.array([steptime_kind(self.chip[i]) == "gpu" for i in self.step])
         # GPU steps whose FP8 matmuls XLA builds (work.fp8_key) keep the measured efficiency; only Transformer
         # Engine's ("gpu") is fitted here
@@ -306,23 +324,38 @@ class Replay:
         self.fixed_overlap = np.where(self.family_index == len(FAMILY_ORDER), self.terms.overlap, 0.0)
         self.unfitted = work.Overlap()
         self.gpu_dcn_latency = work.SHIPPED.dcn_step_latency["gpu"]
+        self.tokens = np.array([r.estimate.flops.tokens * r.request.topology.devices_per_chip for r in rows])
+        self.published = np.array([r.published_tokens for r in rows])
 
     def step_times(self, c: Constants) -> np.ndarray:
-        fitted = c.fractions()
+        return self.times(c.vector())
+
+    def times(self, x: np.ndarray) -> np.ndarray:
+        """The step times under the Constants whose vector() is `x` (what a fit evaluates), or under each of a
+        batch of them (`x` of shape (points, constants) gives (points, steps))."""
+        points = np.atleast_2d(x)
+        fitted = points[:, _FRACTION_AT]
         # rounded as chips.py rounds the shipped rule, so that the shipped constants replay estimate exactly
-        rule = [round(chips.fraction_without_rows(name, fitted), 3) for name in self.chips[len(FRACTION_CHIPS):]]
-        fraction = np.array([*fitted.values(), *rule])[self.chip_index]
-        half = np.where(self.gpu, c.gpu_half, c.tpu_half)
-        flash = np.where(self.gpu, c.flash_gpu, c.flash_tpu)
-        latency = np.where(self.gpu, self.gpu_dcn_latency, c.dcn_latency_tpu)
-        fp8 = np.where(self.gpu, np.where(self.gpu_xla_fp8, work.SHIPPED.fp8_efficiency["gpu xla"], c.fp8_gpu),
-                       c.fp8_tpu)
-        seconds, _ = work.price(self.terms, fraction, half, flash, c.elementwise_d_passes, latency, fp8)
-        per_family = np.array([c.overlap_fsdp, c.overlap_tensor, c.overlap_data, self.unfitted.sequence,
-                               self.unfitted.expert, 0.0])
-        overlap = per_family[self.family_index] + self.fixed_overlap
+        fraction = np.hstack([fitted, np.round(fitted @ self.rule, 3)])[:, self.chip_index]
+
+        def column(name: str) -> np.ndarray:
+            return points[:, _NAMES.index(name), None]
+
+        half = np.where(self.gpu, column("gpu_half"), column("tpu_half"))
+        flash = np.where(self.gpu, column("flash_gpu"), column("flash_tpu"))
+        latency = np.where(self.gpu, self.gpu_dcn_latency, column("dcn_latency_tpu"))
+        fp8 = np.where(self.gpu, np.where(self.gpu_xla_fp8, work.SHIPPED.fp8_efficiency["gpu xla"],
+                                          column("fp8_gpu")), column("fp8_tpu"))
+        seconds, _ = work.price(self.terms, fraction, half, flash, column("elementwise_d_passes"), latency, fp8)
+        unfitted = np.broadcast_to([self.unfitted.sequence, self.unfitted.expert, 0.0], (len(points), 3))
+        per_family = np.hstack([column("overlap_fsdp"), column("overlap_tensor"), column("overlap_data"), unfitted])
+        overlap = per_family[:, self.family_index] + self.fixed_overlap
         steps, _, _ = work.settle(seconds, self.comm, overlap, self.step, self.n)
-        return steps
+        return steps.reshape(np.shape(x)[:-1] + (self.n,))
+
+    def errors(self, x: np.ndarray) -> np.ndarray:
+        """Each row's |log(predicted / published)| throughput under the Constants vector(s) `x`, as `times`."""
+        return np.abs(np.log(self.tokens / self.times(x) / self.published))
 
 
 def steptime_kind(chip: str) -> str:
@@ -345,78 +378,116 @@ PATIENCE = 3
 MAX_RESTARTS = 40
 
 
-def nelder_mead(f, x0: np.ndarray, scale: np.ndarray, iters: int = 600, tol: float = 1e-7) -> np.ndarray:
-    """Minimizes f from x0 (a simplex of steps `scale`), the textbook reflection/expansion/contraction/shrink."""
-    pts = [x0] + [x0 + np.eye(len(x0))[i] * scale[i] for i in range(len(x0))]
-    vals = [f(p) for p in pts]
+def nelder_mead(x0: np.ndarray, scale: np.ndarray, iters: int = 600, tol: float = 1e-7) -> Search:
+    """Minimizes a function from x0 (a simplex of steps `scale`), the textbook reflection/expansion/contraction/
+    shrink. A generator: it yields the points it needs valued (an array of them, one per row), is sent their values,
+    and returns the best point."""
+    pts = np.vstack([x0, x0 + np.diag(scale)])
+    vals = yield pts
     for _ in range(iters):
-        order = np.argsort(vals)
-        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        order = np.argsort(vals, kind="stable")
+        pts, vals = pts[order], vals[order]
         if abs(vals[-1] - vals[0]) < tol:
             break
-        centroid = np.mean(pts[:-1], axis=0)
+        centroid = pts[:-1].sum(axis=0) / (len(pts) - 1)
         xr = centroid + (centroid - pts[-1])
-        fr = f(xr)
+        [fr] = yield xr[None]
         if fr < vals[0]:
             xe = centroid + 2 * (centroid - pts[-1])
-            fe = f(xe)
+            [fe] = yield xe[None]
             pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
         elif fr < vals[-2]:
             pts[-1], vals[-1] = xr, fr
         else:
             xc = centroid + 0.5 * (pts[-1] - centroid)
-            fc = f(xc)
+            [fc] = yield xc[None]
             if fc < vals[-1]:
                 pts[-1], vals[-1] = xc, fc
             else:
-                pts = [pts[0] + 0.5 * (p - pts[0]) for p in pts]
-                vals = [f(p) for p in pts]
+                pts = pts[0] + 0.5 * (pts - pts[0])
+                vals = yield pts
     return pts[int(np.argmin(vals))]
 
 
-def fit(replay: Replay, rows: list[Row], mask: np.ndarray, start: Constants, free: tuple[str, ...],
-        max_restarts: int = MAX_RESTARTS) -> Constants:
+def fitting(mask: np.ndarray, start: Constants, free: tuple[str, ...], max_restarts: int = MAX_RESTARTS) -> Search:
     """Constants minimizing mean |log(predicted / published)| over the rows in `mask`, within BOUNDS, moving only the
     `free` ones; Nelder-Mead from `start`, restarted from its best point until PATIENCE runs in a row each improve the
-    loss by less than CONVERGED (or `max_restarts` runs in all)."""
-    pub = np.array([r.published_tokens for r in rows])
-    tokens_per_chip = np.array([r.estimate.flops.tokens * r.request.topology.devices_per_chip for r in rows])
-    names = [f.name for f in fields(Constants)]
+    loss by less than CONVERGED (or `max_restarts` runs in all). A generator, as nelder_mead is: it yields the
+    Constants vectors it needs priced (one per row) and is sent every row's |log(predicted / published)| under each
+    (Replay.errors); `fit` and `fit_together` drive it."""
+    weight = mask / mask.sum()
     x_all = start.vector()
     # a constant that no row of the fit depends on (the FP8 efficiency of a kind with no FP8 row among them) keeps
     # its start: with nothing to fit it would drift anywhere within its bounds, and price the held-out rows so
-    base = replay.step_times(start)[mask]
-
-    def moves(name: str) -> bool:
+    tried = []
+    for name in free:
         x, (low, high) = x_all.copy(), BOUNDS[name]
-        i = names.index(name)
+        i = _NAMES.index(name)
         x[i] = low + 0.5 * (high - low) if x[i] != low + 0.5 * (high - low) else low
-        return bool(np.any(replay.step_times(Constants.from_vector(x))[mask] != base))
-
-    idx = np.array([names.index(n) for n in free if moves(n)], dtype=int)
+        tried.append(x)
+    errors = yield np.vstack([x_all, *tried])
+    idx = np.array([_NAMES.index(n) for n, e in zip(free, errors[1:]) if np.any(e[mask] != errors[0][mask])],
+                   dtype=int)
     lo, hi = LO[idx], HI[idx]
 
-    def unpack(x):
-        out = x_all.copy()
-        out[idx] = x
-        return Constants.from_vector(out)
+    def losses(points: np.ndarray) -> Search:
+        clipped = np.minimum(np.maximum(points, lo), hi)
+        full = np.repeat(x_all[None], len(points), axis=0)
+        full[:, idx] = clipped
+        errors = yield full
+        return errors @ weight + 10 * np.abs(points - clipped).sum(axis=1)
 
-    def loss(x):
-        clipped = np.clip(x, lo, hi)
-        pred = tokens_per_chip / replay.step_times(unpack(clipped))
-        return float(np.mean(np.abs(np.log(pred[mask] / pub[mask])))) + 10 * float(np.sum(np.abs(x - clipped)))
+    def search(x: np.ndarray) -> Search:
+        run = nelder_mead(x, 0.1 * (hi - lo))
+        points = next(run)
+        while True:
+            values = yield from losses(points)
+            try:
+                points = run.send(values)
+            except StopIteration as done:
+                return done.value
 
     x = x_all[idx]
-    best = loss(x)
+    [best] = yield from losses(x[None])
     quiet = 0  # runs in a row that gained less than CONVERGED
     for _ in range(max_restarts):
-        x = np.clip(nelder_mead(loss, x, 0.1 * (hi - lo)), lo, hi)
-        now = loss(x)
+        x = np.clip((yield from search(x)), lo, hi)
+        [now] = yield from losses(x[None])
         quiet = quiet + 1 if best - now < CONVERGED else 0
         best = now
         if quiet >= PATIENCE:
             break
-    return unpack(x)
+    out = x_all.copy()
+    out[idx] = x
+    return Constants.from_vector(out)
+
+
+def fit_together(replay: Replay, searches: list[Search]) -> list:
+    """Runs searches (`fitting`) side by side: each round prices every search's pending points in one call of
+    Replay.errors, which costs little more for many points than for one. Returns their results, in order."""
+    results = [None] * len(searches)
+    pending = {}
+    for i, s in enumerate(searches):
+        pending[i] = next(s)
+    while pending:
+        order = list(pending)
+        errors = replay.errors(np.vstack([pending[i] for i in order]))
+        at = 0
+        for i in order:
+            part, at = errors[at:at + len(pending[i])], at + len(pending[i])
+            try:
+                pending[i] = searches[i].send(part)
+            except StopIteration as done:
+                results[i] = done.value
+                del pending[i]
+    return results
+
+
+def fit(replay: Replay, mask: np.ndarray, start: Constants, free: tuple[str, ...],
+        max_restarts: int = MAX_RESTARTS) -> Constants:
+    """The constants `fitting` finds (see there)."""
+    [fitted] = fit_together(replay, [fitting(mask, start, free, max_restarts)])
+    return fitted
 
 
 def stand_in(c: Constants, chips_out: set[str], chips_fitted: set[str]) -> Constants:
@@ -461,25 +532,29 @@ def held_out_sets(rows: list[Row], mode: str) -> list[np.ndarray]:
 _SHARED: tuple = ()
 
 
-def _fit_without(out: np.ndarray) -> Constants:
+def _fits_without(sets: list[np.ndarray]) -> list[Constants]:
     replay, rows, start, free = _SHARED
-    mask = np.ones(len(rows), bool)
-    mask[out] = False
-    return fit(replay, rows, mask, start, free)
+    masks = [np.isin(np.arange(len(rows)), out, invert=True) for out in sets]
+    return fit_together(replay, [fitting(mask, start, free) for mask in masks])
 
 
 def fits_without(replay: Replay, rows: list[Row], start: Constants, free: tuple[str, ...],
                  sets: list[np.ndarray]) -> list[Constants]:
-    """For each held-out set, the constants fitted on the other rows: the fits run apart from each other, one
-    process per CPU (forked: the fits run numpy alone, so a worker needs nothing of its parent's threads; the
-    bench's own process imports no jax)."""
+    """For each held-out set, the constants fitted on the other rows: the fits run side by side (fit_together), in
+    one process per CPU, each taking every so-many-th set (forked: the fits run numpy alone, so a worker needs
+    nothing of its parent's threads; the bench's own process imports no jax)."""
     global _SHARED
     _SHARED = (replay, rows, start, free)
     workers = min(len(sets), os.cpu_count() or 1)
     if workers <= 1:
-        return [_fit_without(out) for out in sets]
+        return _fits_without(sets)
+    shares = [sets[w::workers] for w in range(workers)]
     with multiprocessing.get_context("fork").Pool(workers) as pool:
-        return pool.map(_fit_without, sets, chunksize=1)
+        done = pool.map(_fits_without, shares, chunksize=1)
+    out = [None] * len(sets)
+    for w, fitted in enumerate(done):
+        out[w::workers] = fitted
+    return out
 
 
 def held_out_errors(replay: Replay, rows: list[Row], pub: np.ndarray, start: Constants, free: tuple[str, ...],
@@ -687,7 +762,7 @@ def main() -> int:
         # every fit starts from PRIOR (the constants held fixed at their shipped values), so that no held-out row
         # steers the start
         start = replace(PRIOR, **{f.name: getattr(base, f.name) for f in fields(Constants) if f.name not in free})
-        fitted = fit(replay, ok, everything, start, free)
+        fitted = fit(replay, everything, start, free)
         err_in = predicted_from_steps(ok, replay.step_times(fitted)) / pub - 1
         for mode in modes:
             held[mode] = held_out_errors(replay, ok, pub, start, free, mode)

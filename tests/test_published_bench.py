@@ -55,6 +55,12 @@ def test_the_replay_prices_every_row_as_estimate_does_at_shipped_and_at_moved_co
     np.testing.assert_allclose(replay.step_times(moved), direct, rtol=1e-9)
     # and the moved constants do move the prediction: the check above compares different numbers
     assert np.max(np.abs(np.array(direct) / [r.estimate.step_time_s for r in rows] - 1)) > 0.05
+    # the replay prices the recorded terms merged (work.Terms.merged), fewer than were recorded, and a batch of
+    # constants (what the fits price side by side) as each alone
+    assert len(replay.terms.law) < sum(len(r.estimate.time.terms.law) for r in rows) / 2
+    batch = replay.times(np.vstack([shipped.vector(), moved.vector()]))
+    assert batch.shape == (2, len(rows))
+    assert (batch[0] == replay.step_times(shipped)).all() and (batch[1] == replay.step_times(moved)).all()
 
 
 def test_each_fitted_constant_changes_some_row(bench, rows):
@@ -196,7 +202,7 @@ def test_a_held_out_fit_runs_until_another_run_gains_nothing_and_the_workers_fit
     out = max(sources, key=len)  # the largest source held out: the fewest rows left to pin the constants
     mask = np.ones(len(rows), bool)
     mask[out] = False
-    fitted = bench.fit(replay, rows, mask, start, bench.FREE)
+    fitted = bench.fit(replay, mask, start, bench.FREE)
     pub = np.array([r.published_tokens for r in rows])
     tokens = bench.predicted_from_steps(rows, np.ones(len(rows)))
 
@@ -204,9 +210,9 @@ def test_a_held_out_fit_runs_until_another_run_gains_nothing_and_the_workers_fit
         return float(np.mean(np.abs(np.log(tokens[mask] / replay.step_times(c)[mask] / pub[mask]))))
 
     # one more run of the fit from its own result, over the same constants
-    once_more = bench.fit(replay, rows, mask, fitted, bench.FREE, max_restarts=1)
+    once_more = bench.fit(replay, mask, fitted, bench.FREE, max_restarts=1)
     assert 0 <= loss(fitted) - loss(once_more) < bench.CONVERGED
     # the workers' fits (two held-out sets, two processes) are the fits made here
     pair = sources[:2]
-    here = [bench.fit(replay, rows, np.isin(np.arange(len(rows)), s, invert=True), start, bench.FREE) for s in pair]
+    here = [bench.fit(replay, np.isin(np.arange(len(rows)), s, invert=True), start, bench.FREE) for s in pair]
     assert bench.fits_without(replay, rows, start, bench.FREE, pair) == here

@@ -381,6 +381,41 @@ class Terms:
             out[f.name] = np.concatenate(values) if isinstance(values[0], np.ndarray) else sum(values, ())
         return cls(**out)
 
+    def merged(self, step: np.ndarray) -> tuple[Terms, np.ndarray]:
+        """The same work in fewer terms, for pricing many times over (bench/published.py's fits): the terms of one
+        step (`step`: each term's) that `price` and `settle` treat alike are summed into one, and `price` and `settle`
+        give the merged terms the same step times, to rounding. Alike: the same law, whether a collective, overlap
+        family and own overlap; a matmul also the same smallest side, rate, HALF, matrix width, ceiling, FP8 flag and
+        FLOPs-to-bytes ratio (its max of FLOP time and byte time then scales with the sum), a flash kernel the same
+        rate. Returns the merged terms (each group named and kinded by its first term) and each one's step."""
+        comm = self.comm
+        groups: dict[tuple, list[int]] = {}
+        for i, law in enumerate(self.law.tolist()):
+            key = (int(step[i]), law, bool(comm[i]), self.family[i], float(self.overlap[i]))
+            if law == MATMUL:
+                ratio = self.peak_s[i] / self.hbm_s[i] if self.hbm_s[i] else math.inf
+                half = None if math.isnan(self.half[i]) else float(self.half[i])
+                key += (float(self.side[i]), float(self.rate[i]), half, float(self.half_scale[i]),
+                        float(self.ceiling[i]), float(self.fp8[i]), float(ratio))
+            elif law == FLASH:
+                key += (float(self.rate[i]),)
+            groups.setdefault(key, []).append(i)
+        first = np.array([g[0] for g in groups.values()], dtype=int)
+        label = np.zeros(len(self.law), dtype=int)
+        for n, g in enumerate(groups.values()):
+            label[g] = n
+        summed = ("fixed_s", "peak_s", "hbm_s", "dcn_steps", "flops", "bytes")
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in summed:
+                out[f.name] = np.bincount(label, value, len(first))
+            elif isinstance(value, np.ndarray):
+                out[f.name] = value[first]
+            else:
+                out[f.name] = tuple(value[i] for i in first)
+        return type(self)(**out), np.asarray(step)[first]
+
     def overlaps(self, overlap: Overlap) -> np.ndarray:
         """Each term's hidden fraction under `overlap`."""
         return np.array([getattr(overlap, f) if f else o for f, o in zip(self.family, self.overlap)], dtype=float)
@@ -403,15 +438,26 @@ def price(terms: Terms, fraction, half, flash, d_passes, dcn_latency, fp8=1.0) -
     return seconds, at_rate >= t.hbm_s
 
 
+def by_step(values: np.ndarray, step: np.ndarray, steps: int) -> np.ndarray:
+    """Sums of `values` (..., terms) over each step's terms (`step`: each term's step, of `steps`): (..., steps)."""
+    lead = values.shape[:-1]
+    if not lead:
+        return np.bincount(step, values, steps)
+    k = math.prod(lead)
+    flat = (step + steps * np.arange(k)[:, None]).ravel()
+    return np.bincount(flat, values.reshape(k, -1).ravel(), k * steps).reshape(*lead, steps)
+
+
 def settle(seconds: np.ndarray, comm: np.ndarray, overlap: np.ndarray, step: np.ndarray, steps: int
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Step times from priced terms (`step`: each term's step, of `steps`): compute and memory-bound work add up;
     a collective's `overlap` share hides behind it, and what cannot hide (more hidden time than work to hide behind)
     comes back in proportion. Returns the step times, each step's busy seconds and the share of hidden time that
-    spilled back."""
-    busy = np.bincount(step, np.where(comm, 0.0, seconds), steps)
-    total = np.bincount(step, np.where(comm, seconds, 0.0), steps)
-    hidden = np.bincount(step, np.where(comm, seconds * overlap, 0.0), steps)
+    spilled back. `seconds` and `overlap` may carry leading axes (bench/published.py settles many pricings at once),
+    and so do the results."""
+    busy = by_step(np.where(comm, 0.0, seconds), step, steps)
+    total = by_step(np.where(comm, seconds, 0.0), step, steps)
+    hidden = by_step(np.where(comm, seconds * overlap, 0.0), step, steps)
     spill = np.maximum(0.0, hidden - busy) / np.where(hidden > 0, hidden, 1.0)
     return busy + total - hidden * (1 - spill), busy, spill
 
