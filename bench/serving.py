@@ -118,9 +118,14 @@ def reads_per_query_head(row: Row) -> bool:
 def request(row: Row, batch: int | None = None):
     """The row's serving step as maxperf resolves it, for `batch` sequences (default: the row's)."""
     devices = int(row.topology.rsplit("-", 1)[1])
-    words = [*row.words, f"per_device_batch_size={(batch or row.batch) / devices:g}",
-             f"max_prefill_predict_length={row.input_len}", f"max_target_length={row.input_len + row.output_len}"]
-    return resolve(row.topology, row.model, words)
+    words = (*row.words, f"per_device_batch_size={(batch or row.batch) / devices:g}",
+             f"max_prefill_predict_length={row.input_len}", f"max_target_length={row.input_len + row.output_len}")
+    return _resolved(row.topology, row.model, words)
+
+
+@functools.cache  # asked of every row by every fit
+def _resolved(topology: str, model: str, words: tuple[str, ...]):
+    return resolve(topology, model, list(words))
 
 
 def served_tokens_per_s_per_chip(row: Row, k: serving.ServingConstants) -> float:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from maxperf.spec.errors import MaxperfError, closest
@@ -98,14 +100,17 @@ TWO_AXES_IN_MAXTEXT = {"ici_sequence": {"ici_sequence_parallelism", "ici_context
                        "dcn_sequence": {"dcn_sequence_parallelism", "dcn_context_parallelism"}}
 
 
-def _fields() -> dict[str, tuple[str, type]]:
+@functools.cache
+def _fields() -> Mapping[str, tuple[str, type]]:
+    """Each settable field's config part and type (read once: typing.get_type_hints evaluates every annotation anew,
+    and a plan or a bench resolves thousands of requests)."""
     out = {}
     for part, cls in _CONFIGS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.name not in _FIXED:
                 out[f.name] = (part, hints[f.name])
-    return out
+    return types.MappingProxyType(out)
 
 
 def valid_keys() -> list[str]:
