@@ -50,6 +50,7 @@ def test_every_recipe_pastes_fits_and_is_summarized(tmp_path):
     assert "median" in proc.stdout and "30 of 30 rows estimated" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_recipe_row_is_compiled_on_request_and_a_compile_that_fails_says_why(tmp_path):
     # Trillium's Llama 3.1 8B recipe on v6e-8 (B 3, L 8192, splash blocks of 2048) with its XLA flags replaced by an
     # empty LIBTPU_INIT_ARGS: the kernels need more scoped VMEM than XLA's default allows, and the compiler's verdict
