@@ -280,9 +280,9 @@ FREE = tuple(f.name for f in fields(Constants)
 _NAMES = tuple(f.name for f in fields(Constants))
 _FRACTION_AT = tuple(_NAMES.index(_fraction_field(c)) for c in FRACTION_CHIPS)
 LO = np.array([BOUNDS[f.name][0] for f in fields(Constants)])
+HI = np.array([BOUNDS[f.name][1] for f in fields(Constants)])
 # a search (nelder_mead, fitting): yields arrays of points, is sent what they evaluate to, returns its result
 Search = Generator[np.ndarray, np.ndarray, object]
-HI = np.array([BOUNDS[f.name][1] for f in fields(Constants)])
 
 
 class Replay:
@@ -324,7 +324,7 @@ class Replay:
         self.fixed_overlap = np.where(self.family_index == len(FAMILY_ORDER), self.terms.overlap, 0.0)
         self.unfitted = work.Overlap()
         self.gpu_dcn_latency = work.SHIPPED.dcn_step_latency["gpu"]
-        self.tokens = np.array([r.estimate.flops.tokens * r.request.topology.devices_per_chip for r in rows])
+        self.tokens = tokens_per_chip(rows)
         self.published = np.array([r.published_tokens for r in rows])
 
     def step_times(self, c: Constants) -> np.ndarray:
@@ -498,8 +498,13 @@ def stand_in(c: Constants, chips_out: set[str], chips_fitted: set[str]) -> Const
     return replace(c, **{_fraction_field(name): chips.fraction_without_rows(name, fitted) for name in chips_out})
 
 
+def tokens_per_chip(rows: list[Row]) -> np.ndarray:
+    """Each row's tokens a step per chip (a step time turns them into the throughput the rows compare)."""
+    return np.array([r.estimate.flops.tokens * r.request.topology.devices_per_chip for r in rows])
+
+
 def predicted_from_steps(rows: list[Row], steps: np.ndarray) -> np.ndarray:
-    return np.array([r.estimate.flops.tokens * r.request.topology.devices_per_chip for r in rows]) / steps
+    return tokens_per_chip(rows) / steps
 
 
 # ---------------------------------------------------------------------------------------------------------------
